@@ -1,0 +1,565 @@
+"""Buffer: the DeepEP V1-compatible entry point for expert-parallel dispatch and combine.
+
+A Buffer belongs to one process group (the expert-parallel group). Each call validates its inputs, picks the
+backend that serves them (the compiled kernels for CUDA tensors when they are built and cover the case; the
+reference backend in plain torch.distributed otherwise, or when asked), and applies the stream semantics of
+`previous_event` / `async_finish` / `allocate_on_comm_stream`. docs/semantics.md defines what each call
+computes; shared/notes/api.md (DeepEP V1's surface) defines the signatures.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import warnings
+from typing import Callable, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from . import _ext
+from . import config as _config
+from .config import Config
+from .event import EventOverlap
+from .handle import DispatchHandle, LowLatencyHandle
+from .reference import ReferenceLowLatency, ReferenceNormal
+from .topology import Topology
+from .validation import (check_flag_exclusive, check_num_experts, check_tensor, check_topk_idx, check_topk_weights,
+                         normalise_bias, split_x)
+
+BACKEND_ENV = "MOE_DISPATCHER_BACKEND"
+BACKENDS = ("auto", "reference", "kernels")
+_tokens = itertools.count(1)
+
+Tensor = torch.Tensor
+XType = Union[Tensor, Tuple[Tensor, Tensor]]
+
+
+class Buffer:
+    """Communication buffer of one expert-parallel group.
+
+    Args (DeepEP V1's, all accepted by keyword):
+        group: the ProcessGroup tokens are exchanged over (default: the world).
+        num_nvl_bytes: NVLink (CUDA IPC) buffer per GPU for normal mode; see Config.get_nvl_buffer_size_hint.
+        num_rdma_bytes: NVSHMEM symmetric buffer per GPU for low-latency and internode normal mode.
+        low_latency_mode: enable low_latency_dispatch / low_latency_combine.
+        num_qps_per_rank: InfiniBand queue pairs per peer (no effect on NVLink-only machines).
+        allow_nvlink_for_low_latency_mode: let low-latency kernels store to peers over NVLink when NVSHMEM
+            maps them; False sends everything through NVSHMEM puts.
+        allow_mnnvl, use_fabric, enable_shrink: multi-node NVLink fabric and elastic shrinking: not supported.
+        explicitly_destroy: resources are released only by destroy() (else also at garbage collection).
+    Ours:
+        backend: "auto" (default, or env MOE_DISPATCHER_BACKEND), "reference" or "kernels" (error if the
+            compiled kernels cannot serve a CUDA call instead of falling back).
+        topology: a Topology to use instead of finding NVLink domains from the group.
+    """
+
+    num_sms: int = 20
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+                 low_latency_mode: bool = False, num_qps_per_rank: int = 24,
+                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False, use_fabric: bool = False,
+                 explicitly_destroy: bool = False, enable_shrink: bool = False, *, backend: Optional[str] = None,
+                 topology: Optional[Topology] = None) -> None:
+        for flag, name in ((allow_mnnvl, "allow_mnnvl"), (use_fabric, "use_fabric"), (enable_shrink, "enable_shrink")):
+            if flag:
+                raise NotImplementedError(f"Buffer({name}=True) is not supported by moe_dispatcher")
+        for value, name in ((num_nvl_bytes, "num_nvl_bytes"), (num_rdma_bytes, "num_rdma_bytes"),
+                            (num_qps_per_rank, "num_qps_per_rank")):
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        if not dist.is_initialized():
+            raise RuntimeError("Buffer needs torch.distributed to be initialised (init_process_group) first")
+        backend = backend or os.environ.get(BACKEND_ENV) or "auto"
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.group_size = dist.get_world_size(self.group)
+        self.topology = topology if topology is not None else Topology.from_group(self.group)
+        if (self.topology.rank, self.topology.num_ranks) != (self.rank, self.group_size):
+            raise ValueError(f"topology describes rank {self.topology.rank} of {self.topology.num_ranks}, but this "
+                             f"process is rank {self.rank} of {self.group_size} in the group")
+        self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
+        self.low_latency_mode = low_latency_mode
+        self.num_qps_per_rank = num_qps_per_rank
+        self.allow_nvlink_for_low_latency_mode = allow_nvlink_for_low_latency_mode
+        self.explicitly_destroy = explicitly_destroy
+        self.backend = backend
+        self._token = next(_tokens)
+        self._destroyed = False
+        self._comm_stream: Optional[torch.cuda.Stream] = None
+        self._local_buffers: dict = {}
+        nvl = self.topology.nvl_size
+        self._reference_normal = ReferenceNormal(self.group, self.rank, self.group_size, nvl, self._token)
+        self._reference_ll = ReferenceLowLatency(self.group, self.rank, self.group_size, self._token)
+        self._kernels = None
+        self._kernels_why = "the compiled kernels are not used for CPU tensors"
+        if backend != "reference":
+            from . import compiled
+            self._kernels, self._kernels_why = compiled.create(self)
+        # Low-latency double buffering: each call takes the half after the previous call's.
+        self._ll_next_half = 0
+        self._ll_calls = 0
+        self._ll_half_owner = [0, 0]
+        self._ll_combine_send: List[Optional[Tensor]] = [None, None]
+        self._warned_fallback = False
+
+    # ------------------------------------------------------------------ static helpers (DeepEP V1)
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        """True when the extension was built with Hopper (sm_90) kernels."""
+        mod = _ext.load()
+        return bool(mod is not None and getattr(mod, "is_sm90_compiled", lambda: False)())
+
+    @classmethod
+    def set_num_sms(cls, new_num_sms: int) -> None:
+        """SMs the normal-mode kernels use by default (even: one channel per pair)."""
+        if not isinstance(new_num_sms, int) or new_num_sms <= 0 or new_num_sms % 2:
+            raise ValueError(f"num_sms must be a positive even int, got {new_num_sms!r}")
+        cls.num_sms = new_num_sms
+
+    @classmethod
+    def get_dispatch_config(cls, num_ranks: int) -> Config:
+        return _config.get_dispatch_config(num_ranks, cls.num_sms)
+
+    @classmethod
+    def get_combine_config(cls, num_ranks: int) -> Config:
+        return _config.get_combine_config(num_ranks, cls.num_sms)
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        """Bytes of NVSHMEM buffer per GPU that low-latency mode needs: two halves, each holding a send
+        region (dispatch messages, or the [L, R*maxT, H] bf16 combine rows), a receive region (one slot per
+        (expert, source token) for either direction) and the per-expert signal words."""
+        max_tokens = num_max_dispatch_tokens_per_rank
+        dispatch_msg = 16 + max(hidden * 2, hidden + hidden // 128 * 4)  # header + bf16, or fp8 + scales
+        combine_msg = hidden * 2
+        send = max(max_tokens * dispatch_msg, num_experts * max_tokens * combine_msg)
+        recv = num_experts * max_tokens * max(dispatch_msg, combine_msg)
+        signal = num_experts * 4 * 2
+        half = (send + recv + signal + 127) // 128 * 128
+        return 2 * half
+
+    # ------------------------------------------------------------------ lifetime and streams
+    def destroy(self) -> None:
+        """Release the buffer's memory and peer mappings. Later calls raise."""
+        if self._destroyed:
+            return
+        if self._kernels is not None:
+            self._kernels.destroy()
+            self._kernels = None
+        self._local_buffers.clear()
+        self._ll_combine_send = [None, None]
+        self._destroyed = True
+
+    def __del__(self) -> None:
+        if not getattr(self, "explicitly_destroy", True):
+            with contextlib.suppress(Exception):
+                self.destroy()
+
+    def _check_alive(self) -> None:
+        if self._destroyed:
+            raise RuntimeError("this Buffer was destroyed")
+
+    def get_comm_stream(self) -> torch.cuda.Stream:
+        """The CUDA stream communication kernels run on."""
+        if self._comm_stream is None:
+            self._comm_stream = torch.cuda.Stream()
+        return self._comm_stream
+
+    def capture(self) -> EventOverlap:
+        """An EventOverlap for the work queued so far on the current stream (nothing on a CPU machine)."""
+        if not torch.cuda.is_available():
+            return EventOverlap()
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream())
+        return EventOverlap(event)
+
+    def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[Sequence[int]] = None, offset: int = 0,
+                                use_rdma_buffer: bool = False) -> Tensor:
+        """A typed view of this rank's NVLink (or NVSHMEM) buffer, from byte `offset`."""
+        self._check_alive()
+        if self._kernels is not None:
+            return self._kernels.local_buffer_tensor(dtype, size, offset, use_rdma_buffer)
+        total = self.num_rdma_bytes if use_rdma_buffer else self.num_nvl_bytes
+        elem = torch.empty((), dtype=dtype).element_size()
+        count = (total - offset) // elem if size is None else int(torch.Size(size).numel())
+        if offset < 0 or offset % elem or offset + count * elem > total:
+            raise ValueError(f"get_local_buffer_tensor: {count} x {dtype} at offset {offset} does not fit the "
+                             f"{total}-byte {'RDMA' if use_rdma_buffer else 'NVLink'} buffer")
+        key = use_rdma_buffer
+        if key not in self._local_buffers:
+            dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+            self._local_buffers[key] = torch.zeros(total, dtype=torch.uint8, device=dev)
+        view = self._local_buffers[key][offset: offset + count * elem].view(dtype)
+        return view.view(*size) if size is not None else view
+
+    def _stream_scope(self, device: torch.device, previous_event: Optional[EventOverlap], async_finish: bool,
+                      allocate_on_comm_stream: bool, run: Callable[[], tuple], keep: Sequence) -> Tuple[tuple, EventOverlap]:
+        """Run `run` with DeepEP's stream semantics and return (its results, EventOverlap).
+
+        The work goes on the comm stream, which first waits for `previous_event` (or the current stream).
+        async_finish: return an event the caller waits on; otherwise the current stream waits now.
+        Tensors crossing streams are recorded on the stream that uses them so the caching allocator does not
+        hand their memory out early.
+        """
+        if device.type != "cuda":
+            return run(), EventOverlap()
+        if allocate_on_comm_stream and previous_event is None:
+            raise ValueError("allocate_on_comm_stream=True needs previous_event (the comm stream must wait for "
+                             "the work that produced the inputs)")
+        compute, comm = torch.cuda.current_stream(), self.get_comm_stream()
+        if previous_event is not None and previous_event.event is not None:
+            comm.wait_event(previous_event.event)
+        else:
+            comm.wait_stream(compute)
+        with torch.cuda.stream(comm):
+            results = run()
+        tensors = [t for t in _flatten(results) if isinstance(t, Tensor)]
+        for t in keep:
+            if isinstance(t, Tensor) and t.is_cuda:
+                t.record_stream(comm)
+        if not allocate_on_comm_stream:
+            for t in tensors:
+                if t.is_cuda:
+                    t.record_stream(compute)
+        event = torch.cuda.Event()
+        event.record(comm)
+        if async_finish:
+            return results, EventOverlap(event, extra_tensors=list(keep) + tensors)
+        compute.wait_event(event)
+        return results, EventOverlap()
+
+    # ------------------------------------------------------------------ backend choice
+    def _normal_backend(self, device: torch.device):
+        if device.type == "cuda" and self._kernels is not None and self._kernels.serves_normal(self.topology):
+            return self._kernels
+        return self._fallback(device, self._reference_normal)
+
+    def _ll_backend(self, device: torch.device):
+        if device.type == "cuda" and self._kernels is not None and self._kernels.serves_low_latency():
+            return self._kernels
+        return self._fallback(device, self._reference_ll)
+
+    def _fallback(self, device: torch.device, reference):
+        if device.type == "cuda" and self.backend == "kernels":
+            raise RuntimeError(f"Buffer(backend='kernels'): the compiled kernels cannot serve this call: "
+                               f"{self._kernels_why}")
+        if device.type == "cuda" and self.backend == "auto" and not self._warned_fallback:
+            warnings.warn(f"moe_dispatcher: using the reference backend (torch.distributed) for CUDA tensors: "
+                          f"{self._kernels_why}", stacklevel=3)
+            self._warned_fallback = True
+        return reference
+
+    def _backend_of(self, handle, kinds: tuple):
+        if not isinstance(handle, kinds):
+            raise TypeError(f"handle must be a {' or '.join(k.__name__ for k in kinds)} returned by this Buffer, "
+                            f"got {type(handle).__name__}")
+        if handle.buffer_token != self._token:
+            raise RuntimeError("handle was made by another Buffer; pass the handle this Buffer's dispatch returned")
+        if handle.backend == "reference":
+            return self._reference_normal if isinstance(handle, DispatchHandle) else self._reference_ll
+        if self._kernels is None:
+            raise RuntimeError("handle was made by the compiled kernels, which this Buffer no longer holds")
+        return self._kernels
+
+    # ------------------------------------------------------------------ normal mode
+    def get_dispatch_layout(self, topk_idx: Tensor, num_experts: int, previous_event: Optional[EventOverlap] = None,
+                            async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """Per-rank / per-domain / per-expert token counts and the token-to-rank map of a routing.
+
+        topk_idx: int64 [T, K], -1 for unused slots.
+        Returns (num_tokens_per_rank int32 [R], num_tokens_per_rdma_rank int32 [D] or None for one domain,
+        num_tokens_per_expert int32 [E], is_token_in_rank bool [T, R], EventOverlap).
+        """
+        self._check_alive()
+        check_num_experts(num_experts, self.group_size)
+        check_topk_idx(topk_idx, num_experts, values=topk_idx.device.type == "cpu")
+        backend = self._normal_backend(topk_idx.device)
+        results, event = self._stream_scope(topk_idx.device, previous_event, async_finish, allocate_on_comm_stream,
+                                            lambda: backend.get_dispatch_layout(topk_idx, num_experts), [topk_idx])
+        return (*results, event)
+
+    def dispatch(self, x: XType, handle: Optional[DispatchHandle] = None,
+                 num_tokens_per_rank: Optional[Tensor] = None, num_tokens_per_rdma_rank: Optional[Tensor] = None,
+                 is_token_in_rank: Optional[Tensor] = None, num_tokens_per_expert: Optional[Tensor] = None,
+                 topk_idx: Optional[Tensor] = None, topk_weights: Optional[Tensor] = None, expert_alignment: int = 1,
+                 num_worst_tokens: int = 0, config: Optional[Config] = None,
+                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False):
+        """Send each token to every rank that holds one of its experts.
+
+        x: [T, H] (bf16/fp16/fp32/fp64), or (fp8 e4m3 [T, H], scales float32/int32 [T, S]); both copied bit-exactly.
+        Fresh dispatch: pass the layout from get_dispatch_layout and topk_idx int64 [T, K] / topk_weights
+        float32 [T, K] (the layout is computed here if omitted). Cached dispatch: pass `handle` only.
+        Returns (recv_x [N, H] (or tuple), recv_topk_idx int64 [N, K] rebased to local experts (-1 elsewhere),
+        recv_topk_weights float32 [N, K] (0 where -1), num_recv_tokens_per_expert_list (python ints, rounded
+        up to expert_alignment; empty with num_worst_tokens), handle, EventOverlap). Rows are ordered by
+        source rank, then source token. Cached mode returns (recv_x, None, None, None, None, EventOverlap).
+        """
+        self._check_alive()
+        data, scales = split_x(x)
+        dev = data.device
+        if not isinstance(expert_alignment, int) or expert_alignment < 1:
+            raise ValueError(f"expert_alignment must be an int >= 1, got {expert_alignment!r}")
+        if not isinstance(num_worst_tokens, int) or num_worst_tokens < 0:
+            raise ValueError(f"num_worst_tokens must be an int >= 0, got {num_worst_tokens!r}")
+        if config is not None and not isinstance(config, Config):
+            raise TypeError(f"config must be a moe_dispatcher.Config, got {type(config).__name__}")
+        if handle is not None:
+            if topk_idx is not None or topk_weights is not None:
+                raise ValueError("cached dispatch (handle given) takes no topk_idx/topk_weights: the routing is the handle's")
+            backend = self._backend_of(handle, (DispatchHandle,))
+            check_tensor("x", data, shape=(handle.num_tokens, None), device=handle.is_token_in_rank.device)
+            (recv_x, recv_scales), event = self._stream_scope(
+                dev, previous_event, async_finish, allocate_on_comm_stream,
+                lambda: backend.cached_dispatch(data, scales, handle), [data, scales])
+            return (recv_x if scales is None else (recv_x, recv_scales)), None, None, None, None, event
+
+        r = self.group_size
+        if num_tokens_per_expert is None and topk_idx is None:
+            raise ValueError("dispatch needs either handle (cached mode) or the routing: topk_idx and/or the layout "
+                             "(num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert)")
+        backend = self._normal_backend(dev)
+        values = dev.type == "cpu" or backend is self._reference_normal
+        if topk_idx is not None:
+            num_experts = num_tokens_per_expert.numel() if num_tokens_per_expert is not None else None
+            if num_experts is None:
+                raise ValueError("dispatch with topk_idx but no num_tokens_per_expert: pass the layout from "
+                                 "get_dispatch_layout (it also tells how many experts there are)")
+            check_topk_idx(topk_idx, num_experts, num_tokens=data.shape[0], device=dev, values=values)
+            if topk_weights is not None:
+                check_topk_weights(topk_weights, topk_idx)
+        elif topk_weights is not None:
+            raise ValueError("topk_weights given without topk_idx")
+        for name, t, dtype, shape in (("num_tokens_per_rank", num_tokens_per_rank, torch.int32, (r,)),
+                                      ("is_token_in_rank", is_token_in_rank, torch.bool, (data.shape[0], r)),
+                                      ("num_tokens_per_expert", num_tokens_per_expert, torch.int32, (None,))):
+            if t is None:
+                raise ValueError(f"dispatch: {name} is required (from get_dispatch_layout)")
+            check_tensor(name, t, dtypes=(dtype,), shape=shape, device=dev)
+        check_num_experts(num_tokens_per_expert.numel(), r)
+        if num_tokens_per_rdma_rank is not None:
+            check_tensor("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, dtypes=(torch.int32,),
+                         shape=(self.topology.num_domains,), device=dev)
+        inputs = [data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert]
+        results, event = self._stream_scope(
+            dev, previous_event, async_finish, allocate_on_comm_stream,
+            lambda: backend.dispatch(data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
+                                     num_tokens_per_expert, expert_alignment, num_worst_tokens), inputs)
+        recv_x, recv_scales, recv_idx, recv_w, counts, new_handle = results
+        return (recv_x if scales is None else (recv_x, recv_scales)), recv_idx, recv_w, counts, new_handle, event
+
+    def combine(self, x: Tensor, handle: DispatchHandle, topk_weights: Optional[Tensor] = None, bias=None,
+                config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
+                async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """Return each received row to its source and sum the rows of every token (no top-k weighting).
+
+        x: [N, H] in the order dispatch returned (N = rows of that recv_x). topk_weights: float32 [N, K], summed
+        the same way. bias: None, a tensor or a pair of tensors [T, H] (x's dtype) added to the sum.
+        Returns (combined_x [T, H] x.dtype, combined_topk_weights float32 [T, K] or None, EventOverlap).
+        """
+        self._check_alive()
+        backend = self._backend_of(handle, (DispatchHandle,))
+        rows = handle.recv_src_idx.shape[0]
+        check_tensor("x", x, dtypes=(torch.bfloat16, torch.float16, torch.float32, torch.float64),
+                     shape=(rows, None), device=handle.is_token_in_rank.device)
+        if config is not None and not isinstance(config, Config):
+            raise TypeError(f"config must be a moe_dispatcher.Config, got {type(config).__name__}")
+        if topk_weights is not None:
+            check_tensor("topk_weights", topk_weights, dtypes=(torch.float32,), shape=(rows, None), device=x.device)
+        biases = normalise_bias(bias, handle.num_tokens, x.shape[1], x.dtype, x.device)
+        results, event = self._stream_scope(x.device, previous_event, async_finish, allocate_on_comm_stream,
+                                            lambda: backend.combine(x, handle, topk_weights, biases),
+                                            [x, topk_weights, *biases])
+        return (*results, event)
+
+    # ------------------------------------------------------------------ low-latency mode
+    def _check_low_latency(self, max_tokens: int, hidden: int, num_experts: int) -> None:
+        if not self.low_latency_mode:
+            raise RuntimeError("low-latency calls need Buffer(low_latency_mode=True, num_rdma_bytes=...)")
+        if not isinstance(max_tokens, int) or max_tokens <= 0:
+            raise ValueError(f"num_max_dispatch_tokens_per_rank must be a positive int, got {max_tokens!r}")
+        check_num_experts(num_experts, self.group_size)
+        need = self.get_low_latency_rdma_size_hint(max_tokens, hidden, self.group_size, num_experts)
+        if self.num_rdma_bytes < need:
+            raise ValueError(f"num_rdma_bytes={self.num_rdma_bytes} is too small for {max_tokens} tokens per rank, "
+                             f"hidden {hidden}, {num_experts} experts: get_low_latency_rdma_size_hint gives {need}")
+
+    def _next_ll_call(self) -> Tuple[int, int]:
+        """(half, call id) for a new low-latency call."""
+        half = self._ll_next_half
+        self._ll_next_half ^= 1
+        self._ll_calls += 1
+        self._ll_half_owner[half] = self._ll_calls
+        return half, self._ll_calls
+
+    def _hook(self, half: int, call: int, receive: Callable[[], None]) -> Callable[[], None]:
+        done = []
+
+        def hook() -> None:
+            if done:
+                raise RuntimeError("this low-latency hook was already called")
+            if self._ll_half_owner[half] != call:
+                raise RuntimeError("stale low-latency hook: its buffer half was reused by a later call; call each "
+                                   "hook before making two more low-latency calls")
+            receive()
+            done.append(True)
+        return hook
+
+    def low_latency_dispatch(self, x: Tensor, topk_idx: Tensor, num_max_dispatch_tokens_per_rank: int,
+                             num_experts: int, cumulative_local_expert_recv_stats: Optional[Tensor] = None,
+                             dispatch_wait_recv_cost_stats: Optional[Tensor] = None, use_fp8: bool = True,
+                             round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
+                             return_recv_hook: bool = False):
+        """Send each (token, expert) selection to the expert, packed per local expert.
+
+        x: bf16 [T, H], T <= num_max_dispatch_tokens_per_rank, H % 128 == 0; topk_idx int64 [T, K].
+        Returns (recv_x bf16 [L, R*maxT, H] or (fp8 [L, R*maxT, H], scales), recv_count int32 [L], handle,
+        EventOverlap, hook or None). Only the first recv_count[l] rows of expert l are valid.
+        """
+        self._check_alive()
+        check_flag_exclusive(async_finish, return_recv_hook)
+        check_tensor("x", x, dtypes=(torch.bfloat16,), ndim=2)
+        t, h = x.shape
+        if h % 128:
+            raise ValueError(f"low-latency dispatch needs a hidden size divisible by 128, got {h}")
+        if use_ue8m0 and not (use_fp8 and round_scale):
+            raise ValueError("use_ue8m0 needs use_fp8=True and round_scale=True (UE8M0 scales are powers of two)")
+        if use_ue8m0 and h % 512:
+            raise ValueError(f"use_ue8m0 packs 4 scales per int32: hidden must be divisible by 512, got {h}")
+        self._check_low_latency(num_max_dispatch_tokens_per_rank, h, num_experts)
+        if t > num_max_dispatch_tokens_per_rank:
+            raise ValueError(f"x has {t} tokens, more than num_max_dispatch_tokens_per_rank="
+                             f"{num_max_dispatch_tokens_per_rank}")
+        dev = x.device
+        backend = self._ll_backend(dev)
+        check_topk_idx(topk_idx, num_experts, num_tokens=t, device=dev, values=backend is self._reference_ll,
+                       distinct=True)
+        local = num_experts // self.group_size
+        if cumulative_local_expert_recv_stats is not None:
+            check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
+                         dtypes=(torch.int32,), shape=(local,), device=dev)
+        if dispatch_wait_recv_cost_stats is not None:
+            check_tensor("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, dtypes=(torch.int64,),
+                         shape=(self.group_size,), device=dev)
+        half, call = self._next_ll_call()
+        if backend is not self._reference_ll:
+            return backend.low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                                cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
+                                                use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook,
+                                                half, self._hook)
+        # Reference: allocate the outputs now, fill them when receiving (at once, or in the hook).
+        rows = self.group_size * num_max_dispatch_tokens_per_rank
+        if use_fp8:
+            groups = h // 512 if use_ue8m0 else h // 128
+            sdtype = torch.int32 if use_ue8m0 else torch.float32
+            recv_x = (torch.empty(local, rows, h, dtype=torch.float8_e4m3fn, device=dev),
+                      torch.empty(local, groups, rows, dtype=sdtype, device=dev).transpose(1, 2))
+        else:
+            recv_x = torch.empty(local, rows, h, dtype=torch.bfloat16, device=dev)
+        recv_count = torch.empty(local, dtype=torch.int32, device=dev)
+        handle = LowLatencyHandle(torch.empty(local, rows, dtype=torch.int32, device=dev),
+                                  torch.empty(local, self.group_size, dtype=torch.int64, device=dev),
+                                  num_max_dispatch_tokens_per_rank, h, num_experts, self._reference_ll.name, self._token,
+                                  half)
+
+        def receive() -> None:
+            got_x, got_count, got_handle, ns = self._reference_ll.dispatch(
+                x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0)
+            for dst, src in zip(_flatten((recv_x, recv_count, handle.src_info, handle.layout_range)),
+                                _flatten((got_x, got_count, got_handle.src_info, got_handle.layout_range))):
+                dst.copy_(src)
+            if cumulative_local_expert_recv_stats is not None:
+                cumulative_local_expert_recv_stats.add_(got_count)
+            if dispatch_wait_recv_cost_stats is not None:
+                dispatch_wait_recv_cost_stats.add_(ns)
+
+        hook = self._hook(half, call, receive)
+        if return_recv_hook:
+            return recv_x, recv_count, handle, EventOverlap(), hook
+        _, event = self._stream_scope(dev, None, async_finish, False, lambda: (hook(),), [x, topk_idx])
+        return recv_x, recv_count, handle, event, None
+
+    def low_latency_combine(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, handle: LowLatencyHandle,
+                            use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
+                            return_recv_hook: bool = False, out: Optional[Tensor] = None,
+                            combine_wait_recv_cost_stats: Optional[Tensor] = None):
+        """Return expert outputs to their tokens and reduce them weighted by topk_weights.
+
+        x: bf16 [L, R*maxT, H] (ignored with zero_copy: the rows come from
+        get_next_low_latency_combine_buffer); topk_idx int64 [T, K] and topk_weights float32 [T, K] as given
+        to dispatch. Returns (combined_x bf16 [T, H] (into `out` when given), EventOverlap, hook or None).
+        """
+        self._check_alive()
+        if use_logfmt:
+            raise NotImplementedError("low_latency_combine(use_logfmt=True) is not supported yet")
+        check_flag_exclusive(async_finish, return_recv_hook)
+        backend = self._backend_of(handle, (LowLatencyHandle,))
+        max_tokens, h, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
+        self._check_low_latency(max_tokens, h, num_experts)
+        local, rows = num_experts // self.group_size, self.group_size * max_tokens
+        dev = handle.src_info.device
+        check_tensor("x", x, dtypes=(torch.bfloat16,), shape=(local, rows, h), device=dev)
+        check_topk_idx(topk_idx, num_experts, device=dev, values=backend is self._reference_ll)
+        if topk_idx.shape[0] > max_tokens:
+            raise ValueError(f"topk_idx has {topk_idx.shape[0]} tokens, more than num_max_dispatch_tokens_per_rank="
+                             f"{max_tokens}")
+        check_topk_weights(topk_weights, topk_idx)
+        t = topk_idx.shape[0]
+        if out is not None:
+            check_tensor("out", out, dtypes=(torch.bfloat16,), shape=(t, h), device=dev)
+        if combine_wait_recv_cost_stats is not None:
+            check_tensor("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, dtypes=(torch.int64,),
+                         shape=(self.group_size,), device=dev)
+        half, call = self._next_ll_call()
+        if backend is not self._reference_ll:
+            return backend.low_latency_combine(x, topk_idx, topk_weights, handle, zero_copy, async_finish,
+                                               return_recv_hook, out, combine_wait_recv_cost_stats, half, self._hook)
+        rows_src = self._ll_combine_buffer(half, handle) if zero_copy else x
+        result = out if out is not None else torch.empty(t, h, dtype=torch.bfloat16, device=dev)
+
+        def receive() -> None:
+            got, ns = self._reference_ll.combine(rows_src, topk_idx, topk_weights, handle, None)
+            result.copy_(got)
+            if combine_wait_recv_cost_stats is not None:
+                combine_wait_recv_cost_stats.add_(ns)
+
+        hook = self._hook(half, call, receive)
+        if return_recv_hook:
+            return result, EventOverlap(), hook
+        _, event = self._stream_scope(dev, None, async_finish, False, lambda: (hook(),), [x, topk_idx, topk_weights])
+        return result, event, None
+
+    def _ll_combine_buffer(self, half: int, handle: LowLatencyHandle) -> Tensor:
+        local = handle.num_experts // self.group_size
+        shape = (local, self.group_size * handle.num_max_dispatch_tokens_per_rank, handle.hidden)
+        buf = self._ll_combine_send[half]
+        if buf is None or tuple(buf.shape) != shape or buf.device != handle.src_info.device:
+            buf = torch.zeros(shape, dtype=torch.bfloat16, device=handle.src_info.device)
+            self._ll_combine_send[half] = buf
+        return buf
+
+    def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> Tensor:
+        """The bf16 [L, R*maxT, H] send region the next low-latency call (a combine) will use: write expert
+        outputs here and call low_latency_combine(..., zero_copy=True) to skip the copy."""
+        self._check_alive()
+        backend = self._backend_of(handle, (LowLatencyHandle,))
+        if backend is not self._reference_ll:
+            return backend.next_combine_buffer(handle, self._ll_next_half)
+        return self._ll_combine_buffer(self._ll_next_half, handle)
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """Reset the low-latency signal words (needed after using the NVSHMEM buffer for something else)."""
+        self._check_alive()
+        self._check_low_latency(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        if self._kernels is not None and self._kernels.serves_low_latency():
+            self._kernels.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+
+
+def _flatten(obj) -> list:
+    if isinstance(obj, (tuple, list)):
+        return [y for item in obj for y in _flatten(item)]
+    return [obj]

@@ -1,0 +1,96 @@
+"""Kernel launch configuration (DeepEP V1-compatible `Config`) and the tuned tables per rank count."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Upper bounds the kernels are compiled for; the buffer-size hints assume them.
+MAX_TOPK = 16
+MAX_NVL_PEERS = 8
+_ALIGN = 128
+
+
+def _align(n: int, a: int = _ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class Config:
+    """How many SMs a normal-mode kernel uses and how tokens are chunked through the channel FIFOs.
+
+    `num_sms` must be even: each channel is a pair of SMs (one sends, one receives). A sender moves at most
+    `num_max_nvl_chunked_send_tokens` tokens per step into a per-peer ring of
+    `num_max_nvl_chunked_recv_tokens` slots (likewise for the RDMA hop of internode mode).
+    """
+
+    num_sms: int = 20
+    num_max_nvl_chunked_send_tokens: int = 6
+    num_max_nvl_chunked_recv_tokens: int = 256
+    num_max_rdma_chunked_send_tokens: int = 6
+    num_max_rdma_chunked_recv_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        if self.num_sms <= 0 or self.num_sms % 2:
+            raise ValueError(f"Config.num_sms must be a positive even number, got {self.num_sms}")
+        for send, recv, what in (
+            (self.num_max_nvl_chunked_send_tokens, self.num_max_nvl_chunked_recv_tokens, "nvl"),
+            (self.num_max_rdma_chunked_send_tokens, self.num_max_rdma_chunked_recv_tokens, "rdma"),
+        ):
+            if send <= 0 or recv <= 0:
+                raise ValueError(f"Config: {what} chunk sizes must be positive, got send={send} recv={recv}")
+            if send > recv:
+                raise ValueError(f"Config: num_max_{what}_chunked_send_tokens ({send}) must not exceed "
+                                 f"num_max_{what}_chunked_recv_tokens ({recv})")
+
+    @property
+    def num_channels(self) -> int:
+        return self.num_sms // 2
+
+    @staticmethod
+    def slot_bytes(hidden_bytes: int) -> int:
+        """Bytes of one token slot in a channel ring: payload, FP8 scales, top-k ids/weights, source index."""
+        scale_bytes = (hidden_bytes + 127) // 128 * 4
+        return _align(hidden_bytes + scale_bytes + MAX_TOPK * (8 + 4) + 16, 16)
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """Bytes of NVLink (CUDA IPC) buffer per GPU that normal-mode intranode dispatch/combine need.
+
+        hidden_bytes: bytes of one token row (H * element size; pass H * 2 for FP8 to leave room for BF16
+        combine). Per (channel, source peer): a ring of `num_max_nvl_chunked_recv_tokens` slots plus its head
+        and tail words; plus the count matrices exchanged by notify.
+        """
+        nvl_peers = min(num_ranks, MAX_NVL_PEERS)
+        rings = self.num_channels * nvl_peers * (self.num_max_nvl_chunked_recv_tokens * self.slot_bytes(hidden_bytes) + 64)
+        counts = nvl_peers * nvl_peers * 4 * (1 + self.num_channels) + nvl_peers * 4096
+        return _align(rings + counts)
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """Bytes of NVSHMEM symmetric buffer per GPU for internode normal mode (0 when one domain suffices)."""
+        if num_ranks <= MAX_NVL_PEERS:
+            return 0
+        num_domains = num_ranks // MAX_NVL_PEERS
+        rings = self.num_channels * num_domains * 2 * (self.num_max_rdma_chunked_recv_tokens * self.slot_bytes(hidden_bytes) + 64)
+        return _align(rings + num_domains * num_domains * 4 * 4096)
+
+
+# Tuned tables: (num_max_nvl_chunked_send_tokens, num_max_nvl_chunked_recv_tokens) per rank count.
+# Re-tuned with `python -m moe_dispatcher.bench --sweep` on the lent H200 machines.
+_DISPATCH_TABLE = {2: (24, 256), 4: (12, 256), 8: (6, 256)}
+_COMBINE_TABLE = {2: (12, 256), 4: (8, 256), 8: (4, 256)}
+
+
+def _tuned(table: dict, num_ranks: int, num_sms: int) -> Config:
+    if num_ranks <= 0:
+        raise ValueError(f"num_ranks must be positive, got {num_ranks}")
+    key = min((k for k in table if k >= num_ranks), default=max(table))
+    send, recv = table[key]
+    return Config(num_sms, send, recv, 6, 256)
+
+
+def get_dispatch_config(num_ranks: int, num_sms: int = 20) -> Config:
+    """Tuned normal-mode dispatch config for `num_ranks` GPUs."""
+    return _tuned(_DISPATCH_TABLE, num_ranks, num_sms)
+
+
+def get_combine_config(num_ranks: int, num_sms: int = 20) -> Config:
+    """Tuned normal-mode combine config for `num_ranks` GPUs."""
+    return _tuned(_COMBINE_TABLE, num_ranks, num_sms)

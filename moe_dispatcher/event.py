@@ -1,0 +1,33 @@
+"""EventOverlap: a CUDA event (or nothing, on CPU) plus the tensors that must stay alive until it fires."""
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional
+
+import torch
+
+
+class EventOverlap:
+    """Handle to asynchronous work, DeepEP V1-compatible.
+
+    event: a `torch.cuda.Event` recorded after the work, or None when the work already finished (CPU).
+    extra_tensors: kept referenced until this object dies, so their memory is not reused too early.
+    """
+
+    def __init__(self, event: Optional[torch.cuda.Event] = None,
+                 extra_tensors: Optional[Iterable[Any]] = None) -> None:
+        self.event = event
+        self.extra_tensors = tuple(extra_tensors) if extra_tensors is not None else None
+
+    def current_stream_wait(self) -> None:
+        """Make the current CUDA stream wait for the event (no host blocking). No-op without an event."""
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+
+    def __enter__(self) -> "EventOverlap":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.current_stream_wait()
+
+    def __repr__(self) -> str:
+        return f"EventOverlap(event={'set' if self.event is not None else None})"

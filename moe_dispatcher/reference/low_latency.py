@@ -1,0 +1,115 @@
+"""Low-latency dispatch and combine in plain torch.distributed (docs/semantics.md, "Low-latency").
+
+Rows are packed per local expert: for expert l, the rows from source rank 0 (tokens ascending), then from
+rank 1, and so on. The compiled kernels may order rows differently; they are compared through the handle's
+src_info and layout_range, which describe any order.
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .comm import exchange_rows, pack_rows, unpack_rows
+from .fp8 import GROUP, per_token_cast_to_fp8
+
+
+def _token_minor(shape_l: int, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[L, rows, cols] view whose rows are contiguous per column (the layout grouped GEMMs read scales in)."""
+    return torch.zeros(shape_l, cols, rows, dtype=dtype, device=device).transpose(1, 2)
+
+
+class ReferenceLowLatency:
+    name = "reference"
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, num_ranks: int, buffer_token: int):
+        self.group, self.rank, self.num_ranks, self.buffer_token = group, rank, num_ranks, buffer_token
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, max_tokens: int, num_experts: int,
+                 use_fp8: bool, round_scale: bool, use_ue8m0: bool):
+        """Returns (recv_x or (fp8, scales), recv_count int32[L], handle, nanoseconds spent exchanging)."""
+        from ..handle import LowLatencyHandle
+
+        r, me = self.num_ranks, self.rank
+        local = num_experts // r
+        t, h = x.shape
+        dev = x.device
+        # Selections (token, slot) ordered by expert then token: destination rank, then local expert.
+        tok, slot = (topk_idx >= 0).nonzero(as_tuple=True)
+        expert = topk_idx[tok, slot]
+        order = torch.argsort(expert * max(t, 1) + tok, stable=True)
+        tok, expert = tok[order], expert[order]
+        per_expert = torch.bincount(expert, minlength=num_experts)
+        begin_ns = time.perf_counter_ns()
+        # counts[s, l]: rows source s sends to my local expert l.
+        counts = unpack_rows(exchange_rows(self.group, pack_rows([per_expert.view(r, local)]), [1] * r, [1] * r),
+                             [per_expert.view(r, local)])[0].to(torch.int64)
+        if use_fp8:
+            q, scales = per_token_cast_to_fp8(x, round_scale, use_ue8m0)
+            pieces = [q[tok], scales[tok]]
+        else:
+            pieces = [x[tok]]
+        pieces.append(tok.to(torch.int32))
+        recv = unpack_rows(exchange_rows(self.group, pack_rows(pieces), per_expert.view(r, local).sum(1).tolist(),
+                                         counts.sum(1).tolist()), pieces)
+        elapsed = time.perf_counter_ns() - begin_ns
+        # Place received blocks (source s, expert l), s-major, at rows begin[s, l] + i of expert l.
+        flat = counts.flatten()
+        block = torch.repeat_interleave(torch.arange(r * local, device=dev), flat.to(dev))
+        within = torch.arange(block.numel(), device=dev) - (flat.cumsum(0) - flat).to(dev)[block]
+        begin = (counts.cumsum(0) - counts).to(dev)  # [s, l]
+        l_of = block % local
+        row_of = begin.flatten()[block] + within
+        rows = r * max_tokens
+        src_info = torch.full((local, rows), -1, dtype=torch.int32, device=dev)
+        src_info[l_of, row_of] = recv[-1]
+        layout_range = ((begin.t() << 32) | counts.to(dev).t()).contiguous()
+        recv_count = counts.sum(0).to(torch.int32).to(dev)
+        if use_fp8:
+            recv_q = torch.zeros(local, rows, h, dtype=torch.float8_e4m3fn, device=dev)
+            recv_q[l_of, row_of] = recv[0]
+            recv_s = _token_minor(local, rows, recv[1].shape[1], recv[1].dtype, dev)
+            recv_s[l_of, row_of] = recv[1]
+            recv_x = (recv_q, recv_s)
+        else:
+            recv_x = torch.zeros(local, rows, h, dtype=x.dtype, device=dev)
+            recv_x[l_of, row_of] = recv[0]
+        handle = LowLatencyHandle(src_info, layout_range, max_tokens, h, num_experts, self.name, self.buffer_token)
+        return recv_x, recv_count, handle, elapsed
+
+    def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle,
+                out: Optional[torch.Tensor]) -> Tuple[torch.Tensor, int]:
+        """out[t] = bf16(sum_k w[t,k] * row(t, k)), products rounded to float32 before each addition."""
+        r, me = self.num_ranks, self.rank
+        local = x.shape[0]
+        dev = x.device
+        begin = (handle.layout_range >> 32).t()  # [s, l]
+        counts = (handle.layout_range & 0xFFFFFFFF).t()
+        # Send every valid row back to its source, blocks (s, l) s-major.
+        flat = counts.flatten()
+        block = torch.repeat_interleave(torch.arange(r * local, device=dev), flat)
+        within = torch.arange(block.numel(), device=dev) - (flat.cumsum(0) - flat)[block]
+        l_of = block % local
+        row_of = begin.flatten()[block] + within
+        pieces = [x[l_of, row_of], handle.src_info[l_of, row_of], (me * local + l_of).to(torch.int32)]
+        t, k = topk_idx.shape
+        per_dst = torch.bincount(topk_idx[topk_idx >= 0] // local, minlength=r)
+        begin_ns = time.perf_counter_ns()
+        back = unpack_rows(exchange_rows(self.group, pack_rows(pieces), counts.sum(1).tolist(), per_dst.tolist()),
+                           pieces)
+        elapsed = time.perf_counter_ns() - begin_ns
+        rows, src_tok, expert = back[0], back[1].long(), back[2].long()
+        slot = (topk_idx[src_tok] == expert.unsqueeze(1)).int().argmax(1)
+        vals = torch.zeros(t, k, x.shape[2], dtype=torch.float32, device=dev)
+        vals[src_tok, slot] = rows.float()
+        acc = torch.zeros(t, x.shape[2], dtype=torch.float32, device=dev)
+        for j in range(k):
+            term = topk_weights[:, j:j + 1].float() * vals[:, j]
+            acc = acc + torch.where((topk_idx[:, j:j + 1] >= 0), term, torch.zeros_like(term))
+        result = acc.to(torch.bfloat16)
+        if out is not None:
+            out.copy_(result)
+            result = out
+        return result, elapsed

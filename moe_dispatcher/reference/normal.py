@@ -1,0 +1,165 @@
+"""Normal-mode dispatch and combine in plain torch.distributed: the executable form of docs/semantics.md.
+
+Every exchange is one all_to_all of packed byte rows, so any dtype travels bit-exactly over gloo or NCCL.
+Counts go to the host (this backend synchronises freely; the compiled one does not).
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .comm import all_gather_rows, exchange_rows, pack_rows, unpack_rows
+
+
+def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, nvl_size: int):
+    """(num_tokens_per_rank int32[R], num_tokens_per_rdma_rank int32[D] or None, num_tokens_per_expert
+    int32[E], is_token_in_rank bool[T, R]) from topk_idx int64 [T, K] (-1 = unused slot)."""
+    t = topk_idx.shape[0]
+    experts_per_rank = num_experts // num_ranks
+    valid = topk_idx >= 0
+    rank_of_slot = torch.where(valid, topk_idx // experts_per_rank, num_ranks)  # num_ranks = a spill column
+    hit = torch.zeros(t, num_ranks + 1, dtype=torch.bool, device=topk_idx.device)
+    hit.scatter_(1, rank_of_slot, True)
+    is_token_in_rank = hit[:, :num_ranks].contiguous()
+    num_tokens_per_rank = is_token_in_rank.sum(0, dtype=torch.int32)
+    num_tokens_per_expert = torch.bincount(topk_idx[valid], minlength=num_experts).to(torch.int32)
+    num_domains = num_ranks // nvl_size
+    per_domain = None
+    if num_domains > 1:
+        per_domain = is_token_in_rank.view(t, num_domains, nvl_size).any(-1).sum(0, dtype=torch.int32)
+    return num_tokens_per_rank, per_domain, num_tokens_per_expert, is_token_in_rank
+
+
+def _send_order(is_token_in_rank: torch.Tensor) -> torch.Tensor:
+    """Source token of each sent row, rows ordered by destination rank then token."""
+    return is_token_in_rank.t().nonzero(as_tuple=True)[1]
+
+
+def _send_matrix(rank_prefix_matrix: torch.Tensor) -> torch.Tensor:
+    """[i][j] = rows rank i sent to rank j, from the prefix sums over senders."""
+    m = rank_prefix_matrix.to(torch.int64)
+    return torch.cat([m[:1], m[1:] - m[:-1]], dim=0)
+
+
+class ReferenceNormal:
+    """Normal-mode backend over `group` (rank `rank` of `num_ranks`)."""
+
+    name = "reference"
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, num_ranks: int, nvl_size: int, buffer_token: int):
+        self.group, self.rank, self.num_ranks, self.nvl_size = group, rank, num_ranks, nvl_size
+        self.buffer_token = buffer_token
+
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
+        return dispatch_layout(topk_idx, num_experts, self.num_ranks, self.nvl_size)
+
+    def dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
+                 topk_weights: Optional[torch.Tensor], num_tokens_per_rank: torch.Tensor,
+                 is_token_in_rank: torch.Tensor, num_tokens_per_expert: torch.Tensor, expert_alignment: int,
+                 num_worst_tokens: int):
+        """Fresh dispatch. Returns (recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, list, handle)."""
+        from ..handle import DispatchHandle
+
+        r, me = self.num_ranks, self.rank
+        num_experts = num_tokens_per_expert.numel()
+        local = num_experts // r
+        # 1. Counts: every rank learns what every rank sends where, and per-expert totals.
+        sent_by_me = is_token_in_rank.sum(0).to(torch.int64)
+        if not torch.equal(sent_by_me.cpu(), num_tokens_per_rank.to(torch.int64).cpu()):
+            raise ValueError("dispatch: num_tokens_per_rank does not match is_token_in_rank (pass the layout "
+                             "that get_dispatch_layout returned for these topk_idx)")
+        table = all_gather_rows(self.group, torch.cat([sent_by_me, num_tokens_per_expert.to(torch.int64)]))
+        table = table.cpu()
+        send_matrix = table[:, :r]
+        rank_prefix_matrix = send_matrix.cumsum(0).to(torch.int32)
+        per_local_expert = table[:, r + me * local: r + (me + 1) * local].sum(0)
+        num_recv = int(rank_prefix_matrix[-1, me])
+        if num_worst_tokens and num_recv > num_worst_tokens:
+            raise ValueError(f"dispatch: rank {me} receives {num_recv} tokens, more than num_worst_tokens="
+                             f"{num_worst_tokens}")
+        # 2. Rows, destination-major then token order, so they land in (source rank, token) order.
+        src = _send_order(is_token_in_rank)
+        pieces = [x[src]]
+        if x_scales is not None:
+            pieces.append(x_scales[src])
+        if topk_idx is not None:
+            pieces.append(topk_idx[src])
+        if topk_weights is not None:
+            pieces.append(topk_weights[src])
+        pieces.append(src.to(torch.int32))
+        recv = exchange_rows(self.group, pack_rows(pieces), send_matrix[me].tolist(), send_matrix[:, me].tolist())
+        got = unpack_rows(recv, pieces)
+        recv_x = got.pop(0)
+        recv_scales = got.pop(0) if x_scales is not None else None
+        recv_idx = got.pop(0) if topk_idx is not None else None
+        recv_w = got.pop(0) if topk_weights is not None else None
+        recv_src_idx = got.pop(0)
+        # 3. Rebase top-k to local experts; zero the weights of slots that live elsewhere.
+        if recv_idx is not None:
+            mine = (recv_idx >= me * local) & (recv_idx < (me + 1) * local)
+            recv_idx = torch.where(mine, recv_idx - me * local, torch.full_like(recv_idx, -1))
+            if recv_w is not None:
+                recv_w = torch.where(mine, recv_w, torch.zeros_like(recv_w))
+        counts: List[int] = []
+        if not num_worst_tokens:
+            a = expert_alignment
+            counts = [(int(c) + a - 1) // a * a for c in per_local_expert.tolist()]
+        else:
+            recv_x, recv_scales, recv_idx, recv_w, recv_src_idx = (
+                _pad(t, num_worst_tokens, fill) for t, fill in
+                ((recv_x, 0), (recv_scales, 0), (recv_idx, -1), (recv_w, 0), (recv_src_idx, -1)))
+        handle = DispatchHandle(rank_prefix_matrix.to(x.device), is_token_in_rank, recv_src_idx, num_recv,
+                                x.shape[0], num_worst_tokens, self.name, self.buffer_token)
+        return recv_x, recv_scales, recv_idx, recv_w, counts, handle
+
+    def cached_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], handle):
+        """Dispatch along the routing of `handle`; returns (recv_x, recv_x_scales)."""
+        send_matrix = _send_matrix(handle.rank_prefix_matrix.cpu())
+        src = _send_order(handle.is_token_in_rank)
+        pieces = [x[src]] + ([x_scales[src]] if x_scales is not None else [])
+        recv = exchange_rows(self.group, pack_rows(pieces), send_matrix[self.rank].tolist(),
+                             send_matrix[:, self.rank].tolist())
+        got = unpack_rows(recv, pieces) + [None]
+        rows = handle.recv_src_idx.shape[0]
+        return _pad(got[0], rows, 0), _pad(got[1], rows, 0)
+
+    def combine(self, x: torch.Tensor, handle, topk_weights: Optional[torch.Tensor],
+                bias: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Sum the rows of each source token over the ranks that received it (ascending rank order)."""
+        me = self.rank
+        send_matrix = _send_matrix(handle.rank_prefix_matrix.cpu())
+        n = handle.num_recv_tokens
+        pieces = [x[:n]] + ([topk_weights[:n]] if topk_weights is not None else [])
+        # Received rows are grouped by source rank already: send each group home.
+        back = exchange_rows(self.group, pack_rows(pieces), send_matrix[:, me].tolist(), send_matrix[me].tolist())
+        got = unpack_rows(back, pieces)
+        src = _send_order(handle.is_token_in_rank)  # token of each returned row, grouped by rank ascending
+        acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        t, h = handle.num_tokens, x.shape[1]
+        out = torch.zeros(t, h, dtype=acc_dtype, device=x.device)
+        for b in bias:
+            out += b.to(acc_dtype)
+        w_out = None
+        if topk_weights is not None:
+            w_out = torch.zeros(t, topk_weights.shape[1], dtype=torch.float32, device=x.device)
+        start = 0
+        for count in send_matrix[me].tolist():  # one pass per rank, so the sum order is rank order
+            rows = slice(start, start + count)
+            out.index_add_(0, src[rows], got[0][rows].to(acc_dtype))
+            if w_out is not None:
+                w_out.index_add_(0, src[rows], got[1][rows].float())
+            start += count
+        return out.to(x.dtype), w_out
+
+
+def _pad(t: Optional[torch.Tensor], rows: int, fill: int) -> Optional[torch.Tensor]:
+    """t with rows appended up to `rows` (num_worst_tokens padding), filled with `fill`."""
+    if t is None or t.shape[0] == rows:
+        return t
+    out = t.new_zeros((rows,) + tuple(t.shape[1:]))
+    if fill:
+        out.fill_(fill)
+    out[: t.shape[0]] = t
+    return out

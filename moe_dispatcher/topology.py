@@ -1,0 +1,98 @@
+"""Which ranks of a process group share an NVLink domain.
+
+A domain is a block of consecutive group ranks whose GPUs reach each other over NVLink (one host, here).
+Intranode kernels serve a single domain; internode kernels move tokens between domains over NVSHMEM, to the
+GPU of the same local index, and forward them over NVLink inside the domain.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch.distributed as dist
+
+MAX_NVL_SIZE = 8
+NVL_SIZE_ENV = "MOE_DISPATCHER_NVL_SIZE"
+
+
+@dataclass(frozen=True)
+class Topology:
+    """rank / num_ranks: this process in the group; nvl_size: ranks per NVLink domain (divides num_ranks)."""
+
+    rank: int
+    num_ranks: int
+    nvl_size: int
+    source: str = "given"  # how nvl_size was found: "given", "env" or "hostnames"
+
+    def __post_init__(self) -> None:
+        if self.num_ranks <= 0 or not 0 <= self.rank < self.num_ranks:
+            raise ValueError(f"Topology: rank {self.rank} is not in a group of {self.num_ranks}")
+        if self.nvl_size <= 0 or self.num_ranks % self.nvl_size:
+            raise ValueError(f"Topology: NVLink domain size {self.nvl_size} ({self.source}) must divide the "
+                             f"group size {self.num_ranks}")
+        if self.nvl_size > MAX_NVL_SIZE:
+            raise ValueError(f"Topology: NVLink domain size {self.nvl_size} ({self.source}) exceeds {MAX_NVL_SIZE}, "
+                             f"the most GPUs one domain may hold; set {NVL_SIZE_ENV} to split it")
+
+    @property
+    def num_domains(self) -> int:
+        return self.num_ranks // self.nvl_size
+
+    @property
+    def domain(self) -> int:
+        return self.rank // self.nvl_size
+
+    @property
+    def local_index(self) -> int:
+        return self.rank % self.nvl_size
+
+    @property
+    def is_single_domain(self) -> bool:
+        return self.num_domains == 1
+
+    def domain_ranks(self, domain: Optional[int] = None) -> range:
+        """Group ranks of `domain` (default: this rank's)."""
+        d = self.domain if domain is None else domain
+        return range(d * self.nvl_size, (d + 1) * self.nvl_size)
+
+    @classmethod
+    def from_hostnames(cls, rank: int, hostnames: Sequence[str]) -> "Topology":
+        """Domains = runs of consecutive ranks on one host; every host must hold one equal-sized run."""
+        n = len(hostnames)
+        runs, start = [], 0
+        for i in range(1, n + 1):
+            if i == n or hostnames[i] != hostnames[start]:
+                runs.append((hostnames[start], i - start))
+                start = i
+        hosts = [h for h, _ in runs]
+        if len(set(hosts)) != len(hosts):
+            raise ValueError(f"Topology: the ranks of a host must be consecutive in the group; got hosts "
+                             f"{list(hostnames)}. Reorder the group or set {NVL_SIZE_ENV}")
+        sizes = {s for _, s in runs}
+        if len(sizes) != 1:
+            raise ValueError(f"Topology: hosts hold different numbers of ranks {[s for _, s in runs]}; the "
+                             f"kernels need equal NVLink domains. Set {NVL_SIZE_ENV} to choose one")
+        return cls(rank, n, sizes.pop(), "hostnames")
+
+    @classmethod
+    def from_group(cls, group: Optional[dist.ProcessGroup] = None, nvl_size: Optional[int] = None) -> "Topology":
+        """Topology of `group` (default: the world). Collective when hostnames must be gathered.
+
+        Order of precedence: the `nvl_size` argument, the environment variable MOE_DISPATCHER_NVL_SIZE
+        (emulate several domains on one host, or describe an unusual cluster), the hostnames of the ranks.
+        """
+        rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
+        if nvl_size is not None:
+            return cls(rank, num_ranks, int(nvl_size), "given")
+        env = os.environ.get(NVL_SIZE_ENV)
+        if env:
+            try:
+                size = int(env)
+            except ValueError:
+                raise ValueError(f"{NVL_SIZE_ENV}={env!r} is not an integer") from None
+            return cls(rank, num_ranks, size, "env")
+        hostnames: list = [None] * num_ranks
+        dist.all_gather_object(hostnames, socket.gethostname(), group=group)
+        return cls.from_hostnames(rank, hostnames)
