@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import exchange_rows, pack_rows, unpack_rows
-from .fp8 import GROUP, per_token_cast_to_fp8
+from .fp8 import per_token_cast_to_fp8
 
 
 def _token_minor(shape_l: int, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -32,7 +32,7 @@ class ReferenceLowLatency:
         """Returns (recv_x or (fp8, scales), recv_count int32[L], handle, nanoseconds spent exchanging)."""
         from ..handle import LowLatencyHandle
 
-        r, me = self.num_ranks, self.rank
+        r = self.num_ranks
         local = num_experts // r
         t, h = x.shape
         dev = x.device

@@ -1,0 +1,17 @@
+// Registration hooks that csrc/bindings.cpp calls to build the moe_dispatcher._C module.
+//
+// Each subsystem defines one register_* function in its own .cpp and adds its Python functions
+// and classes to `m` there; bindings.cpp only calls them. Add a declaration here for a new one.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+namespace moe_dispatcher {
+
+// csrc/runtime/nvshmem_bootstrap.cpp: nvshmem_* bootstrap, allocation and self-test functions.
+void register_nvshmem(pybind11::module_& m);
+
+// csrc/intranode_bindings.cpp: intranode (NVLink, CUDA IPC) dispatch/combine.
+void register_intranode(pybind11::module_& m);
+
+}  // namespace moe_dispatcher

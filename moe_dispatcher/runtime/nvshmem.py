@@ -1,0 +1,228 @@
+"""NVSHMEM bootstrap over an existing torch.distributed group.
+
+``bootstrap(group, device_index)`` brings NVSHMEM up on every rank of ``group`` (NVSHMEM PE id ==
+group rank) and makes sure the device state of ``moe_dispatcher._C`` is initialised, which its
+NVSHMEM kernels need. Two ways, picked by ``MOE_DISPATCHER_NVSHMEM_BOOTSTRAP``:
+
+* ``nvshmem4py`` (default when importable): nvshmem4py does the host-side init from a unique id
+  broadcast over ``group``, then ``_C.nvshmem_attach()`` registers the extension's device state.
+* ``extension``: the extension's own unique-id init (no nvshmem4py needed).
+
+If NVSHMEM is already up in this process (someone else initialised it), bootstrap only attaches.
+Per process the state is created once and reference counted: every ``bootstrap`` returns the same
+object and must be matched by one ``finalize()``; the last one tears NVSHMEM down. Like NVSHMEM
+itself, bootstrap/malloc/free/barrier/finalize are collective: same order on every rank.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import _ext
+
+ENV_BOOTSTRAP = "MOE_DISPATCHER_NVSHMEM_BOOTSTRAP"
+UNIQUE_ID_BYTES = 128
+
+_lock = threading.Lock()
+_state: NvshmemState | None = None
+
+
+@dataclass
+class NvshmemState:
+    """NVSHMEM as set up by :func:`bootstrap`; shared by every caller in the process."""
+
+    rank: int  # NVSHMEM PE id == rank in the bootstrap group
+    nranks: int
+    device_index: int
+    backend: str  # "nvshmem4py", "extension" or "attached" (NVSHMEM was already up)
+    _refcount: int = field(default=1, repr=False)
+    _nvshmem4py: Any = field(default=None, repr=False)  # nvshmem.core when we initialised it
+
+    @property
+    def _C(self):  # the extension module
+        return _ext.require("NVSHMEM")
+
+    def malloc(self, nbytes: int) -> int:
+        """Collective symmetric allocation of ``nbytes``; returns the device pointer as int."""
+        return self._C.nvshmem_malloc(nbytes)
+
+    def free(self, ptr: int) -> None:
+        """Collective free of a pointer from :meth:`malloc`."""
+        self._C.nvshmem_free(ptr)
+
+    def peer_ptr(self, ptr: int, pe: int) -> int:
+        """Address of symmetric ``ptr`` on PE ``pe`` for direct loads/stores (0: not P2P-reachable)."""
+        return self._C.nvshmem_ptr(ptr, pe)
+
+    def barrier(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Collective barrier enqueued on ``stream`` (default: the current stream)."""
+        if stream is None:
+            stream = torch.cuda.current_stream(self.device_index)
+        self._C.nvshmem_barrier_all(stream.cuda_stream)
+
+    def finalize(self) -> None:
+        """Drop one reference; the last one finalizes NVSHMEM for this process (collective)."""
+        finalize()
+
+
+def _set_env_defaults(single_host: bool) -> None:
+    """NVSHMEM environment for our machines; values the user already set are kept."""
+    os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")  # multicast can take shared GPUs down
+    os.environ.setdefault("NVSHMEM_MAX_TEAMS", "8")  # saves ~130 MB per GPU
+    if single_host:
+        os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")  # P2P only, no NIC probing
+
+
+def _import_nvshmem4py() -> tuple[Any, Any]:
+    """(nvshmem.core, cuda.core.Device); raises ImportError with the reason when unusable."""
+    try:
+        core = importlib.import_module("nvshmem.core")
+        try:
+            from cuda.core import Device
+        except ImportError:
+            from cuda.core.experimental import Device  # cuda-core < 0.4
+    except Exception as exc:  # not installed, or its CUDA Python deps are missing
+        raise ImportError(f"nvshmem4py is not usable: {type(exc).__name__}: {exc}") from exc
+    return core, Device
+
+
+def _pick_backend() -> str:
+    choice = os.environ.get(ENV_BOOTSTRAP, "auto").strip().lower() or "auto"
+    if choice not in ("auto", "nvshmem4py", "extension"):
+        raise ValueError(f"{ENV_BOOTSTRAP} must be nvshmem4py, extension or auto, got {choice!r}")
+    if choice == "auto":
+        try:
+            _import_nvshmem4py()
+        except ImportError:
+            return "extension"
+        return "nvshmem4py"
+    return choice
+
+
+def _broadcast_unique_id(uid: bytes | None, group: dist.ProcessGroup) -> bytes:
+    """Group rank 0's 128-byte unique id, on every rank of ``group``."""
+    backend = str(dist.get_backend(group)).lower()
+    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else "cpu"
+    buf = torch.zeros(UNIQUE_ID_BYTES, dtype=torch.uint8, device=device)
+    if uid is not None:
+        if len(uid) != UNIQUE_ID_BYTES:
+            raise RuntimeError(f"NVSHMEM unique id has {len(uid)} bytes, expected 128")
+        buf.copy_(torch.frombuffer(bytearray(uid), dtype=torch.uint8))
+    # Broadcast takes a global rank as source; group rank 0 is not global rank 0 in general.
+    dist.broadcast(buf, src=dist.get_global_rank(group, 0), group=group)
+    return bytes(buf.cpu().numpy().tobytes())
+
+
+def _init_nvshmem4py(group: dist.ProcessGroup, device_index: int) -> Any:
+    core, Device = _import_nvshmem4py()
+    rank, nranks = dist.get_rank(group), dist.get_world_size(group)
+    device = Device(device_index)
+    device.set_current()
+    uid = core.get_unique_id(empty=(rank != 0))
+    data = _broadcast_unique_id(uid._data.tobytes() if rank == 0 else None, group)
+    if rank != 0:  # write the received bytes into the empty id's struct
+        ctypes.memmove(uid._data.ctypes.data, data, UNIQUE_ID_BYTES)
+    core.init(device=device, uid=uid, rank=rank, nranks=nranks, initializer_method="uid")
+    return core
+
+
+def _init_extension(C: Any, group: dist.ProcessGroup) -> None:
+    rank, nranks = dist.get_rank(group), dist.get_world_size(group)
+    data = _broadcast_unique_id(C.nvshmem_get_unique_id() if rank == 0 else None, group)
+    C.nvshmem_init_with_unique_id(data, rank, nranks)
+
+
+def bootstrap(
+    group: dist.ProcessGroup | None = None,
+    device_index: int | None = None,
+    *,
+    single_host: bool = False,
+) -> NvshmemState:
+    """Initialise NVSHMEM over ``group`` (default: WORLD) on CUDA device ``device_index``.
+
+    Args:
+        group: the torch.distributed group whose ranks become the NVSHMEM PEs (PE id = group rank).
+        device_index: CUDA device of this rank (default: the current device). All GPUs stay
+            visible; this only selects the current device.
+        single_host: all ranks share one host: sets NVSHMEM_REMOTE_TRANSPORT=none if unset.
+
+    Returns the process-wide :class:`NvshmemState` (the same object on repeated calls, each of which
+    needs its own :func:`finalize`). Raises RuntimeError with NVSHMEM's reason when init fails.
+    """
+    global _state
+    group = group if group is not None else dist.group.WORLD
+    rank, nranks = dist.get_rank(group), dist.get_world_size(group)
+    with _lock:
+        if _state is not None:
+            if (_state.rank, _state.nranks) != (rank, nranks):
+                raise RuntimeError(
+                    f"NVSHMEM is already bootstrapped as PE {_state.rank} of {_state.nranks}; "
+                    f"cannot bootstrap again as rank {rank} of {nranks} (one NVSHMEM world per "
+                    "process)"
+                )
+            _state._refcount += 1
+            return _state
+
+        C = _ext.require("NVSHMEM bootstrap")
+        if device_index is None:
+            device_index = torch.cuda.current_device()
+        torch.cuda.set_device(device_index)
+        _set_env_defaults(single_host)
+
+        core = None
+        if C.nvshmem_init_status() >= 2:  # NVSHMEM_STATUS_IS_INITIALIZED: someone else owns it
+            backend = "attached"
+        else:
+            backend = _pick_backend()
+        try:
+            if backend == "nvshmem4py":
+                core = _init_nvshmem4py(group, device_index)
+            elif backend == "extension":
+                _init_extension(C, group)
+            if backend != "extension":
+                C.nvshmem_attach()  # fill this .so's device state (NVSHMEM itself is up)
+        except Exception as exc:
+            raise RuntimeError(
+                f"NVSHMEM bootstrap ({backend}) failed on rank {rank} of {nranks}, device "
+                f"{device_index}: {exc}"
+            ) from exc
+
+        pe, npes = C.nvshmem_my_pe(), C.nvshmem_n_pes()
+        if (pe, npes) != (rank, nranks):
+            raise RuntimeError(
+                f"NVSHMEM came up as PE {pe} of {npes} but this is rank {rank} of {nranks} in the "
+                "bootstrap group (NVSHMEM was initialised elsewhere with another group?)"
+            )
+        _state = NvshmemState(rank, nranks, device_index, backend, _nvshmem4py=core)
+        return _state
+
+
+def finalize() -> None:
+    """Drop one :func:`bootstrap` reference; the last one finalizes (collective)."""
+    global _state
+    with _lock:
+        if _state is None:
+            raise RuntimeError("NVSHMEM finalize without a matching bootstrap")
+        _state._refcount -= 1
+        if _state._refcount > 0:
+            return
+        state, _state = _state, None
+        C = _ext.require("NVSHMEM finalize")
+        # Ours first: NVSHMEM counts inits; ours unregisters our device state, and nvshmem4py's
+        # (if it initialised NVSHMEM) is the last one, which tears NVSHMEM down.
+        C.nvshmem_finalize()
+        if state._nvshmem4py is not None:
+            state._nvshmem4py.finalize()
+
+
+def current() -> NvshmemState | None:
+    """The bootstrapped state of this process, or None."""
+    return _state
