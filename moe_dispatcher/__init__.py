@@ -10,6 +10,7 @@ import torch
 from .buffer import Buffer
 from .config import Config
 from .event import EventOverlap
+from .expert_major import ExpertMajorHandle
 from .handle import DispatchHandle, LowLatencyHandle
 from .topology import Topology
 
@@ -17,5 +18,5 @@ topk_idx_t = torch.int64
 
 __version__ = "0.1.0"
 
-__all__ = ["Buffer", "Config", "EventOverlap", "Topology", "DispatchHandle", "LowLatencyHandle", "topk_idx_t",
+__all__ = ["Buffer", "Config", "EventOverlap", "Topology", "DispatchHandle", "LowLatencyHandle", "ExpertMajorHandle", "topk_idx_t",
            "__version__"]

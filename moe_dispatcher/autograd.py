@@ -17,6 +17,7 @@ import torch
 
 from .buffer import Buffer
 from .config import Config
+from .expert_major import ExpertMajorHandle
 from .handle import DispatchHandle, LowLatencyHandle
 
 Tensor = torch.Tensor
@@ -83,6 +84,67 @@ def dispatch(buffer: Buffer, x: Tensor, topk_idx: Tensor, topk_weights: Optional
 def combine(buffer: Buffer, x: Tensor, handle: DispatchHandle, *, config: Optional[Config] = None) -> Tensor:
     """Differentiable normal-mode combine: [N, H] rows in dispatch order -> [T, H] sums per source token."""
     return _Combine.apply(x, buffer, handle, config)
+
+
+class _ExpertMajorDispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, topk_weights: Optional[Tensor], buffer: Buffer, topk_idx: Tensor, num_experts: int,
+                expert_alignment: int, num_worst_tokens: int, config: Optional[Config], out: dict):
+        px, pw, counts, tpe, handle, _ = buffer.expert_major_dispatch(
+            x, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts,
+            expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens, config=config)
+        ctx.buffer, ctx.handle, ctx.config, ctx.has_weights = buffer, handle, config, topk_weights is not None
+        out["counts"], out["tokens_per_expert"], out["handle"] = counts, tpe, handle
+        return (px, pw) if pw is not None else (px,)
+
+    @staticmethod
+    def backward(ctx, grad_x: Tensor, grad_w: Optional[Tensor] = None):
+        gw_pairs = grad_w.contiguous() if ctx.has_weights and grad_w is not None else None
+        gx, gw, _ = ctx.buffer.expert_major_combine(grad_x.contiguous(), ctx.handle, topk_weights=gw_pairs,
+                                                    config=ctx.config)
+        return gx, gw, None, None, None, None, None, None, None
+
+
+class _ExpertMajorCombine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, weights: Optional[Tensor], buffer: Buffer, handle: ExpertMajorHandle,
+                config: Optional[Config]):
+        combined, _, _ = buffer.expert_major_combine(x, handle, weights=weights, config=config)
+        ctx.buffer, ctx.handle, ctx.config = buffer, handle, config
+        ctx.save_for_backward(x, weights)
+        return combined
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, weights = ctx.saved_tensors
+        rows, *_ = ctx.buffer.expert_major_dispatch(grad.contiguous(), handle=ctx.handle, config=ctx.config)
+        gx = rows if weights is None else (rows.to(torch.float32) * weights.unsqueeze(1)).to(x.dtype)
+        gw = None
+        if weights is not None and ctx.needs_input_grad[1]:
+            gw = (rows.to(torch.float32) * x.to(torch.float32)).sum(1)
+        return gx, gw, None, None, None
+
+
+def expert_major_dispatch(buffer: Buffer, x: Tensor, topk_idx: Tensor, topk_weights: Optional[Tensor],
+                          num_experts: int, *, expert_alignment: int = 1, num_worst_tokens: int = 0,
+                          config: Optional[Config] = None
+                          ) -> Tuple[Tensor, Optional[Tensor], List[int], Tensor, ExpertMajorHandle]:
+    """Differentiable dispatch into expert-major layout (in x [T, H] and topk_weights float32 [T, K]).
+
+    Returns (permuted_x [M, H], permuted_weights float32 [M] or None, tokens_per_expert_list (python ints;
+    empty with num_worst_tokens), tokens_per_expert int32 [L] on the device, handle).
+    """
+    out: dict = {}
+    res = _ExpertMajorDispatch.apply(x, topk_weights, buffer, topk_idx, num_experts, expert_alignment,
+                                     num_worst_tokens, config, out)
+    pw = res[1] if len(res) == 2 else None
+    return res[0], pw, out["counts"], out["tokens_per_expert"], out["handle"]
+
+
+def expert_major_combine(buffer: Buffer, x: Tensor, handle: ExpertMajorHandle, weights: Optional[Tensor] = None, *,
+                         config: Optional[Config] = None) -> Tensor:
+    """Differentiable expert-major combine: [M, H] rows (times weights [M] when given) -> [T, H] per token."""
+    return _ExpertMajorCombine.apply(x, weights, buffer, handle, config)
 
 
 class _LowLatencyDispatch(torch.autograd.Function):

@@ -21,6 +21,7 @@ from . import _ext
 from . import config as _config
 from .config import Config
 from .event import EventOverlap
+from .expert_major import ExpertMajorHandle, gather_rows, permute, unpermute
 from .handle import DispatchHandle, LowLatencyHandle
 from .reference import ReferenceLowLatency, ReferenceNormal
 from .topology import Topology
@@ -282,6 +283,28 @@ class Buffer:
                                             lambda: backend.get_dispatch_layout(topk_idx, num_experts), [topk_idx])
         return (*results, event)
 
+    def _check_routing(self, data: Tensor, backend, topk_idx: Optional[Tensor], topk_weights: Optional[Tensor],
+                       num_experts: int) -> None:
+        """topk_idx / topk_weights of a fresh dispatch (ids checked by value where a sync is free)."""
+        if topk_idx is None:
+            if topk_weights is not None:
+                raise ValueError("topk_weights given without topk_idx")
+            return
+        check_num_experts(num_experts, self.group_size)
+        values = data.device.type == "cpu" or backend is self._reference_normal
+        check_topk_idx(topk_idx, num_experts, num_tokens=data.shape[0], device=data.device, values=values)
+        if topk_weights is not None:
+            check_topk_weights(topk_weights, topk_idx)
+
+    @staticmethod
+    def _check_dispatch_options(expert_alignment: int, num_worst_tokens: int, config: Optional[Config]) -> None:
+        if not isinstance(expert_alignment, int) or expert_alignment < 1:
+            raise ValueError(f"expert_alignment must be an int >= 1, got {expert_alignment!r}")
+        if not isinstance(num_worst_tokens, int) or num_worst_tokens < 0:
+            raise ValueError(f"num_worst_tokens must be an int >= 0, got {num_worst_tokens!r}")
+        if config is not None and not isinstance(config, Config):
+            raise TypeError(f"config must be a moe_dispatcher.Config, got {type(config).__name__}")
+
     def dispatch(self, x: XType, handle: Optional[DispatchHandle] = None,
                  num_tokens_per_rank: Optional[Tensor] = None, num_tokens_per_rdma_rank: Optional[Tensor] = None,
                  is_token_in_rank: Optional[Tensor] = None, num_tokens_per_expert: Optional[Tensor] = None,
@@ -302,12 +325,7 @@ class Buffer:
         self._check_alive()
         data, scales = split_x(x)
         dev = data.device
-        if not isinstance(expert_alignment, int) or expert_alignment < 1:
-            raise ValueError(f"expert_alignment must be an int >= 1, got {expert_alignment!r}")
-        if not isinstance(num_worst_tokens, int) or num_worst_tokens < 0:
-            raise ValueError(f"num_worst_tokens must be an int >= 0, got {num_worst_tokens!r}")
-        if config is not None and not isinstance(config, Config):
-            raise TypeError(f"config must be a moe_dispatcher.Config, got {type(config).__name__}")
+        self._check_dispatch_options(expert_alignment, num_worst_tokens, config)
         if handle is not None:
             if topk_idx is not None or topk_weights is not None:
                 raise ValueError("cached dispatch (handle given) takes no topk_idx/topk_weights: the routing is the handle's")
@@ -318,22 +336,16 @@ class Buffer:
                 lambda: backend.cached_dispatch(data, scales, handle), [data, scales])
             return (recv_x if scales is None else (recv_x, recv_scales)), None, None, None, None, event
 
-        r = self.group_size
         if num_tokens_per_expert is None and topk_idx is None:
             raise ValueError("dispatch needs either handle (cached mode) or the routing: topk_idx and/or the layout "
                              "(num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert)")
+        if topk_idx is not None and num_tokens_per_expert is None:
+            raise ValueError("dispatch with topk_idx but no num_tokens_per_expert: pass the layout from "
+                             "get_dispatch_layout (it also tells how many experts there are)")
         backend = self._normal_backend(dev)
-        values = dev.type == "cpu" or backend is self._reference_normal
-        if topk_idx is not None:
-            num_experts = num_tokens_per_expert.numel() if num_tokens_per_expert is not None else None
-            if num_experts is None:
-                raise ValueError("dispatch with topk_idx but no num_tokens_per_expert: pass the layout from "
-                                 "get_dispatch_layout (it also tells how many experts there are)")
-            check_topk_idx(topk_idx, num_experts, num_tokens=data.shape[0], device=dev, values=values)
-            if topk_weights is not None:
-                check_topk_weights(topk_weights, topk_idx)
-        elif topk_weights is not None:
-            raise ValueError("topk_weights given without topk_idx")
+        self._check_routing(data, backend, topk_idx, topk_weights,
+                            num_tokens_per_expert.numel() if num_tokens_per_expert is not None else 0)
+        r = self.group_size
         for name, t, dtype, shape in (("num_tokens_per_rank", num_tokens_per_rank, torch.int32, (r,)),
                                       ("is_token_in_rank", is_token_in_rank, torch.bool, (data.shape[0], r)),
                                       ("num_tokens_per_expert", num_tokens_per_expert, torch.int32, (None,))):
@@ -374,6 +386,99 @@ class Buffer:
         results, event = self._stream_scope(x.device, previous_event, async_finish, allocate_on_comm_stream,
                                             lambda: backend.combine(x, handle, topk_weights, biases),
                                             [x, topk_weights, *biases])
+        return (*results, event)
+
+    # ------------------------------------------------------------------ expert-major (fused permutation)
+    def expert_major_dispatch(self, x: XType, handle: Optional[ExpertMajorHandle] = None,
+                              topk_idx: Optional[Tensor] = None, topk_weights: Optional[Tensor] = None,
+                              num_experts: Optional[int] = None, expert_alignment: int = 1, num_worst_tokens: int = 0,
+                              config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
+                              async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """Dispatch straight into expert-major layout: one row per (received token, local expert) pair, the rows
+        of each local expert contiguous (what grouped expert GEMMs read; docs/semantics.md).
+
+        x: as for dispatch; topk_idx int64 [T, K]; topk_weights float32 [T, K] or None; num_experts E.
+        expert_alignment pads each expert's rows to a multiple (FP8 GEMMs want 16 or 32); num_worst_tokens > 0
+        fixes the row count M (no host sync with the compiled kernels).
+        Returns (permuted_x [M, H] (or the FP8 tuple), permuted_weights float32 [M] or None,
+        tokens_per_expert_list (python ints; empty with num_worst_tokens), tokens_per_expert int32 [L] (device),
+        handle, EventOverlap). Cached mode (`handle` only): (permuted_x, None, None, None, None, EventOverlap).
+        """
+        self._check_alive()
+        data, scales = split_x(x)
+        dev = data.device
+        self._check_dispatch_options(expert_alignment, num_worst_tokens, config)
+        if handle is not None:
+            if not isinstance(handle, ExpertMajorHandle):
+                raise TypeError(f"handle must be an ExpertMajorHandle, got {type(handle).__name__}")
+            if topk_idx is not None or topk_weights is not None:
+                raise ValueError("cached dispatch (handle given) takes no topk_idx/topk_weights: the routing is the handle's")
+            backend = self._backend_of(handle.dispatch, (DispatchHandle,))
+            check_tensor("x", data, shape=(handle.dispatch.num_tokens, None), device=handle.pair_row.device)
+
+            def run_cached():
+                if hasattr(backend, "expert_major_cached_dispatch"):
+                    return backend.expert_major_cached_dispatch(data, scales, handle)
+                rows, row_scales = backend.cached_dispatch(data, scales, handle.dispatch)
+                return gather_rows(rows, handle), (gather_rows(row_scales, handle) if scales is not None else None)
+
+            (px, ps), event = self._stream_scope(dev, previous_event, async_finish, allocate_on_comm_stream,
+                                                 run_cached, [data, scales])
+            return (px if scales is None else (px, ps)), None, None, None, None, event
+        if topk_idx is None or num_experts is None:
+            raise ValueError("expert_major_dispatch needs topk_idx and num_experts (or a handle for cached mode)")
+        backend = self._normal_backend(dev)
+        self._check_routing(data, backend, topk_idx, topk_weights, num_experts)
+        local = num_experts // self.group_size
+
+        def run():
+            if hasattr(backend, "expert_major_dispatch"):
+                return backend.expert_major_dispatch(data, scales, topk_idx, topk_weights, num_experts,
+                                                     expert_alignment, num_worst_tokens, config)
+            n_rank, _, n_expert, in_rank = backend.get_dispatch_layout(topk_idx, num_experts)
+            recv_x, recv_s, recv_idx, recv_w, _, dh = backend.dispatch(
+                data, scales, topk_idx, topk_weights, n_rank, in_rank, n_expert, 1, num_worst_tokens)
+            px, ps, pw, tpe, prow, pslot = permute(recv_x, recv_s, recv_idx, recv_w, local, expert_alignment,
+                                                   num_worst_tokens)
+            return px, ps, pw, tpe, ExpertMajorHandle(dh, prow, pslot, tpe, topk_idx.shape[1])
+
+        (px, ps, pw, tpe, new_handle), event = self._stream_scope(
+            dev, previous_event, async_finish, allocate_on_comm_stream, run, [data, scales, topk_idx, topk_weights])
+        counts = [] if num_worst_tokens else [int(c) for c in tpe.tolist()]
+        return (px if scales is None else (px, ps)), pw, counts, tpe, new_handle, event
+
+    def expert_major_combine(self, x: Tensor, handle: ExpertMajorHandle, weights: Optional[Tensor] = None,
+                             topk_weights: Optional[Tensor] = None, bias=None, config: Optional[Config] = None,
+                             previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                             allocate_on_comm_stream: bool = False):
+        """Reduce expert-major rows back to their tokens (the inverse layout of expert_major_dispatch).
+
+        x: [M, H] expert-major rows; weights: float32 [M] multiplied into the rows first (None: plain sum);
+        topk_weights: float32 [M] per-pair values returned to their top-k slot; bias as for combine.
+        Returns (combined_x [T, H] x.dtype, combined_topk_weights float32 [T, K] or None, EventOverlap).
+        """
+        self._check_alive()
+        if not isinstance(handle, ExpertMajorHandle):
+            raise TypeError(f"handle must be an ExpertMajorHandle, got {type(handle).__name__}")
+        backend = self._backend_of(handle.dispatch, (DispatchHandle,))
+        m = handle.pair_row.numel()
+        check_tensor("x", x, dtypes=(torch.bfloat16, torch.float16, torch.float32, torch.float64), shape=(m, None),
+                     device=handle.pair_row.device)
+        if config is not None and not isinstance(config, Config):
+            raise TypeError(f"config must be a moe_dispatcher.Config, got {type(config).__name__}")
+        for name, t in (("weights", weights), ("topk_weights", topk_weights)):
+            if t is not None:
+                check_tensor(name, t, dtypes=(torch.float32,), shape=(m,), device=x.device)
+        biases = normalise_bias(bias, handle.dispatch.num_tokens, x.shape[1], x.dtype, x.device)
+
+        def run():
+            if hasattr(backend, "expert_major_combine"):
+                return backend.expert_major_combine(x, handle, weights, topk_weights, biases, config)
+            rows, w_rows = unpermute(x, handle, weights, topk_weights)
+            return backend.combine(rows, handle.dispatch, w_rows, biases)
+
+        results, event = self._stream_scope(x.device, previous_event, async_finish, allocate_on_comm_stream, run,
+                                            [x, weights, topk_weights, *biases])
         return (*results, event)
 
     # ------------------------------------------------------------------ low-latency mode
