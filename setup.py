@@ -86,12 +86,14 @@ def find_cuda_home() -> str | None:
 
 
 def extension_sources() -> list[str]:
-    """bindings + intranode bindings + every .cu/.cpp under csrc/runtime and csrc/kernels.
+    """bindings.cpp + every csrc/*_bindings.cpp + every .cu/.cpp under csrc/runtime and csrc/kernels.
 
     Paths are relative to the project root (setuptools wants them so). Note for new files: two
     sources with the same stem in one folder (x.cpp and x.cu) would both compile to x.o.
     """
-    sources = ["csrc/bindings.cpp", "csrc/intranode_bindings.cpp"]
+    sources = ["csrc/bindings.cpp"] + sorted(
+        os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "csrc", "*_bindings.cpp"))
+    )
     for folder in ("csrc/runtime", "csrc/kernels"):
         for ext in ("cu", "cpp"):
             sources += sorted(

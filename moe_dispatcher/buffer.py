@@ -94,11 +94,15 @@ class Buffer:
         nvl = self.topology.nvl_size
         self._reference_normal = ReferenceNormal(self.group, self.rank, self.group_size, nvl, self._token)
         self._reference_ll = ReferenceLowLatency(self.group, self.rank, self.group_size, self._token)
-        self._kernels = None
-        self._kernels_why = "the compiled kernels are not used for CPU tensors"
+        self._kernels = self._kernels_ll = None
+        self._kernels_why = self._kernels_ll_why = "Buffer(backend='reference') was asked for"
         if backend != "reference":
             from . import compiled
             self._kernels, self._kernels_why = compiled.create(self)
+            if low_latency_mode:
+                self._kernels_ll, self._kernels_ll_why = compiled.create_low_latency(self)
+            else:
+                self._kernels_ll_why = "the Buffer was not built with low_latency_mode=True"
         # Low-latency double buffering: each call takes the half after the previous call's.
         self._ll_next_half = 0
         self._ll_calls = 0
@@ -148,9 +152,10 @@ class Buffer:
         """Release the buffer's memory and peer mappings. Later calls raise."""
         if self._destroyed:
             return
-        if self._kernels is not None:
-            self._kernels.destroy()
-            self._kernels = None
+        for kernels in (self._kernels, self._kernels_ll):
+            if kernels is not None:
+                kernels.destroy()
+        self._kernels = self._kernels_ll = None
         self._local_buffers.clear()
         self._ll_combine_send = [None, None]
         self._destroyed = True
@@ -182,8 +187,9 @@ class Buffer:
                                 use_rdma_buffer: bool = False) -> Tensor:
         """A typed view of this rank's NVLink (or NVSHMEM) buffer, from byte `offset`."""
         self._check_alive()
-        if self._kernels is not None:
-            return self._kernels.local_buffer_tensor(dtype, size, offset, use_rdma_buffer)
+        kernels = self._kernels_ll if use_rdma_buffer else self._kernels
+        if kernels is not None:
+            return kernels.local_buffer_tensor(dtype, size, offset, use_rdma_buffer)
         total = self.num_rdma_bytes if use_rdma_buffer else self.num_nvl_bytes
         elem = torch.empty((), dtype=dtype).element_size()
         count = (total - offset) // elem if size is None else int(torch.Size(size).numel())
@@ -240,17 +246,17 @@ class Buffer:
         return self._fallback(device, self._reference_normal)
 
     def _ll_backend(self, device: torch.device):
-        if device.type == "cuda" and self._kernels is not None and self._kernels.serves_low_latency():
-            return self._kernels
-        return self._fallback(device, self._reference_ll)
+        if device.type == "cuda" and self._kernels_ll is not None:
+            return self._kernels_ll
+        return self._fallback(device, self._reference_ll, self._kernels_ll_why)
 
-    def _fallback(self, device: torch.device, reference):
+    def _fallback(self, device: torch.device, reference, why: Optional[str] = None):
+        why = why or self._kernels_why
         if device.type == "cuda" and self.backend == "kernels":
-            raise RuntimeError(f"Buffer(backend='kernels'): the compiled kernels cannot serve this call: "
-                               f"{self._kernels_why}")
+            raise RuntimeError(f"Buffer(backend='kernels'): the compiled kernels cannot serve this call: {why}")
         if device.type == "cuda" and self.backend == "auto" and not self._warned_fallback:
             warnings.warn(f"moe_dispatcher: using the reference backend (torch.distributed) for CUDA tensors: "
-                          f"{self._kernels_why}", stacklevel=3)
+                          f"{why}", stacklevel=3)
             self._warned_fallback = True
         return reference
 
@@ -260,11 +266,13 @@ class Buffer:
                             f"got {type(handle).__name__}")
         if handle.buffer_token != self._token:
             raise RuntimeError("handle was made by another Buffer; pass the handle this Buffer's dispatch returned")
+        normal = isinstance(handle, DispatchHandle)
         if handle.backend == "reference":
-            return self._reference_normal if isinstance(handle, DispatchHandle) else self._reference_ll
-        if self._kernels is None:
+            return self._reference_normal if normal else self._reference_ll
+        kernels = self._kernels if normal else self._kernels_ll
+        if kernels is None:
             raise RuntimeError("handle was made by the compiled kernels, which this Buffer no longer holds")
-        return self._kernels
+        return kernels
 
     # ------------------------------------------------------------------ normal mode
     def get_dispatch_layout(self, topk_idx: Tensor, num_experts: int, previous_event: Optional[EventOverlap] = None,
@@ -660,8 +668,8 @@ class Buffer:
         """Reset the low-latency signal words (needed after using the NVSHMEM buffer for something else)."""
         self._check_alive()
         self._check_low_latency(num_max_dispatch_tokens_per_rank, hidden, num_experts)
-        if self._kernels is not None and self._kernels.serves_low_latency():
-            self._kernels.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        if self._kernels_ll is not None:
+            self._kernels_ll.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
 
 def _flatten(obj) -> list:

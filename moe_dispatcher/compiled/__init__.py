@@ -4,6 +4,9 @@ None with the reason it cannot (no extension, CPU group, kernels not built for t
 A backend object offers: serves_normal(topology), serves_low_latency(), get_dispatch_layout, dispatch,
 cached_dispatch, combine (the signatures of reference.ReferenceNormal), low_latency_dispatch,
 low_latency_combine, next_combine_buffer, clean_low_latency_buffer, local_buffer_tensor, destroy.
+
+Collective: every rank of the Buffer's group calls create() at the same point (the intranode backend
+exchanges CUDA IPC handles over the group), and all ranks take the same decision from shared facts.
 """
 from __future__ import annotations
 
@@ -20,6 +23,36 @@ def create(buffer) -> Tuple[Optional[object], str]:
         return None, "CUDA is not available in this process"
     if "nccl" not in str(dist.get_backend(buffer.group)).lower():
         return None, "the Buffer's process group has no NCCL backend (GPU tensors need a GPU group)"
-    if _ext.load() is None:
+    mod = _ext.load()
+    if mod is None:
         return None, f"the extension moe_dispatcher._C is not available ({_ext.why_unavailable()})"
-    return None, "the compiled normal-mode and low-latency kernels are not built into this version yet"
+    if not hasattr(mod, "intranode"):
+        return None, "the extension moe_dispatcher._C was built without the intranode kernels"
+    topo = buffer.topology
+    if not topo.is_single_domain or not 2 <= topo.num_ranks <= mod.intranode.MAX_RANKS:
+        return None, (f"the compiled kernels serve one NVLink domain of 2 to {mod.intranode.MAX_RANKS} GPUs; this "
+                      f"group has {topo.num_ranks} ranks in {topo.num_domains} domain(s) (internode and low-latency "
+                      f"kernels are not built into this version yet)")
+    if buffer.num_nvl_bytes == 0:
+        return None, "the Buffer has no NVLink buffer (num_nvl_bytes=0)"
+    from .intranode import IntranodeBackend
+    return IntranodeBackend(buffer), ""
+
+
+def create_low_latency(buffer) -> Tuple[Optional[object], str]:
+    """The low-latency (NVSHMEM) backend for a Buffer(low_latency_mode=True), or None and the reason.
+
+    Collective like create(): NVSHMEM bootstrap and the symmetric allocation involve every rank."""
+    if not torch.cuda.is_available():
+        return None, "CUDA is not available in this process"
+    if "nccl" not in str(dist.get_backend(buffer.group)).lower():
+        return None, "the Buffer's process group has no NCCL backend (GPU tensors need a GPU group)"
+    mod = _ext.load()
+    if mod is None:
+        return None, f"the extension moe_dispatcher._C is not available ({_ext.why_unavailable()})"
+    if not hasattr(mod, "low_latency"):
+        return None, "the extension moe_dispatcher._C was built without the low-latency kernels"
+    if buffer.num_rdma_bytes == 0:
+        return None, "the Buffer has no NVSHMEM buffer (num_rdma_bytes=0)"
+    from .low_latency import LowLatencyBackend
+    return LowLatencyBackend(buffer), ""
