@@ -9,6 +9,7 @@ computes; shared/notes/api.md (DeepEP V1's surface) defines the signatures.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import warnings
@@ -563,7 +564,7 @@ class Buffer:
             return backend.low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                                                 cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
                                                 use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook,
-                                                half, self._hook)
+                                                half, functools.partial(self._hook, half, call))
         # Reference: allocate the outputs now, fill them when receiving (at once, or in the hook).
         rows = self.group_size * num_max_dispatch_tokens_per_rank
         if use_fp8:
@@ -630,7 +631,8 @@ class Buffer:
         half, call = self._next_ll_call()
         if backend is not self._reference_ll:
             return backend.low_latency_combine(x, topk_idx, topk_weights, handle, zero_copy, async_finish,
-                                               return_recv_hook, out, combine_wait_recv_cost_stats, half, self._hook)
+                                               return_recv_hook, out, combine_wait_recv_cost_stats, half,
+                                               functools.partial(self._hook, half, call))
         rows_src = self._ll_combine_buffer(half, handle) if zero_copy else x
         result = out if out is not None else torch.empty(t, h, dtype=torch.bfloat16, device=dev)
 
