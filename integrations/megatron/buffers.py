@@ -1,0 +1,81 @@
+"""Megatron's process groups -> our Topology, and one Buffer per group shared by every MoE layer.
+
+The dispatcher communicates over Megatron's ``tp_ep`` group (expert-TP x EP ranks, a contiguous block with
+the expert-TP rank fastest). Its NVLink domains come from the ranks' hostnames (Topology.from_group), or
+from MOE_DISPATCHER_NVL_SIZE. Buffers are sized from the tensors the first layer dispatches and re-created
+only when a later call needs more room; every rank of the group sees the same shapes, so all of them
+re-create together (creating a Buffer is collective).
+"""
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from moe_dispatcher import Buffer, Topology
+
+_topologies: dict[int, tuple[dist.ProcessGroup, Topology]] = {}
+_buffers: dict[tuple[int, bool], tuple[dist.ProcessGroup, Buffer]] = {}
+
+
+def dispatch_group(pg_collection=None) -> dist.ProcessGroup:
+    """The group the dispatcher exchanges tokens over: pg_collection.tp_ep, else Megatron's parallel state."""
+    if pg_collection is not None:
+        return pg_collection.tp_ep
+    from megatron.core import parallel_state
+    return parallel_state.get_expert_tensor_and_model_parallel_group()
+
+
+def topology_of(group: dist.ProcessGroup) -> Topology:
+    """Topology of `group`, computed once (collective the first time: hostnames are all-gathered)."""
+    entry = _topologies.get(id(group))
+    if entry is None or entry[0] is not group:
+        entry = (group, Topology.from_group(group))
+        _topologies[id(group)] = entry
+    return entry[1]
+
+
+def megatron_topology(pg_collection=None) -> Topology:
+    """NVLink domains of the ranks Megatron's MoE layers dispatch over (see dispatch_group)."""
+    return topology_of(dispatch_group(pg_collection))
+
+
+def normal_buffer_bytes(hidden_bytes: int, num_ranks: int, num_domains: int) -> tuple[int, int]:
+    """(num_nvl_bytes, num_rdma_bytes) for normal-mode dispatch and combine of rows of `hidden_bytes`."""
+    configs = (Buffer.get_dispatch_config(num_ranks), Buffer.get_combine_config(num_ranks))
+    nvl = max(c.get_nvl_buffer_size_hint(hidden_bytes, num_ranks) for c in configs)
+    rdma = max(c.get_rdma_buffer_size_hint(hidden_bytes, num_ranks) for c in configs) if num_domains > 1 else 0
+    return nvl, rdma
+
+
+def get_buffer(group: dist.ProcessGroup, *, hidden: int, element_size: int, low_latency: bool = False,
+               num_max_dispatch_tokens_per_rank: int = 0, num_experts: int = 0,
+               backend: str | None = None) -> Buffer:
+    """The group's Buffer for this mode, big enough for rows of `hidden` elements (and, in low-latency mode,
+    `num_max_dispatch_tokens_per_rank` tokens over `num_experts` experts). A Buffer that is too small is
+    replaced, not destroyed: handles of calls still in flight (their backward passes) keep it alive."""
+    topology = topology_of(group)
+    num_ranks = topology.num_ranks
+    if low_latency:
+        nvl, rdma = 0, Buffer.get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
+                                                             num_experts)
+    else:
+        # DeepEP's convention: rows are sized for at least 2 bytes per element (bf16 combine of fp8 dispatch).
+        nvl, rdma = normal_buffer_bytes(hidden * max(element_size, 2), num_ranks, topology.num_domains)
+    key = (id(group), low_latency)
+    entry = _buffers.get(key)
+    if entry is not None and entry[0] is group:
+        buffer = entry[1]
+        if (buffer.num_nvl_bytes >= nvl and buffer.num_rdma_bytes >= rdma
+                and (backend is None or buffer.backend == backend)):
+            return buffer
+    # DeepEP's low-latency convention: one queue pair per local expert.
+    qps = {"num_qps_per_rank": max(1, num_experts // num_ranks)} if low_latency else {}
+    buffer = Buffer(group, num_nvl_bytes=nvl, num_rdma_bytes=rdma, low_latency_mode=low_latency, backend=backend,
+                    topology=topology, **qps)
+    _buffers[key] = (group, buffer)
+    return buffer
+
+
+def release_buffers() -> None:
+    """Forget every cached Buffer and Topology (for tests and re-initialised process groups)."""
+    _buffers.clear()
+    _topologies.clear()

@@ -1,0 +1,163 @@
+"""Make Megatron-Core build our dispatcher from a config, with no change to Megatron's code.
+
+Megatron-Core has no dispatcher registry: MoELayer picks its dispatcher class with an if/elif on
+``config.moe_token_dispatcher_type`` ("allgather", "alltoall", "flex"), and the flex dispatcher picks its
+communication backend with another on ``config.moe_flex_dispatcher_backend``. We hook in at three points:
+
+1. ``moe_layer.MoEFlexTokenDispatcher`` (the name MoELayer looks up when it builds a flex dispatcher) is
+   rebound to a subclass whose ``__new__`` returns our dispatcher when the backend is one of ours and
+   Megatron's flex dispatcher otherwise. Everything Megatron does for "flex" (the EP-overlap schedule,
+   shared-expert overlap, config checks) therefore applies to ours.
+2. ``TransformerConfig.__post_init__`` first normalises ``moe_token_dispatcher_type="moe_dispatcher"``
+   (or ``"moe_dispatcher_ll"``) to ``"flex"`` + ``moe_flex_dispatcher_backend=<ours>`` -- the way Megatron
+   treats its deprecated ``moe_enable_deepep`` flag -- and rejects names nobody knows, with the choices.
+3. The ``Literal[...]`` annotations of both fields are widened, so Megatron-LM's argparse (which turns them
+   into ``choices``) accepts ``--moe-token-dispatcher-type moe_dispatcher`` and rejects misspellings.
+
+Plus one schedule detail: Megatron's EP-overlap schedule frees the inputs of the dispatch node after its
+forward for backends it does not know; we answer as Megatron does for DeepEP (keep them), the conservative
+choice for a dispatch whose autograd graph reaches back to its inputs.
+"""
+from __future__ import annotations
+
+import difflib
+import functools
+import os
+import typing
+
+from moe_dispatcher.buffer import BACKEND_ENV
+from moe_dispatcher.buffer import BACKENDS as BUFFER_BACKENDS
+
+NORMAL = "moe_dispatcher"
+LOW_LATENCY = "moe_dispatcher_ll"
+DISPATCHER_NAMES = (NORMAL, LOW_LATENCY)
+
+_state = {"registered": False, "buffer_backend": None, "megatron_types": (), "megatron_backends": ()}
+
+
+def buffer_backend() -> str | None:
+    """The Buffer backend our dispatchers ask for: register(backend=...), else $MOE_DISPATCHER_BACKEND,
+    else None (auto: the compiled kernels on CUDA tensors when built, the reference backend otherwise)."""
+    name = _state["buffer_backend"] or os.environ.get(BACKEND_ENV) or None
+    return None if name in (None, "auto") else _check_buffer_backend(name, BACKEND_ENV)
+
+
+def _check_buffer_backend(name: str, where: str) -> str:
+    if name not in BUFFER_BACKENDS:
+        raise ValueError(f"moe_dispatcher: unknown Buffer backend {name!r} (from {where}); "
+                         f"choose one of {', '.join(BUFFER_BACKENDS)}")
+    return name
+
+
+def _unknown(kind: str, name: object, choices: tuple) -> ValueError:
+    close = difflib.get_close_matches(str(name), [str(c) for c in choices], n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return ValueError(f"Unknown {kind} {name!r}; choose one of {', '.join(map(repr, choices))}.{hint} "
+                      f"(The {', '.join(map(repr, DISPATCHER_NAMES))} choices come from moe_dispatcher.)")
+
+
+def normalise_dispatcher_fields(config) -> None:
+    """Rewrite our dispatcher type into Megatron's flex + our backend; reject unknown names.
+
+    Runs at the start of TransformerConfig.__post_init__, before Megatron's own validation, so that
+    validation sees "flex" (which allows shared-expert overlap, EP-communication overlap and fp8 padding).
+    """
+    kind = config.moe_token_dispatcher_type
+    backend = config.moe_flex_dispatcher_backend
+    all_types = tuple(_state["megatron_types"]) + DISPATCHER_NAMES
+    all_backends = tuple(_state["megatron_backends"]) + DISPATCHER_NAMES
+    if kind not in all_types:
+        raise _unknown("moe_token_dispatcher_type", kind, all_types)
+    if backend not in all_backends:
+        raise _unknown("moe_flex_dispatcher_backend", backend, all_backends)
+    if kind in DISPATCHER_NAMES:
+        if getattr(config, "moe_enable_deepep", False):
+            raise ValueError(f"moe_token_dispatcher_type={kind!r} conflicts with moe_enable_deepep=True, "
+                             "which selects DeepEP; set only one of them")
+        # "deepep" is the field's default, so it cannot be told apart from "not set": accept it.
+        if backend != kind and backend != "deepep":
+            raise ValueError(f"moe_token_dispatcher_type={kind!r} conflicts with moe_flex_dispatcher_backend="
+                             f"{backend!r}; leave the backend unset or set it to {kind!r}")
+        config.moe_token_dispatcher_type = "flex"
+        config.moe_flex_dispatcher_backend = kind
+    elif backend in DISPATCHER_NAMES and kind != "flex":
+        raise ValueError(f"moe_flex_dispatcher_backend={backend!r} needs moe_token_dispatcher_type 'flex' (or "
+                         f"{backend!r} itself), got {kind!r}")
+
+
+def _widen_literal(cls, name: str, extra: tuple) -> tuple:
+    """Add `extra` to the Literal choices of dataclass field `name`; returns Megatron's own choices."""
+    field = cls.__dataclass_fields__[name]
+    choices = typing.get_args(field.type)
+    if not choices:
+        raise RuntimeError(f"moe_dispatcher: {cls.__name__}.{name} is annotated {field.type!r}, not a Literal; "
+                           "this megatron-core version is not supported by the registration")
+    own = tuple(c for c in choices if c not in extra)
+    widened = typing.Literal[own + tuple(extra)]
+    field.type = widened  # what dataclasses.fields() (and so Megatron-LM's argparse) reads
+    cls.__annotations__[name] = widened  # what typing.get_type_hints() reads
+    return own
+
+
+def register(backend: str | None = None) -> None:
+    """Teach Megatron-Core the dispatcher types "moe_dispatcher" and "moe_dispatcher_ll". Idempotent.
+
+    Importing ``moe_dispatcher.integrations.megatron`` calls this. ``backend`` picks the Buffer backend
+    ("auto", "kernels" or "reference"; default: $MOE_DISPATCHER_BACKEND, else "auto").
+    """
+    if backend is not None:
+        _state["buffer_backend"] = _check_buffer_backend(backend, "register(backend=...)")
+    if _state["registered"]:
+        return
+    from megatron.core.models.common import utils as schedule_utils
+    from megatron.core.transformer import transformer_config
+    from megatron.core.transformer.moe import moe_layer
+
+    from .dispatcher import MoEDispatcherLowLatencyTokenDispatcher, MoEDispatcherTokenDispatcher
+
+    implementations = {NORMAL: MoEDispatcherTokenDispatcher, LOW_LATENCY: MoEDispatcherLowLatencyTokenDispatcher}
+    config_cls = transformer_config.TransformerConfig
+    _state["megatron_types"] = _widen_literal(config_cls, "moe_token_dispatcher_type", DISPATCHER_NAMES)
+    _state["megatron_backends"] = _widen_literal(config_cls, "moe_flex_dispatcher_backend", DISPATCHER_NAMES)
+
+    megatron_post_init = config_cls.__post_init__
+
+    @functools.wraps(megatron_post_init)
+    def __post_init__(self):
+        normalise_dispatcher_fields(self)
+        megatron_post_init(self)
+
+    config_cls.__post_init__ = __post_init__
+
+    megatron_flex = moe_layer.MoEFlexTokenDispatcher
+
+    class MoEFlexTokenDispatcher(megatron_flex):
+        """Megatron's flex dispatcher, which builds moe_dispatcher's for our backends."""
+
+        def __new__(cls, *args, **kwargs):
+            config = kwargs["config"] if "config" in kwargs else args[2]
+            ours = implementations.get(config.moe_flex_dispatcher_backend)
+            if ours is not None:
+                return ours(*args, **kwargs)  # not an instance of cls, so Python skips cls.__init__
+            return super().__new__(cls)
+
+    MoEFlexTokenDispatcher.__qualname__ = megatron_flex.__qualname__
+    MoEFlexTokenDispatcher.__module__ = megatron_flex.__module__
+    moe_layer.MoEFlexTokenDispatcher = MoEFlexTokenDispatcher
+
+    # When dispatch_postprocess stops copying (a fused expert-major dispatch), the "mlp" node's input
+    # becomes the experts' saved input and must be kept too, as Megatron does for hybridep / ncclep.
+    megatron_should_free_input = schedule_utils.should_free_input
+
+    @functools.wraps(megatron_should_free_input)
+    def should_free_input(name, is_moe, config, num_local_experts):
+        if name == "moe_dispatch" and is_moe and config.moe_flex_dispatcher_backend in DISPATCHER_NAMES:
+            return False
+        return megatron_should_free_input(name, is_moe, config, num_local_experts)
+
+    schedule_utils.should_free_input = should_free_input
+    _state["registered"] = True
+
+
+def is_registered() -> bool:
+    return _state["registered"]

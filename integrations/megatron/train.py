@@ -1,0 +1,315 @@
+"""Train a small GPT-MoE with Megatron-Core and moe_dispatcher, from a YAML config.
+
+    torchrun --nproc_per_node 2 -m moe_dispatcher.integrations.megatron.train --config configs/tiny_cpu.yaml
+
+On a CPU-only machine it runs on gloo with the reference backend; with GPUs on NCCL with the kernels.
+It prints the loss, tokens/s and the time spent in dispatch and combine (forward and backward), with a
+progress bar. The data are synthetic and learnable: each sequence counts up from a random start with a
+random stride (mod the vocabulary), so the loss falls well below ln(vocab) within a few hundred steps.
+
+The config has four sections (configs/tiny_cpu.yaml shows them all):
+  model:    TransformerConfig fields, passed as they are (moe_token_dispatcher_type selects the dispatcher;
+            params_dtype as a string, activation_func by name), plus vocab_size.
+  parallel: tensor_model_parallel_size, expert_model_parallel_size ("world": all ranks),
+            expert_tensor_parallel_size; the data-parallel size is what remains.
+  data:     seq_length, micro_batch_size (per data-parallel rank), max_stride.
+  train:    steps, lr, weight_decay, warmup_steps, seed, log_interval.
+`--set section.key=value` overrides one entry (YAML syntax for the value); `--dispatcher NAME` is short for
+`--set model.moe_token_dispatcher_type=NAME`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import yaml
+
+ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu, "relu": F.relu, "squared_relu": lambda x: F.relu(x) ** 2}
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+SECTIONS = ("model", "parallel", "data", "train")
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "model": {"vocab_size": 256},
+    "parallel": {"tensor_model_parallel_size": 1, "expert_model_parallel_size": "world",
+                 "expert_tensor_parallel_size": 1},
+    "data": {"seq_length": 64, "micro_batch_size": 4, "max_stride": 8},
+    "train": {"steps": 300, "lr": 1e-3, "weight_decay": 0.0, "warmup_steps": 10, "seed": 1234, "log_interval": 25},
+}
+
+
+# ----------------------------------------------------------------------------- config
+def load_config(path: str, overrides: list[str], dispatcher: str | None) -> dict[str, dict[str, Any]]:
+    with open(path, encoding="utf-8") as f:
+        raw = yaml.safe_load(f) or {}
+    unknown = set(raw) - set(SECTIONS)
+    if unknown:
+        raise ValueError(f"{path}: unknown sections {sorted(unknown)}; expected {list(SECTIONS)}")
+    cfg = {s: {**DEFAULTS[s], **{k: _scalar(v) for k, v in (raw.get(s) or {}).items()}} for s in SECTIONS}
+    if dispatcher:
+        overrides = [f"model.moe_token_dispatcher_type={dispatcher}", *overrides]
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        section, dot, name = key.partition(".")
+        if not sep or not dot or section not in SECTIONS:
+            raise ValueError(f"--set {item!r}: expected section.key=value with section in {list(SECTIONS)}")
+        cfg[section][name] = _scalar(yaml.safe_load(value))
+    return cfg
+
+
+def _scalar(value: Any) -> Any:
+    """YAML reads 1e-3 as a string (it wants 1.0e-3): take such strings as numbers."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return value
+
+
+def transformer_config(model: dict[str, Any], parallel: dict[str, int]):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kwargs = {k: v for k, v in model.items() if k != "vocab_size"}
+    for key in ("params_dtype", "pipeline_dtype"):
+        if isinstance(kwargs.get(key), str):
+            kwargs[key] = DTYPES[kwargs[key]]
+    if isinstance(kwargs.get("activation_func"), str):
+        kwargs["activation_func"] = ACTIVATIONS[kwargs["activation_func"]]
+    kwargs.setdefault("use_cpu_initialization", not torch.cuda.is_available())
+    kwargs.setdefault("hidden_dropout", 0.0)
+    kwargs.setdefault("attention_dropout", 0.0)
+    tp = parallel["tensor_model_parallel_size"]
+    return TransformerConfig(tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
+                             expert_model_parallel_size=parallel["expert_model_parallel_size"],
+                             expert_tensor_parallel_size=parallel["expert_tensor_parallel_size"], **kwargs)
+
+
+# ----------------------------------------------------------------------------- distributed setup
+def init_distributed() -> torch.device:
+    if "RANK" not in os.environ:  # a plain `python -m ...`: one process
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", "29511"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return device
+
+
+def init_model_parallel(parallel: dict[str, Any], seed: int) -> None:
+    from megatron.core import parallel_state as ps
+
+    world = dist.get_world_size()
+    tp, etp = parallel["tensor_model_parallel_size"], parallel["expert_tensor_parallel_size"]
+    if parallel["expert_model_parallel_size"] == "world":
+        parallel["expert_model_parallel_size"] = world // etp
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                 expert_model_parallel_size=parallel["expert_model_parallel_size"],
+                                 expert_tensor_parallel_size=etp)
+    if torch.cuda.is_available():
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+        model_parallel_cuda_manual_seed(seed)
+
+
+# ----------------------------------------------------------------------------- model and data
+def build_model(config, vocab_size: int, seq_length: int, device: torch.device):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    model = GPTModel(config, spec, vocab_size=vocab_size, max_sequence_length=seq_length,
+                     position_embedding_type="rope")
+    return model.to(device)
+
+
+def synthetic_batch(step: int, data: dict[str, Any], vocab: int, seed: int, dp_rank: int, device: torch.device):
+    """Counting sequences: token t = (start + t * stride) mod vocab. Different per data-parallel rank."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + dp_rank * 10_007 + step)
+    b, s = data["micro_batch_size"], data["seq_length"]
+    start = torch.randint(0, vocab, (b, 1), generator=g)
+    stride = torch.randint(1, data["max_stride"] + 1, (b, 1), generator=g)
+    seq = (start + stride * torch.arange(s + 1)) % vocab
+    tokens, labels = seq[:, :-1].to(device), seq[:, 1:].to(device)
+    positions = torch.arange(s, device=device).unsqueeze(0).expand(b, -1)
+    causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=device), diagonal=1)[None, None]
+    return tokens, positions, causal, labels
+
+
+# ----------------------------------------------------------------------------- optimisation
+class Optimizer:
+    """AdamW on fp32 master weights, with Megatron's gradient reductions done explicitly:
+    sequence-parallel params (norms, router) summed over TP, dense params averaged over data parallel,
+    expert params (``param.allreduce == False``) averaged over expert data parallel. Also updates the
+    routers' expert bias when the config enables it, as Megatron's finalize_model_grads does."""
+
+    def __init__(self, model: torch.nn.Module, config, train: dict[str, Any]) -> None:
+        from megatron.core import parallel_state as ps
+
+        self.model, self.config = model, config
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.master = [p.detach().float().clone() if p.dtype != torch.float32 else p for p in self.params]
+        self.opt = torch.optim.AdamW(self.master, lr=train["lr"], weight_decay=train["weight_decay"],
+                                     betas=(0.9, 0.95))
+        self.lr, self.warmup, self.steps = train["lr"], train["warmup_steps"], train["steps"]
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.dp_group = ps.get_data_parallel_group(with_context_parallel=True)
+        self.edp_group = ps.get_expert_data_parallel_group()
+
+    def step(self, step: int) -> None:
+        for p, m in zip(self.params, self.master):
+            g = p.grad.float() if p.grad is not None else torch.zeros_like(m)
+            if getattr(p, "sequence_parallel", False) and dist.get_world_size(self.tp_group) > 1:
+                dist.all_reduce(g, group=self.tp_group)
+            group = self.dp_group if getattr(p, "allreduce", True) else self.edp_group
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(g, group=group)
+                g /= dist.get_world_size(group)
+            p.grad = None
+            m.grad = g  # (m may be p itself)
+        warm = min(1.0, (step + 1) / max(1, self.warmup))
+        decay = 0.5 * (1 + math.cos(math.pi * min(1.0, step / max(1, self.steps))))
+        for group in self.opt.param_groups:
+            group["lr"] = self.lr * warm * (0.1 + 0.9 * decay)
+        self.opt.step()
+        with torch.no_grad():
+            for p, m in zip(self.params, self.master):
+                if p is not m:
+                    p.copy_(m)
+        if self.config.moe_router_enable_expert_bias:  # aux-loss-free balancing (DeepSeek-V3), per step
+            from megatron.core.distributed.finalize_model_grads import _update_router_expert_bias
+            _update_router_expert_bias([self.model], self.config)
+
+
+# ----------------------------------------------------------------------------- main loop
+def progress(total: int, enabled: bool):
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm is in requirements/megatron.txt; without it, the log lines still appear
+        return None
+    # disable=None: no bar when stdout is not a terminal (logs, CI), where the log lines suffice
+    return tqdm(total=total, unit="step", file=sys.stdout, disable=None)
+
+
+def say(bar, text: str) -> None:
+    if bar is not None:
+        bar.write(text)
+    else:
+        print(text, flush=True)
+
+
+def train(cfg: dict[str, dict[str, Any]], show_progress: bool = True, log_json: str | None = None) -> dict[str, Any]:
+    device = init_distributed()
+    from megatron.core import parallel_state as ps
+    from moe_dispatcher.integrations.megatron import comm_timer, cpu, megatron_topology
+    on_cpu = cpu.enable()
+    model_cfg, parallel, data, train_cfg = cfg["model"], cfg["parallel"], cfg["data"], cfg["train"]
+    init_model_parallel(parallel, train_cfg["seed"])
+    torch.manual_seed(train_cfg["seed"])
+    config = transformer_config(model_cfg, parallel)
+    model = build_model(config, model_cfg["vocab_size"], data["seq_length"], device)
+    optimizer = Optimizer(model, config, train_cfg)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    kind = f"{config.moe_token_dispatcher_type}/{config.moe_flex_dispatcher_backend}" \
+        if config.moe_token_dispatcher_type == "flex" else config.moe_token_dispatcher_type
+    topo = megatron_topology()
+    tokens_per_step = data["micro_batch_size"] * data["seq_length"] * dp_size
+    steps, log_every = train_cfg["steps"], train_cfg["log_interval"]
+    bar = progress(steps, show_progress and rank == 0)
+    if rank == 0:
+        n_params = sum(p.numel() for p in model.parameters())
+        say(bar, f"GPT-MoE: {config.num_layers} layers, hidden {config.hidden_size}, {config.num_moe_experts} experts "
+                 f"top-{config.moe_router_topk}, {n_params / 1e6:.2f}M params on rank 0 | {world} ranks "
+                 f"({'gloo, CPU' if on_cpu else 'NCCL, GPU'}): TP {config.tensor_model_parallel_size}, EP "
+                 f"{config.expert_model_parallel_size}, ETP {config.expert_tensor_parallel_size}, DP {dp_size} | "
+                 f"dispatcher {kind} | NVLink domains of {topo.nvl_size} ({topo.source}) | "
+                 f"{tokens_per_step} tokens/step")
+    comm_timer.enable()
+    comm_timer.summary()
+    losses: list[float] = []
+    window_start, window_tokens, measured = time.perf_counter(), 0, {"time": 0.0, "tokens": 0}
+    comm_total: dict[str, float] = {}
+    for step in range(steps):
+        tokens, positions, mask, labels = synthetic_batch(step, data, model_cfg["vocab_size"], train_cfg["seed"],
+                                                          dp_rank, device)
+        loss = model(tokens, positions, mask, labels=labels).float().mean()
+        loss.backward()
+        optimizer.step(step)
+        reduced = loss.detach().clone()
+        dist.all_reduce(reduced)
+        losses.append(reduced.item() / world)
+        window_tokens += tokens_per_step
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        if (step + 1) % log_every == 0 or step + 1 == steps:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - window_start
+            comm = comm_timer.summary()
+            n = log_every if (step + 1) % log_every == 0 else (step + 1) % log_every
+            if step + 1 > log_every:  # the first window holds warm-up (buffer creation, first calls)
+                measured["time"] += elapsed
+                measured["tokens"] += window_tokens
+                for name, seconds in comm.items():
+                    comm_total[name] = comm_total.get(name, 0.0) + seconds
+            if rank == 0:
+                ms = {name: 1e3 * s / n for name, s in comm.items()}
+                say(bar, f"step {step + 1:5d}/{steps} | loss {losses[-1]:.4f} | {window_tokens / elapsed:9.0f} tok/s | "
+                         f"{1e3 * elapsed / n:7.1f} ms/step | dispatch {ms.get('dispatch', 0):6.2f} + bwd "
+                         f"{ms.get('dispatch.backward', 0):6.2f} ms | combine {ms.get('combine', 0):6.2f} + bwd "
+                         f"{ms.get('combine.backward', 0):6.2f} ms")
+            window_start, window_tokens = time.perf_counter(), 0
+    if bar is not None:
+        bar.close()
+    comm_timer.enable(False)
+    result = {"dispatcher": kind, "world_size": world, "steps": steps, "losses": losses,
+              "tokens_per_s": measured["tokens"] / measured["time"] if measured["time"] else None,
+              "comm_seconds": comm_total, "measured_seconds": measured["time"]}
+    if rank == 0:
+        comm_s = sum(comm_total.values())
+        share = f"{100 * comm_s / measured['time']:.1f}% of" if measured["time"] else "n/a of"
+        tps = f"{result['tokens_per_s']:.0f}" if result["tokens_per_s"] else "n/a"
+        print(f"done: loss {losses[0]:.4f} -> {losses[-1]:.4f} | {tps} tokens/s after warm-up | "
+              f"dispatch+combine (fwd+bwd) {comm_s:.2f} s = {share} the measured time", flush=True)
+        if log_json:
+            with open(log_json, "w", encoding="utf-8") as f:
+                json.dump(result, f, indent=1)
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", required=True, help="YAML config (see configs/)")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override one config entry (repeatable)")
+    parser.add_argument("--dispatcher", help="moe_token_dispatcher_type to use instead of the config's")
+    parser.add_argument("--steps", type=int, help="number of steps (same as --set train.steps=N)")
+    parser.add_argument("--log-json", help="rank 0 writes the loss curve and timings here")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar, log lines only")
+    args = parser.parse_args(argv)
+    overrides = list(args.set) + ([f"train.steps={args.steps}"] if args.steps is not None else [])
+    cfg = load_config(args.config, overrides, args.dispatcher)
+    # Megatron warns about optional packages it runs without (Transformer Engine, apex).
+    warnings.filterwarnings("ignore", module="megatron")
+    train(cfg, show_progress=not args.no_progress, log_json=args.log_json)
+
+
+if __name__ == "__main__":
+    main()
