@@ -342,7 +342,7 @@ class Buffer:
             check_tensor("x", data, shape=(handle.num_tokens, None), device=handle.is_token_in_rank.device)
             (recv_x, recv_scales), event = self._stream_scope(
                 dev, previous_event, async_finish, allocate_on_comm_stream,
-                lambda: backend.cached_dispatch(data, scales, handle), [data, scales])
+                lambda: backend.cached_dispatch(data, scales, handle, config), [data, scales])
             return (recv_x if scales is None else (recv_x, recv_scales)), None, None, None, None, event
 
         if num_tokens_per_expert is None and topk_idx is None:
@@ -369,7 +369,7 @@ class Buffer:
         results, event = self._stream_scope(
             dev, previous_event, async_finish, allocate_on_comm_stream,
             lambda: backend.dispatch(data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
-                                     num_tokens_per_expert, expert_alignment, num_worst_tokens), inputs)
+                                     num_tokens_per_expert, expert_alignment, num_worst_tokens, config), inputs)
         recv_x, recv_scales, recv_idx, recv_w, counts, new_handle = results
         return (recv_x if scales is None else (recv_x, recv_scales)), recv_idx, recv_w, counts, new_handle, event
 
@@ -393,7 +393,7 @@ class Buffer:
             check_tensor("topk_weights", topk_weights, dtypes=(torch.float32,), shape=(rows, None), device=x.device)
         biases = normalise_bias(bias, handle.num_tokens, x.shape[1], x.dtype, x.device)
         results, event = self._stream_scope(x.device, previous_event, async_finish, allocate_on_comm_stream,
-                                            lambda: backend.combine(x, handle, topk_weights, biases),
+                                            lambda: backend.combine(x, handle, topk_weights, biases, config),
                                             [x, topk_weights, *biases])
         return (*results, event)
 
@@ -428,7 +428,7 @@ class Buffer:
             def run_cached():
                 if hasattr(backend, "expert_major_cached_dispatch"):
                     return backend.expert_major_cached_dispatch(data, scales, handle)
-                rows, row_scales = backend.cached_dispatch(data, scales, handle.dispatch)
+                rows, row_scales = backend.cached_dispatch(data, scales, handle.dispatch, config)
                 return gather_rows(rows, handle), (gather_rows(row_scales, handle) if scales is not None else None)
 
             (px, ps), event = self._stream_scope(dev, previous_event, async_finish, allocate_on_comm_stream,
@@ -446,7 +446,7 @@ class Buffer:
                                                      expert_alignment, num_worst_tokens, config)
             n_rank, _, n_expert, in_rank = backend.get_dispatch_layout(topk_idx, num_experts)
             recv_x, recv_s, recv_idx, recv_w, _, dh = backend.dispatch(
-                data, scales, topk_idx, topk_weights, n_rank, in_rank, n_expert, 1, num_worst_tokens)
+                data, scales, topk_idx, topk_weights, n_rank, in_rank, n_expert, 1, num_worst_tokens, config)
             px, ps, pw, tpe, prow, pslot = permute(recv_x, recv_s, recv_idx, recv_w, local, expert_alignment,
                                                    num_worst_tokens)
             return px, ps, pw, tpe, ExpertMajorHandle(dh, prow, pslot, tpe, topk_idx.shape[1])
@@ -484,7 +484,7 @@ class Buffer:
             if hasattr(backend, "expert_major_combine"):
                 return backend.expert_major_combine(x, handle, weights, topk_weights, biases, config)
             rows, w_rows = unpermute(x, handle, weights, topk_weights)
-            return backend.combine(rows, handle.dispatch, w_rows, biases)
+            return backend.combine(rows, handle.dispatch, w_rows, biases, config)
 
         results, event = self._stream_scope(x.device, previous_event, async_finish, allocate_on_comm_stream, run,
                                             [x, weights, topk_weights, *biases])

@@ -31,8 +31,8 @@ def create(buffer) -> Tuple[Optional[object], str]:
     topo = buffer.topology
     if not topo.is_single_domain or not 2 <= topo.num_ranks <= mod.intranode.MAX_RANKS:
         return None, (f"the compiled kernels serve one NVLink domain of 2 to {mod.intranode.MAX_RANKS} GPUs; this "
-                      f"group has {topo.num_ranks} ranks in {topo.num_domains} domain(s) (internode and low-latency "
-                      f"kernels are not built into this version yet)")
+                      f"group has {topo.num_ranks} ranks in {topo.num_domains} domain(s) (internode kernels are not "
+                      f"built into this version yet)")
     if buffer.num_nvl_bytes == 0:
         return None, "the Buffer has no NVLink buffer (num_nvl_bytes=0)"
     from .intranode import IntranodeBackend

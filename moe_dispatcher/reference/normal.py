@@ -58,8 +58,8 @@ class ReferenceNormal:
     def dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
                  topk_weights: Optional[torch.Tensor], num_tokens_per_rank: torch.Tensor,
                  is_token_in_rank: torch.Tensor, num_tokens_per_expert: torch.Tensor, expert_alignment: int,
-                 num_worst_tokens: int):
-        """Fresh dispatch. Returns (recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, list, handle)."""
+                 num_worst_tokens: int, config=None):
+        """Fresh dispatch (`config` is for the kernels; ignored here). Returns (recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, list, handle)."""
         from ..handle import DispatchHandle
 
         r, me = self.num_ranks, self.rank
@@ -114,7 +114,7 @@ class ReferenceNormal:
                                 x.shape[0], num_worst_tokens, self.name, self.buffer_token)
         return recv_x, recv_scales, recv_idx, recv_w, counts, handle
 
-    def cached_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], handle):
+    def cached_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], handle, config=None):
         """Dispatch along the routing of `handle`; returns (recv_x, recv_x_scales)."""
         send_matrix = _send_matrix(handle.rank_prefix_matrix.cpu())
         src = _send_order(handle.is_token_in_rank)
@@ -126,7 +126,7 @@ class ReferenceNormal:
         return _pad(got[0], rows, 0), _pad(got[1], rows, 0)
 
     def combine(self, x: torch.Tensor, handle, topk_weights: Optional[torch.Tensor],
-                bias: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                bias: Sequence[torch.Tensor], config=None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Sum the rows of each source token over the ranks that received it (ascending rank order)."""
         me = self.rank
         send_matrix = _send_matrix(handle.rank_prefix_matrix.cpu())

@@ -1,0 +1,247 @@
+// Combine: the reverse path of dispatch. Block 2c sends the rows this rank received in channel c
+// back to their source ranks (group g serves source g, rows in received order = token order);
+// block 2c+1 reduces, for each of its channel's tokens, the rows returned by every rank that got
+// the token: out = cast(bias_0 + bias_1 + sum over ranks ascending), accumulated in float32 in that
+// order, exactly like the reference; the returned top-k weights are summed the same way.
+//
+// A receiver takes a batch of 32 x batch_windows tokens at a time: it learns from is_token_in_rank
+// how many rows each ring must deliver, waits for them (thread 0 acquires each tail), reduces (one
+// warp per token), then releases the consumed slots of every ring.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "kernels/common/channel.cuh"
+#include "kernels/intranode/copy.cuh"
+#include "kernels/intranode/launch_check.cuh"
+#include "kernels/intranode/protocol.h"
+
+namespace moe_dispatcher::intranode {
+namespace {
+
+// Fewer threads than dispatch: the receiver keeps 8 rows in flight per lane and needs the registers.
+constexpr int kCombineThreads = 512;
+constexpr int kCombineWarps = kCombineThreads / 32;
+
+template <typename T> __device__ __forceinline__ float to_float(T v);
+template <> __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <> __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+template <> __device__ __forceinline__ float to_float(float v) { return v; }
+template <typename T> __device__ __forceinline__ T from_float(float v);
+template <> __device__ __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
+template <> __device__ __forceinline__ __half from_float(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ float from_float(float v) { return v; }
+
+template <typename T>
+union Vec {
+  static constexpr int kElems = 16 / sizeof(T);
+  int4 raw;
+  T elems[kElems];
+};
+
+__device__ void send_channel(const CombineArgs& a, int c, int s, int group_warp, int warps, int lane, bool leader,
+                             int* shared_ok, const Watchdog& dog) {
+  const int me = a.c.rank;
+  auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
+  auto* dst_ctl = reinterpret_cast<Control*>(a.c.peers[s]);
+  ChannelSender ch{ring_slots(a.c.peers[s], a.c.src_block_bytes, me, c, a.num_slots, a.slot_bytes),
+                   &dst_ctl->fifo_tail[c][me], &ctl->fifo_head[c][s], &ctl->tail_copy[c][s],
+                   a.num_slots, a.slot_bytes,
+                   *reinterpret_cast<volatile uint64_t*>(&ctl->tail_copy[c][s])};
+  const int bar = 1 + s, threads = warps * 32;
+  const int row_bytes = a.hidden * (a.dtype == kFp32 ? 4 : 2);
+
+  if (leader) *shared_ok = drain_previous<kMaxChannels>(&ctl->fifo_head[0][0], &ctl->tail_copy[0][0], kMaxRanks, s,
+                                                        dog, kPhaseDrain);
+  ptx::group_sync(bar, threads);
+  if (!*shared_ok) return;
+
+  const int* offsets = a.recv_channel_offset + s * (a.num_channels + 1);
+  for (int row = offsets[c], end = offsets[c + 1]; row < end;) {
+    const int n = min(a.chunk, end - row);
+    if (leader) *shared_ok = ch.reserve(n, dog, kPhaseCombineSend, s);
+    ptx::group_sync(bar, threads);
+    if (!*shared_ok) return;
+    for (int i = group_warp; i < n; i += warps) {
+      uint8_t* slot = ch.slot(i);
+      const int64_t r = row + i;
+      if (r >= a.num_x_rows) continue;  // dropped by a num_worst_tokens overflow (reported by notify)
+      warp_copy<false, 8>(reinterpret_cast<int4*>(slot), reinterpret_cast<const int4*>(a.x + r * row_bytes),
+                       row_bytes / 16, lane);
+      if (a.topk_weights != nullptr && lane < a.num_topk) {
+        reinterpret_cast<float*>(slot + row_bytes)[lane] = a.topk_weights[r * a.num_topk + lane];
+      }
+    }
+    ptx::group_sync(bar, threads);
+    ch.advance(n, leader);
+    row += n;
+  }
+}
+
+// kRanks: the rank count rounded up to 2, 4 or 8, so the per-rank arrays stay in registers; each lane
+// keeps 8 row loads in flight (8 / kRanks vectors of each rank's row).
+template <typename T, int kRanks>
+__device__ void receive_channel(const CombineArgs& a, int c, int warp, int lane, const Watchdog& dog) {
+  constexpr int kUnroll = 8 / kRanks;
+  __shared__ uint64_t head[kMaxRanks];                 // rows consumed from ring (c, d); thread 0 changes it
+  __shared__ unsigned window_mask[kMaxWindows][kMaxRanks];  // is_token_in_rank bits of each 32-token window
+  __shared__ int window_offset[kMaxWindows][kMaxRanks];     // rows of ring d before the window, in the batch
+  __shared__ int batch_rows[kMaxRanks];
+  __shared__ int ok;
+  const int me = a.c.rank, num_ranks = a.c.num_ranks;
+  auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
+  const int row_bytes = a.hidden * static_cast<int>(sizeof(T));
+  const int vecs = row_bytes / 16;
+  const int windows = a.batch_windows;
+  if (threadIdx.x < num_ranks) head[threadIdx.x] = *reinterpret_cast<volatile uint64_t*>(&ctl->head_copy[c][threadIdx.x]);
+  const uint8_t* ring0 = ring_slots(a.c.peers[me], a.c.src_block_bytes, 0, c, a.num_slots, a.slot_bytes);
+  int begin, end;
+  channel_range(a.num_tokens, a.num_channels, c, begin, end);
+
+  for (int base = begin; base < end; base += 32 * windows) {
+    if (warp < windows) {
+      const int t = base + warp * 32 + lane;
+#pragma unroll
+      for (int d = 0; d < kRanks; ++d) {
+        const bool hit = d < num_ranks && t < end && a.is_token_in_rank[static_cast<int64_t>(t) * num_ranks + d];
+        const unsigned m = __ballot_sync(0xffffffffu, hit);
+        if (lane == 0) window_mask[warp][d] = m;
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      int good = 1;
+      for (int d = 0; d < num_ranks; ++d) {
+        int rows = 0;
+        for (int w = 0; w < windows; ++w) {
+          window_offset[w][d] = rows;
+          rows += __popc(window_mask[w][d]);
+        }
+        batch_rows[d] = rows;
+        while (good && ptx::ld_acquire_sys(&ctl->fifo_tail[c][d]) < head[d] + rows) {
+          if (dog.expired(kPhaseCombineRecv, d)) good = 0;
+        }
+      }
+      ok = good;
+    }
+    __syncthreads();  // the tails acquired by thread 0 cover every slot read below
+    if (!ok) return;
+
+    const int count = min(32 * windows, end - base);
+    for (int j = warp; j < count; j += kCombineWarps) {
+      const int64_t token = base + j;
+      const int w = j >> 5;
+      const unsigned below = (1u << (j & 31)) - 1u;
+      const uint8_t* src[kRanks];  // row of ring d for this token, or null; ascending d = sum order
+#pragma unroll
+      for (int d = 0; d < kRanks; ++d) {
+        src[d] = nullptr;
+        if (d < num_ranks) {
+          const unsigned m = window_mask[w][d];
+          if ((m >> (j & 31)) & 1u) {
+            const uint64_t index = head[d] + window_offset[w][d] + __popc(m & below);
+            src[d] = ring0 + d * a.c.src_block_bytes + static_cast<size_t>(index % a.num_slots) * a.slot_bytes;
+          }
+        }
+      }
+      for (int v0 = lane; v0 < vecs; v0 += 32 * kUnroll) {
+        Vec<T> rows[kUnroll][kRanks];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int v = v0 + u * 32;
+#pragma unroll
+          for (int d = 0; d < kRanks; ++d) {
+            if (v < vecs && src[d] != nullptr) rows[u][d].raw = ptx::ld_cg_v4(reinterpret_cast<const int4*>(src[d]) + v);
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int v = v0 + u * 32;
+          if (v >= vecs) break;
+          float acc[Vec<T>::kElems];
+#pragma unroll
+          for (int e = 0; e < Vec<T>::kElems; ++e) acc[e] = 0.f;
+          if (a.bias0 != nullptr) {
+            Vec<T> b;
+            b.raw = ptx::ld_nc_v4(reinterpret_cast<const int4*>(a.bias0 + token * row_bytes) + v);
+#pragma unroll
+            for (int e = 0; e < Vec<T>::kElems; ++e) acc[e] += to_float(b.elems[e]);
+          }
+          if (a.bias1 != nullptr) {
+            Vec<T> b;
+            b.raw = ptx::ld_nc_v4(reinterpret_cast<const int4*>(a.bias1 + token * row_bytes) + v);
+#pragma unroll
+            for (int e = 0; e < Vec<T>::kElems; ++e) acc[e] += to_float(b.elems[e]);
+          }
+#pragma unroll
+          for (int d = 0; d < kRanks; ++d) {
+            if (src[d] != nullptr) {
+#pragma unroll
+              for (int e = 0; e < Vec<T>::kElems; ++e) acc[e] += to_float(rows[u][d].elems[e]);
+            }
+          }
+          Vec<T> out;
+#pragma unroll
+          for (int e = 0; e < Vec<T>::kElems; ++e) out.elems[e] = from_float<T>(acc[e]);
+          reinterpret_cast<int4*>(a.out + token * row_bytes)[v] = out.raw;
+        }
+      }
+      if (a.out_topk_weights != nullptr && lane < a.num_topk) {
+        float wsum = 0.f;
+#pragma unroll
+        for (int d = 0; d < kRanks; ++d) {
+          if (src[d] != nullptr) wsum += __int_as_float(ptx::ld_cg(reinterpret_cast<const int*>(src[d] + row_bytes) + lane));
+        }
+        a.out_topk_weights[token * a.num_topk + lane] = wsum;
+      }
+    }
+    __syncthreads();  // every load of this batch's slots precedes the releases below
+    if (threadIdx.x == 0) {
+      for (int d = 0; d < num_ranks; ++d) {
+        if (batch_rows[d] == 0) continue;
+        head[d] += batch_rows[d];
+        // Peer d may now overwrite these slots of its ring to me.
+        ptx::st_release_sys(&reinterpret_cast<Control*>(a.c.peers[d])->fifo_head[c][me], head[d]);
+      }
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < num_ranks) ctl->head_copy[c][threadIdx.x] = head[threadIdx.x];
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs a) {
+  __shared__ int shared_ok[kMaxRanks];
+  const int num_ranks = a.c.num_ranks;
+  const int c = blockIdx.x >> 1;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  auto* ctl = reinterpret_cast<Control*>(a.c.peers[a.c.rank]);
+  const Watchdog dog = make_watchdog(a.c.timeout_ns, a.c.rank, &ctl->timeout_claim, &a.c.mailbox->timeout);
+  if (blockIdx.x & 1) {
+    if (num_ranks <= 2) {
+      receive_channel<T, 2>(a, c, warp, lane, dog);
+    } else if (num_ranks <= 4) {
+      receive_channel<T, 4>(a, c, warp, lane, dog);
+    } else {
+      receive_channel<T, 8>(a, c, warp, lane, dog);
+    }
+    return;
+  }
+  const int warps = kCombineWarps / num_ranks;
+  const int group = warp / warps, group_warp = warp % warps;
+  if (group >= num_ranks) return;
+  send_channel(a, c, group, group_warp, warps, lane, group_warp == 0 && lane == 0, &shared_ok[group], dog);
+}
+
+}  // namespace
+
+void launch_combine(const CombineArgs& args, cudaStream_t stream) {
+  const dim3 grid(2 * args.num_channels);
+  switch (args.dtype) {
+    case kBf16: combine_kernel<__nv_bfloat16><<<grid, kCombineThreads, 0, stream>>>(args); break;
+    case kFp16: combine_kernel<__half><<<grid, kCombineThreads, 0, stream>>>(args); break;
+    default: combine_kernel<float><<<grid, kCombineThreads, 0, stream>>>(args); break;
+  }
+  check_launch("combine_kernel");
+}
+
+}  // namespace moe_dispatcher::intranode

@@ -1,0 +1,193 @@
+// Dispatch (fresh and cached): block 2c sends channel c's tokens to every rank, block 2c+1 receives
+// channel c's rows from every rank. Inside a block, warp group g (24 / R warps) serves peer g.
+//
+// Sender group for destination d: scans its channel's tokens for is_token_in_rank[t][d], takes up
+// to `chunk` of them, reserves that many slots of ring (c, me -> d), copies each row (payload,
+// scales, top-k rebased to d's local experts with weights zeroed elsewhere, source index) into the
+// slots, and commits the tail. Rows therefore arrive in token order.
+// Receiver group for source s: the k-th row of channel c from s goes to row
+// recv_channel_offset[s][c] + k (computed by notify, or kept in the handle for cached dispatch),
+// which gives exactly the (source rank, token) order of the contract.
+#include "kernels/common/channel.cuh"
+#include "kernels/intranode/copy.cuh"
+#include "kernels/intranode/launch_check.cuh"
+#include "kernels/intranode/protocol.h"
+
+namespace moe_dispatcher::intranode {
+namespace {
+
+// 16-byte loads in flight per lane while copying a row (6 and 8 measured no faster than 4).
+constexpr int kDispatchUnroll = 4;
+
+// Slot layout: [payload hidden_bytes][scales S x 4][top-k idx K x int32][weights K x f32][source int32].
+struct DispatchSlot {
+  int hidden_bytes, num_scales, num_topk;
+  __device__ int32_t* scales(uint8_t* s) const { return reinterpret_cast<int32_t*>(s + hidden_bytes); }
+  __device__ int32_t* idx(uint8_t* s) const { return scales(s) + num_scales; }
+  __device__ float* weights(uint8_t* s) const { return reinterpret_cast<float*>(idx(s) + num_topk); }
+  __device__ int32_t* source(uint8_t* s) const { return reinterpret_cast<int32_t*>(weights(s) + num_topk); }
+};
+
+__device__ void send_channel(const DispatchArgs& a, int c, int d, int group_warp, int warps, int lane, bool leader,
+                             int* chunk_tokens, int* shared_ok, const Watchdog& dog) {
+  const int me = a.c.rank, num_ranks = a.c.num_ranks;
+  auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
+  auto* dst_ctl = reinterpret_cast<Control*>(a.c.peers[d]);
+  ChannelSender ch{ring_slots(a.c.peers[d], a.c.src_block_bytes, me, c, a.num_slots, a.slot_bytes),
+                   &dst_ctl->fifo_tail[c][me], &ctl->fifo_head[c][d], &ctl->tail_copy[c][d],
+                   a.num_slots, a.slot_bytes,
+                   *reinterpret_cast<volatile uint64_t*>(&ctl->tail_copy[c][d])};
+  const DispatchSlot layout{a.hidden_bytes, a.num_scales, a.num_topk};
+  const int bar = 1 + d, threads = warps * 32;
+
+  if (leader) *shared_ok = drain_previous<kMaxChannels>(&ctl->fifo_head[0][0], &ctl->tail_copy[0][0], kMaxRanks, d,
+                                                        dog, kPhaseDrain);
+  ptx::group_sync(bar, threads);
+  if (!*shared_ok) return;
+
+  int begin, end;
+  channel_range(a.num_tokens, a.num_channels, c, begin, end);
+  const int lo = d * a.experts_per_rank, hi = lo + a.experts_per_rank;
+  int cursor = begin;
+  while (true) {
+    // Next chunk: up to `chunk` tokens for d, found 32 at a time (every warp of the group computes
+    // the same chunk into its own row of chunk_tokens).
+    int n = 0;
+    while (n < a.chunk && cursor < end) {
+      const int t = cursor + lane;
+      const bool hit = t < end && a.is_token_in_rank[static_cast<int64_t>(t) * num_ranks + d];
+      const unsigned mask = __ballot_sync(0xffffffffu, hit);
+      const int pos = n + __popc(mask & ((1u << lane) - 1u));
+      if (hit && pos < a.chunk) chunk_tokens[pos] = t;
+      const int found = __popc(mask);
+      if (n + found <= a.chunk) {
+        n += found;
+        cursor = min(cursor + 32, end);
+      } else {
+        const unsigned last = __ballot_sync(0xffffffffu, hit && pos == a.chunk - 1);
+        cursor += __ffs(last);  // one past the last token taken
+        n = a.chunk;
+      }
+    }
+    __syncwarp();
+    if (n == 0) break;
+    if (leader) *shared_ok = ch.reserve(n, dog, kPhaseDispatchSend, d);
+    ptx::group_sync(bar, threads);
+    if (!*shared_ok) return;
+    for (int i = group_warp; i < n; i += warps) {
+      const int t = chunk_tokens[i];
+      uint8_t* slot = ch.slot(i);
+      warp_copy<false, kDispatchUnroll>(reinterpret_cast<int4*>(slot),
+                       reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(t) * a.hidden_bytes),
+                       a.hidden_bytes / 16, lane);
+      for (int j = lane; j < a.num_scales; j += 32) {
+        layout.scales(slot)[j] = a.scales[static_cast<int64_t>(t) * a.num_scales + j];
+      }
+      if (a.topk_idx != nullptr && lane < a.num_topk) {
+        const int64_t e = a.topk_idx[static_cast<int64_t>(t) * a.num_topk + lane];
+        const int local = (e >= lo && e < hi) ? static_cast<int>(e - lo) : -1;
+        layout.idx(slot)[lane] = local;
+        layout.weights(slot)[lane] =
+            (local >= 0 && a.topk_weights != nullptr) ? a.topk_weights[static_cast<int64_t>(t) * a.num_topk + lane] : 0.f;
+      }
+      if (lane == 0) *layout.source(slot) = t;
+    }
+    ptx::group_sync(bar, threads);  // every slot store of the chunk precedes the leader's release
+    ch.advance(n, leader);
+  }
+}
+
+__device__ void receive_channel(const DispatchArgs& a, int c, int s, int group_warp, int warps, int lane,
+                                bool leader, uint64_t* shared_tail, const Watchdog& dog) {
+  const int me = a.c.rank;
+  auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
+  auto* src_ctl = reinterpret_cast<Control*>(a.c.peers[s]);
+  ChannelReceiver ch{ring_slots(a.c.peers[me], a.c.src_block_bytes, s, c, a.num_slots, a.slot_bytes),
+                     &ctl->fifo_tail[c][s], &src_ctl->fifo_head[c][me], &ctl->head_copy[c][s],
+                     a.num_slots, a.slot_bytes,
+                     *reinterpret_cast<volatile uint64_t*>(&ctl->head_copy[c][s])};
+  const DispatchSlot layout{a.hidden_bytes, a.num_scales, a.num_topk};
+  const int bar = 1 + s, threads = warps * 32;
+  const int* offsets = a.recv_channel_offset + s * (a.num_channels + 1);
+  const int row0 = offsets[c];
+  const uint64_t first = ch.head, last = first + (offsets[c + 1] - row0);
+  const int k = a.num_topk;
+
+  while (ch.head < last) {
+    if (leader) *shared_tail = ch.wait(ch.head + 1, dog, kPhaseDispatchRecv, s);
+    ptx::group_sync(bar, threads);
+    const uint64_t seen = *shared_tail;
+    if (seen == 0) return;
+    const int n = static_cast<int>(min(seen, last) - ch.head);
+    for (int i = group_warp; i < n; i += warps) {
+      const uint64_t index = ch.head + i;
+      const int64_t row = row0 + static_cast<int64_t>(index - first);
+      if (row >= a.num_rows) continue;  // more rows than num_worst_tokens: reported by notify
+      const uint8_t* slot = ch.slot(index);
+      uint8_t* s_slot = const_cast<uint8_t*>(slot);
+      warp_copy<true, kDispatchUnroll>(reinterpret_cast<int4*>(a.recv_x + row * a.hidden_bytes), reinterpret_cast<const int4*>(slot),
+                      a.hidden_bytes / 16, lane);
+      for (int j = lane; j < a.num_scales; j += 32) {
+        a.recv_scales[row * a.num_scales + j] = ptx::ld_cg(layout.scales(s_slot) + j);
+      }
+      if (a.recv_topk_idx != nullptr && lane < k) {
+        a.recv_topk_idx[row * k + lane] = ptx::ld_cg(layout.idx(s_slot) + lane);
+        a.recv_topk_weights[row * k + lane] =
+            __int_as_float(ptx::ld_cg(reinterpret_cast<const int*>(layout.weights(s_slot)) + lane));
+      }
+      if (a.recv_src_idx != nullptr && lane == 0) a.recv_src_idx[row] = ptx::ld_cg(layout.source(s_slot));
+    }
+    ptx::group_sync(bar, threads);  // every load of these slots precedes the leader's release of them
+    ch.release(n, leader);
+  }
+  ch.finish(leader);
+}
+
+__global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a) {
+  __shared__ int chunk_tokens[kWarps][kMaxChunk];
+  __shared__ int shared_ok[kMaxRanks];
+  __shared__ uint64_t shared_tail[kMaxRanks];
+  const int num_ranks = a.c.num_ranks;
+  const int c = blockIdx.x >> 1;
+  const bool sender = (blockIdx.x & 1) == 0;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+
+  if (!sender && a.pad_rows) {
+    // num_worst_tokens: rows past the received count get zero payload and scales (as the reference
+    // pads), top-k -1, weight 0, source -1. Receiver blocks share the work.
+    const int received = a.recv_channel_offset[(num_ranks - 1) * (a.num_channels + 1) + a.num_channels];
+    const int64_t first = min(received, a.num_rows), extra = a.num_rows - first;
+    const int64_t stride = static_cast<int64_t>(a.num_channels) * blockDim.x;
+    const int64_t start = static_cast<int64_t>(c) * blockDim.x + threadIdx.x;
+    const int vecs = a.hidden_bytes / 16;
+    auto* x_pad = reinterpret_cast<int4*>(a.recv_x + first * a.hidden_bytes);
+    for (int64_t i = start; i < extra * vecs; i += stride) x_pad[i] = make_int4(0, 0, 0, 0);
+    for (int64_t i = start; i < extra * a.num_scales; i += stride) a.recv_scales[first * a.num_scales + i] = 0;
+    for (int64_t i = start; a.recv_topk_idx != nullptr && i < extra * a.num_topk; i += stride) {
+      a.recv_topk_idx[first * a.num_topk + i] = -1;
+      a.recv_topk_weights[first * a.num_topk + i] = 0.f;
+    }
+    for (int64_t i = start; a.recv_src_idx != nullptr && i < extra; i += stride) a.recv_src_idx[first + i] = -1;
+  }
+
+  const int warps = kWarps / num_ranks;
+  const int group = warp / warps, group_warp = warp % warps;
+  if (group >= num_ranks) return;  // idle warps when 24 % R != 0; they join no barrier
+  const bool leader = group_warp == 0 && lane == 0;
+  auto* ctl = reinterpret_cast<Control*>(a.c.peers[a.c.rank]);
+  const Watchdog dog = make_watchdog(a.c.timeout_ns, a.c.rank, &ctl->timeout_claim, &a.c.mailbox->timeout);
+  if (sender) {
+    send_channel(a, c, group, group_warp, warps, lane, leader, chunk_tokens[warp], &shared_ok[group], dog);
+  } else {
+    receive_channel(a, c, group, group_warp, warps, lane, leader, &shared_tail[group], dog);
+  }
+}
+
+}  // namespace
+
+void launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
+  dispatch_kernel<<<2 * args.num_channels, kThreads, 0, stream>>>(args);
+  check_launch("dispatch_kernel");
+}
+
+}  // namespace moe_dispatcher::intranode

@@ -1,0 +1,157 @@
+// Notify: before a fresh dispatch, every rank tells every other rank how many rows it will send
+// (per rank, per channel, per expert), then all ranks meet at a barrier, then each rank derives
+// the rank prefix matrix, where each (source, channel) lands in its receive buffer, and its
+// receive counts, which go to host-mapped memory (the host's only synchronisation).
+//
+// Memory ordering: messages are plain stores into the peers' buffers (double-buffered by barrier
+// epoch parity), each thread fences at system scope, the block barrier collects them, and thread 0's
+// st.release.sys of its epoch into each peer's barrier_signal publishes them; a reader acquires every
+// peer's signal (ld.acquire.sys) before the block barrier that precedes its volatile reads.
+// A message slot of parity p is rewritten two barriers later, after its reader passed the barrier
+// in between, so no cleaning is needed.
+#include "kernels/common/channel.cuh"
+#include "kernels/intranode/launch_check.cuh"
+#include "kernels/intranode/protocol.h"
+
+namespace moe_dispatcher::intranode {
+namespace {
+
+constexpr int kNotifyThreads = 1024;
+
+__global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a) {
+  const int num_ranks = a.c.num_ranks, me = a.c.rank, num_channels = a.num_channels;
+  const int num_local = a.num_experts / num_ranks;
+  auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
+  Mailbox* box = a.c.mailbox;
+
+  __shared__ int count[kMaxChannels][kMaxRanks];  // my rows per (channel, destination)
+  __shared__ int total[kMaxRanks];
+  __shared__ int flags;
+  __shared__ int arrived;
+  for (int i = threadIdx.x; i < kMaxChannels * kMaxRanks; i += blockDim.x) (&count[0][0])[i] = 0;
+  if (threadIdx.x == 0) flags = 0;
+  __syncthreads();
+
+  // 1. Rows per (channel, destination): channel c holds tokens [c * per, (c + 1) * per).
+  const int per = (a.num_tokens + num_channels - 1) / num_channels;
+  for (int t = threadIdx.x; t < a.num_tokens; t += blockDim.x) {
+    const int c = t / per;
+    for (int d = 0; d < num_ranks; ++d) {
+      if (a.is_token_in_rank[static_cast<int64_t>(t) * num_ranks + d]) atomicAdd(&count[c][d], 1);
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < num_ranks) {
+    const int d = threadIdx.x;
+    int sum = 0;
+    for (int c = 0; c < num_channels; ++c) {
+      sum += count[c][d];
+      count[c][d] = sum;  // inclusive prefix over channels
+    }
+    total[d] = sum;
+    if (sum != a.num_tokens_per_rank[d]) atomicOr(&flags, kFlagLayoutMismatch);
+  }
+  __syncthreads();
+
+  // 2. Messages to every rank (me included) into slot [parity][me] of its buffer.
+  const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(&ctl->barrier_epoch) + 1;
+  const int parity = static_cast<int>(epoch & 1);
+  const int words = kNotifyExperts + num_local;
+  for (int i = threadIdx.x; i < num_ranks * words; i += blockDim.x) {
+    const int d = i / words, w = i % words;
+    int value;
+    if (w == kNotifyFlags) {
+      value = flags;
+    } else if (w < kNotifyCounts + num_ranks) {
+      value = total[w - kNotifyCounts];
+    } else if (w < kNotifyChannels) {
+      continue;
+    } else if (w < kNotifyChannels + num_channels) {
+      value = count[w - kNotifyChannels][d];
+    } else if (w < kNotifyExperts) {
+      continue;
+    } else {
+      value = a.num_tokens_per_expert[d * num_local + (w - kNotifyExperts)];
+    }
+    reinterpret_cast<Control*>(a.c.peers[d])->notify[parity][me][w] = value;
+  }
+  __threadfence_system();
+  __syncthreads();
+
+  // 3. Barrier: publish my epoch to every rank, wait for every rank's.
+  if (threadIdx.x == 0) {
+    const Watchdog dog = make_watchdog(a.c.timeout_ns, me, &ctl->timeout_claim, &box->timeout);
+    ctl->barrier_epoch = epoch;
+    for (int d = 0; d < num_ranks; ++d) {
+      ptx::st_release_sys(&reinterpret_cast<Control*>(a.c.peers[d])->barrier_signal[me], epoch);
+    }
+    int ok = 1;
+    for (int s = 0; s < num_ranks && ok; ++s) {
+      while (ptx::ld_acquire_sys(&ctl->barrier_signal[s]) < epoch) {
+        if (dog.expired(kPhaseNotify, s)) {
+          ok = 0;
+          break;
+        }
+      }
+    }
+    arrived = ok;
+  }
+  __syncthreads();
+  if (!arrived) {
+    if (threadIdx.x == 0) *reinterpret_cast<volatile int32_t*>(&box->seq) = a.seq;  // wake the host
+    return;
+  }
+
+  // 4. Results from the messages of every source.
+  const int* msg = &ctl->notify[parity][0][0];
+  auto word = [&](int s, int w) { return ptx::ld_volatile(msg + s * kNotifyStride + w); };
+  for (int i = threadIdx.x; i < num_ranks * num_ranks; i += blockDim.x) {
+    const int row = i / num_ranks, col = i % num_ranks;
+    int sum = 0;
+    for (int s = 0; s <= row; ++s) sum += word(s, kNotifyCounts + col);
+    a.rank_prefix_matrix[i] = sum;
+  }
+  for (int i = threadIdx.x; i < num_ranks * (num_channels + 1); i += blockDim.x) {
+    const int s = i / (num_channels + 1), c = i % (num_channels + 1);
+    int base = 0;
+    for (int p = 0; p < s; ++p) base += word(p, kNotifyCounts + me);
+    a.recv_channel_offset[i] = base + (c == 0 ? 0 : word(s, kNotifyChannels + c - 1));
+  }
+  const int align = a.expert_alignment;
+  for (int l = threadIdx.x; l < num_local; l += blockDim.x) {
+    int sum = 0;
+    for (int s = 0; s < num_ranks; ++s) sum += word(s, kNotifyExperts + l);
+    box->expert_counts[l] = (sum + align - 1) / align * align;
+  }
+  if (threadIdx.x == 0) {
+    int recv = 0, any = 0;
+    for (int s = 0; s < num_ranks; ++s) {
+      recv += word(s, kNotifyCounts + me);
+      any |= word(s, kNotifyFlags);
+    }
+    // Every rank checks every rank's total, so all of them report an overflow alike.
+    for (int j = 0; j < num_ranks && a.num_worst_tokens > 0; ++j) {
+      int rows = 0;
+      for (int s = 0; s < num_ranks; ++s) rows += word(s, kNotifyCounts + j);
+      if (rows > a.num_worst_tokens && *reinterpret_cast<volatile int32_t*>(&box->overflow_rows) == 0) {
+        box->overflow_rank = j;
+        box->overflow_worst = a.num_worst_tokens;
+        box->overflow_rows = rows;
+      }
+    }
+    box->num_recv = recv;
+    box->flags = any;
+  }
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) *reinterpret_cast<volatile int32_t*>(&box->seq) = a.seq;  // after the results
+}
+
+}  // namespace
+
+void launch_notify(const NotifyArgs& args, cudaStream_t stream) {
+  notify_kernel<<<1, kNotifyThreads, 0, stream>>>(args);
+  check_launch("notify_kernel");
+}
+
+}  // namespace moe_dispatcher::intranode

@@ -1,0 +1,141 @@
+// Intranode (NVLink, CUDA IPC) protocol: the layout of each rank's NVLink buffer, the host-mapped
+// mailbox, and the kernel arguments. Plain C++ (no device code, no torch): included by the kernels,
+// the runtime and the bindings. docs/intranode.md describes the protocol.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/common/timeout_record.h"
+
+namespace moe_dispatcher::intranode {
+
+constexpr int kMaxRanks = 8;
+constexpr int kMaxChannels = 32;        // num_sms <= 64
+constexpr int kMaxLocalExperts = 1024;  // experts per rank
+constexpr int kMaxTopk = 16;
+constexpr int kMaxChunk = 32;           // num_max_nvl_chunked_send_tokens
+constexpr int kMaxWindows = 4;          // a combine receiver reduces up to 32 x kMaxWindows tokens per batch
+constexpr int kThreads = 768;           // threads per block of dispatch / combine (24 warps)
+constexpr int kWarps = kThreads / 32;
+
+// Phases named in timeout errors.
+enum Phase : int32_t {
+  kPhaseNotify = 1,        // notify barrier: waiting for a peer to arrive
+  kPhaseDispatchSend = 2,  // dispatch sender: waiting for free slots in a peer's ring
+  kPhaseDispatchRecv = 3,  // dispatch receiver: waiting for rows from a peer
+  kPhaseCombineSend = 4,
+  kPhaseCombineRecv = 5,
+  kPhaseDrain = 6,         // sender: waiting for a peer to drain what an earlier call sent
+};
+
+// One source's notify message, in the receiver's buffer (int32 words).
+constexpr int kNotifyFlags = 0;                               // bit 0: the source's num_tokens_per_rank mismatched
+constexpr int kNotifyCounts = 1;                              // [R] rows the source sends to each rank
+constexpr int kNotifyChannels = kNotifyCounts + kMaxRanks;    // [C] inclusive prefix over channels of rows to me
+constexpr int kNotifyExperts = kNotifyChannels + kMaxChannels;  // [L] the source's count for each of my experts
+constexpr int kNotifyStride = (kNotifyExperts + kMaxLocalExperts + 15) / 16 * 16;
+
+// Control words at the start of every rank's NVLink buffer; the rings follow at kRingsOffset.
+// Writers/readers and scopes (see channel.cuh for the FIFO words):
+struct Control {
+  uint64_t barrier_signal[kMaxRanks];  // [s]: epoch of rank s's latest barrier; written by s (st.release.sys), read here (ld.acquire.sys)
+  uint64_t barrier_epoch;              // this rank's barrier count; notify's thread 0 only
+  int32_t timeout_claim;               // first timed-out thread of this rank (atomicCAS, gpu scope)
+  int32_t pad0;
+  uint64_t fifo_tail[kMaxChannels][kMaxRanks];   // [c][s]: rows s published into my ring (c, s)
+  uint64_t fifo_head[kMaxChannels][kMaxRanks];   // [c][d]: rows d consumed from its ring (c, me)
+  uint64_t tail_copy[kMaxChannels][kMaxRanks];   // [c][d]: rows I published into d's ring (c, me)
+  uint64_t head_copy[kMaxChannels][kMaxRanks];   // [c][s]: rows I consumed from my ring (c, s)
+  int32_t notify[2][kMaxRanks][kNotifyStride];   // [epoch parity][source]: notify messages, plain stores
+                                                 // published by the barrier's release
+};
+constexpr size_t kRingsOffset = (sizeof(Control) + 4095) / 4096 * 4096;
+
+// Host-mapped mailbox (cudaHostAlloc mapped): notify's results for the host's only synchronisation.
+struct Mailbox {
+  TimeoutRecord timeout;
+  int32_t seq;        // written last (after a system fence) by notify: the host-chosen call number
+  int32_t num_recv;   // rows this rank receives
+  int32_t flags;      // bit 0: some rank's num_tokens_per_rank mismatched is_token_in_rank
+  // Sticky, set by every rank alike when some rank received more rows than num_worst_tokens (its extra
+  // rows were dropped); the host reports and clears it at its next synchronised dispatch.
+  int32_t overflow_rank, overflow_rows, overflow_worst;
+  int32_t pad[2];
+  int32_t expert_counts[kMaxLocalExperts];  // per local expert, rounded up to expert_alignment
+};
+constexpr int32_t kFlagLayoutMismatch = 1;
+
+struct Common {
+  uint8_t* peers[kMaxRanks];  // every rank's NVLink buffer as mapped in this process (own = local)
+  int rank;
+  int num_ranks;
+  Mailbox* mailbox;           // device pointer of the mapped mailbox
+  uint64_t timeout_ns;
+  size_t src_block_bytes;     // ring bytes per source rank in each buffer (after kRingsOffset)
+};
+
+struct LayoutArgs {
+  const int64_t* topk_idx;  // [T, K]
+  int num_tokens, num_topk, num_experts, num_ranks;
+  int* num_tokens_per_rank;    // [R], zeroed by the caller
+  int* num_tokens_per_expert;  // [E], zeroed by the caller
+  bool* is_token_in_rank;      // [T, R]
+};
+
+struct NotifyArgs {
+  Common c;
+  const bool* is_token_in_rank;      // [T, R]
+  const int* num_tokens_per_rank;    // [R] (checked against is_token_in_rank)
+  const int* num_tokens_per_expert;  // [E]
+  int num_tokens, num_experts, num_channels, expert_alignment, num_worst_tokens, seq;
+  int* rank_prefix_matrix;           // out [R, R]
+  int* recv_channel_offset;          // out [R, C + 1]: first row of channel c from source s; [s][C] = end
+};
+
+struct DispatchArgs {
+  Common c;
+  const uint8_t* x;          // [T, hidden_bytes]
+  const int32_t* scales;     // [T, S] 4-byte scales or null
+  const int64_t* topk_idx;   // [T, K] or null (cached dispatch)
+  const float* topk_weights;  // [T, K] or null
+  const bool* is_token_in_rank;
+  const int* recv_channel_offset;  // [R, C + 1]
+  uint8_t* recv_x;           // [rows, hidden_bytes]
+  int32_t* recv_scales;      // [rows, S]
+  int64_t* recv_topk_idx;    // [rows, K]
+  float* recv_topk_weights;  // [rows, K]
+  int* recv_src_idx;         // [rows] or null (cached dispatch)
+  int num_tokens, hidden_bytes, num_scales, num_topk, experts_per_rank;
+  int num_rows;              // rows of the outputs (num_worst_tokens, or the received count)
+  int pad_rows;              // 1: fill rows past the received count (num_worst_tokens): zeros, -1
+  int num_channels, chunk, num_slots, slot_bytes;
+};
+
+enum CombineDtype : int { kBf16 = 0, kFp16 = 1, kFp32 = 2 };
+
+struct CombineArgs {
+  Common c;
+  const uint8_t* x;                // [rows, hidden] received rows
+  const float* topk_weights;       // [rows, K] or null
+  const uint8_t* bias0;            // [T, hidden] or null
+  const uint8_t* bias1;
+  const bool* is_token_in_rank;    // [T, R]
+  const int* recv_channel_offset;  // [R, C + 1]
+  uint8_t* out;                    // [T, hidden]
+  float* out_topk_weights;         // [T, K] or null
+  int dtype, num_tokens, hidden, num_topk;
+  int num_x_rows;                  // rows of x (num_worst_tokens may truncate what a channel lists)
+  int num_channels, chunk, num_slots, slot_bytes;
+  int batch_windows;               // 1..kMaxWindows; 32 x batch_windows + chunk <= num_slots
+};
+
+// Launchers (csrc/kernels/intranode/*.cu). They check the launch and throw std::runtime_error.
+void launch_layout(const LayoutArgs& args, cudaStream_t stream);
+void launch_notify(const NotifyArgs& args, cudaStream_t stream);
+void launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
+void launch_combine(const CombineArgs& args, cudaStream_t stream);
+
+}  // namespace moe_dispatcher::intranode

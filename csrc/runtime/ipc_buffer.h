@@ -1,0 +1,51 @@
+// The NVLink buffer of one rank for intranode kernels: cudaMalloc'd device memory exported with a
+// CUDA IPC handle, the peers' buffers opened from theirs, and a host-mapped mailbox
+// (cudaHostAlloc mapped) where notify leaves receive counts and timeouts for the host.
+// Torch-free and pybind11-free; the exchange of handles happens in Python over the process group.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kernels/intranode/protocol.h"
+
+namespace moe_dispatcher {
+
+class IpcBuffer {
+ public:
+  // Allocates `num_bytes` on the current device and zeroes its control words.
+  IpcBuffer(int rank, int num_ranks, size_t num_bytes);
+  ~IpcBuffer();
+  IpcBuffer(const IpcBuffer&) = delete;
+  IpcBuffer& operator=(const IpcBuffer&) = delete;
+
+  // cudaIpcMemHandle_t of the local buffer, as raw bytes.
+  std::string ipc_handle() const;
+  // Opens every peer's buffer from its handle (handles[rank] is ignored).
+  void open_peers(const std::vector<std::string>& handles);
+  // Waits for the device, closes the peers' mappings and frees everything. Idempotent.
+  void destroy();
+
+  bool alive() const { return local_ != nullptr; }
+  bool opened() const { return opened_; }
+  int rank() const { return rank_; }
+  int num_ranks() const { return num_ranks_; }
+  size_t num_bytes() const { return num_bytes_; }
+  uint8_t* local() const { return local_; }
+  intranode::Mailbox* host_mailbox() const { return host_mailbox_; }
+  // Kernel-side view: peer pointers, mailbox, timeout, ring geometry.
+  intranode::Common common(uint64_t timeout_ns) const;
+
+ private:
+  int rank_, num_ranks_;
+  size_t num_bytes_;
+  uint8_t* local_ = nullptr;
+  uint8_t* peers_[intranode::kMaxRanks] = {};
+  bool opened_ = false;
+  intranode::Mailbox* host_mailbox_ = nullptr;
+  intranode::Mailbox* device_mailbox_ = nullptr;
+};
+
+}  // namespace moe_dispatcher
