@@ -1,0 +1,222 @@
+"""The end of a run: markdown tables (printed and written), the JSON record, the PNG plot."""
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Dict, List, Optional, Sequence
+
+
+def _f(v: Optional[float], nd: int = 1) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return f"{v:.{nd}f}"
+
+
+def _range(d: Dict[str, float], nd: int = 1) -> str:
+    return f"{d['min']:.{nd}f}..{d['max']:.{nd}f}"
+
+
+def _table(header: Sequence[str], rows: List[Sequence[str]]) -> str:
+    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    line = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    out = [line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    out += [line(r) for r in rows]
+    return "\n".join(out)
+
+
+def _nccl_cells(rec: Dict[str, Any]) -> List[str]:
+    if "nccl" not in rec:
+        return ["-", "-", "-"]
+    return [_f(rec["nccl"]["t_us"]["mean"]), _f(rec["nccl"]["gbps"]["mean"]), _f(rec["ratio_vs_nccl"], 2)]
+
+
+def normal_table(records: List[Dict[str, Any]]) -> str:
+    rows = []
+    for r in records:
+        if r["section"] != "normal":
+            continue
+        rows.append([f"{r['op']} {r['dtype']}", r["num_sms"], f"{r['send_chunk']}/{r['recv_chunk']}", r["config"],
+                     _f(r["t_us"]["mean"]), _range(r["t_us"]), _f(r["logical_gbps"]["mean"]),
+                     _f(r["logical_gbps"]["min"]), _f(r.get("physical_gbps", {}).get("mean")),
+                     *_nccl_cells(r), _f(r.get("target_gbps"), 0)])
+    if not rows:
+        return ""
+    return _table(["op", "SMs", "chunks s/r", "config", "t us", "t us ranks", "GB/s logical", "GB/s min rank",
+                   "GB/s phys", "NCCL us", "NCCL GB/s", "ours/NCCL", "target GB/s"], rows)
+
+
+def best_table(records: List[Dict[str, Any]]) -> str:
+    """The best config of each (op, num_sms) of the normal-mode sweep."""
+    best: Dict[tuple, Dict[str, Any]] = {}
+    for r in records:
+        if r["section"] != "normal":
+            continue
+        key = (f"{r['op']} {r['dtype']}", r["num_sms"])
+        if key not in best or r["logical_gbps"]["mean"] > best[key]["logical_gbps"]["mean"]:
+            best[key] = r
+    if len(best) == sum(1 for r in records if r["section"] == "normal"):
+        return ""  # one config per (op, SMs): the main table says it all
+    rows = [[k[0], k[1], f"{r['send_chunk']}/{r['recv_chunk']}", _f(r["t_us"]["mean"]), _f(r["logical_gbps"]["mean"]),
+             _f(r.get("physical_gbps", {}).get("mean")), _f(r.get("ratio_vs_nccl"), 2), _f(r.get("target_gbps"), 0)]
+            for k, r in sorted(best.items(), key=lambda kv: (kv[0][0], kv[0][1]))]
+    return _table(["op", "SMs", "best chunks s/r", "t us", "GB/s logical", "GB/s phys", "ours/NCCL", "target GB/s"],
+                  rows)
+
+
+def extras_table(records: List[Dict[str, Any]]) -> str:
+    rows = []
+    for r in records:
+        if r["section"] == "nccl":
+            rows.append([f"NCCL all_to_all_single, {r['op'].split(' ', 1)[1]} rows", _f(r["t_us"]["mean"]),
+                         _range(r["t_us"]), _f(r["logical_gbps"]["mean"]), _f(r["physical_gbps"]["mean"]), ""])
+        elif r["section"] == "normal-extra":
+            op = r["op"]
+            if op.startswith("host-overhead"):
+                rows.append([f"{op} (cached call, CPU us)", _f(r["t_us"]["mean"]), _range(r["t_us"]), "-", "-",
+                             f"median {_f(r['t_us_median']['mean'])} us; target < 15 us"])
+            elif op == "layout":
+                rows.append(["get_dispatch_layout", _f(r["t_us"]["mean"]), _range(r["t_us"]), "-", "-", ""])
+            else:
+                label = {"naive-nccl-dispatch": "naive NCCL MoE dispatch bf16 (gather, count a2a, host sync, a2a)",
+                         "fresh-dispatch": f"fresh dispatch bf16 (layout given), {r.get('num_sms')} SMs"}.get(op, op)
+                rows.append([label, _f(r["t_us"]["mean"]), _range(r["t_us"]), _f(r["logical_gbps"]["mean"]),
+                             _f(r.get("physical_gbps", {}).get("mean")), ""])
+    if not rows:
+        return ""
+    return _table(["what", "t us", "t us ranks", "GB/s logical", "GB/s phys", "note"], rows)
+
+
+def tokens_table(records: List[Dict[str, Any]]) -> str:
+    by_t: Dict[int, Dict[str, Dict[str, Any]]] = {}
+    for r in records:
+        if r["section"] == "tokens":
+            by_t.setdefault(r["tokens"], {})[f"{r['op']}-{r['dtype']}"] = r
+    if not by_t:
+        return ""
+    rows = []
+    for t in sorted(by_t):
+        cells: List[str] = [str(t)]
+        for key in ("dispatch-bf16", "dispatch-fp8", "combine-bf16"):
+            r = by_t[t].get(key)
+            if r is None:
+                cells += ["-", "-", "-"]
+                continue
+            cells += [_f(r["logical_gbps"]["mean"]), _f(r.get("nccl", {}).get("gbps", {}).get("mean")),
+                      _f(r["t_us"]["mean"])]
+        rows.append(cells)
+    return _table(["tokens/rank", "disp bf16 GB/s", "NCCL", "us", "disp fp8 GB/s", "NCCL", "us", "combine GB/s",
+                   "NCCL", "us"], rows)
+
+
+def ll_table(records: List[Dict[str, Any]]) -> str:
+    rows = []
+    for r in records:
+        if r["section"] != "low-latency":
+            continue
+        ours = not r["op"].startswith("nccl")
+        rows.append([r["num_experts"], r["op"] if ours else f"(no graph of ours) {r['op']}", r.get("path", ""),
+                     _f(r["t_us"]["mean"]), _range(r["t_us"]), _f(r["t_us_median"]["mean"]),
+                     _f(sum(r["bytes_logical"]) / len(r["bytes_logical"]) / 1e6, 2), _f(r["logical_gbps"]["mean"]),
+                     *(_nccl_cells(r) if ours else ["-", "-", "-"]), _f(r.get("target_us"), 0)])
+    if not rows:
+        return ""
+    return _table(["E", "op", "timing", "t us", "t us ranks", "median us", "MB/rank", "GB/s", "NCCL us",
+                   "NCCL GB/s", "ours/NCCL", "target us"], rows)
+
+
+def render(meta: Dict[str, Any], records: List[Dict[str, Any]], notes: List[str]) -> str:
+    parts = [f"# moe_dispatcher bench: {meta.get('device')} x{meta.get('num_ranks')}, {meta.get('date')}",
+             "",
+             f"- command: `{meta.get('command')}`",
+             f"- backend requested: {meta.get('backend_requested')}; used: {', '.join(meta.get('backends_used', [])) or '-'}",
+             f"- torch {meta.get('torch')}, CUDA {meta.get('cuda', '-')}, NCCL {meta.get('nccl', '-')}, "
+             f"process group {meta.get('process_group')}",
+             "- GB/s logical: DeepEP V1's byte count (rows received incl. self x 2H; FP8 x (1+4/128)/2) / mean "
+             "time; phys: rows to/from peers only. Times: mean over ranks of each rank's mean call time.",
+             ""]
+    for title, text in (("Normal mode (cached-handle calls)", normal_table(records)),
+                        ("Normal mode: best chunks per op and SM count", best_table(records)),
+                        ("Normal mode: baselines, fresh dispatch, host overhead", extras_table(records)),
+                        ("Tokens per rank sweep (logical GB/s)", tokens_table(records)),
+                        ("Low-latency mode", ll_table(records))):
+        if text:
+            parts += [f"## {title}", "", text, ""]
+    if notes:
+        parts += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
+    return "\n".join(parts)
+
+
+def plot(records: List[Dict[str, Any]], path: str, title: str) -> Optional[str]:
+    """PNG of logical GB/s vs tokens per rank, ours (solid) vs NCCL (dashed). Returns a note when skipped."""
+    series: Dict[str, Dict[int, float]] = {}
+    for r in records:
+        if r["section"] == "tokens":
+            key = f"{r['op']} {r['dtype']}"
+            series.setdefault(key, {})[r["tokens"]] = r["logical_gbps"]["mean"]
+            if "nccl" in r:
+                series.setdefault(f"NCCL a2a ({key})", {})[r["tokens"]] = r["nccl"]["gbps"]["mean"]
+    if not series:
+        return None
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as exc:  # noqa: BLE001
+        return f"plot skipped: matplotlib is not importable ({type(exc).__name__})"
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colors = {"dispatch bf16": "tab:blue", "dispatch fp8": "tab:orange", "combine bf16": "tab:green"}
+    for key, pts in series.items():
+        xs = sorted(pts)
+        base = key[len("NCCL a2a ("):-1] if key.startswith("NCCL") else key
+        ax.plot(xs, [pts[x] for x in xs], marker="o", linestyle="--" if key.startswith("NCCL") else "-",
+                color=colors.get(base), label=key)
+    ax.set_xscale("log", base=2)
+    ticks = sorted({t for pts in series.values() for t in pts})
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([str(t) for t in ticks])
+    ax.minorticks_off()
+    ax.set_xlabel("tokens per rank")
+    ax.set_ylabel("logical GB/s per rank")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+def write(meta: Dict[str, Any], records: List[Dict[str, Any]], notes: List[str], json_path: Optional[str],
+          out_dir: Optional[str], mode: str) -> List[str]:
+    """Print the tables; write the JSON / markdown / PNG files asked for. Returns the paths written."""
+    text = render(meta, records, notes)
+    print("\n" + text, flush=True)
+    written = []
+    doc = {"meta": meta, "notes": notes, "records": records}
+    stem = None
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        stem = os.path.join(out_dir, f"bench_{mode}_{meta['device_kind']}x{meta['num_ranks']}_{meta['stamp']}")
+    png_note = None
+    if stem is not None:
+        png = stem + ".png"
+        png_note = plot(records, png, f"moe_dispatcher vs NCCL, {meta.get('device')} x{meta.get('num_ranks')} "
+                                      f"({', '.join(meta.get('backends_used', []))})")
+        if png_note is None and os.path.exists(png):
+            written.append(png)
+        if png_note:
+            print(png_note, flush=True)
+            doc["notes"] = notes + [png_note]
+        with open(stem + ".md", "w") as f:
+            f.write(render(meta, records, doc["notes"]))
+        written.append(stem + ".md")
+    for path in filter(None, (json_path, stem + ".json" if stem else None)):
+        d = os.path.dirname(os.path.abspath(path))
+        os.makedirs(d, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1, default=str)
+        written.append(path)
+    for p in written:
+        print(f"wrote {p}", flush=True)
+    return written

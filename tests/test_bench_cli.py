@@ -1,0 +1,107 @@
+"""The benchmark CLI end to end on the CPU: 2 gloo ranks it spawns itself, the reference backend, tiny shapes.
+
+Checks that the tables are printed, that the JSON / markdown files are written with the expected records,
+and that the byte counts follow shared/notes/performance.md (they do not depend on the timing)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+ARGS = ["--cpu", "--num-ranks", "2", "--backend", "reference", "--mode", "all", "--quick", "--tokens", "64",
+        "--hidden", "256", "--num-experts", "16", "--topk", "4", "--num-sms", "8,24", "--chunks", "16:256",
+        "--plot-sweep", "--tokens-sweep", "32,64", "--ll-tokens", "8", "--ll-experts", "16", "--iters", "3",
+        "--warmup", "1", "--timeout", "60"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "moe_dispatcher.bench", *ARGS, "--json", str(out / "r.json"),
+                           "--out-dir", str(out / "dir")], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    return proc.stdout, out
+
+
+def test_tables_printed(run):
+    stdout, _ = run
+    for text in ("== normal mode: 2 ranks", "[normal] dispatch bf16", "[nccl] all_to_all_single",
+                 "[low-latency] E=16", "## Normal mode (cached-handle calls)", "## Normal mode: baselines",
+                 "## Tokens per rank sweep", "## Low-latency mode", "ours/NCCL", "GB/s logical", "GB/s phys",
+                 "naive NCCL MoE dispatch", "host-overhead dispatch"):
+        assert text in stdout, f"{text!r} missing from the output:\n{stdout[-3000:]}"
+
+
+def test_json_records(run):
+    _, out = run
+    doc = json.loads((out / "r.json").read_text())
+    assert {"meta", "notes", "records"} <= set(doc)
+    meta = doc["meta"]
+    assert meta["num_ranks"] == 2 and meta["device_kind"] == "cpu" and meta["backends_used"] == ["reference"]
+    assert meta["failed_sections"] == []
+    recs = doc["records"]
+    ops = {(r["section"], r["op"], r.get("dtype")) for r in recs}
+    for want in [("normal", "dispatch", "bf16"), ("normal", "dispatch", "fp8"), ("normal", "combine", "bf16"),
+                 ("nccl", "nccl-a2a dispatch-bf16", None), ("normal-extra", "naive-nccl-dispatch", "bf16"),
+                 ("normal-extra", "fresh-dispatch", "bf16"), ("normal-extra", "host-overhead dispatch", "bf16"),
+                 ("tokens", "dispatch", "bf16")]:
+        assert want in ops, f"{want} not among {sorted(ops, key=str)}"
+    normal = [r for r in recs if r["section"] == "normal"]
+    assert {r["num_sms"] for r in normal} == {8, 24}
+    for r in normal:
+        for key in ("t_us", "t_us_median", "logical_gbps", "physical_gbps", "nccl", "ratio_vs_nccl", "per_rank_us",
+                    "bytes_logical", "bytes_physical", "send_chunk", "recv_chunk", "backend"):
+            assert key in r, f"{key} missing from {r['op']} {r['dtype']}"
+        assert len(r["per_rank_us"]) == 2 and r["t_us"]["min"] <= r["t_us"]["mean"] <= r["t_us"]["max"]
+    # byte formula: BF16 = received rows x 2H (self included); FP8 = that x (1 + 4/128) / 2; physical <= logical
+    h = 256
+    bf16 = next(r for r in normal if r["op"] == "dispatch" and r["dtype"] == "bf16")
+    fp8 = next(r for r in normal if r["op"] == "dispatch" and r["dtype"] == "fp8")
+    comb = next(r for r in normal if r["op"] == "combine")
+    for rank in range(2):
+        rows = bf16["bytes_logical"][rank] / (2 * h)
+        assert rows == int(rows) and rows > 0
+        assert fp8["bytes_logical"][rank] == pytest.approx(bf16["bytes_logical"][rank] * (1 + 4 / 128) / 2)
+        assert comb["bytes_logical"][rank] == bf16["bytes_logical"][rank]
+        assert 0 < bf16["bytes_physical"][rank] < bf16["bytes_logical"][rank]
+    nccl = next(r for r in recs if r["op"] == "nccl-a2a dispatch-bf16" and r["section"] == "nccl")
+    assert nccl["bytes_logical"] == bf16["bytes_logical"], "the NCCL baseline must move the same rows"
+    # low-latency: valid selections x (H + H/128*4 + 16) for dispatch, x 2H for combine (all T*K slots valid)
+    ll = {r["op"]: r for r in recs if r["section"] == "low-latency" and r.get("path") == "events"}
+    assert set(ll) == {"dispatch", "combine", "dispatch+combine"}
+    sel = 8 * 4
+    assert ll["dispatch"]["bytes_logical"] == [sel * (h + h // 128 * 4 + 16)] * 2
+    assert ll["combine"]["bytes_logical"] == [sel * 2 * h] * 2
+    assert "nccl" in ll["dispatch"]
+
+
+def test_out_dir_files(run):
+    _, out = run
+    names = os.listdir(out / "dir")
+    md = [n for n in names if n.endswith(".md")]
+    assert len(md) == 1 and md[0].startswith("bench_all_cpux2_"), names
+    assert any(n.endswith(".json") for n in names)
+    text = (out / "dir" / md[0]).read_text()
+    assert "## Low-latency mode" in text and "## Tokens per rank sweep" in text
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "plot skipped" in text
+    else:
+        assert any(n.endswith(".png") for n in names), names
+
+
+def test_help_and_bad_options():
+    from moe_dispatcher.bench.cli import parser, resolve
+    assert "--plot-sweep" in parser().format_help()
+    with pytest.raises(SystemExit):
+        resolve(parser().parse_args(["--cpu", "--hidden", "100"]))
+    with pytest.raises(SystemExit):
+        resolve(parser().parse_args(["--cpu", "--backend", "kernels"]))
