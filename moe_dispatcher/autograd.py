@@ -235,7 +235,7 @@ class _LowLatencyCombine(torch.autograd.Function):
         dots = (g_rows * x.float()).sum(-1)                                     # [L, rows]
         hi = dots.to(torch.bfloat16)
         lo = (dots - hi.float()).to(torch.bfloat16)
-        cols = torch.zeros(local, rows, 128 * ((2 * k + 127) // 128), dtype=torch.bfloat16, device=grad.device)
+        cols = torch.zeros(local, rows, h, dtype=torch.bfloat16, device=grad.device)  # h >= 128 >= 2K columns
         slot = slot_hit.int().argmax(-1, keepdim=True)                          # [L, rows, 1]
         hit = slot_hit.any(-1, keepdim=True)
         cols.scatter_(2, 2 * slot, torch.where(hit, hi.unsqueeze(-1), torch.zeros_like(hi.unsqueeze(-1))))

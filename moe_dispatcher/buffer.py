@@ -286,8 +286,8 @@ class Buffer:
         """
         self._check_alive()
         check_num_experts(num_experts, self.group_size)
-        check_topk_idx(topk_idx, num_experts, values=topk_idx.device.type == "cpu")
         backend = self._normal_backend(topk_idx.device)
+        check_topk_idx(topk_idx, num_experts, values=topk_idx.device.type == "cpu" or backend is self._reference_normal)
         results, event = self._stream_scope(topk_idx.device, previous_event, async_finish, allocate_on_comm_stream,
                                             lambda: backend.get_dispatch_layout(topk_idx, num_experts), [topk_idx])
         return (*results, event)

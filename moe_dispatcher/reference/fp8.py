@@ -28,16 +28,19 @@ def per_token_cast_to_fp8(x: torch.Tensor, round_scale: bool = False,
         raise ValueError(f"hidden size {h} is not a multiple of {GROUP}")
     xf = x.float().view(t, h // GROUP, GROUP)
     amax = xf.abs().amax(dim=-1).clamp_min(AMAX_FLOOR)  # [T, G]
+    # Divisions are tensor by tensor: PyTorch turns `tensor / python_float` into a multiply by the reciprocal
+    # on CUDA and `python_float / tensor` into reciprocal-then-multiply everywhere: two roundings, not IEEE.
+    fp8_max = torch.full_like(amax, FP8_MAX)
     if round_scale:
         # scale = 2^ceil(log2(amax / 448)). frexp gives amax/448 = m * 2^e with m in [0.5, 1): the ceiling of
         # log2 is e, except for m == 0.5 exactly (a power of two), where it is e - 1.
-        mant, exp = torch.frexp(amax / FP8_MAX)
+        mant, exp = torch.frexp(amax / fp8_max)
         exp = exp - (mant == 0.5).to(exp.dtype)
         scale = torch.ldexp(torch.ones_like(amax), exp)
         inv = torch.ldexp(torch.ones_like(amax), -exp)
     else:
-        scale = amax / FP8_MAX
-        inv = FP8_MAX / amax
+        scale = amax / fp8_max
+        inv = fp8_max / amax
     q = (xf * inv.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(t, h)
     if not use_ue8m0:
         return q, scale

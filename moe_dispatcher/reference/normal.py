@@ -70,15 +70,20 @@ class ReferenceNormal:
         if not torch.equal(sent_by_me.cpu(), num_tokens_per_rank.to(torch.int64).cpu()):
             raise ValueError("dispatch: num_tokens_per_rank does not match is_token_in_rank (pass the layout "
                              "that get_dispatch_layout returned for these topk_idx)")
-        table = all_gather_rows(self.group, torch.cat([sent_by_me, num_tokens_per_expert.to(torch.int64)]))
+        worst = torch.tensor([num_worst_tokens], dtype=torch.int64, device=sent_by_me.device)
+        table = all_gather_rows(self.group, torch.cat([sent_by_me, num_tokens_per_expert.to(torch.int64).to(
+            sent_by_me.device), worst]))
         table = table.cpu()
         send_matrix = table[:, :r]
         rank_prefix_matrix = send_matrix.cumsum(0).to(torch.int32)
         per_local_expert = table[:, r + me * local: r + (me + 1) * local].sum(0)
         num_recv = int(rank_prefix_matrix[-1, me])
-        if num_worst_tokens and num_recv > num_worst_tokens:
-            raise ValueError(f"dispatch: rank {me} receives {num_recv} tokens, more than num_worst_tokens="
-                             f"{num_worst_tokens}")
+        # Every rank checks every rank's limit, so all raise together before any rows move.
+        received, limits = send_matrix.sum(0), table[:, -1]
+        over = [(j, int(received[j]), int(limits[j])) for j in range(r) if limits[j] and received[j] > limits[j]]
+        if over:
+            j, got, limit = over[0]
+            raise ValueError(f"dispatch: rank {j} receives {got} tokens, more than its num_worst_tokens={limit}")
         # 2. Rows, destination-major then token order, so they land in (source rank, token) order.
         src = _send_order(is_token_in_rank)
         pieces = [x[src]]

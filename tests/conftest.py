@@ -1,0 +1,45 @@
+"""Test configuration: markers, and tests/ on sys.path so the harness and oracle import as `dist`, `oracle`.
+
+Markers:
+  gpu   needs CUDA GPUs: `@pytest.mark.gpu` (as many GPUs as the test's `world_size` parameter, else 1) or
+        `@pytest.mark.gpu(n)`. Skipped when torch has no CUDA or fewer GPUs are visible. Select with -m gpu.
+  slow  long-running; deselect with -m "not slow".
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "gpu(n=world_size): needs n CUDA GPUs (NCCL runs of the distributed tests)")
+    config.addinivalue_line("markers", "slow: long-running test")
+
+
+def _gpus_needed(item: pytest.Item, marker: pytest.Mark) -> int:
+    if marker.args:
+        return int(marker.args[0])
+    if "n" in marker.kwargs:
+        return int(marker.kwargs["n"])
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and "world_size" in callspec.params:
+        return int(callspec.params["world_size"])
+    return 1
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    marker = item.get_closest_marker("gpu")
+    if marker is None:
+        return
+    import torch
+    needed = _gpus_needed(item, marker)
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if torch.cuda.device_count() < needed:
+        pytest.skip(f"needs {needed} GPUs, found {torch.cuda.device_count()}")

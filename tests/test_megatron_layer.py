@@ -1,0 +1,307 @@
+"""A Megatron-Core MoELayer with our dispatcher vs Megatron's own, on real ranks.
+
+Same weights, same inputs, same upstream gradient: the outputs, the input gradients and every parameter
+gradient must match. On CPU (gloo, reference backend) the reference is Megatron's allgather dispatcher (its
+alltoall dispatcher needs CUDA streams); the normal-mode results are bit-identical at EP=2 and equal up to
+summation order with expert tensor parallelism. On GPUs (NCCL, compiled kernels, bf16) the reference is the
+alltoall dispatcher. Each world runs many cases (spawning ranks that import Megatron costs seconds), and
+the test functions check the numbers it returns.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from dist import case, device, run_distributed
+
+pytest.importorskip("megatron.core", reason="needs megatron-core (bash tools/install_megatron.sh)")
+
+H, E, K, FFN, T = 128, 8, 2, 64, 24  # hidden is a multiple of 128 for the low-latency mode
+
+
+# ------------------------------------------------------------------------------------------- in a rank
+def _setup(tp: int, ep: int) -> None:
+    warnings.filterwarnings("ignore")
+    import moe_dispatcher.integrations.megatron  # noqa: F401  (registers)
+    from megatron.core import parallel_state as ps
+    from moe_dispatcher.integrations.megatron import cpu
+    on_cpu = cpu.enable()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                 expert_tensor_parallel_size=tp)
+    if not on_cpu:
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+        model_parallel_cuda_manual_seed(123)
+
+
+def _config(dispatcher: str, tp: int, ep: int, **overrides: Any):
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    kwargs = {
+        "num_layers": 1, "hidden_size": H, "num_attention_heads": 4, "num_moe_experts": E,
+        "moe_ffn_hidden_size": FFN, "ffn_hidden_size": FFN, "moe_router_topk": K,
+        "moe_token_dispatcher_type": dispatcher, "tensor_model_parallel_size": tp,
+        "expert_model_parallel_size": ep, "expert_tensor_parallel_size": tp, "sequence_parallel": tp > 1,
+        "use_cpu_initialization": True, "add_bias_linear": False, "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0, "moe_router_dtype": "fp32", "gated_linear_unit": True,
+        "activation_func": F.silu,
+    }
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def _errors(got: torch.Tensor, want: torch.Tensor) -> list[float]:
+    """[max |got - want|, max |want|]"""
+    return [(got.float() - want.float()).abs().max().item(), want.float().abs().max().item()]
+
+
+def _parity(ours: str, reference: str, tp: int, ep: int, dtype: torch.dtype = torch.float32,
+            **overrides: Any) -> dict[str, Any]:
+    """Run one MoELayer forward+backward with each dispatcher; return the errors of ours."""
+    import torch.distributed as dist
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.spec_utils import get_submodules
+    dev = device()
+    submodules = get_submodules(get_gpt_layer_local_submodules(num_experts=E, moe_grouped_gemm=False).mlp)
+    torch.manual_seed(0)
+    layers = [MoELayer(_config(name, tp, ep, **overrides), submodules).to(dev, dtype) for name in (reference, ours)]
+    layers[1].load_state_dict(layers[0].state_dict())
+    torch.manual_seed(100 + dist.get_rank())
+    x = torch.randn(T, 1, H, dtype=dtype).to(dev)
+    upstream = torch.randn(T, 1, H, dtype=dtype).to(dev)
+    runs = []
+    for layer in layers:
+        layer.set_layer_number(1)
+        xi = x.clone().requires_grad_()
+        y, _ = layer(xi)
+        y.backward(upstream)
+        runs.append((y.detach(), xi.grad, {n: p.grad for n, p in layer.named_parameters()}))
+    (y0, g0, p0), (y1, g1, p1) = runs
+    return {"dispatcher": type(layers[1].token_dispatcher).__name__, "out": _errors(y1, y0),
+            "x_grad": _errors(g1, g0),
+            "params": {n: (_errors(p1[n], p0[n]) if p0[n] is not None else None) for n in p0},
+            "missing_grads": sorted(n for n in p0 if (p0[n] is None) != (p1[n] is None))}
+
+
+def _dispatcher(config, ep: int):
+    import torch.distributed as dist
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from moe_dispatcher.integrations.megatron import MoEDispatcherTokenDispatcher
+    pg = get_default_pg_collection()
+    local = E // ep
+    first = dist.get_rank(pg.ep) * local
+    return MoEDispatcherTokenDispatcher(local, list(range(first, first + local)), config=config, pg_collection=pg)
+
+
+def _round_trip(ep: int, fp8_recipe: str | None = None) -> dict[str, Any]:
+    """dispatch -> identity experts (times the permuted probs) -> combine == x * sum of the token's probs;
+    gradients against the same math done locally; expert-major rows against a gather of all tokens."""
+    import torch.distributed as dist
+    config = _config("moe_dispatcher", 1, ep)
+    if fp8_recipe is not None:  # TransformerConfig refuses fp8 without Transformer Engine: set it afterwards
+        config.fp8, config.fp8_recipe, config.moe_router_padding_for_quantization = "e4m3", fp8_recipe, True
+    d = _dispatcher(config, ep)
+    g = torch.Generator().manual_seed(7 + dist.get_rank())
+    x = torch.randn(T, 1, H, generator=g)
+    scores = torch.randn(T, E, generator=g)
+    routing_map = torch.zeros(T, E, dtype=torch.bool).scatter_(1, scores.topk(K, dim=1).indices, True)
+    routing_map[3] = False  # a token the router dropped
+    upstream = torch.randn(T, 1, H, generator=g)
+
+    xa, sa = x.clone().requires_grad_(), scores.clone().requires_grad_()
+    probs = sa.softmax(-1) * routing_map
+    h, p = d.dispatch_preprocess(xa, routing_map, probs)
+    h, p = d.token_dispatch(h, p)
+    rows, tokens_per_expert, permuted_probs = d.dispatch_postprocess(h, p)
+    out = d.combine_preprocess(rows * permuted_probs.unsqueeze(-1))
+    y = d.combine_postprocess(d.token_combine(out))
+    y.backward(upstream)
+
+    xb, sb = x.clone().requires_grad_(), scores.clone().requires_grad_()
+    y_ref = xb * (sb.softmax(-1) * routing_map).sum(-1).view(T, 1, 1)
+    y_ref.backward(upstream)
+
+    # Expert-major content: the rows of local expert e are the tokens of all ranks routed to e, in rank order.
+    all_x = [torch.empty_like(x) for _ in range(ep)]
+    dist.all_gather(all_x, x)
+    all_map = [torch.empty(T, E, dtype=torch.int32) for _ in range(ep)]
+    dist.all_gather(all_map, routing_map.int())
+    all_map = torch.cat(all_map).bool()
+    all_tokens = torch.cat(all_x).view(-1, H)
+    local = E // ep
+    counts = tokens_per_expert.tolist()
+    offsets = [0]
+    for c in counts:
+        offsets.append(offsets[-1] + c)
+    layout_ok, padding_ok = True, True
+    for e in range(local):
+        mine = all_tokens[all_map[:, dist.get_rank() * local + e]]
+        seg = rows[offsets[e]:offsets[e + 1]].detach()
+        layout_ok &= bool(torch.equal(seg[:mine.shape[0]], mine))
+        padding_ok &= bool((seg[mine.shape[0]:] == 0).all()) and bool(
+            (permuted_probs[offsets[e] + mine.shape[0]:offsets[e + 1]] == 0).all())
+    return {"out": _errors(y.detach(), y_ref.detach()), "x_grad": _errors(xa.grad, xb.grad),
+            "probs_grad": _errors(sa.grad, sb.grad), "tokens_per_expert": counts,
+            "tokens_per_expert_device": str(tokens_per_expert.device),
+            "tokens_per_expert_dtype": str(tokens_per_expert.dtype), "rows": rows.shape[0],
+            "layout_ok": layout_ok, "padding_ok": padding_ok, "probs_requires_grad": permuted_probs.requires_grad,
+            "pad_multiple": d.pad_multiple}
+
+
+def _buffer_reuse() -> dict[str, Any]:
+    """Layers share one Buffer per group; it is replaced only when a call needs more room."""
+    import torch.distributed as dist
+    from moe_dispatcher.integrations.megatron import buffers
+    group = dist.group.WORLD
+    first = buffers.get_buffer(group, hidden=H, element_size=4)
+    again = buffers.get_buffer(group, hidden=H // 2, element_size=2)
+    bigger = buffers.get_buffer(group, hidden=4 * H, element_size=4)
+    after = buffers.get_buffer(group, hidden=H, element_size=4)
+    return {"same_when_smaller": again is first, "new_when_bigger": bigger is not first,
+            "kept_bigger": after is bigger}
+
+
+def _ep2_worker(rank: int, world: int) -> dict[str, Any]:
+    _setup(tp=1, ep=world)
+    res: dict[str, Any] = {}
+    with case("normal vs allgather"):
+        res["normal"] = _parity("moe_dispatcher", "allgather", 1, world)
+    with case("normal vs allgather, capacity factor 0.5 (dropped tokens)"):
+        res["capacity"] = _parity("moe_dispatcher", "allgather", 1, world, moe_expert_capacity_factor=0.5)
+    with case("normal vs allgather, shared expert"):
+        res["shared"] = _parity("moe_dispatcher", "allgather", 1, world, moe_shared_expert_intermediate_size=FFN)
+    with case("low-latency vs allgather"):
+        res["ll"] = _parity("moe_dispatcher_ll", "allgather", 1, world)
+    with case("round trip"):
+        res["round_trip"] = _round_trip(world)
+    with case("round trip, fp8 padding"):
+        res["fp8"] = _round_trip(world, fp8_recipe="delayed")
+    with case("round trip, mxfp8 padding"):
+        res["mxfp8"] = _round_trip(world, fp8_recipe="mxfp8")
+    with case("buffer reuse"):
+        res["buffers"] = _buffer_reuse()
+    return res
+
+
+def _etp_worker(rank: int, world: int) -> dict[str, Any]:
+    _setup(tp=2, ep=world // 2)
+    res: dict[str, Any] = {}
+    with case("ETP=2 x EP=2 normal vs allgather"):
+        res["normal"] = _parity("moe_dispatcher", "allgather", 2, world // 2)
+    with case("ETP=2 x EP=2 low-latency vs allgather"):
+        res["ll"] = _parity("moe_dispatcher_ll", "allgather", 2, world // 2)
+    return res
+
+
+def _gpu_worker(rank: int, world: int) -> dict[str, Any]:
+    _setup(tp=1, ep=world)
+    res: dict[str, Any] = {}
+    for ours in ("moe_dispatcher", "moe_dispatcher_ll"):
+        with case(f"{ours} vs alltoall, bf16"):
+            res[ours] = _parity(ours, "alltoall", 1, world, dtype=torch.bfloat16, bf16=True,
+                                params_dtype=torch.bfloat16)
+    with case("moe_dispatcher vs alltoall, shared-expert overlap, bf16"):
+        res["overlap"] = _parity("moe_dispatcher", "alltoall", 1, world, dtype=torch.bfloat16, bf16=True,
+                                 params_dtype=torch.bfloat16, moe_shared_expert_intermediate_size=FFN,
+                                 moe_shared_expert_overlap=True)
+    return res
+
+
+# ------------------------------------------------------------------------------------------- the tests
+def _close(errors: list[float], rtol: float, what: str, atol: float = 0.0) -> None:
+    diff, scale = errors
+    assert diff <= atol + rtol * scale, f"{what}: max |diff| {diff:.3g} vs max |ref| {scale:.3g} (rtol {rtol})"
+
+
+def _check_parity(result: dict[str, Any], rtol: float, what: str) -> None:
+    assert not result["missing_grads"], f"{what}: gradients present on one side only: {result['missing_grads']}"
+    _close(result["out"], rtol, f"{what} output")
+    _close(result["x_grad"], rtol, f"{what} input grad")
+    for name, errs in result["params"].items():
+        assert errs is not None, f"{what}: {name} got no gradient"
+        _close(errs, rtol, f"{what} grad of {name}")
+
+
+@pytest.fixture(scope="module")
+def ep2() -> list[dict[str, Any]]:
+    return run_distributed(_ep2_worker, 2, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def etp() -> list[dict[str, Any]]:
+    return run_distributed(_etp_worker, 4, timeout=300)
+
+
+def test_layer_matches_allgather_bitwise_ep2(ep2):
+    for rank, res in enumerate(ep2):
+        assert res["normal"]["dispatcher"] == "MoEDispatcherTokenDispatcher"
+        _check_parity(res["normal"], 0.0, f"rank {rank}")
+
+
+def test_layer_matches_allgather_with_dropped_tokens(ep2):
+    for rank, res in enumerate(ep2):
+        _check_parity(res["capacity"], 0.0, f"rank {rank} capacity factor")
+
+
+def test_layer_matches_allgather_with_shared_expert(ep2):
+    for rank, res in enumerate(ep2):
+        assert any("shared_experts" in n for n in res["shared"]["params"])
+        _check_parity(res["shared"], 0.0, f"rank {rank} shared expert")
+
+
+def test_low_latency_layer_matches_allgather_within_bf16(ep2):
+    for rank, res in enumerate(ep2):
+        assert res["ll"]["dispatcher"] == "MoEDispatcherLowLatencyTokenDispatcher"
+        _check_parity(res["ll"], 3e-2, f"rank {rank} low-latency")
+
+
+def test_dropless_round_trip(ep2):
+    for rank, res in enumerate(ep2):
+        rt = res["round_trip"]
+        _close(rt["out"], 1e-6, f"rank {rank} round trip output")
+        _close(rt["x_grad"], 1e-6, f"rank {rank} round trip input grad")
+        _close(rt["probs_grad"], 1e-6, f"rank {rank} round trip probs grad")
+        assert rt["layout_ok"], f"rank {rank}: expert-major rows differ from the tokens routed to each expert"
+        assert rt["tokens_per_expert_device"] == "cpu" and rt["tokens_per_expert_dtype"] == "torch.int64"
+        assert sum(rt["tokens_per_expert"]) == rt["rows"]
+        assert rt["probs_requires_grad"]
+
+
+@pytest.mark.parametrize("variant,multiple", [("fp8", 16), ("mxfp8", 32)])
+def test_fp8_router_padding_counts(ep2, variant, multiple):
+    for rank, res in enumerate(ep2):
+        rt, plain = res[variant], res["round_trip"]
+        assert rt["pad_multiple"] == multiple
+        assert all(c % multiple == 0 for c in rt["tokens_per_expert"]), rt["tokens_per_expert"]
+        assert all(p >= c and p - c < multiple for p, c in zip(rt["tokens_per_expert"], plain["tokens_per_expert"]))
+        assert sum(rt["tokens_per_expert"]) == rt["rows"]
+        assert rt["layout_ok"] and rt["padding_ok"], f"rank {rank}: padding rows must be zeros with prob 0"
+        _close(rt["out"], 1e-6, f"rank {rank} padded round trip output")
+        _close(rt["probs_grad"], 1e-6, f"rank {rank} padded round trip probs grad")
+
+
+def test_one_buffer_per_group_reused(ep2):
+    for res in ep2:
+        assert res["buffers"] == {"same_when_smaller": True, "new_when_bigger": True, "kept_bigger": True}
+
+
+def test_layer_matches_allgather_etp2_ep2(etp):
+    for rank, res in enumerate(etp):
+        _check_parity(res["normal"], 1e-5, f"rank {rank} ETP=2 x EP=2")
+
+
+def test_low_latency_layer_matches_allgather_etp2_ep2(etp):
+    for rank, res in enumerate(etp):
+        _check_parity(res["ll"], 3e-2, f"rank {rank} ETP=2 x EP=2 low-latency")
+
+
+@pytest.mark.gpu(2)
+def test_layer_matches_alltoall_on_gpus():
+    n = min(torch.cuda.device_count(), 4)
+    results = run_distributed(_gpu_worker, n, backend="nccl", env={"MOE_DISPATCHER_BACKEND": "kernels"},
+                              timeout=300)
+    for rank, res in enumerate(results):
+        for key in ("moe_dispatcher", "moe_dispatcher_ll", "overlap"):
+            _check_parity(res[key], 3e-2, f"rank {rank} {key} (NCCL, kernels, bf16)")

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine: build the extension, run the GPU tests, the benchmarks (ours beside NCCL)
+# and the Megatron layer benchmark, for N GPUs (default: every visible GPU) and for 2, highest priority
+# first, stopping before DEADLINE_S seconds have passed. Everything lands in $OUT (default ./gpu-out) and is
+# packed into $OUT/results.tgz (the device tool brings back only a few files).
+#
+#   bash tools/gpu_suite.sh [N]            e.g. N=8 on an 8-GPU machine
+#   STEPS="build tests bench" bash tools/gpu_suite.sh 4
+# Python wheels the image lacks (nvshmem4py, megatron-core) are taken from .whl/ when present; the Megatron
+# yardstick is read from $LAYER_BENCH (default .out/megatron_layer_bench.py, a copy of
+# shared/tools/megatron_layer_bench.py).
+set -u
+export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_REMOTE_TRANSPORT=none
+export PYTHONUNBUFFERED=1 MOE_TEST_TIMEOUT=${MOE_TEST_TIMEOUT:-120} MOE_DISPATCHER_TIMEOUT_S=${MOE_DISPATCHER_TIMEOUT_S:-10}
+OUT=${OUT:-./gpu-out}
+mkdir -p "$OUT/logs"
+N=${1:-$(nvidia-smi -L | wc -l)}
+STEPS=${STEPS:-"build tests bench megatron"}
+DEADLINE_S=${DEADLINE_S:-540}
+LAYER_BENCH=${LAYER_BENCH:-.out/megatron_layer_bench.py}
+start=$(date +%s)
+summary="$OUT/summary.txt"
+: > "$summary"
+
+left() { echo $(( DEADLINE_S - ($(date +%s) - start) )); }
+# run NAME LIMIT_S CMD...: one step, its log in $OUT/logs/NAME.log, a line in the summary.
+run() {
+  local name=$1 limit=$2; shift 2
+  local budget; budget=$(left)
+  (( budget < 15 )) && { echo "SKIP $name (deadline)" | tee -a "$summary"; return; }
+  (( limit > budget )) && limit=$budget
+  local t0; t0=$(date +%s)
+  timeout -k 5 "$limit" "$@" > "$OUT/logs/$name.log" 2>&1
+  local rc=$?
+  echo "$( ((rc == 0)) && echo PASS || echo "FAIL rc=$rc") $name ($(( $(date +%s) - t0 )) s)" | tee -a "$summary"
+  tail -n 4 "$OUT/logs/$name.log" | sed 's/^/    /' | tee -a "$summary"
+}
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+
+if [ -d .whl ] && ls .whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+{ nvidia-smi -L; python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } >> "$summary" 2>&1
+
+has build && run build 240 env MAX_JOBS=32 MOE_DISPATCHER_BUILD_EXT=1 python3 -m pip install --no-deps --no-build-isolation -v -e .
+if has bench; then
+  run bench_normal_${N} 150 python3 -m moe_dispatcher.bench --mode normal --backend kernels --num-ranks "$N" --plot-sweep --out-dir "$OUT"
+  (( N != 2 )) && run bench_normal_2 90 python3 -m moe_dispatcher.bench --mode normal --backend kernels --num-ranks 2 --out-dir "$OUT"
+  run bench_ll_${N} 90 python3 -m moe_dispatcher.bench --mode low-latency --num-ranks "$N" --out-dir "$OUT"
+fi
+has tests && run gpu_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/
+if has megatron && [ -f "$LAYER_BENCH" ]; then
+  run megatron_layer_bench_${N} 180 torchrun --standalone --nproc_per_node "$N" "$LAYER_BENCH"
+fi
+echo "total $(( $(date +%s) - start )) s" >> "$summary"
+tar czf "$OUT/results.tgz" -C "$OUT" --exclude results.tgz . 2>/dev/null
+cat "$summary"
