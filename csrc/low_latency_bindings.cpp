@@ -1,6 +1,147 @@
-// Python bindings of the low-latency (NVSHMEM) backend. Stub: the low-latency kernels fill this in.
+// Python bindings of the low-latency (NVSHMEM) backend: the `low_latency` submodule of _C.
+// Glue only. Tensors cross as raw device addresses (ints) and streams as cudaStream_t ints;
+// moe_dispatcher/compiled/low_latency.py allocates and validates every tensor before calling in.
+#include <cuda_runtime.h>
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+
 #include "bindings.h"
+#include "kernels/low_latency/low_latency.h"
+#include "runtime/cuda_check.h"
+
+namespace py = pybind11;
 
 namespace moe_dispatcher {
-void register_low_latency(pybind11::module_& /*m*/) {}
+namespace {
+
+using namespace low_latency;
+
+template <typename T>
+T* ptr(uintptr_t address) {
+  return reinterpret_cast<T*>(address);
+}
+cudaStream_t stream_of(uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
+
+// The fields every launch shares, from the Python backend's buffer description.
+Common make_common(uintptr_t buffer, uintptr_t peer_bases, uintptr_t workspace, size_t half_offset,
+                   int rank, int num_ranks, int num_experts, int max_tokens, int hidden,
+                   int num_blocks, uint64_t timeout_ns) {
+  MOE_CHECK(num_ranks >= 1 && num_ranks <= kMaxRanks, "low_latency: bad number of ranks");
+  MOE_CHECK(num_experts % num_ranks == 0 && num_experts <= kMaxExperts,
+            "low_latency: bad number of experts");
+  MOE_CHECK(hidden % 128 == 0 && hidden <= kMaxHidden, "low_latency: bad hidden size");
+  MOE_CHECK(num_blocks >= 1, "low_latency: num_blocks must be positive");
+  Common c{};
+  c.buffer = ptr<uint8_t>(buffer);
+  c.peer_bases = ptr<const uint64_t>(peer_bases);
+  c.workspace = ptr<int>(workspace);
+  c.half_offset = half_offset;
+  c.rank = rank;
+  c.num_ranks = num_ranks;
+  c.num_experts = num_experts;
+  c.max_tokens = max_tokens;
+  c.hidden = hidden;
+  c.num_blocks = num_blocks;
+  c.timeout_ns = timeout_ns;
+  return c;
+}
+
+}  // namespace
+
+void register_low_latency(py::module_& parent) {
+  py::module_ m = parent.def_submodule("low_latency", "Low-latency (NVSHMEM) dispatch/combine");
+  m.attr("MAX_TOPK") = kMaxTopk;
+  m.attr("MAX_RANKS") = kMaxRanks;
+  m.attr("MAX_EXPERTS") = kMaxExperts;
+  m.attr("MAX_HIDDEN") = kMaxHidden;
+  m.attr("WORKSPACE_INTS") = kWorkspaceInts;
+  m.attr("PHASE_SEND") = kPhaseSend;
+  m.attr("PHASE_RECV") = kPhaseRecv;
+
+  m.def(
+      "half_layout",
+      [](int max_tokens, int hidden, int num_ranks, int num_experts) {
+        const HalfLayout l = half_layout(max_tokens, hidden, num_ranks, num_experts);
+        py::dict d;
+        d["half_bytes"] = l.half_bytes;
+        d["send_off"] = l.send_off;
+        d["recv_off"] = l.recv_off;
+        d["signal_off"] = l.signal_off;
+        d["msg_bytes"] = l.msg_bytes;
+        return d;
+      },
+      py::arg("max_tokens"), py::arg("hidden"), py::arg("num_ranks"), py::arg("num_experts"),
+      "Byte layout of one buffer half: {half_bytes, send_off, recv_off, signal_off, msg_bytes}.");
+
+  m.def(
+      "dispatch",
+      [](uintptr_t buffer, uintptr_t peer_bases, uintptr_t workspace, size_t half_offset, int rank,
+         int num_ranks, int num_experts, int max_tokens, int hidden, int num_blocks,
+         uint64_t timeout_ns, uintptr_t x, uintptr_t topk_idx, int num_tokens, int num_topk,
+         bool fp8, bool round_scale, bool ue8m0, uintptr_t recv_x, uintptr_t recv_scales,
+         uintptr_t src_info, uintptr_t layout_range, uintptr_t recv_count, uintptr_t cum_stats,
+         uintptr_t wait_stats, int phases, uintptr_t stream) {
+        MOE_CHECK(num_topk >= 1 && num_topk <= kMaxTopk, "low_latency dispatch: bad top-k");
+        MOE_CHECK(num_tokens >= 0 && num_tokens <= max_tokens, "low_latency dispatch: bad T");
+        const Common c = make_common(buffer, peer_bases, workspace, half_offset, rank, num_ranks,
+                                     num_experts, max_tokens, hidden, num_blocks, timeout_ns);
+        DispatchArgs a{};
+        a.x = ptr<const void>(x);
+        a.topk_idx = ptr<const int64_t>(topk_idx);
+        a.num_tokens = num_tokens;
+        a.num_topk = num_topk;
+        a.fp8 = fp8;
+        a.round_scale = round_scale;
+        a.ue8m0 = ue8m0;
+        a.recv_x = ptr<void>(recv_x);
+        a.recv_scales = ptr<void>(recv_scales);
+        a.src_info = ptr<int>(src_info);
+        a.layout_range = ptr<int64_t>(layout_range);
+        a.recv_count = ptr<int>(recv_count);
+        a.cumulative_recv_stats = ptr<int>(cum_stats);
+        a.wait_stats = ptr<int64_t>(wait_stats);
+        launch_dispatch(c, a, phases, stream_of(stream));
+      },
+      py::arg("buffer"), py::arg("peer_bases"), py::arg("workspace"), py::arg("half_offset"),
+      py::arg("rank"), py::arg("num_ranks"), py::arg("num_experts"), py::arg("max_tokens"),
+      py::arg("hidden"), py::arg("num_blocks"), py::arg("timeout_ns"), py::arg("x"),
+      py::arg("topk_idx"), py::arg("num_tokens"), py::arg("num_topk"), py::arg("fp8"),
+      py::arg("round_scale"), py::arg("ue8m0"), py::arg("recv_x"), py::arg("recv_scales"),
+      py::arg("src_info"), py::arg("layout_range"), py::arg("recv_count"),
+      py::arg("cum_stats"), py::arg("wait_stats"), py::arg("phases"), py::arg("stream"),
+      "Enqueue the low-latency dispatch kernel (phases: PHASE_SEND | PHASE_RECV).");
+
+  m.def(
+      "combine",
+      [](uintptr_t buffer, uintptr_t peer_bases, uintptr_t workspace, size_t half_offset, int rank,
+         int num_ranks, int num_experts, int max_tokens, int hidden, int num_blocks,
+         uint64_t timeout_ns, uintptr_t x, uintptr_t topk_idx, uintptr_t topk_weights,
+         uintptr_t src_info, uintptr_t layout_range, uintptr_t out, int num_tokens, int num_topk,
+         uintptr_t wait_stats, int phases, uintptr_t stream) {
+        MOE_CHECK(num_topk >= 1 && num_topk <= kMaxTopk, "low_latency combine: bad top-k");
+        MOE_CHECK(num_tokens >= 0 && num_tokens <= max_tokens, "low_latency combine: bad T");
+        const Common c = make_common(buffer, peer_bases, workspace, half_offset, rank, num_ranks,
+                                     num_experts, max_tokens, hidden, num_blocks, timeout_ns);
+        CombineArgs a{};
+        a.x = ptr<const void>(x);
+        a.topk_idx = ptr<const int64_t>(topk_idx);
+        a.topk_weights = ptr<const float>(topk_weights);
+        a.src_info = ptr<const int>(src_info);
+        a.layout_range = ptr<const int64_t>(layout_range);
+        a.out = ptr<void>(out);
+        a.num_tokens = num_tokens;
+        a.num_topk = num_topk;
+        a.wait_stats = ptr<int64_t>(wait_stats);
+        launch_combine(c, a, phases, stream_of(stream));
+      },
+      py::arg("buffer"), py::arg("peer_bases"), py::arg("workspace"), py::arg("half_offset"),
+      py::arg("rank"), py::arg("num_ranks"), py::arg("num_experts"), py::arg("max_tokens"),
+      py::arg("hidden"), py::arg("num_blocks"), py::arg("timeout_ns"), py::arg("x"),
+      py::arg("topk_idx"), py::arg("topk_weights"), py::arg("src_info"), py::arg("layout_range"),
+      py::arg("out"), py::arg("num_tokens"), py::arg("num_topk"), py::arg("wait_stats"),
+      py::arg("phases"), py::arg("stream"),
+      "Enqueue the low-latency combine kernel (x = 0: zero-copy, rows in the send region).");
+}
+
 }  // namespace moe_dispatcher

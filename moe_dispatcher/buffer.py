@@ -447,9 +447,9 @@ class Buffer:
             n_rank, _, n_expert, in_rank = backend.get_dispatch_layout(topk_idx, num_experts)
             recv_x, recv_s, recv_idx, recv_w, _, dh = backend.dispatch(
                 data, scales, topk_idx, topk_weights, n_rank, in_rank, n_expert, 1, num_worst_tokens, config)
-            px, ps, pw, tpe, prow, pslot = permute(recv_x, recv_s, recv_idx, recv_w, local, expert_alignment,
-                                                   num_worst_tokens)
-            return px, ps, pw, tpe, ExpertMajorHandle(dh, prow, pslot, tpe, topk_idx.shape[1])
+            px, ps, pw, tpe, prow, pslot, order, offsets = permute(recv_x, recv_s, recv_idx, recv_w, local,
+                                                                   expert_alignment, num_worst_tokens)
+            return px, ps, pw, tpe, ExpertMajorHandle(dh, prow, pslot, tpe, topk_idx.shape[1], order, offsets)
 
         (px, ps, pw, tpe, new_handle), event = self._stream_scope(
             dev, previous_event, async_finish, allocate_on_comm_stream, run, [data, scales, topk_idx, topk_weights])

@@ -22,6 +22,9 @@ class ExpertMajorHandle(NamedTuple):
     pair_row:          int32 [M], received row of each permuted row (-1 on padding rows).
     pair_slot:         int32 [M], top-k slot of each permuted row (-1 on padding rows).
     tokens_per_expert: int32 [L], rows per local expert including alignment padding.
+    slot_order:        int64 [P], the permuted rows that hold a pair, grouped by slot (ascending), or None
+                       when the counts are only on the device (num_worst_tokens).
+    slot_offsets:      python ints [K + 1], where each slot's group starts in slot_order (or None).
     """
 
     dispatch: DispatchHandle
@@ -29,16 +32,30 @@ class ExpertMajorHandle(NamedTuple):
     pair_slot: Tensor
     tokens_per_expert: Tensor
     num_topk: int
+    slot_order: Optional[Tensor] = None
+    slot_offsets: Optional[Tuple[int, ...]] = None
     backend_state: object = None
+
+
+def _gather_or_zero(rows: Tensor, index: Tensor, padded: bool = True) -> Tensor:
+    """rows[index] for index >= 0, zero rows where index < 0 (any dtype, FP8 included; fixed-shape).
+    padded=False promises that no index is negative (skips the zeroing pass)."""
+    n = rows.shape[0]
+    if n == 0 or index.numel() == 0:
+        return rows.new_zeros((index.numel(),) + tuple(rows.shape[1:]))
+    out = rows.index_select(0, index.long().clamp(0, n - 1))
+    if padded:
+        out.view(torch.uint8).view(index.numel(), -1).masked_fill_((index < 0).unsqueeze(1), 0)
+    return out
 
 
 def permute(recv_x: Tensor, recv_scales: Optional[Tensor], recv_idx: Tensor, recv_w: Optional[Tensor],
             num_local_experts: int, expert_alignment: int, num_worst_rows: int):
-    """Rank-major received rows -> expert-major rows, with fixed-shape operations only (no host sync when
-    num_worst_rows is given).
+    """Rank-major received rows -> expert-major rows. Only index arrays are reordered; the payload is read
+    once, row by row of the output. Fixed-shape (no host sync) when num_worst_rows is given.
 
     Returns (permuted_x, permuted_scales or None, permuted_weights [M] or None, tokens_per_expert int32 [L],
-    pair_row int32 [M], pair_slot int32 [M]).
+    pair_row int32 [M], pair_slot int32 [M], slot_order or None, slot_offsets or None).
     """
     n_rows, k = recv_idx.shape
     dev, local = recv_idx.device, num_local_experts
@@ -60,50 +77,78 @@ def permute(recv_x: Tensor, recv_scales: Optional[Tensor], recv_idx: Tensor, rec
                              f"{total}")
     else:
         total = int(padded.sum())
-    pos = torch.where(sorted_key < local, starts[sorted_key] + rank_in_expert, total)  # row `total`: discarded
-    pos = pos.clamp_max(total)
-    row, slot = order // k, order % k
+    pos = torch.where(sorted_key < local, starts[sorted_key] + rank_in_expert, total).clamp_max(total)
 
-    def scatter(values: Tensor, fill: int) -> Tensor:
-        out = values.new_zeros((total + 1,) + tuple(values.shape[1:]))
-        if fill:
-            out.fill_(fill)
+    def place(values: Tensor) -> Tensor:  # [N*K] per-slot values -> [total], -1 where no pair lands
+        out = torch.full((total + 1,), -1, dtype=values.dtype, device=dev)
         out[pos] = values
         return out[:total]
 
-    pair_row = scatter(row.to(torch.int32), -1)
-    pair_slot = scatter(slot.to(torch.int32), -1)
-    out_x = scatter(recv_x[row], 0)
-    out_s = scatter(recv_scales[row], 0) if recv_scales is not None else None
-    out_w = scatter(recv_w[row, slot].float(), 0) if recv_w is not None else None
-    return out_x, out_s, out_w, padded[:local].to(torch.int32), pair_row, pair_slot
+    pair_row = place((order // k).to(torch.int32))
+    pair_slot = place((order % k).to(torch.int32))
+    has_padding = bool(num_worst_rows) or bool((padded[:local] != counts[:local]).any())
+    out_x = _gather_or_zero(recv_x, pair_row, has_padding)
+    out_s = _gather_or_zero(recv_scales, pair_row, has_padding) if recv_scales is not None else None
+    out_w = None
+    if recv_w is not None and recv_w.numel() == 0:
+        out_w = torch.zeros(total, dtype=torch.float32, device=dev)
+    elif recv_w is not None:
+        out_w = recv_w.reshape(-1).float().index_select(0, (pair_row.long() * k + pair_slot.long()).clamp_min(0))
+        out_w = torch.where(pair_row >= 0, out_w, torch.zeros_like(out_w))
+    slot_order = slot_offsets = None
+    if not num_worst_rows:  # the counts are on the host already: group the pairs by slot for unpermute
+        slot_key = torch.where(pair_slot >= 0, pair_slot.long(), k)
+        slot_order = torch.argsort(slot_key, stable=True)
+        per_slot = torch.bincount(slot_key, minlength=k + 1).tolist()
+        offsets = [0]
+        for c in per_slot[:k]:
+            offsets.append(offsets[-1] + c)
+        slot_order, slot_offsets = slot_order[:offsets[-1]], tuple(offsets)
+    return (out_x, out_s, out_w, padded[:local].to(torch.int32), pair_row, pair_slot, slot_order, slot_offsets)
 
 
 def gather_rows(rows: Tensor, handle: ExpertMajorHandle) -> Tensor:
     """Rank-major rows [N, ...] -> expert-major rows [M, ...] along a handle (cached dispatch)."""
-    valid = handle.pair_row >= 0
-    out = rows[handle.pair_row.clamp_min(0).long()]
-    return torch.where(valid.view((-1,) + (1,) * (rows.dim() - 1)), out, torch.zeros_like(out))
+    unpadded = handle.slot_offsets is not None and handle.slot_offsets[-1] == handle.pair_row.numel()
+    return _gather_or_zero(rows, handle.pair_row, not unpadded)
 
 
 def unpermute(x: Tensor, handle: ExpertMajorHandle, weights: Optional[Tensor],
               topk_weights: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
-    """Expert-major rows [M, H] -> per received row partial sums [N, H] (x.dtype), slot by slot, and the
-    per-pair topk_weights [M] -> [N, K]. Fixed-shape: unused rows go to a discarded row N."""
+    """Expert-major rows [M, H] -> per received row partial sums [N, H] (x.dtype), added slot by slot, and the
+    per-pair topk_weights [M] -> [N, K].
+
+    A received row holds at most one pair per slot, so each slot's pass writes every row at most once: the
+    result is deterministic and in slot order even where the additions are atomic."""
     n_rows = handle.dispatch.recv_src_idx.shape[0]
+    k = handle.num_topk
     acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    rows = torch.zeros(n_rows + 1, x.shape[1], dtype=acc_dtype, device=x.device)
     pair_row, pair_slot = handle.pair_row.long(), handle.pair_slot.long()
-    term = x.to(acc_dtype)
-    if weights is not None:
-        term = term * weights.to(acc_dtype).unsqueeze(1)
-    for k in range(handle.num_topk):  # a row appears at most once per slot, so each pass is order-free
-        target = torch.where(pair_slot == k, pair_row, n_rows)
-        rows.index_add_(0, target, torch.where((pair_slot == k).unsqueeze(1), term, torch.zeros_like(term)))
+    rows = torch.zeros(n_rows, x.shape[1], dtype=acc_dtype, device=x.device)
+    if handle.slot_offsets is not None:
+        for j in range(k):
+            sel = handle.slot_order[handle.slot_offsets[j]:handle.slot_offsets[j + 1]]
+            term = x.index_select(0, sel).to(acc_dtype)
+            if weights is not None:
+                term = term * weights.index_select(0, sel).to(acc_dtype).unsqueeze(1)
+            rows.index_add_(0, pair_row.index_select(0, sel), term)
+    else:
+        # No host-side counts (num_worst_tokens): per slot, gather each row's pair through an inverse table.
+        m = x.shape[0]
+        inverse = torch.full(((n_rows + 1) * (k + 1),), m, dtype=torch.int64, device=x.device)
+        target = torch.where(pair_row >= 0, pair_row * (k + 1) + pair_slot, n_rows * (k + 1) + k)
+        inverse[target] = torch.arange(m, device=x.device)
+        inverse = inverse.view(n_rows + 1, k + 1)[:n_rows, :k]
+        term = torch.zeros(m + 1, x.shape[1], dtype=acc_dtype, device=x.device)  # row m stays zero
+        term[:m] = x
+        if weights is not None:
+            term[:m] *= weights.to(acc_dtype).unsqueeze(1)
+        for j in range(k):
+            rows += term.index_select(0, inverse[:, j])
     w_rows = None
     if topk_weights is not None:
-        w_rows = torch.zeros(n_rows + 1, handle.num_topk + 1, dtype=torch.float32, device=x.device)
+        w_rows = torch.zeros(n_rows + 1, k + 1, dtype=torch.float32, device=x.device)
         valid = pair_row >= 0
-        w_rows[torch.where(valid, pair_row, n_rows), torch.where(valid, pair_slot, handle.num_topk)] = topk_weights
-        w_rows = w_rows[:n_rows, :handle.num_topk].contiguous()
-    return rows[:n_rows].to(x.dtype), w_rows
+        w_rows[torch.where(valid, pair_row, n_rows), torch.where(valid, pair_slot, k)] = topk_weights
+        w_rows = w_rows[:n_rows, :k].contiguous()
+    return rows.to(x.dtype), w_rows

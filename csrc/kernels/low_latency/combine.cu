@@ -1,0 +1,28 @@
+// Low-latency combine: the kernel (send phase, receive phase, or both in one launch) and its
+// launcher. The phases live in combine_send.cuh and combine_recv.cuh. As for dispatch, the grid
+// never exceeds the SM count so that a fused launch's blocks are all resident.
+#include "kernels/low_latency/combine_recv.cuh"
+#include "kernels/low_latency/combine_send.cuh"
+#include "runtime/cuda_check.h"
+
+namespace moe_dispatcher::low_latency {
+namespace {
+
+__global__ void __launch_bounds__(kThreads, 1)
+    low_latency_combine_kernel(Common c, CombineArgs a, int phases, int send_parts) {
+  const HalfLayout lay = half_layout(c.max_tokens, c.hidden, c.num_ranks, c.num_experts);
+  if (phases & kPhaseSend) combine_send_phase(c, a, lay, send_parts);
+  if (phases & kPhaseRecv) combine_recv_phase(c, a, lay);
+}
+
+}  // namespace
+
+void launch_combine(const Common& c, const CombineArgs& a, int phases, cudaStream_t stream) {
+  MOE_CHECK(phases >= 1 && phases <= 3, "low_latency combine: bad phases");
+  const int pairs = c.num_experts;  // L * R
+  const int parts = c.num_blocks > pairs ? c.num_blocks / pairs : 1;
+  low_latency_combine_kernel<<<c.num_blocks, kThreads, 0, stream>>>(c, a, phases, parts);
+  MOE_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace moe_dispatcher::low_latency

@@ -1,0 +1,83 @@
+// Combine, receive phase: wait for the flags of all E experts, then
+// out[t] = bf16(sum over k ascending of w[t,k] * row(t, expert k)), each product rounded to
+// float32 and added in float32 (__fmul_rn/__fadd_rn: never fused), as the reference does; a -1
+// slot adds 0.
+//
+// Flags: written once per call by the expert's PE (signal_peer), read by every block here with
+// ld_acquire_sys (then a CTA barrier hands the acquire to the block's other threads). The last
+// block to finish polling (workspace kWsCombineRecvDone, GPU scope) writes them back to 0.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include "kernels/low_latency/common.cuh"
+
+namespace moe_dispatcher::low_latency {
+
+__device__ __forceinline__ void combine_recv_phase(const Common& c, const CombineArgs& a,
+                                                   const HalfLayout& lay) {
+  __shared__ unsigned long long s_wait[kMaxRanks];
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, warps = blockDim.x / 32;
+  const int R = c.num_ranks, E = c.num_experts, L = E / R, H = c.hidden, K = a.num_topk;
+  int* flags = reinterpret_cast<int*>(c.buffer + c.half_offset + lay.signal_off) + E;
+  const uint8_t* recv = c.buffer + c.half_offset + lay.recv_off;  // [E][maxT][H] bf16
+
+  const bool stats = blockIdx.x == 0 && a.wait_stats != nullptr;
+  if (tid < R) s_wait[tid] = 0;
+  __syncthreads();
+  const uint64_t start = now_ns();
+  for (int e = tid; e < E; e += blockDim.x) {
+    wait_signal(c, flags + e, "low_latency_combine (receive)", e / L);
+    if (stats) atomicMax(&s_wait[e / L], static_cast<unsigned long long>(now_ns() - start));
+  }
+  __syncthreads();
+  if (stats && tid < R)
+    atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + tid), s_wait[tid]);
+  if (tid == 0) {
+    int* done = c.workspace + kWsCombineRecvDone;
+    if (atomicAdd(done, 1) == static_cast<int>(gridDim.x) - 1) {
+      for (int e = 0; e < E; ++e) flags[e] = 0;
+      *done = 0;
+    }
+  }
+
+  const int chunks = (H + 255) / 256;  // a warp reduces 256 channels of one token at a time
+  const int tasks = a.num_tokens * chunks;
+  const size_t row_bytes = static_cast<size_t>(H) * 2;
+  for (int task = blockIdx.x * warps + warp; task < tasks; task += gridDim.x * warps) {
+    const int t = task / chunks, col = (task - t * chunks) * 256 + lane * 8;
+    int64_t my_e = -1;
+    float my_w = 0.0f;
+    if (lane < K) {
+      my_e = a.topk_idx[static_cast<size_t>(t) * K + lane];
+      my_w = a.topk_weights[static_cast<size_t>(t) * K + lane];
+    }
+    float acc[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
+    for (int k = 0; k < K; ++k) {
+      const int64_t e = __shfl_sync(0xffffffffu, my_e, k);
+      const float w = __shfl_sync(0xffffffffu, my_w, k);
+      if (col >= H) continue;
+      if (e >= 0) {
+        const int4 raw = ld_cg(recv + (static_cast<size_t>(e) * c.max_tokens + t) * row_bytes +
+                               static_cast<size_t>(col) * 2);
+        const __nv_bfloat16* v = reinterpret_cast<const __nv_bfloat16*>(&raw);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(w, __bfloat162float(v[j])));
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[j] = __fadd_rn(acc[j], 0.0f);
+      }
+    }
+    if (col < H) {
+      int4 packed;
+      __nv_bfloat162* p = reinterpret_cast<__nv_bfloat162*>(&packed);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) p[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
+      st_v4(static_cast<uint8_t*>(a.out) + (static_cast<size_t>(t) * H + col) * 2, packed);
+    }
+  }
+}
+
+}  // namespace moe_dispatcher::low_latency

@@ -1,0 +1,119 @@
+// Device helpers shared by the low-latency kernels: peer addressing, signal words, timed waits.
+//
+// Signal words are int32 in the symmetric buffer. Each one has exactly one writer per call (a
+// thread of the sending PE) and is read by the receiving PE's blocks; the last reading block puts
+// it back to 0 in the same kernel (docs/low_latency.md, "Signals"). Ordering is system scope on
+// both sides because writer and reader are different GPUs.
+#pragma once
+
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include <cstdint>
+#include <cstdio>
+
+#include "kernels/low_latency/low_latency.h"
+
+namespace moe_dispatcher::low_latency {
+
+__device__ __forceinline__ uint64_t now_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Acquire load at system scope: once it returns the value a peer published with a release (or
+// fence + store), the peer's earlier data stores to this GPU are visible to this thread.
+__device__ __forceinline__ int ld_acquire_sys(const int* p) {
+  int v;
+  asm volatile("ld.acquire.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// Release store at system scope to a peer's word (through its NVLink mapping).
+__device__ __forceinline__ void st_release_sys(int* p, int v) {
+  asm volatile("st.release.sys.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// 16-byte loads and stores. Inputs that do not change during the kernel: non-coherent path.
+__device__ __forceinline__ int4 ld_nc(const void* p) {
+  int4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+// Data a peer wrote into our buffer (published by a signal we acquired): L2 only, never L1.
+__device__ __forceinline__ int4 ld_cg(const void* p) {
+  int4 v;
+  asm volatile("ld.global.cg.v4.s32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+__device__ __forceinline__ int ld_cg_s32(const void* p) {
+  int v;
+  asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ float ld_cg_f32(const void* p) {
+  float v;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
+  return v;
+}
+// Stores to a peer over NVLink (or local outputs): plain weak stores, published by a later
+// release on a signal.
+__device__ __forceinline__ void st_v4(void* p, int4 v) {
+  asm volatile("st.global.v4.s32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w)
+               : "memory");
+}
+
+// This PE's address `local` (inside the symmetric buffer) as seen from `pe` through NVLink, or
+// null when `pe` is reached with nvshmem puts instead.
+__device__ __forceinline__ uint8_t* peer_address(const Common& c, int pe, const void* local) {
+  const uint64_t base = c.peer_bases[pe];
+  if (base == 0) return nullptr;
+  return reinterpret_cast<uint8_t*>(base) +
+         (reinterpret_cast<const uint8_t*>(local) - c.buffer);
+}
+
+// Publish `value` into the signal word `local_word` (a symmetric address) of PE `pe`.
+// Precondition (the callers' job): every data store or put this signal covers was made visible
+// at system scope first (stores + __threadfence_system, puts + nvshmem_quiet), and the calling
+// thread has observed that (an atomic on a workspace counter followed by __threadfence_system).
+// Writer: this thread. Reader: blocks of `pe`'s receive phase, with ld_acquire_sys.
+__device__ __forceinline__ void signal_peer(const Common& c, int* local_word, int value, int pe) {
+  if (uint8_t* remote = peer_address(c, pe, local_word)) {
+    st_release_sys(reinterpret_cast<int*>(remote), value);
+  } else {
+    nvshmem_int_atomic_set(local_word, value, pe);
+  }
+}
+
+// Spin until the signal word is non-zero; returns it. Traps (with a message naming the wait)
+// after c.timeout_ns so that a peer that never comes turns into an error instead of a hang.
+__device__ __forceinline__ int wait_signal(const Common& c, const int* word, const char* what,
+                                           int peer) {
+  int v = ld_acquire_sys(word);
+  if (v != 0) return v;
+  const uint64_t start = now_ns();
+  while ((v = ld_acquire_sys(word)) == 0) {
+    if (now_ns() - start > c.timeout_ns) {
+      printf("moe_dispatcher low-latency: rank %d timed out in %s waiting for rank %d (a peer "
+             "skipped a call, or calls differ between ranks)\n",
+             c.rank, what, peer);
+      __trap();
+    }
+  }
+  return v;
+}
+
+__device__ __forceinline__ int warp_sum(int v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}
+
+}  // namespace moe_dispatcher::low_latency

@@ -1,0 +1,37 @@
+// Low-latency dispatch: the kernel (send phase, receive phase, or both in one launch) and its
+// launcher. The phases live in dispatch_send.cuh and dispatch_recv.cuh.
+//
+// In the fused launch every block first sends its tokens, then receives. The receive phase of a
+// block can wait on sends of other blocks of this grid, so the grid never exceeds the SM count
+// (one block of kThreads per SM: all blocks are resident together).
+#include "kernels/low_latency/dispatch_recv.cuh"
+#include "kernels/low_latency/dispatch_send.cuh"
+#include "runtime/cuda_check.h"
+
+namespace moe_dispatcher::low_latency {
+namespace {
+
+__global__ void __launch_bounds__(kThreads, 1)
+    low_latency_dispatch_kernel(Common c, DispatchArgs a, int phases, int recv_parts) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  const HalfLayout lay = half_layout(c.max_tokens, c.hidden, c.num_ranks, c.num_experts);
+  if (phases & kPhaseSend) dispatch_send_phase(c, a, lay, smem);
+  if (phases & kPhaseRecv) dispatch_recv_phase(c, a, lay, recv_parts);
+}
+
+}  // namespace
+
+void launch_dispatch(const Common& c, const DispatchArgs& a, int phases, cudaStream_t stream) {
+  MOE_CHECK(phases >= 1 && phases <= 3, "low_latency dispatch: bad phases");
+  const int pairs = c.num_experts;  // L * R
+  const int parts = c.num_blocks > pairs ? c.num_blocks / pairs : 1;
+  size_t smem = 0;
+  if (phases & kPhaseSend) {
+    smem = (sizeof(DispatchSendShared) + 15) / 16 * 16 + message_used_bytes(c.hidden, a.fp8);
+  }
+  // At most ~37 KB (kMaxHidden BF16 message + counters): under the 48 KB default limit.
+  low_latency_dispatch_kernel<<<c.num_blocks, kThreads, smem, stream>>>(c, a, phases, parts);
+  MOE_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace moe_dispatcher::low_latency

@@ -1,0 +1,113 @@
+// Low-latency (NVSHMEM) dispatch and combine: the host-side interface of the kernels.
+//
+// Torch-free and NVSHMEM-header-free, so the pybind11 glue (csrc/low_latency_bindings.cpp) can
+// include it. Tensors arrive as raw device pointers; every shape and dtype was checked in Python
+// (moe_dispatcher/compiled/low_latency.py). docs/low_latency.md describes the protocol.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace moe_dispatcher::low_latency {
+
+// Limits checked in Python before any launch.
+constexpr int kMaxTopk = 32;        // one lane of a warp per top-k slot
+constexpr int kMaxRanks = 32;       // one lane of a warp per source rank
+constexpr int kMaxExperts = 1024;   // per-expert counters in shared memory and the workspace
+constexpr int kMaxHidden = 16384;   // one BF16 message must fit in shared memory
+constexpr int kThreads = 512;       // threads per block of every low-latency kernel
+
+// Which halves of the work a launch does: both (one kernel), or send now and receive in the hook.
+constexpr int kPhaseSend = 1;
+constexpr int kPhaseRecv = 2;
+
+// Byte layout of ONE half of the symmetric buffer for a given (max_tokens, hidden, ranks, experts).
+// The halves sit at 0 and half_bytes. Inside a half:
+//   [send_off, +send_bytes)   send region: the zero-copy combine rows [L][R*maxT][H] bf16, or the
+//                             staging copy of dispatch messages [maxT][msg] for the put path
+//   [recv_off, +recv_bytes)   receive region: dispatch messages [L][R][maxT][msg], or combine rows
+//                             [E][maxT][H] bf16 (the same bytes; a half serves one call at a time)
+//   [signal_off, +8E)         int32 dispatch counts [L][R], then int32 combine flags [E]
+// The total (2 * half_bytes) equals Buffer.get_low_latency_rdma_size_hint.
+struct HalfLayout {
+  size_t send_off, recv_off, signal_off, half_bytes;
+  size_t msg_bytes;       // one dispatch message slot: 16-byte header + max(2H, H + 4H/128)
+};
+
+__host__ __device__ inline HalfLayout half_layout(int max_tokens, int hidden, int num_ranks,
+                                                  int num_experts) {
+  (void)num_ranks;
+  HalfLayout l{};
+  const size_t t = static_cast<size_t>(max_tokens), h = static_cast<size_t>(hidden);
+  const size_t e = static_cast<size_t>(num_experts);
+  const size_t fp8 = h + h / 128 * 4;
+  l.msg_bytes = 16 + (2 * h > fp8 ? 2 * h : fp8);
+  const size_t combine_msg = 2 * h;
+  const size_t send = t * l.msg_bytes > e * t * combine_msg ? t * l.msg_bytes : e * t * combine_msg;
+  const size_t recv = e * t * (l.msg_bytes > combine_msg ? l.msg_bytes : combine_msg);
+  const size_t signal = e * 4 * 2;
+  l.send_off = 0;
+  l.recv_off = send;
+  l.signal_off = send + recv;
+  l.half_bytes = (send + recv + signal + 127) / 128 * 128;
+  return l;
+}
+
+// Bytes of a dispatch message actually used (16-byte multiple): header + payload (+ scales).
+__host__ __device__ inline size_t message_used_bytes(int hidden, bool fp8) {
+  const size_t h = static_cast<size_t>(hidden);
+  const size_t body = fp8 ? h + h / 128 * 4 : 2 * h;
+  return (16 + body + 15) / 16 * 16;
+}
+
+// Workspace: int32 words in ordinary device memory of this GPU (not symmetric), zeroed once at
+// creation; every counter is returned to 0 by the kernel that used it.
+constexpr int kWsDispatchFinished = 0;                              // [E] messages written
+constexpr int kWsCombineFinished = kWsDispatchFinished + kMaxExperts;  // [L*R] parts done
+constexpr int kWsDispatchRecvDone = kWsCombineFinished + kMaxExperts;  // blocks done polling
+constexpr int kWsCombineRecvDone = kWsDispatchRecvDone + 1;
+constexpr int kWorkspaceInts = kWsCombineRecvDone + 1;
+
+// What every launch needs about the buffer and the group.
+struct Common {
+  uint8_t* buffer;             // this PE's address of the symmetric allocation
+  const uint64_t* peer_bases;  // device [R]: nvshmem_ptr(buffer, pe), 0 = reach pe by nvshmem puts
+  int* workspace;              // device [kWorkspaceInts]
+  size_t half_offset;          // byte offset of the half this call uses (0 or half_bytes)
+  int rank, num_ranks, num_experts, max_tokens, hidden;
+  int num_blocks;              // grid size (<= SMs: the fused kernels need co-resident blocks)
+  uint64_t timeout_ns;         // a wait longer than this traps with a message
+};
+
+struct DispatchArgs {
+  const void* x;               // bf16 [T, H]
+  const int64_t* topk_idx;     // [T, K], -1 = unused slot
+  int num_tokens, num_topk;
+  bool fp8, round_scale, ue8m0;
+  void* recv_x;                // fp8 or bf16 [L, R*maxT, H]
+  void* recv_scales;           // float32 [L, H/128, R*maxT] or int32 [L, H/512, R*maxT]; fp8 only
+  int* src_info;               // [L, R*maxT]
+  int64_t* layout_range;       // [L, R]
+  int* recv_count;             // [L]
+  int* cumulative_recv_stats;  // [L] or null
+  int64_t* wait_stats;         // [R] or null
+};
+
+struct CombineArgs {
+  const void* x;               // bf16 [L, R*maxT, H]; null with zero_copy (rows in the send region)
+  const int64_t* topk_idx;     // [T, K]
+  const float* topk_weights;   // [T, K]
+  const int* src_info;         // the dispatch handle's [L, R*maxT]
+  const int64_t* layout_range; // the dispatch handle's [L, R]
+  void* out;                   // bf16 [T, H]
+  int num_tokens, num_topk;
+  int64_t* wait_stats;         // [R] or null
+};
+
+// Enqueue on `stream`; no host synchronisation; capturable in CUDA graphs.
+void launch_dispatch(const Common& c, const DispatchArgs& a, int phases, cudaStream_t stream);
+void launch_combine(const Common& c, const CombineArgs& a, int phases, cudaStream_t stream);
+
+}  // namespace moe_dispatcher::low_latency
