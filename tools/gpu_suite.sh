@@ -48,7 +48,7 @@ if has bench; then
   (( N != 2 )) && run bench_normal_2 90 python3 -m moe_dispatcher.bench --mode normal --backend kernels --num-ranks 2 --out-dir "$OUT"
   run bench_ll_${N} 90 python3 -m moe_dispatcher.bench --mode low-latency --num-ranks "$N" --out-dir "$OUT"
 fi
-has tests && run gpu_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/
+has tests && run gpu_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-tests/}
 if has megatron && [ -f "$LAYER_BENCH" ]; then
   run megatron_layer_bench_${N} 180 torchrun --standalone --nproc_per_node "$N" "$LAYER_BENCH"
 fi
