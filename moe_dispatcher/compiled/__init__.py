@@ -18,7 +18,8 @@ import torch.distributed as dist
 from .. import _ext
 
 
-def create(buffer) -> Tuple[Optional[object], str]:
+def _extension_with(buffer, submodule: str, what: str) -> Tuple[Optional[object], str]:
+    """(the `_C` module, "") when `buffer` is on GPUs and `_C` has `submodule`; else (None, why not)."""
     if not torch.cuda.is_available():
         return None, "CUDA is not available in this process"
     if "nccl" not in str(dist.get_backend(buffer.group)).lower():
@@ -26,8 +27,16 @@ def create(buffer) -> Tuple[Optional[object], str]:
     mod = _ext.load()
     if mod is None:
         return None, f"the extension moe_dispatcher._C is not available ({_ext.why_unavailable()})"
-    if not hasattr(mod, "intranode"):
-        return None, "the extension moe_dispatcher._C was built without the intranode kernels"
+    if not hasattr(mod, submodule):
+        return None, f"the extension moe_dispatcher._C was built without the {what} kernels"
+    return mod, ""
+
+
+def create(buffer) -> Tuple[Optional[object], str]:
+    """The intranode (NVLink) normal-mode backend for `buffer`, or None and the reason."""
+    mod, why = _extension_with(buffer, "intranode", "intranode")
+    if mod is None:
+        return None, why
     topo = buffer.topology
     if not topo.is_single_domain or not 2 <= topo.num_ranks <= mod.intranode.MAX_RANKS:
         return None, (f"the compiled kernels serve one NVLink domain of 2 to {mod.intranode.MAX_RANKS} GPUs; this "
@@ -43,15 +52,9 @@ def create_low_latency(buffer) -> Tuple[Optional[object], str]:
     """The low-latency (NVSHMEM) backend for a Buffer(low_latency_mode=True), or None and the reason.
 
     Collective like create(): NVSHMEM bootstrap and the symmetric allocation involve every rank."""
-    if not torch.cuda.is_available():
-        return None, "CUDA is not available in this process"
-    if "nccl" not in str(dist.get_backend(buffer.group)).lower():
-        return None, "the Buffer's process group has no NCCL backend (GPU tensors need a GPU group)"
-    mod = _ext.load()
+    mod, why = _extension_with(buffer, "low_latency", "low-latency")
     if mod is None:
-        return None, f"the extension moe_dispatcher._C is not available ({_ext.why_unavailable()})"
-    if not hasattr(mod, "low_latency"):
-        return None, "the extension moe_dispatcher._C was built without the low-latency kernels"
+        return None, why
     if buffer.num_rdma_bytes == 0:
         return None, "the Buffer has no NVSHMEM buffer (num_rdma_bytes=0)"
     from .low_latency import LowLatencyBackend
