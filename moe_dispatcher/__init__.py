@@ -18,5 +18,5 @@ topk_idx_t = torch.int64
 
 __version__ = "0.1.0"
 
-__all__ = ["Buffer", "Config", "EventOverlap", "Topology", "DispatchHandle", "LowLatencyHandle", "ExpertMajorHandle", "topk_idx_t",
-           "__version__"]
+__all__ = ["Buffer", "Config", "EventOverlap", "Topology", "DispatchHandle", "LowLatencyHandle", "ExpertMajorHandle",
+           "topk_idx_t", "__version__"]

@@ -199,13 +199,15 @@ class Buffer:
                              f"{total}-byte {'RDMA' if use_rdma_buffer else 'NVLink'} buffer")
         key = use_rdma_buffer
         if key not in self._local_buffers:
-            dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+            cuda = torch.cuda.is_available()
+            dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
             self._local_buffers[key] = torch.zeros(total, dtype=torch.uint8, device=dev)
         view = self._local_buffers[key][offset: offset + count * elem].view(dtype)
         return view.view(*size) if size is not None else view
 
     def _stream_scope(self, device: torch.device, previous_event: Optional[EventOverlap], async_finish: bool,
-                      allocate_on_comm_stream: bool, run: Callable[[], tuple], keep: Sequence) -> Tuple[tuple, EventOverlap]:
+                      allocate_on_comm_stream: bool, run: Callable[[], tuple],
+                      keep: Sequence) -> Tuple[tuple, EventOverlap]:
         """Run `run` with DeepEP's stream semantics and return (its results, EventOverlap).
 
         The work goes on the comm stream, which first waits for `previous_event` (or the current stream).
@@ -337,7 +339,8 @@ class Buffer:
         self._check_dispatch_options(expert_alignment, num_worst_tokens, config)
         if handle is not None:
             if topk_idx is not None or topk_weights is not None:
-                raise ValueError("cached dispatch (handle given) takes no topk_idx/topk_weights: the routing is the handle's")
+                raise ValueError("cached dispatch (handle given) takes no topk_idx/topk_weights: the routing is "
+                                 "the handle's")
             backend = self._backend_of(handle, (DispatchHandle,))
             check_tensor("x", data, shape=(handle.num_tokens, None), device=handle.is_token_in_rank.device)
             (recv_x, recv_scales), event = self._stream_scope(
@@ -421,7 +424,8 @@ class Buffer:
             if not isinstance(handle, ExpertMajorHandle):
                 raise TypeError(f"handle must be an ExpertMajorHandle, got {type(handle).__name__}")
             if topk_idx is not None or topk_weights is not None:
-                raise ValueError("cached dispatch (handle given) takes no topk_idx/topk_weights: the routing is the handle's")
+                raise ValueError("cached dispatch (handle given) takes no topk_idx/topk_weights: the routing is "
+                                 "the handle's")
             backend = self._backend_of(handle.dispatch, (DispatchHandle,))
             check_tensor("x", data, shape=(handle.dispatch.num_tokens, None), device=handle.pair_row.device)
 
@@ -577,7 +581,8 @@ class Buffer:
         recv_count = torch.empty(local, dtype=torch.int32, device=dev)
         handle = LowLatencyHandle(torch.empty(local, rows, dtype=torch.int32, device=dev),
                                   torch.empty(local, self.group_size, dtype=torch.int64, device=dev),
-                                  num_max_dispatch_tokens_per_rank, h, num_experts, self._reference_ll.name, self._token,
+                                  num_max_dispatch_tokens_per_rank, h, num_experts, self._reference_ll.name,
+                                  self._token,
                                   half)
 
         def receive() -> None:

@@ -59,7 +59,8 @@ class Config:
         and tail words; plus the count matrices exchanged by notify.
         """
         nvl_peers = min(num_ranks, MAX_NVL_PEERS)
-        rings = self.num_channels * nvl_peers * (self.num_max_nvl_chunked_recv_tokens * self.slot_bytes(hidden_bytes) + 64)
+        ring = self.num_max_nvl_chunked_recv_tokens * self.slot_bytes(hidden_bytes) + 64
+        rings = self.num_channels * nvl_peers * ring
         counts = nvl_peers * nvl_peers * 4 * (1 + self.num_channels) + nvl_peers * 4096
         return _align(rings + counts)
 
@@ -68,7 +69,8 @@ class Config:
         if num_ranks <= MAX_NVL_PEERS:
             return 0
         num_domains = num_ranks // MAX_NVL_PEERS
-        rings = self.num_channels * num_domains * 2 * (self.num_max_rdma_chunked_recv_tokens * self.slot_bytes(hidden_bytes) + 64)
+        ring = self.num_max_rdma_chunked_recv_tokens * self.slot_bytes(hidden_bytes) + 64
+        rings = self.num_channels * num_domains * 2 * ring
         return _align(rings + num_domains * num_domains * 4 * 4096)
 
 

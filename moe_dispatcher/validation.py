@@ -51,7 +51,8 @@ def check_row_bytes(name: str, t: torch.Tensor) -> None:
     row = t.shape[-1] * t.element_size()
     if row % 16:
         raise ValueError(f"{name}: a row is {row} bytes ({t.shape[-1]} x {t.element_size()}); it must be a multiple "
-                         f"of 16 (hidden size divisible by {16 // t.element_size()} for {str(t.dtype).replace('torch.', '')})")
+                         f"of 16 (hidden size divisible by {16 // t.element_size()} for "
+                         f"{str(t.dtype).replace('torch.', '')})")
 
 
 def check_num_experts(num_experts: int, num_ranks: int) -> None:
@@ -101,7 +102,8 @@ def split_x(x) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     return x, None
 
 
-def normalise_bias(bias, num_tokens: int, hidden: int, dtype: torch.dtype, device: torch.device) -> Tuple[torch.Tensor, ...]:
+def normalise_bias(bias, num_tokens: int, hidden: int, dtype: torch.dtype,
+                   device: torch.device) -> Tuple[torch.Tensor, ...]:
     """None, a tensor, or a tuple/list of at most two tensors [T, H] -> a tuple."""
     if bias is None:
         return ()

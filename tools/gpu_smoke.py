@@ -25,8 +25,8 @@ for _key, _value in (
 ):
     os.environ.setdefault(_key, _value)
 
-import torch
-import torch.distributed as dist
+import torch  # noqa: E402  (after the environment above is set)
+import torch.distributed as dist  # noqa: E402
 
 RANK = int(os.environ.get("RANK", "0"))
 LOCAL_RANK = int(os.environ.get("LOCAL_RANK", "0"))

@@ -129,7 +129,8 @@ def render(meta: Dict[str, Any], records: List[Dict[str, Any]], notes: List[str]
     parts = [f"# moe_dispatcher bench: {meta.get('device')} x{meta.get('num_ranks')}, {meta.get('date')}",
              "",
              f"- command: `{meta.get('command')}`",
-             f"- backend requested: {meta.get('backend_requested')}; used: {', '.join(meta.get('backends_used', [])) or '-'}",
+             f"- backend requested: {meta.get('backend_requested')}; "
+             f"used: {', '.join(meta.get('backends_used', [])) or '-'}",
              f"- torch {meta.get('torch')}, CUDA {meta.get('cuda', '-')}, NCCL {meta.get('nccl', '-')}, "
              f"process group {meta.get('process_group')}",
              "- GB/s logical: DeepEP V1's byte count (rows received incl. self x 2H; FP8 x (1+4/128)/2) / mean "

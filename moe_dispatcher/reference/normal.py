@@ -59,7 +59,9 @@ class ReferenceNormal:
                  topk_weights: Optional[torch.Tensor], num_tokens_per_rank: torch.Tensor,
                  is_token_in_rank: torch.Tensor, num_tokens_per_expert: torch.Tensor, expert_alignment: int,
                  num_worst_tokens: int, config=None):
-        """Fresh dispatch (`config` is for the kernels; ignored here). Returns (recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, list, handle)."""
+        """Fresh dispatch (`config` is for the kernels; ignored here).
+
+        Returns (recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, counts list, handle)."""
         from ..handle import DispatchHandle
 
         r, me = self.num_ranks, self.rank
