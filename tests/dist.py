@@ -47,6 +47,9 @@ BACKENDS = ["gloo", pytest.param("nccl", marks=pytest.mark.gpu)]
 # (MOE_DISPATCHER_NVL_SIZE), which sends normal mode through the internode path.
 WORLDS = [pytest.param(2, None, id="2"), pytest.param(4, None, id="4"), pytest.param(4, 2, id="4-nvl2")]
 NVL_ENV = "MOE_DISPATCHER_NVL_SIZE"
+# World sizes of the GPU-only (kernel) tests; sizes above the visible GPU count are skipped by the `gpu`
+# marker, so an 8-GPU machine runs the EP8 cases with the same command.
+GPU_WORLD_SIZES = [2, 4, 8]
 
 
 def nvl_env(nvl_size: int | None) -> dict[str, str]:

@@ -12,10 +12,11 @@ from typing import Dict, List
 import pytest
 import torch
 import torch.distributed as dist
+import dist
 from dist import assert_close, assert_equal, case, make_buffer, run_distributed
 
 pytestmark = pytest.mark.gpu
-WORLD_SIZES = [2, 4]
+WORLD_SIZES = dist.GPU_WORLD_SIZES
 MAX_HIDDEN_BYTES = 7168 * 2
 
 
