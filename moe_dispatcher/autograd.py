@@ -214,10 +214,11 @@ class _LowLatencyCombine(torch.autograd.Function):
         local, rows, h = x.shape
         t, k = topk_idx.shape
         max_tokens, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.num_experts
-        # 1. grad[t] to every expert of t; then (weights, expert ids) as raw bits in a 128-wide side payload.
+        # 1. grad[t] to every expert of t; then (weights, expert ids) as raw bits in a side payload.
         g, _, g_handle, _, _ = buffer.low_latency_dispatch(grad.to(torch.bfloat16).contiguous(), topk_idx,
                                                            max_tokens, num_experts, use_fp8=False)
-        side = torch.zeros(t, 128 * ((4 * k + 127) // 128), dtype=torch.bfloat16, device=grad.device)
+        # Same hidden size as the forward (h >= 128 >= 4K): a compiled backend keeps its buffer layout.
+        side = torch.zeros(t, h, dtype=torch.bfloat16, device=grad.device)
         side[:, :2 * k] = _bits_as_bf16(w.float())
         side[:, 2 * k:4 * k] = _bits_as_bf16(topk_idx.to(torch.int32))
         s, _, s_handle, _, _ = buffer.low_latency_dispatch(side, topk_idx, max_tokens, num_experts, use_fp8=False)

@@ -25,6 +25,7 @@ from .event import EventOverlap
 from .expert_major import ExpertMajorHandle, gather_rows, permute, unpermute
 from .handle import DispatchHandle, LowLatencyHandle
 from .reference import ReferenceLowLatency, ReferenceNormal
+from .reference.comm import all_gather_rows
 from .topology import Topology
 from .validation import (check_flag_exclusive, check_num_experts, check_tensor, check_topk_idx, check_topk_weights,
                          normalise_bias, split_x)
@@ -110,6 +111,7 @@ class Buffer:
         self._ll_half_owner = [0, 0]
         self._ll_combine_send: List[Optional[Tensor]] = [None, None]
         self._warned_fallback = False
+        self._pending_row_checks: List[Tuple[Tensor, int]] = []
 
     # ------------------------------------------------------------------ static helpers (DeepEP V1)
     @staticmethod
@@ -153,16 +155,18 @@ class Buffer:
         """Release the buffer's memory and peer mappings. Later calls raise."""
         if self._destroyed:
             return
-        for kernels in (self._kernels, self._kernels_ll):
-            if kernels is not None:
-                kernels.destroy()
-        self._kernels = self._kernels_ll = None
+        self._destroyed = True
+        kernels, self._kernels, self._kernels_ll = (self._kernels, self._kernels_ll), None, None
         self._local_buffers.clear()
         self._ll_combine_send = [None, None]
-        self._destroyed = True
+        for k in kernels:
+            if k is not None:
+                k.destroy()
 
     def __del__(self) -> None:
-        if not getattr(self, "explicitly_destroy", True):
+        # Garbage collection fires at a different moment on each rank, so it must not run collective
+        # teardown (the NVSHMEM buffer's free and barrier): that stays with an explicit destroy() on every rank.
+        if not getattr(self, "explicitly_destroy", True) and getattr(self, "_kernels_ll", None) is None:
             with contextlib.suppress(Exception):
                 self.destroy()
 
@@ -176,7 +180,8 @@ class Buffer:
             self._comm_stream = torch.cuda.Stream()
         return self._comm_stream
 
-    def capture(self) -> EventOverlap:
+    @staticmethod
+    def capture() -> EventOverlap:
         """An EventOverlap for the work queued so far on the current stream (nothing on a CPU machine)."""
         if not torch.cuda.is_available():
             return EventOverlap()
@@ -357,6 +362,8 @@ class Buffer:
         backend = self._normal_backend(dev)
         self._check_routing(data, backend, topk_idx, topk_weights,
                             num_tokens_per_expert.numel() if num_tokens_per_expert is not None else 0)
+        if not num_worst_tokens:
+            self._check_pending_rows()
         r = self.group_size
         for name, t, dtype, shape in (("num_tokens_per_rank", num_tokens_per_rank, torch.int32, (r,)),
                                       ("is_token_in_rank", is_token_in_rank, torch.bool, (data.shape[0], r)),
@@ -400,6 +407,20 @@ class Buffer:
                                             [x, topk_weights, *biases])
         return (*results, event)
 
+    def _check_pending_rows(self) -> None:
+        """Collective: raise on every rank if any earlier expert_major_dispatch(num_worst_tokens=W) on any rank
+        needed more than W rows (the rows past W were dropped). Every rank made the same calls, so every rank
+        holds the same number of pending checks and takes part in the same all-gather."""
+        if not self._pending_row_checks:
+            return
+        checks, self._pending_row_checks = self._pending_row_checks, []
+        excess = torch.stack([need - limit for need, limit in checks]).max().reshape(1)
+        worst = all_gather_rows(self.group, excess).view(-1)
+        if int(worst.max()) > 0:
+            rank = int(worst.argmax())
+            raise ValueError(f"expert_major_dispatch: on rank {rank}, {int(worst.max())} more expert rows arrived than "
+                             f"num_worst_tokens allowed; they were dropped (raise num_worst_tokens)")
+
     # ------------------------------------------------------------------ expert-major (fused permutation)
     def expert_major_dispatch(self, x: XType, handle: Optional[ExpertMajorHandle] = None,
                               topk_idx: Optional[Tensor] = None, topk_weights: Optional[Tensor] = None,
@@ -442,6 +463,8 @@ class Buffer:
             raise ValueError("expert_major_dispatch needs topk_idx and num_experts (or a handle for cached mode)")
         backend = self._normal_backend(dev)
         self._check_routing(data, backend, topk_idx, topk_weights, num_experts)
+        if not num_worst_tokens:
+            self._check_pending_rows()
         local = num_experts // self.group_size
 
         def run():
@@ -451,13 +474,16 @@ class Buffer:
             n_rank, _, n_expert, in_rank = backend.get_dispatch_layout(topk_idx, num_experts)
             recv_x, recv_s, recv_idx, recv_w, _, dh = backend.dispatch(
                 data, scales, topk_idx, topk_weights, n_rank, in_rank, n_expert, 1, num_worst_tokens, config)
-            px, ps, pw, tpe, prow, pslot, order, offsets = permute(recv_x, recv_s, recv_idx, recv_w, local,
-                                                                   expert_alignment, num_worst_tokens)
-            return px, ps, pw, tpe, ExpertMajorHandle(dh, prow, pslot, tpe, topk_idx.shape[1], order, offsets)
+            px, ps, pw, tpe, counts, prow, pslot, order, offsets, need = permute(
+                recv_x, recv_s, recv_idx, recv_w, local, expert_alignment, num_worst_tokens)
+            if num_worst_tokens:
+                self._pending_row_checks.append((need, num_worst_tokens))
+                if backend is self._reference_normal:  # it synchronises anyway: report at once
+                    self._check_pending_rows()
+            return px, ps, pw, tpe, counts, ExpertMajorHandle(dh, prow, pslot, tpe, topk_idx.shape[1], order, offsets)
 
-        (px, ps, pw, tpe, new_handle), event = self._stream_scope(
+        (px, ps, pw, tpe, counts, new_handle), event = self._stream_scope(
             dev, previous_event, async_finish, allocate_on_comm_stream, run, [data, scales, topk_idx, topk_weights])
-        counts = [] if num_worst_tokens else [int(c) for c in tpe.tolist()]
         return (px if scales is None else (px, ps)), pw, counts, tpe, new_handle, event
 
     def expert_major_combine(self, x: Tensor, handle: ExpertMajorHandle, weights: Optional[Tensor] = None,
@@ -585,6 +611,9 @@ class Buffer:
                                   self._token,
                                   half)
 
+        if return_recv_hook:  # the call "sends": later changes to x must not reach the receiver
+            x, topk_idx = x.clone(), topk_idx.clone()
+
         def receive() -> None:
             got_x, got_count, got_handle, ns = self._reference_ll.dispatch(
                 x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0)
@@ -599,7 +628,10 @@ class Buffer:
         hook = self._hook(half, call, receive)
         if return_recv_hook:
             return recv_x, recv_count, handle, EventOverlap(), hook
-        _, event = self._stream_scope(dev, None, async_finish, False, lambda: (hook(),), [x, topk_idx])
+        outputs = [recv_x, recv_count, handle.src_info, handle.layout_range, cumulative_local_expert_recv_stats,
+                   dispatch_wait_recv_cost_stats]
+        _, event = self._stream_scope(dev, None, async_finish, False, lambda: (hook(),),
+                                      [x, topk_idx] + _flatten(outputs))
         return recv_x, recv_count, handle, event, None
 
     def low_latency_combine(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, handle: LowLatencyHandle,
@@ -639,6 +671,8 @@ class Buffer:
                                                return_recv_hook, out, combine_wait_recv_cost_stats, half,
                                                functools.partial(self._hook, half, call))
         rows_src = self._ll_combine_buffer(half, handle) if zero_copy else x
+        if return_recv_hook:  # the call "sends": snapshot what it sends
+            rows_src, topk_idx, topk_weights = rows_src.clone(), topk_idx.clone(), topk_weights.clone()
         result = out if out is not None else torch.empty(t, h, dtype=torch.bfloat16, device=dev)
 
         def receive() -> None:
@@ -650,7 +684,8 @@ class Buffer:
         hook = self._hook(half, call, receive)
         if return_recv_hook:
             return result, EventOverlap(), hook
-        _, event = self._stream_scope(dev, None, async_finish, False, lambda: (hook(),), [x, topk_idx, topk_weights])
+        _, event = self._stream_scope(dev, None, async_finish, False, lambda: (hook(),),
+                                      [x, topk_idx, topk_weights, result, combine_wait_recv_cost_stats])
         return result, event, None
 
     def _ll_combine_buffer(self, half: int, handle: LowLatencyHandle) -> Tensor:

@@ -6,7 +6,7 @@ the call with the two local reorderings below.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -55,7 +55,9 @@ def permute(recv_x: Tensor, recv_scales: Optional[Tensor], recv_idx: Tensor, rec
     once, row by row of the output. Fixed-shape (no host sync) when num_worst_rows is given.
 
     Returns (permuted_x, permuted_scales or None, permuted_weights [M] or None, tokens_per_expert int32 [L],
-    pair_row int32 [M], pair_slot int32 [M], slot_order or None, slot_offsets or None).
+    the same as python ints (empty with num_worst_rows), pair_row int32 [M], pair_slot int32 [M],
+    slot_order or None, slot_offsets or None, the rows needed (a 0-d device tensor)). Rows past
+    num_worst_rows are dropped here; the caller reports that on every rank.
     """
     n_rows, k = recv_idx.shape
     dev, local = recv_idx.device, num_local_experts
@@ -67,16 +69,8 @@ def permute(recv_x: Tensor, recv_scales: Optional[Tensor], recv_idx: Tensor, rec
     padded[local] = 0
     starts = padded.cumsum(0) - padded
     rank_in_expert = torch.arange(key.numel(), device=dev) - (counts.cumsum(0) - counts)[sorted_key]
-    if num_worst_rows:
-        total = num_worst_rows
-        need = padded.sum()
-        if dev.type == "cuda":
-            torch._assert_async(need <= total, "expert_major_dispatch: more expert rows arrive than num_worst_tokens")
-        elif int(need) > total:
-            raise ValueError(f"expert_major_dispatch: {int(need)} expert rows arrive, more than num_worst_tokens="
-                             f"{total}")
-    else:
-        total = int(padded.sum())
+    need = padded.sum()  # rows this rank needs; under num_worst_rows the caller checks it against the limit
+    total = num_worst_rows if num_worst_rows else int(need)
     pos = torch.where(sorted_key < local, starts[sorted_key] + rank_in_expert, total).clamp_max(total)
 
     def place(values: Tensor) -> Tensor:  # [N*K] per-slot values -> [total], -1 where no pair lands
@@ -96,7 +90,9 @@ def permute(recv_x: Tensor, recv_scales: Optional[Tensor], recv_idx: Tensor, rec
         out_w = recv_w.reshape(-1).float().index_select(0, (pair_row.long() * k + pair_slot.long()).clamp_min(0))
         out_w = torch.where(pair_row >= 0, out_w, torch.zeros_like(out_w))
     slot_order = slot_offsets = None
+    counts_list: List[int] = []
     if not num_worst_rows:  # the counts are on the host already: group the pairs by slot for unpermute
+        counts_list = [int(c) for c in padded[:local].tolist()]
         slot_key = torch.where(pair_slot >= 0, pair_slot.long(), k)
         slot_order = torch.argsort(slot_key, stable=True)
         per_slot = torch.bincount(slot_key, minlength=k + 1).tolist()
@@ -104,7 +100,8 @@ def permute(recv_x: Tensor, recv_scales: Optional[Tensor], recv_idx: Tensor, rec
         for c in per_slot[:k]:
             offsets.append(offsets[-1] + c)
         slot_order, slot_offsets = slot_order[:offsets[-1]], tuple(offsets)
-    return (out_x, out_s, out_w, padded[:local].to(torch.int32), pair_row, pair_slot, slot_order, slot_offsets)
+    return (out_x, out_s, out_w, padded[:local].to(torch.int32), counts_list, pair_row, pair_slot, slot_order,
+            slot_offsets, need)
 
 
 def gather_rows(rows: Tensor, handle: ExpertMajorHandle) -> Tensor:

@@ -94,9 +94,10 @@ def split_x(x) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
             raise TypeError(f"x as a tuple must be (fp8 data, scales), got {len(x)} elements")
         data, scales = x
         check_tensor("x[0] (FP8 data)", data, dtypes=FP8_DTYPES, ndim=2)
-        check_tensor("x[1] (FP8 scales)", scales, dtypes=SCALE_DTYPES, shape=(data.shape[0], None), device=data.device)
+        check_tensor("x[1] (FP8 scales)", scales, dtypes=SCALE_DTYPES, shape=(data.shape[0], None), device=data.device,
+                     contiguous=False)
         check_row_bytes("x[0] (FP8 data)", data)
-        return data, scales
+        return data, scales.contiguous()  # column-major scales (as grouped GEMMs emit them) are accepted
     check_tensor("x", x, dtypes=FLOAT_DTYPES, ndim=2)
     check_row_bytes("x", x)
     return x, None
