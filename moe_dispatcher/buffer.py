@@ -110,6 +110,8 @@ class Buffer:
         self._ll_calls = 0
         self._ll_half_owner = [0, 0]
         self._ll_combine_send: List[Optional[Tensor]] = [None, None]
+        self._ll_pending_hooks: set = set()
+        self._ll_last_shape: Optional[Tuple[int, int, int]] = None
         self._warned_fallback = False
         self._pending_row_checks: List[Tuple[Tensor, int]] = []
 
@@ -542,6 +544,7 @@ class Buffer:
 
     def _hook(self, half: int, call: int, receive: Callable[[], None]) -> Callable[[], None]:
         done = []
+        self._ll_pending_hooks.add(call)
 
         def hook() -> None:
             if done:
@@ -551,7 +554,21 @@ class Buffer:
                                    "hook before making two more low-latency calls")
             receive()
             done.append(True)
+            self._ll_pending_hooks.discard(call)
         return hook
+
+    def _start_ll_call(self, backend, shape: Tuple[int, int, int], num_topk: int) -> Tuple[int, int]:
+        """Checks that need no communication, then (half, call id). A change of (maxT, hidden, experts)
+        re-lays out the compiled buffer, which a receive still pending in a hook would not survive."""
+        if backend is not self._reference_ll:
+            backend.check_shape(*shape, num_topk)
+            if self._ll_last_shape not in (None, shape) and self._ll_pending_hooks:
+                raise RuntimeError(f"low-latency call with (max tokens, hidden, experts) {shape} while a hook of a "
+                                   f"call with {self._ll_last_shape} has not been called: call the hook first")
+        self._ll_last_shape = shape
+        # Hooks never called and now stale can no longer block anything.
+        self._ll_pending_hooks.intersection_update(self._ll_half_owner)
+        return self._next_ll_call()
 
     def low_latency_dispatch(self, x: Tensor, topk_idx: Tensor, num_max_dispatch_tokens_per_rank: int,
                              num_experts: int, cumulative_local_expert_recv_stats: Optional[Tensor] = None,
@@ -589,7 +606,8 @@ class Buffer:
         if dispatch_wait_recv_cost_stats is not None:
             check_tensor("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, dtypes=(torch.int64,),
                          shape=(self.group_size,), device=dev)
-        half, call = self._next_ll_call()
+        half, call = self._start_ll_call(backend, (num_max_dispatch_tokens_per_rank, h, num_experts),
+                                         topk_idx.shape[1])
         if backend is not self._reference_ll:
             return backend.low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                                                 cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
@@ -665,7 +683,7 @@ class Buffer:
         if combine_wait_recv_cost_stats is not None:
             check_tensor("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, dtypes=(torch.int64,),
                          shape=(self.group_size,), device=dev)
-        half, call = self._next_ll_call()
+        half, call = self._start_ll_call(backend, (max_tokens, h, num_experts), topk_idx.shape[1])
         if backend is not self._reference_ll:
             return backend.low_latency_combine(x, topk_idx, topk_weights, handle, zero_copy, async_finish,
                                                return_recv_hook, out, combine_wait_recv_cost_stats, half,

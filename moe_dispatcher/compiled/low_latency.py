@@ -104,7 +104,7 @@ class LowLatencyBackend:
             raise RuntimeError("the low-latency backend was destroyed")
 
     # ------------------------------------------------------------------ layout and checks
-    def _check_shape(self, max_tokens: int, hidden: int, num_experts: int, num_topk: int | None = None) -> None:
+    def check_shape(self, max_tokens: int, hidden: int, num_experts: int, num_topk: int | None = None) -> None:
         m = self._mod
         if hidden > m.MAX_HIDDEN:
             raise ValueError(f"the low-latency kernels take hidden sizes up to {m.MAX_HIDDEN}, got {hidden}")
@@ -169,7 +169,7 @@ class LowLatencyBackend:
         self._check_alive()
         t, h = x.shape
         k = topk_idx.shape[1]
-        self._check_shape(max_tokens, h, num_experts, k)
+        self.check_shape(max_tokens, h, num_experts, k)
         layout = self._layout(max_tokens, h, num_experts)
         x = x.contiguous()
         topk_idx = topk_idx.to(torch.int64).contiguous()
@@ -214,7 +214,7 @@ class LowLatencyBackend:
         self._check_alive()
         max_tokens, h, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
         t, k = topk_idx.shape
-        self._check_shape(max_tokens, h, num_experts, k)
+        self.check_shape(max_tokens, h, num_experts, k)
         layout = self._layout(max_tokens, h, num_experts)
         x = x.contiguous()
         topk_idx = topk_idx.to(torch.int64).contiguous()
@@ -254,7 +254,7 @@ class LowLatencyBackend:
         """Zero the signal words of both halves for these shapes and reset the workspace (collective: NVSHMEM
         barriers before and after, on the current stream)."""
         self._check_alive()
-        self._check_shape(max_tokens, hidden, num_experts)
+        self.check_shape(max_tokens, hidden, num_experts)
         layout = self._mod.half_layout(max_tokens, hidden, self.num_ranks, num_experts)
         stream = torch.cuda.current_stream()
         self._state.barrier(stream)  # every peer is done with the buffer (and its earlier use)
