@@ -4,9 +4,19 @@
 // and classes to `m` there; bindings.cpp only calls them. Add a declaration here for a new one.
 #pragma once
 
+#include <cuda_runtime_api.h>
 #include <pybind11/pybind11.h>
 
+#include <cstdint>
+
 namespace moe_dispatcher {
+
+// Tensors and streams cross from Python as integers (data_ptr(), cuda_stream): back to typed pointers.
+template <typename T>
+inline T* ptr(uintptr_t address) {
+  return reinterpret_cast<T*>(address);
+}
+inline cudaStream_t stream_of(uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
 
 // csrc/runtime/nvshmem_bootstrap.cpp: nvshmem_* bootstrap, allocation and self-test functions.
 void register_nvshmem(pybind11::module_& m);

@@ -24,12 +24,6 @@ namespace {
 
 using namespace intranode;
 
-template <typename T>
-T* ptr(uintptr_t address) {
-  return reinterpret_cast<T*>(address);
-}
-cudaStream_t stream_of(uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
-
 std::string phase_name(int phase) {
   switch (phase) {
     case kPhaseNotify: return "notify (barrier before dispatch)";

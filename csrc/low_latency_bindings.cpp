@@ -17,12 +17,6 @@ namespace {
 
 using namespace low_latency;
 
-template <typename T>
-T* ptr(uintptr_t address) {
-  return reinterpret_cast<T*>(address);
-}
-cudaStream_t stream_of(uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
-
 // The fields every launch shares, from the Python backend's buffer description.
 Common make_common(uintptr_t buffer, uintptr_t peer_bases, uintptr_t workspace, size_t half_offset,
                    int rank, int num_ranks, int num_experts, int max_tokens, int hidden,
