@@ -63,8 +63,8 @@ class LowLatencyPacking:
     """Low-latency dispatch output [E_local, R*maxT, H] (only the first recv_count[e] rows of expert e are
     valid) <-> the packed expert-major tensor Megatron's experts take.
 
-    src_rows: int64 [n], flat row (e * R*maxT + i) of each real packed row; dst_rows as in
-    ExpertMajorPermutation; tokens_per_expert: padded counts on the CPU.
+    src_rows: int64 [n], flat row (e * R*maxT + i) of each real packed row; dst_rows: the packed row of each
+    real row when experts are padded (else None); tokens_per_expert: padded counts on the CPU.
     """
 
     src_rows: torch.Tensor
