@@ -12,11 +12,10 @@ from typing import Dict, List
 import pytest
 import torch
 import torch.distributed as dist
-import dist
-from dist import assert_close, assert_equal, case, make_buffer, run_distributed
+from dist import GPU_WORLD_SIZES, assert_close, assert_equal, case, make_buffer, run_distributed
 
 pytestmark = pytest.mark.gpu
-WORLD_SIZES = dist.GPU_WORLD_SIZES
+WORLD_SIZES = GPU_WORLD_SIZES
 MAX_HIDDEN_BYTES = 7168 * 2
 
 

@@ -17,11 +17,10 @@ import oracle
 import pytest
 import torch
 import torch.distributed as dist
-import dist
-from dist import assert_equal, case, device, make_buffer, run_distributed
+from dist import GPU_WORLD_SIZES, assert_equal, case, device, make_buffer, run_distributed
 
 pytestmark = pytest.mark.gpu
-WORLD_SIZES = dist.GPU_WORLD_SIZES
+WORLD_SIZES = GPU_WORLD_SIZES
 MAX_T, MAX_H, MAX_E = 128, 7168, 256
 
 # T per rank cycles over the ranks; kind: random (20% of slots -1) or skewed (slot 0 = expert 5 everywhere).

@@ -6,6 +6,7 @@
 #
 #   bash tools/gpu_suite.sh [N]            e.g. N=8 on an 8-GPU machine
 #   STEPS="build tests bench" bash tools/gpu_suite.sh 4
+#   TESTS="tests/test_intranode_gpu.py" TEST_LIMIT_S=200 STEPS="build tests" bash tools/gpu_suite.sh 4
 # Python wheels the image lacks (nvshmem4py, megatron-core) are taken from .whl/ when present; the Megatron
 # yardstick is read from $LAYER_BENCH (default .out/megatron_layer_bench.py, a copy of
 # shared/tools/megatron_layer_bench.py).
@@ -48,7 +49,12 @@ if has bench; then
   (( N != 2 )) && run bench_normal_2 90 python3 -m moe_dispatcher.bench --mode normal --backend kernels --num-ranks 2 --out-dir "$OUT"
   run bench_ll_${N} 90 python3 -m moe_dispatcher.bench --mode low-latency --num-ranks "$N" --out-dir "$OUT"
 fi
-has tests && run gpu_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-tests/}
+if has tests; then
+  # One step per test file (its own log and time limit), so a slow or hung file costs only itself.
+  for t in ${TESTS:-$(grep -l "mark.gpu\|BACKENDS" tests/test_*.py)}; do
+    run "gpu_$(basename "$t" .py)" "${TEST_LIMIT_S:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short "$t"
+  done
+fi
 if has megatron && [ -f "$LAYER_BENCH" ]; then
   run megatron_layer_bench_${N} 180 torchrun --standalone --nproc_per_node "$N" "$LAYER_BENCH"
 fi
