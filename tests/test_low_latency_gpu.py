@@ -208,9 +208,9 @@ def _cases_worker(rank: int, num_ranks: int) -> None:
 
     with case("hidden above the kernels' maximum: a clear error before launch"):
         with pytest.raises(ValueError):
-            kb._kernels_ll._check_shape(1, 32768, 32, 8)
+            kb._kernels_ll.check_shape(1, 32768, 32, 8)
         with pytest.raises(ValueError):
-            kb._kernels_ll._check_shape(1, 1024, 32, 64)
+            kb._kernels_ll.check_shape(1, 1024, 32, 64)
     dist.barrier()
     kb.destroy()
     rb.destroy()
