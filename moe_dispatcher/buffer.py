@@ -168,7 +168,8 @@ class Buffer:
     def __del__(self) -> None:
         # Garbage collection fires at a different moment on each rank, so it must not run collective
         # teardown (the NVSHMEM buffer's free and barrier): that stays with an explicit destroy() on every rank.
-        if not getattr(self, "explicitly_destroy", True) and getattr(self, "_kernels_ll", None) is None:
+        if (not getattr(self, "explicitly_destroy", True) and getattr(self, "_kernels_ll", None) is None
+                and getattr(getattr(self, "_kernels", None), "name", "") != "internode"):
             with contextlib.suppress(Exception):
                 self.destroy()
 
