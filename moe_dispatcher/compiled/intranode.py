@@ -350,8 +350,10 @@ class IntranodeBackend:
         layout = torch.empty(self._mod.em_layout_words(r, local), dtype=torch.int32, device=dev)
         self._seq = self._seq % 2_000_000_000 + 1
         seq = self._seq
+        # num_worst_tokens bounds the expert-major rows here, not the received rows (fewer: each holds at least
+        # one pair), so notify's received-rows check is off (0); the Buffer checks rows_needed instead.
         self._mod.notify(self._ipc, self._timeout_ns, in_rank.data_ptr(), per_rank.data_ptr(), per_expert.data_ptr(), t,
-                         num_experts, channels, expert_alignment, num_worst_tokens, seq, prefix.data_ptr(),
+                         num_experts, channels, expert_alignment, 0, seq, prefix.data_ptr(),
                          offsets.data_ptr(), stream, em_layout=layout.data_ptr())
         counts: List[int] = []
         num_recv: Optional[int] = None
