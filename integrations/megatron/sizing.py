@@ -14,7 +14,8 @@ everything that touches the tensor (the experts, the probs multiply, their backw
   that needed more than its M dropped rows: the next call raises RuntimeError (on every rank alike only if
   the overflow was on every rank, so raise the headroom rather than rely on catching it).
 
-$MOE_DISPATCHER_EXPERT_ROWS=exact turns all of this off: every dispatch waits for the counts (one host sync)
+$MOE_DISPATCHER_EXPERT_ROWS_INITIAL=N makes the first call use M = N instead of a synchronised one (no host
+sync at all, e.g. for a captured warm-up). $MOE_DISPATCHER_EXPERT_ROWS=exact turns all of this off: every dispatch waits for the counts (one host sync)
 and M is exact, as are the CPU tokens_per_expert.
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 
 ROWS_ENV = "MOE_DISPATCHER_EXPERT_ROWS"
 HEADROOM_ENV = "MOE_DISPATCHER_EXPERT_ROWS_HEADROOM"
+INITIAL_ENV = "MOE_DISPATCHER_EXPERT_ROWS_INITIAL"
 DEFAULT_HEADROOM = 1.25
 ROW_QUANTUM = 128  # M is a multiple of this (and of the alignment), so M changes rarely
 _PINNED_SLOTS = 64
@@ -66,7 +68,8 @@ class ExpertRowBudget:
         if self.capacity_factor is not None:
             return self._round(num_tokens * num_topk * self.capacity_factor)
         if self.high_water is None:
-            return 0
+            initial = int(os.environ.get(INITIAL_ENV, 0))
+            return self._round(initial) if initial > 0 else 0
         return self._round(self.high_water * self.headroom)
 
     def observe(self, rows_needed: int) -> None:
