@@ -31,8 +31,8 @@ run() {  # run NAME LIMIT_S CMD...
   echo "$( ((rc == 0)) && echo PASS || echo "FAIL rc=$rc") $name ($(( $(date +%s) - t0 )) s)" | tee -a "$summary"
   tail -n 6 "$OUT/logs/$name.log" | sed 's/^/    /' | tee -a "$summary"
 }
-run fused_gpu_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider -x tests/test_expert_major_gpu.py \
-  tests/test_expert_major.py -k "not world_size-8 and not [8]"
+run fused_gpu_tests 100 python3 -m pytest -q -m gpu -p no:cacheprovider -x \
+  "tests/test_expert_major_gpu.py::test_fused_expert_major_matches[$N]" tests/test_expert_major.py
 run megatron_gpu_parity 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_megatron_layer.py -k gpus
 run megatron_layer_bench_${N} 120 torchrun --standalone --nproc_per_node "$N" "$LAYER_BENCH"
 OUT="$OUT" run round_trip_profile 90 torchrun --standalone --nproc_per_node "$N" tools/profile_round_trip.py
