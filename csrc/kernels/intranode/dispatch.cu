@@ -151,12 +151,12 @@ __device__ void send_channel(const DispatchArgs& a, int c, int d, int group_warp
         layout.idx(slot)[lane] = local;
         layout.weights(slot)[lane] =
             (local >= 0 && a.topk_weights != nullptr) ? a.topk_weights[static_cast<int64_t>(t) * a.num_topk + lane] : 0.f;
+        // Expert-major: the pair's rank among my pairs for e (-1 where e is not on d; the receiver skips it).
+        if (a.pair_rank != nullptr) {
+          layout.rank(slot)[lane] = local >= 0 ? a.pair_rank[static_cast<int64_t>(t) * a.num_topk + lane] : -1;
+        }
       }
       if (lane == 0) *layout.source(slot) = t;
-      if (a.pair_rank != nullptr && lane < a.num_topk) {
-        // -1 where the slot's expert is not on d (the receiver ignores it then).
-        layout.rank(slot)[lane] = layout.idx(slot)[lane] >= 0 ? a.pair_rank[static_cast<int64_t>(t) * a.num_topk + lane] : -1;
-      }
     }
     ptx::group_sync(bar, threads);  // every slot store of the chunk precedes the leader's release
     ch.advance(n, leader);
