@@ -105,8 +105,9 @@ void layout(uintptr_t topk_idx, int num_tokens, int num_topk, int num_experts, i
 void notify(const IpcBuffer& b, uint64_t timeout_ns, uintptr_t is_token_in_rank, uintptr_t num_tokens_per_rank,
             uintptr_t num_tokens_per_expert, int num_tokens, int num_experts, int num_channels,
             int expert_alignment, int num_worst_tokens, int seq, uintptr_t rank_prefix_matrix,
-            uintptr_t recv_channel_offset, uintptr_t stream) {
+            uintptr_t recv_channel_offset, uintptr_t stream, uintptr_t em_layout) {
   NotifyArgs a{};
+  a.em_layout = ptr<int>(em_layout);
   a.c = b.common(timeout_ns);
   a.is_token_in_rank = ptr<const bool>(is_token_in_rank);
   a.num_tokens_per_rank = ptr<const int>(num_tokens_per_rank);
@@ -126,8 +127,26 @@ void dispatch(const IpcBuffer& b, uint64_t timeout_ns, uintptr_t x, uintptr_t sc
               uintptr_t topk_weights, uintptr_t is_token_in_rank, uintptr_t recv_channel_offset, uintptr_t recv_x,
               uintptr_t recv_scales, uintptr_t recv_topk_idx, uintptr_t recv_topk_weights, uintptr_t recv_src_idx,
               int num_tokens, int hidden_bytes, int num_scales, int num_topk, int experts_per_rank, int num_rows,
-              int pad_rows, int num_channels, int chunk, int num_slots, int slot_bytes, uintptr_t stream) {
+              int pad_rows, int num_channels, int chunk, int num_slots, int slot_bytes, uintptr_t stream, int em_mode,
+              uintptr_t pair_rank, uintptr_t em_layout, uintptr_t em_x, uintptr_t em_scales, uintptr_t em_weights,
+              uintptr_t em_pair_row, uintptr_t em_pair_slot, uintptr_t em_inverse, int em_topk, int em_rows) {
   DispatchArgs a{};
+  MOE_CHECK(em_mode >= 0 && em_mode <= 2, "bad em_mode");
+  MOE_CHECK(em_mode == 0 || (em_layout != 0 && em_inverse != 0 && em_topk > 0 && em_topk <= kMaxTopk),
+            "expert-major dispatch needs the layout table and the inverse table");
+  MOE_CHECK(em_mode != 1 || (pair_rank != 0 && em_pair_row != 0 && em_pair_slot != 0 && em_topk == num_topk),
+            "fresh expert-major dispatch needs pair ranks and pair_row/pair_slot");
+  a.em_mode = em_mode;
+  a.pair_rank = ptr<const int>(pair_rank);
+  a.em_layout = ptr<const int>(em_layout);
+  a.em_x = ptr<uint8_t>(em_x);
+  a.em_scales = ptr<int32_t>(em_scales);
+  a.em_weights = ptr<float>(em_weights);
+  a.em_pair_row = ptr<int>(em_pair_row);
+  a.em_pair_slot = ptr<int>(em_pair_slot);
+  a.em_inverse = ptr<int>(em_inverse);
+  a.em_topk = em_topk;
+  a.em_rows = em_rows;
   a.c = b.common(timeout_ns);
   MOE_CHECK(static_cast<size_t>(num_channels) * num_slots * slot_bytes <= a.c.src_block_bytes,
             "NVLink buffer too small for this config");
@@ -160,8 +179,16 @@ void combine(const IpcBuffer& b, uint64_t timeout_ns, uintptr_t x, uintptr_t top
              uintptr_t bias1, uintptr_t is_token_in_rank, uintptr_t recv_channel_offset, uintptr_t out,
              uintptr_t out_topk_weights, int dtype, int num_tokens, int hidden, int num_topk, int num_x_rows,
              int num_channels,
-             int chunk, int num_slots, int slot_bytes, uintptr_t stream) {
+             int chunk, int num_slots, int slot_bytes, uintptr_t stream, uintptr_t em_inverse, uintptr_t em_weights,
+             uintptr_t em_topk_weights, int em_topk) {
   CombineArgs a{};
+  MOE_CHECK(em_inverse == 0 || (em_topk > 0 && em_topk <= kMaxTopk), "expert-major combine: bad top-k");
+  MOE_CHECK(em_inverse == 0 || num_topk == (em_topk_weights != 0 ? em_topk : 0),
+            "expert-major combine: num_topk must be em_topk with topk_weights, else 0");
+  a.em_inverse = ptr<const int>(em_inverse);
+  a.em_weights = ptr<const float>(em_weights);
+  a.em_topk_weights = ptr<const float>(em_topk_weights);
+  a.em_topk = em_topk;
   // Tokens per receiver batch: as many 32-token windows as fit beside a sender chunk in the ring.
   a.batch_windows = std::min(kMaxWindows, (num_slots - chunk) / 32);
   MOE_CHECK(a.batch_windows >= 1, "combine needs num_max_nvl_chunked_recv_tokens >= send tokens + 32");
@@ -188,6 +215,13 @@ void combine(const IpcBuffer& b, uint64_t timeout_ns, uintptr_t x, uintptr_t top
   launch_combine(a, stream_of(stream));
 }
 
+void pair_rank(uintptr_t topk_idx, int num_tokens, int num_topk, int num_experts, uintptr_t out,
+               uintptr_t workspace, uintptr_t stream) {
+  MOE_CHECK(num_experts > 0 && num_experts <= kMaxLocalExperts * kMaxRanks, "pair_rank: too many experts");
+  PairRankArgs a{ptr<const int64_t>(topk_idx), num_tokens, num_topk, num_experts, ptr<int>(out), ptr<int>(workspace)};
+  launch_pair_rank(a, stream_of(stream));
+}
+
 }  // namespace
 
 void register_intranode(py::module_& m) {
@@ -200,6 +234,10 @@ void register_intranode(py::module_& m) {
   sub.attr("MAX_COMBINE_WINDOWS") = kMaxWindows;
   sub.attr("RINGS_OFFSET") = kRingsOffset;
   sub.attr("FLAG_LAYOUT_MISMATCH") = kFlagLayoutMismatch;
+  sub.attr("PAIR_RANK_TOKENS") = kPairRankTokens;
+  sub.def("em_layout_words", [](int r, int l) { return ExpertMajorLayout::words(r, l); });
+  sub.def("pair_rank", &pair_rank, py::arg("topk_idx"), py::arg("num_tokens"), py::arg("num_topk"),
+          py::arg("num_experts"), py::arg("out"), py::arg("workspace"), py::arg("stream"));
 
   py::class_<IpcBuffer>(sub, "IpcBuffer")
       .def(py::init<int, int, size_t>(), py::arg("rank"), py::arg("num_ranks"), py::arg("num_bytes"))
@@ -224,18 +262,23 @@ void register_intranode(py::module_& m) {
   sub.def("notify", &notify, py::arg("buffer"), py::arg("timeout_ns"), py::arg("is_token_in_rank"),
           py::arg("num_tokens_per_rank"), py::arg("num_tokens_per_expert"), py::arg("num_tokens"),
           py::arg("num_experts"), py::arg("num_channels"), py::arg("expert_alignment"), py::arg("num_worst_tokens"),
-          py::arg("seq"), py::arg("rank_prefix_matrix"), py::arg("recv_channel_offset"), py::arg("stream"));
+          py::arg("seq"), py::arg("rank_prefix_matrix"), py::arg("recv_channel_offset"), py::arg("stream"),
+          py::arg("em_layout") = 0);
   sub.def("dispatch", &dispatch, py::arg("buffer"), py::arg("timeout_ns"), py::arg("x"), py::arg("scales"),
           py::arg("topk_idx"), py::arg("topk_weights"), py::arg("is_token_in_rank"), py::arg("recv_channel_offset"),
           py::arg("recv_x"), py::arg("recv_scales"), py::arg("recv_topk_idx"), py::arg("recv_topk_weights"),
           py::arg("recv_src_idx"), py::arg("num_tokens"), py::arg("hidden_bytes"), py::arg("num_scales"),
           py::arg("num_topk"), py::arg("experts_per_rank"), py::arg("num_rows"), py::arg("pad_rows"),
-          py::arg("num_channels"), py::arg("chunk"), py::arg("num_slots"), py::arg("slot_bytes"), py::arg("stream"));
+          py::arg("num_channels"), py::arg("chunk"), py::arg("num_slots"), py::arg("slot_bytes"), py::arg("stream"),
+          py::arg("em_mode") = 0, py::arg("pair_rank") = 0, py::arg("em_layout") = 0, py::arg("em_x") = 0,
+          py::arg("em_scales") = 0, py::arg("em_weights") = 0, py::arg("em_pair_row") = 0,
+          py::arg("em_pair_slot") = 0, py::arg("em_inverse") = 0, py::arg("em_topk") = 0, py::arg("em_rows") = 0);
   sub.def("combine", &combine, py::arg("buffer"), py::arg("timeout_ns"), py::arg("x"), py::arg("topk_weights"),
           py::arg("bias0"), py::arg("bias1"), py::arg("is_token_in_rank"), py::arg("recv_channel_offset"),
           py::arg("out"), py::arg("out_topk_weights"), py::arg("dtype"), py::arg("num_tokens"), py::arg("hidden"),
           py::arg("num_topk"), py::arg("num_x_rows"), py::arg("num_channels"), py::arg("chunk"), py::arg("num_slots"),
-          py::arg("slot_bytes"), py::arg("stream"));
+          py::arg("slot_bytes"), py::arg("stream"), py::arg("em_inverse") = 0, py::arg("em_weights") = 0,
+          py::arg("em_topk_weights") = 0, py::arg("em_topk") = 0);
 }
 
 }  // namespace moe_dispatcher

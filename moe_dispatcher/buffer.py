@@ -22,7 +22,7 @@ from . import _ext
 from . import config as _config
 from .config import Config
 from .event import EventOverlap
-from .expert_major import ExpertMajorHandle, gather_rows, permute, unpermute
+from .expert_major import ExpertMajorHandle, compose_expert_major_dispatch, gather_rows, unpermute
 from .handle import DispatchHandle, LowLatencyHandle
 from .reference import ReferenceLowLatency, ReferenceNormal
 from .reference.comm import all_gather_rows
@@ -410,6 +410,14 @@ class Buffer:
                                             [x, topk_weights, *biases])
         return (*results, event)
 
+    def _note_pending_rows(self, need: Tensor, limit: int) -> None:
+        """Remember (on the device, no sync) how far a num_worst_tokens call exceeded its limit. Folded into
+        one running maximum, so a caller that only ever uses num_worst_tokens keeps one tensor, not a list."""
+        excess = need.to(torch.int64) - limit
+        if self._pending_row_checks:
+            excess = torch.maximum(excess, self._pending_row_checks[0][0] - self._pending_row_checks[0][1])
+        self._pending_row_checks = [(excess, 0)]
+
     def _check_pending_rows(self) -> None:
         """Collective: raise on every rank if any earlier expert_major_dispatch(num_worst_tokens=W) on any rank
         needed more than W rows (the rows past W were dropped). Every rank made the same calls, so every rank
@@ -471,19 +479,18 @@ class Buffer:
         local = num_experts // self.group_size
 
         def run():
-            if hasattr(backend, "expert_major_dispatch"):
-                return backend.expert_major_dispatch(data, scales, topk_idx, topk_weights, num_experts,
-                                                     expert_alignment, num_worst_tokens, config)
-            n_rank, _, n_expert, in_rank = backend.get_dispatch_layout(topk_idx, num_experts)
-            recv_x, recv_s, recv_idx, recv_w, _, dh = backend.dispatch(
-                data, scales, topk_idx, topk_weights, n_rank, in_rank, n_expert, 1, num_worst_tokens, config)
-            px, ps, pw, tpe, counts, prow, pslot, order, offsets, need = permute(
-                recv_x, recv_s, recv_idx, recv_w, local, expert_alignment, num_worst_tokens)
+            if hasattr(backend, "expert_major_dispatch"):  # fused into the backend's kernels
+                px, ps, pw, tpe, counts, h = backend.expert_major_dispatch(
+                    data, scales, topk_idx, topk_weights, num_experts, expert_alignment, num_worst_tokens, config)
+            else:
+                px, ps, pw, tpe, counts, h = compose_expert_major_dispatch(
+                    backend, data, scales, topk_idx, topk_weights, num_experts, local, expert_alignment,
+                    num_worst_tokens, config)
             if num_worst_tokens:
-                self._pending_row_checks.append((need, num_worst_tokens))
+                self._note_pending_rows(h.rows_needed, num_worst_tokens)
                 if backend is self._reference_normal:  # it synchronises anyway: report at once
                     self._check_pending_rows()
-            return px, ps, pw, tpe, counts, ExpertMajorHandle(dh, prow, pslot, tpe, topk_idx.shape[1], order, offsets)
+            return px, ps, pw, tpe, counts, h
 
         (px, ps, pw, tpe, counts, new_handle), event = self._stream_scope(
             dev, previous_event, async_finish, allocate_on_comm_stream, run, [data, scales, topk_idx, topk_weights])

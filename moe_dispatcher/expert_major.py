@@ -25,6 +25,10 @@ class ExpertMajorHandle(NamedTuple):
     slot_order:        int64 [P], the permuted rows that hold a pair, grouped by slot (ascending), or None
                        when the counts are only on the device (num_worst_tokens).
     slot_offsets:      python ints [K + 1], where each slot's group starts in slot_order (or None).
+    backend_state:     what a fused backend keeps (the compiled intranode one: the inverse table
+                       (received row, slot) -> row, its layout table, the local expert count).
+    rows_needed:       0-d device tensor: rows this rank needed (padded); above M with num_worst_tokens
+                       means rows were dropped (the Buffer reports it; a caller may read it asynchronously).
     """
 
     dispatch: DispatchHandle
@@ -35,6 +39,7 @@ class ExpertMajorHandle(NamedTuple):
     slot_order: Optional[Tensor] = None
     slot_offsets: Optional[Tuple[int, ...]] = None
     backend_state: object = None
+    rows_needed: Optional[Tensor] = None
 
 
 def _gather_or_zero(rows: Tensor, index: Tensor, padded: bool = True) -> Tensor:
@@ -149,3 +154,18 @@ def unpermute(x: Tensor, handle: ExpertMajorHandle, weights: Optional[Tensor],
         w_rows[torch.where(valid, pair_row, n_rows), torch.where(valid, pair_slot, k)] = topk_weights
         w_rows = w_rows[:n_rows, :k].contiguous()
     return rows.to(x.dtype), w_rows
+
+
+def compose_expert_major_dispatch(backend, data: Tensor, scales: Optional[Tensor], topk_idx: Tensor,
+                                  topk_weights: Optional[Tensor], num_experts: int, num_local_experts: int,
+                                  expert_alignment: int, num_worst_tokens: int, config=None):
+    """Expert-major dispatch as a normal dispatch of `backend` followed by permute() (what a backend without
+    fused kernels, or a case its kernels do not cover, does). Returns (permuted_x, permuted_scales,
+    permuted_weights, tokens_per_expert, counts, handle)."""
+    n_rank, _, n_expert, in_rank = backend.get_dispatch_layout(topk_idx, num_experts)
+    recv_x, recv_s, recv_idx, recv_w, _, dh = backend.dispatch(
+        data, scales, topk_idx, topk_weights, n_rank, in_rank, n_expert, 1, num_worst_tokens, config)
+    px, ps, pw, tpe, counts, prow, pslot, order, offsets, need = permute(
+        recv_x, recv_s, recv_idx, recv_w, num_local_experts, expert_alignment, num_worst_tokens)
+    handle = ExpertMajorHandle(dh, prow, pslot, tpe, topk_idx.shape[1], order, offsets, rows_needed=need)
+    return px, ps, pw, tpe, counts, handle

@@ -172,6 +172,13 @@ def _ep2_worker(rank: int, world: int) -> dict[str, Any]:
         res["capacity"] = _parity("moe_dispatcher", "allgather", 1, world, moe_expert_capacity_factor=0.5)
     with case("normal vs allgather, shared expert"):
         res["shared"] = _parity("moe_dispatcher", "allgather", 1, world, moe_shared_expert_intermediate_size=FFN)
+    with case("normal vs allgather, fixed expert rows (num_worst_tokens, device tokens_per_expert)"):
+        import os
+        os.environ.update(MOE_DISPATCHER_EXPERT_ROWS="bound", MOE_DISPATCHER_EXPERT_ROWS_INITIAL="200")
+        try:
+            res["bound"] = _parity("moe_dispatcher", "allgather", 1, world)
+        finally:
+            del os.environ["MOE_DISPATCHER_EXPERT_ROWS"], os.environ["MOE_DISPATCHER_EXPERT_ROWS_INITIAL"]
     with case("low-latency vs allgather"):
         res["ll"] = _parity("moe_dispatcher_ll", "allgather", 1, world)
     with case("round trip"):
@@ -238,6 +245,12 @@ def test_layer_matches_allgather_bitwise_ep2(ep2):
     for rank, res in enumerate(ep2):
         assert res["normal"]["dispatcher"] == "MoEDispatcherTokenDispatcher"
         _check_parity(res["normal"], 0.0, f"rank {rank}")
+
+
+def test_layer_matches_allgather_with_fixed_expert_rows(ep2):
+    """The no-host-sync sizing: M fixed above the need, the tail rows counted in the last expert."""
+    for rank, res in enumerate(ep2):
+        _check_parity(res["bound"], 0.0, f"rank {rank} fixed expert rows")
 
 
 def test_layer_matches_allgather_with_dropped_tokens(ep2):

@@ -33,6 +33,7 @@ from moe_dispatcher import autograd as md_autograd
 from . import registration
 from .buffers import get_buffer
 from .permutation import LowLatencyPacking, routing_to_topk
+from .sizing import ExpertRowBudget, rows_mode, tokens_per_expert_covering
 from .timing import comm_timer
 
 LL_MAX_TOKENS_ENV = "MOE_DISPATCHER_LL_MAX_TOKENS_PER_RANK"
@@ -79,7 +80,11 @@ class MoEDispatcherTokenDispatcher(MoETokenDispatcher):
         self._topk_idx: torch.Tensor | None = None
         self._handle = None
         self._recv_counts: list[int] | None = None
+        self._tokens_per_expert: torch.Tensor | None = None
         self._probs_dtype = torch.float32
+        # Fixed expert-major row counts (no host sync in steady state; sizing.py).
+        self._row_budget = ExpertRowBudget(self.pad_multiple,
+                                           getattr(config, "moe_expert_rank_capacity_factor", None))
 
     # -------------------------------------------------------------- helpers shared with the low-latency one
     def _routing(self, routing_map: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
@@ -122,22 +127,34 @@ class MoEDispatcherTokenDispatcher(MoETokenDispatcher):
         buffer = get_buffer(self.group, hidden=hidden_states.shape[-1], element_size=hidden_states.element_size(),
                             backend=self.buffer_backend)
         x, weights = comm_timer.backward_end("dispatch", hidden_states, probs)
+        worst = 0
+        if rows_mode(hidden_states.device) == "bound":
+            worst = self._row_budget.rows_for(hidden_states.shape[0], self._topk_idx.shape[1])
         with comm_timer.forward("dispatch", hidden_states.device):
-            permuted, permuted_probs, counts, _, handle = md_autograd.expert_major_dispatch(
-                buffer, x, self._topk_idx, weights, self.num_dispatch_experts, expert_alignment=self.pad_multiple)
+            permuted, permuted_probs, counts, tpe, handle = md_autograd.expert_major_dispatch(
+                buffer, x, self._topk_idx, weights, self.num_dispatch_experts, expert_alignment=self.pad_multiple,
+                num_worst_tokens=worst)
         permuted, permuted_probs = comm_timer.backward_start("dispatch", permuted, permuted_probs)
-        self._buffer, self._handle, self._recv_counts = buffer, handle, counts
+        if worst:  # M = worst rows, counts on the device only; the budget reads the need asynchronously
+            self._row_budget.watch(handle.rows_needed, worst)
+            self._tokens_per_expert = tokens_per_expert_covering(tpe, worst)
+        else:
+            self._row_budget.observe(sum(counts))
+            self._tokens_per_expert = torch.tensor(counts, dtype=torch.int64)
+        self._buffer, self._handle = buffer, handle
         self._topk_idx = None
         self._shared_experts_after_dispatch(hidden_states, permuted)
         return permuted, permuted_probs
 
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        """-> (expert-major rows, tokens_per_expert int64 on the CPU (padded counts), permuted probs).
+        """-> (expert-major rows, tokens_per_expert int64 (padded counts), permuted probs).
 
         With moe_router_padding_for_quantization each expert's rows are padded with zero rows (prob 0) to a
-        multiple of 16/32, so fp8/fp4 grouped GEMMs need no padding of their own."""
-        tokens_per_expert = torch.tensor(self._recv_counts, dtype=torch.int64)
-        self._recv_counts = None
+        multiple of 16/32, so fp8/fp4 grouped GEMMs need no padding of their own. With fixed sizing (the
+        default on GPUs, sizing.py) tokens_per_expert stays on the device (experts that need it on the host
+        read it there, as Megatron's SequentialMLP / GroupedMLP do with .tolist()) and the zero rows past the
+        last expert's are counted in the last expert, so the counts add up to the rows."""
+        tokens_per_expert, self._tokens_per_expert = self._tokens_per_expert, None
         return hidden_states, tokens_per_expert, probs.to(self._probs_dtype)
 
     def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from .. import _ext
 from ..config import Config
+from ..expert_major import ExpertMajorHandle, compose_expert_major_dispatch, gather_rows, unpermute
 from ..handle import DispatchHandle
 
 TIMEOUT_ENV = "MOE_DISPATCHER_TIMEOUT_S"
@@ -35,9 +36,10 @@ def _align16(n: int) -> int:
     return (n + 15) // 16 * 16
 
 
-def dispatch_slot_bytes(hidden_bytes: int, num_scales: int, num_topk: int) -> int:
-    """Bytes of one dispatch ring slot: payload, 4-byte scales, top-k ids (int32) and weights, source index."""
-    return _align16(hidden_bytes + num_scales * 4 + num_topk * 8 + 4)
+def dispatch_slot_bytes(hidden_bytes: int, num_scales: int, num_topk: int, pair_ranks: bool = False) -> int:
+    """Bytes of one dispatch ring slot: payload, 4-byte scales, top-k ids (int32) and weights, source index,
+    and (expert-major fresh dispatch) the int32 pair rank of each slot."""
+    return _align16(hidden_bytes + num_scales * 4 + num_topk * (12 if pair_ranks else 8) + 4)
 
 
 def combine_slot_bytes(row_bytes: int, num_topk: int) -> int:
@@ -309,6 +311,162 @@ class IntranodeBackend:
                           self._ptr(biases[1] if len(biases) > 1 else None), handle.is_token_in_rank.data_ptr(),
                           offsets.data_ptr(), out.data_ptr(), self._ptr(out_w), _COMBINE_DTYPES[x.dtype], t,
                           x.shape[1], num_topk, x.shape[0], channels, chunk, slots, slot_bytes, self._stream())
+        return out, out_w
+
+    # ------------------------------------------------------------------ expert-major (fused permutation)
+    def expert_major_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: torch.Tensor,
+                              topk_weights: Optional[torch.Tensor], num_experts: int, expert_alignment: int,
+                              num_worst_tokens: int, config: Optional[Config] = None):
+        """Dispatch straight into expert-major rows (docs/intranode.md, "Expert-major dispatch"): the sender
+        carries each pair's rank among its pairs for that expert, notify turns every source's per-expert
+        counts into a base row per (source, expert), and the receiver writes each row to all its expert-major
+        rows. Returns (permuted_x, permuted_scales, permuted_weights, tokens_per_expert int32 [L] (device),
+        counts (python ints; empty with num_worst_tokens), ExpertMajorHandle). No host sync with
+        num_worst_tokens; otherwise one wait for notify's counts, like dispatch."""
+        self._check()
+        r = self.num_ranks
+        local = num_experts // r
+        k = topk_idx.shape[1]
+        if local > self._mod.MAX_LOCAL_EXPERTS or k > self._mod.MAX_TOPK or k == 0:
+            return compose_expert_major_dispatch(self, x, x_scales, topk_idx, topk_weights, num_experts, local,
+                                                 expert_alignment, num_worst_tokens, config)
+        x = x.contiguous()
+        x_scales = x_scales.contiguous() if x_scales is not None else None
+        topk_idx = topk_idx.contiguous()
+        topk_weights = topk_weights.contiguous() if topk_weights is not None else None
+        hidden_bytes, num_scales = self._check_rows(x, x_scales)
+        channels, chunk, slots = self._config(config, combine=False)
+        slot_bytes = dispatch_slot_bytes(hidden_bytes, num_scales, k, pair_ranks=True)
+        self._check_fits(channels, slots, slot_bytes, "expert-major dispatch")
+        per_rank, _, per_expert, in_rank = self.get_dispatch_layout(topk_idx, num_experts)
+        dev, t, stream = x.device, x.shape[0], self._stream()
+
+        pair_rank = torch.empty(t, k, dtype=torch.int32, device=dev)
+        blocks = (t + self._mod.PAIR_RANK_TOKENS - 1) // self._mod.PAIR_RANK_TOKENS
+        workspace = torch.empty(max(blocks, 1) * num_experts, dtype=torch.int32, device=dev)
+        self._mod.pair_rank(topk_idx.data_ptr(), t, k, num_experts, pair_rank.data_ptr(), workspace.data_ptr(), stream)
+        prefix = torch.empty(r, r, dtype=torch.int32, device=dev)
+        offsets = torch.empty(r, channels + 1, dtype=torch.int32, device=dev)
+        layout = torch.empty(self._mod.em_layout_words(r, local), dtype=torch.int32, device=dev)
+        self._seq = self._seq % 2_000_000_000 + 1
+        seq = self._seq
+        # num_worst_tokens bounds the expert-major rows here, not the received rows (fewer: each holds at least
+        # one pair), so notify's received-rows check is off (0); the Buffer checks rows_needed instead.
+        self._mod.notify(self._ipc, self._timeout_ns, in_rank.data_ptr(), per_rank.data_ptr(), per_expert.data_ptr(), t,
+                         num_experts, channels, expert_alignment, 0, seq, prefix.data_ptr(),
+                         offsets.data_ptr(), stream, em_layout=layout.data_ptr())
+        counts: List[int] = []
+        num_recv: Optional[int] = None
+        if num_worst_tokens:
+            rows = m = num_worst_tokens
+        else:
+            num_recv = self._wait_counts(seq)
+            counts = self._ipc.expert_counts(local)
+            rows, m = num_recv, sum(counts)
+        px = torch.empty(m, x.shape[1], dtype=x.dtype, device=dev)
+        ps = torch.empty(m, num_scales, dtype=x_scales.dtype, device=dev) if x_scales is not None else None
+        pw = torch.empty(m, dtype=torch.float32, device=dev) if topk_weights is not None else None
+        # One spare element each, so that even empty tables have a non-null address for the kernel.
+        pair_row = torch.empty(m + 1, dtype=torch.int32, device=dev)[:m]
+        pair_slot = torch.empty(m + 1, dtype=torch.int32, device=dev)[:m]
+        inverse = torch.empty((rows + 1) * k, dtype=torch.int32, device=dev)[:rows * k].view(rows, k)
+        recv_src = torch.empty(rows, dtype=torch.int32, device=dev)
+        self._mod.dispatch(self._ipc, self._timeout_ns, x.data_ptr(), self._ptr(x_scales), topk_idx.data_ptr(),
+                           self._ptr(topk_weights), in_rank.data_ptr(), offsets.data_ptr(), 0, 0, 0, 0,
+                           recv_src.data_ptr(), t, hidden_bytes, num_scales, k, local, rows,
+                           1 if num_worst_tokens else 0, channels, chunk, slots, slot_bytes, stream,
+                           em_mode=1, pair_rank=pair_rank.data_ptr(), em_layout=layout.data_ptr(),
+                           em_x=self._ptr(px), em_scales=self._ptr(ps), em_weights=self._ptr(pw),
+                           em_pair_row=pair_row.data_ptr(), em_pair_slot=pair_slot.data_ptr(),
+                           em_inverse=inverse.data_ptr(), em_topk=k, em_rows=m)
+        r_local = r * local
+        tpe = layout[r_local + 2 * local + 1: r_local + 3 * local + 1]
+        need = layout[r_local + local]
+        dh = DispatchHandle(prefix, in_rank, recv_src, num_recv, t, num_worst_tokens, self.name, self._buffer_token,
+                            backend_state=(channels, offsets))
+        handle = ExpertMajorHandle(dh, pair_row, pair_slot, tpe, k, backend_state=(inverse, layout, local),
+                                   rows_needed=need)
+        return px, ps, pw, tpe, counts, handle
+
+    def _wait_counts(self, seq: int) -> int:
+        """The host's wait for notify call `seq` (fresh dispatch without num_worst_tokens): rows received."""
+        num_recv, flags = self._ipc.wait_notify(seq, self.timeout_s + 30.0)
+        if num_recv < 0:
+            self._check()
+            raise RuntimeError(f"moe_dispatcher intranode: rank {self.rank}: notify gave up")
+        if flags & self._mod.FLAG_LAYOUT_MISMATCH:
+            raise ValueError("dispatch: num_tokens_per_rank does not match is_token_in_rank on some rank (pass "
+                             "the layout that get_dispatch_layout returned for these topk_idx)")
+        overflow = self._ipc.take_worst_overflow()
+        if overflow is not None:
+            raise ValueError(f"dispatch: in an earlier dispatch with num_worst_tokens={overflow[2]}, rank "
+                             f"{overflow[0]} received {overflow[1]} rows; the rows past num_worst_tokens were "
+                             f"dropped (the compiled backend reports this at the next synchronised dispatch, "
+                             f"on every rank; raise num_worst_tokens)")
+        return num_recv
+
+    def expert_major_cached_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor],
+                                     handle: ExpertMajorHandle):
+        """x [T, H] -> expert-major rows [M, H] along the handle's routing (no count exchange, no host sync)."""
+        self._check()
+        if handle.backend_state is None:  # the handle came from the composition: do the same here
+            rows, row_scales = self.cached_dispatch(x, x_scales, handle.dispatch)
+            return gather_rows(rows, handle), (gather_rows(row_scales, handle) if x_scales is not None else None)
+        x = x.contiguous()
+        x_scales = x_scales.contiguous() if x_scales is not None else None
+        hidden_bytes, num_scales = self._check_rows(x, x_scales)
+        inverse, layout, local = handle.backend_state
+        dh = handle.dispatch
+        channels, offsets = dh.backend_state
+        _, chunk, slots = self._config(None, combine=False)
+        slot_bytes = dispatch_slot_bytes(hidden_bytes, num_scales, 0)
+        self._check_fits(channels, slots, slot_bytes, "expert-major cached dispatch")
+        m, rows, dev = handle.pair_row.numel(), dh.recv_src_idx.shape[0], x.device
+        px = torch.empty(m, x.shape[1], dtype=x.dtype, device=dev)
+        ps = torch.empty(m, num_scales, dtype=x_scales.dtype, device=dev) if x_scales is not None else None
+        self._mod.dispatch(self._ipc, self._timeout_ns, x.data_ptr(), self._ptr(x_scales), 0, 0,
+                           dh.is_token_in_rank.data_ptr(), offsets.data_ptr(), 0, 0, 0, 0, 0, x.shape[0],
+                           hidden_bytes, num_scales, 0, local, rows, 1 if dh.num_worst_tokens else 0, channels, chunk,
+                           slots, slot_bytes, self._stream(), em_mode=2, em_layout=layout.data_ptr(),
+                           em_x=self._ptr(px), em_scales=self._ptr(ps), em_inverse=inverse.data_ptr(),
+                           em_topk=handle.num_topk, em_rows=m)
+        return px, ps
+
+    def expert_major_combine(self, x: torch.Tensor, handle: ExpertMajorHandle, weights: Optional[torch.Tensor],
+                             topk_weights: Optional[torch.Tensor], bias: Sequence[torch.Tensor],
+                             config: Optional[Config] = None):
+        """Expert-major rows [M, H] -> [T, H]: the expert-side sender sums each received row's pairs (slot order,
+        float32, rounded to x.dtype) straight from x and sends that through the combine rings; topk_weights [M]
+        return to their slot. Returns (combined_x, combined_topk_weights [T, K] or None)."""
+        self._check()
+        if handle.backend_state is None or x.dtype not in _COMBINE_DTYPES:
+            rows, w_rows = unpermute(x, handle, weights, topk_weights)
+            return self.combine(rows, handle.dispatch, w_rows, bias, config)
+        x = x.contiguous()
+        row_bytes = x.shape[1] * x.element_size()
+        if row_bytes % 16:
+            raise ValueError(f"combine: rows of x must be a multiple of 16 bytes, got {row_bytes}")
+        weights = weights.contiguous() if weights is not None else None
+        topk_weights = topk_weights.contiguous() if topk_weights is not None else None
+        inverse, _, _ = handle.backend_state
+        dh = handle.dispatch
+        k = handle.num_topk
+        num_topk = k if topk_weights is not None else 0
+        channels, offsets = dh.backend_state
+        _, chunk, slots = self._config(config, combine=True)
+        slot_bytes = combine_slot_bytes(row_bytes, num_topk)
+        self._check_fits(channels, slots, slot_bytes, "expert-major combine")
+        biases = [b.contiguous() for b in bias]
+        t, dev = dh.num_tokens, x.device
+        out = torch.empty(t, x.shape[1], dtype=x.dtype, device=dev)
+        out_w = torch.empty(t, k, dtype=torch.float32, device=dev) if topk_weights is not None else None
+        self._mod.combine(self._ipc, self._timeout_ns, x.data_ptr(), 0,
+                          self._ptr(biases[0] if len(biases) > 0 else None),
+                          self._ptr(biases[1] if len(biases) > 1 else None), dh.is_token_in_rank.data_ptr(),
+                          offsets.data_ptr(), out.data_ptr(), self._ptr(out_w), _COMBINE_DTYPES[x.dtype], t,
+                          x.shape[1], num_topk, dh.recv_src_idx.shape[0], channels, chunk, slots, slot_bytes,
+                          self._stream(), em_inverse=inverse.data_ptr(), em_weights=self._ptr(weights),
+                          em_topk_weights=self._ptr(topk_weights), em_topk=k)
         return out, out_w
 
     # ------------------------------------------------------------------ buffer access and lifetime

@@ -38,6 +38,65 @@ union Vec {
   T elems[kElems];
 };
 
+// Expert-major combine, sender side: the partial sum of received row r over its pairs here (slot order,
+// float32, each term x[pos] * em_weights[pos] rounded to float32 when weighted; explicit _rn intrinsics
+// so no FMA contraction changes the rounding), rounded to T, into the ring slot; then the per-slot
+// top-k weights. Bit-identical to unpermute() in moe_dispatcher/expert_major.py followed by the rank-major
+// send. Every lane runs the same iterations (the shuffles need the full warp).
+template <typename T>
+__device__ __forceinline__ void send_em_row(const CombineArgs& a, int64_t r, uint8_t* slot, int row_bytes, int lane) {
+  constexpr int kUnroll = 2;
+  const int k = a.em_topk;
+  int pos = -1;
+  float w = 1.f;
+  if (lane < k) {
+    pos = a.em_inverse[r * k + lane];
+    if (pos >= 0 && a.em_weights != nullptr) w = a.em_weights[pos];
+  }
+  const int vecs = row_bytes / 16;
+  for (int base = 0; base < vecs; base += 32 * kUnroll) {
+    float acc[kUnroll][Vec<T>::kElems];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+      for (int e = 0; e < Vec<T>::kElems; ++e) acc[u][e] = 0.f;
+    }
+    for (int j = 0; j < k; ++j) {
+      const int p = __shfl_sync(0xffffffffu, pos, j);
+      const float wj = __shfl_sync(0xffffffffu, w, j);
+      if (p < 0) continue;
+      const int4* src = reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(p) * row_bytes);
+      Vec<T> x[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int v = base + u * 32 + lane;
+        if (v < vecs) x[u].raw = ptx::ld_nc_v4(src + v);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+        for (int e = 0; e < Vec<T>::kElems; ++e) {
+          const float term = a.em_weights != nullptr ? __fmul_rn(to_float(x[u].elems[e]), wj) : to_float(x[u].elems[e]);
+          acc[u][e] = __fadd_rn(acc[u][e], term);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int v = base + u * 32 + lane;
+      if (v >= vecs) continue;
+      Vec<T> out;
+#pragma unroll
+      for (int e = 0; e < Vec<T>::kElems; ++e) out.elems[e] = from_float<T>(acc[u][e]);
+      reinterpret_cast<int4*>(slot)[v] = out.raw;
+    }
+  }
+  if (a.em_topk_weights != nullptr && lane < k) {
+    reinterpret_cast<float*>(slot + row_bytes)[lane] = pos >= 0 ? a.em_topk_weights[pos] : 0.f;
+  }
+}
+
+template <typename T>
 __device__ void send_channel(const CombineArgs& a, int c, int s, int group_warp, int warps, int lane, bool leader,
                              int* shared_ok, const Watchdog& dog) {
   const int me = a.c.rank;
@@ -65,6 +124,10 @@ __device__ void send_channel(const CombineArgs& a, int c, int s, int group_warp,
       uint8_t* slot = ch.slot(i);
       const int64_t r = row + i;
       if (r >= a.num_x_rows) continue;  // dropped by a num_worst_tokens overflow (reported by notify)
+      if (a.em_inverse != nullptr) {
+        send_em_row<T>(a, r, slot, row_bytes, lane);
+        continue;
+      }
       warp_copy<false, 8>(reinterpret_cast<int4*>(slot), reinterpret_cast<const int4*>(a.x + r * row_bytes),
                        row_bytes / 16, lane);
       if (a.topk_weights != nullptr && lane < a.num_topk) {
@@ -229,7 +292,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
   const int warps = kCombineWarps / num_ranks;
   const int group = warp / warps, group_warp = warp % warps;
   if (group >= num_ranks) return;
-  send_channel(a, c, group, group_warp, warps, lane, group_warp == 0 && lane == 0, &shared_ok[group], dog);
+  send_channel<T>(a, c, group, group_warp, warps, lane, group_warp == 0 && lane == 0, &shared_ok[group], dog);
 }
 
 }  // namespace

@@ -19,14 +19,76 @@ namespace {
 // 16-byte loads in flight per lane while copying a row (6 and 8 measured no faster than 4).
 constexpr int kDispatchUnroll = 4;
 
-// Slot layout: [payload hidden_bytes][scales S x 4][top-k idx K x int32][weights K x f32][source int32].
+// Expert-major dispatch (em_mode != 0) changes only what the two ends do with a slot: the fresh sender
+// appends each slot's pair rank (expert_major.cu), and the receiver, instead of writing the row once at
+// its rank-major row n, writes it at every expert-major position it owns:
+//   position of (n, k) = em_layout.base[source][local expert of slot k] + pair rank of slot k,
+// which is exactly the (expert, received row, slot) order of the contract, so no sort is needed. It
+// records position -> (n, k) (pair_row / pair_slot) and (n, k) -> position (em_inverse, read by the
+// expert-major combine and the cached dispatch). Positions are disjoint, so the plain stores need no
+// ordering among themselves; the outputs are read only by later kernels on the stream.
+
+// Slot layout: [payload hidden_bytes][scales S x 4][top-k idx K x int32][weights K x f32][source int32]
+// [pair rank K x int32, expert-major fresh dispatch only].
 struct DispatchSlot {
   int hidden_bytes, num_scales, num_topk;
   __device__ int32_t* scales(uint8_t* s) const { return reinterpret_cast<int32_t*>(s + hidden_bytes); }
   __device__ int32_t* idx(uint8_t* s) const { return scales(s) + num_scales; }
   __device__ float* weights(uint8_t* s) const { return reinterpret_cast<float*>(idx(s) + num_topk); }
   __device__ int32_t* source(uint8_t* s) const { return reinterpret_cast<int32_t*>(weights(s) + num_topk); }
+  __device__ int32_t* rank(uint8_t* s) const { return source(s) + 1; }
 };
+
+// Copies one ring row to the expert-major rows of the warp's slots: lane j < num_topk holds position
+// `pos` of slot j (-1: none). Every lane runs the same iterations (the shuffles need the full warp).
+template <int kUnroll>
+__device__ __forceinline__ void warp_fanout(uint8_t* dst_rows, int row_bytes, const int4* src, int pos, int num_topk,
+                                            int lane) {
+  const int n = row_bytes / 16;
+  for (int base = 0; base < n; base += 32 * kUnroll) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int i = base + u * 32 + lane;
+      if (i < n) v[u] = ptx::ld_cg_v4(src + i);
+    }
+    for (int j = 0; j < num_topk; ++j) {
+      const int p = __shfl_sync(0xffffffffu, pos, j);
+      if (p < 0) continue;
+      int4* dst = reinterpret_cast<int4*>(dst_rows + static_cast<int64_t>(p) * row_bytes);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int i = base + u * 32 + lane;
+        if (i < n) dst[i] = v[u];
+      }
+    }
+  }
+}
+
+// Expert-major padding rows (each expert's alignment rows and the rows past the last expert up to
+// em_rows): zero payload, scales and weight, pair_row / pair_slot -1. One warp per row.
+__device__ void zero_em_padding(const DispatchArgs& a, int global_warp, int num_warps, int lane) {
+  const ExpertMajorLayout lay{a.c.num_ranks, a.experts_per_rank};
+  const int vecs = a.hidden_bytes / 16;
+  auto zero_row = [&](int64_t m) {
+    auto* x = reinterpret_cast<int4*>(a.em_x + m * a.hidden_bytes);
+    for (int v = lane; v < vecs; v += 32) x[v] = make_int4(0, 0, 0, 0);
+    for (int j = lane; a.em_scales != nullptr && j < a.num_scales; j += 32) a.em_scales[m * a.num_scales + j] = 0;
+    if (lane == 0 && a.em_weights != nullptr) a.em_weights[m] = 0.f;
+    if (lane == 0 && a.em_pair_row != nullptr) {
+      a.em_pair_row[m] = -1;
+      a.em_pair_slot[m] = -1;
+    }
+  };
+  for (int l = global_warp; l < a.experts_per_rank; l += num_warps) {
+    const int end = min(a.em_layout[lay.start(l + 1)], a.em_rows);
+    for (int64_t m = a.em_layout[lay.start(l)] + a.em_layout[lay.count(l)]; m < end; ++m) zero_row(m);
+  }
+  for (int64_t m = static_cast<int64_t>(a.em_layout[lay.start(a.experts_per_rank)]) + global_warp; m < a.em_rows;
+       m += num_warps) {
+    zero_row(m);
+  }
+}
 
 __device__ void send_channel(const DispatchArgs& a, int c, int d, int group_warp, int warps, int lane, bool leader,
                              int* chunk_tokens, int* shared_ok, const Watchdog& dog) {
@@ -89,11 +151,51 @@ __device__ void send_channel(const DispatchArgs& a, int c, int d, int group_warp
         layout.idx(slot)[lane] = local;
         layout.weights(slot)[lane] =
             (local >= 0 && a.topk_weights != nullptr) ? a.topk_weights[static_cast<int64_t>(t) * a.num_topk + lane] : 0.f;
+        // Expert-major: the pair's rank among my pairs for e (-1 where e is not on d; the receiver skips it).
+        if (a.pair_rank != nullptr) {
+          layout.rank(slot)[lane] = local >= 0 ? a.pair_rank[static_cast<int64_t>(t) * a.num_topk + lane] : -1;
+        }
       }
       if (lane == 0) *layout.source(slot) = t;
     }
     ptx::group_sync(bar, threads);  // every slot store of the chunk precedes the leader's release
     ch.advance(n, leader);
+  }
+}
+
+// Expert-major receive of one ring row (received row `row` from source s); see the file comment.
+__device__ __forceinline__ void receive_em_row(const DispatchArgs& a, int s, int64_t row, uint8_t* slot,
+                                               const DispatchSlot& layout, int lane) {
+  const int k = a.em_topk;
+  int pos = -1;
+  if (a.em_mode == 1) {
+    if (lane < k) {
+      const int l = ptx::ld_cg(layout.idx(slot) + lane);
+      if (l >= 0) {
+        const ExpertMajorLayout lay{a.c.num_ranks, a.experts_per_rank};
+        pos = a.em_layout[lay.base(s, l)] + ptx::ld_cg(layout.rank(slot) + lane);
+        if (pos >= a.em_rows) pos = -1;  // past num_worst_tokens: dropped, reported through rows_needed
+      }
+      a.em_inverse[row * k + lane] = pos;
+      if (pos >= 0) {
+        a.em_pair_row[pos] = static_cast<int>(row);
+        a.em_pair_slot[pos] = lane;
+        if (a.em_weights != nullptr) {
+          a.em_weights[pos] = __int_as_float(ptx::ld_cg(reinterpret_cast<const int*>(layout.weights(slot)) + lane));
+        }
+      }
+    }
+    if (lane == 0 && a.recv_src_idx != nullptr) a.recv_src_idx[row] = ptx::ld_cg(layout.source(slot));
+  } else if (lane < k) {
+    pos = a.em_inverse[row * k + lane];
+  }
+  warp_fanout<kDispatchUnroll>(a.em_x, a.hidden_bytes, reinterpret_cast<const int4*>(slot), pos, k, lane);
+  for (int j = 0; j < k && a.em_scales != nullptr; ++j) {
+    const int p = __shfl_sync(0xffffffffu, pos, j);
+    if (p < 0) continue;
+    for (int i = lane; i < a.num_scales; i += 32) {
+      a.em_scales[static_cast<int64_t>(p) * a.num_scales + i] = ptx::ld_cg(layout.scales(slot) + i);
+    }
   }
 }
 
@@ -125,6 +227,10 @@ __device__ void receive_channel(const DispatchArgs& a, int c, int s, int group_w
       if (row >= a.num_rows) continue;  // more rows than num_worst_tokens: reported by notify
       const uint8_t* slot = ch.slot(index);
       uint8_t* s_slot = const_cast<uint8_t*>(slot);
+      if (a.em_mode != 0) {
+        receive_em_row(a, s, row, s_slot, layout, lane);
+        continue;
+      }
       warp_copy<true, kDispatchUnroll>(reinterpret_cast<int4*>(a.recv_x + row * a.hidden_bytes), reinterpret_cast<const int4*>(slot),
                       a.hidden_bytes / 16, lane);
       for (int j = lane; j < a.num_scales; j += 32) {
@@ -161,8 +267,11 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a) {
     const int64_t start = static_cast<int64_t>(c) * blockDim.x + threadIdx.x;
     const int vecs = a.hidden_bytes / 16;
     auto* x_pad = reinterpret_cast<int4*>(a.recv_x + first * a.hidden_bytes);
-    for (int64_t i = start; i < extra * vecs; i += stride) x_pad[i] = make_int4(0, 0, 0, 0);
-    for (int64_t i = start; i < extra * a.num_scales; i += stride) a.recv_scales[first * a.num_scales + i] = 0;
+    for (int64_t i = start; a.recv_x != nullptr && i < extra * vecs; i += stride) x_pad[i] = make_int4(0, 0, 0, 0);
+    for (int64_t i = start; a.recv_scales != nullptr && i < extra * a.num_scales; i += stride) {
+      a.recv_scales[first * a.num_scales + i] = 0;
+    }
+    for (int64_t i = start; a.em_mode == 1 && i < extra * a.em_topk; i += stride) a.em_inverse[first * a.em_topk + i] = -1;
     for (int64_t i = start; a.recv_topk_idx != nullptr && i < extra * a.num_topk; i += stride) {
       a.recv_topk_idx[first * a.num_topk + i] = -1;
       a.recv_topk_weights[first * a.num_topk + i] = 0.f;
@@ -170,9 +279,15 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a) {
     for (int64_t i = start; a.recv_src_idx != nullptr && i < extra; i += stride) a.recv_src_idx[first + i] = -1;
   }
 
+  // Expert-major padding rows: every warp of the receiver blocks takes its share once it is done with
+  // the rings (so the transfer starts first); disjoint from the pair rows, so no ordering is needed.
+  const bool em_pad = !sender && a.em_mode != 0;
   const int warps = kWarps / num_ranks;
   const int group = warp / warps, group_warp = warp % warps;
-  if (group >= num_ranks) return;  // idle warps when 24 % R != 0; they join no barrier
+  if (group >= num_ranks) {  // idle warps when 24 % R != 0; they join no barrier
+    if (em_pad) zero_em_padding(a, c * kWarps + warp, a.num_channels * kWarps, lane);
+    return;
+  }
   const bool leader = group_warp == 0 && lane == 0;
   auto* ctl = reinterpret_cast<Control*>(a.c.peers[a.c.rank]);
   const Watchdog dog = make_watchdog(a.c.timeout_ns, a.c.rank, &ctl->timeout_claim, &a.c.mailbox->timeout);
@@ -180,6 +295,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a) {
     send_channel(a, c, group, group_warp, warps, lane, leader, chunk_tokens[warp], &shared_ok[group], dog);
   } else {
     receive_channel(a, c, group, group_warp, warps, lane, leader, &shared_tail[group], dog);
+    if (em_pad) zero_em_padding(a, c * kWarps + warp, a.num_channels * kWarps, lane);
   }
 }
 

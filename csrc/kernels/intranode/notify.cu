@@ -123,6 +123,40 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a)
     for (int s = 0; s < num_ranks; ++s) sum += word(s, kNotifyExperts + l);
     box->expert_counts[l] = (sum + align - 1) / align * align;
   }
+  if (a.em_layout != nullptr) {
+    // Expert-major layout (block-uniform branch: every thread reaches the barriers). kNotifyThreads
+    // == kMaxLocalExperts, so thread l owns expert l; an inclusive Hillis-Steele scan of the padded
+    // counts gives each expert's first row. The table is read by the dispatch kernel that follows
+    // on this stream (the kernel boundary orders it).
+    static_assert(kNotifyThreads >= kMaxLocalExperts, "one thread per local expert");
+    __shared__ int scan[kMaxLocalExperts];
+    const ExpertMajorLayout lay{num_ranks, num_local};
+    const int l = threadIdx.x;
+    int count = 0, padded = 0;
+    if (l < num_local) {
+      for (int s = 0; s < num_ranks; ++s) count += word(s, kNotifyExperts + l);
+      padded = (count + align - 1) / align * align;
+      scan[l] = padded;
+    }
+    __syncthreads();
+    for (int off = 1; off < num_local; off <<= 1) {
+      const int v = (l < num_local && l >= off) ? scan[l - off] : 0;
+      __syncthreads();
+      if (l < num_local) scan[l] += v;
+      __syncthreads();
+    }
+    if (l < num_local) {
+      int base = scan[l] - padded;
+      a.em_layout[lay.start(l)] = base;
+      a.em_layout[lay.count(l)] = count;
+      a.em_layout[lay.padded(l)] = padded;
+      for (int s = 0; s < num_ranks; ++s) {
+        a.em_layout[lay.base(s, l)] = base;
+        base += word(s, kNotifyExperts + l);
+      }
+    }
+    if (l == 0) a.em_layout[lay.start(num_local)] = scan[num_local - 1];
+  }
   if (threadIdx.x == 0) {
     int recv = 0, any = 0;
     for (int s = 0; s < num_ranks; ++s) {

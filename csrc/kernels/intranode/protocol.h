@@ -94,7 +94,32 @@ struct NotifyArgs {
   int num_tokens, num_experts, num_channels, expert_alignment, num_worst_tokens, seq;
   int* rank_prefix_matrix;           // out [R, R]
   int* recv_channel_offset;          // out [R, C + 1]: first row of channel c from source s; [s][C] = end
+  int* em_layout;                    // out, expert-major dispatch only (else null): see ExpertMajorLayout
 };
+
+// Expert-major layout table, int32, computed by notify from every source's per-expert counts (L local
+// experts, R ranks). Expert l's rows are [start[l], start[l + 1]): first its count[l] pairs, then zero
+// padding rows up to a multiple of expert_alignment. base[s][l] is where source s's pairs for l begin:
+// start[l] + sum over s' < s of source s' count for l. start[L] is the number of rows needed.
+struct ExpertMajorLayout {
+  int num_ranks, num_local;
+  __host__ __device__ static int words(int r, int l) { return r * l + (l + 1) + 2 * l; }
+  __host__ __device__ int base(int s, int l) const { return s * num_local + l; }
+  __host__ __device__ int start(int l) const { return num_ranks * num_local + l; }
+  __host__ __device__ int count(int l) const { return num_ranks * num_local + num_local + 1 + l; }
+  __host__ __device__ int padded(int l) const { return num_ranks * num_local + 2 * num_local + 1 + l; }
+};
+
+// Sender side of an expert-major dispatch: for each (token t, slot k) routed to expert e, its rank among
+// this rank's pairs routed to e, in (t, k) order; -1 for unused slots. workspace: int32 [blocks, E].
+struct PairRankArgs {
+  const int64_t* topk_idx;  // [T, K]
+  int num_tokens, num_topk, num_experts;
+  int* pair_rank;           // out [T, K]
+  int* workspace;           // [pair_rank_blocks(T), E]
+};
+constexpr int kPairRankTokens = 128;  // tokens per block of the pair-rank kernels
+inline int pair_rank_blocks(int num_tokens) { return (num_tokens + kPairRankTokens - 1) / kPairRankTokens; }
 
 struct DispatchArgs {
   Common c;
@@ -113,6 +138,21 @@ struct DispatchArgs {
   int num_rows;              // rows of the outputs (num_worst_tokens, or the received count)
   int pad_rows;              // 1: fill rows past the received count (num_worst_tokens): zeros, -1
   int num_channels, chunk, num_slots, slot_bytes;
+  // Expert-major dispatch (em_mode 1: fresh, 2: cached; 0: rank-major, every pointer below null).
+  // Fresh: the sender also carries pair_rank[t][k] in the slot (after the source index), and the
+  // receiver writes each row straight to its expert-major positions (no rank-major payload: recv_x,
+  // recv_topk_* are null). Cached: positions come from em_inverse, written by the fresh call.
+  int em_mode;
+  const int* pair_rank;      // [T, K] (fresh)
+  const int* em_layout;      // ExpertMajorLayout table of the fresh call
+  uint8_t* em_x;             // [em_rows, hidden_bytes]
+  int32_t* em_scales;        // [em_rows, S] or null
+  float* em_weights;         // [em_rows] or null (fresh)
+  int* em_pair_row;          // [em_rows] received row of each pair, -1 on padding (fresh)
+  int* em_pair_slot;         // [em_rows] slot of each pair, -1 on padding (fresh)
+  int* em_inverse;           // [num_rows, K]: position of (row, slot), -1 if none (fresh: out; cached: in)
+  int em_topk;               // K of the routing (cached mode reads em_inverse with it)
+  int em_rows;               // M
 };
 
 enum CombineDtype : int { kBf16 = 0, kFp16 = 1, kFp32 = 2 };
@@ -131,6 +171,15 @@ struct CombineArgs {
   int num_x_rows;                  // rows of x (num_worst_tokens may truncate what a channel lists)
   int num_channels, chunk, num_slots, slot_bytes;
   int batch_windows;               // 1..kMaxWindows; 32 x batch_windows + chunk <= num_slots
+  // Expert-major combine (em_inverse non-null): x is [M, hidden] expert-major rows. For received row r
+  // the sender sends sum over slots k ascending of x[em_inverse[r][k]] (times em_weights[pos], the
+  // product rounded to float32) accumulated in float32 and rounded to the dtype; the slot's top-k
+  // weights are em_topk_weights[pos] (0 where the slot has no pair here). num_topk is em_topk when
+  // em_topk_weights is given, else 0.
+  const int* em_inverse;           // [num_x_rows, em_topk] or null
+  const float* em_weights;         // [M] or null
+  const float* em_topk_weights;    // [M] or null
+  int em_topk;
 };
 
 // Launchers (csrc/kernels/intranode/*.cu). They check the launch and throw std::runtime_error.
@@ -138,5 +187,6 @@ void launch_layout(const LayoutArgs& args, cudaStream_t stream);
 void launch_notify(const NotifyArgs& args, cudaStream_t stream);
 void launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
 void launch_combine(const CombineArgs& args, cudaStream_t stream);
+void launch_pair_rank(const PairRankArgs& args, cudaStream_t stream);
 
 }  // namespace moe_dispatcher::intranode

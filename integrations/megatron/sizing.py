@@ -1,0 +1,119 @@
+"""How many expert-major rows the normal-mode dispatcher asks for, without a host sync in steady state.
+
+The fused dispatch writes a fixed number M of expert-major rows (num_worst_tokens) when told M up front;
+then nothing waits for the token counts on the host and the whole round trip is asynchronous. M must cover
+the rows this rank needs (pairs plus alignment padding), and every row past the need costs memory traffic in
+everything that touches the tensor (the experts, the probs multiply, their backward), so M should be tight:
+
+- ``moe_expert_rank_capacity_factor`` set (Megatron's static budget for HybridEP): M = T * K * factor, rounded
+  up; pairs past it are dropped (a training choice, like a capacity factor) and counted, never raised.
+- otherwise, adaptive: the first call of a dispatcher is synchronised (exact M, counts on the host) and
+  seeds a high-water mark of the rows needed; later calls use M = high-water mark * headroom
+  ($MOE_DISPATCHER_EXPERT_ROWS_HEADROOM, default 1.25), rounded up. Each call's need is copied to pinned
+  host memory asynchronously and read when its event has completed (no wait), which raises the mark. A call
+  that needed more than its M dropped rows: the next call raises RuntimeError (on every rank alike only if
+  the overflow was on every rank, so raise the headroom rather than rely on catching it).
+
+$MOE_DISPATCHER_EXPERT_ROWS_INITIAL=N makes the first call use M = N instead of a synchronised one (no host
+sync at all, e.g. for a captured warm-up). $MOE_DISPATCHER_EXPERT_ROWS=exact turns all of this off: every dispatch waits for the counts (one host sync)
+and M is exact, as are the CPU tokens_per_expert.
+"""
+from __future__ import annotations
+
+import math
+import os
+from collections import deque
+
+import torch
+
+ROWS_ENV = "MOE_DISPATCHER_EXPERT_ROWS"
+HEADROOM_ENV = "MOE_DISPATCHER_EXPERT_ROWS_HEADROOM"
+INITIAL_ENV = "MOE_DISPATCHER_EXPERT_ROWS_INITIAL"
+DEFAULT_HEADROOM = 1.25
+ROW_QUANTUM = 128  # M is a multiple of this (and of the alignment), so M changes rarely
+_PINNED_SLOTS = 64
+
+
+def rows_mode(device: torch.device) -> str:
+    """'exact' (host-synchronised counts) or 'bound' (fixed M, no host sync); default: bound on CUDA."""
+    mode = os.environ.get(ROWS_ENV, "auto").lower()
+    if mode not in ("auto", "exact", "bound"):
+        raise ValueError(f"{ROWS_ENV} must be auto, exact or bound, got {mode!r}")
+    if mode == "auto":
+        return "bound" if device.type == "cuda" else "exact"
+    return mode
+
+
+class ExpertRowBudget:
+    """num_worst_tokens for each expert-major dispatch of one dispatcher (see the module docstring)."""
+
+    def __init__(self, align: int, capacity_factor: float | None = None, headroom: float | None = None) -> None:
+        self.quantum = math.lcm(ROW_QUANTUM, max(1, align))
+        self.capacity_factor = capacity_factor
+        self.headroom = float(os.environ.get(HEADROOM_ENV, DEFAULT_HEADROOM)) if headroom is None else headroom
+        if self.headroom < 1.0:
+            raise ValueError(f"{HEADROOM_ENV} must be >= 1, got {self.headroom}")
+        self.high_water = None  # most rows any call needed so far (host int), None before the first call
+        self.dropped_calls = 0  # calls under a capacity factor that dropped rows (observed so far)
+        self._pending: deque = deque()  # (pinned int64 slot, event or None, limit)
+        self._pinned = None
+        self._next_slot = 0
+
+    def _round(self, rows: float) -> int:
+        return max(self.quantum, math.ceil(rows / self.quantum) * self.quantum)
+
+    def rows_for(self, num_tokens: int, num_topk: int) -> int:
+        """M for the next call, or 0: make it a synchronised (exact) call."""
+        self.poll()
+        if self.capacity_factor is not None:
+            return self._round(num_tokens * num_topk * self.capacity_factor)
+        if self.high_water is None:
+            initial = int(os.environ.get(INITIAL_ENV, 0))
+            return self._round(initial) if initial > 0 else 0
+        return self._round(self.high_water * self.headroom)
+
+    def observe(self, rows_needed: int) -> None:
+        """A synchronised call's exact row count (already on the host)."""
+        self.high_water = rows_needed if self.high_water is None else max(self.high_water, rows_needed)
+
+    def watch(self, rows_needed: torch.Tensor, limit: int) -> None:
+        """After a call with num_worst_tokens=limit: read its need later, without waiting for it now."""
+        if rows_needed.device.type != "cuda":  # CPU (tests): reading it costs no device sync
+            self._settle(int(rows_needed), limit)
+            return
+        if self._pinned is None:
+            self._pinned = torch.zeros(_PINNED_SLOTS, dtype=torch.int64, pin_memory=True)
+        if len(self._pending) == _PINNED_SLOTS:  # every slot in flight: wait for the oldest (rare)
+            self._pending[0][1].synchronize()
+            self.poll()
+        slot = self._pinned[self._next_slot:self._next_slot + 1]
+        self._next_slot = (self._next_slot + 1) % _PINNED_SLOTS
+        slot.copy_(rows_needed.reshape(1), non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._pending.append((slot, event, limit))
+
+    def poll(self) -> None:
+        """Take in every finished call's need (event.query() never blocks)."""
+        while self._pending and self._pending[0][1].query():
+            slot, _, limit = self._pending.popleft()
+            self._settle(int(slot[0]), limit)
+
+    def _settle(self, need: int, limit: int) -> None:
+        self.observe(need)
+        if need <= limit:
+            return
+        if self.capacity_factor is not None:
+            self.dropped_calls += 1
+            return
+        raise RuntimeError(f"moe_dispatcher: an expert-major dispatch needed {need} rows but was sized for {limit} "
+                           f"(the rows past it were dropped); raise {HEADROOM_ENV} (now {self.headroom}) or set "
+                           f"{ROWS_ENV}=exact")
+
+
+def tokens_per_expert_covering(tokens_per_expert: torch.Tensor, rows: int) -> torch.Tensor:
+    """int64 [L] counts that add up to exactly `rows` (what torch.split in Megatron's experts needs): the
+    rows past the last expert (zero rows, prob 0) are counted in the last expert; device ops only."""
+    ends = tokens_per_expert.to(torch.int64).cumsum(0).clamp_max(rows)
+    ends[-1:] = rows
+    return torch.diff(ends, prepend=ends.new_zeros(1))
