@@ -180,8 +180,13 @@ __device__ __forceinline__ void combine_send_rows(const Common& c, const Combine
 __device__ __forceinline__ void combine_send_phase(const Common& c, const CombineArgs& a,
                                                    const HalfLayout& lay, int parts) {
   if (c.variant & kVariantCombineRows) {
-    combine_send_rows(c, a, lay);
-    return;
+    // NVLink only (the backend clears the bit otherwise; checked again here, uniformly per block).
+    bool all_mapped = true;
+    for (int pe = 0; pe < c.num_ranks; ++pe) all_mapped = all_mapped && c.peer_bases[pe] != 0;
+    if (all_mapped) {
+      combine_send_rows(c, a, lay);
+      return;
+    }
   }
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, warps = blockDim.x / 32;
   const int R = c.num_ranks, E = c.num_experts, L = E / R, H = c.hidden;
