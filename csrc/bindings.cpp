@@ -67,5 +67,6 @@ PYBIND11_MODULE(_C, m) {
 
   moe_dispatcher::register_nvshmem(m);
   moe_dispatcher::register_intranode(m);
+  moe_dispatcher::register_internode(m);
   moe_dispatcher::register_low_latency(m);
 }

@@ -24,6 +24,9 @@ void register_nvshmem(pybind11::module_& m);
 // csrc/intranode_bindings.cpp: intranode (NVLink, CUDA IPC) dispatch/combine.
 void register_intranode(pybind11::module_& m);
 
+// csrc/internode_bindings.cpp: internode (NVSHMEM across NVLink domains) dispatch/combine.
+void register_internode(pybind11::module_& m);
+
 // csrc/low_latency_bindings.cpp: low-latency (NVSHMEM) dispatch/combine.
 void register_low_latency(pybind11::module_& m);
 

@@ -168,7 +168,8 @@ class Buffer:
     def __del__(self) -> None:
         # Garbage collection fires at a different moment on each rank, so it must not run collective
         # teardown (the NVSHMEM buffer's free and barrier): that stays with an explicit destroy() on every rank.
-        if not getattr(self, "explicitly_destroy", True) and getattr(self, "_kernels_ll", None) is None:
+        if (not getattr(self, "explicitly_destroy", True) and getattr(self, "_kernels_ll", None) is None
+                and getattr(getattr(self, "_kernels", None), "name", "") != "internode"):
             with contextlib.suppress(Exception):
                 self.destroy()
 
@@ -609,10 +610,11 @@ class Buffer:
         half, call = self._start_ll_call(backend, (num_max_dispatch_tokens_per_rank, h, num_experts),
                                          topk_idx.shape[1])
         if backend is not self._reference_ll:
-            return backend.low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-                                                cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
-                                                use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook,
-                                                half, functools.partial(self._hook, half, call))
+            recv_x, recv_count, handle, event, hook = backend.low_latency_dispatch(
+                x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
+                dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook,
+                half, functools.partial(self._hook, half, call))
+            return recv_x, recv_count, handle._replace(num_tokens=t), event, hook
         # Reference: allocate the outputs now, fill them when receiving (at once, or in the hook).
         rows = self.group_size * num_max_dispatch_tokens_per_rank
         if use_fp8:
@@ -626,8 +628,7 @@ class Buffer:
         handle = LowLatencyHandle(torch.empty(local, rows, dtype=torch.int32, device=dev),
                                   torch.empty(local, self.group_size, dtype=torch.int64, device=dev),
                                   num_max_dispatch_tokens_per_rank, h, num_experts, self._reference_ll.name,
-                                  self._token,
-                                  half)
+                                  self._token, half, t)
 
         if return_recv_hook:  # the call "sends": later changes to x must not reach the receiver
             x, topk_idx = x.clone(), topk_idx.clone()
@@ -678,6 +679,9 @@ class Buffer:
                              f"{max_tokens}")
         check_topk_weights(topk_weights, topk_idx)
         t = topk_idx.shape[0]
+        if handle.num_tokens is not None and t != handle.num_tokens:
+            raise ValueError(f"low_latency_combine: topk_idx has {t} tokens but the dispatch of this handle had "
+                             f"{handle.num_tokens}; pass the topk_idx that dispatch was given")
         if out is not None:
             check_tensor("out", out, dtypes=(torch.bfloat16,), shape=(t, h), device=dev)
         if combine_wait_recv_cost_stats is not None:

@@ -1,7 +1,9 @@
 """Kernel launch configuration (DeepEP V1-compatible `Config`) and the tuned tables per rank count."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from typing import Optional
 
 # Upper bounds the kernels are compiled for; the buffer-size hints assume them.
 MAX_TOPK = 16
@@ -64,14 +66,68 @@ class Config:
         counts = nvl_peers * nvl_peers * 4 * (1 + self.num_channels) + nvl_peers * 4096
         return _align(rings + counts)
 
-    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """Bytes of NVSHMEM symmetric buffer per GPU for internode normal mode (0 when one domain suffices)."""
-        if num_ranks <= MAX_NVL_PEERS:
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int, nvl_size: Optional[int] = None) -> int:
+        """Bytes of NVSHMEM symmetric buffer per GPU for internode normal mode (0 when one domain suffices).
+
+        nvl_size: GPUs per NVLink domain (default: MOE_DISPATCHER_NVL_SIZE when set, else min(num_ranks, 8)).
+        Covers internode_rdma_layout: the control words and count messages, then for every domain one
+        receive block and one send-staging block of `num_channels` rings of
+        `num_max_rdma_chunked_recv_tokens` slots (slots sized by slot_bytes, enough for dispatch and combine).
+        """
+        nvl = default_nvl_size(num_ranks) if nvl_size is None else int(nvl_size)
+        if nvl <= 0 or num_ranks % nvl:
+            raise ValueError(f"nvl_size {nvl} must divide num_ranks {num_ranks}")
+        num_domains = num_ranks // nvl
+        if num_domains <= 1:
             return 0
-        num_domains = num_ranks // MAX_NVL_PEERS
-        ring = self.num_max_rdma_chunked_recv_tokens * self.slot_bytes(hidden_bytes) + 64
-        rings = self.num_channels * num_domains * 2 * ring
-        return _align(rings + num_domains * num_domains * 4 * 4096)
+        ring = _align(self.num_channels * self.num_max_rdma_chunked_recv_tokens * self.slot_bytes(hidden_bytes))
+        return internode_rdma_layout(num_ranks, nvl, 0)["rdma_recv_offset"] + 2 * num_domains * ring
+
+
+def default_nvl_size(num_ranks: int) -> int:
+    """GPUs per NVLink domain when none is given: MOE_DISPATCHER_NVL_SIZE if set, else min(num_ranks, 8)."""
+    env = os.environ.get("MOE_DISPATCHER_NVL_SIZE")
+    return int(env) if env else min(num_ranks, MAX_NVL_PEERS)
+
+
+# ------------------------------------------------------------------ internode buffer layouts
+# One formula, used by the hint above and by the internode backend (which passes every offset to the
+# kernels; csrc/kernels/internode/protocol.h describes the regions). The fixed-size control structs
+# must match the extension's (the backend checks RDMA_CONTROL_BYTES / NVL_CONTROL_BYTES at start).
+INTERNODE_MAX_CHANNELS = 32
+INTERNODE_MAX_LOCAL_EXPERTS = 1024
+INTERNODE_MAX_DOMAINS = 64
+RDMA_CONTROL_BYTES = _align(8 * (INTERNODE_MAX_DOMAINS + 4 * INTERNODE_MAX_CHANNELS * INTERNODE_MAX_DOMAINS), 4096)
+NVL_CONTROL_BYTES = 77824  # intranode::kRingsOffset
+
+
+def _align16(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
+def internode_rdma_layout(num_ranks: int, nvl_size: int, num_rdma_bytes: int) -> dict:
+    """Byte offsets of the NVSHMEM buffer: control, team messages [2][D][msg_ints] (+ their staging),
+    then D receive blocks and D send-staging blocks of rdma_domain_bytes each (fixed for the buffer's
+    life, so a ring of one domain never moves onto another's between calls)."""
+    d = num_ranks // nvl_size
+    msg_ints = _align16(1 + num_ranks + INTERNODE_MAX_CHANNELS +
+                        nvl_size * (INTERNODE_MAX_CHANNELS + INTERNODE_MAX_LOCAL_EXPERTS))
+    msg_bytes = _align(2 * d * msg_ints * 4, 4096)
+    recv = RDMA_CONTROL_BYTES + 2 * msg_bytes
+    block = max(0, (num_rdma_bytes - recv) // (2 * d) // 128 * 128)
+    return {"rdma_msg_offset": RDMA_CONTROL_BYTES, "rdma_msg_staging_offset": RDMA_CONTROL_BYTES + msg_bytes,
+            "rdma_recv_offset": recv, "rdma_send_offset": recv + d * block, "rdma_domain_bytes": block,
+            "rdma_msg_ints": msg_ints}
+
+
+def internode_nvl_layout(num_ranks: int, nvl_size: int, num_nvl_bytes: int) -> dict:
+    """Byte offsets of the NVLink buffer in internode mode: intranode control words, domain messages
+    [2][R][nvl_msg_ints], then one ring block per source local rank."""
+    msg_ints = _align16(1 + num_ranks + INTERNODE_MAX_CHANNELS + INTERNODE_MAX_LOCAL_EXPERTS)
+    rings = _align(NVL_CONTROL_BYTES + 2 * num_ranks * msg_ints * 4, 4096)
+    block = max(0, (num_nvl_bytes - rings) // nvl_size // 128 * 128)
+    return {"nvl_msg_offset": NVL_CONTROL_BYTES, "nvl_msg_ints": msg_ints, "nvl_rings_offset": rings,
+            "nvl_src_block_bytes": block}
 
 
 # Tuned tables: (num_max_nvl_chunked_send_tokens, num_max_nvl_chunked_recv_tokens) per rank count, from

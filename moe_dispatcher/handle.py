@@ -37,6 +37,7 @@ class LowLatencyHandle(NamedTuple):
 
     src_info:     int32 [L, R * maxT], source token index of each valid row.
     layout_range: int64 [L, R], (begin << 32) | count of the rows each source rank placed at each local expert.
+    num_tokens:   T of the dispatch (combine's topk_idx must have that many rows).
     """
 
     src_info: torch.Tensor
@@ -47,3 +48,4 @@ class LowLatencyHandle(NamedTuple):
     backend: str
     buffer_token: int
     backend_state: Any = None
+    num_tokens: Optional[int] = None

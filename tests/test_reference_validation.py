@@ -140,6 +140,8 @@ def _cases(ctx) -> list[tuple[str, tuple, str, Callable[[], object]]]:
         ("LL combine: topk_weights bf16", (Ty,), "topk_weights", lambda: ll_combine(w_=w.bfloat16())),
         ("LL combine: topk_weights shape", (V,), "topk_weights", lambda: ll_combine(w_=w[:-1].contiguous())),
         ("LL combine: topk_idx out of range", (V,), "topk_idx", lambda: ll_combine(idx_=bad_idx)),
+        ("LL combine: fewer tokens than the dispatch", (V,), "tokens", lambda: ll_combine(idx_=idx[:-1].contiguous(),
+                                                                               w_=w[:-1].contiguous())),
         ("LL combine: more tokens than num_max_dispatch_tokens_per_rank", (V,),
          "num_max_dispatch_tokens_per_rank|topk_idx",
          lambda: ll_combine(idx_=torch.cat([idx, idx]), w_=torch.cat([w, w]))),

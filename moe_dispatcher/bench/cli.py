@@ -34,7 +34,8 @@ def parser() -> argparse.ArgumentParser:
         description="Benchmark moe_dispatcher's dispatch/combine against NCCL (one process per GPU; spawns them "
                     "itself unless run under torchrun). Without CUDA: gloo ranks on the CPU, reference backend.")
     a = p.add_argument
-    a("--mode", choices=("normal", "low-latency", "all"), default="normal")
+    a("--mode", choices=("normal", "low-latency", "internode", "all"), default="normal")
+    a("--nvl-size", type=int, default=None, help="internode mode: GPUs per emulated NVLink domain (default R/2)")
     a("--backend", choices=("auto", "kernels", "reference"), default="auto",
       help="Buffer(backend=...): kernels = error instead of falling back to the reference backend")
     a("--num-ranks", type=int, default=None, help="ranks (default: every visible GPU; on CPU 2)")
@@ -115,7 +116,7 @@ def _commit() -> Optional[str]:
 
 def rank_main(opts: argparse.Namespace) -> None:
     """The benchmark on one rank (the process group is up)."""
-    from . import low_latency, normal, report
+    from . import internode, low_latency, normal, report
     from .common import Context, env_info, quiet_fallback_warnings
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if opts.use_cuda else torch.device("cpu")
@@ -125,7 +126,7 @@ def rank_main(opts: argparse.Namespace) -> None:
     ctx.say(f"moe_dispatcher bench: {info['device']} x{world} ({info['process_group']}), backend={opts.backend}, "
             f"mode={opts.mode}{' (quick)' if opts.quick else ''}")
     failed = []
-    sections = {"normal": normal.run, "low-latency": low_latency.run}
+    sections = {"normal": normal.run, "low-latency": low_latency.run, "internode": internode.run}
     for name, fn in sections.items():
         if opts.mode not in (name, "all"):
             continue

@@ -33,19 +33,47 @@ def _extension_with(buffer, submodule: str, what: str) -> Tuple[Optional[object]
 
 
 def create(buffer) -> Tuple[Optional[object], str]:
-    """The intranode (NVLink) normal-mode backend for `buffer`, or None and the reason."""
+    """The normal-mode backend for `buffer` (intranode for one NVLink domain, internode for several), or None
+    and the reason."""
     mod, why = _extension_with(buffer, "intranode", "intranode")
     if mod is None:
         return None, why
     topo = buffer.topology
-    if not topo.is_single_domain or not 2 <= topo.num_ranks <= mod.intranode.MAX_RANKS:
+    if not topo.is_single_domain:
+        return _create_internode(buffer, mod)
+    if not 2 <= topo.num_ranks <= mod.intranode.MAX_RANKS:
         return None, (f"the compiled kernels serve one NVLink domain of 2 to {mod.intranode.MAX_RANKS} GPUs; this "
-                      f"group has {topo.num_ranks} ranks in {topo.num_domains} domain(s) (internode kernels are not "
-                      f"built into this version yet)")
+                      f"group has {topo.num_ranks} ranks")
     if buffer.num_nvl_bytes == 0:
         return None, "the Buffer has no NVLink buffer (num_nvl_bytes=0)"
     from .intranode import IntranodeBackend
     return IntranodeBackend(buffer), ""
+
+
+def internode_decision(topology, num_nvl_bytes: int, num_rdma_bytes: int, has_internode: bool,
+                       max_ranks: int = 64) -> str:
+    """Why the internode backend cannot serve a multi-domain Buffer ("" when it can). Torch-free, so the
+    CPU tests check it; a too-small (non-zero) num_rdma_bytes is a ValueError raised by the backend."""
+    if not has_internode:
+        return "the extension moe_dispatcher._C was built without the internode kernels"
+    if topology.num_ranks > max_ranks:
+        return f"the internode kernels serve at most {max_ranks} ranks; this group has {topology.num_ranks}"
+    if num_rdma_bytes == 0:
+        return (f"the group spans {topology.num_domains} NVLink domains of {topology.nvl_size} and the Buffer has no "
+                f"NVSHMEM buffer (num_rdma_bytes=0; size it with Config.get_rdma_buffer_size_hint)")
+    if num_nvl_bytes == 0:
+        return "the Buffer has no NVLink buffer (num_nvl_bytes=0)"
+    return ""
+
+
+def _create_internode(buffer, mod) -> Tuple[Optional[object], str]:
+    why = internode_decision(buffer.topology, buffer.num_nvl_bytes, buffer.num_rdma_bytes,
+                             hasattr(mod, "internode"),
+                             getattr(getattr(mod, "internode", None), "MAX_RANKS", 64))
+    if why:
+        return None, why
+    from .internode import InternodeBackend
+    return InternodeBackend(buffer), ""
 
 
 def create_low_latency(buffer) -> Tuple[Optional[object], str]:

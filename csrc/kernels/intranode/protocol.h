@@ -63,7 +63,8 @@ struct Mailbox {
   // Sticky, set by every rank alike when some rank received more rows than num_worst_tokens (its extra
   // rows were dropped); the host reports and clears it at its next synchronised dispatch.
   int32_t overflow_rank, overflow_rows, overflow_worst;
-  int32_t pad[2];
+  int32_t num_forward;  // internode notify only: rows this rank forwards as the team's forwarder (else 0)
+  int32_t pad;
   int32_t expert_counts[kMaxLocalExperts];  // per local expert, rounded up to expert_alignment
 };
 constexpr int32_t kFlagLayoutMismatch = 1;

@@ -1,0 +1,366 @@
+// Internode dispatch (fresh and cached): one kernel, three blocks per channel c, all resident at once
+// so both hops overlap:
+//   block 3c   RDMA sender: for each destination domain x, the channel's tokens with a destination in
+//              x, in token order, once each, into ring (c, my domain) of the team member of x
+//              (NVSHMEM; for x = my domain straight into my own ring). Slot: payload | scales |
+//              top-k (global expert ids) | weights | source token | mask of x's local ranks.
+//   block 3c+1 forwarder: drains my RDMA rings (c, x) for every source domain x (round robin over
+//              the rings with rows ready, up to nvl_chunk rows at a time) and copies each row to
+//              every local rank in its mask through the NVLink FIFO (c, me -> j) (channel.cuh),
+//              top-k rebased to j's experts, tagged with the source domain x. It records the masks
+//              (fwd_mask) for combine.
+//   block 3c+2 NVLink receiver: warp group l drains FIFO (c, l -> me). Rows of one source rank
+//              s = (x, l) arrive in token order, so the k-th row tagged x goes to row
+//              recv_channel_offset[s][c] + k: the (source rank, token) order of the contract.
+// Progress: receivers depend on nothing, forwarders only on receivers (NVL credits) and senders
+// only on forwarders (RDMA credits), so no cycle; each wait has a timeout naming rank and peer.
+#include "kernels/intranode/copy.cuh"
+#include "kernels/intranode/launch_check.cuh"
+#include "kernels/internode/common.cuh"
+
+namespace moe_dispatcher::internode {
+namespace {
+
+using intranode::warp_copy;
+
+constexpr int kThreads = 768;
+constexpr int kWarps = kThreads / 32;
+constexpr int kUnroll = 4;
+
+// [payload][scales S x 4][top-k K x int32][weights K x f32][source token int32][extra int32]
+// extra: the local-rank mask in RDMA slots, the source domain in NVLink slots.
+struct Slot {
+  int hidden_bytes, num_scales, num_topk;
+  __device__ int32_t* scales(uint8_t* s) const { return reinterpret_cast<int32_t*>(s + hidden_bytes); }
+  __device__ int32_t* idx(uint8_t* s) const { return scales(s) + num_scales; }
+  __device__ float* weights(uint8_t* s) const { return reinterpret_cast<float*>(idx(s) + num_topk); }
+  __device__ int32_t* source(uint8_t* s) const { return reinterpret_cast<int32_t*>(weights(s) + num_topk); }
+  __device__ int32_t* extra(uint8_t* s) const { return source(s) + 1; }
+};
+
+// ------------------------------------------------------------------ RDMA sender
+__device__ void rdma_send(const DispatchArgs& a, int ch, int group, int groups, int group_warp, int warps, int lane,
+                          int* chunk_tokens, int* chunk_masks, int* shared_ok, const Watchdog& dog) {
+  const Common& c = a.c;
+  const int R = c.num_ranks, nvl = c.nvl_size;
+  RdmaControl* ctl = rdma_ctl(c);
+  const Slot layout{a.hidden_bytes, a.num_scales, a.num_topk};
+  const int bar = 1 + group, threads = warps * 32;
+  const bool leader = group_warp == 0 && lane == 0;
+  int begin, end;
+  channel_range(a.num_tokens, a.num_channels, ch, begin, end);
+  bool any_remote = false;
+
+  for (int x = group; x < c.num_domains; x += groups) {
+    if (leader) *shared_ok = rdma_drain_previous(c, x, dog);
+    ptx::group_sync(bar, threads);
+    if (!*shared_ok) return;
+    any_remote |= x != c.domain;
+    uint8_t* ring = rdma_write_ring(c, x, ch, a.rdma_slots, a.rdma_slot_bytes);
+    const uint64_t* head = &ctl->head[ch][x];
+    uint64_t tail = *reinterpret_cast<volatile uint64_t*>(&ctl->tail_copy[ch][x]);
+    int cursor = begin;
+    while (true) {
+      // Next chunk: up to rdma_chunk tokens with a destination in x (every warp computes the same).
+      int n = 0;
+      while (n < a.rdma_chunk && cursor < end) {
+        const int t = cursor + lane;
+        int mask = 0;
+        if (t < end) {
+          for (int j = 0; j < nvl; ++j) mask |= a.is_token_in_rank[static_cast<int64_t>(t) * R + x * nvl + j] << j;
+        }
+        const bool hit = mask != 0;
+        const unsigned ballot = __ballot_sync(0xffffffffu, hit);
+        const int pos = n + __popc(ballot & ((1u << lane) - 1u));
+        if (hit && pos < a.rdma_chunk) {
+          chunk_tokens[pos] = t;
+          chunk_masks[pos] = mask;
+        }
+        const int found = __popc(ballot);
+        if (n + found <= a.rdma_chunk) {
+          n += found;
+          cursor = min(cursor + 32, end);
+        } else {
+          const unsigned last = __ballot_sync(0xffffffffu, hit && pos == a.rdma_chunk - 1);
+          cursor += __ffs(last);
+          n = a.rdma_chunk;
+        }
+      }
+      __syncwarp();
+      if (n == 0) break;
+      if (leader) {
+        bool ok = true;
+        while (ok && tail + n - ptx::ld_acquire_sys(head) > static_cast<uint64_t>(a.rdma_slots)) {
+          if (dog.expired(kPhaseRdmaSend, team_pe(c, x))) ok = false;
+        }
+        *shared_ok = ok;
+      }
+      ptx::group_sync(bar, threads);
+      if (!*shared_ok) return;
+      for (int i = group_warp; i < n; i += warps) {
+        const int t = chunk_tokens[i];
+        uint8_t* slot = ring + static_cast<size_t>((tail + i) % a.rdma_slots) * a.rdma_slot_bytes;
+        warp_copy<false, kUnroll>(reinterpret_cast<int4*>(slot),
+                                  reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(t) * a.hidden_bytes),
+                                  a.hidden_bytes / 16, lane);
+        for (int j = lane; j < a.num_scales; j += 32) layout.scales(slot)[j] = a.scales[static_cast<int64_t>(t) * a.num_scales + j];
+        if (a.topk_idx != nullptr && lane < a.num_topk) {
+          layout.idx(slot)[lane] = static_cast<int32_t>(a.topk_idx[static_cast<int64_t>(t) * a.num_topk + lane]);
+          layout.weights(slot)[lane] = a.topk_weights != nullptr ? a.topk_weights[static_cast<int64_t>(t) * a.num_topk + lane] : 0.f;
+        }
+        if (lane == 0) {
+          *layout.source(slot) = t;
+          *layout.extra(slot) = chunk_masks[i];
+        }
+      }
+      ptx::group_sync(bar, threads);  // every slot store of the chunk precedes the publication
+      if (group_warp == 0) rdma_publish(c, x, ch, tail, n, a.rdma_slots, a.rdma_slot_bytes, lane);
+      tail += n;
+      if (leader) *reinterpret_cast<volatile uint64_t*>(&ctl->tail_copy[ch][x]) = tail;
+    }
+  }
+  if (group_warp == 0 && any_remote) nvshmem_quiet();
+}
+
+// ------------------------------------------------------------------ forwarder
+__device__ void forward(const DispatchArgs& a, int ch, int warp, int lane, const Watchdog& dog) {
+  const Common& c = a.c;
+  const int D = c.num_domains, nvl = c.nvl_size, C = a.num_channels;
+  RdmaControl* rctl = rdma_ctl(c);
+  intranode::Control* nctl = nvl_ctl(c, c.local);
+  const Slot rlayout{a.hidden_bytes, a.num_scales, a.num_topk};
+  const Slot nlayout = rlayout;
+  const int L = a.experts_per_rank;
+
+  __shared__ uint64_t rhead[kMaxDomains];   // rows consumed from my RDMA ring (ch, x)
+  __shared__ int consumed[kMaxDomains], expect[kMaxDomains];
+  __shared__ int s_x, s_n, s_ok;
+  __shared__ int s_mask[kMaxChunk];
+  __shared__ int s_pos[kMaxChunk][kMaxNvl];  // position of row i among the rows for j in this step
+  __shared__ uint64_t s_tail[kMaxNvl];       // tail of NVL ring j before this step
+  for (int x = threadIdx.x; x < D; x += blockDim.x) {
+    rhead[x] = *reinterpret_cast<volatile uint64_t*>(&rctl->head_copy[ch][x]);
+    consumed[x] = 0;
+    expect[x] = a.fwd_offset[x * (C + 1) + ch + 1] - a.fwd_offset[x * (C + 1) + ch];
+  }
+  // Leader-only NVLink senders (one per local rank j): ring (ch, me -> j) in j's buffer.
+  ChannelSender senders[kMaxNvl];
+  if (threadIdx.x == 0) {
+    int ok = 1;
+    for (int j = 0; j < nvl; ++j) {
+      senders[j] = ChannelSender{nvl_ring(c, c.nvl[j], c.local, ch, a.nvl_slots, a.nvl_slot_bytes),
+                                 &nvl_ctl(c, j)->fifo_tail[ch][c.local], &nctl->fifo_head[ch][j], &nctl->tail_copy[ch][j],
+                                 a.nvl_slots, a.nvl_slot_bytes,
+                                 *reinterpret_cast<volatile uint64_t*>(&nctl->tail_copy[ch][j])};
+      // Earlier calls' rows to j (any channel) consumed before this call's layout is used.
+      for (int cc = 0; cc < kMaxChannels && ok; ++cc) {
+        const uint64_t sent = *reinterpret_cast<const volatile uint64_t*>(&nctl->tail_copy[cc][j]);
+        ok = wait_at_least(&nctl->fifo_head[cc][j], sent, dog, kPhaseNvlDrain, c.domain * nvl + j);
+      }
+    }
+    s_ok = ok;
+  }
+  __syncthreads();
+  if (!s_ok) return;
+
+  int rr = 0;  // leader: round-robin start
+  while (true) {
+    if (threadIdx.x == 0) {
+      int pick = -1, avail = 0, ok = 1;
+      while (pick < 0) {
+        int waiting = -1;
+        for (int k = 0; k < D && pick < 0; ++k) {
+          const int x = (rr + k) % D;
+          if (consumed[x] >= expect[x]) continue;
+          if (waiting < 0) waiting = x;
+          const uint64_t t = ptx::ld_acquire_sys(&rctl->tail[ch][x]);
+          if (t > rhead[x]) {
+            pick = x;
+            avail = static_cast<int>(min(t - rhead[x], static_cast<uint64_t>(expect[x] - consumed[x])));
+          }
+        }
+        if (waiting < 0) break;  // every ring finished
+        if (pick < 0 && dog.expired(kPhaseForward, team_pe(c, waiting))) {
+          ok = 0;
+          break;
+        }
+      }
+      int n = 0;
+      if (pick >= 0 && ok) {
+        rr = pick + 1;
+        n = min(avail, a.nvl_chunk);
+        const uint8_t* ring = rdma_recv_ring(c, pick, ch, a.rdma_slots, a.rdma_slot_bytes);
+        int cnt[kMaxNvl];
+        for (int j = 0; j < nvl; ++j) cnt[j] = 0;
+        for (int i = 0; i < n; ++i) {
+          uint8_t* slot = const_cast<uint8_t*>(ring) + static_cast<size_t>((rhead[pick] + i) % a.rdma_slots) * a.rdma_slot_bytes;
+          const int mask = ptx::ld_cg(rlayout.extra(slot));
+          s_mask[i] = mask;
+          for (int j = 0; j < nvl; ++j) s_pos[i][j] = ((mask >> j) & 1) ? cnt[j]++ : -1;
+        }
+        for (int j = 0; j < nvl && ok; ++j) {
+          s_tail[j] = senders[j].tail;
+          if (cnt[j] > 0) ok = senders[j].reserve(cnt[j], dog, kPhaseForwardSend, c.domain * nvl + j);
+        }
+      }
+      s_x = pick;
+      s_n = n;
+      s_ok = ok;
+    }
+    __syncthreads();
+    if (!s_ok) return;
+    const int x = s_x, n = s_n;
+    if (n == 0) break;
+    const uint8_t* ring = rdma_recv_ring(c, x, ch, a.rdma_slots, a.rdma_slot_bytes);
+    for (int item = warp; item < n * nvl; item += kWarps) {
+      const int i = item / nvl, j = item % nvl;
+      const int pos = s_pos[i][j];
+      if (pos < 0) continue;
+      uint8_t* src = const_cast<uint8_t*>(ring) + static_cast<size_t>((rhead[x] + i) % a.rdma_slots) * a.rdma_slot_bytes;
+      uint8_t* dst = nvl_ring(c, c.nvl[j], c.local, ch, a.nvl_slots, a.nvl_slot_bytes) +
+                     static_cast<size_t>((s_tail[j] + pos) % a.nvl_slots) * a.nvl_slot_bytes;
+      warp_copy<true, kUnroll>(reinterpret_cast<int4*>(dst), reinterpret_cast<const int4*>(src), a.hidden_bytes / 16, lane);
+      for (int k = lane; k < a.num_scales; k += 32) nlayout.scales(dst)[k] = ptx::ld_cg(rlayout.scales(src) + k);
+      if (lane < a.num_topk) {
+        const int e = ptx::ld_cg(rlayout.idx(src) + lane);
+        const int lo = (c.domain * nvl + j) * L;
+        const int local = (e >= lo && e < lo + L) ? e - lo : -1;
+        nlayout.idx(dst)[lane] = local;
+        nlayout.weights(dst)[lane] =
+            local >= 0 ? __int_as_float(ptx::ld_cg(reinterpret_cast<const int*>(rlayout.weights(src)) + lane)) : 0.f;
+      }
+      if (lane == 0) {
+        *nlayout.source(dst) = ptx::ld_cg(rlayout.source(src));
+        *nlayout.extra(dst) = x;
+      }
+    }
+    if (a.fwd_mask != nullptr && static_cast<int>(threadIdx.x) < n) {
+      const int idx = a.fwd_offset[x * (C + 1) + ch] + consumed[x] + threadIdx.x;
+      if (idx < a.fwd_capacity) a.fwd_mask[idx] = s_mask[threadIdx.x];
+    }
+    __syncthreads();  // every NVL slot store and RDMA slot load of the step precede the leader's flags
+    if (threadIdx.x == 0) {
+      int cnt[kMaxNvl];
+      for (int j = 0; j < nvl; ++j) cnt[j] = 0;
+      for (int i = 0; i < n; ++i) {
+        for (int j = 0; j < nvl; ++j) cnt[j] += s_pos[i][j] >= 0;
+      }
+      for (int j = 0; j < nvl; ++j) {
+        if (cnt[j] > 0) senders[j].advance(cnt[j], true);
+      }
+      rhead[x] += n;
+      consumed[x] += n;
+      rdma_credit(c, x, ch, rhead[x]);  // the sender may overwrite these slots now
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    for (int x = 0; x < D; ++x) rctl->head_copy[ch][x] = rhead[x];
+  }
+}
+
+// ------------------------------------------------------------------ NVLink receiver
+__device__ void nvl_receive(const DispatchArgs& a, int ch, int l, int group_warp, int warps, int lane,
+                            uint64_t* shared_tail, int* rows, int* next, const Watchdog& dog) {
+  const Common& c = a.c;
+  const int nvl = c.nvl_size, C = a.num_channels;
+  intranode::Control* nctl = nvl_ctl(c, c.local);
+  ChannelReceiver rx{nvl_ring(c, c.nvl[c.local], l, ch, a.nvl_slots, a.nvl_slot_bytes), &nctl->fifo_tail[ch][l],
+                     &nvl_ctl(c, l)->fifo_head[ch][c.local], &nctl->head_copy[ch][l], a.nvl_slots, a.nvl_slot_bytes,
+                     *reinterpret_cast<volatile uint64_t*>(&nctl->head_copy[ch][l])};
+  const Slot layout{a.hidden_bytes, a.num_scales, a.num_topk};
+  const int bar = 1 + l, threads = warps * 32;
+  const bool leader = group_warp == 0 && lane == 0;
+  int total = 0;
+  for (int x = 0; x < c.num_domains; ++x) {
+    const int* off = a.recv_channel_offset + (x * nvl + l) * (C + 1);
+    total += off[ch + 1] - off[ch];
+    if (leader) next[x] = off[ch];  // next output row of source (x, l) in this channel
+  }
+  const uint64_t last = rx.head + total;
+  const int k = a.num_topk;
+  while (rx.head < last) {
+    if (leader) {
+      const uint64_t seen = rx.wait(rx.head + 1, dog, kPhaseNvlRecv, c.domain * nvl + l);
+      *shared_tail = seen;
+      if (seen != 0) {
+        const int n = static_cast<int>(min(min(seen, last) - rx.head, static_cast<uint64_t>(kMaxChunk)));
+        for (int i = 0; i < n; ++i) rows[i] = next[ptx::ld_cg(layout.extra(const_cast<uint8_t*>(rx.slot(rx.head + i))))]++;
+      }
+    }
+    ptx::group_sync(bar, threads);
+    const uint64_t seen = *shared_tail;
+    if (seen == 0) return;
+    const int n = static_cast<int>(min(min(seen, last) - rx.head, static_cast<uint64_t>(kMaxChunk)));
+    for (int i = group_warp; i < n; i += warps) {
+      const int64_t row = rows[i];
+      if (row >= a.num_rows) continue;  // more rows than num_worst_tokens: reported by notify
+      uint8_t* slot = const_cast<uint8_t*>(rx.slot(rx.head + i));
+      warp_copy<true, kUnroll>(reinterpret_cast<int4*>(a.recv_x + row * a.hidden_bytes), reinterpret_cast<const int4*>(slot),
+                               a.hidden_bytes / 16, lane);
+      for (int j = lane; j < a.num_scales; j += 32) a.recv_scales[row * a.num_scales + j] = ptx::ld_cg(layout.scales(slot) + j);
+      if (a.recv_topk_idx != nullptr && lane < k) {
+        a.recv_topk_idx[row * k + lane] = ptx::ld_cg(layout.idx(slot) + lane);
+        a.recv_topk_weights[row * k + lane] = __int_as_float(ptx::ld_cg(reinterpret_cast<const int*>(layout.weights(slot)) + lane));
+      }
+      if (a.recv_src_idx != nullptr && lane == 0) a.recv_src_idx[row] = ptx::ld_cg(layout.source(slot));
+    }
+    ptx::group_sync(bar, threads);  // every load of these slots precedes the release
+    rx.release(n, leader);
+  }
+  rx.finish(leader);
+}
+
+__global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a) {
+  __shared__ int chunk_tokens[kWarps][kMaxChunk];
+  __shared__ int chunk_masks[kWarps][kMaxChunk];
+  __shared__ int shared_ok[kMaxNvl];
+  __shared__ uint64_t shared_tail[kMaxNvl];
+  __shared__ int rows[kMaxNvl][kMaxChunk];
+  __shared__ int next[kMaxNvl][kMaxDomains];
+  const Common& c = a.c;
+  const int ch = blockIdx.x / 3, role = blockIdx.x % 3;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const Watchdog dog = make_watchdog(c.timeout_ns, c.rank, &nvl_ctl(c, c.local)->timeout_claim, &c.mailbox->timeout);
+
+  if (role == 2 && a.pad_rows) {
+    // num_worst_tokens: rows past the received count are zero / -1 / 0 (as the intranode kernel).
+    const int R = c.num_ranks;
+    const int received = a.recv_channel_offset[(R - 1) * (a.num_channels + 1) + a.num_channels];
+    const int64_t first = min(received, a.num_rows), extra = a.num_rows - first;
+    const int64_t stride = static_cast<int64_t>(a.num_channels) * blockDim.x;
+    const int64_t start = static_cast<int64_t>(ch) * blockDim.x + threadIdx.x;
+    const int vecs = a.hidden_bytes / 16;
+    auto* x_pad = reinterpret_cast<int4*>(a.recv_x + first * a.hidden_bytes);
+    for (int64_t i = start; i < extra * vecs; i += stride) x_pad[i] = make_int4(0, 0, 0, 0);
+    for (int64_t i = start; i < extra * a.num_scales; i += stride) a.recv_scales[first * a.num_scales + i] = 0;
+    for (int64_t i = start; a.recv_topk_idx != nullptr && i < extra * a.num_topk; i += stride) {
+      a.recv_topk_idx[first * a.num_topk + i] = -1;
+      a.recv_topk_weights[first * a.num_topk + i] = 0.f;
+    }
+    for (int64_t i = start; a.recv_src_idx != nullptr && i < extra; i += stride) a.recv_src_idx[first + i] = -1;
+  }
+
+  if (role == 1) {
+    forward(a, ch, warp, lane, dog);
+    return;
+  }
+  const int groups = role == 0 ? min(c.num_domains, kMaxNvl) : c.nvl_size;
+  const int warps = kWarps / groups;
+  const int group = warp / warps, group_warp = warp % warps;
+  if (group >= groups) return;  // idle warps when 24 % groups != 0; they join no barrier
+  if (role == 0) {
+    rdma_send(a, ch, group, groups, group_warp, warps, lane, chunk_tokens[warp], chunk_masks[warp], &shared_ok[group], dog);
+  } else {
+    nvl_receive(a, ch, group, group_warp, warps, lane, &shared_tail[group], rows[group], next[group], dog);
+  }
+}
+
+}  // namespace
+
+void launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
+  dispatch_kernel<<<3 * args.num_channels, kThreads, 0, stream>>>(args);
+  intranode::check_launch("internode dispatch_kernel");
+}
+
+}  // namespace moe_dispatcher::internode

@@ -1,0 +1,218 @@
+// Internode notify (1 block): before a fresh dispatch every rank learns what it receives (per source
+// rank and channel, per local expert) and, as its team's forwarder, how many tokens it forwards per
+// (source domain, channel). Two stages, so counts never cross domains except inside a team:
+//
+// 1. Team stage (NVSHMEM). Rank s builds, for every domain x, one message in its symmetric staging
+//    area: flags, its totals towards every rank [R], its inclusive per-channel prefix of tokens bound
+//    for domain x [C], and for each local rank j of x: its per-channel prefix of rows for (x, j) [C]
+//    and its counts of (x, j)'s experts [L]. One warp puts it with putmem_signal into slot
+//    [parity][my domain] of the team member of x (signal notify_signal[my domain] = epoch), then
+//    nvshmem_quiet. Each rank waits (ld.acquire.sys on its own words) for the epoch from every team
+//    member.
+// 2. Domain stage (NVLink). The forwarder relays, for every source s of its team and every local
+//    rank j, the part meant for j into j's NVLink buffer (message [parity][s]: flags, totals [R],
+//    channel prefix [C], experts [L]); system fence; then the intranode-style barrier of the domain
+//    (epoch stored with st.release.sys into every local rank's barrier_signal[me], acquired back).
+//    After it every rank holds one message from each of the R sources and derives what intranode
+//    notify derives (rank prefix matrix, channel offsets, expert counts, overflow) plus, as a
+//    forwarder, fwd_offset, and writes the mailbox (sequence number last).
+//
+// Reuse of message slots: slot parity p is rewritten two notifies later. A team message of epoch
+// e + 2 is put only after its writer received every team member's message of epoch e + 1, which
+// each member sent after finishing notify e (including reading the parity-p slot); the domain
+// messages follow the intranode argument (two barriers). The staging area is double-buffered by
+// parity too, and each put is completed (quiet) inside the kernel.
+#include "kernels/intranode/launch_check.cuh"
+#include "kernels/internode/common.cuh"
+
+namespace moe_dispatcher::internode {
+namespace {
+
+constexpr int kNotifyThreads = 1024;
+
+__global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a) {
+  const Common& c = a.c;
+  const int R = c.num_ranks, D = c.num_domains, nvl = c.nvl_size, me = c.rank;
+  const int C = a.num_channels, L = a.num_experts / R;
+  RdmaControl* rctl = rdma_ctl(c);
+  intranode::Control* nctl = nvl_ctl(c, c.local);
+  intranode::Mailbox* box = c.mailbox;
+
+  __shared__ int count[kMaxChannels][kMaxRanks];     // my rows per (channel, destination rank)
+  __shared__ int dcount[kMaxChannels][kMaxDomains];  // my tokens per (channel, destination domain)
+  __shared__ int flags, arrived;
+  for (int i = threadIdx.x; i < kMaxChannels * kMaxRanks; i += blockDim.x) (&count[0][0])[i] = 0;
+  for (int i = threadIdx.x; i < kMaxChannels * kMaxDomains; i += blockDim.x) (&dcount[0][0])[i] = 0;
+  if (threadIdx.x == 0) {
+    flags = 0;
+    arrived = 1;
+  }
+  __syncthreads();
+
+  const int per = (a.num_tokens + C - 1) / max(C, 1);
+  for (int t = threadIdx.x; t < a.num_tokens; t += blockDim.x) {
+    const int ch = t / per;
+    for (int x = 0; x < D; ++x) {
+      bool any = false;
+      for (int j = 0; j < nvl; ++j) {
+        const int r = x * nvl + j;
+        if (a.is_token_in_rank[static_cast<int64_t>(t) * R + r]) {
+          atomicAdd(&count[ch][r], 1);
+          any = true;
+        }
+      }
+      if (any) atomicAdd(&dcount[ch][x], 1);
+    }
+  }
+  __syncthreads();
+  // Inclusive prefixes over channels (rank columns, then domain columns).
+  for (int col = threadIdx.x; col < R + D; col += blockDim.x) {
+    int sum = 0;
+    for (int ch = 0; ch < C; ++ch) {
+      int& v = col < R ? count[ch][col] : dcount[ch][col - R];
+      sum += v;
+      v = sum;
+    }
+    if (col < R && sum != a.num_tokens_per_rank[col]) atomicOr(&flags, intranode::kFlagLayoutMismatch);
+  }
+  __syncthreads();
+
+  // 1. Team messages.
+  const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(&nctl->barrier_epoch) + 1;
+  const int parity = static_cast<int>(epoch & 1);
+  const int M = c.layout.rdma_msg_ints;
+  const int head_words = 1 + R + C, per_rank = C + L;
+  const int words = head_words + nvl * per_rank;
+  int* staging = reinterpret_cast<int*>(c.rdma + c.layout.rdma_msg_staging_offset) + static_cast<size_t>(parity) * D * M;
+  int* inbox = reinterpret_cast<int*>(c.rdma + c.layout.rdma_msg_offset) + static_cast<size_t>(parity) * D * M;
+  for (int i = threadIdx.x; i < D * words; i += blockDim.x) {
+    const int x = i / words, w = i % words;
+    int v;
+    if (w == 0) {
+      v = flags;
+    } else if (w < 1 + R) {
+      v = count[C - 1][w - 1];  // inclusive prefix at the last channel = total
+    } else if (w < head_words) {
+      v = dcount[w - 1 - R][x];
+    } else {
+      const int j = (w - head_words) / per_rank, k = (w - head_words) % per_rank, r = x * nvl + j;
+      v = k < C ? count[k][r] : a.num_tokens_per_expert[r * L + (k - C)];
+    }
+    staging[static_cast<size_t>(x) * M + w] = v;
+  }
+  __syncthreads();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int x = warp; x < D; x += kNotifyThreads / 32) {
+    if (lane == 0) __threadfence_system();
+    __syncwarp();
+    nvshmemx_putmem_signal_nbi_warp(inbox + static_cast<size_t>(c.domain) * M, staging + static_cast<size_t>(x) * M,
+                                    static_cast<size_t>(words) * sizeof(int), &rctl->notify_signal[c.domain], epoch,
+                                    NVSHMEM_SIGNAL_SET, team_pe(c, x));
+  }
+  if (warp < D) nvshmem_quiet();
+  const Watchdog dog = make_watchdog(c.timeout_ns, me, &nctl->timeout_claim, &box->timeout);
+  if (threadIdx.x < D) {
+    const int x = threadIdx.x;
+    if (!wait_at_least(&rctl->notify_signal[x], epoch, dog, kPhaseNotifyTeam, team_pe(c, x))) atomicAnd(&arrived, 0);
+  }
+  __syncthreads();
+  if (!arrived) {
+    if (threadIdx.x == 0) *reinterpret_cast<volatile int32_t*>(&box->seq) = a.seq;  // wake the host
+    return;
+  }
+
+  // 2. As the forwarder: fwd_offset [D][C + 1] over the flattened (source domain, channel) order.
+  auto team_word = [&](int x, int w) { return ptx::ld_volatile(inbox + static_cast<size_t>(x) * M + w); };
+  for (int i = threadIdx.x; i < D * (C + 1); i += blockDim.x) {
+    const int x = i / (C + 1), ch = i % (C + 1);
+    int base = 0;
+    for (int p = 0; p < x; ++p) base += team_word(p, 1 + R + C - 1);
+    a.fwd_offset[i] = base + (ch == 0 ? 0 : team_word(x, 1 + R + ch - 1));
+  }
+  // Relay: message [parity][s] into every local rank j's NVLink buffer, s = (x, my local index).
+  const int N = c.layout.nvl_msg_ints, nwords = 1 + R + C + L;
+  for (int i = threadIdx.x; i < D * nvl * nwords; i += blockDim.x) {
+    const int x = i / (nvl * nwords), j = (i / nwords) % nvl, w = i % nwords;
+    int v;
+    if (w < 1 + R) {
+      v = team_word(x, w);
+    } else {
+      v = team_word(x, head_words + j * per_rank + (w - 1 - R));
+    }
+    const int s = x * nvl + c.local;
+    int* msg = reinterpret_cast<int*>(c.nvl[j] + c.layout.nvl_msg_offset) + (static_cast<size_t>(parity) * R + s) * N;
+    msg[w] = v;
+  }
+  __threadfence_system();
+  __syncthreads();
+
+  // Domain barrier (the intranode barrier's words).
+  if (threadIdx.x == 0) {
+    nctl->barrier_epoch = epoch;
+    for (int j = 0; j < nvl; ++j) ptx::st_release_sys(&nvl_ctl(c, j)->barrier_signal[c.local], epoch);
+    int ok = 1;
+    for (int j = 0; j < nvl && ok; ++j) {
+      ok = wait_at_least(&nctl->barrier_signal[j], epoch, dog, kPhaseNotifyDomain, c.domain * nvl + j);
+    }
+    arrived = ok;
+  }
+  __syncthreads();
+  if (!arrived) {
+    if (threadIdx.x == 0) *reinterpret_cast<volatile int32_t*>(&box->seq) = a.seq;
+    return;
+  }
+
+  // 3. Results from the R messages in my NVLink buffer.
+  const int* mine = reinterpret_cast<const int*>(c.nvl[c.local] + c.layout.nvl_msg_offset) + static_cast<size_t>(parity) * R * N;
+  auto word = [&](int s, int w) { return ptx::ld_volatile(mine + static_cast<size_t>(s) * N + w); };
+  for (int i = threadIdx.x; i < R * R; i += blockDim.x) {
+    const int row = i / R, col = i % R;
+    int sum = 0;
+    for (int s = 0; s <= row; ++s) sum += word(s, 1 + col);
+    a.rank_prefix_matrix[i] = sum;
+  }
+  for (int i = threadIdx.x; i < R * (C + 1); i += blockDim.x) {
+    const int s = i / (C + 1), ch = i % (C + 1);
+    int base = 0;
+    for (int p = 0; p < s; ++p) base += word(p, 1 + me);
+    a.recv_channel_offset[i] = base + (ch == 0 ? 0 : word(s, 1 + R + ch - 1));
+  }
+  const int align = a.expert_alignment;
+  for (int l = threadIdx.x; l < L; l += blockDim.x) {
+    int sum = 0;
+    for (int s = 0; s < R; ++s) sum += word(s, 1 + R + C + l);
+    box->expert_counts[l] = (sum + align - 1) / align * align;
+  }
+  if (threadIdx.x == 0) {
+    int recv = 0, any = 0, fwd = 0;
+    for (int s = 0; s < R; ++s) {
+      recv += word(s, 1 + me);
+      any |= word(s, 0);
+    }
+    for (int x = 0; x < D; ++x) fwd += team_word(x, 1 + R + C - 1);
+    for (int j = 0; j < R && a.num_worst_tokens > 0; ++j) {
+      int rows = 0;
+      for (int s = 0; s < R; ++s) rows += word(s, 1 + j);
+      if (rows > a.num_worst_tokens && *reinterpret_cast<volatile int32_t*>(&box->overflow_rows) == 0) {
+        box->overflow_rank = j;
+        box->overflow_worst = a.num_worst_tokens;
+        box->overflow_rows = rows;
+      }
+    }
+    box->num_recv = recv;
+    box->num_forward = fwd;
+    box->flags = any;
+  }
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) *reinterpret_cast<volatile int32_t*>(&box->seq) = a.seq;
+}
+
+}  // namespace
+
+void launch_notify(const NotifyArgs& args, cudaStream_t stream) {
+  notify_kernel<<<1, kNotifyThreads, 0, stream>>>(args);
+  intranode::check_launch("internode notify_kernel");
+}
+
+}  // namespace moe_dispatcher::internode

@@ -1,0 +1,155 @@
+// Internode (several NVLink domains) normal-mode protocol: buffer layouts and kernel arguments.
+// Plain C++ (no device code, no torch). docs/internode.md describes the protocol.
+//
+// Ranks: r = domain * nvl_size + local. The "team" of a rank is the set of ranks with its local
+// index, one per domain; tokens cross domains only inside a team, over NVSHMEM (public API, any
+// transport). Inside a domain, rows move over CUDA IPC through the intranode channel FIFOs
+// (kernels/common/channel.cuh), in the NVLink buffer of intranode::IpcBuffer opened over the domain.
+//
+// Every byte offset below is computed by the Python backend (moe_dispatcher/compiled/internode.py,
+// one formula shared with Config.get_rdma_buffer_size_hint) and passed in; only the fixed-size
+// control structs are defined here (their sizes are exported and checked against Python's).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/intranode/protocol.h"
+
+namespace moe_dispatcher::internode {
+
+constexpr int kMaxRanks = 64;
+constexpr int kMaxDomains = 64;
+constexpr int kMaxNvl = intranode::kMaxRanks;  // 8
+constexpr int kMaxChannels = intranode::kMaxChannels;
+constexpr int kMaxLocalExperts = intranode::kMaxLocalExperts;
+constexpr int kMaxTopk = intranode::kMaxTopk;
+constexpr int kMaxChunk = intranode::kMaxChunk;
+constexpr int kMaxWindows = 4;
+
+// Phases named in timeout errors (distinct from the intranode ones; same TimeoutRecord).
+enum Phase : int32_t {
+  kPhaseNotifyTeam = 21,    // notify: waiting for a team member's counts (NVSHMEM)
+  kPhaseNotifyDomain = 22,  // notify: barrier inside the domain (NVLink)
+  kPhaseRdmaSend = 23,      // dispatch: sender waiting for free slots in a forwarder's RDMA ring
+  kPhaseForward = 24,       // dispatch: forwarder waiting for rows in its RDMA rings
+  kPhaseForwardSend = 25,   // dispatch: forwarder waiting for free slots in a local rank's NVL ring
+  kPhaseNvlRecv = 26,       // dispatch: receiver waiting for rows from a forwarder
+  kPhaseCombineNvlSend = 27,  // combine: local rank waiting for free slots in the forwarder's NVL ring
+  kPhaseCombineForward = 28,  // combine: forwarder waiting for rows from local ranks
+  kPhaseCombineRdmaSend = 29,  // combine: forwarder waiting for free slots in the source's RDMA ring
+  kPhaseCombineRecv = 30,   // combine: source waiting for partial sums
+  kPhaseRdmaDrain = 31,     // RDMA sender waiting for a team member to drain an earlier call
+  kPhaseNvlDrain = 32,      // NVL sender waiting for a local rank to drain an earlier call
+};
+
+// Start of the symmetric (NVSHMEM) buffer of every rank. Every word is written by exactly one
+// remote (or local) writer and read locally (ld.acquire.sys); the index x is a domain, i.e. the
+// team member of domain x. Monotonic counters, never reset (zeroed once at creation).
+struct RdmaControl {
+  uint64_t notify_signal[kMaxDomains];           // [x]: epoch of x's latest notify message (putmem_signal)
+  uint64_t tail[kMaxChannels][kMaxDomains];      // [c][x]: rows x published into my ring (c, x)
+  uint64_t head[kMaxChannels][kMaxDomains];      // [c][x]: rows x consumed from its ring (c, my domain)
+  uint64_t tail_copy[kMaxChannels][kMaxDomains]; // [c][x]: rows I published into x's ring (c, my domain)
+  uint64_t head_copy[kMaxChannels][kMaxDomains]; // [c][x]: rows I consumed from my ring (c, x)
+};
+constexpr size_t kRdmaControlBytes = (sizeof(RdmaControl) + 4095) / 4096 * 4096;
+
+// Byte offsets (computed in Python). RDMA buffer:
+//   [RdmaControl][team messages [2][D][msg_ints]][team message staging [2][D][msg_ints]]
+//   [receive rings [D][C][slots][slot_bytes]][send staging [D][C][slots][slot_bytes]]
+// NVLink buffer (intranode::IpcBuffer over the domain):
+//   [intranode::Control (barrier, FIFO words)][domain messages [2][R][nvl_msg_ints]][rings [nvl][C][slots][slot]]
+struct Layout {
+  size_t rdma_msg_offset, rdma_msg_staging_offset, rdma_recv_offset, rdma_send_offset;
+  size_t rdma_domain_bytes;   // bytes of one domain's block of rings (C x slots x slot_bytes, rounded)
+  int rdma_msg_ints;          // ints of one team message
+  size_t nvl_msg_offset;
+  int nvl_msg_ints;           // ints of one domain message
+  size_t nvl_rings_offset;
+  size_t nvl_src_block_bytes; // ring bytes per source local rank
+};
+
+struct Common {
+  uint8_t* nvl[kMaxNvl];      // the domain's NVLink buffers as mapped here (index = local rank)
+  uint8_t* rdma;              // this rank's symmetric buffer (a symmetric address for NVSHMEM calls)
+  int rank, num_ranks, nvl_size, num_domains, local, domain;
+  intranode::Mailbox* mailbox;
+  uint64_t timeout_ns;
+  Layout layout;
+};
+
+struct LayoutArgs {
+  const int64_t* topk_idx;  // [T, K]
+  int num_tokens, num_topk, num_experts, num_ranks, nvl_size;
+  int* num_tokens_per_rank;    // [R], zeroed by the caller
+  int* num_tokens_per_domain;  // [D], zeroed by the caller
+  int* num_tokens_per_expert;  // [E], zeroed by the caller
+  bool* is_token_in_rank;      // [T, R]
+};
+
+struct NotifyArgs {
+  Common c;
+  const bool* is_token_in_rank;      // [T, R]
+  const int* num_tokens_per_rank;    // [R]
+  const int* num_tokens_per_expert;  // [E]
+  int num_tokens, num_experts, num_channels, expert_alignment, num_worst_tokens, seq;
+  int* rank_prefix_matrix;           // out [R, R]
+  int* recv_channel_offset;          // out [R, C + 1]: first row here of channel c from source s
+  int* fwd_offset;                   // out [D, C + 1]: first forwarded token of (source domain x, channel c)
+};
+
+struct DispatchArgs {
+  Common c;
+  const uint8_t* x;                 // [T, hidden_bytes]
+  const int32_t* scales;            // [T, S] or null
+  const int64_t* topk_idx;          // [T, K] or null (cached)
+  const float* topk_weights;        // [T, K] or null
+  const bool* is_token_in_rank;     // [T, R]
+  const int* recv_channel_offset;   // [R, C + 1]
+  const int* fwd_offset;            // [D, C + 1]
+  int* fwd_mask;                    // [fwd_capacity] out: local ranks of each forwarded token, or null (cached)
+  int fwd_capacity;
+  uint8_t* recv_x;
+  int32_t* recv_scales;
+  int64_t* recv_topk_idx;
+  float* recv_topk_weights;
+  int* recv_src_idx;
+  int num_tokens, hidden_bytes, num_scales, num_topk, experts_per_rank;
+  int num_rows, pad_rows;
+  int num_channels;
+  int nvl_chunk, nvl_slots, nvl_slot_bytes;
+  int rdma_chunk, rdma_slots, rdma_slot_bytes;
+};
+
+enum CombineDtype : int { kBf16 = 0, kFp16 = 1, kFp32 = 2 };
+
+struct CombineArgs {
+  Common c;
+  const uint8_t* x;                 // [rows, hidden]
+  const float* topk_weights;        // [rows, K] or null
+  const uint8_t* bias0;             // [T, hidden] or null
+  const uint8_t* bias1;
+  const bool* is_token_in_rank;     // [T, R]
+  const int* recv_channel_offset;   // [R, C + 1]
+  const int* fwd_offset;            // [D, C + 1]
+  const int* fwd_mask;              // [fwd_capacity]
+  int fwd_capacity;
+  uint8_t* out;                     // [T, hidden]
+  float* out_topk_weights;          // [T, K] or null
+  int dtype, num_tokens, hidden, num_topk, num_x_rows;
+  int num_channels;
+  int nvl_chunk, nvl_slots, nvl_slot_bytes;
+  int rdma_slots, rdma_slot_bytes;
+  int fwd_windows;                  // forwarder batch = 32 x fwd_windows tokens
+  int recv_windows;                 // source receiver batch = 32 x recv_windows tokens
+};
+
+void launch_layout(const LayoutArgs& args, cudaStream_t stream);
+void launch_notify(const NotifyArgs& args, cudaStream_t stream);
+void launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
+void launch_combine(const CombineArgs& args, cudaStream_t stream);
+
+}  // namespace moe_dispatcher::internode

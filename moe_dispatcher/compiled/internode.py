@@ -1,0 +1,353 @@
+"""Normal-mode internode backend: two-hop dispatch/combine across NVLink domains (docs/internode.md).
+
+One InternodeBackend belongs to one Buffer whose topology has more than one NVLink domain. It owns:
+- the NVLink buffer of its domain: an intranode.IpcBuffer over the domain's ranks (CUDA IPC handles are
+  gathered over the whole group, each rank opens only its domain's; nothing assumes two domains share a host);
+- one NVSHMEM symmetric allocation of num_rdma_bytes (moe_dispatcher.runtime.nvshmem bootstrap over the
+  Buffer's group; PE id == group rank). Across domains the kernels use public NVSHMEM calls only.
+
+Same methods and host-synchronisation rules as IntranodeBackend: only a fresh dispatch without
+num_worst_tokens waits (mapped mailbox) for the receive counts; cached dispatch, num_worst_tokens dispatch
+(CUDA-graph capturable), layout and combine never do. Timeouts name rank, phase and peer.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .. import _ext
+from .. import config as _cfg
+from ..config import Config
+from ..handle import DispatchHandle
+from .intranode import (DEFAULT_TIMEOUT_S, TIMEOUT_ENV, _COMBINE_DTYPES, _DeviceMemory, combine_slot_bytes)
+
+
+def dispatch_slot_bytes(hidden_bytes: int, num_scales: int, num_topk: int) -> int:
+    """Bytes of one internode dispatch slot (RDMA and NVLink alike): payload, 4-byte scales, top-k ids
+    (int32) and weights, source token, and one more int32 (local-rank mask, or source domain)."""
+    return (hidden_bytes + num_scales * 4 + num_topk * 8 + 8 + 15) // 16 * 16
+
+
+class InternodeBackend:
+    """Compiled internode normal-mode backend for one Buffer (see the module docstring)."""
+
+    name = "internode"
+
+    def __init__(self, buffer) -> None:
+        mod = _ext.require("the internode kernels")
+        self._mod, self._intra = mod.internode, mod.intranode
+        topo = buffer.topology
+        self.group = buffer.group
+        self.rank, self.num_ranks = buffer.rank, buffer.group_size
+        self.nvl_size, self.num_domains = topo.nvl_size, topo.num_domains
+        self.num_nvl_bytes, self.num_rdma_bytes = buffer.num_nvl_bytes, buffer.num_rdma_bytes
+        self._buffer_token = buffer._token
+        self._buffer_cls = type(buffer)
+        self._reference = buffer._reference_normal
+        if self._mod.RDMA_CONTROL_BYTES != _cfg.RDMA_CONTROL_BYTES or self._mod.NVL_CONTROL_BYTES != _cfg.NVL_CONTROL_BYTES:
+            raise RuntimeError("moe_dispatcher._C and moe_dispatcher.config disagree on the internode control sizes "
+                               "(rebuild the extension)")
+        if self.num_ranks > self._mod.MAX_RANKS:
+            raise ValueError(f"the internode kernels serve at most {self._mod.MAX_RANKS} ranks, got {self.num_ranks}")
+        self.timeout_s = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
+        if self.timeout_s <= 0:
+            raise ValueError(f"{TIMEOUT_ENV} must be positive, got {self.timeout_s}")
+        self._timeout_ns = int(self.timeout_s * 1e9)
+        self._rdma_layout = _cfg.internode_rdma_layout(self.num_ranks, self.nvl_size, self.num_rdma_bytes)
+        self._nvl_layout = _cfg.internode_nvl_layout(self.num_ranks, self.nvl_size, self.num_nvl_bytes)
+        need = self._rdma_layout["rdma_recv_offset"] + 2 * self.num_domains * 128
+        if self.num_rdma_bytes < need:
+            raise ValueError(f"num_rdma_bytes={self.num_rdma_bytes} is too small for the internode kernels ({self.num_domains} "
+                             f"NVLink domains need far more than {need}); size it with "
+                             f"Config.get_rdma_buffer_size_hint(hidden_bytes, num_ranks, nvl_size)")
+        if self.num_nvl_bytes < self._nvl_layout["nvl_rings_offset"] + self.nvl_size * 128:
+            raise ValueError(f"num_nvl_bytes={self.num_nvl_bytes} is too small for the internode kernels; size it with "
+                             f"Config.get_nvl_buffer_size_hint")
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        # NVLink buffer of the domain: handles gathered over the group, only the domain's opened.
+        self._ipc = self._intra.IpcBuffer(topo.local_index, self.nvl_size, self.num_nvl_bytes)
+        gathered: List[Optional[tuple]] = [None] * self.num_ranks
+        dist.all_gather_object(gathered, (self._ipc.ipc_handle(), socket.gethostname()), group=self.group)
+        self._ipc.open_peers([gathered[r][0] for r in topo.domain_ranks()])
+        single_host = len({g[1] for g in gathered}) == 1  # only chooses NVSHMEM's transports (P2P here)
+        from ..runtime import nvshmem
+        self._state = nvshmem.bootstrap(self.group, self.device.index, single_host=single_host)
+        try:
+            self._rdma_ptr = self._state.malloc(self.num_rdma_bytes)
+        except Exception:
+            self._state.finalize()
+            self._ipc.destroy()
+            raise
+        self._rdma_raw = torch.as_tensor(_DeviceMemory(self._rdma_ptr, self.num_rdma_bytes), device=self.device)
+        self._rdma_raw.zero_()  # every counter starts at 0 on every PE
+        layout = self._rdma_layout | self._nvl_layout
+        keys = ("rdma_msg_offset", "rdma_msg_staging_offset", "rdma_recv_offset", "rdma_send_offset",
+                "rdma_domain_bytes", "rdma_msg_ints", "nvl_msg_offset", "nvl_msg_ints", "nvl_rings_offset",
+                "nvl_src_block_bytes")
+        self._ctx = self._mod.make_context(self._ipc, self._rdma_ptr, self.rank, self.num_ranks, self.nvl_size,
+                                           [int(layout[k]) for k in keys])
+        self._state.barrier()  # nobody sends before every PE zeroed its buffer
+        torch.cuda.current_stream().synchronize()
+        self._seq = 0
+        self._broken: Optional[str] = None
+        self._alive = True
+
+    # ------------------------------------------------------------------ what this backend serves
+    def serves_normal(self, topology) -> bool:
+        return bool(not topology.is_single_domain and topology.num_ranks <= self._mod.MAX_RANKS)
+
+    def serves_low_latency(self) -> bool:
+        return False
+
+    # ------------------------------------------------------------------ errors
+    def _check(self) -> None:
+        if self._broken is not None:
+            raise RuntimeError(self._broken)
+        if not self._alive:
+            raise RuntimeError("the internode backend was destroyed")
+        info = self._mod.timeout_info(self._ipc)
+        if info is not None:
+            _, phase, rank, peer = info
+            self._broken = (f"moe_dispatcher internode: rank {rank} timed out after {self.timeout_s:g} s in {phase} "
+                            f"waiting for rank {peer} (a peer skipped a call, or calls differ between ranks); this "
+                            f"Buffer is unusable now: destroy it on every rank and create a new one "
+                            f"({TIMEOUT_ENV} sets the timeout)")
+            raise RuntimeError(self._broken)
+
+    @staticmethod
+    def _stream() -> int:
+        return torch.cuda.current_stream().cuda_stream
+
+    @staticmethod
+    def _ptr(t: Optional[torch.Tensor]) -> int:
+        return 0 if t is None else t.data_ptr()
+
+    def _geometry(self, config: Optional[Config], combine: bool, slot_bytes: int, channels: Optional[int] = None,
+                  what: str = "dispatch") -> List[int]:
+        """[channels, nvl_chunk, nvl_slots, nvl_slot_bytes, rdma_chunk, rdma_slots, rdma_slot_bytes], checked."""
+        if config is None:
+            config = (self._buffer_cls.get_combine_config if combine else self._buffer_cls.get_dispatch_config)(
+                self.num_ranks)
+        c = config.num_channels if channels is None else channels
+        nvl_chunk, nvl_slots = config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens
+        rdma_chunk, rdma_slots = config.num_max_rdma_chunked_send_tokens, config.num_max_rdma_chunked_recv_tokens
+        if c > self._mod.MAX_CHANNELS:
+            raise ValueError(f"Config.num_sms={config.num_sms}: the internode kernels use at most "
+                             f"{2 * self._mod.MAX_CHANNELS} SMs' worth of channels")
+        if nvl_chunk > self._mod.MAX_CHUNK or rdma_chunk > self._mod.MAX_CHUNK:
+            raise ValueError(f"Config chunk sizes must be at most {self._mod.MAX_CHUNK}")
+        if combine and (nvl_slots < nvl_chunk + 32 or rdma_slots < 64):
+            raise ValueError("combine needs num_max_nvl_chunked_recv_tokens >= num_max_nvl_chunked_send_tokens + 32 "
+                             "and num_max_rdma_chunked_recv_tokens >= 64")
+        nvl_block, rdma_block = self._nvl_layout["nvl_src_block_bytes"], self._rdma_layout["rdma_domain_bytes"]
+        if c * nvl_slots * slot_bytes > nvl_block:
+            raise ValueError(f"{what}: num_nvl_bytes={self.num_nvl_bytes} is too small for {c} channels x {nvl_slots} "
+                             f"slots of {slot_bytes} bytes per local rank; size it with Config.get_nvl_buffer_size_hint")
+        if c * rdma_slots * slot_bytes > rdma_block:
+            raise ValueError(f"{what}: num_rdma_bytes={self.num_rdma_bytes} is too small for {c} channels x {rdma_slots} "
+                             f"slots of {slot_bytes} bytes per domain; size it with "
+                             f"Config.get_rdma_buffer_size_hint(hidden_bytes, num_ranks, nvl_size)")
+        return [c, nvl_chunk, nvl_slots, slot_bytes, rdma_chunk, rdma_slots, slot_bytes]
+
+    # ------------------------------------------------------------------ layout
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
+        self._check()
+        topk_idx = topk_idx.contiguous()
+        t, k = topk_idx.shape
+        r, dev = self.num_ranks, topk_idx.device
+        per_rank = torch.zeros(r, dtype=torch.int32, device=dev)
+        per_domain = torch.zeros(self.num_domains, dtype=torch.int32, device=dev)
+        per_expert = torch.zeros(num_experts, dtype=torch.int32, device=dev)
+        in_rank = torch.empty(t, r, dtype=torch.bool, device=dev)
+        self._mod.layout(topk_idx.data_ptr(), t, k, num_experts, r, self.nvl_size, per_rank.data_ptr(),
+                         per_domain.data_ptr(), per_expert.data_ptr(), in_rank.data_ptr(), self._stream())
+        return per_rank, per_domain, per_expert, in_rank
+
+    # ------------------------------------------------------------------ dispatch
+    def _check_rows(self, x: torch.Tensor, scales: Optional[torch.Tensor]) -> Tuple[int, int]:
+        hidden_bytes = x.shape[1] * x.element_size()
+        if hidden_bytes % 16:
+            raise ValueError(f"dispatch: rows of x must be a multiple of 16 bytes for the internode kernels, got "
+                             f"{hidden_bytes} ({x.shape[1]} x {x.dtype})")
+        num_scales = 0
+        if scales is not None:
+            if scales.element_size() != 4 or scales.dim() != 2:
+                raise ValueError(f"dispatch: FP8 scales must be a 2-D 4-byte tensor, got {scales.dtype}"
+                                 f"{list(scales.shape)}")
+            num_scales = scales.shape[1]
+        return hidden_bytes, num_scales
+
+    def dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
+                 topk_weights: Optional[torch.Tensor], num_tokens_per_rank: torch.Tensor,
+                 is_token_in_rank: torch.Tensor, num_tokens_per_expert: torch.Tensor, expert_alignment: int,
+                 num_worst_tokens: int, config: Optional[Config] = None):
+        """Fresh dispatch; returns what ReferenceNormal.dispatch returns."""
+        self._check()
+        r = self.num_ranks
+        x = x.contiguous()
+        x_scales = x_scales.contiguous() if x_scales is not None else None
+        hidden_bytes, num_scales = self._check_rows(x, x_scales)
+        num_topk = 0
+        if topk_idx is not None:
+            topk_idx = topk_idx.contiguous()
+            num_topk = topk_idx.shape[1]
+            if num_topk > self._mod.MAX_TOPK:
+                raise ValueError(f"dispatch: the internode kernels take at most {self._mod.MAX_TOPK} top-k slots")
+            if topk_weights is not None:
+                topk_weights = topk_weights.contiguous()
+        num_experts = num_tokens_per_expert.numel()
+        local = num_experts // r
+        if local > self._mod.MAX_LOCAL_EXPERTS:
+            raise ValueError(f"dispatch: the internode kernels take at most {self._mod.MAX_LOCAL_EXPERTS} experts per "
+                             f"rank, got {local}")
+        geo = self._geometry(config, False, dispatch_slot_bytes(hidden_bytes, num_scales, num_topk))
+        channels = geo[0]
+        is_token_in_rank = is_token_in_rank.contiguous()
+        num_tokens_per_rank = num_tokens_per_rank.contiguous()
+        num_tokens_per_expert = num_tokens_per_expert.contiguous()
+        dev, t = x.device, x.shape[0]
+
+        prefix = torch.empty(r, r, dtype=torch.int32, device=dev)
+        offsets = torch.empty(r, channels + 1, dtype=torch.int32, device=dev)
+        fwd_offset = torch.empty(self.num_domains, channels + 1, dtype=torch.int32, device=dev)
+        self._seq = self._seq % 2_000_000_000 + 1
+        seq = self._seq
+        self._mod.notify(self._ctx, self._timeout_ns, is_token_in_rank.data_ptr(), num_tokens_per_rank.data_ptr(),
+                         num_tokens_per_expert.data_ptr(), t, num_experts, channels, expert_alignment,
+                         num_worst_tokens, seq, prefix.data_ptr(), offsets.data_ptr(), fwd_offset.data_ptr(),
+                         self._stream())
+        counts: List[int] = []
+        num_recv: Optional[int] = None
+        if num_worst_tokens:
+            rows = num_worst_tokens
+            # Each forwarded token reaches >= 1 rank of this domain, each of which receives <= W rows.
+            fwd_capacity = self.nvl_size * num_worst_tokens
+        else:
+            num_recv, flags = self._ipc.wait_notify(seq, self.timeout_s + 30.0)
+            if num_recv < 0:
+                self._check()
+                raise RuntimeError(f"moe_dispatcher internode: rank {self.rank}: notify gave up")
+            if flags & self._intra.FLAG_LAYOUT_MISMATCH:
+                raise ValueError("dispatch: num_tokens_per_rank does not match is_token_in_rank on some rank (pass "
+                                 "the layout that get_dispatch_layout returned for these topk_idx)")
+            overflow = self._ipc.take_worst_overflow()
+            if overflow is not None:
+                raise ValueError(f"dispatch: in an earlier dispatch with num_worst_tokens={overflow[2]}, rank "
+                                 f"{overflow[0]} received {overflow[1]} rows; the rows past num_worst_tokens were "
+                                 f"dropped (the compiled backend reports this at the next synchronised dispatch, "
+                                 f"on every rank; raise num_worst_tokens)")
+            counts = self._ipc.expert_counts(local)
+            rows = num_recv
+            fwd_capacity = self._mod.num_forward(self._ipc)
+
+        recv_x = torch.empty(rows, x.shape[1], dtype=x.dtype, device=dev)
+        recv_scales = (torch.empty(rows, num_scales, dtype=x_scales.dtype, device=dev)
+                       if x_scales is not None else None)
+        recv_idx = recv_w = None
+        if topk_idx is not None:
+            recv_idx = torch.empty(rows, num_topk, dtype=torch.int64, device=dev)
+            recv_w = torch.empty(rows, num_topk, dtype=torch.float32, device=dev)
+        recv_src = torch.empty(rows, dtype=torch.int32, device=dev)
+        fwd_mask = torch.zeros(max(fwd_capacity, 1), dtype=torch.int32, device=dev)
+        self._mod.dispatch(self._ctx, self._timeout_ns, x.data_ptr(), self._ptr(x_scales), self._ptr(topk_idx),
+                           self._ptr(topk_weights), is_token_in_rank.data_ptr(), offsets.data_ptr(),
+                           fwd_offset.data_ptr(), fwd_mask.data_ptr(), fwd_capacity, recv_x.data_ptr(),
+                           self._ptr(recv_scales), self._ptr(recv_idx), self._ptr(recv_w), recv_src.data_ptr(), t,
+                           hidden_bytes, num_scales, num_topk, local, rows, 1 if num_worst_tokens else 0, geo,
+                           self._stream())
+        if topk_weights is None:
+            recv_w = None
+        handle = DispatchHandle(prefix, is_token_in_rank, recv_src, num_recv, t, num_worst_tokens, self.name,
+                                self._buffer_token, backend_state=(channels, offsets, fwd_offset, fwd_mask, fwd_capacity))
+        return recv_x, recv_scales, recv_idx, recv_w, counts, handle
+
+    def cached_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], handle: DispatchHandle,
+                        config: Optional[Config] = None):
+        """Dispatch along the routing of `handle` with no count exchange and no host sync."""
+        self._check()
+        x = x.contiguous()
+        x_scales = x_scales.contiguous() if x_scales is not None else None
+        hidden_bytes, num_scales = self._check_rows(x, x_scales)
+        channels, offsets, fwd_offset, _, _ = handle.backend_state
+        geo = self._geometry(config, False, dispatch_slot_bytes(hidden_bytes, num_scales, 0), channels,
+                             "cached dispatch")
+        rows = handle.recv_src_idx.shape[0]
+        dev = x.device
+        recv_x = torch.empty(rows, x.shape[1], dtype=x.dtype, device=dev)
+        recv_scales = (torch.empty(rows, num_scales, dtype=x_scales.dtype, device=dev)
+                       if x_scales is not None else None)
+        self._mod.dispatch(self._ctx, self._timeout_ns, x.data_ptr(), self._ptr(x_scales), 0, 0,
+                           handle.is_token_in_rank.data_ptr(), offsets.data_ptr(), fwd_offset.data_ptr(), 0, 0,
+                           recv_x.data_ptr(), self._ptr(recv_scales), 0, 0, 0, x.shape[0], hidden_bytes, num_scales,
+                           0, 1, rows, 1 if handle.num_worst_tokens else 0, geo, self._stream())
+        return recv_x, recv_scales
+
+    # ------------------------------------------------------------------ combine
+    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
+                bias: Sequence[torch.Tensor], config: Optional[Config] = None):
+        """Reduce the rows of each source token in two hops; returns (combined_x, combined_topk_weights or None).
+
+        Order: out = cast(bias0 + bias1 + sum over domains ascending of partial_domain), float32, where a
+        partial is the float32 sum of that domain's rows (ranks ascending) rounded to x.dtype."""
+        self._check()
+        if x.dtype not in _COMBINE_DTYPES:  # float64: the reference reduces it (in float64)
+            if handle.num_recv_tokens is None:
+                handle = handle._replace(num_recv_tokens=int(handle.rank_prefix_matrix[-1, self.rank]))
+            return self._reference.combine(x, handle, topk_weights, bias)
+        x = x.contiguous()
+        row_bytes = x.shape[1] * x.element_size()
+        if row_bytes % 16:
+            raise ValueError(f"combine: rows of x must be a multiple of 16 bytes, got {row_bytes}")
+        num_topk = 0
+        if topk_weights is not None:
+            topk_weights = topk_weights.contiguous()
+            num_topk = topk_weights.shape[1]
+            if num_topk > self._mod.MAX_TOPK:
+                raise ValueError(f"combine: at most {self._mod.MAX_TOPK} top-k weights per row, got {num_topk}")
+        channels, offsets, fwd_offset, fwd_mask, fwd_capacity = handle.backend_state
+        geo = self._geometry(config, True, combine_slot_bytes(row_bytes, num_topk), channels, "combine")
+        biases = [b.contiguous() for b in bias]
+        t, dev = handle.num_tokens, x.device
+        out = torch.empty(t, x.shape[1], dtype=x.dtype, device=dev)
+        out_w = torch.empty(t, num_topk, dtype=torch.float32, device=dev) if topk_weights is not None else None
+        self._mod.combine(self._ctx, self._timeout_ns, x.data_ptr(), self._ptr(topk_weights),
+                          self._ptr(biases[0] if len(biases) > 0 else None),
+                          self._ptr(biases[1] if len(biases) > 1 else None), handle.is_token_in_rank.data_ptr(),
+                          offsets.data_ptr(), fwd_offset.data_ptr(), fwd_mask.data_ptr(), fwd_capacity,
+                          out.data_ptr(), self._ptr(out_w), _COMBINE_DTYPES[x.dtype], t, x.shape[1], num_topk,
+                          x.shape[0], geo, self._stream())
+        return out, out_w
+
+    # ------------------------------------------------------------------ buffer access and lifetime
+    def local_buffer_tensor(self, dtype: torch.dtype, size: Optional[Sequence[int]] = None, offset: int = 0,
+                            use_rdma_buffer: bool = False) -> torch.Tensor:
+        """A typed view of this rank's NVLink buffer, or of its NVSHMEM buffer, from byte `offset`."""
+        self._check()
+        total = self.num_rdma_bytes if use_rdma_buffer else self.num_nvl_bytes
+        elem = torch.empty((), dtype=dtype).element_size()
+        count = (total - offset) // elem if size is None else int(torch.Size(size).numel())
+        if offset < 0 or offset % elem or offset + count * elem > total:
+            raise ValueError(f"get_local_buffer_tensor: {count} x {dtype} at offset {offset} does not fit the "
+                             f"{total}-byte {'RDMA' if use_rdma_buffer else 'NVLink'} buffer")
+        raw = self._rdma_raw if use_rdma_buffer else torch.as_tensor(_DeviceMemory(self._ipc.local_ptr, total),
+                                                                     device=self.device)
+        view = raw[offset: offset + count * elem].view(dtype)
+        return view.view(*size) if size is not None else view
+
+    def destroy(self) -> None:
+        """Free both buffers. Collective (NVSHMEM free + barrier): every rank calls it at the same point."""
+        if not self._alive:
+            return
+        self._alive = False
+        torch.cuda.synchronize(self.device)
+        self._state.barrier()
+        torch.cuda.synchronize(self.device)
+        self._rdma_raw = None
+        self._state.free(self._rdma_ptr)
+        self._state.finalize()
+        if self._ipc.alive:
+            self._ipc.destroy()
