@@ -20,12 +20,13 @@ using namespace low_latency;
 // The fields every launch shares, from the Python backend's buffer description.
 Common make_common(uintptr_t buffer, uintptr_t peer_bases, uintptr_t workspace, size_t half_offset,
                    int rank, int num_ranks, int num_experts, int max_tokens, int hidden,
-                   int num_blocks, uint64_t timeout_ns) {
+                   int num_blocks, uint64_t timeout_ns, int variant) {
   MOE_CHECK(num_ranks >= 1 && num_ranks <= kMaxRanks, "low_latency: bad number of ranks");
   MOE_CHECK(num_experts % num_ranks == 0 && num_experts <= kMaxExperts,
             "low_latency: bad number of experts");
   MOE_CHECK(hidden % 128 == 0 && hidden <= kMaxHidden, "low_latency: bad hidden size");
   MOE_CHECK(num_blocks >= 1, "low_latency: num_blocks must be positive");
+  MOE_CHECK((variant & ~kVariantMask) == 0, "low_latency: unknown kernel variant bits");
   Common c{};
   c.buffer = ptr<uint8_t>(buffer);
   c.peer_bases = ptr<const uint64_t>(peer_bases);
@@ -38,6 +39,7 @@ Common make_common(uintptr_t buffer, uintptr_t peer_bases, uintptr_t workspace, 
   c.hidden = hidden;
   c.num_blocks = num_blocks;
   c.timeout_ns = timeout_ns;
+  c.variant = variant;
   return c;
 }
 
@@ -52,6 +54,8 @@ void register_low_latency(py::module_& parent) {
   m.attr("WORKSPACE_INTS") = kWorkspaceInts;
   m.attr("PHASE_SEND") = kPhaseSend;
   m.attr("PHASE_RECV") = kPhaseRecv;
+  m.attr("VARIANT_COMBINE_ROWS") = kVariantCombineRows;
+  m.attr("VARIANT_MASK") = kVariantMask;
 
   m.def(
       "half_layout",
@@ -75,11 +79,11 @@ void register_low_latency(py::module_& parent) {
          uint64_t timeout_ns, uintptr_t x, uintptr_t topk_idx, int num_tokens, int num_topk,
          bool fp8, bool round_scale, bool ue8m0, uintptr_t recv_x, uintptr_t recv_scales,
          uintptr_t src_info, uintptr_t layout_range, uintptr_t recv_count, uintptr_t cum_stats,
-         uintptr_t wait_stats, int phases, uintptr_t stream) {
+         uintptr_t wait_stats, int phases, uintptr_t stream, int variant) {
         MOE_CHECK(num_topk >= 1 && num_topk <= kMaxTopk, "low_latency dispatch: bad top-k");
         MOE_CHECK(num_tokens >= 0 && num_tokens <= max_tokens, "low_latency dispatch: bad T");
         const Common c = make_common(buffer, peer_bases, workspace, half_offset, rank, num_ranks,
-                                     num_experts, max_tokens, hidden, num_blocks, timeout_ns);
+                                     num_experts, max_tokens, hidden, num_blocks, timeout_ns, variant);
         DispatchArgs a{};
         a.x = ptr<const void>(x);
         a.topk_idx = ptr<const int64_t>(topk_idx);
@@ -103,7 +107,7 @@ void register_low_latency(py::module_& parent) {
       py::arg("topk_idx"), py::arg("num_tokens"), py::arg("num_topk"), py::arg("fp8"),
       py::arg("round_scale"), py::arg("ue8m0"), py::arg("recv_x"), py::arg("recv_scales"),
       py::arg("src_info"), py::arg("layout_range"), py::arg("recv_count"),
-      py::arg("cum_stats"), py::arg("wait_stats"), py::arg("phases"), py::arg("stream"),
+      py::arg("cum_stats"), py::arg("wait_stats"), py::arg("phases"), py::arg("stream"), py::arg("variant") = 0,
       "Enqueue the low-latency dispatch kernel (phases: PHASE_SEND | PHASE_RECV).");
 
   m.def(
@@ -112,11 +116,11 @@ void register_low_latency(py::module_& parent) {
          int num_ranks, int num_experts, int max_tokens, int hidden, int num_blocks,
          uint64_t timeout_ns, uintptr_t x, uintptr_t topk_idx, uintptr_t topk_weights,
          uintptr_t src_info, uintptr_t layout_range, uintptr_t out, int num_tokens, int num_topk,
-         uintptr_t wait_stats, int phases, uintptr_t stream) {
+         uintptr_t wait_stats, int phases, uintptr_t stream, int variant) {
         MOE_CHECK(num_topk >= 1 && num_topk <= kMaxTopk, "low_latency combine: bad top-k");
         MOE_CHECK(num_tokens >= 0 && num_tokens <= max_tokens, "low_latency combine: bad T");
         const Common c = make_common(buffer, peer_bases, workspace, half_offset, rank, num_ranks,
-                                     num_experts, max_tokens, hidden, num_blocks, timeout_ns);
+                                     num_experts, max_tokens, hidden, num_blocks, timeout_ns, variant);
         CombineArgs a{};
         a.x = ptr<const void>(x);
         a.topk_idx = ptr<const int64_t>(topk_idx);
@@ -134,7 +138,7 @@ void register_low_latency(py::module_& parent) {
       py::arg("hidden"), py::arg("num_blocks"), py::arg("timeout_ns"), py::arg("x"),
       py::arg("topk_idx"), py::arg("topk_weights"), py::arg("src_info"), py::arg("layout_range"),
       py::arg("out"), py::arg("num_tokens"), py::arg("num_topk"), py::arg("wait_stats"),
-      py::arg("phases"), py::arg("stream"),
+      py::arg("phases"), py::arg("stream"), py::arg("variant") = 0,
       "Enqueue the low-latency combine kernel (x = 0: zero-copy, rows in the send region).");
 }
 

@@ -58,6 +58,9 @@ def parser() -> argparse.ArgumentParser:
                    "(512,1024,2048,4096,8192)")
     g.add_argument("--ll-tokens", type=int, default=None, help="low-latency tokens per rank (128)")
     g.add_argument("--ll-experts", type=_ints, default=None, help="low-latency expert counts (256,32)")
+    g.add_argument("--ll-variants", type=_ints, default=None,
+                   help="low-latency kernel variants to time side by side (bits of MOE_DISPATCHER_LL_VARIANT; "
+                        "default: the environment's)")
     g.add_argument("--iters", type=int, default=None, help="timed calls per case (50)")
     g.add_argument("--warmup", type=int, default=None, help="warm-up calls per case (10)")
     g.add_argument("--no-graph", action="store_true", help="low-latency: skip the CUDA-graph timings")

@@ -36,12 +36,23 @@ def run(ctx: Context) -> None:
             f"{o.iters} timed calls after {o.warmup} warm-up; NVSHMEM buffer {rdma / 2**20:.0f} MiB")
     buffer = Buffer(ctx.group, 0, rdma, low_latency_mode=True, backend=o.backend)
     failed = []
+    kernels = getattr(buffer, "_kernels_ll", None)
+    variants: List[Optional[int]] = [None]
+    if getattr(o, "ll_variants", None):
+        if kernels is None or not hasattr(kernels, "set_variant"):
+            ctx.note("--ll-variants ignored: the low-latency kernels are not in use")
+        else:
+            variants = list(o.ll_variants)
+    cases = [(e, v) for e in experts for v in variants]
     try:
-        for e in experts:
+        for e, v in cases:
             try:
-                one(ctx, buffer, e)
+                if v is not None:
+                    torch.cuda.synchronize()
+                    kernels.set_variant(v)
+                one(ctx, buffer, e, v, nccl=v is None or v == variants[0])
             except (ValueError, RuntimeError, NotImplementedError) as exc:
-                failed.append(e)
+                failed.append(e if v is None else f"{e} (variant {v})")
                 ctx.note(f"low-latency E={e} failed: {type(exc).__name__}: {exc}")
                 if o.backend == "kernels":
                     break
@@ -53,7 +64,8 @@ def run(ctx: Context) -> None:
         raise RuntimeError(f"low-latency cases failed for E={failed} (see the notes)")
 
 
-def one(ctx: Context, buffer: Buffer, num_experts: int) -> None:
+def one(ctx: Context, buffer: Buffer, num_experts: int, variant: Optional[int] = None, nccl: bool = True) -> None:
+    """One expert count; `variant`: the kernel variant timed (labels the records); `nccl`: time the baseline too."""
     o, dev, g, me, r = ctx.opts, ctx.device, ctx.group, ctx.rank, ctx.num_ranks
     t, h, k = o.ll_tokens, o.hidden, o.topk
     local = num_experts // r
@@ -91,7 +103,11 @@ def one(ctx: Context, buffer: Buffer, num_experts: int) -> None:
 
     fields = {"section": "low-latency", "tokens": t, "hidden": h, "num_experts": num_experts, "topk": k,
               "dtype": "fp8 dispatch / bf16 combine"}
-    ctx.say(f"  E={num_experts}: backend {backend}; rank {me} sends {sel} selections ({to_peers} to peers)")
+    tag = ""
+    if variant is not None:
+        fields["variant"] = variant
+        tag = f" v{variant}"
+    ctx.say(f"  E={num_experts}{tag}: backend {backend}; rank {me} sends {sel} selections ({to_peers} to peers)")
 
     # NCCL: the same messages with all_to_all_single (dispatch rows of `msg` bytes, combine rows of 2H bytes)
     send_counts = torch.bincount(dest[valid], minlength=r).to(torch.int64)
@@ -130,7 +146,7 @@ def one(ctx: Context, buffer: Buffer, num_experts: int) -> None:
             rec["target_us"] = target[("dispatch", "combine", "dispatch+combine").index(op)]
         if note:
             rec["note"] = note
-        ctx.say(f"[low-latency] E={num_experts:<3d} {op:16s} {path:6s}: {fmt_rec(rec)}")
+        ctx.say(f"[low-latency] E={num_experts:<3d}{tag} {op:16s} {path:6s}: {fmt_rec(rec)}")
         ctx.records.append(rec)
 
     # per-call events (eager). The combine case reuses one dispatch's handle.
@@ -138,7 +154,7 @@ def one(ctx: Context, buffer: Buffer, num_experts: int) -> None:
         if op == "combine":
             _, _, handle, _, _ = dispatch(0)
         times = time_calls(ours[op], o.iters, o.warmup, dev, g)
-        base = time_calls(theirs[op], o.iters, o.warmup, dev, g)
+        base = time_calls(theirs[op], o.iters, o.warmup, dev, g) if nccl else None
         emit(op, "events", times, base)
 
     if dev.type != "cuda" or o.no_graph:
@@ -167,16 +183,16 @@ def one(ctx: Context, buffer: Buffer, num_experts: int) -> None:
                 mine = [x / per for x in time_graph_replays(graph, o.iters, o.warmup, dev, g)]
                 del graph
         nbody, nper = nccl_bodies[op]
-        ngraph, nwhy = try_capture(nbody, dev, g)
+        ngraph, nwhy = try_capture(nbody, dev, g) if nccl else (None, None)
         base = None
-        if ngraph is None:
+        if ngraph is None and nccl:
             ctx.note(f"NCCL all_to_all_single {op} not CUDA-graph capturable: {nwhy}")
         else:
             base = [x / nper for x in time_graph_replays(ngraph, o.iters, o.warmup, dev, g)]
             del ngraph
         if mine is not None:
             emit(op, "graph", mine, base)
-        elif base is not None:
+        elif base is not None and nccl:
             rec = make_record(ctx, {**fields, "op": f"nccl-a2a {op}", "path": "graph", "backend": "nccl"}, base,
                               *nbytes[op])
             ctx.say(f"[low-latency] E={num_experts:<3d} NCCL {op:16s} graph : {fmt_rec(rec)}")

@@ -30,6 +30,11 @@ from ..runtime import nvshmem
 
 TIMEOUT_ENV = "MOE_DISPATCHER_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 10.0
+# Kernel variants (bits, csrc/kernels/low_latency/low_latency.h), read when the backend is created; every
+# variant gives the same bytes. 1 = combine send spreads rows over the whole grid (NVLink peers only).
+VARIANT_ENV = "MOE_DISPATCHER_LL_VARIANT"
+# Grid size override (tuning only): at most the SM count.
+BLOCKS_ENV = "MOE_DISPATCHER_LL_BLOCKS"
 
 
 class _DeviceMemory:
@@ -72,12 +77,32 @@ class LowLatencyBackend:
         self.nvlink_peers = sum(1 for p in peers if p)
         self._peer_bases = torch.tensor(peers, dtype=torch.int64, device=self.device)
         self._workspace = torch.zeros(self._mod.WORKSPACE_INTS, dtype=torch.int32, device=self.device)
-        self._num_blocks = torch.cuda.get_device_properties(self.device).multi_processor_count
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self._num_blocks = sms
+        if os.environ.get(BLOCKS_ENV):
+            self._num_blocks = int(os.environ[BLOCKS_ENV])
+            if not 1 <= self._num_blocks <= sms:
+                raise ValueError(f"{BLOCKS_ENV} must be in [1, {sms}], got {self._num_blocks}")
+        self.variant = int(os.environ.get(VARIANT_ENV, "0") or 0)
+        if self.variant & ~getattr(self._mod, "VARIANT_MASK", 0):
+            raise ValueError(f"{VARIANT_ENV}={self.variant}: unknown variant bits")
+        if self.nvlink_peers < self.num_ranks:
+            self.variant &= ~getattr(self._mod, "VARIANT_COMBINE_ROWS", 0)
         self._layout_key: tuple[int, int, int] | None = None
         self._own_comm_stream: torch.cuda.Stream | None = None
         self._alive = True
         self._state.barrier()  # nobody sends before every peer zeroed its buffer
         torch.cuda.current_stream().synchronize()
+
+    def set_variant(self, variant: int) -> None:
+        """Kernel variant bits of later calls (tuning, see VARIANT_ENV): every variant gives the same results and
+        leaves the workspace as it found it, so switching between calls is safe (not inside a graph capture:
+        captured launches keep the variant they were captured with)."""
+        if variant & ~getattr(self._mod, "VARIANT_MASK", 0):
+            raise ValueError(f"unknown low-latency kernel variant bits: {variant}")
+        if self.nvlink_peers < self.num_ranks:
+            variant &= ~getattr(self._mod, "VARIANT_COMBINE_ROWS", 0)
+        self.variant = variant
 
     # ------------------------------------------------------------------ what this backend serves
     def serves_normal(self, topology) -> bool:
@@ -130,7 +155,7 @@ class LowLatencyBackend:
                 "workspace": self._workspace.data_ptr(), "half_offset": half * layout["half_bytes"],
                 "rank": self.rank, "num_ranks": self.num_ranks, "num_experts": num_experts,
                 "max_tokens": max_tokens, "hidden": hidden, "num_blocks": self._num_blocks,
-                "timeout_ns": int(self.timeout_s * 1e9)}
+                "timeout_ns": int(self.timeout_s * 1e9), "variant": self.variant}
 
     def _comm_stream(self) -> torch.cuda.Stream:
         buffer = self._buffer_ref()

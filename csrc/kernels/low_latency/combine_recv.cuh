@@ -22,6 +22,24 @@ __device__ __forceinline__ void combine_recv_phase(const Common& c, const Combin
   int* flags = reinterpret_cast<int*>(c.buffer + c.half_offset + lay.signal_off) + E;
   const uint8_t* recv = c.buffer + c.half_offset + lay.recv_off;  // [E][maxT][H] bf16
 
+  const int chunks = (H + 255) / 256;  // a warp reduces 256 channels of one token at a time
+  const int tasks = a.num_tokens * chunks;
+  const int stride = gridDim.x * warps;
+  // Lane k < K holds slot k (expert, weight) of the warp's task. Inputs of this call, not peer
+  // data: the first task's are loaded before the wait, each next task's while reducing this one.
+  int64_t next_e = -1;
+  float next_w = 0.0f;
+  auto load_slots = [&](int task) {
+    next_e = -1;
+    next_w = 0.0f;
+    if (task < tasks && lane < K) {
+      const size_t t = static_cast<size_t>(task / chunks);
+      next_e = a.topk_idx[t * K + lane];
+      next_w = a.topk_weights[t * K + lane];
+    }
+  };
+  load_slots(blockIdx.x * warps + warp);
+
   const bool stats = blockIdx.x == 0 && a.wait_stats != nullptr;
   if (tid < R) s_wait[tid] = 0;
   __syncthreads();
@@ -41,33 +59,43 @@ __device__ __forceinline__ void combine_recv_phase(const Common& c, const Combin
     }
   }
 
-  const int chunks = (H + 255) / 256;  // a warp reduces 256 channels of one token at a time
-  const int tasks = a.num_tokens * chunks;
   const size_t row_bytes = static_cast<size_t>(H) * 2;
-  for (int task = blockIdx.x * warps + warp; task < tasks; task += gridDim.x * warps) {
+  for (int task = blockIdx.x * warps + warp; task < tasks; task += stride) {
     const int t = task / chunks, col = (task - t * chunks) * 256 + lane * 8;
-    int64_t my_e = -1;
-    float my_w = 0.0f;
-    if (lane < K) {
-      my_e = a.topk_idx[static_cast<size_t>(t) * K + lane];
-      my_w = a.topk_weights[static_cast<size_t>(t) * K + lane];
-    }
+    const int64_t my_e = next_e;
+    const float my_w = next_w;
+    load_slots(task + stride);
     float acc[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
-    for (int k = 0; k < K; ++k) {
-      const int64_t e = __shfl_sync(0xffffffffu, my_e, k);
-      const float w = __shfl_sync(0xffffffffu, my_w, k);
-      if (col >= H) continue;
-      if (e >= 0) {
-        const int4 raw = ld_cg(recv + (static_cast<size_t>(e) * c.max_tokens + t) * row_bytes +
-                               static_cast<size_t>(col) * 2);
-        const __nv_bfloat16* v = reinterpret_cast<const __nv_bfloat16*>(&raw);
+    // Slots in groups of 8: the group's loads are all issued before the first is used, then the
+    // products are added in slot order (the order, hence the bits, of the one-at-a-time loop).
+    for (int k0 = 0; k0 < K; k0 += 8) {
+      int4 raw[8];
+      float w[8];
+      bool has[8];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(w, __bfloat162float(v[j])));
-      } else {
+      for (int u = 0; u < 8; ++u) {
+        const int k = k0 + u;  // < 32: K <= kMaxTopk
+        const int64_t e = __shfl_sync(0xffffffffu, my_e, k);
+        w[u] = __shfl_sync(0xffffffffu, my_w, k);
+        has[u] = k < K && e >= 0;
+        raw[u] = make_int4(0, 0, 0, 0);
+        if (has[u] && col < H)
+          raw[u] = ld_cg(recv + (static_cast<size_t>(e) * c.max_tokens + t) * row_bytes +
+                         static_cast<size_t>(col) * 2);
+      }
 #pragma unroll
-        for (int j = 0; j < 8; ++j) acc[j] = __fadd_rn(acc[j], 0.0f);
+      for (int u = 0; u < 8; ++u) {
+        if (k0 + u >= K) break;
+        const __nv_bfloat16* v = reinterpret_cast<const __nv_bfloat16*>(&raw[u]);
+        if (has[u]) {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(w[u], __bfloat162float(v[j])));
+        } else {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) acc[j] = __fadd_rn(acc[j], 0.0f);
+        }
       }
     }
     if (col < H) {

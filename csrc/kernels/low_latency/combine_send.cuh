@@ -1,20 +1,193 @@
 // Combine, send phase: every valid row of recv layout (l, s) goes back to source rank s, into
 // that rank's receive region at [global expert me*L + l][source token] (bf16 [E][maxT][H]).
 //
-// Work units are (l, s, part). Flags (the combine flag [me*L + l] on rank s, value 1): each unit
-// makes its stores visible (CTA barrier, then thread 0's __threadfence_system; puts: each warp's
-// nvshmem_quiet before the barrier) and counts itself in workspace combine_finished[l*R + s]
-// (atomicAdd, GPU scope). The unit that completes the count fences again (acquiring the other
-// parts' fenced stores), resets the counter and raises the flag with signal_peer. Pairs with no
-// rows raise it at once.
+// Work units are (l, s, part); a part is a contiguous range of the pair's rows, whose 16-byte
+// vectors the whole block copies (kCopyUnroll loads in flight per thread). Flags (the combine flag
+// [me*L + l] on rank s, value 1): a block first writes all of its units, then makes its stores
+// visible once (puts: each warp's nvshmem_quiet; CTA barrier; then, per unit, one thread's
+// __threadfence_system) and counts each unit in workspace combine_finished[l*R + s] (atomicAdd, GPU
+// scope). The thread that completes a count fences again (acquiring the other parts' fenced
+// stores), resets the counter and raises the flag with signal_peer. Pairs with no rows raise it at
+// once. The receiver waits for every flag before reading anything, so raising a block's flags
+// together at its end delays nothing and saves a fence per unit.
+//
+// Variant kVariantCombineRows (NVLink peers only): the received rows, ordered by pair (l, s) then
+// row, are cut into gridDim.x equal ranges, one per block (a block's range may span pairs, a pair
+// may span blocks). combine_finished[pair] then counts rows: each block adds the rows it wrote of
+// each pair it touched (after the same barrier + fence), and the add that reaches the pair's count
+// raises the flag as above.
 #pragma once
 
 #include "kernels/low_latency/common.cuh"
 
 namespace moe_dispatcher::low_latency {
 
+// Copy rows [lo, hi) of pair (l, s) to `remote_base` (the peer's [me*L + l] region) with the whole
+// block; row i goes to the slot of its source token.
+__device__ __forceinline__ void copy_pair_rows(const Common& c, const CombineArgs& a, const uint8_t* send,
+                                               uint8_t* remote_base, size_t first_row, int n) {
+  const int H = c.hidden, V = H / 8;
+  const size_t row_bytes = static_cast<size_t>(H) * 2;
+  const int total = n * V;
+  for (int base = 0; base < total; base += kCopyUnroll * blockDim.x) {
+    int4 v[kCopyUnroll];
+    int token[kCopyUnroll];
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      const int idx = base + u * blockDim.x + threadIdx.x;
+      if (idx < total) {
+        const int i = idx / V, j = idx - i * V;
+        const size_t row = first_row + i;
+        const uint8_t* src = a.x != nullptr ? static_cast<const uint8_t*>(a.x) + row * row_bytes
+                                            : send + row * row_bytes;
+        token[u] = __ldg(a.src_info + row);
+        v[u] = ld_nc(src + 16 * j);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      const int idx = base + u * blockDim.x + threadIdx.x;
+      if (idx < total) {
+        const int i = idx / V, j = idx - i * V;
+        st_v4(remote_base + static_cast<size_t>(token[u]) * row_bytes + 16 * j, v[u]);
+      }
+    }
+  }
+}
+
+// Raise flag [me*L + l] on rank s once `pair`'s rows are all written: this thread adds `rows` (units
+// or rows, see above) to the pair's workspace counter; the add reaching `target` signals.
+// Precondition: every store of the block this add covers precedes a CTA barrier before this call.
+__device__ __forceinline__ void combine_pair_done(const Common& c, int* flags, int pair, int rows,
+                                                  int target) {
+  const int R = c.num_ranks, L = c.num_experts / R;
+  __threadfence_system();  // release this block's stores at system scope
+  int* finished = c.workspace + kWsCombineFinished + pair;
+  if (atomicAdd(finished, rows) + rows == target) {
+    __threadfence_system();  // acquire the other blocks' fenced stores of this pair
+    *finished = 0;
+    signal_peer(c, flags + c.rank * L + pair / R, 1, pair % R);
+  }
+}
+
+// Variant kVariantCombineRows (see the top of the file).
+__device__ __forceinline__ void combine_send_rows(const Common& c, const CombineArgs& a,
+                                                  const HalfLayout& lay) {
+  constexpr int kChunk = 64;  // rows whose addresses are resolved at once
+  __shared__ int s_prefix[kMaxExperts + 1];  // exclusive prefix of the pairs' counts
+  __shared__ int s_warp[kThreads / 32];
+  __shared__ size_t s_row[kChunk];           // source row index in x / the send region
+  __shared__ uint8_t* s_dst[kChunk];         // the row's slot on the peer
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, warps = blockDim.x / 32;
+  const int R = c.num_ranks, E = c.num_experts, L = E / R, P = E, H = c.hidden;
+  const size_t RT = static_cast<size_t>(R) * c.max_tokens;
+  const size_t row_bytes = static_cast<size_t>(H) * 2;
+  int* flags = reinterpret_cast<int*>(c.buffer + c.half_offset + lay.signal_off) + E;  // [E]
+  const uint8_t* send = c.buffer + c.half_offset + lay.send_off;
+  uint8_t* recv = c.buffer + c.half_offset + lay.recv_off;
+
+  // Block-wide exclusive scan of the counts (each thread sums `per` consecutive pairs).
+  const int per = (P + blockDim.x - 1) / blockDim.x;
+  int mine = 0;
+  for (int q = 0; q < per; ++q) {
+    const int p = tid * per + q;
+    if (p < P) mine += static_cast<int>(a.layout_range[p] & 0xFFFFFFFF);
+  }
+  int incl = mine;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const int v = __shfl_up_sync(0xffffffffu, incl, off);
+    if (lane >= off) incl += v;
+  }
+  if (lane == 31) s_warp[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    int w = lane < warps ? s_warp[lane] : 0;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, w, off);
+      if (lane >= off) w += v;
+    }
+    if (lane < warps) s_warp[lane] = w;  // inclusive over warps
+  }
+  __syncthreads();
+  int run = incl - mine + (warp > 0 ? s_warp[warp - 1] : 0);
+  for (int q = 0; q < per; ++q) {
+    const int p = tid * per + q;
+    if (p < P) {
+      s_prefix[p] = run;
+      run += static_cast<int>(a.layout_range[p] & 0xFFFFFFFF);
+    }
+  }
+  if (tid == 0) s_prefix[P] = s_warp[warps - 1];
+  __syncthreads();
+
+  const int total = s_prefix[P];
+  const int g_lo = static_cast<int>(static_cast<int64_t>(total) * blockIdx.x / gridDim.x);
+  const int g_hi = static_cast<int>(static_cast<int64_t>(total) * (blockIdx.x + 1) / gridDim.x);
+  for (int c0 = g_lo; c0 < g_hi; c0 += kChunk) {
+    const int n = min(kChunk, g_hi - c0);
+    if (tid < n) {
+      const int g = c0 + tid;
+      int lo = 0, hi = P;  // largest p with s_prefix[p] <= g (a pair with rows, as g < total)
+      while (hi - lo > 1) {
+        const int mid = (lo + hi) / 2;
+        if (s_prefix[mid] <= g) lo = mid; else hi = mid;
+      }
+      const int p = lo, l = p / R, s = p % R;
+      const int begin = static_cast<int>(a.layout_range[p] >> 32);
+      const size_t row = static_cast<size_t>(l) * RT + begin + (g - s_prefix[p]);
+      s_row[tid] = row;
+      uint8_t* base = peer_address(c, s, recv + static_cast<size_t>(c.rank * L + l) * c.max_tokens * row_bytes);
+      s_dst[tid] = base + static_cast<size_t>(__ldg(a.src_info + row)) * row_bytes;
+    }
+    __syncthreads();
+    const int V = H / 8, vecs = n * V;
+    for (int b = 0; b < vecs; b += kCopyUnroll * blockDim.x) {
+      int4 v[kCopyUnroll];
+#pragma unroll
+      for (int u = 0; u < kCopyUnroll; ++u) {
+        const int idx = b + u * blockDim.x + tid;
+        if (idx < vecs) {
+          const int i = idx / V, j = idx - i * V;
+          const uint8_t* src = (a.x != nullptr ? static_cast<const uint8_t*>(a.x) : send) + s_row[i] * row_bytes;
+          v[u] = ld_nc(src + 16 * j);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kCopyUnroll; ++u) {
+        const int idx = b + u * blockDim.x + tid;
+        if (idx < vecs) {
+          const int i = idx / V, j = idx - i * V;
+          st_v4(s_dst[i] + 16 * j, v[u]);
+        }
+      }
+    }
+    __syncthreads();  // the chunk's stores precede the fences below; s_row/s_dst are rewritten
+  }
+
+  for (int p = tid; p < P; p += blockDim.x) {
+    const int count = s_prefix[p + 1] - s_prefix[p];
+    if (count == 0) {
+      if (p % gridDim.x == blockIdx.x) signal_peer(c, flags + c.rank * L + p / R, 1, p % R);
+      continue;
+    }
+    const int rows = min(g_hi, s_prefix[p + 1]) - max(g_lo, s_prefix[p]);
+    if (rows > 0) combine_pair_done(c, flags, p, rows, count);
+  }
+}
+
 __device__ __forceinline__ void combine_send_phase(const Common& c, const CombineArgs& a,
                                                    const HalfLayout& lay, int parts) {
+  if (c.variant & kVariantCombineRows) {
+    // NVLink only (the backend clears the bit otherwise; checked again here, uniformly per block).
+    bool all_mapped = true;
+    for (int pe = 0; pe < c.num_ranks; ++pe) all_mapped = all_mapped && c.peer_bases[pe] != 0;
+    if (all_mapped) {
+      combine_send_rows(c, a, lay);
+      return;
+    }
+  }
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, warps = blockDim.x / 32;
   const int R = c.num_ranks, E = c.num_experts, L = E / R, H = c.hidden;
   const size_t RT = static_cast<size_t>(R) * c.max_tokens;
@@ -24,47 +197,39 @@ __device__ __forceinline__ void combine_send_phase(const Common& c, const Combin
   uint8_t* send = c.buffer + half + lay.send_off;  // [L][R*maxT][H] bf16 (zero-copy rows)
   const int units = L * R * parts;
 
+  bool put = false;
   for (int u = blockIdx.x; u < units; u += gridDim.x) {
     const int pair = u % (L * R), part = u / (L * R);
     const int l = pair / R, s = pair % R;
     const int64_t range = a.layout_range[l * R + s];
     const int begin = static_cast<int>(range >> 32), count = static_cast<int>(range & 0xFFFFFFFF);
+    const int lo = static_cast<int>(static_cast<int64_t>(count) * part / parts);
+    const int hi = static_cast<int>(static_cast<int64_t>(count) * (part + 1) / parts);
     uint8_t* dst_base = c.buffer + half + lay.recv_off +
                         static_cast<size_t>(c.rank * L + l) * c.max_tokens * row_bytes;
     uint8_t* remote_base = peer_address(c, s, dst_base);
-    bool put = false;
-    for (int i = part * warps + warp; i < count; i += parts * warps) {
+    if (remote_base != nullptr) {
+      copy_pair_rows(c, a, send, remote_base, static_cast<size_t>(l) * RT + begin + lo, hi - lo);
+      continue;
+    }
+    for (int i = lo + warp; i < hi; i += warps) {
       const size_t row = static_cast<size_t>(l) * RT + begin + i;
       const int token = a.src_info[row];
       const uint8_t* src = a.x != nullptr ? static_cast<const uint8_t*>(a.x) + row * row_bytes
                                           : send + row * row_bytes;
-      if (remote_base != nullptr) {
-        uint8_t* dst = remote_base + static_cast<size_t>(token) * row_bytes;
-        for (int j = lane; j < H / 8; j += 32)
-          st_v4(dst + 16 * j, ld_nc(src + 16 * j));
-      } else {
-        // nvshmem puts read from the symmetric send region (stage the row there first).
-        uint8_t* staged = send + row * row_bytes;
-        if (src != staged)
-          for (int j = lane; j < H / 8; j += 32) st_v4(staged + 16 * j, ld_nc(src + 16 * j));
-        __syncwarp();
-        nvshmemx_putmem_nbi_warp(dst_base + static_cast<size_t>(token) * row_bytes, staged,
-                                 row_bytes, s);
-        put = true;
-      }
-    }
-    if (put) nvshmem_quiet();
-    __syncthreads();
-    if (tid == 0) {
-      __threadfence_system();  // release this unit's stores at system scope
-      int* finished = c.workspace + kWsCombineFinished + pair;
-      if (atomicAdd(finished, 1) == parts - 1) {
-        __threadfence_system();  // acquire the other parts' stores
-        *finished = 0;
-        signal_peer(c, flags + c.rank * L + l, 1, s);
-      }
+      // nvshmem puts read from the symmetric send region (stage the row there first).
+      uint8_t* staged = send + row * row_bytes;
+      if (src != staged)
+        for (int j = lane; j < H / 8; j += 32) st_v4(staged + 16 * j, ld_nc(src + 16 * j));
+      __syncwarp();
+      nvshmemx_putmem_nbi_warp(dst_base + static_cast<size_t>(token) * row_bytes, staged, row_bytes, s);
+      put = true;
     }
   }
+  if (put) nvshmem_quiet();
+  __syncthreads();  // every store of the block's units precedes the fences in combine_pair_done
+  for (int u = blockIdx.x + tid * gridDim.x; u < units; u += blockDim.x * gridDim.x)
+    combine_pair_done(c, flags, u % (L * R), 1, parts);
 }
 
 }  // namespace moe_dispatcher::low_latency

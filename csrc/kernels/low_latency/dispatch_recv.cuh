@@ -1,7 +1,8 @@
 // Dispatch, receive phase: wait for the counts, then unpack the messages of each
 // (local expert l, source rank s) into recv_x[l] rows [begin, begin + count).
 //
-// Work units are (l, s, part): `parts` blocks share one pair's messages. begin = the counts of
+// Work units are (l, s, part): `parts` blocks share one pair's messages (contiguous row ranges),
+// each spreading its rows over all of its threads. begin = the counts of
 // sources 0..s-1 for expert l, so a unit waits for the signals [l][0..s] (one lane each).
 // Signal words: written once per call by the source PE (signal_peer), read here with
 // ld_acquire_sys by every unit that needs them; the last block of the grid to finish polling
@@ -18,7 +19,7 @@ namespace moe_dispatcher::low_latency {
 __device__ __forceinline__ void dispatch_recv_phase(const Common& c, const DispatchArgs& a,
                                                     const HalfLayout& lay, int parts) {
   __shared__ int s_begin, s_count;
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, warps = blockDim.x / 32;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int R = c.num_ranks, E = c.num_experts, L = E / R, H = c.hidden;
   const size_t RT = static_cast<size_t>(R) * c.max_tokens;
   const size_t half = c.half_offset;
@@ -62,34 +63,61 @@ __device__ __forceinline__ void dispatch_recv_phase(const Common& c, const Dispa
     __syncthreads();
     const int begin = s_begin, count = s_count;
 
-    for (int i = part * warps + warp; i < count; i += parts * warps) {
-      const uint8_t* msg = c.buffer + half + lay.recv_off +
-                           ((static_cast<size_t>(l) * R + s) * c.max_tokens + i) * lay.msg_bytes;
-      const size_t row = static_cast<size_t>(l) * RT + begin + i;
-      if (lane == 0) a.src_info[row] = ld_cg_s32(msg);
-      if (a.fp8) {
-        const int4* src = reinterpret_cast<const int4*>(msg + 16);
-        int4* dst = reinterpret_cast<int4*>(static_cast<uint8_t*>(a.recv_x) + row * H);
-        for (int j = lane; j < H / 16; j += 32) st_v4(dst + j, ld_cg(src + j));
-        const float* scales = reinterpret_cast<const float*>(msg + 16 + H);
-        // Token-minor scales: element (l, row, g) lives at [l][g][row].
-        if (a.ue8m0) {
-          int* out = static_cast<int*>(a.recv_scales);
-          for (int j = lane; j < groups / 4; j += 32) {
-            uint32_t word = 0;
+    // This part's rows [lo, hi) of the pair, spread over the whole block: 16-byte vectors with
+    // kCopyUnroll loads in flight per thread before their stores (a row is 448 (FP8) or 896 (BF16)
+    // vectors at H=7168, so one warp per row would wait on ~14-28 dependent load latencies).
+    const int lo = static_cast<int>(static_cast<int64_t>(count) * part / parts);
+    const int hi = static_cast<int>(static_cast<int64_t>(count) * (part + 1) / parts);
+    const int n = hi - lo;
+    const uint8_t* msgs = c.buffer + half + lay.recv_off +
+                          ((static_cast<size_t>(l) * R + s) * c.max_tokens + lo) * lay.msg_bytes;
+    const size_t out_row0 = static_cast<size_t>(l) * RT + begin + lo;
+    const int row_vectors = a.fp8 ? H / 16 : H / 8;
+    const size_t out_row_bytes = a.fp8 ? static_cast<size_t>(H) : static_cast<size_t>(H) * 2;
+    uint8_t* out = static_cast<uint8_t*>(a.recv_x) + out_row0 * out_row_bytes;
+    const int total = n * row_vectors;
+    for (int base = 0; base < total; base += kCopyUnroll * blockDim.x) {
+      int4 v[kCopyUnroll];
 #pragma unroll
-            for (int b = 0; b < 4; ++b) word |= ue8m0_byte(ld_cg_f32(scales + 4 * j + b)) << (8 * b);
-            out[(static_cast<size_t>(l) * (groups / 4) + j) * RT + begin + i] = static_cast<int>(word);
-          }
-        } else {
-          float* out = static_cast<float*>(a.recv_scales);
-          for (int g = lane; g < groups; g += 32)
-            out[(static_cast<size_t>(l) * groups + g) * RT + begin + i] = ld_cg_f32(scales + g);
+      for (int u = 0; u < kCopyUnroll; ++u) {
+        const int idx = base + u * blockDim.x + tid;
+        if (idx < total) {
+          const int i = idx / row_vectors, j = idx - i * row_vectors;
+          v[u] = ld_cg(msgs + static_cast<size_t>(i) * lay.msg_bytes + 16 + 16 * j);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kCopyUnroll; ++u) {
+        const int idx = base + u * blockDim.x + tid;
+        if (idx < total) {
+          const int i = idx / row_vectors, j = idx - i * row_vectors;
+          st_v4(out + static_cast<size_t>(i) * out_row_bytes + 16 * j, v[u]);
+        }
+      }
+    }
+    for (int i = tid; i < n; i += blockDim.x)
+      a.src_info[out_row0 + i] = ld_cg_s32(msgs + static_cast<size_t>(i) * lay.msg_bytes);
+    if (a.fp8) {
+      // Token-minor scales: element (l, row, g) lives at [l][g][row]; consecutive threads take
+      // consecutive rows of one group (coalesced stores).
+      if (a.ue8m0) {
+        int* scales_out = static_cast<int*>(a.recv_scales);
+        const int words = groups / 4;
+        for (int idx = tid; idx < n * words; idx += blockDim.x) {
+          const int w = idx / n, i = idx - w * n;
+          const float* sc = reinterpret_cast<const float*>(msgs + static_cast<size_t>(i) * lay.msg_bytes + 16 + H);
+          uint32_t word = 0;
+#pragma unroll
+          for (int b = 0; b < 4; ++b) word |= ue8m0_byte(ld_cg_f32(sc + 4 * w + b)) << (8 * b);
+          scales_out[(static_cast<size_t>(l) * words + w) * RT + begin + lo + i] = static_cast<int>(word);
         }
       } else {
-        const int4* src = reinterpret_cast<const int4*>(msg + 16);
-        int4* dst = reinterpret_cast<int4*>(static_cast<uint8_t*>(a.recv_x) + row * 2 * H);
-        for (int j = lane; j < H / 8; j += 32) st_v4(dst + j, ld_cg(src + j));
+        float* scales_out = static_cast<float*>(a.recv_scales);
+        for (int idx = tid; idx < n * groups; idx += blockDim.x) {
+          const int g = idx / n, i = idx - g * n;
+          const float* sc = reinterpret_cast<const float*>(msgs + static_cast<size_t>(i) * lay.msg_bytes + 16 + H);
+          scales_out[(static_cast<size_t>(l) * groups + g) * RT + begin + lo + i] = ld_cg_f32(sc + g);
+        }
       }
     }
     __syncthreads();  // s_begin / s_count are rewritten by the next unit

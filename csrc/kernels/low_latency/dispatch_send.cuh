@@ -28,6 +28,32 @@ struct DispatchSendShared {
   long long dst_offset[kMaxTopk];  // byte offset of the slot inside the buffer (both halves)
 };
 
+// Up to kRowVectors 16-byte vectors of a bf16 row per thread (kMaxHidden / 8 / kThreads).
+constexpr int kRowVectors = (kMaxHidden / 8 + kThreads - 1) / kThreads;
+
+// Issue the loads of token t's bf16 row into registers (vector tid + j * blockDim.x in raw[j]), so
+// that their latency overlaps the counting that precedes the cast.
+__device__ __forceinline__ void load_row(const __nv_bfloat16* x, int t, int H, int4 (&raw)[kRowVectors]) {
+  const int4* row = reinterpret_cast<const int4*>(x + static_cast<size_t>(t) * H);
+  const int vectors = H / 8;
+#pragma unroll
+  for (int j = 0; j < kRowVectors; ++j) {
+    const int i = j * static_cast<int>(blockDim.x) + static_cast<int>(threadIdx.x);
+    raw[j] = i < vectors ? ld_nc(row + i) : make_int4(0, 0, 0, 0);
+  }
+}
+
+// Count the earlier selections (flattened index < limit) of each destination expert of the token in
+// flight into sh.slot[k] (the first k with that expert, as the reference's order needs).
+__device__ __forceinline__ void count_slot(DispatchSendShared& sh, int e, int K) {
+  for (int k = 0; k < K; ++k) {
+    if (sh.dst_expert[k] == e) {
+      atomicAdd(&sh.slot[k], 1);
+      break;
+    }
+  }
+}
+
 __device__ __forceinline__ void dispatch_send_phase(const Common& c, const DispatchArgs& a,
                                                     const HalfLayout& lay, uint8_t* smem_raw) {
   auto& sh = *reinterpret_cast<DispatchSendShared*>(smem_raw);
@@ -39,13 +65,27 @@ __device__ __forceinline__ void dispatch_send_phase(const Common& c, const Dispa
   int* finished = c.workspace + kWsDispatchFinished;
   int* signals = reinterpret_cast<int*>(c.buffer + half + lay.signal_off);  // [L][R]
   const size_t used = message_used_bytes(H, a.fp8);
+  const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(a.x);
 
-  // Every block counts this rank's selections per expert (T*K entries, shared-memory atomics).
+  // The block's first token: its row loads and its destinations go out before the counting pass,
+  // which also counts the slots of that token (one pass over topk_idx instead of two).
+  int4 raw[kRowVectors];
+  const int first = blockIdx.x;
+  if (first < T) load_row(x, first, H, raw);
   for (int e = tid; e < E; e += blockDim.x) sh.count[e] = 0;
+  if (tid < K) {
+    sh.dst_expert[tid] = first < T ? static_cast<int>(a.topk_idx[static_cast<size_t>(first) * K + tid]) : -1;
+    sh.slot[tid] = 0;
+  }
   __syncthreads();
+  // Every block counts this rank's selections per expert (T*K entries, shared-memory atomics).
+  const int first_limit = first < T ? first * K : 0;
   for (int i = tid; i < T * K; i += blockDim.x) {
     const int64_t e = a.topk_idx[i];
-    if (e >= 0) atomicAdd(&sh.count[e], 1);
+    if (e >= 0) {
+      atomicAdd(&sh.count[e], 1);
+      if (i < first_limit) count_slot(sh, static_cast<int>(e), K);
+    }
   }
   __syncthreads();
 
@@ -54,26 +94,21 @@ __device__ __forceinline__ void dispatch_send_phase(const Common& c, const Dispa
     if (sh.count[e] == 0) signal_peer(c, signals + (e % L) * R + c.rank, 1, e / L);
   }
 
-  const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(a.x);
-  for (int t = blockIdx.x; t < T; t += gridDim.x) {
-    // Slot of each selection: how many earlier tokens of this rank chose the same expert, so rows
-    // of one source arrive in token order (the reference's order). One shared counter per slot k.
-    if (tid < K) {
-      sh.dst_expert[tid] = static_cast<int>(a.topk_idx[static_cast<size_t>(t) * K + tid]);
-      sh.slot[tid] = 0;
-    }
-    __syncthreads();
-    for (int i = tid; i < t * K; i += blockDim.x) {
-      const int e = static_cast<int>(a.topk_idx[i]);
-      if (e < 0) continue;
-      for (int k = 0; k < K; ++k) {
-        if (sh.dst_expert[k] == e) {
-          atomicAdd(&sh.slot[k], 1);
-          break;
-        }
+  for (int t = first; t < T; t += gridDim.x) {
+    if (t != first) {
+      // Later tokens of this block (T > grid): row loads first, then the slot pass of this token.
+      load_row(x, t, H, raw);
+      if (tid < K) {
+        sh.dst_expert[tid] = static_cast<int>(a.topk_idx[static_cast<size_t>(t) * K + tid]);
+        sh.slot[tid] = 0;
       }
+      __syncthreads();
+      for (int i = tid; i < t * K; i += blockDim.x) {
+        const int e = static_cast<int>(a.topk_idx[i]);
+        if (e >= 0) count_slot(sh, e, K);
+      }
+      __syncthreads();
     }
-    __syncthreads();
     if (tid < K) {
       const int e = sh.dst_expert[tid];
       if (e >= 0) {
@@ -83,22 +118,26 @@ __device__ __forceinline__ void dispatch_send_phase(const Common& c, const Dispa
     }
     // The message in shared memory: header (source token), then the payload.
     if (tid == 0) reinterpret_cast<int4*>(msg)[0] = make_int4(t, 0, 0, 0);
-    const int4* row = reinterpret_cast<const int4*>(x + static_cast<size_t>(t) * H);
     const int vectors = H / 8;  // 16-byte vectors of the bf16 row
     if (a.fp8) {
       float* scales = reinterpret_cast<float*>(msg + 16 + H);
       // H/8 is a multiple of 16 and blockDim of 32: half-warps are uniformly in or out of range.
-      for (int base = 0; base < vectors; base += blockDim.x) {
-        const int i = base + tid;
-        const int4 raw = i < vectors ? ld_nc(row + i) : make_int4(0, 0, 0, 0);
-        const Fp8Group g = cast_group_fp8(raw, a.round_scale);
+#pragma unroll
+      for (int j = 0; j < kRowVectors; ++j) {
+        const int i = j * blockDim.x + tid;
+        if (j * static_cast<int>(blockDim.x) >= vectors) break;  // uniform over the block
+        const Fp8Group g = cast_group_fp8(raw[j], a.round_scale);
         if (i < vectors) {
           reinterpret_cast<uint2*>(msg + 16)[i] = g.q;
           if (lane % 16 == 0) scales[i / 16] = g.scale;
         }
       }
     } else {
-      for (int i = tid; i < vectors; i += blockDim.x) reinterpret_cast<int4*>(msg + 16)[i] = ld_nc(row + i);
+#pragma unroll
+      for (int j = 0; j < kRowVectors; ++j) {
+        const int i = j * blockDim.x + tid;
+        if (i < vectors) reinterpret_cast<int4*>(msg + 16)[i] = raw[j];
+      }
     }
     __syncthreads();
 

@@ -23,6 +23,14 @@ constexpr int kThreads = 512;       // threads per block of every low-latency ke
 constexpr int kPhaseSend = 1;
 constexpr int kPhaseRecv = 2;
 
+// Kernel variants (bits of Common::variant; MOE_DISPATCHER_LL_VARIANT, read when the backend is
+// created). Every variant produces the same bytes; they differ in how work is spread.
+//   kVariantCombineRows: the combine send spreads the received rows evenly over the whole grid
+//   (per-pair row counters) instead of one (local expert, source) pair per block. NVLink only: the
+//   backend clears it when some peer has no NVLink mapping.
+constexpr int kVariantCombineRows = 1;
+constexpr int kVariantMask = kVariantCombineRows;
+
 // Byte layout of ONE half of the symmetric buffer for a given (max_tokens, hidden, ranks, experts).
 // The halves sit at 0 and half_bytes. Inside a half:
 //   [send_off, +send_bytes)   send region: the zero-copy combine rows [L][R*maxT][H] bf16, or the
@@ -78,6 +86,7 @@ struct Common {
   size_t half_offset;          // byte offset of the half this call uses (0 or half_bytes)
   int rank, num_ranks, num_experts, max_tokens, hidden;
   int num_blocks;              // grid size (<= SMs: the fused kernels need co-resident blocks)
+  int variant;                 // kVariant* bits
   uint64_t timeout_ns;         // a wait longer than this traps with a message
 };
 
