@@ -10,7 +10,7 @@
 set -u
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_REMOTE_TRANSPORT=none
 export PYTHONUNBUFFERED=1 MOE_TEST_TIMEOUT=${MOE_TEST_TIMEOUT:-120} MOE_DISPATCHER_TIMEOUT_S=${MOE_DISPATCHER_TIMEOUT_S:-10}
-OUT=${OUT:-./gpu-out}
+export OUT=${OUT:-./gpu-out}
 mkdir -p "$OUT/ll_logs"
 VARIANTS=${VARIANTS:-"0 1"}
 DEADLINE_S=${DEADLINE_S:-235}
@@ -18,7 +18,7 @@ GPUS=$(nvidia-smi -L | wc -l)
 start=$(date +%s)
 summary="$OUT/ll_summary.txt"
 : > "$summary"
-variant_list=$(echo $VARIANTS | tr ' ' ',')
+export variant_list=$(echo $VARIANTS | tr ' ' ',')
 first_variant=${VARIANTS%% *}
 
 # Wheels the image lacks (nvshmem4py), as gpu_suite.sh installs them.
@@ -36,7 +36,8 @@ step() {
   (( budget < 20 )) && { echo "SKIP $name (deadline)" | tee -a "$summary"; return; }
   (( limit > budget )) && limit=$budget
   local t0; t0=$(date +%s)
-  timeout -k 5 "$limit" "$@" > "$OUT/ll_logs/$name.log" 2>&1
+  # tests/bench are shell functions: run them in a child bash that has their definitions.
+  timeout -k 5 "$limit" bash -c "$(declare -f tests bench); \"\$@\"" _ "$@" > "$OUT/ll_logs/$name.log" 2>&1
   local rc=$?
   echo "$( ((rc == 0)) && echo PASS || echo "FAIL rc=$rc") $name ($(( $(date +%s) - t0 )) s)" | tee -a "$summary"
   grep -E "^\[low-latency\]|passed|failed|error|low-latency [0-9]+ GPUs" "$OUT/ll_logs/$name.log" | tail -n 40 \
