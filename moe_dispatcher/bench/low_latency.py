@@ -187,7 +187,7 @@ def one(ctx: Context, buffer: Buffer, num_experts: int, variant: Optional[int] =
         base = None
         if ngraph is None and nccl:
             ctx.note(f"NCCL all_to_all_single {op} not CUDA-graph capturable: {nwhy}")
-        else:
+        elif ngraph is not None:
             base = [x / nper for x in time_graph_replays(ngraph, o.iters, o.warmup, dev, g)]
             del ngraph
         if mine is not None:
