@@ -92,6 +92,7 @@ class Buffer:
         self._token = next(_tokens)
         self._destroyed = False
         self._comm_stream: Optional[torch.cuda.Stream] = None
+        self._events: Optional[Tuple[torch.cuda.Event, torch.cuda.Event]] = None
         self._local_buffers: dict = {}
         nvl = self.topology.nvl_size
         self._reference_normal = ReferenceNormal(self.group, self.rank, self.group_size, nvl, self._token)
@@ -220,35 +221,56 @@ class Buffer:
 
         The work goes on the comm stream, which first waits for `previous_event` (or the current stream).
         async_finish: return an event the caller waits on; otherwise the current stream waits now.
-        Tensors crossing streams are recorded on the stream that uses them so the caching allocator does not
-        hand their memory out early.
+        Memory safety across the two streams (the caching allocator reuses a block as soon as its owner
+        stream's queued work allows):
+        - outputs are allocated while the comm stream is current, so they are recorded on the current
+          (compute) stream, which uses them next, unless allocate_on_comm_stream asks for comm ownership;
+        - inputs (`keep`) are recorded on the comm stream only with async_finish: without it the compute
+          stream waits for the comm stream before anything it queues later (a free included) can run.
+        This is the hot path of every call (tools/host_profile.py): cheap stream lookups, one reused event
+        when the call is synchronous.
         """
         if device.type != "cuda":
             return run(), EventOverlap()
         if allocate_on_comm_stream and previous_event is None:
             raise ValueError("allocate_on_comm_stream=True needs previous_event (the comm stream must wait for "
                              "the work that produced the inputs)")
-        compute, comm = torch.cuda.current_stream(), self.get_comm_stream()
+        compute = torch.cuda.current_stream(device.index if device.index is not None else None)
+        comm = self._comm_stream if self._comm_stream is not None else self.get_comm_stream()
         if previous_event is not None and previous_event.event is not None:
             comm.wait_event(previous_event.event)
         else:
-            comm.wait_stream(compute)
-        with torch.cuda.stream(comm):
+            self._sync_event(0).record(compute)
+            comm.wait_event(self._sync_event(0))
+        torch.cuda.set_stream(comm)
+        try:
             results = run()
+        finally:
+            torch.cuda.set_stream(compute)
         tensors = [t for t in _flatten(results) if isinstance(t, Tensor)]
-        for t in keep:
-            if isinstance(t, Tensor) and t.is_cuda:
-                t.record_stream(comm)
         if not allocate_on_comm_stream:
             for t in tensors:
                 if t.is_cuda:
                     t.record_stream(compute)
-        event = torch.cuda.Event()
-        event.record(comm)
         if async_finish:
+            for t in keep:
+                if isinstance(t, Tensor) and t.is_cuda:
+                    t.record_stream(comm)
+            event = torch.cuda.Event()
+            event.record(comm)
             return results, EventOverlap(event, extra_tensors=list(keep) + tensors)
-        compute.wait_event(event)
+        done = self._sync_event(1)
+        done.record(comm)
+        compute.wait_event(done)
         return results, EventOverlap()
+
+    def _sync_event(self, i: int) -> torch.cuda.Event:
+        """Reusable events of synchronous calls (0: compute -> comm, 1: comm -> compute). Re-recording an
+        event is safe: a wait captures the event's state at the moment it is enqueued."""
+        events = self._events
+        if events is None:
+            events = self._events = (torch.cuda.Event(), torch.cuda.Event())
+        return events[i]
 
     # ------------------------------------------------------------------ backend choice
     def _normal_backend(self, device: torch.device):

@@ -1,6 +1,7 @@
 """Kernel launch configuration (DeepEP V1-compatible `Config`) and the tuned tables per rank count."""
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -144,11 +145,13 @@ def _tuned(table: dict, num_ranks: int, num_sms: int) -> Config:
     return Config(num_sms, send, recv, 6, 256)
 
 
+@functools.lru_cache(maxsize=64)  # Config is frozen: one shared object per (ranks, SMs); called on every launch
 def get_dispatch_config(num_ranks: int, num_sms: int = 20) -> Config:
     """Tuned normal-mode dispatch config for `num_ranks` GPUs."""
     return _tuned(_DISPATCH_TABLE, num_ranks, num_sms)
 
 
+@functools.lru_cache(maxsize=64)
 def get_combine_config(num_ranks: int, num_sms: int = 20) -> Config:
     """Tuned normal-mode combine config for `num_ranks` GPUs."""
     return _tuned(_COMBINE_TABLE, num_ranks, num_sms)

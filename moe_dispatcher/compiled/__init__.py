@@ -17,6 +17,19 @@ import torch.distributed as dist
 
 from .. import _ext
 
+# The raw cudaStream_t of the current stream, cheaply: torch.cuda.current_stream() resolves the device through
+# several Python layers (it was a third of a cached dispatch's host time). CUDA builds of torch expose the
+# direct lookups that torch's own generated code uses; CPU builds (never launching) fall back.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_get_device = getattr(torch._C, "_cuda_getDevice", None)
+
+
+def current_stream_ptr() -> int:
+    """The current CUDA stream of the current device, as the integer the bindings take."""
+    if _raw_stream is not None and _get_device is not None:
+        return _raw_stream(_get_device())
+    return torch.cuda.current_stream().cuda_stream
+
 
 def _extension_with(buffer, submodule: str, what: str) -> Tuple[Optional[object], str]:
     """(the `_C` module, "") when `buffer` is on GPUs and `_C` has `submodule`; else (None, why not)."""

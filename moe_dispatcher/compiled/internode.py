@@ -23,6 +23,7 @@ from .. import _ext
 from .. import config as _cfg
 from ..config import Config
 from ..handle import DispatchHandle
+from . import current_stream_ptr
 from .intranode import (DEFAULT_TIMEOUT_S, TIMEOUT_ENV, _COMBINE_DTYPES, _DeviceMemory, combine_slot_bytes)
 
 
@@ -120,7 +121,7 @@ class InternodeBackend:
 
     @staticmethod
     def _stream() -> int:
-        return torch.cuda.current_stream().cuda_stream
+        return current_stream_ptr()
 
     @staticmethod
     def _ptr(t: Optional[torch.Tensor]) -> int:

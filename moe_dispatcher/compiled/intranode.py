@@ -26,6 +26,7 @@ from .. import _ext
 from ..config import Config
 from ..expert_major import ExpertMajorHandle, compose_expert_major_dispatch, gather_rows, unpermute
 from ..handle import DispatchHandle
+from . import current_stream_ptr
 
 TIMEOUT_ENV = "MOE_DISPATCHER_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 10.0
@@ -120,7 +121,7 @@ class IntranodeBackend:
 
     @staticmethod
     def _stream() -> int:
-        return torch.cuda.current_stream().cuda_stream
+        return current_stream_ptr()
 
     def _config(self, config: Optional[Config], combine: bool) -> Tuple[int, int, int]:
         if config is None:
