@@ -6,8 +6,9 @@
 //              local-rank masks are fwd_mask), 32 x fwd_windows at a time: waits until every local
 //              rank's FIFO holds the rows of the batch, sums each token's rows over local ranks
 //              ascending in float32, rounds to the row dtype (the partial that travels) and writes it
-//              into ring (c, my domain) of the source (x, my local index): put with signal over
-//              NVSHMEM, or directly into my own ring for my domain.
+//              into ring (c, my domain) of the source (x, my local index): each warp puts the run of
+//              partials it reduced (put + quiet), then one tail signal per batch; for my own domain
+//              directly into my own ring.
 //   block 3c+2 source receiver: for its channel's tokens, 32 x recv_windows at a time, waits for the
 //              partial of each domain the token went to and writes
 //              out = cast(bias0 + bias1 + sum over domains ascending of partial), float32, and the

@@ -86,6 +86,9 @@ __device__ __forceinline__ void rdma_signal_tail(const Common& c, int x, int ch,
   if (x == c.domain) {
     ptx::st_release_sys(word, tail);
   } else {
+    // Over P2P a SET signal is a plain (relaxed) store: this fence makes it a release, cumulative over
+    // every warp's stores ordered before it by the group barrier (other transports: the quiets).
+    __threadfence_system();
     nvshmemx_signal_op(word, tail, NVSHMEM_SIGNAL_SET, team_pe(c, x));
   }
 }
@@ -97,6 +100,7 @@ __device__ __forceinline__ void rdma_credit(const Common& c, int x, int ch, uint
   if (x == c.domain) {
     ptx::st_release_sys(word, head);
   } else {
+    __threadfence_system();  // the slot loads (ordered by the barrier) before the relaxed SET over P2P
     nvshmemx_signal_op(word, head, NVSHMEM_SIGNAL_SET, team_pe(c, x));
   }
 }
