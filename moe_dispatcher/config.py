@@ -137,12 +137,18 @@ _DISPATCH_TABLE = {2: (32, 256), 4: (12, 256), 8: (6, 256)}
 _COMBINE_TABLE = {2: (32, 256), 4: (16, 256), 8: (4, 256)}
 
 
+# Internode RDMA hop: rows per send step and ring slots. Every warp of a sender group puts the rows it staged
+# and completes them (quiet) before one tail signal per step, so larger steps amortise that fixed cost; 32 is
+# the kernels' largest step (MAX_CHUNK).
+_RDMA_CHUNK, _RDMA_SLOTS = 32, 256
+
+
 def _tuned(table: dict, num_ranks: int, num_sms: int) -> Config:
     if num_ranks <= 0:
         raise ValueError(f"num_ranks must be positive, got {num_ranks}")
     key = min((k for k in table if k >= num_ranks), default=max(table))
     send, recv = table[key]
-    return Config(num_sms, send, recv, 6, 256)
+    return Config(num_sms, send, recv, _RDMA_CHUNK, _RDMA_SLOTS)
 
 
 @functools.lru_cache(maxsize=64)  # Config is frozen: one shared object per (ranks, SMs); called on every launch

@@ -6,8 +6,9 @@
 //              local-rank masks are fwd_mask), 32 x fwd_windows at a time: waits until every local
 //              rank's FIFO holds the rows of the batch, sums each token's rows over local ranks
 //              ascending in float32, rounds to the row dtype (the partial that travels) and writes it
-//              into ring (c, my domain) of the source (x, my local index): put with signal over
-//              NVSHMEM, or directly into my own ring for my domain.
+//              into ring (c, my domain) of the source (x, my local index): each warp puts the run of
+//              partials it reduced (put + quiet), then one tail signal per batch; for my own domain
+//              directly into my own ring.
 //   block 3c+2 source receiver: for its channel's tokens, 32 x recv_windows at a time, waits for the
 //              partial of each domain the token went to and writes
 //              out = cast(bias0 + bias1 + sum over domains ascending of partial), float32, and the
@@ -106,16 +107,6 @@ __device__ void nvl_send(const CombineArgs& a, int ch, int l, int group_warp, in
                    *reinterpret_cast<volatile uint64_t*>(&nctl->tail_copy[ch][l])};
   const int bar = 1 + l, threads = warps * 32;
   const bool leader = group_warp == 0 && lane == 0;
-  if (leader) {
-    int ok = 1;
-    for (int cc = 0; cc < kMaxChannels && ok; ++cc) {
-      const uint64_t sent = *reinterpret_cast<const volatile uint64_t*>(&nctl->tail_copy[cc][l]);
-      ok = wait_at_least(&nctl->fifo_head[cc][l], sent, dog, kPhaseNvlDrain, c.domain * nvl + l);
-    }
-    *shared_ok = ok;
-  }
-  ptx::group_sync(bar, threads);
-  if (!*shared_ok) return;
   for (int x = 0; x < c.num_domains; ++x) {
     const int* off = a.recv_channel_offset + (x * nvl + l) * (C + 1);
     for (int row = off[ch], end = off[ch + 1]; row < end;) {
@@ -157,12 +148,12 @@ __device__ void forward(const CombineArgs& a, int ch, int warp, int lane, const 
   const uint8_t* ring0 = nvl_ring(c, c.nvl[c.local], 0, ch, a.nvl_slots, a.nvl_slot_bytes);
   __syncthreads();
 
+  const bool has_weights = a.num_topk > 0;  // the slot layout of every rank (not this rank's pointer)
+  bool any_remote = false;
   for (int x = 0; x < c.num_domains; ++x) {
     const int first = a.fwd_offset[x * (C + 1) + ch], count = a.fwd_offset[x * (C + 1) + ch + 1] - first;
     if (count == 0) continue;
-    if (threadIdx.x == 0) ok = rdma_drain_previous(c, x, dog);
-    __syncthreads();
-    if (!ok) return;
+    any_remote |= x != c.domain;
     uint64_t rtail = *reinterpret_cast<volatile uint64_t*>(&rctl->tail_copy[ch][x]);
     uint8_t* out_ring = rdma_write_ring(c, x, ch, a.rdma_slots, a.rdma_slot_bytes);
     for (int base = 0; base < count; base += 32 * W) {
@@ -195,7 +186,10 @@ __device__ void forward(const CombineArgs& a, int ch, int warp, int lane, const 
       }
       __syncthreads();  // the tails acquired by thread 0 cover every slot read below
       if (!ok) return;
-      for (int i = warp; i < n; i += kWarps) {
+      // Warp w reduces a contiguous run of the batch's tokens into the staging slots and puts the run.
+      const int per = (n + kWarps - 1) / kWarps;
+      const int lo = min(n, warp * per), hi = min(n, lo + per);
+      for (int i = lo; i < hi; ++i) {
         const int w = i >> 5;
         const unsigned below = (1u << (i & 31)) - 1u;
         int nsrc = 0;
@@ -209,25 +203,29 @@ __device__ void forward(const CombineArgs& a, int ch, int warp, int lane, const 
         }
         __syncwarp();
         uint8_t* dst = out_ring + static_cast<size_t>((rtail + i) % a.rdma_slots) * a.rdma_slot_bytes;
-        reduce_token<T>(dst, a.topk_weights != nullptr ? reinterpret_cast<float*>(dst + row_bytes) : nullptr,
-                        srcs[warp], nsrc, nullptr, nullptr, row_bytes, a.num_topk, lane);
+        reduce_token<T>(dst, has_weights ? reinterpret_cast<float*>(dst + row_bytes) : nullptr, srcs[warp], nsrc, nullptr,
+                        nullptr, row_bytes, a.num_topk, lane);
         __syncwarp();
       }
-      __syncthreads();  // every ring load and partial store of the batch precede the flags below
+      rdma_put_rows(c, x, ch, rtail + lo, hi - lo, a.rdma_slots, a.rdma_slot_bytes, lane);
+      __syncthreads();  // every ring load, partial store and completed put of the batch precede the flags
+      rtail += n;
       if (threadIdx.x == 0) {
         for (int j = 0; j < nvl; ++j) {
           if (batch_rows[j] == 0) continue;
           nhead[j] += batch_rows[j];
           ptx::st_release_sys(&nvl_ctl(c, j)->fifo_head[ch][c.local], nhead[j]);  // j may reuse these slots
         }
+        rdma_signal_tail(c, x, ch, rtail);
+        *reinterpret_cast<volatile uint64_t*>(&rctl->tail_copy[ch][x]) = rtail;
       }
-      if (warp == 0) rdma_publish(c, x, ch, rtail, n, a.rdma_slots, a.rdma_slot_bytes, lane);
-      rtail += n;
-      if (threadIdx.x == 0) *reinterpret_cast<volatile uint64_t*>(&rctl->tail_copy[ch][x]) = rtail;
-      __syncthreads();
+      // No third barrier: thread 0 updates nhead / batch_rows, which the other warps read only
+      // after the next batch's first barrier; warps < W rewrite window_mask, which thread 0 has
+      // finished reading (it is in warp 0, which writes the next masks after this block).
     }
-    if (warp == 0 && x != c.domain) nvshmem_quiet();
   }
+  if (threadIdx.x == 0 && any_remote) nvshmem_quiet();  // complete the tail signals
+  __syncthreads();  // thread 0's last nhead update before the copies below
   if (threadIdx.x < nvl) nctl->head_copy[ch][threadIdx.x] = nhead[threadIdx.x];
 }
 
@@ -317,6 +315,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int row_bytes = a.hidden * static_cast<int>(sizeof(T));
   const Watchdog dog = make_watchdog(c.timeout_ns, c.rank, &nvl_ctl(c, c.local)->timeout_claim, &c.mailbox->timeout);
+  if (!drain_previous_calls(c, dog)) return;  // earlier calls drained; no ring written before this
   if (role == 1) {
     forward<T>(a, ch, warp, lane, dog, row_bytes);
   } else if (role == 2) {

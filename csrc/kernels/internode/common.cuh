@@ -6,10 +6,10 @@
 // Counters are monotonic u64 and never reset, as for the NVLink FIFOs (channel.cuh).
 //
 // Across domains only public NVSHMEM calls are used:
-//   data:   nvshmemx_putmem_nbi_warp from the sender's symmetric staging slots (same slot index as
-//           the destination), then nvshmem_fence and nvshmemx_putmem_signal_nbi_warp for the last
-//           segment, which sets the tail: NVSHMEM delivers the signal after the data of that put,
-//           and the fence orders the earlier segment before it.
+//   data:   every warp that staged rows puts them itself (nvshmemx_putmem_nbi_warp from the
+//           symmetric staging slots, same slot index as the destination) and completes them
+//           (nvshmem_quiet); after a group barrier one thread publishes the tail with
+//           nvshmemx_signal_op(tail, value, NVSHMEM_SIGNAL_SET, pe).
 //   credit: nvshmemx_signal_op(head, value, NVSHMEM_SIGNAL_SET, pe), issued after a CTA barrier that
 //           follows every load of the consumed slots.
 //   polling: the waiting side reads its own word with ld.acquire.sys (never a peer's memory).
@@ -53,35 +53,43 @@ __device__ __forceinline__ uint8_t* nvl_ring(const Common& c, uint8_t* base, int
   return base + c.layout.nvl_rings_offset + src * c.layout.nvl_src_block_bytes + static_cast<size_t>(ch) * slots * slot_bytes;
 }
 
-// One warp: publish rows [first, first + n) of ring (ch, my domain) at domain x (n <= slots).
-// Precondition: the rows are in this rank's write ring (rdma_write_ring) and every thread that
-// wrote them passed a CTA barrier with this warp. Sets x's tail[ch][my domain] to first + n.
-__device__ __forceinline__ void rdma_publish(const Common& c, int x, int ch, uint64_t first, int n, int slots,
-                                             int slot_bytes, int lane) {
-  RdmaControl* ctl = rdma_ctl(c);
-  uint64_t* tail_word = &ctl->tail[ch][c.domain];  // symmetric address of x's word
-  const uint64_t new_tail = first + n;
-  if (x == c.domain) {
-    if (lane == 0) ptx::st_release_sys(tail_word, new_tail);
-    __syncwarp();
-    return;
-  }
+// One warp: copy rows [first, first + n) of my staging ring for domain x into the same slots of x's
+// ring (c, my domain), split where the ring wraps, and complete them (nvshmem_quiet). Every warp of a
+// group puts the rows it staged itself, right after staging them, so all warps move data over the link
+// at once; the tail is published afterwards by rdma_signal_tail. Precondition: this warp staged the
+// rows (plain stores), and n <= slots. Nothing to do for my own domain (rows are written in place).
+__device__ __forceinline__ void rdma_put_rows(const Common& c, int x, int ch, uint64_t first, int n, int slots,
+                                              int slot_bytes, int lane) {
+  if (x == c.domain || n <= 0) return;
+  __syncwarp();  // the lanes' staging stores before the warp-wide copy reads them
   const int pe = team_pe(c, x);
   uint8_t* src = rdma_send_ring(c, x, ch, slots, slot_bytes);
   uint8_t* dst = rdma_recv_ring(c, c.domain, ch, slots, slot_bytes);  // same offsets in x's buffer
   const int begin = static_cast<int>(first % slots);
   const int n1 = min(n, slots - begin), n2 = n - n1;
-  if (lane == 0) __threadfence_system();  // the CTA's staging stores, before the NIC/peer reads them
+  nvshmemx_putmem_nbi_warp(dst + static_cast<size_t>(begin) * slot_bytes, src + static_cast<size_t>(begin) * slot_bytes,
+                           static_cast<size_t>(n1) * slot_bytes, pe);
+  if (n2 > 0) nvshmemx_putmem_nbi_warp(dst, src, static_cast<size_t>(n2) * slot_bytes, pe);
   __syncwarp();
-  if (n2 > 0) {
-    nvshmemx_putmem_nbi_warp(dst + static_cast<size_t>(begin) * slot_bytes, src + static_cast<size_t>(begin) * slot_bytes,
-                             static_cast<size_t>(n1) * slot_bytes, pe);
-    nvshmem_fence();
-    nvshmemx_putmem_signal_nbi_warp(dst, src, static_cast<size_t>(n2) * slot_bytes, tail_word, new_tail,
-                                    NVSHMEM_SIGNAL_SET, pe);
+  // Completion (delivery at x) of this warp's puts, whatever the transport: after it and the group
+  // barrier that follows, the tail may be published by any thread of the group.
+  if (lane == 0) nvshmem_quiet();
+  __syncwarp();
+}
+
+// One thread: publish the tail of ring (ch, my domain) at domain x: x's tail[ch][my domain] = tail.
+// Precondition: a group barrier after every warp's rdma_put_rows (remote) or slot stores (my domain).
+// Remote: a signal SET after the puts were completed (quiet), so x sees the rows once it sees the
+// tail. My domain: st.release.sys, which with the barrier publishes every thread's slot stores.
+__device__ __forceinline__ void rdma_signal_tail(const Common& c, int x, int ch, uint64_t tail) {
+  uint64_t* word = &rdma_ctl(c)->tail[ch][c.domain];  // symmetric address of x's word
+  if (x == c.domain) {
+    ptx::st_release_sys(word, tail);
   } else {
-    nvshmemx_putmem_signal_nbi_warp(dst + static_cast<size_t>(begin) * slot_bytes, src + static_cast<size_t>(begin) * slot_bytes,
-                                    static_cast<size_t>(n1) * slot_bytes, tail_word, new_tail, NVSHMEM_SIGNAL_SET, pe);
+    // Over P2P a SET signal is a plain (relaxed) store: this fence makes it a release, cumulative over
+    // every warp's stores ordered before it by the group barrier (other transports: the quiets).
+    __threadfence_system();
+    nvshmemx_signal_op(word, tail, NVSHMEM_SIGNAL_SET, team_pe(c, x));
   }
 }
 
@@ -92,6 +100,7 @@ __device__ __forceinline__ void rdma_credit(const Common& c, int x, int ch, uint
   if (x == c.domain) {
     ptx::st_release_sys(word, head);
   } else {
+    __threadfence_system();  // the slot loads (ordered by the barrier) before the relaxed SET over P2P
     nvshmemx_signal_op(word, head, NVSHMEM_SIGNAL_SET, team_pe(c, x));
   }
 }
@@ -105,15 +114,58 @@ __device__ __forceinline__ bool wait_at_least(const uint64_t* word, uint64_t unt
   return true;
 }
 
-// One thread, before the first row this call sends to domain x over RDMA: every ring (any channel)
-// to x must have been drained of what earlier calls sent (the layout may change between calls).
-__device__ __forceinline__ bool rdma_drain_previous(const Common& c, int x, const Watchdog& dog) {
-  RdmaControl* ctl = rdma_ctl(c);
-  for (int ch = 0; ch < kMaxChannels; ++ch) {
-    const uint64_t sent = *reinterpret_cast<const volatile uint64_t*>(&ctl->tail_copy[ch][x]);
-    if (!wait_at_least(&ctl->head[ch][x], sent, dog, kPhaseRdmaDrain, team_pe(c, x))) return false;
+// Every block of a dispatch / combine kernel, first thing: the previous calls' drain, then a grid
+// barrier. Returns false (in every thread) when some wait of this rank timed out (now or in an
+// earlier call: the claim word is sticky), and the kernel must exit.
+//
+// Why: the rings' geometry (channel count, slot size) may differ from the previous call's, so before
+// this rank writes any ring it produces into (RDMA rings to every domain x, NVLink FIFOs to every
+// local rank j, any channel) the consumer must have consumed everything earlier calls put there:
+// head >= tail_copy for all of them. The tail_copy words must be read BEFORE any block of this call
+// advances them: waiting for rows of the current call would wait for consumers that may themselves
+// wait (through another rank's blocks) for this block, a cycle across ranks that deadlocks (a
+// combine receiver needs every domain's partial of a batch, a combine forwarder every local rank's
+// rows). Hence every block checks a share of the (channel, peer) pairs and no block sends before
+// the grid barrier, i.e. before all checks are done. All blocks are co-resident (required anyway).
+__device__ __forceinline__ void grid_sync(RdmaControl* ctl, const Watchdog& dog, int rank) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    volatile uint32_t* gen = &ctl->grid_gen;
+    const uint32_t g = *gen;  // read before arriving: it cannot change until every block arrived
+    __threadfence();
+    if (atomicAdd(&ctl->grid_arrived, 1u) == gridDim.x - 1) {
+      atomicExch(&ctl->grid_arrived, 0u);  // before the bump: nobody arrives again before it
+      __threadfence();
+      atomicAdd(&ctl->grid_gen, 1u);
+    } else {
+      while (*gen == g) {
+        if (dog.expired(kPhaseRdmaDrain, rank)) break;
+      }
+    }
+    __threadfence();
   }
-  return true;
+  __syncthreads();
+}
+
+__device__ __forceinline__ bool drain_previous_calls(const Common& c, const Watchdog& dog) {
+  RdmaControl* ctl = rdma_ctl(c);
+  intranode::Control* nctl = nvl_ctl(c, c.local);
+  const int D = c.num_domains, nvl = c.nvl_size;
+  const int rdma_pairs = kMaxChannels * D, total = rdma_pairs + kMaxChannels * nvl;
+  bool ok = true;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; ok && i < total; i += gridDim.x * blockDim.x) {
+    if (i < rdma_pairs) {
+      const int ch = i / D, x = i % D;
+      const uint64_t sent = *reinterpret_cast<const volatile uint64_t*>(&ctl->tail_copy[ch][x]);
+      ok = wait_at_least(&ctl->head[ch][x], sent, dog, kPhaseRdmaDrain, team_pe(c, x));
+    } else {
+      const int k = i - rdma_pairs, ch = k / nvl, j = k % nvl;
+      const uint64_t sent = *reinterpret_cast<const volatile uint64_t*>(&nctl->tail_copy[ch][j]);
+      ok = wait_at_least(&nctl->fifo_head[ch][j], sent, dog, kPhaseNvlDrain, c.domain * nvl + j);
+    }
+  }
+  grid_sync(ctl, dog, c.rank);
+  return *reinterpret_cast<const volatile int32_t*>(&nctl->timeout_claim) == 0;
 }
 
 // Tokens [begin, end) of channel ch when T tokens are split over C channels (as intranode).

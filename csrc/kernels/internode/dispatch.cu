@@ -12,6 +12,8 @@
 //   block 3c+2 NVLink receiver: warp group l drains FIFO (c, l -> me). Rows of one source rank
 //              s = (x, l) arrive in token order, so the k-th row tagged x goes to row
 //              recv_channel_offset[s][c] + k: the (source rank, token) order of the contract.
+// Start: every block takes part in drain_previous_calls (common.cuh): the rings this rank writes are
+// drained of earlier calls' rows, then a grid barrier, before any block writes a ring.
 // Progress: receivers depend on nothing, forwarders only on receivers (NVL credits) and senders
 // only on forwarders (RDMA credits), so no cycle; each wait has a timeout naming rank and peer.
 #include "kernels/intranode/copy.cuh"
@@ -52,9 +54,6 @@ __device__ void rdma_send(const DispatchArgs& a, int ch, int group, int groups, 
   bool any_remote = false;
 
   for (int x = group; x < c.num_domains; x += groups) {
-    if (leader) *shared_ok = rdma_drain_previous(c, x, dog);
-    ptx::group_sync(bar, threads);
-    if (!*shared_ok) return;
     any_remote |= x != c.domain;
     uint8_t* ring = rdma_write_ring(c, x, ch, a.rdma_slots, a.rdma_slot_bytes);
     const uint64_t* head = &ctl->head[ch][x];
@@ -95,9 +94,12 @@ __device__ void rdma_send(const DispatchArgs& a, int ch, int group, int groups, 
         }
         *shared_ok = ok;
       }
-      ptx::group_sync(bar, threads);
+      ptx::group_sync(bar, threads);  // the credit acquired by the leader covers the slots below
       if (!*shared_ok) return;
-      for (int i = group_warp; i < n; i += warps) {
+      // Warp w stages a contiguous run of the chunk's rows and puts that run itself.
+      const int per = (n + warps - 1) / warps;
+      const int lo = min(n, group_warp * per), hi = min(n, lo + per);
+      for (int i = lo; i < hi; ++i) {
         const int t = chunk_tokens[i];
         uint8_t* slot = ring + static_cast<size_t>((tail + i) % a.rdma_slots) * a.rdma_slot_bytes;
         warp_copy<false, kUnroll>(reinterpret_cast<int4*>(slot),
@@ -113,16 +115,27 @@ __device__ void rdma_send(const DispatchArgs& a, int ch, int group, int groups, 
           *layout.extra(slot) = chunk_masks[i];
         }
       }
-      ptx::group_sync(bar, threads);  // every slot store of the chunk precedes the publication
-      if (group_warp == 0) rdma_publish(c, x, ch, tail, n, a.rdma_slots, a.rdma_slot_bytes, lane);
+      rdma_put_rows(c, x, ch, tail + lo, hi - lo, a.rdma_slots, a.rdma_slot_bytes, lane);
+      ptx::group_sync(bar, threads);  // every warp's slot stores / completed puts precede the tail
       tail += n;
-      if (leader) *reinterpret_cast<volatile uint64_t*>(&ctl->tail_copy[ch][x]) = tail;
+      if (leader) {
+        rdma_signal_tail(c, x, ch, tail);
+        *reinterpret_cast<volatile uint64_t*>(&ctl->tail_copy[ch][x]) = tail;
+      }
     }
   }
-  if (group_warp == 0 && any_remote) nvshmem_quiet();
+  if (leader && any_remote) nvshmem_quiet();  // complete the tail signals before the kernel ends
 }
 
 // ------------------------------------------------------------------ forwarder
+// Steps of up to kFwdStep rows of one RDMA ring. Warp 0 picks the ring (lanes test the rings in
+// parallel, round robin), reads the rows' masks (lane i: row i), ranks each row among the rows for
+// local rank j (ballot) and reserves the NVL slots (lane j: FIFO j); CTA barrier; all warps copy;
+// CTA barrier; warp 0 publishes the FIFO tails (lane j, st.release.sys: the barrier covers every
+// warp's slot stores) and returns the RDMA credit (lane 0), then goes straight on to pick the next
+// step while the other warps wait at the first barrier: two barriers per step.
+constexpr int kFwdStep = kMaxChunk;
+
 __device__ void forward(const DispatchArgs& a, int ch, int warp, int lane, const Watchdog& dog) {
   const Common& c = a.c;
   const int D = c.num_domains, nvl = c.nvl_size, C = a.num_channels;
@@ -131,83 +144,101 @@ __device__ void forward(const DispatchArgs& a, int ch, int warp, int lane, const
   const Slot rlayout{a.hidden_bytes, a.num_scales, a.num_topk};
   const Slot nlayout = rlayout;
   const int L = a.experts_per_rank;
+  const int step_max = min(kFwdStep, a.nvl_slots);
 
   __shared__ uint64_t rhead[kMaxDomains];   // rows consumed from my RDMA ring (ch, x)
   __shared__ int consumed[kMaxDomains], expect[kMaxDomains];
   __shared__ int s_x, s_n, s_ok;
-  __shared__ int s_mask[kMaxChunk];
-  __shared__ int s_pos[kMaxChunk][kMaxNvl];  // position of row i among the rows for j in this step
-  __shared__ uint64_t s_tail[kMaxNvl];       // tail of NVL ring j before this step
+  __shared__ int s_mask[kFwdStep];
+  __shared__ int s_pos[kFwdStep][kMaxNvl];  // position of row i among the rows for j in this step, or -1
+  __shared__ int s_cnt[kMaxNvl];            // rows for j in this step
+  __shared__ uint64_t s_tail[kMaxNvl];      // tail of NVL FIFO (ch, me -> j) before this step
   for (int x = threadIdx.x; x < D; x += blockDim.x) {
     rhead[x] = *reinterpret_cast<volatile uint64_t*>(&rctl->head_copy[ch][x]);
     consumed[x] = 0;
     expect[x] = a.fwd_offset[x * (C + 1) + ch + 1] - a.fwd_offset[x * (C + 1) + ch];
   }
-  // Leader-only NVLink senders (one per local rank j): ring (ch, me -> j) in j's buffer.
-  ChannelSender senders[kMaxNvl];
-  if (threadIdx.x == 0) {
-    int ok = 1;
-    for (int j = 0; j < nvl; ++j) {
-      senders[j] = ChannelSender{nvl_ring(c, c.nvl[j], c.local, ch, a.nvl_slots, a.nvl_slot_bytes),
-                                 &nvl_ctl(c, j)->fifo_tail[ch][c.local], &nctl->fifo_head[ch][j], &nctl->tail_copy[ch][j],
-                                 a.nvl_slots, a.nvl_slot_bytes,
-                                 *reinterpret_cast<volatile uint64_t*>(&nctl->tail_copy[ch][j])};
-      // Earlier calls' rows to j (any channel) consumed before this call's layout is used.
-      for (int cc = 0; cc < kMaxChannels && ok; ++cc) {
-        const uint64_t sent = *reinterpret_cast<const volatile uint64_t*>(&nctl->tail_copy[cc][j]);
-        ok = wait_at_least(&nctl->fifo_head[cc][j], sent, dog, kPhaseNvlDrain, c.domain * nvl + j);
-      }
-    }
-    s_ok = ok;
-  }
+  if (threadIdx.x < nvl) s_tail[threadIdx.x] = *reinterpret_cast<volatile uint64_t*>(&nctl->tail_copy[ch][threadIdx.x]);
   __syncthreads();
-  if (!s_ok) return;
 
-  int rr = 0;  // leader: round-robin start
+  int rr = 0;  // warp 0: round-robin start
   while (true) {
-    if (threadIdx.x == 0) {
-      int pick = -1, avail = 0, ok = 1;
-      while (pick < 0) {
-        int waiting = -1;
-        for (int k = 0; k < D && pick < 0; ++k) {
+    if (warp == 0) {
+      int pick = -1, avail = 0, ok = 1, waiting = -1;
+      while (true) {
+        int first_ready = -1;
+        waiting = -1;
+        for (int base = 0; base < D && first_ready < 0; base += 32) {
+          const int k = base + lane;
           const int x = (rr + k) % D;
-          if (consumed[x] >= expect[x]) continue;
-          if (waiting < 0) waiting = x;
-          const uint64_t t = ptx::ld_acquire_sys(&rctl->tail[ch][x]);
-          if (t > rhead[x]) {
-            pick = x;
-            avail = static_cast<int>(min(t - rhead[x], static_cast<uint64_t>(expect[x] - consumed[x])));
+          bool pending = false, ready = false;
+          int have = 0;
+          if (k < D && consumed[x] < expect[x]) {
+            pending = true;
+            const uint64_t t = ptx::ld_acquire_sys(&rctl->tail[ch][x]);
+            if (t > rhead[x]) {
+              ready = true;
+              have = static_cast<int>(min(t - rhead[x], static_cast<uint64_t>(expect[x] - consumed[x])));
+            }
+          }
+          const unsigned rb = __ballot_sync(0xffffffffu, ready), pb = __ballot_sync(0xffffffffu, pending);
+          if (waiting < 0 && pb != 0) waiting = (rr + base + __ffs(pb) - 1) % D;
+          if (rb != 0) {
+            const int src = __ffs(rb) - 1;
+            first_ready = (rr + base + src) % D;
+            avail = __shfl_sync(0xffffffffu, have, src);
           }
         }
+        if (first_ready >= 0) {
+          pick = first_ready;
+          break;
+        }
         if (waiting < 0) break;  // every ring finished
-        if (pick < 0 && dog.expired(kPhaseForward, team_pe(c, waiting))) {
+        int expired = 0;
+        if (lane == 0) expired = dog.expired(kPhaseForward, team_pe(c, waiting));
+        if (__shfl_sync(0xffffffffu, expired, 0)) {  // one answer for the whole warp
           ok = 0;
           break;
         }
       }
+      __syncwarp();  // the lane's tail acquire before every lane's slot loads
       int n = 0;
       if (pick >= 0 && ok) {
         rr = pick + 1;
-        n = min(avail, a.nvl_chunk);
-        const uint8_t* ring = rdma_recv_ring(c, pick, ch, a.rdma_slots, a.rdma_slot_bytes);
-        int cnt[kMaxNvl];
-        for (int j = 0; j < nvl; ++j) cnt[j] = 0;
-        for (int i = 0; i < n; ++i) {
-          uint8_t* slot = const_cast<uint8_t*>(ring) + static_cast<size_t>((rhead[pick] + i) % a.rdma_slots) * a.rdma_slot_bytes;
-          const int mask = ptx::ld_cg(rlayout.extra(slot));
-          s_mask[i] = mask;
-          for (int j = 0; j < nvl; ++j) s_pos[i][j] = ((mask >> j) & 1) ? cnt[j]++ : -1;
+        n = min(avail, step_max);
+        int mask = 0;
+        if (lane < n) {
+          const uint8_t* slot = rdma_recv_ring(c, pick, ch, a.rdma_slots, a.rdma_slot_bytes) +
+                                static_cast<size_t>((rhead[pick] + lane) % a.rdma_slots) * a.rdma_slot_bytes;
+          mask = ptx::ld_cg(rlayout.extra(const_cast<uint8_t*>(slot)));
+          s_mask[lane] = mask;
         }
-        for (int j = 0; j < nvl && ok; ++j) {
-          s_tail[j] = senders[j].tail;
-          if (cnt[j] > 0) ok = senders[j].reserve(cnt[j], dog, kPhaseForwardSend, c.domain * nvl + j);
+        int my_cnt = 0;
+        for (int j = 0; j < nvl; ++j) {
+          const unsigned b = __ballot_sync(0xffffffffu, lane < n && ((mask >> j) & 1));
+          if (lane < n) s_pos[lane][j] = ((mask >> j) & 1) ? __popc(b & ((1u << lane) - 1u)) : -1;
+          if (lane == j) my_cnt = __popc(b);
         }
+        int good = 1;
+        if (lane < nvl) {
+          s_cnt[lane] = my_cnt;
+          const uint64_t* head = &nctl->fifo_head[ch][lane];
+          while (my_cnt > 0 && s_tail[lane] + my_cnt - ptx::ld_acquire_sys(head) > static_cast<uint64_t>(a.nvl_slots)) {
+            if (dog.expired(kPhaseForwardSend, c.domain * nvl + lane)) {
+              good = 0;
+              break;
+            }
+          }
+        }
+        ok = __all_sync(0xffffffffu, good);
       }
-      s_x = pick;
-      s_n = n;
-      s_ok = ok;
+      if (lane == 0) {
+        s_x = pick;
+        s_n = n;
+        s_ok = ok;
+      }
     }
-    __syncthreads();
+    __syncthreads();  // warp 0's picks, masks, reservations (and acquires) before the copies
     if (!s_ok) return;
     const int x = s_x, n = s_n;
     if (n == 0) break;
@@ -238,24 +269,25 @@ __device__ void forward(const DispatchArgs& a, int ch, int warp, int lane, const
       const int idx = a.fwd_offset[x * (C + 1) + ch] + consumed[x] + threadIdx.x;
       if (idx < a.fwd_capacity) a.fwd_mask[idx] = s_mask[threadIdx.x];
     }
-    __syncthreads();  // every NVL slot store and RDMA slot load of the step precede the leader's flags
-    if (threadIdx.x == 0) {
-      int cnt[kMaxNvl];
-      for (int j = 0; j < nvl; ++j) cnt[j] = 0;
-      for (int i = 0; i < n; ++i) {
-        for (int j = 0; j < nvl; ++j) cnt[j] += s_pos[i][j] >= 0;
+    __syncthreads();  // every NVL slot store and RDMA slot load of the step precede the flags
+    if (warp == 0) {
+      if (lane < nvl && s_cnt[lane] > 0) {
+        s_tail[lane] += s_cnt[lane];
+        ptx::st_release_sys(&nvl_ctl(c, lane)->fifo_tail[ch][c.local], s_tail[lane]);
+        *reinterpret_cast<volatile uint64_t*>(&nctl->tail_copy[ch][lane]) = s_tail[lane];
       }
-      for (int j = 0; j < nvl; ++j) {
-        if (cnt[j] > 0) senders[j].advance(cnt[j], true);
+      __syncwarp();
+      if (lane == 0) {
+        rhead[x] += n;
+        consumed[x] += n;
+        rdma_credit(c, x, ch, rhead[x]);  // the sender may overwrite these slots now
       }
-      rhead[x] += n;
-      consumed[x] += n;
-      rdma_credit(c, x, ch, rhead[x]);  // the sender may overwrite these slots now
+      __syncwarp();
     }
-    __syncthreads();
   }
   if (threadIdx.x == 0) {
     for (int x = 0; x < D; ++x) rctl->head_copy[ch][x] = rhead[x];
+    nvshmem_quiet();  // complete the credit signals before the kernel ends
   }
 }
 
@@ -280,12 +312,27 @@ __device__ void nvl_receive(const DispatchArgs& a, int ch, int l, int group_warp
   const uint64_t last = rx.head + total;
   const int k = a.num_topk;
   while (rx.head < last) {
-    if (leader) {
-      const uint64_t seen = rx.wait(rx.head + 1, dog, kPhaseNvlRecv, c.domain * nvl + l);
-      *shared_tail = seen;
+    if (group_warp == 0) {
+      // Lane 0 waits for rows; lane i ranks row i among this step's rows of its source domain
+      // (match_any) to give it its output row; the last lane of each domain advances next[x].
+      uint64_t seen = 0;
+      if (lane == 0) {
+        seen = rx.wait(rx.head + 1, dog, kPhaseNvlRecv, c.domain * nvl + l);
+        *shared_tail = seen;
+      }
+      seen = __shfl_sync(0xffffffffu, seen, 0);
+      __syncwarp();  // lane 0's tail acquire before every lane's slot loads
       if (seen != 0) {
         const int n = static_cast<int>(min(min(seen, last) - rx.head, static_cast<uint64_t>(kMaxChunk)));
-        for (int i = 0; i < n; ++i) rows[i] = next[ptx::ld_cg(layout.extra(const_cast<uint8_t*>(rx.slot(rx.head + i))))]++;
+        const int x = lane < n ? ptx::ld_cg(layout.extra(const_cast<uint8_t*>(rx.slot(rx.head + lane)))) : -1;
+        const unsigned same = __match_any_sync(0xffffffffu, x);
+        const int base = lane < n ? next[x] : 0;
+        __syncwarp();
+        if (lane < n) {
+          rows[lane] = base + __popc(same & ((1u << lane) - 1u));
+          if (lane == 31 - __clz(same)) next[x] = base + __popc(same);
+        }
+        __syncwarp();
       }
     }
     ptx::group_sync(bar, threads);
@@ -322,6 +369,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a) {
   const int ch = blockIdx.x / 3, role = blockIdx.x % 3;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const Watchdog dog = make_watchdog(c.timeout_ns, c.rank, &nvl_ctl(c, c.local)->timeout_claim, &c.mailbox->timeout);
+  if (!drain_previous_calls(c, dog)) return;  // earlier calls drained; no ring written before this
 
   if (role == 2 && a.pad_rows) {
     // num_worst_tokens: rows past the received count are zero / -1 / 0 (as the intranode kernel).

@@ -54,7 +54,11 @@ struct RdmaControl {
   uint64_t head[kMaxChannels][kMaxDomains];      // [c][x]: rows x consumed from its ring (c, my domain)
   uint64_t tail_copy[kMaxChannels][kMaxDomains]; // [c][x]: rows I published into x's ring (c, my domain)
   uint64_t head_copy[kMaxChannels][kMaxDomains]; // [c][x]: rows I consumed from my ring (c, x)
+  // Grid barrier of this rank's dispatch / combine kernel (local, gpu-scope atomics; common.cuh).
+  uint32_t grid_arrived;  // blocks arrived at the current barrier (reset by the last one)
+  uint32_t grid_gen;      // barrier generation, bumped by the last block to arrive
 };
+static_assert(sizeof(RdmaControl) <= 69632, "RdmaControl must keep the size Python assumes (RDMA_CONTROL_BYTES)");
 constexpr size_t kRdmaControlBytes = (sizeof(RdmaControl) + 4095) / 4096 * 4096;
 
 // Byte offsets (computed in Python). RDMA buffer:
