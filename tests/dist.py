@@ -102,6 +102,8 @@ def _worker(fn: Callable, rank: int, world_size: int, backend: str, store_path: 
             args: tuple, q: Any) -> None:
     global _queue, _rank, _progress_file
     _queue, _rank, _progress_file = q, rank, f"{store_path}.progress.{rank}"
+    import faulthandler
+    faulthandler.enable(all_threads=True)  # a rank killed by a signal still prints where it was (stderr)
     import torch.distributed as dist
     try:
         if backend == "nccl":

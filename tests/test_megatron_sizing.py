@@ -43,3 +43,12 @@ def test_rows_mode(monkeypatch):
     assert sizing.rows_mode(torch.device("cuda", 0)) == "bound"
     monkeypatch.setenv(sizing.ROWS_ENV, "exact")
     assert sizing.rows_mode(torch.device("cuda", 0)) == "exact"
+
+
+def test_default_headroom_and_alignment_slack():
+    b = sizing.ExpertRowBudget(align=1, num_local_experts=64)
+    b.observe(32892)
+    assert b.rows_for(4096, 8) == 36224  # 32892 x 1.1 = 36181.2 -> multiple of 128 (was 41216 at 1.25)
+    c = sizing.ExpertRowBudget(align=16, num_local_experts=64, headroom=1.1)
+    c.observe(1000)
+    assert c.rows_for(4096, 8) == 3072  # 1000 + 2 x 16 x 64 beats 1000 x 1.1

@@ -29,9 +29,13 @@ run() {  # run NAME LIMIT_S CMD...
   timeout -k 5 "$limit" "$@" > "$OUT/logs/$name.log" 2>&1
   local rc=$?
   echo "$( ((rc == 0)) && echo PASS || echo "FAIL rc=$rc") $name ($(( $(date +%s) - t0 )) s)" | tee -a "$summary"
+  if ((rc != 0)); then  # the failure itself: assertion lines, failed tests, crashed ranks' stacks (faulthandler)
+    grep -E "^E |FAILED|Error|error:|Fatal Python error|Segmentation|exited with code|File \"" "$OUT/logs/$name.log" \
+      | grep -v "^E  *$" | head -n 40 | sed 's/^/    /' | tee -a "$summary"
+  fi
   tail -n 6 "$OUT/logs/$name.log" | sed 's/^/    /' | tee -a "$summary"
 }
-run fused_gpu_tests 100 python3 -m pytest -q -m gpu -p no:cacheprovider -x \
+run fused_gpu_tests 100 python3 -m pytest -q -m gpu -p no:cacheprovider -x -rf --tb=short \
   "tests/test_expert_major_gpu.py::test_fused_expert_major_matches[$N]" tests/test_expert_major.py
 run megatron_gpu_parity 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_megatron_layer.py -k gpus
 run megatron_layer_bench_${N} 120 torchrun --standalone --nproc_per_node "$N" "$LAYER_BENCH"

@@ -84,7 +84,8 @@ class MoEDispatcherTokenDispatcher(MoETokenDispatcher):
         self._probs_dtype = torch.float32
         # Fixed expert-major row counts (no host sync in steady state; sizing.py).
         self._row_budget = ExpertRowBudget(self.pad_multiple,
-                                           getattr(config, "moe_expert_rank_capacity_factor", None))
+                                           getattr(config, "moe_expert_rank_capacity_factor", None),
+                                           num_local_experts=num_local_experts, group=self.group)
 
     # -------------------------------------------------------------- helpers shared with the low-latency one
     def _routing(self, routing_map: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:

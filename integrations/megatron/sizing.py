@@ -8,11 +8,15 @@ everything that touches the tensor (the experts, the probs multiply, their backw
 - ``moe_expert_rank_capacity_factor`` set (Megatron's static budget for HybridEP): M = T * K * factor, rounded
   up; pairs past it are dropped (a training choice, like a capacity factor) and counted, never raised.
 - otherwise, adaptive: the first call of a dispatcher is synchronised (exact M, counts on the host) and
-  seeds a high-water mark of the rows needed; later calls use M = high-water mark * headroom
-  ($MOE_DISPATCHER_EXPERT_ROWS_HEADROOM, default 1.25), rounded up. Each call's need is copied to pinned
-  host memory asynchronously and read when its event has completed (no wait), which raises the mark. A call
-  that needed more than its M dropped rows: the next call raises RuntimeError (on every rank alike only if
-  the overflow was on every rank, so raise the headroom rather than rely on catching it).
+  seeds a high-water mark of the rows needed; later calls use M = max(mark x headroom, mark + 2 x alignment x
+  local experts) ($MOE_DISPATCHER_EXPERT_ROWS_HEADROOM, default 1.1), rounded up to 128. Every element-wise
+  op over the expert rows (the experts, h * probs in float32 and its casts, their backward) scales with M,
+  so the headroom is kept small. Each call's need is reduced to its maximum over the group (an all-reduce
+  on a side stream, which the compute stream does not wait for), copied to pinned host memory, and read
+  LAG (2) calls later: by then it is complete in practice, so reading it does not wait. Every rank reads the
+  same group-wide value at the same call, so all ranks raise the mark alike and, when some rank needed
+  more rows than its M (its rows past M were dropped), all ranks raise RuntimeError at the same call,
+  before that call's dispatch: no rank is left waiting in a collective for a rank that raised.
 
 $MOE_DISPATCHER_EXPERT_ROWS_INITIAL=N makes the first call use M = N instead of a synchronised one (no host
 sync at all, e.g. for a captured warm-up). $MOE_DISPATCHER_EXPERT_ROWS=exact turns all of this off: every dispatch waits for the counts (one host sync)
@@ -29,7 +33,8 @@ import torch
 ROWS_ENV = "MOE_DISPATCHER_EXPERT_ROWS"
 HEADROOM_ENV = "MOE_DISPATCHER_EXPERT_ROWS_HEADROOM"
 INITIAL_ENV = "MOE_DISPATCHER_EXPERT_ROWS_INITIAL"
-DEFAULT_HEADROOM = 1.25
+DEFAULT_HEADROOM = 1.1
+LAG = 2  # calls between a dispatch and the reading of its need (see the module docstring)
 ROW_QUANTUM = 128  # M is a multiple of this (and of the alignment), so M changes rarely
 _PINNED_SLOTS = 64
 
@@ -47,30 +52,37 @@ def rows_mode(device: torch.device) -> str:
 class ExpertRowBudget:
     """num_worst_tokens for each expert-major dispatch of one dispatcher (see the module docstring)."""
 
-    def __init__(self, align: int, capacity_factor: float | None = None, headroom: float | None = None) -> None:
-        self.quantum = math.lcm(ROW_QUANTUM, max(1, align))
+    def __init__(self, align: int, capacity_factor: float | None = None, headroom: float | None = None,
+                 num_local_experts: int = 1, group=None) -> None:
+        self.align = max(1, align)
+        self.quantum = math.lcm(ROW_QUANTUM, self.align)
         self.capacity_factor = capacity_factor
         self.headroom = float(os.environ.get(HEADROOM_ENV, DEFAULT_HEADROOM)) if headroom is None else headroom
         if self.headroom < 1.0:
             raise ValueError(f"{HEADROOM_ENV} must be >= 1, got {self.headroom}")
+        self.slack = 2 * self.align * max(1, num_local_experts)  # rows: the alignment padding may move that much
+        self.group = group  # process group whose maximum need every rank uses (None: this rank's own)
         self.high_water = None  # most rows any call needed so far (host int), None before the first call
         self.dropped_calls = 0  # calls under a capacity factor that dropped rows (observed so far)
-        self._pending: deque = deque()  # (pinned int64 slot, event or None, limit)
+        self._pending: deque = deque()  # (pinned int64 slot, event or None, limit, call number)
         self._pinned = None
         self._next_slot = 0
+        self._calls = 0
+        self._side = None  # side stream of the all-reduce and the copy
 
     def _round(self, rows: float) -> int:
         return max(self.quantum, math.ceil(rows / self.quantum) * self.quantum)
 
     def rows_for(self, num_tokens: int, num_topk: int) -> int:
-        """M for the next call, or 0: make it a synchronised (exact) call."""
+        """M for the next call, or 0: make it a synchronised (exact) call. Raises RuntimeError (on every rank
+        at the same call) when an earlier call overflowed."""
         self.poll()
         if self.capacity_factor is not None:
             return self._round(num_tokens * num_topk * self.capacity_factor)
         if self.high_water is None:
             initial = int(os.environ.get(INITIAL_ENV, 0))
             return self._round(initial) if initial > 0 else 0
-        return self._round(self.high_water * self.headroom)
+        return self._round(max(self.high_water * self.headroom, self.high_water + self.slack))
 
     def observe(self, rows_needed: int) -> None:
         """A synchronised call's exact row count (already on the host)."""
@@ -78,25 +90,40 @@ class ExpertRowBudget:
 
     def watch(self, rows_needed: torch.Tensor, limit: int) -> None:
         """After a call with num_worst_tokens=limit: read its need later, without waiting for it now."""
+        self._calls += 1
         if rows_needed.device.type != "cuda":  # CPU (tests): reading it costs no device sync
             self._settle(int(rows_needed), limit)
             return
         if self._pinned is None:
             self._pinned = torch.zeros(_PINNED_SLOTS, dtype=torch.int64, pin_memory=True)
-        if len(self._pending) == _PINNED_SLOTS:  # every slot in flight: wait for the oldest (rare)
+            self._side = torch.cuda.Stream(device=rows_needed.device)
+        if len(self._pending) == _PINNED_SLOTS:  # every slot in flight (LAG < _PINNED_SLOTS: never in practice)
             self._pending[0][1].synchronize()
-            self.poll()
+            self._settle_due(self._pending[0][3])
         slot = self._pinned[self._next_slot:self._next_slot + 1]
         self._next_slot = (self._next_slot + 1) % _PINNED_SLOTS
-        slot.copy_(rows_needed.reshape(1), non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._pending.append((slot, event, limit))
+        compute = torch.cuda.current_stream(rows_needed.device)
+        self._side.wait_stream(compute)
+        with torch.cuda.stream(self._side):
+            need = rows_needed.reshape(1).to(torch.int64)
+            if self.group is not None and torch.distributed.get_world_size(self.group) > 1:
+                torch.distributed.all_reduce(need, op=torch.distributed.ReduceOp.MAX, group=self.group)
+            slot.copy_(need, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        rows_needed.record_stream(self._side)
+        self._pending.append((slot, event, limit, self._calls))
 
     def poll(self) -> None:
-        """Take in every finished call's need (event.query() never blocks)."""
-        while self._pending and self._pending[0][1].query():
-            slot, _, limit = self._pending.popleft()
+        """Take in the needs of the calls LAG or more calls back (the same calls on every rank). Their events
+        have completed in practice; if not, this waits for them (a call LAG calls old), never for the
+        device as a whole."""
+        self._settle_due(self._calls - LAG)
+
+    def _settle_due(self, upto: int) -> None:
+        while self._pending and self._pending[0][3] <= upto:
+            slot, event, limit, _ = self._pending.popleft()
+            event.synchronize()
             self._settle(int(slot[0]), limit)
 
     def _settle(self, need: int, limit: int) -> None:
@@ -106,9 +133,9 @@ class ExpertRowBudget:
         if self.capacity_factor is not None:
             self.dropped_calls += 1
             return
-        raise RuntimeError(f"moe_dispatcher: an expert-major dispatch needed {need} rows but was sized for {limit} "
-                           f"(the rows past it were dropped); raise {HEADROOM_ENV} (now {self.headroom}) or set "
-                           f"{ROWS_ENV}=exact")
+        raise RuntimeError(f"moe_dispatcher: an expert-major dispatch needed {need} rows (the most of any rank) "
+                           f"but was sized for {limit} (the rows past it were dropped); raise {HEADROOM_ENV} (now "
+                           f"{self.headroom}) or set {ROWS_ENV}=exact")
 
 
 def tokens_per_expert_covering(tokens_per_expert: torch.Tensor, rows: int) -> torch.Tensor:

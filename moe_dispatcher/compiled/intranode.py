@@ -93,6 +93,7 @@ class IntranodeBackend:
         self._seq = 0
         self._broken: Optional[str] = None
         self._rdma_emulation: Optional[torch.Tensor] = None
+        self._scratch: Optional[torch.Tensor] = None  # see _present
 
     # ------------------------------------------------------------------ what this backend serves
     def serves_normal(self, topology) -> bool:
@@ -149,6 +150,21 @@ class IntranodeBackend:
     @staticmethod
     def _ptr(t: Optional[torch.Tensor]) -> int:
         return 0 if t is None else t.data_ptr()
+
+    def _present(self, t: Optional[torch.Tensor]) -> int:
+        """Address of an optional input or output whose presence the kernels read from a non-null pointer.
+        An empty tensor (a rank with T = 0 tokens or M = 0 expert rows) has data_ptr() 0, which would read as
+        "absent" and fail the launchers' checks on that rank only, after notify already joined the others to
+        the call; it gets the address of a small scratch block instead (never dereferenced: nothing to read
+        or write when the tensor is empty)."""
+        if t is None:
+            return 0
+        address = t.data_ptr()
+        if address == 0:
+            if self._scratch is None:
+                self._scratch = torch.zeros(64, dtype=torch.int32, device=self.device)
+            address = self._scratch.data_ptr()
+        return address
 
     # ------------------------------------------------------------------ layout
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
@@ -376,10 +392,10 @@ class IntranodeBackend:
                            self._ptr(topk_weights), in_rank.data_ptr(), offsets.data_ptr(), 0, 0, 0, 0,
                            recv_src.data_ptr(), t, hidden_bytes, num_scales, k, local, rows,
                            1 if num_worst_tokens else 0, channels, chunk, slots, slot_bytes, stream,
-                           em_mode=1, pair_rank=pair_rank.data_ptr(), em_layout=layout.data_ptr(),
-                           em_x=self._ptr(px), em_scales=self._ptr(ps), em_weights=self._ptr(pw),
-                           em_pair_row=pair_row.data_ptr(), em_pair_slot=pair_slot.data_ptr(),
-                           em_inverse=inverse.data_ptr(), em_topk=k, em_rows=m)
+                           em_mode=1, pair_rank=self._present(pair_rank), em_layout=layout.data_ptr(),
+                           em_x=self._ptr(px), em_scales=self._ptr(ps), em_weights=self._present(pw),
+                           em_pair_row=self._present(pair_row), em_pair_slot=self._present(pair_slot),
+                           em_inverse=self._present(inverse), em_topk=k, em_rows=m)
         r_local = r * local
         tpe = layout[r_local + 2 * local + 1: r_local + 3 * local + 1]
         need = layout[r_local + local]
@@ -429,7 +445,7 @@ class IntranodeBackend:
                            dh.is_token_in_rank.data_ptr(), offsets.data_ptr(), 0, 0, 0, 0, 0, x.shape[0],
                            hidden_bytes, num_scales, 0, local, rows, 1 if dh.num_worst_tokens else 0, channels, chunk,
                            slots, slot_bytes, self._stream(), em_mode=2, em_layout=layout.data_ptr(),
-                           em_x=self._ptr(px), em_scales=self._ptr(ps), em_inverse=inverse.data_ptr(),
+                           em_x=self._ptr(px), em_scales=self._ptr(ps), em_inverse=self._present(inverse),
                            em_topk=handle.num_topk, em_rows=m)
         return px, ps
 
@@ -466,8 +482,8 @@ class IntranodeBackend:
                           self._ptr(biases[1] if len(biases) > 1 else None), dh.is_token_in_rank.data_ptr(),
                           offsets.data_ptr(), out.data_ptr(), self._ptr(out_w), _COMBINE_DTYPES[x.dtype], t,
                           x.shape[1], num_topk, dh.recv_src_idx.shape[0], channels, chunk, slots, slot_bytes,
-                          self._stream(), em_inverse=inverse.data_ptr(), em_weights=self._ptr(weights),
-                          em_topk_weights=self._ptr(topk_weights), em_topk=k)
+                          self._stream(), em_inverse=self._present(inverse), em_weights=self._present(weights),
+                          em_topk_weights=self._present(topk_weights), em_topk=k)
         return out, out_w
 
     # ------------------------------------------------------------------ buffer access and lifetime

@@ -42,10 +42,73 @@ union Vec {
 // float32, each term x[pos] * em_weights[pos] rounded to float32 when weighted; explicit _rn intrinsics
 // so no FMA contraction changes the rounding), rounded to T, into the ring slot; then the per-slot
 // top-k weights. Bit-identical to unpermute() in moe_dispatcher/expert_major.py followed by the rank-major
-// send. Every lane runs the same iterations (the shuffles need the full warp).
+// send.
+//
+// Speed: a row's pairs are compacted first (lane i holds the i-th valid pair in slot order, n of them), then
+// the loads of a group of kGroup pairs x kUnroll vectors per lane (8 independent 16-byte loads) are all issued
+// before any accumulation, instead of 2 loads at a time per pair, one pair after the other. x is a
+// read-only input for the whole kernel, so the loads are plain __ldg (ld.global.nc) that the compiler may
+// batch, unlike the volatile asm loads that the ring protocol needs. kGroup = 2 suits E=256 top-8 on 4-8
+// ranks, where a received row holds 1-3 pairs; 8 loads per lane is what fits beside the receiver's
+// registers (the kernel is capped at 128: more, or a second variant per pair count, spills).
+constexpr int kEmLoadsInFlight = 8;
+
+// The float32 sums of kUnroll vectors per lane are carried from group to group (slot order kept).
+template <typename T>
+__device__ __forceinline__ void em_sum_many(const CombineArgs& a, int n, int cpos, float cw, uint8_t* slot,
+                                            int row_bytes, int lane) {
+  constexpr int kGroup = 2, kUnroll = kEmLoadsInFlight / kGroup;
+  const int vecs = row_bytes / 16;
+  const bool weighted = a.em_weights != nullptr;
+#pragma unroll 1
+  for (int base = lane; base - lane < vecs; base += 32 * kUnroll) {  // same iterations on every lane
+    float acc[kUnroll][Vec<T>::kElems];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+      for (int e = 0; e < Vec<T>::kElems; ++e) acc[u][e] = 0.f;
+    }
+#pragma unroll 1
+    for (int g = 0; g < n; g += kGroup) {
+      Vec<T> x[kGroup][kUnroll];
+      float wt[kGroup];
+#pragma unroll
+      for (int i = 0; i < kGroup; ++i) {
+        const int p = __shfl_sync(0xffffffffu, cpos, (g + i) & 31);
+        wt[i] = __shfl_sync(0xffffffffu, cw, (g + i) & 31);
+        const int4* src = reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(g + i < n ? p : 0) * row_bytes);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          if (g + i < n && base + u * 32 < vecs) x[i][u].raw = __ldg(src + base + u * 32);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kGroup; ++i) {
+        if (g + i >= n) break;
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+          for (int e = 0; e < Vec<T>::kElems; ++e) {
+            const float term = weighted ? __fmul_rn(to_float(x[i][u].elems[e]), wt[i]) : to_float(x[i][u].elems[e]);
+            acc[u][e] = __fadd_rn(acc[u][e], term);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int v = base + u * 32;
+      if (v >= vecs) break;
+      Vec<T> out;
+#pragma unroll
+      for (int e = 0; e < Vec<T>::kElems; ++e) out.elems[e] = from_float<T>(acc[u][e]);
+      reinterpret_cast<int4*>(slot)[v] = out.raw;
+    }
+  }
+}
+
 template <typename T>
 __device__ __forceinline__ void send_em_row(const CombineArgs& a, int64_t r, uint8_t* slot, int row_bytes, int lane) {
-  constexpr int kUnroll = 2;
   const int k = a.em_topk;
   int pos = -1;
   float w = 1.f;
@@ -53,44 +116,21 @@ __device__ __forceinline__ void send_em_row(const CombineArgs& a, int64_t r, uin
     pos = a.em_inverse[r * k + lane];
     if (pos >= 0 && a.em_weights != nullptr) w = a.em_weights[pos];
   }
-  const int vecs = row_bytes / 16;
-  for (int base = 0; base < vecs; base += 32 * kUnroll) {
-    float acc[kUnroll][Vec<T>::kElems];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-#pragma unroll
-      for (int e = 0; e < Vec<T>::kElems; ++e) acc[u][e] = 0.f;
-    }
-    for (int j = 0; j < k; ++j) {
-      const int p = __shfl_sync(0xffffffffu, pos, j);
-      const float wj = __shfl_sync(0xffffffffu, w, j);
-      if (p < 0) continue;
-      const int4* src = reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(p) * row_bytes);
-      Vec<T> x[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int v = base + u * 32 + lane;
-        if (v < vecs) x[u].raw = ptx::ld_nc_v4(src + v);
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-#pragma unroll
-        for (int e = 0; e < Vec<T>::kElems; ++e) {
-          const float term = a.em_weights != nullptr ? __fmul_rn(to_float(x[u].elems[e]), wj) : to_float(x[u].elems[e]);
-          acc[u][e] = __fadd_rn(acc[u][e], term);
-        }
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int v = base + u * 32 + lane;
-      if (v >= vecs) continue;
-      Vec<T> out;
-#pragma unroll
-      for (int e = 0; e < Vec<T>::kElems; ++e) out.elems[e] = from_float<T>(acc[u][e]);
-      reinterpret_cast<int4*>(slot)[v] = out.raw;
+  // Compact the valid pairs, keeping slot order: lane i gets the i-th one (n is warp-uniform).
+  const unsigned valid = __ballot_sync(0xffffffffu, pos >= 0);
+  const int n = __popc(valid);
+  int cpos = 0;
+  float cw = 1.f;
+  for (unsigned rest = valid, i = 0; rest != 0; rest &= rest - 1, ++i) {
+    const int j = __ffs(rest) - 1;
+    const int p = __shfl_sync(0xffffffffu, pos, j);
+    const float wj = __shfl_sync(0xffffffffu, w, j);
+    if (lane == static_cast<int>(i)) {
+      cpos = p;
+      cw = wj;
     }
   }
+  em_sum_many<T>(a, n, cpos, cw, slot, row_bytes, lane);  // n == 0 (pairs dropped): zeros
   if (a.em_topk_weights != nullptr && lane < k) {
     reinterpret_cast<float*>(slot + row_bytes)[lane] = pos >= 0 ? a.em_topk_weights[pos] : 0.f;
   }

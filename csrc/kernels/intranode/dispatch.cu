@@ -18,6 +18,8 @@ namespace {
 
 // 16-byte loads in flight per lane while copying a row (6 and 8 measured no faster than 4).
 constexpr int kDispatchUnroll = 4;
+// Expert-major receive: ring vectors per lane read once and written to each of the row's positions.
+constexpr int kFanoutUnroll = 4;  // 6 or 8 spill (the kernel is capped at 80 registers)
 
 // Expert-major dispatch (em_mode != 0) changes only what the two ends do with a slot: the fresh sender
 // appends each slot's pair rank (expert_major.cu), and the receiver, instead of writing the row once at
@@ -40,26 +42,37 @@ struct DispatchSlot {
 };
 
 // Copies one ring row to the expert-major rows of the warp's slots: lane j < num_topk holds position
-// `pos` of slot j (-1: none). Every lane runs the same iterations (the shuffles need the full warp).
+// `pos` of slot j (-1: none). The positions are compacted first (lane i: the i-th valid one), so the store
+// loop runs over the row's pairs only; each lane reads kUnroll vectors of the ring row once (__ldcg: L2
+// only, like ld.cg, but a plain load the compiler may batch; the tail's acquire and the group barrier
+// before the release are compiler barriers too, so the loads stay inside the window the protocol
+// allows), then stores them to every position, so kUnroll x pairs 16-byte stores are in flight.
+// Every lane runs the same iterations (the shuffles need the full warp).
 template <int kUnroll>
-__device__ __forceinline__ void warp_fanout(uint8_t* dst_rows, int row_bytes, const int4* src, int pos, int num_topk,
-                                            int lane) {
-  const int n = row_bytes / 16;
-  for (int base = 0; base < n; base += 32 * kUnroll) {
+__device__ __forceinline__ void warp_fanout(uint8_t* dst_rows, int row_bytes, const int4* src, int pos, int lane) {
+  const unsigned valid = __ballot_sync(0xffffffffu, pos >= 0);
+  const int n = __popc(valid);
+  int cpos = -1;
+  for (unsigned rest = valid, i = 0; rest != 0; rest &= rest - 1, ++i) {
+    const int p = __shfl_sync(0xffffffffu, pos, __ffs(rest) - 1);
+    if (lane == static_cast<int>(i)) cpos = p;
+  }
+  if (n == 0) return;
+  const int vecs = row_bytes / 16;
+#pragma unroll 1
+  for (int base = lane; base - lane < vecs; base += 32 * kUnroll) {
     int4 v[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int i = base + u * 32 + lane;
-      if (i < n) v[u] = ptx::ld_cg_v4(src + i);
+      if (base + u * 32 < vecs) v[u] = __ldcg(src + base + u * 32);
     }
-    for (int j = 0; j < num_topk; ++j) {
-      const int p = __shfl_sync(0xffffffffu, pos, j);
-      if (p < 0) continue;
+#pragma unroll 1
+    for (int j = 0; j < n; ++j) {
+      const int p = __shfl_sync(0xffffffffu, cpos, j);
       int4* dst = reinterpret_cast<int4*>(dst_rows + static_cast<int64_t>(p) * row_bytes);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        const int i = base + u * 32 + lane;
-        if (i < n) dst[i] = v[u];
+        if (base + u * 32 < vecs) dst[base + u * 32] = v[u];
       }
     }
   }
@@ -189,7 +202,7 @@ __device__ __forceinline__ void receive_em_row(const DispatchArgs& a, int s, int
   } else if (lane < k) {
     pos = a.em_inverse[row * k + lane];
   }
-  warp_fanout<kDispatchUnroll>(a.em_x, a.hidden_bytes, reinterpret_cast<const int4*>(slot), pos, k, lane);
+  warp_fanout<kFanoutUnroll>(a.em_x, a.hidden_bytes, reinterpret_cast<const int4*>(slot), pos, lane);
   for (int j = 0; j < k && a.em_scales != nullptr; ++j) {
     const int p = __shfl_sync(0xffffffffu, pos, j);
     if (p < 0) continue;
