@@ -39,10 +39,14 @@ def test_tokens_per_expert_covering():
 
 
 def test_rows_mode(monkeypatch):
+    monkeypatch.delenv(sizing.ROWS_ENV, raising=False)
     assert sizing.rows_mode(torch.device("cpu")) == "exact"
+    assert sizing.rows_mode(torch.device("cuda", 0)) == "exact"  # training-safe default (see rows_mode)
+    monkeypatch.setenv(sizing.ROWS_ENV, "bound")
     assert sizing.rows_mode(torch.device("cuda", 0)) == "bound"
-    monkeypatch.setenv(sizing.ROWS_ENV, "exact")
-    assert sizing.rows_mode(torch.device("cuda", 0)) == "exact"
+    monkeypatch.setenv(sizing.ROWS_ENV, "sometimes")
+    with pytest.raises(ValueError):
+        sizing.rows_mode(torch.device("cuda", 0))
 
 
 def test_default_headroom_and_alignment_slack():
