@@ -125,6 +125,25 @@ def ll_table(records: List[Dict[str, Any]]) -> str:
                    "NCCL GB/s", "ours/NCCL", "target us"], rows)
 
 
+def internode_table(records: List[Dict[str, Any]]) -> str:
+    """The two-hop path beside the intranode kernels (same routing, same GPUs) and NCCL, per op."""
+    by = {(r["section"], r["op"], r.get("dtype")): r for r in records if r["section"] in ("intranode", "internode")}
+    nccl = {r["op"].split(" ", 1)[1]: r for r in records if r["section"] == "nccl"}
+    rows = []
+    for (section, op, dtype), r in by.items():
+        if section != "internode":
+            continue
+        intra = by.get(("intranode", op, dtype))
+        base = nccl.get(f"{op}-{dtype}")
+        t, ti = r["t_us"]["mean"], intra["t_us"]["mean"] if intra else None
+        rows.append([f"{op} {dtype}", r.get("num_sms", "-"), _f(t), _range(r["t_us"]), _f(ti),
+                     _f(t / ti, 2) if ti else "-", _f(base["t_us"]["mean"]) if base else "-"])
+    if not rows:
+        return ""
+    return _table(["op", "SMs", "internode t us", "t us ranks", "intranode t us", "internode/intranode",
+                   "NCCL a2a t us"], rows)
+
+
 def render(meta: Dict[str, Any], records: List[Dict[str, Any]], notes: List[str]) -> str:
     parts = [f"# moe_dispatcher bench: {meta.get('device')} x{meta.get('num_ranks')}, {meta.get('date')}",
              "",
@@ -140,7 +159,8 @@ def render(meta: Dict[str, Any], records: List[Dict[str, Any]], notes: List[str]
                         ("Normal mode: best chunks per op and SM count", best_table(records)),
                         ("Normal mode: baselines, fresh dispatch, host overhead", extras_table(records)),
                         ("Tokens per rank sweep (logical GB/s)", tokens_table(records)),
-                        ("Low-latency mode", ll_table(records))):
+                        ("Low-latency mode", ll_table(records)),
+                        ("Internode (two-hop) beside intranode", internode_table(records))):
         if text:
             parts += [f"## {title}", "", text, ""]
     if notes:
