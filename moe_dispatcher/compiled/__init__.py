@@ -31,6 +31,30 @@ def current_stream_ptr() -> int:
     return torch.cuda.current_stream().cuda_stream
 
 
+def row_geometry(x: torch.Tensor, scales: Optional[torch.Tensor], kernels: str) -> Tuple[int, int]:
+    """(hidden bytes, scales per row) of dispatch rows for the `kernels` ("intranode", ...) backend, checked:
+    rows a multiple of 16 bytes, FP8 scales 2-D with 4-byte elements."""
+    hidden_bytes = x.shape[1] * x.element_size()
+    if hidden_bytes % 16:
+        raise ValueError(f"dispatch: rows of x must be a multiple of 16 bytes for the {kernels} kernels, got "
+                         f"{hidden_bytes} ({x.shape[1]} x {x.dtype})")
+    num_scales = 0
+    if scales is not None:
+        if scales.element_size() != 4 or scales.dim() != 2:
+            raise ValueError(f"dispatch: FP8 scales must be a 2-D 4-byte tensor, got {scales.dtype}"
+                             f"{list(scales.shape)}")
+        num_scales = scales.shape[1]
+    return hidden_bytes, num_scales
+
+
+def timeout_message(kernels: str, info, timeout_s: float, env: str) -> str:
+    """The error of a Buffer whose kernels recorded a timeout: info = (code, phase, waiting rank, peer)."""
+    _, phase, rank, peer = info
+    return (f"moe_dispatcher {kernels}: rank {rank} timed out after {timeout_s:g} s in {phase} waiting for rank "
+            f"{peer} (a peer skipped a call, or calls differ between ranks); this Buffer is unusable now: destroy "
+            f"it on every rank and create a new one ({env} sets the timeout)")
+
+
 def _extension_with(buffer, submodule: str, what: str) -> Tuple[Optional[object], str]:
     """(the `_C` module, "") when `buffer` is on GPUs and `_C` has `submodule`; else (None, why not)."""
     if not torch.cuda.is_available():

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -23,7 +23,7 @@ from .. import _ext
 from .. import config as _cfg
 from ..config import Config
 from ..handle import DispatchHandle
-from . import current_stream_ptr
+from . import current_stream_ptr, row_geometry, timeout_message
 from .intranode import (DEFAULT_TIMEOUT_S, TIMEOUT_ENV, _COMBINE_DTYPES, _DeviceMemory, combine_slot_bytes)
 
 
@@ -112,11 +112,7 @@ class InternodeBackend:
             raise RuntimeError("the internode backend was destroyed")
         info = self._mod.timeout_info(self._ipc)
         if info is not None:
-            _, phase, rank, peer = info
-            self._broken = (f"moe_dispatcher internode: rank {rank} timed out after {self.timeout_s:g} s in {phase} "
-                            f"waiting for rank {peer} (a peer skipped a call, or calls differ between ranks); this "
-                            f"Buffer is unusable now: destroy it on every rank and create a new one "
-                            f"({TIMEOUT_ENV} sets the timeout)")
+            self._broken = timeout_message(self.name, info, self.timeout_s, TIMEOUT_ENV)
             raise RuntimeError(self._broken)
 
     @staticmethod
@@ -169,19 +165,6 @@ class InternodeBackend:
         return per_rank, per_domain, per_expert, in_rank
 
     # ------------------------------------------------------------------ dispatch
-    def _check_rows(self, x: torch.Tensor, scales: Optional[torch.Tensor]) -> Tuple[int, int]:
-        hidden_bytes = x.shape[1] * x.element_size()
-        if hidden_bytes % 16:
-            raise ValueError(f"dispatch: rows of x must be a multiple of 16 bytes for the internode kernels, got "
-                             f"{hidden_bytes} ({x.shape[1]} x {x.dtype})")
-        num_scales = 0
-        if scales is not None:
-            if scales.element_size() != 4 or scales.dim() != 2:
-                raise ValueError(f"dispatch: FP8 scales must be a 2-D 4-byte tensor, got {scales.dtype}"
-                                 f"{list(scales.shape)}")
-            num_scales = scales.shape[1]
-        return hidden_bytes, num_scales
-
     def dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
                  topk_weights: Optional[torch.Tensor], num_tokens_per_rank: torch.Tensor,
                  is_token_in_rank: torch.Tensor, num_tokens_per_expert: torch.Tensor, expert_alignment: int,
@@ -191,7 +174,7 @@ class InternodeBackend:
         r = self.num_ranks
         x = x.contiguous()
         x_scales = x_scales.contiguous() if x_scales is not None else None
-        hidden_bytes, num_scales = self._check_rows(x, x_scales)
+        hidden_bytes, num_scales = row_geometry(x, x_scales, "internode")
         num_topk = 0
         if topk_idx is not None:
             topk_idx = topk_idx.contiguous()
@@ -272,7 +255,7 @@ class InternodeBackend:
         self._check()
         x = x.contiguous()
         x_scales = x_scales.contiguous() if x_scales is not None else None
-        hidden_bytes, num_scales = self._check_rows(x, x_scales)
+        hidden_bytes, num_scales = row_geometry(x, x_scales, "internode")
         channels, offsets, fwd_offset, _, _ = handle.backend_state
         geo = self._geometry(config, False, dispatch_slot_bytes(hidden_bytes, num_scales, 0), channels,
                              "cached dispatch")

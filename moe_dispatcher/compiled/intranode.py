@@ -26,7 +26,7 @@ from .. import _ext
 from ..config import Config
 from ..expert_major import ExpertMajorHandle, compose_expert_major_dispatch, gather_rows, unpermute
 from ..handle import DispatchHandle
-from . import current_stream_ptr
+from . import current_stream_ptr, row_geometry, timeout_message
 
 TIMEOUT_ENV = "MOE_DISPATCHER_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 10.0
@@ -113,11 +113,7 @@ class IntranodeBackend:
             self._fail(info)
 
     def _fail(self, info) -> None:
-        _, phase, rank, peer = info
-        self._broken = (f"moe_dispatcher intranode: rank {rank} timed out after {self.timeout_s:g} s in {phase} "
-                        f"waiting for rank {peer} (a peer skipped a call, or calls differ between ranks); this "
-                        f"Buffer is unusable now: destroy it on every rank and create a new one "
-                        f"({TIMEOUT_ENV} sets the timeout)")
+        self._broken = timeout_message(self.name, info, self.timeout_s, TIMEOUT_ENV)
         raise RuntimeError(self._broken)
 
     @staticmethod
@@ -180,19 +176,6 @@ class IntranodeBackend:
         return per_rank, None, per_expert, in_rank
 
     # ------------------------------------------------------------------ dispatch
-    def _check_rows(self, x: torch.Tensor, scales: Optional[torch.Tensor]) -> Tuple[int, int]:
-        hidden_bytes = x.shape[1] * x.element_size()
-        if hidden_bytes % 16:
-            raise ValueError(f"dispatch: rows of x must be a multiple of 16 bytes for the intranode kernels, got "
-                             f"{hidden_bytes} ({x.shape[1]} x {x.dtype})")
-        num_scales = 0
-        if scales is not None:
-            if scales.element_size() != 4 or scales.dim() != 2:
-                raise ValueError(f"dispatch: FP8 scales must be a 2-D 4-byte tensor, got {scales.dtype}"
-                                 f"{list(scales.shape)}")
-            num_scales = scales.shape[1]
-        return hidden_bytes, num_scales
-
     def dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
                  topk_weights: Optional[torch.Tensor], num_tokens_per_rank: torch.Tensor,
                  is_token_in_rank: torch.Tensor, num_tokens_per_expert: torch.Tensor, expert_alignment: int,
@@ -202,7 +185,7 @@ class IntranodeBackend:
         r = self.num_ranks
         x = x.contiguous()
         x_scales = x_scales.contiguous() if x_scales is not None else None
-        hidden_bytes, num_scales = self._check_rows(x, x_scales)
+        hidden_bytes, num_scales = row_geometry(x, x_scales, "intranode")
         num_topk = 0
         if topk_idx is not None:
             topk_idx = topk_idx.contiguous()
@@ -279,7 +262,7 @@ class IntranodeBackend:
         self._check()
         x = x.contiguous()
         x_scales = x_scales.contiguous() if x_scales is not None else None
-        hidden_bytes, num_scales = self._check_rows(x, x_scales)
+        hidden_bytes, num_scales = row_geometry(x, x_scales, "intranode")
         channels, offsets = handle.backend_state
         _, chunk, slots = self._config(config, combine=False)
         slot_bytes = dispatch_slot_bytes(hidden_bytes, num_scales, 0)
@@ -351,7 +334,7 @@ class IntranodeBackend:
         x_scales = x_scales.contiguous() if x_scales is not None else None
         topk_idx = topk_idx.contiguous()
         topk_weights = topk_weights.contiguous() if topk_weights is not None else None
-        hidden_bytes, num_scales = self._check_rows(x, x_scales)
+        hidden_bytes, num_scales = row_geometry(x, x_scales, "intranode")
         channels, chunk, slots = self._config(config, combine=False)
         slot_bytes = dispatch_slot_bytes(hidden_bytes, num_scales, k, pair_ranks=True)
         self._check_fits(channels, slots, slot_bytes, "expert-major dispatch")
@@ -431,7 +414,7 @@ class IntranodeBackend:
             return gather_rows(rows, handle), (gather_rows(row_scales, handle) if x_scales is not None else None)
         x = x.contiguous()
         x_scales = x_scales.contiguous() if x_scales is not None else None
-        hidden_bytes, num_scales = self._check_rows(x, x_scales)
+        hidden_bytes, num_scales = row_geometry(x, x_scales, "intranode")
         inverse, layout, local = handle.backend_state
         dh = handle.dispatch
         channels, offsets = dh.backend_state

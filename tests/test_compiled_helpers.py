@@ -1,0 +1,24 @@
+"""Pure host-side helpers the compiled backends share (CPU: no kernels involved)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_dispatcher.compiled import row_geometry, timeout_message
+
+
+def test_row_geometry():
+    assert row_geometry(torch.zeros(3, 7168, dtype=torch.bfloat16), None, "intranode") == (14336, 0)
+    fp8 = torch.zeros(2, 256, dtype=torch.float8_e4m3fn)
+    assert row_geometry(fp8, torch.ones(2, 2), "internode") == (256, 2)
+    with pytest.raises(ValueError, match="multiple of 16 bytes for the internode kernels"):
+        row_geometry(torch.zeros(1, 7, dtype=torch.bfloat16), None, "internode")
+    with pytest.raises(ValueError, match="FP8 scales"):
+        row_geometry(fp8, torch.ones(2, 2, dtype=torch.float16), "intranode")
+
+
+def test_timeout_message_names_rank_phase_and_peer():
+    msg = timeout_message("intranode", (1, "combine receive", 3, 0), 2.0, "MOE_DISPATCHER_TIMEOUT_S")
+    assert msg.startswith("moe_dispatcher intranode: rank 3 timed out after 2 s in combine receive waiting for "
+                          "rank 0")
+    assert "MOE_DISPATCHER_TIMEOUT_S" in msg
