@@ -215,6 +215,33 @@ void combine(const IpcBuffer& b, uint64_t timeout_ns, uintptr_t x, uintptr_t top
   launch_combine(a, stream_of(stream));
 }
 
+// Split expert-major combine, local pre-pass: rank-major rows out [num_x_rows, hidden] (and out_topk_weights
+// [num_x_rows, em_topk] when em_topk_weights is given) from expert-major rows x through em_inverse.
+void em_unpermute(uintptr_t x, uintptr_t em_inverse, uintptr_t em_weights, uintptr_t em_topk_weights,
+                  uintptr_t recv_channel_offset, uintptr_t out, uintptr_t out_topk_weights, int dtype, int hidden,
+                  int num_x_rows, int em_topk, int num_ranks, int num_channels, int num_blocks, uintptr_t stream) {
+  MOE_CHECK(em_inverse != 0 && em_topk > 0 && em_topk <= kMaxTopk, "em_unpermute: bad inverse or top-k");
+  MOE_CHECK((em_topk_weights != 0) == (out_topk_weights != 0),
+            "em_unpermute: topk_weights and out_topk_weights go together");
+  MOE_CHECK(num_ranks >= 1 && num_ranks <= kMaxRanks && num_channels >= 1 && num_channels <= kMaxChannels,
+            "em_unpermute: bad ranks or channels");
+  CombineArgs a{};
+  a.c.num_ranks = num_ranks;
+  a.x = ptr<const uint8_t>(x);
+  a.em_inverse = ptr<const int>(em_inverse);
+  a.em_weights = ptr<const float>(em_weights);
+  a.em_topk_weights = ptr<const float>(em_topk_weights);
+  a.em_topk = em_topk;
+  a.recv_channel_offset = ptr<const int>(recv_channel_offset);
+  a.out = ptr<uint8_t>(out);
+  a.out_topk_weights = ptr<float>(out_topk_weights);
+  a.dtype = dtype;
+  a.hidden = hidden;
+  a.num_x_rows = num_x_rows;
+  a.num_channels = num_channels;
+  launch_em_unpermute(a, num_blocks, stream_of(stream));
+}
+
 void pair_rank(uintptr_t topk_idx, int num_tokens, int num_topk, int num_experts, uintptr_t out,
                uintptr_t workspace, uintptr_t stream) {
   MOE_CHECK(num_experts > 0 && num_experts <= kMaxLocalExperts * kMaxRanks, "pair_rank: too many experts");
@@ -279,6 +306,10 @@ void register_intranode(py::module_& m) {
           py::arg("num_topk"), py::arg("num_x_rows"), py::arg("num_channels"), py::arg("chunk"), py::arg("num_slots"),
           py::arg("slot_bytes"), py::arg("stream"), py::arg("em_inverse") = 0, py::arg("em_weights") = 0,
           py::arg("em_topk_weights") = 0, py::arg("em_topk") = 0);
+  sub.def("em_unpermute", &em_unpermute, py::arg("x"), py::arg("em_inverse"), py::arg("em_weights"),
+          py::arg("em_topk_weights"), py::arg("recv_channel_offset"), py::arg("out"), py::arg("out_topk_weights"),
+          py::arg("dtype"), py::arg("hidden"), py::arg("num_x_rows"), py::arg("em_topk"), py::arg("num_ranks"),
+          py::arg("num_channels"), py::arg("num_blocks"), py::arg("stream"));
 }
 
 }  // namespace moe_dispatcher

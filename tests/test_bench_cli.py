@@ -105,3 +105,36 @@ def test_help_and_bad_options():
         resolve(parser().parse_args(["--cpu", "--hidden", "100"]))
     with pytest.raises(SystemExit):
         resolve(parser().parse_args(["--cpu", "--backend", "kernels"]))
+
+
+EM_ARGS = ["--cpu", "--num-ranks", "2", "--backend", "reference", "--mode", "expert-major", "--quick", "--tokens",
+           "64", "--hidden", "256", "--num-experts", "16", "--topk", "4", "--iters", "2", "--warmup", "1",
+           "--timeout", "60"]
+EM_OPS = {"rank-major dispatch (cached)", "rank-major combine", "em dispatch fresh num_worst_tokens",
+          "em dispatch fresh exact (host sync)", "em dispatch cached", "em combine", "em combine +weights",
+          "em combine +topk_weights", "torch composition (unpermute + combine)", "torch unpermute alone (local)",
+          "NCCL a2a dispatch rows", "NCCL a2a combine rows"}
+
+
+def test_expert_major_mode(tmp_path):
+    """--mode expert-major on the reference backend: every case timed back to back and after a barrier, the
+    table printed, md/json written, the combine variants checked bit for bit against the composition."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "moe_dispatcher.bench", *EM_ARGS, "--json", str(tmp_path / "r.json"),
+                           "--out-dir", str(tmp_path / "dir")], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    for text in ("== expert-major mode: 2 ranks", "## Expert-major (fused permutation) vs rank-major",
+                 "synced / rank-major combine", "equals the torch composition bit for bit"):
+        assert text in proc.stdout, f"{text!r} missing from the output:\n{proc.stdout[-3000:]}"
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["meta"]["failed_sections"] == [] and doc["meta"]["mode"] == "expert-major"
+    recs = [r for r in doc["records"] if r["section"] == "expert-major"]
+    assert {r["op"] for r in recs} == EM_OPS
+    assert {(r["op"], r["timing"]) for r in recs} == {(op, t) for op in EM_OPS for t in ("b2b", "sync")}
+    for r in recs:
+        assert len(r["per_rank_us"]) == 2 and r["t_us"]["min"] <= r["t_us"]["mean"] <= r["t_us"]["max"]
+        assert r["recv_rows"] > 0 and r["em_rows"] >= r["recv_rows"]
+    files = sorted(p.name for p in (tmp_path / "dir").iterdir())
+    assert any(f.startswith("bench_expert-major_cpux2_") and f.endswith(".md") for f in files), files
+    assert any(f.endswith(".json") for f in files), files

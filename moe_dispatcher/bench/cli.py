@@ -34,7 +34,8 @@ def parser() -> argparse.ArgumentParser:
         description="Benchmark moe_dispatcher's dispatch/combine against NCCL (one process per GPU; spawns them "
                     "itself unless run under torchrun). Without CUDA: gloo ranks on the CPU, reference backend.")
     a = p.add_argument
-    a("--mode", choices=("normal", "low-latency", "internode", "all"), default="normal")
+    a("--mode", choices=("normal", "low-latency", "internode", "expert-major", "all"), default="normal",
+      help="expert-major: fused permutation vs rank-major on one routing (not part of 'all')")
     a("--nvl-size", type=int, default=None, help="internode mode: GPUs per emulated NVLink domain (default R/2)")
     a("--backend", choices=("auto", "kernels", "reference"), default="auto",
       help="Buffer(backend=...): kernels = error instead of falling back to the reference backend")
@@ -116,7 +117,7 @@ def _commit() -> Optional[str]:
 
 def rank_main(opts: argparse.Namespace) -> None:
     """The benchmark on one rank (the process group is up)."""
-    from . import internode, low_latency, normal, report
+    from . import expert_major, internode, low_latency, normal, report
     from .common import Context, env_info, quiet_fallback_warnings
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if opts.use_cuda else torch.device("cpu")
@@ -126,9 +127,10 @@ def rank_main(opts: argparse.Namespace) -> None:
     ctx.say(f"moe_dispatcher bench: {info['device']} x{world} ({info['process_group']}), backend={opts.backend}, "
             f"mode={opts.mode}{' (quick)' if opts.quick else ''}")
     failed = []
-    sections = {"normal": normal.run, "low-latency": low_latency.run, "internode": internode.run}
+    sections = {"normal": normal.run, "low-latency": low_latency.run, "internode": internode.run,
+                "expert-major": expert_major.run}
     for name, fn in sections.items():
-        if opts.mode not in (name, "all"):
+        if opts.mode != name and (opts.mode != "all" or name == "expert-major"):
             continue
         try:
             fn(ctx)
@@ -142,7 +144,8 @@ def rank_main(opts: argparse.Namespace) -> None:
                 "backend_requested": opts.backend, "mode": opts.mode, "quick": opts.quick,
                 "backends_used": sorted({r["backend"] for r in ctx.records if r.get("backend") not in (None, "nccl")}),
                 "env": {k: os.environ.get(k) for k in ("NVSHMEM_DISABLE_NVLS", "NCCL_NVLS_ENABLE",
-                                                       "TORCH_SYMM_MEM_DISABLE_MULTICAST", "MOE_DISPATCHER_BACKEND")},
+                                                       "TORCH_SYMM_MEM_DISABLE_MULTICAST", "MOE_DISPATCHER_BACKEND",
+                                                       "MOE_DISPATCHER_EM_COMBINE")},
                 "options": {k: v for k, v in vars(opts).items() if k not in ("command",)},
                 "failed_sections": failed}
         report.write(meta, ctx.records, ctx.notes, opts.json, opts.out_dir, opts.mode)

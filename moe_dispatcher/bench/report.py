@@ -144,6 +144,11 @@ def internode_table(records: List[Dict[str, Any]]) -> str:
                    "NCCL a2a t us"], rows)
 
 
+def _em_table(records: List[Dict[str, Any]]) -> str:
+    from .expert_major import table
+    return table(records)
+
+
 def render(meta: Dict[str, Any], records: List[Dict[str, Any]], notes: List[str]) -> str:
     parts = [f"# moe_dispatcher bench: {meta.get('device')} x{meta.get('num_ranks')}, {meta.get('date')}",
              "",
@@ -160,7 +165,8 @@ def render(meta: Dict[str, Any], records: List[Dict[str, Any]], notes: List[str]
                         ("Normal mode: baselines, fresh dispatch, host overhead", extras_table(records)),
                         ("Tokens per rank sweep (logical GB/s)", tokens_table(records)),
                         ("Low-latency mode", ll_table(records)),
-                        ("Internode (two-hop) beside intranode", internode_table(records))):
+                        ("Internode (two-hop) beside intranode", internode_table(records)),
+                        ("Expert-major (fused permutation) vs rank-major, one routing", _em_table(records))):
         if text:
             parts += [f"## {title}", "", text, ""]
     if notes:

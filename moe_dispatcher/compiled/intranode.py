@@ -30,6 +30,12 @@ from . import current_stream_ptr, row_geometry, timeout_message
 
 TIMEOUT_ENV = "MOE_DISPATCHER_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 10.0
+# Expert-major combine variant, read when the backend is created (the attribute em_combine_mode changes it
+# later, e.g. in the bench): "split" (default) = a local pre-pass kernel over the whole GPU sums each received
+# row's expert rows into a rank-major row, then the rank-major combine kernel sends them; "fused" = the combine
+# kernel's senders gather and sum the expert rows themselves (send_em_row). Both are bit-identical.
+EM_COMBINE_ENV = "MOE_DISPATCHER_EM_COMBINE"
+EM_COMBINE_MODES = ("split", "fused")
 _COMBINE_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
@@ -81,11 +87,15 @@ class IntranodeBackend:
         if self.timeout_s <= 0:
             raise ValueError(f"{TIMEOUT_ENV} must be positive, got {self.timeout_s}")
         self._timeout_ns = int(self.timeout_s * 1e9)
+        self.em_combine_mode = os.environ.get(EM_COMBINE_ENV, "split").strip().lower() or "split"
+        if self.em_combine_mode not in EM_COMBINE_MODES:
+            raise ValueError(f"{EM_COMBINE_ENV} must be one of {EM_COMBINE_MODES}, got {self.em_combine_mode!r}")
         minimum = self._mod.RINGS_OFFSET + self.num_ranks * 128
         if self.num_nvl_bytes < minimum:
             raise ValueError(f"num_nvl_bytes={self.num_nvl_bytes} is too small for the intranode kernels (at least "
                              f"{minimum}; use Config.get_nvl_buffer_size_hint)")
         self.device = torch.device("cuda", torch.cuda.current_device())
+        self._num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self._ipc = self._mod.IpcBuffer(self.rank, self.num_ranks, self.num_nvl_bytes)
         handles: List[Optional[bytes]] = [None] * self.num_ranks
         dist.all_gather_object(handles, self._ipc.ipc_handle(), group=self.group)
@@ -460,11 +470,28 @@ class IntranodeBackend:
         t, dev = dh.num_tokens, x.device
         out = torch.empty(t, x.shape[1], dtype=x.dtype, device=dev)
         out_w = torch.empty(t, k, dtype=torch.float32, device=dev) if topk_weights is not None else None
+        n = dh.recv_src_idx.shape[0]
+        if self.em_combine_mode == "split":
+            # The permutation's reads (every expert row, scattered over the local experts' blocks) and the float32
+            # sums run over the whole GPU here, not on the combine kernel's 2 x channels SMs.
+            rows = torch.empty(n, x.shape[1], dtype=x.dtype, device=dev)
+            w_rows = torch.empty(n, k, dtype=torch.float32, device=dev) if topk_weights is not None else None
+            blocks = min((n + 7) // 8, 4 * self._num_sms)  # 8 warps (rows) per block, grid-stride beyond
+            self._mod.em_unpermute(x.data_ptr(), self._present(inverse), self._present(weights),
+                                   self._present(topk_weights), offsets.data_ptr(), rows.data_ptr(),
+                                   self._present(w_rows), _COMBINE_DTYPES[x.dtype], x.shape[1], n, k, self.num_ranks,
+                                   channels, blocks, self._stream())
+            self._mod.combine(self._ipc, self._timeout_ns, rows.data_ptr(), self._ptr(w_rows),
+                              self._ptr(biases[0] if len(biases) > 0 else None),
+                              self._ptr(biases[1] if len(biases) > 1 else None), dh.is_token_in_rank.data_ptr(),
+                              offsets.data_ptr(), out.data_ptr(), self._ptr(out_w), _COMBINE_DTYPES[x.dtype], t,
+                              x.shape[1], num_topk, n, channels, chunk, slots, slot_bytes, self._stream())
+            return out, out_w
         self._mod.combine(self._ipc, self._timeout_ns, x.data_ptr(), 0,
                           self._ptr(biases[0] if len(biases) > 0 else None),
                           self._ptr(biases[1] if len(biases) > 1 else None), dh.is_token_in_rank.data_ptr(),
                           offsets.data_ptr(), out.data_ptr(), self._ptr(out_w), _COMBINE_DTYPES[x.dtype], t,
-                          x.shape[1], num_topk, dh.recv_src_idx.shape[0], channels, chunk, slots, slot_bytes,
+                          x.shape[1], num_topk, n, channels, chunk, slots, slot_bytes,
                           self._stream(), em_inverse=self._present(inverse), em_weights=self._present(weights),
                           em_topk_weights=self._present(topk_weights), em_topk=k)
         return out, out_w

@@ -187,6 +187,10 @@ void launch_layout(const LayoutArgs& args, cudaStream_t stream);
 void launch_notify(const NotifyArgs& args, cudaStream_t stream);
 void launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
 void launch_combine(const CombineArgs& args, cudaStream_t stream);
+// Split expert-major combine's local pre-pass (combine.cu): out[r] / out_topk_weights[r] = what the fused
+// sender would put in received row r's slot, for r < min(num_x_rows, rows received); uses x, em_*, out,
+// out_topk_weights, hidden, dtype, num_x_rows, recv_channel_offset, num_channels, c.num_ranks.
+void launch_em_unpermute(const CombineArgs& args, int num_blocks, cudaStream_t stream);
 void launch_pair_rank(const PairRankArgs& args, cudaStream_t stream);
 
 }  // namespace moe_dispatcher::intranode
