@@ -101,3 +101,8 @@ def test_summary_numbers():
     assert "already there when first polled: 0% of 48" in text
     assert "r0 3.0/3.0, r1 3.0/3.0" in text
     assert "%globaltimer: smallest step seen 100 ns" in text
+    # egress: 4.3 MB over (last signaled - first entry) = 4.3 us -> 1000 GB/s
+    meta = dict(META, peer_bytes={"dispatch": [4_300_000] * R, "combine": [3_300_000] * R})
+    text = "\n".join(ll_trace.summarize("synthetic", [("dispatch", 0), ("combine", 1)], _data(2), meta))
+    assert "send egress to peers (first entry -> last signaled, per rank): r0 4.30 MB / 4.3 us = 1000 GB/s" in text
+    assert "last flags_up, per rank): r0 3.30 MB / 2.3 us = 1435 GB/s" in text

@@ -185,6 +185,20 @@ def summarize(mode: str, calls: Sequence[tuple[str, int]], data: torch.Tensor, m
         skew = [max(v) - min(v) for v in zip(*first_entry)] if all(first_entry) else []
         lines.append(f"    entry skew across ranks (max - min first entry): median {_fmt(_med(skew))}, "
                      f"max {_fmt(max(skew) if skew else float('nan'))}; blocks sharing an SM: {sms_dup}")
+        peer = meta.get("peer_bytes", {}).get(kind)
+        if peer:  # egress: bytes to peers over (this rank's first entry -> its last block past the send)
+            done = "signaled" if kind == "dispatch" else "flags_up"
+            rates = []
+            for r in range(R):
+                per = []
+                for i in range(N):
+                    ev = recs[i][c][r]["events"]
+                    es, ds = [t for t in ev["entry"] if t > 0], [t for t in ev[done] if t > 0]
+                    if es and ds and max(ds) > min(es):
+                        per.append((max(ds) - min(es)) / 1e3)
+                us = _med(per)
+                rates.append(f"r{r} {peer[r] / 1e6:.2f} MB / {us:.1f} us = {peer[r] / us / 1e3:.0f} GB/s")
+            lines.append(f"    send egress to peers (first entry -> last {done}, per rank): " + "; ".join(rates))
 
         # signals
         lat: dict[tuple[int, int], list[float]] = {}
@@ -290,6 +304,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     y = torch.randn(e // world, world * t, h, device=dev, generator=gen).to(torch.bfloat16)
     fp8 = not o.bf16
     buf.clean_low_latency_buffer(t, h, e)
+    # bytes each rank sends to peers: dispatch messages (header + payload (+ scales), 16-byte multiple) and
+    # combine rows (2H), from the selections matrix sel[s][r] (source s chose experts of rank r)
+    dest_counts = torch.bincount((idx[idx >= 0] // (e // world)).flatten(), minlength=world)
+    all_counts = [torch.empty_like(dest_counts) for _ in range(world)]
+    dist.all_gather(all_counts, dest_counts)
+    sel = torch.stack(all_counts).cpu().tolist()
+    msg = (16 + (h + h // 128 * 4 if fp8 else 2 * h) + 15) // 16 * 16
+    meta["peer_bytes"] = {
+        "dispatch": [msg * sum(sel[s][r] for r in range(world) if r != s) for s in range(world)],
+        "combine": [2 * h * sum(sel[s][r] for s in range(world) if s != r) for r in range(world)]}
 
     def last(kind: str) -> tuple[str, int]:
         return kind, be._trace_last[kind][0]
