@@ -5,8 +5,9 @@
 
 Sets MOE_DISPATCHER_LL_TRACE=1 (docs/low_latency.md, "Phase trace"), builds a low-latency Buffer on the compiled
 kernels with the bench's shape and routing (moe_dispatcher/bench/low_latency.py: T=128, H=7168, top-8 of E, FP8
-dispatch), and runs three modes, each `--calls` timed iterations after `--warmup`:
+dispatch), and runs four modes (--modes), each `--calls` timed iterations after `--warmup`:
   eager d+c   dispatch then combine from Python, back to back (no host sync inside the loop);
+  eager d+d   two dispatches from Python (the bench's eager "dispatch" figure: is the GPU waiting on the host?);
   graph d+c   one CUDA graph holding dispatch + combine (the bench's "dispatch+combine graph");
   graph d+d   one CUDA graph holding two dispatches (the bench's "dispatch graph" replays two calls too).
 After each iteration the whole device trace (every (kernel, buffer half) record) is copied into a history
@@ -275,7 +276,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--bf16", action="store_true", help="BF16 dispatch instead of FP8")
-    ap.add_argument("--modes", default="eager,graph,graph_dd")
+    ap.add_argument("--modes", default="eager,eager_dd,graph,graph_dd")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     o = ap.parse_args(argv)
 
@@ -347,8 +348,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     results = {}
     for mode in o.modes.split(","):
-        if mode == "eager":
-            results["eager d+c"] = run(d_c)
+        if mode in ("eager", "eager_dd"):
+            results["eager d+c" if mode == "eager" else "eager d+d"] = run(d_c if mode == "eager" else d_d)
         elif mode in ("graph", "graph_dd"):
             body = d_c if mode == "graph" else d_d
             body()  # warm-up with the same shapes (no clean inside the capture)
