@@ -20,13 +20,15 @@ using namespace low_latency;
 // The fields every launch shares, from the Python backend's buffer description.
 Common make_common(uintptr_t buffer, uintptr_t peer_bases, uintptr_t workspace, size_t half_offset,
                    int rank, int num_ranks, int num_experts, int max_tokens, int hidden,
-                   int num_blocks, uint64_t timeout_ns, int variant) {
+                   int num_blocks, uint64_t timeout_ns, int variant, uintptr_t trace) {
   MOE_CHECK(num_ranks >= 1 && num_ranks <= kMaxRanks, "low_latency: bad number of ranks");
   MOE_CHECK(num_experts % num_ranks == 0 && num_experts <= kMaxExperts,
             "low_latency: bad number of experts");
   MOE_CHECK(hidden % 128 == 0 && hidden <= kMaxHidden, "low_latency: bad hidden size");
   MOE_CHECK(num_blocks >= 1, "low_latency: num_blocks must be positive");
   MOE_CHECK((variant & ~kVariantMask) == 0, "low_latency: unknown kernel variant bits");
+  MOE_CHECK(trace == 0 || num_blocks <= kTraceMaxBlocks,
+            "low_latency: the phase trace records at most TRACE_MAX_BLOCKS blocks");
   Common c{};
   c.buffer = ptr<uint8_t>(buffer);
   c.peer_bases = ptr<const uint64_t>(peer_bases);
@@ -40,6 +42,7 @@ Common make_common(uintptr_t buffer, uintptr_t peer_bases, uintptr_t workspace, 
   c.num_blocks = num_blocks;
   c.timeout_ns = timeout_ns;
   c.variant = variant;
+  c.trace = ptr<unsigned long long>(trace);
   return c;
 }
 
@@ -56,6 +59,37 @@ void register_low_latency(py::module_& parent) {
   m.attr("PHASE_RECV") = kPhaseRecv;
   m.attr("VARIANT_COMBINE_ROWS") = kVariantCombineRows;
   m.attr("VARIANT_MASK") = kVariantMask;
+  // Phase trace (low_latency.h, kTrace*): one record is TRACE_WORDS int64 words; events of block b at
+  // [b * TRACE_EVENTS + index], the SM id at TRACE_SMID, per-pair words from TRACE_PAIR_{SENT,WAIT,SEEN}.
+  m.attr("TRACE_MAX_BLOCKS") = kTraceMaxBlocks;
+  m.attr("TRACE_EVENTS") = kTraceEvents;
+  m.attr("TRACE_SMID") = kTraceSmid;
+  m.attr("TRACE_PAIR_SENT") = kTracePairSent;
+  m.attr("TRACE_PAIR_WAIT") = kTracePairWait;
+  m.attr("TRACE_PAIR_SEEN") = kTracePairSeen;
+  m.attr("TRACE_WORDS") = kTraceWords;
+  {
+    py::dict d, c;  // event name -> index, in the order the kernels pass them
+    d["entry"] = kTraceDEntry;
+    d["counted"] = kTraceDCounted;
+    d["cast_done"] = kTraceDCastDone;
+    d["stores_issued"] = kTraceDStoresIssued;
+    d["signaled"] = kTraceDSignaled;
+    d["recv_entry"] = kTraceDRecvEntry;
+    d["first_arrival"] = kTraceDFirstArrival;
+    d["last_arrival"] = kTraceDLastArrival;
+    d["copy_done"] = kTraceDCopyDone;
+    d["exit"] = kTraceDExit;
+    c["entry"] = kTraceCEntry;
+    c["sends_issued"] = kTraceCSendsIssued;
+    c["flags_up"] = kTraceCFlagsUp;
+    c["recv_entry"] = kTraceCRecvEntry;
+    c["wait_done"] = kTraceCWaitDone;
+    c["reduce_done"] = kTraceCReduceDone;
+    c["exit"] = kTraceCExit;
+    m.attr("TRACE_DISPATCH_EVENTS") = d;
+    m.attr("TRACE_COMBINE_EVENTS") = c;
+  }
 
   m.def(
       "half_layout",
@@ -79,11 +113,12 @@ void register_low_latency(py::module_& parent) {
          uint64_t timeout_ns, uintptr_t x, uintptr_t topk_idx, int num_tokens, int num_topk,
          bool fp8, bool round_scale, bool ue8m0, uintptr_t recv_x, uintptr_t recv_scales,
          uintptr_t src_info, uintptr_t layout_range, uintptr_t recv_count, uintptr_t cum_stats,
-         uintptr_t wait_stats, int phases, uintptr_t stream, int variant) {
+         uintptr_t wait_stats, int phases, uintptr_t stream, int variant, uintptr_t trace) {
         MOE_CHECK(num_topk >= 1 && num_topk <= kMaxTopk, "low_latency dispatch: bad top-k");
         MOE_CHECK(num_tokens >= 0 && num_tokens <= max_tokens, "low_latency dispatch: bad T");
         const Common c = make_common(buffer, peer_bases, workspace, half_offset, rank, num_ranks,
-                                     num_experts, max_tokens, hidden, num_blocks, timeout_ns, variant);
+                                     num_experts, max_tokens, hidden, num_blocks, timeout_ns, variant,
+                                     trace);
         DispatchArgs a{};
         a.x = ptr<const void>(x);
         a.topk_idx = ptr<const int64_t>(topk_idx);
@@ -108,7 +143,9 @@ void register_low_latency(py::module_& parent) {
       py::arg("round_scale"), py::arg("ue8m0"), py::arg("recv_x"), py::arg("recv_scales"),
       py::arg("src_info"), py::arg("layout_range"), py::arg("recv_count"),
       py::arg("cum_stats"), py::arg("wait_stats"), py::arg("phases"), py::arg("stream"), py::arg("variant") = 0,
-      "Enqueue the low-latency dispatch kernel (phases: PHASE_SEND | PHASE_RECV).");
+      py::arg("trace") = 0,
+      "Enqueue the low-latency dispatch kernel (phases: PHASE_SEND | PHASE_RECV; trace: a "
+      "TRACE_WORDS int64 record or 0).");
 
   m.def(
       "combine",
@@ -116,11 +153,12 @@ void register_low_latency(py::module_& parent) {
          int num_ranks, int num_experts, int max_tokens, int hidden, int num_blocks,
          uint64_t timeout_ns, uintptr_t x, uintptr_t topk_idx, uintptr_t topk_weights,
          uintptr_t src_info, uintptr_t layout_range, uintptr_t out, int num_tokens, int num_topk,
-         uintptr_t wait_stats, int phases, uintptr_t stream, int variant) {
+         uintptr_t wait_stats, int phases, uintptr_t stream, int variant, uintptr_t trace) {
         MOE_CHECK(num_topk >= 1 && num_topk <= kMaxTopk, "low_latency combine: bad top-k");
         MOE_CHECK(num_tokens >= 0 && num_tokens <= max_tokens, "low_latency combine: bad T");
         const Common c = make_common(buffer, peer_bases, workspace, half_offset, rank, num_ranks,
-                                     num_experts, max_tokens, hidden, num_blocks, timeout_ns, variant);
+                                     num_experts, max_tokens, hidden, num_blocks, timeout_ns, variant,
+                                     trace);
         CombineArgs a{};
         a.x = ptr<const void>(x);
         a.topk_idx = ptr<const int64_t>(topk_idx);
@@ -138,8 +176,9 @@ void register_low_latency(py::module_& parent) {
       py::arg("hidden"), py::arg("num_blocks"), py::arg("timeout_ns"), py::arg("x"),
       py::arg("topk_idx"), py::arg("topk_weights"), py::arg("src_info"), py::arg("layout_range"),
       py::arg("out"), py::arg("num_tokens"), py::arg("num_topk"), py::arg("wait_stats"),
-      py::arg("phases"), py::arg("stream"), py::arg("variant") = 0,
-      "Enqueue the low-latency combine kernel (x = 0: zero-copy, rows in the send region).");
+      py::arg("phases"), py::arg("stream"), py::arg("variant") = 0, py::arg("trace") = 0,
+      "Enqueue the low-latency combine kernel (x = 0: zero-copy, rows in the send region; trace: a "
+      "TRACE_WORDS int64 record or 0).");
 }
 
 }  // namespace moe_dispatcher

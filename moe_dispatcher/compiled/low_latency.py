@@ -14,6 +14,11 @@ barriers around (collective, like clean_low_latency_buffer), which must not happ
 capture (warm up with the same shapes first).
 A wait longer than MOE_DISPATCHER_TIMEOUT_S seconds (default 10) in a kernel prints which rank waited for
 which peer and traps (the CUDA context is lost; a peer that skipped a call is the usual cause).
+
+Phase trace (diagnostics, docs/low_latency.md "Phase trace"): MOE_DISPATCHER_LL_TRACE=1 when the backend is
+created makes it keep one device record per (kernel, buffer half) and pass it to every launch; the kernels then
+stamp %globaltimer at their phase boundaries. `last_trace()` returns the last call's timeline,
+`trace_record(kind, half)` the raw device record (tools/ll_trace.py copies those between calls).
 """
 from __future__ import annotations
 
@@ -35,6 +40,9 @@ DEFAULT_TIMEOUT_S = 10.0
 VARIANT_ENV = "MOE_DISPATCHER_LL_VARIANT"
 # Grid size override (tuning only): at most the SM count.
 BLOCKS_ENV = "MOE_DISPATCHER_LL_BLOCKS"
+# Phase trace (diagnostics): "1" when the backend is created turns the kernels' timestamps on.
+TRACE_ENV = "MOE_DISPATCHER_LL_TRACE"
+TRACE_KINDS = ("dispatch", "combine")  # first index of the trace records
 
 
 class _DeviceMemory:
@@ -88,6 +96,17 @@ class LowLatencyBackend:
             raise ValueError(f"{VARIANT_ENV}={self.variant}: unknown variant bits")
         if self.nvlink_peers < self.num_ranks:
             self.variant &= ~getattr(self._mod, "VARIANT_COMBINE_ROWS", 0)
+        # Phase trace: int64 [kind, half, TRACE_WORDS] on the device, or None (off: the kernels get 0).
+        self._trace: torch.Tensor | None = None
+        self._trace_last: dict[str, tuple[int, int]] = {}  # kind -> (half, num_experts) of its last launch
+        if os.environ.get(TRACE_ENV, "0") not in ("", "0"):
+            if not hasattr(self._mod, "TRACE_WORDS"):
+                raise RuntimeError(f"{TRACE_ENV} is set but the compiled extension has no phase trace (rebuild it)")
+            if self._num_blocks > self._mod.TRACE_MAX_BLOCKS:
+                raise ValueError(f"{TRACE_ENV}: the trace records at most {self._mod.TRACE_MAX_BLOCKS} blocks, the grid "
+                                 f"has {self._num_blocks} (set {BLOCKS_ENV})")
+            self._trace = torch.zeros(len(TRACE_KINDS), 2, self._mod.TRACE_WORDS, dtype=torch.int64,
+                                      device=self.device)
         self._layout_key: tuple[int, int, int] | None = None
         self._own_comm_stream: torch.cuda.Stream | None = None
         self._alive = True
@@ -103,6 +122,50 @@ class LowLatencyBackend:
         if self.nvlink_peers < self.num_ranks:
             variant &= ~getattr(self._mod, "VARIANT_COMBINE_ROWS", 0)
         self.variant = variant
+
+    # ------------------------------------------------------------------ phase trace
+    @property
+    def tracing(self) -> bool:
+        return self._trace is not None
+
+    @property
+    def num_blocks(self) -> int:
+        return self._num_blocks
+
+    def _trace_arg(self, kind: str, half: int, num_experts: int) -> dict:
+        """The `trace` keyword of a launch: the record of (kind, half), or nothing when tracing is off (so an
+        extension built before the trace existed still works)."""
+        if self._trace is None:
+            return {}
+        self._trace_last[kind] = (half, num_experts)
+        return {"trace": self._trace[TRACE_KINDS.index(kind), half].data_ptr()}
+
+    def trace_record(self, kind: str, half: int) -> torch.Tensor:
+        """The raw device record (int64 [TRACE_WORDS]) the kernels of `kind` ("dispatch"/"combine") write when
+        they use buffer half `half`; a CUDA graph replay rewrites the same record. Layout: low_latency.h."""
+        if self._trace is None:
+            raise RuntimeError(f"phase trace off: set {TRACE_ENV}=1 before the Buffer is created")
+        return self._trace[TRACE_KINDS.index(kind), half]
+
+    def trace_meta(self, num_experts: int) -> dict:
+        """What parse_trace_record needs about this backend's records."""
+        m = self._mod
+        return {"num_blocks": self._num_blocks, "num_ranks": self.num_ranks, "num_experts": num_experts,
+                "events_per_block": m.TRACE_EVENTS, "smid": m.TRACE_SMID, "pair_sent": m.TRACE_PAIR_SENT,
+                "pair_wait": m.TRACE_PAIR_WAIT, "pair_seen": m.TRACE_PAIR_SEEN, "words": m.TRACE_WORDS,
+                "events": {"dispatch": dict(m.TRACE_DISPATCH_EVENTS), "combine": dict(m.TRACE_COMBINE_EVENTS)}}
+
+    def last_trace(self) -> dict:
+        """{kind: parsed record} of the last launch of each kind (synchronises the device). The times are
+        %globaltimer ns (0 = event not reached); see parse_trace_record."""
+        if self._trace is None:
+            raise RuntimeError(f"phase trace off: set {TRACE_ENV}=1 before the Buffer is created")
+        torch.cuda.synchronize(self.device)
+        out = {}
+        for kind, (half, num_experts) in self._trace_last.items():
+            out[kind] = parse_trace_record(self.trace_record(kind, half).cpu(), kind, self.trace_meta(num_experts))
+            out[kind]["half"] = half
+        return out
 
     # ------------------------------------------------------------------ what this backend serves
     def serves_normal(self, topology) -> bool:
@@ -217,6 +280,7 @@ class LowLatencyBackend:
                                   half)
         common = self._common(layout, half, max_tokens, h, num_experts)
         cum, wait = cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats
+        trace = self._trace_arg("dispatch", half, num_experts)
 
         def launch(phases: int, stream: int) -> None:
             self._check_alive()
@@ -225,7 +289,8 @@ class LowLatencyBackend:
                                recv_scales=scales.data_ptr() if scales is not None else 0,
                                src_info=src_info.data_ptr(), layout_range=layout_range.data_ptr(),
                                recv_count=recv_count.data_ptr(), cum_stats=cum.data_ptr() if cum is not None else 0,
-                               wait_stats=wait.data_ptr() if wait is not None else 0, phases=phases, stream=stream)
+                               wait_stats=wait.data_ptr() if wait is not None else 0, phases=phases, stream=stream,
+                               **trace)
 
         keep = [x, topk_idx, data, scales, recv_count, src_info, layout_range, cum, wait]
         event, hook = self._run(launch, async_finish, return_recv_hook, make_hook, [v for v in keep if v is not None])
@@ -249,6 +314,7 @@ class LowLatencyBackend:
         common = self._common(layout, half, max_tokens, h, num_experts)
         wait = combine_wait_recv_cost_stats
         send_phase = self._mod.PHASE_SEND
+        trace = self._trace_arg("combine", half, num_experts)
 
         def launch(phases: int, stream: int) -> None:
             self._check_alive()
@@ -256,7 +322,7 @@ class LowLatencyBackend:
                               topk_weights=topk_weights.data_ptr(), src_info=handle.src_info.data_ptr(),
                               layout_range=handle.layout_range.data_ptr(), out=target.data_ptr(), num_tokens=t,
                               num_topk=k, wait_stats=wait.data_ptr() if wait is not None else 0, phases=phases,
-                              stream=stream)
+                              stream=stream, **trace)
             if target is not result and phases != send_phase:
                 with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
                     result.copy_(target)
@@ -301,3 +367,18 @@ class LowLatencyBackend:
                              f"{self.num_bytes}-byte NVSHMEM buffer")
         view = self._raw[offset: offset + count * elem].view(dtype)
         return view.view(*size) if size is not None else view
+
+
+def parse_trace_record(words: torch.Tensor, kind: str, meta: dict) -> dict:
+    """One trace record (CPU int64 [words]) as {"events": {name: int64 [blocks]}, "smid": int64 [blocks],
+    "sent", "wait", "seen": int64 [E]}. Times are %globaltimer ns, 0 = not reached / not written.
+    Pair words (low_latency.h): dispatch sent[e] (sender, global expert e), wait/seen[l*R + s] (receiver,
+    local expert l, source s); combine sent[l*R + s] (sender: flag of its expert l to rank s), wait/seen[e]
+    (receiver's block 0, global expert e)."""
+    b, ev, e = meta["num_blocks"], meta["events_per_block"], meta["num_experts"]
+    rows = words[: meta["pair_sent"]].view(-1, ev)[:b]
+    return {"events": {name: rows[:, i].clone() for name, i in meta["events"][kind].items()},
+            "smid": rows[:, meta["smid"]].clone(),
+            "sent": words[meta["pair_sent"]: meta["pair_sent"] + e].clone(),
+            "wait": words[meta["pair_wait"]: meta["pair_wait"] + e].clone(),
+            "seen": words[meta["pair_seen"]: meta["pair_seen"] + e].clone()}

@@ -10,9 +10,18 @@ namespace {
 
 __global__ void __launch_bounds__(kThreads, 1)
     low_latency_combine_kernel(Common c, CombineArgs a, int phases, int send_parts) {
+  if (phases & kPhaseSend) trace_begin(c, kTraceCEntry);
   const HalfLayout lay = half_layout(c.max_tokens, c.hidden, c.num_ranks, c.num_experts);
-  if (phases & kPhaseSend) combine_send_phase(c, a, lay, send_parts);
-  if (phases & kPhaseRecv) combine_recv_phase(c, a, lay);
+  if (phases & kPhaseSend) {
+    combine_send_phase(c, a, lay, send_parts);
+    trace_block_event(c, kTraceCFlagsUp);
+  }
+  if (phases & kPhaseRecv) {
+    trace_event(c, kTraceCRecvEntry);
+    combine_recv_phase(c, a, lay);
+    trace_block_event(c, kTraceCReduceDone);
+    trace_event(c, kTraceCExit);
+  }
 }
 
 }  // namespace

@@ -47,8 +47,13 @@ __device__ __forceinline__ void combine_recv_phase(const Common& c, const Combin
   for (int e = tid; e < E; e += blockDim.x) {
     wait_signal(c, flags + e, "low_latency_combine (receive)", e / L);
     if (stats) atomicMax(&s_wait[e / L], static_cast<unsigned long long>(now_ns() - start));
+    if (blockIdx.x == 0) {
+      trace_pair(c, kTracePairWait, e, start);
+      trace_pair_now(c, kTracePairSeen, e);
+    }
   }
   __syncthreads();
+  trace_event(c, kTraceCWaitDone);
   if (stats && tid < R)
     atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + tid), s_wait[tid]);
   if (tid == 0) {

@@ -67,6 +67,7 @@ __device__ __forceinline__ void combine_pair_done(const Common& c, int* flags, i
     __threadfence_system();  // acquire the other blocks' fenced stores of this pair
     *finished = 0;
     signal_peer(c, flags + c.rank * L + pair / R, 1, pair % R);
+    trace_pair_now(c, kTracePairSent, pair);
   }
 }
 
@@ -165,11 +166,15 @@ __device__ __forceinline__ void combine_send_rows(const Common& c, const Combine
     }
     __syncthreads();  // the chunk's stores precede the fences below; s_row/s_dst are rewritten
   }
+  trace_event(c, kTraceCSendsIssued);
 
   for (int p = tid; p < P; p += blockDim.x) {
     const int count = s_prefix[p + 1] - s_prefix[p];
     if (count == 0) {
-      if (p % gridDim.x == blockIdx.x) signal_peer(c, flags + c.rank * L + p / R, 1, p % R);
+      if (p % gridDim.x == blockIdx.x) {
+        signal_peer(c, flags + c.rank * L + p / R, 1, p % R);
+        trace_pair_now(c, kTracePairSent, p);
+      }
       continue;
     }
     const int rows = min(g_hi, s_prefix[p + 1]) - max(g_lo, s_prefix[p]);
@@ -228,6 +233,7 @@ __device__ __forceinline__ void combine_send_phase(const Common& c, const Combin
   }
   if (put) nvshmem_quiet();
   __syncthreads();  // every store of the block's units precedes the fences in combine_pair_done
+  trace_event(c, kTraceCSendsIssued);
   for (int u = blockIdx.x + tid * gridDim.x; u < units; u += blockDim.x * gridDim.x)
     combine_pair_done(c, flags, u % (L * R), 1, parts);
 }

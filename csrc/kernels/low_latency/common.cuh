@@ -115,6 +115,44 @@ __device__ __forceinline__ int wait_signal(const Common& c, const int* word, con
   return v;
 }
 
+// ---- Phase trace (low_latency.h, kTrace*): writes only to the trace record, never to data or
+// signal words, so the memory-ordering protocol is the same with tracing on or off. c.trace is a
+// kernel argument, uniform over the grid: the branches below never diverge.
+
+// Thread 0 of the block stamps event `ev` of its row.
+__device__ __forceinline__ void trace_event(const Common& c, int ev) {
+  if (c.trace != nullptr && threadIdx.x == 0) c.trace[blockIdx.x * kTraceEvents + ev] = now_ns();
+}
+// The same after a CTA barrier (the event covers every thread of the block). The barrier is only
+// taken when tracing (uniform condition: all threads or none).
+__device__ __forceinline__ void trace_block_event(const Common& c, int ev) {
+  if (c.trace != nullptr) {
+    __syncthreads();
+    trace_event(c, ev);
+  }
+}
+// Start of a launch that runs the send phase: clear the block's row (no stale event of an earlier
+// call survives), note the SM, stamp the entry event.
+__device__ __forceinline__ void trace_begin(const Common& c, int entry_event) {
+  if (c.trace != nullptr && threadIdx.x == 0) {
+    const uint64_t t = now_ns();
+    unsigned long long* row = c.trace + blockIdx.x * kTraceEvents;
+    for (int i = 0; i < kTraceEvents; ++i) row[i] = 0;
+    unsigned smid;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+    row[kTraceSmid] = smid;
+    row[entry_event] = t;
+  }
+}
+// One per-pair word (kTracePairSent / Wait / Seen + index): a time the caller already read, or now
+// (the clock is read inside the branch: nothing when tracing is off).
+__device__ __forceinline__ void trace_pair(const Common& c, int base, int index, uint64_t t) {
+  if (c.trace != nullptr) c.trace[base + index] = t;
+}
+__device__ __forceinline__ void trace_pair_now(const Common& c, int base, int index) {
+  if (c.trace != nullptr) c.trace[base + index] = now_ns();
+}
+
 __device__ __forceinline__ int warp_sum(int v) {
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);

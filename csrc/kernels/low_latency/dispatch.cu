@@ -14,9 +14,14 @@ namespace {
 __global__ void __launch_bounds__(kThreads, 1)
     low_latency_dispatch_kernel(Common c, DispatchArgs a, int phases, int recv_parts) {
   extern __shared__ __align__(16) uint8_t smem[];
+  if (phases & kPhaseSend) trace_begin(c, kTraceDEntry);
   const HalfLayout lay = half_layout(c.max_tokens, c.hidden, c.num_ranks, c.num_experts);
   if (phases & kPhaseSend) dispatch_send_phase(c, a, lay, smem);
-  if (phases & kPhaseRecv) dispatch_recv_phase(c, a, lay, recv_parts);
+  if (phases & kPhaseRecv) {
+    trace_event(c, kTraceDRecvEntry);
+    dispatch_recv_phase(c, a, lay, recv_parts);
+    trace_event(c, kTraceDExit);
+  }
 }
 
 }  // namespace

@@ -37,9 +37,16 @@ __device__ __forceinline__ void dispatch_recv_phase(const Common& c, const Dispa
         const uint64_t start = now_ns();
         count = wait_signal(c, signals + l * R + lane, "low_latency_dispatch (receive)", lane) - 1;
         waited = now_ns() - start;
+        if (part == 0 && lane == s) {
+          trace_pair(c, kTracePairWait, l * R + s, start);
+          trace_pair(c, kTracePairSeen, l * R + s, start + waited);
+        }
       }
       const int begin = warp_sum(lane < s ? count : 0);
       const int mine = __shfl_sync(0xffffffffu, count, s);
+      // warp_sum synchronised the warp: every lane's wait is over.
+      if (u == static_cast<int>(blockIdx.x)) trace_event(c, kTraceDFirstArrival);
+      trace_event(c, kTraceDLastArrival);  // the last unit's stamp stays
       if (lane == 0) {
         s_begin = begin;
         s_count = mine;
@@ -121,6 +128,7 @@ __device__ __forceinline__ void dispatch_recv_phase(const Common& c, const Dispa
       }
     }
     __syncthreads();  // s_begin / s_count are rewritten by the next unit
+    trace_event(c, kTraceDCopyDone);  // the last unit's stamp stays
   }
 
   // Every block has finished polling when the counter reaches gridDim.x: the last one resets.

@@ -88,10 +88,14 @@ __device__ __forceinline__ void dispatch_send_phase(const Common& c, const Dispa
     }
   }
   __syncthreads();
+  trace_event(c, kTraceDCounted);
 
   // Experts that get nothing from this rank: count 0 now (no data to order before it).
   for (int e = blockIdx.x * blockDim.x + tid; e < E; e += gridDim.x * blockDim.x) {
-    if (sh.count[e] == 0) signal_peer(c, signals + (e % L) * R + c.rank, 1, e / L);
+    if (sh.count[e] == 0) {
+      signal_peer(c, signals + (e % L) * R + c.rank, 1, e / L);
+      trace_pair_now(c, kTracePairSent, e);
+    }
   }
 
   for (int t = first; t < T; t += gridDim.x) {
@@ -140,6 +144,7 @@ __device__ __forceinline__ void dispatch_send_phase(const Common& c, const Dispa
       }
     }
     __syncthreads();
+    if (t == first) trace_event(c, kTraceDCastDone);
 
     // NVLink destinations: the whole block streams the message to every slot.
     const int n16 = static_cast<int>(used / 16);
@@ -171,6 +176,7 @@ __device__ __forceinline__ void dispatch_send_phase(const Common& c, const Dispa
       }
     }
     __syncthreads();  // every store/put of this message precedes the fences below
+    trace_event(c, kTraceDStoresIssued);  // the last token's stamp stays
 
     if (tid < K) {
       const int e = sh.dst_expert[tid];
@@ -181,11 +187,13 @@ __device__ __forceinline__ void dispatch_send_phase(const Common& c, const Dispa
           __threadfence_system();  // acquire: every other writer's fenced message of expert e
           finished[e] = 0;
           signal_peer(c, signals + (e % L) * R + c.rank, done + 1, e / L);
+          trace_pair_now(c, kTracePairSent, e);
         }
       }
     }
     __syncthreads();  // shared message and destinations are rewritten by the next token
   }
+  trace_event(c, kTraceDSignaled);  // after the last token's barrier: all of its fences and signals
 }
 
 }  // namespace moe_dispatcher::low_latency

@@ -78,6 +78,41 @@ constexpr int kWsDispatchRecvDone = kWsCombineFinished + kMaxExperts;  // blocks
 constexpr int kWsCombineRecvDone = kWsDispatchRecvDone + 1;
 constexpr int kWorkspaceInts = kWsCombineRecvDone + 1;
 
+// Opt-in phase trace (docs/low_latency.md, "Phase trace"). Common::trace null: off, and every trace
+// point is one uniform branch on it. Otherwise it points at one record of kTraceWords uint64 words (the
+// Python backend keeps one per (kernel, buffer half), so the two calls of a graph replay do not overwrite
+// each other). Thread 0 of each block stamps %globaltimer (ns; one clock per host) into its block's row:
+//   word [b * kTraceEvents + ev]    block b reached event ev (kTraceD* / kTraceC*), 0 = not reached;
+//   word [b * kTraceEvents + kTraceSmid]  the SM block b ran on (a value, not a time).
+// The send phase clears its block's row first, so a row never mixes two calls. Per-pair words:
+//   dispatch  sent[e]  sender: count of global expert e published (signal_peer returned)
+//             wait[p], seen[p]  receiver, p = l*R + s: lane s of unit (l, s, part 0) began polling the count
+//                       of source s, and saw it (seen - wait ~ 0: it was already there when polled)
+//   combine   sent[p]  sender, p = l*R + s: flag of expert me*L + l raised on rank s
+//             wait[e], seen[e]  receiver, block 0 only: began polling flag e (expert e), and saw it
+constexpr int kTraceMaxBlocks = 256;
+constexpr int kTraceEvents = 16;
+constexpr int kTraceSmid = kTraceEvents - 1;
+// Dispatch events. Send: entry (launch with the send phase) -> counted (per-expert counting pass over
+// topk_idx done, first token's row loads in flight) -> cast_done (first token's message built in shared
+// memory: loads landed + FP8 cast) -> stores_issued (last token: every store to the peers issued, CTA
+// barrier) -> signaled (send phase over: fences, workspace atomics and count signals of all its tokens).
+// Receive: recv_entry -> first_arrival / last_arrival (first / last unit of the block: warp 0 has seen
+// the counts it needs) -> copy_done (last unit unpacked) -> exit (launch with the receive phase).
+constexpr int kTraceDEntry = 0, kTraceDCounted = 1, kTraceDCastDone = 2, kTraceDStoresIssued = 3,
+              kTraceDSignaled = 4, kTraceDRecvEntry = 5, kTraceDFirstArrival = 6,
+              kTraceDLastArrival = 7, kTraceDCopyDone = 8, kTraceDExit = 9, kTraceDCount = 10;
+// Combine events: entry -> sends_issued (all rows of the block's units stored / put + quiet, CTA
+// barrier) -> flags_up (fences, workspace atomics and flags done, CTA barrier) -> recv_entry ->
+// wait_done (every flag seen, CTA barrier) -> reduce_done (CTA barrier after the block's reductions)
+// -> exit.
+constexpr int kTraceCEntry = 0, kTraceCSendsIssued = 1, kTraceCFlagsUp = 2, kTraceCRecvEntry = 3,
+              kTraceCWaitDone = 4, kTraceCReduceDone = 5, kTraceCExit = 6, kTraceCCount = 7;
+constexpr int kTracePairSent = kTraceMaxBlocks * kTraceEvents;
+constexpr int kTracePairWait = kTracePairSent + kMaxExperts;
+constexpr int kTracePairSeen = kTracePairWait + kMaxExperts;
+constexpr int kTraceWords = kTracePairSeen + kMaxExperts;
+
 // What every launch needs about the buffer and the group.
 struct Common {
   uint8_t* buffer;             // this PE's address of the symmetric allocation
@@ -88,6 +123,7 @@ struct Common {
   int num_blocks;              // grid size (<= SMs: the fused kernels need co-resident blocks)
   int variant;                 // kVariant* bits
   uint64_t timeout_ns;         // a wait longer than this traps with a message
+  unsigned long long* trace;   // phase-trace record (kTraceWords) or null: off (see above)
 };
 
 struct DispatchArgs {
