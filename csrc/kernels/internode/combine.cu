@@ -13,6 +13,9 @@
 //              partial of each domain the token went to and writes
 //              out = cast(bias0 + bias1 + sum over domains ascending of partial), float32, and the
 //              top-k weights summed the same way.
+// Two forwarder / receiver implementations, picked per launch (CombineArgs::pipelined, template flag):
+// the old block-wide batches below, and the pipelined per-warp chunks further down (docs/internode.md
+// says what serialised the old one). Same rings, counters, slot layout and summation order: same bits.
 // Order of the sum: ((bias0 + bias1) + partial_0 + partial_1 ...) with partial_x =
 // round(sum over x's ranks ascending): equal to the reference (ranks ascending) when each token has
 // at most one contributing rank per domain, else within the rounding of the partials.
@@ -457,11 +460,15 @@ __device__ __forceinline__ bool wait_or_abort(const uint64_t* word, uint64_t unt
   return true;
 }
 
-// Commit warp, nothing new to publish: false when the block must stop (a worker gave up, or, as a
-// backstop that should never fire, a second past the deadline).
-__device__ __forceinline__ bool commit_idle_ok(const Watchdog& dog, int phase, int rank, const volatile int* stop) {
-  if (*stop) return false;
-  return !(ptx::globaltimer_ns() > dog.deadline_ns + 1000000000ull && dog.expired(phase, rank));
+// Commit warp, nothing new to publish: false (in every lane: lane 0 decides) when the block must stop
+// (a worker gave up, or, as a backstop that should never fire, a second past the deadline).
+__device__ __forceinline__ bool commit_idle_ok(const Watchdog& dog, int phase, int rank, const volatile int* stop,
+                                               int lane) {
+  int ok = 1;
+  if (lane == 0) {
+    ok = !*stop && !(ptx::globaltimer_ns() > dog.deadline_ns + 1000000000ull && dog.expired(phase, rank));
+  }
+  return __shfl_sync(0xffffffffu, ok, 0) != 0;
 }
 
 // Commit warp: the chunks from kc on that are done, contiguously (lane 0 acquires, every lane gets
@@ -587,7 +594,7 @@ __device__ void forward_commit(const CombineArgs& a, int ch, int lane, const Wat
   while (kc < total) {
     const int upto = done_upto(done, kc, total, lane);
     if (upto == kc) {
-      if (!commit_idle_ok(dog, kPhaseCombineForward, c.rank, stop)) return;
+      if (!commit_idle_ok(dog, kPhaseCombineForward, c.rank, stop, lane)) return;
       continue;
     }
     // Chunks [kc, upto) are done: publish the tail of every source domain they belong to.
@@ -744,7 +751,7 @@ __device__ void receive_commit(const CombineArgs& a, int ch, int lane, const Wat
   while (kc < total) {
     const int upto = done_upto(done, kc, total, lane);
     if (upto == kc) {
-      if (!commit_idle_ok(dog, kPhaseCombineRecv, c.rank, stop)) return;
+      if (!commit_idle_ok(dog, kPhaseCombineRecv, c.rank, stop, lane)) return;
       continue;
     }
     recv_scan_to(a, st, min(end, begin + upto * K), lo, hi, lane);
