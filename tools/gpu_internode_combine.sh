@@ -7,5 +7,5 @@
 #   (rows "combine" = pipelined, "combine-old"). Logs and summary in $OUT (summary_internode.txt).
 #   bash tools/gpu_internode_combine.sh
 set -u
-export MOE_DISPATCHER_INTERNODE_COMBINE=pipelined
-STEPS=${STEPS:-"tests bench"} FAIL_FAST=1 exec bash "$(dirname "${BASH_SOURCE[0]}")/gpu_internode.sh"
+export MOE_DISPATCHER_INTERNODE_COMBINE=pipelined FAIL_FAST=1 STEPS=${STEPS:-"tests bench"}
+exec bash "$(dirname "${BASH_SOURCE[0]}")/gpu_internode.sh"
