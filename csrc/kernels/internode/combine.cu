@@ -13,6 +13,9 @@
 //              partial of each domain the token went to and writes
 //              out = cast(bias0 + bias1 + sum over domains ascending of partial), float32, and the
 //              top-k weights summed the same way.
+// Two forwarder / receiver implementations, picked per launch (CombineArgs::pipelined, template flag):
+// the old block-wide batches below, and the pipelined per-warp chunks further down (docs/internode.md
+// says what serialised the old one). Same rings, counters, slot layout and summation order: same bits.
 // Order of the sum: ((bias0 + bias1) + partial_0 + partial_1 ...) with partial_x =
 // round(sum over x's ranks ascending): equal to the reference (ranks ascending) when each token has
 // at most one contributing rank per domain, else within the rounding of the partials.
@@ -307,7 +310,492 @@ __device__ void receive(const CombineArgs& a, int ch, int warp, int lane, const 
   for (int x = threadIdx.x; x < D; x += blockDim.x) rctl->head_copy[ch][x] = rhead[x];
 }
 
+// ================================================================== pipelined combine
+// The same three roles and the same rings, counters and slot layout as above, but the forwarder and
+// the source receiver work in small per-warp chunks instead of block-wide batches:
+//   worker warps (0 .. kWorkers-1) take chunks k = warp, warp + kWorkers, ... of chunk_tokens tokens
+//     each; a worker waits only for its own chunk's rows (lane j polls tail j), reduces its tokens,
+//     and (forwarder) puts its chunk's partials to the source at once and completes them (quiet);
+//     then it counts the chunk as done (st.release.cta of its shared counter);
+//   the commit warp (kCommitWarp) publishes in order: once chunks [kc, upto) are all done it
+//     advances the FIFO heads (forwarder) / RDMA credits (receiver) and the RDMA tails (forwarder)
+//     past them, so a consumer never sees a hole and a producer never reuses a slot still read.
+// Nothing waits for a whole batch: the NVLink rows of chunk k+1 arrive while chunk k is reduced,
+// the put of one warp overlaps the reduction of the others, and a source reduces each chunk as
+// soon as every domain's partials of that chunk are published.
+//
+// Where a row sits in a ring is computed, not communicated: each warp keeps a running count of the
+// rows every ring carried before its position in the token sequence (lane b counts ring b; rings
+// b >= 32 in a second register) by scanning the masks of the tokens it skips; the commit warp keeps
+// the same count for what it committed.
+//
+// Memory ordering (the old kernel's, with a CTA-scope release/acquire on the done counters where
+// the old one had a CTA barrier):
+//   worker:  lane j ld.acquire.sys its tail (FIFO or RDMA) >= what the chunk needs; __syncwarp;
+//            every lane loads the slots (ld.cg) and writes the outputs / staging / own-ring slots;
+//            remote: nvshmemx_putmem_nbi_warp + nvshmem_quiet (rdma_put_rows); __syncwarp;
+//            lane 0: st.release.cta done[warp].
+//   commit:  lane 0 ld.acquire.cta done[w]; __syncwarp; then the publishing lanes: FIFO head
+//            st.release.sys, RDMA tail rdma_signal_tail (fence.sys + signal SET, or st.release.sys
+//            for my own domain), credit rdma_credit (same). Causality order runs from every lane's
+//            loads / stores / completed puts through the warp barrier, the CTA release/acquire pair
+//            and the commit warp's warp barrier to the system-scope release, so a peer that
+//            acquires the published counter sees the data, and a producer that acquires a head
+//            overwrites only slots whose loads are done.
+//   credits: a forwarder worker writes staging / own-ring slots only after acquiring the head
+//            (lane 31, ld.acquire.sys) that covers them; staging slot i was last read by a put that
+//            was completed (quiet) before its tail, hence before the credit, was published.
+// Progress (no cycle): FIFO: slots >= nvl_chunk + chunk_tokens, so the oldest unfinished chunk's
+// rows always fit behind the committed head; RDMA: slots >= 2 x chunk_tokens, so the forwarder
+// chunk that holds the last partial of the receiver's oldest unfinished chunk always has credit.
+// Forwarders serve source domains ascending and receivers tokens ascending, so the oldest blocked
+// item can always be traced to a smaller source domain, which ends (docs/internode.md).
+constexpr int kWorkers = kWarps - 1;
+constexpr int kCommitWarp = kWarps - 1;
+constexpr int kLoadUnroll = 4;  // 16-byte vectors per lane per source in flight
+constexpr int kLoadGroup = 2;   // sources whose vectors are loaded together (8 loads per lane in flight)
+
+__device__ __forceinline__ void st_release_cta(int* p, int v) {
+  asm volatile("st.release.cta.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ int ld_acquire_cta(const int* p) {
+  int v;
+  asm volatile("ld.acquire.cta.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// One warp: out = cast(bias0 + bias1 + srcs[0] + srcs[1] + ...) in float32, in that order (the order
+// of reduce_token, so both kernels give the same bits), and the top-k weights after each source row
+// summed likewise into out_w (if non-null). kLoadGroup sources x kLoadUnroll vectors per lane are
+// loaded before any of them is added, so a lane keeps 8 loads in flight instead of nsrc.
 template <typename T>
+__device__ __forceinline__ void reduce_row(uint8_t* out, float* out_w, const uint8_t* const* srcs, int nsrc,
+                                           const uint8_t* bias0, const uint8_t* bias1, int row_bytes, int num_topk,
+                                           int lane) {
+  constexpr int E = Vec<T>::kElems;
+  const int vecs = row_bytes / 16;
+  for (int v0 = lane; v0 < vecs; v0 += 32 * kLoadUnroll) {
+    float acc[kLoadUnroll][E];
+#pragma unroll
+    for (int u = 0; u < kLoadUnroll; ++u) {
+      const int v = v0 + u * 32;
+#pragma unroll
+      for (int e = 0; e < E; ++e) acc[u][e] = 0.f;
+      if (v < vecs && bias0 != nullptr) {
+        Vec<T> b;
+        b.raw = ptx::ld_nc_v4(reinterpret_cast<const int4*>(bias0) + v);
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[u][e] += to_float(b.elems[e]);
+      }
+      if (v < vecs && bias1 != nullptr) {
+        Vec<T> b;
+        b.raw = ptx::ld_nc_v4(reinterpret_cast<const int4*>(bias1) + v);
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[u][e] += to_float(b.elems[e]);
+      }
+    }
+    for (int s0 = 0; s0 < nsrc; s0 += kLoadGroup) {
+      Vec<T> rows[kLoadGroup][kLoadUnroll];
+#pragma unroll
+      for (int g = 0; g < kLoadGroup; ++g) {
+#pragma unroll
+        for (int u = 0; u < kLoadUnroll; ++u) {
+          const int v = v0 + u * 32;
+          if (s0 + g < nsrc && v < vecs) rows[g][u].raw = ptx::ld_cg_v4(reinterpret_cast<const int4*>(srcs[s0 + g]) + v);
+        }
+      }
+#pragma unroll
+      for (int g = 0; g < kLoadGroup; ++g) {
+#pragma unroll
+        for (int u = 0; u < kLoadUnroll; ++u) {
+          if (s0 + g < nsrc && v0 + u * 32 < vecs) {
+#pragma unroll
+            for (int e = 0; e < E; ++e) acc[u][e] += to_float(rows[g][u].elems[e]);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kLoadUnroll; ++u) {
+      const int v = v0 + u * 32;
+      if (v < vecs) {
+        Vec<T> o;
+#pragma unroll
+        for (int e = 0; e < E; ++e) o.elems[e] = from_float<T>(acc[u][e]);
+        reinterpret_cast<int4*>(out)[v] = o.raw;
+      }
+    }
+  }
+  if (out_w != nullptr && lane < num_topk) {
+    float w = 0.f;
+    for (int i = 0; i < nsrc; ++i) w += __int_as_float(ptx::ld_cg(reinterpret_cast<const int*>(srcs[i] + row_bytes) + lane));
+    out_w[lane] = w;
+  }
+}
+
+// Warp: add to lane b's count (b < 32: lo, else hi, lane b - 32) the lanes whose `bits` has bit b,
+// for b < nbits. Lanes with no token pass bits = 0.
+__device__ __forceinline__ void count_bits(uint64_t bits, int nbits, int lane, uint32_t& lo, uint32_t& hi) {
+  for (int b = 0; b < nbits; ++b) {
+    const int n = __popc(__ballot_sync(0xffffffffu, (bits >> b) & 1u));
+    if (lane == (b & 31)) {
+      if (b < 32) lo += n;
+      else hi += n;
+    }
+  }
+}
+
+// Warp, uniform b: the count of ring b held by lane b & 31.
+__device__ __forceinline__ uint32_t count_of(uint32_t lo, uint32_t hi, int b) {
+  return __shfl_sync(0xffffffffu, b < 32 ? lo : hi, b & 31);
+}
+
+// One lane: wait until `word` (local) reaches `until`; false on timeout (recorded) or when another
+// warp of the block gave up (stop, not recorded: that warp recorded its own wait).
+__device__ __forceinline__ bool wait_or_abort(const uint64_t* word, uint64_t until, const Watchdog& dog, int phase,
+                                              int peer, const volatile int* stop) {
+  while (ptx::ld_acquire_sys(word) < until) {
+    if (*stop || dog.expired(phase, peer)) return false;
+  }
+  return true;
+}
+
+// Commit warp, nothing new to publish: false (in every lane: lane 0 decides) when the block must stop
+// (a worker gave up, or, as a backstop that should never fire, a second past the deadline).
+__device__ __forceinline__ bool commit_idle_ok(const Watchdog& dog, int phase, int rank, const volatile int* stop,
+                                               int lane) {
+  int ok = 1;
+  if (lane == 0) {
+    ok = !*stop && !(ptx::globaltimer_ns() > dog.deadline_ns + 1000000000ull && dog.expired(phase, rank));
+  }
+  return __shfl_sync(0xffffffffu, ok, 0) != 0;
+}
+
+// Commit warp: the chunks from kc on that are done, contiguously (lane 0 acquires, every lane gets
+// the answer after a warp barrier that orders the acquires before the lanes' releases).
+__device__ __forceinline__ int done_upto(const int* done, int kc, int total, int lane) {
+  int upto = kc;
+  if (lane == 0) {
+    while (upto < total && ld_acquire_cta(&done[upto % kWorkers]) > upto / kWorkers) ++upto;
+  }
+  upto = __shfl_sync(0xffffffffu, upto, 0);
+  __syncwarp();
+  return upto;
+}
+
+// ------------------------------------------------------------------ pipelined forwarder
+// Sequence of this channel's forwarded tokens: source domain x ascending, then token order (the
+// order in which every local rank's NVL sender returns its rows). Chunks never span two domains.
+struct FwdSeq {
+  const int* first;   // [D] first fwd_mask index of (x, ch)
+  const int* count;   // [D] tokens of (x, ch)
+  const int* cstart;  // [D + 1] first chunk of x
+  const int* fwd_mask;
+  int fwd_capacity, nvl;
+
+  __device__ int mask(int x, int k) const {
+    const int idx = first[x] + k;
+    return idx < fwd_capacity ? fwd_mask[idx] : 0;
+  }
+  // Warp: move the scan position (sx, sk) forward to (x, k), counting per local rank the rows of the
+  // tokens passed (lane j: rows for j in `cnt`).
+  __device__ void scan_to(int& sx, int& sk, int x, int k, uint32_t& cnt, int lane) const {
+    uint32_t unused = 0;
+    while (sx < x || sk < k) {
+      const int limit = sx < x ? count[sx] : k;
+      if (sk >= limit) {
+        ++sx;
+        sk = 0;
+        continue;
+      }
+      const int m = min(32, limit - sk);
+      const int bits = lane < m ? mask(sx, sk + lane) : 0;
+      count_bits(static_cast<uint32_t>(bits), nvl, lane, cnt, unused);
+      sk += m;
+    }
+  }
+};
+
+template <typename T>
+__device__ void forward_worker(const CombineArgs& a, int ch, int warp, int lane, const Watchdog& dog, int row_bytes,
+                               const FwdSeq& seq, const uint64_t* rtail0, const uint64_t* nhead0, int* done,
+                               volatile int* stop, const uint8_t** srcs) {
+  const Common& c = a.c;
+  const int nvl = c.nvl_size, K = a.chunk_tokens, total = seq.cstart[c.num_domains];
+  RdmaControl* rctl = rdma_ctl(c);
+  intranode::Control* nctl = nvl_ctl(c, c.local);
+  const uint8_t* ring0 = nvl_ring(c, c.nvl[c.local], 0, ch, a.nvl_slots, a.nvl_slot_bytes);
+  const bool has_weights = a.num_topk > 0;  // the slot layout of every rank (not this rank's pointer)
+  uint32_t cnt = 0, unused = 0;
+  int sx = 0, sk = 0, cx = 0, finished = 0;
+  for (int k = warp; k < total; k += kWorkers) {
+    while (k >= seq.cstart[cx + 1]) ++cx;
+    const int x = cx, k0 = (k - seq.cstart[x]) * K, n = min(K, seq.count[x] - k0);
+    seq.scan_to(sx, sk, x, k0, cnt, lane);
+    const int mask = lane < n ? seq.mask(x, k0 + lane) : 0;
+    uint32_t mine = 0;
+    count_bits(static_cast<uint32_t>(mask), nvl, lane, mine, unused);
+    const uint64_t first_slot = rtail0[x] + k0;
+    bool good = true;
+    if (lane < nvl && mine > 0) {
+      good = wait_or_abort(&nctl->fifo_tail[ch][lane], nhead0[lane] + cnt + mine, dog, kPhaseCombineForward,
+                           c.domain * nvl + lane, stop);
+    } else if (lane == 31) {  // credit for slots [first_slot, first_slot + n) of the source's ring
+      const uint64_t* head = &rctl->head[ch][x];
+      while (first_slot + n - ptx::ld_acquire_sys(head) > static_cast<uint64_t>(a.rdma_slots)) {
+        if (*stop || dog.expired(kPhaseCombineRdmaSend, team_pe(c, x))) {
+          good = false;
+          break;
+        }
+      }
+    }
+    if (!__all_sync(0xffffffffu, good)) {
+      if (lane == 0) *stop = 1;
+      return;
+    }
+    __syncwarp();  // the lanes' acquires before every lane's slot loads and stores
+    uint8_t* out_ring = rdma_write_ring(c, x, ch, a.rdma_slots, a.rdma_slot_bytes);
+    for (int i = 0; i < n; ++i) {
+      const int mi = __shfl_sync(0xffffffffu, mask, i);
+      const unsigned below = (1u << i) - 1u;
+      int nsrc = 0;
+      for (int j = 0; j < nvl; ++j) {
+        const unsigned b = __ballot_sync(0xffffffffu, (mask >> j) & 1);
+        const uint32_t base = __shfl_sync(0xffffffffu, cnt, j);
+        if ((mi >> j) & 1) {  // uniform
+          const uint64_t index = nhead0[j] + base + __popc(b & below);
+          if (lane == 0) {
+            srcs[nsrc] = ring0 + j * c.layout.nvl_src_block_bytes + static_cast<size_t>(index % a.nvl_slots) * a.nvl_slot_bytes;
+          }
+          ++nsrc;
+        }
+      }
+      __syncwarp();
+      uint8_t* dst = out_ring + static_cast<size_t>((first_slot + i) % a.rdma_slots) * a.rdma_slot_bytes;
+      reduce_row<T>(dst, has_weights ? reinterpret_cast<float*>(dst + row_bytes) : nullptr, srcs, nsrc, nullptr, nullptr,
+                    row_bytes, a.num_topk, lane);
+      __syncwarp();  // srcs is rewritten for the next token
+    }
+    rdma_put_rows(c, x, ch, first_slot, n, a.rdma_slots, a.rdma_slot_bytes, lane);  // remote: put + quiet
+    __syncwarp();  // every lane's slot loads, stores and (completed) puts before the release below
+    if (lane == 0) st_release_cta(&done[warp], ++finished);
+  }
+}
+
+__device__ void forward_commit(const CombineArgs& a, int ch, int lane, const Watchdog& dog, const FwdSeq& seq,
+                               const uint64_t* rtail0, const uint64_t* nhead0, const int* done,
+                               const volatile int* stop) {
+  const Common& c = a.c;
+  const int nvl = c.nvl_size, K = a.chunk_tokens, D = c.num_domains, total = seq.cstart[D];
+  RdmaControl* rctl = rdma_ctl(c);
+  uint32_t cnt = 0, published = 0;  // lane j: rows of FIFO j consumed by the committed chunks / published
+  int sx = 0, sk = 0, kc = 0, cx = 0;
+  bool any_remote = false;
+  while (kc < total) {
+    const int upto = done_upto(done, kc, total, lane);
+    if (upto == kc) {
+      if (!commit_idle_ok(dog, kPhaseCombineForward, c.rank, stop, lane)) return;
+      continue;
+    }
+    // Chunks [kc, upto) are done: publish the tail of every source domain they belong to.
+    while (kc < upto) {
+      while (kc >= seq.cstart[cx + 1]) ++cx;
+      const int x = cx, last = min(upto, seq.cstart[x + 1]);  // chunks [kc, last) are x's
+      const int end = min((last - seq.cstart[x]) * K, seq.count[x]);
+      seq.scan_to(sx, sk, x, end, cnt, lane);
+      if (lane == 0) {
+        const uint64_t tail = rtail0[x] + end;
+        rdma_signal_tail(c, x, ch, tail);
+        *reinterpret_cast<volatile uint64_t*>(&rctl->tail_copy[ch][x]) = tail;
+      }
+      any_remote |= x != c.domain;
+      kc = last;
+    }
+    // The FIFO heads: local rank j may reuse the slots of every committed row.
+    if (lane < nvl && cnt != published) {
+      published = cnt;
+      ptx::st_release_sys(&nvl_ctl(c, lane)->fifo_head[ch][c.local], nhead0[lane] + cnt);
+    }
+  }
+  if (lane == 0 && any_remote) nvshmem_quiet();  // complete the tail signals before the kernel ends
+  if (lane < nvl) nvl_ctl(c, c.local)->head_copy[ch][lane] = nhead0[lane] + cnt;
+}
+
+template <typename T>
+__device__ void forward_pipelined(const CombineArgs& a, int ch, int warp, int lane, const Watchdog& dog,
+                                  int row_bytes) {
+  const Common& c = a.c;
+  const int D = c.num_domains, nvl = c.nvl_size, C = a.num_channels, K = a.chunk_tokens;
+  RdmaControl* rctl = rdma_ctl(c);
+  intranode::Control* nctl = nvl_ctl(c, c.local);
+  __shared__ int s_first[kMaxDomains], s_count[kMaxDomains], s_cstart[kMaxDomains + 1];
+  __shared__ uint64_t s_rtail0[kMaxDomains];  // tail of ring (ch, my domain) at source x, at kernel start
+  __shared__ uint64_t s_nhead0[kMaxNvl];      // head of FIFO (ch, j -> me), at kernel start
+  __shared__ int s_done[kWorkers];            // chunks finished by each worker warp in this call
+  __shared__ int s_abort;
+  __shared__ const uint8_t* s_srcs[kWorkers][kMaxNvl];
+  for (int x = threadIdx.x; x < D; x += blockDim.x) {
+    s_first[x] = a.fwd_offset[x * (C + 1) + ch];
+    s_count[x] = a.fwd_offset[x * (C + 1) + ch + 1] - s_first[x];
+    s_rtail0[x] = *reinterpret_cast<volatile uint64_t*>(&rctl->tail_copy[ch][x]);
+  }
+  if (threadIdx.x < nvl) s_nhead0[threadIdx.x] = *reinterpret_cast<volatile uint64_t*>(&nctl->head_copy[ch][threadIdx.x]);
+  if (threadIdx.x < kWorkers) s_done[threadIdx.x] = 0;
+  if (threadIdx.x == 0) s_abort = 0;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int s = 0;
+    for (int x = 0; x < D; ++x) {
+      s_cstart[x] = s;
+      s += (s_count[x] + K - 1) / K;
+    }
+    s_cstart[D] = s;
+  }
+  __syncthreads();  // the last block-wide barrier: from here on warps wait only on their own words
+  const FwdSeq seq{s_first, s_count, s_cstart, a.fwd_mask, a.fwd_capacity, nvl};
+  if (warp == kCommitWarp) {
+    forward_commit(a, ch, lane, dog, seq, s_rtail0, s_nhead0, s_done, &s_abort);
+  } else {
+    forward_worker<T>(a, ch, warp, lane, dog, row_bytes, seq, s_rtail0, s_nhead0, s_done, &s_abort, s_srcs[warp]);
+  }
+}
+
+// ------------------------------------------------------------------ pipelined source receiver
+// Domains (bit x) that token t went to.
+__device__ __forceinline__ uint64_t token_domains(const CombineArgs& a, int t) {
+  const Common& c = a.c;
+  const bool* row = a.is_token_in_rank + static_cast<int64_t>(t) * c.num_ranks;
+  uint64_t bits = 0;
+  for (int x = 0; x < c.num_domains; ++x) {
+    bool hit = false;
+    for (int j = 0; j < c.nvl_size; ++j) hit |= row[x * c.nvl_size + j];
+    bits |= static_cast<uint64_t>(hit) << x;
+  }
+  return bits;
+}
+
+// Warp: move the scan position st forward to token `to`, counting per domain the partials passed.
+__device__ __forceinline__ void recv_scan_to(const CombineArgs& a, int& st, int to, uint32_t& lo, uint32_t& hi,
+                                             int lane) {
+  while (st < to) {
+    const int m = min(32, to - st);
+    const uint64_t bits = lane < m ? token_domains(a, st + lane) : 0;
+    count_bits(bits, a.c.num_domains, lane, lo, hi);
+    st += m;
+  }
+}
+
+template <typename T>
+__device__ void receive_worker(const CombineArgs& a, int ch, int warp, int lane, const Watchdog& dog, int row_bytes,
+                               int begin, int end, const uint64_t* rhead0, int* done, volatile int* stop,
+                               const uint8_t** srcs) {
+  const Common& c = a.c;
+  const int D = c.num_domains, K = a.chunk_tokens, total = (end - begin + K - 1) / K;
+  RdmaControl* rctl = rdma_ctl(c);
+  uint32_t lo = 0, hi = 0;  // lane x (& 31): partials of domain x (lo: x < 32, hi: x >= 32) before st
+  int st = begin, finished = 0;
+  for (int k = warp; k < total; k += kWorkers) {
+    const int t0 = begin + k * K, n = min(K, end - t0);
+    recv_scan_to(a, st, t0, lo, hi, lane);
+    const uint64_t bits = lane < n ? token_domains(a, t0 + lane) : 0;
+    uint32_t mlo = 0, mhi = 0;
+    count_bits(bits, D, lane, mlo, mhi);
+    bool good = true;
+    if (lane < D && mlo > 0) {
+      good = wait_or_abort(&rctl->tail[ch][lane], rhead0[lane] + lo + mlo, dog, kPhaseCombineRecv, team_pe(c, lane), stop);
+    }
+    if (good && lane + 32 < D && mhi > 0) {
+      good = wait_or_abort(&rctl->tail[ch][lane + 32], rhead0[lane + 32] + hi + mhi, dog, kPhaseCombineRecv,
+                           team_pe(c, lane + 32), stop);
+    }
+    if (!__all_sync(0xffffffffu, good)) {
+      if (lane == 0) *stop = 1;
+      return;
+    }
+    __syncwarp();  // the lanes' tail acquires before every lane's slot loads
+    for (int i = 0; i < n; ++i) {
+      const int64_t token = t0 + i;
+      const unsigned below = (1u << i) - 1u;
+      uint64_t rest = __shfl_sync(0xffffffffu, bits, i);
+      int nsrc = 0;
+      while (rest != 0) {  // domains ascending (uniform)
+        const int x = __ffsll(static_cast<long long>(rest)) - 1;
+        rest &= rest - 1;
+        const unsigned b = __ballot_sync(0xffffffffu, (bits >> x) & 1u);
+        const uint64_t index = rhead0[x] + count_of(lo, hi, x) + __popc(b & below);
+        if (lane == 0) {
+          srcs[nsrc] = rdma_recv_ring(c, x, ch, a.rdma_slots, a.rdma_slot_bytes) +
+                       static_cast<size_t>(index % a.rdma_slots) * a.rdma_slot_bytes;
+        }
+        ++nsrc;
+      }
+      __syncwarp();
+      reduce_row<T>(a.out + token * row_bytes, a.out_topk_weights != nullptr ? a.out_topk_weights + token * a.num_topk : nullptr,
+                    srcs, nsrc, a.bias0 != nullptr ? a.bias0 + token * row_bytes : nullptr,
+                    a.bias1 != nullptr ? a.bias1 + token * row_bytes : nullptr, row_bytes, a.num_topk, lane);
+      __syncwarp();  // srcs is rewritten for the next token
+    }
+    __syncwarp();  // every lane's slot loads before the release below
+    if (lane == 0) st_release_cta(&done[warp], ++finished);
+  }
+}
+
+__device__ void receive_commit(const CombineArgs& a, int ch, int lane, const Watchdog& dog, int begin, int end,
+                               const uint64_t* rhead0, const int* done, const volatile int* stop) {
+  const Common& c = a.c;
+  const int D = c.num_domains, K = a.chunk_tokens, total = (end - begin + K - 1) / K;
+  RdmaControl* rctl = rdma_ctl(c);
+  uint32_t lo = 0, hi = 0, plo = 0, phi = 0;  // lane x (& 31): partials of x consumed / credited
+  int st = begin, kc = 0;
+  bool any_remote = false;
+  while (kc < total) {
+    const int upto = done_upto(done, kc, total, lane);
+    if (upto == kc) {
+      if (!commit_idle_ok(dog, kPhaseCombineRecv, c.rank, stop, lane)) return;
+      continue;
+    }
+    recv_scan_to(a, st, min(end, begin + upto * K), lo, hi, lane);
+    kc = upto;
+    // Credits (lane 0 issues every signal, so its final quiet completes them all).
+    for (int x = 0; x < D; ++x) {
+      const uint32_t now = count_of(lo, hi, x), before = count_of(plo, phi, x);
+      if (lane == 0 && now != before) {
+        rdma_credit(c, x, ch, rhead0[x] + now);
+        any_remote |= x != c.domain;
+      }
+    }
+    plo = lo;
+    phi = hi;
+  }
+  if (lane == 0 && any_remote) nvshmem_quiet();  // complete the credit signals before the kernel ends
+  if (lane < D) rctl->head_copy[ch][lane] = rhead0[lane] + lo;
+  if (lane + 32 < D) rctl->head_copy[ch][lane + 32] = rhead0[lane + 32] + hi;
+}
+
+template <typename T>
+__device__ void receive_pipelined(const CombineArgs& a, int ch, int warp, int lane, const Watchdog& dog, int row_bytes) {
+  const Common& c = a.c;
+  RdmaControl* rctl = rdma_ctl(c);
+  __shared__ uint64_t s_rhead0[kMaxDomains];  // head of my ring (ch, from x), at kernel start
+  __shared__ int s_done[kWorkers];
+  __shared__ int s_abort;
+  __shared__ const uint8_t* s_srcs[kWorkers][kMaxDomains];
+  for (int x = threadIdx.x; x < c.num_domains; x += blockDim.x) {
+    s_rhead0[x] = *reinterpret_cast<volatile uint64_t*>(&rctl->head_copy[ch][x]);
+  }
+  if (threadIdx.x < kWorkers) s_done[threadIdx.x] = 0;
+  if (threadIdx.x == 0) s_abort = 0;
+  __syncthreads();  // the last block-wide barrier
+  int begin, end;
+  channel_range(a.num_tokens, a.num_channels, ch, begin, end);
+  if (warp == kCommitWarp) {
+    receive_commit(a, ch, lane, dog, begin, end, s_rhead0, s_done, &s_abort);
+  } else {
+    receive_worker<T>(a, ch, warp, lane, dog, row_bytes, begin, end, s_rhead0, s_done, &s_abort, s_srcs[warp]);
+  }
+}
+
+template <typename T, bool kPipelined>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
   __shared__ int shared_ok[kMaxNvl];
   const Common& c = a.c;
@@ -317,9 +805,11 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
   const Watchdog dog = make_watchdog(c.timeout_ns, c.rank, &nvl_ctl(c, c.local)->timeout_claim, &c.mailbox->timeout);
   if (!drain_previous_calls(c, dog)) return;  // earlier calls drained; no ring written before this
   if (role == 1) {
-    forward<T>(a, ch, warp, lane, dog, row_bytes);
+    if constexpr (kPipelined) forward_pipelined<T>(a, ch, warp, lane, dog, row_bytes);
+    else forward<T>(a, ch, warp, lane, dog, row_bytes);
   } else if (role == 2) {
-    receive<T>(a, ch, warp, lane, dog, row_bytes);
+    if constexpr (kPipelined) receive_pipelined<T>(a, ch, warp, lane, dog, row_bytes);
+    else receive<T>(a, ch, warp, lane, dog, row_bytes);
   } else {
     const int warps = kWarps / c.nvl_size;
     const int group = warp / warps, group_warp = warp % warps;
@@ -332,10 +822,18 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
 
 void launch_combine(const CombineArgs& args, cudaStream_t stream) {
   const dim3 grid(3 * args.num_channels);
-  switch (args.dtype) {
-    case kBf16: combine_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(args); break;
-    case kFp16: combine_kernel<__half><<<grid, kThreads, 0, stream>>>(args); break;
-    default: combine_kernel<float><<<grid, kThreads, 0, stream>>>(args); break;
+  if (args.pipelined) {
+    switch (args.dtype) {
+      case kBf16: combine_kernel<__nv_bfloat16, true><<<grid, kThreads, 0, stream>>>(args); break;
+      case kFp16: combine_kernel<__half, true><<<grid, kThreads, 0, stream>>>(args); break;
+      default: combine_kernel<float, true><<<grid, kThreads, 0, stream>>>(args); break;
+    }
+  } else {
+    switch (args.dtype) {
+      case kBf16: combine_kernel<__nv_bfloat16, false><<<grid, kThreads, 0, stream>>>(args); break;
+      case kFp16: combine_kernel<__half, false><<<grid, kThreads, 0, stream>>>(args); break;
+      default: combine_kernel<float, false><<<grid, kThreads, 0, stream>>>(args); break;
+    }
   }
   intranode::check_launch("internode combine_kernel");
 }

@@ -124,7 +124,7 @@ __device__ __forceinline__ bool wait_at_least(const uint64_t* word, uint64_t unt
 // head >= tail_copy for all of them. The tail_copy words must be read BEFORE any block of this call
 // advances them: waiting for rows of the current call would wait for consumers that may themselves
 // wait (through another rank's blocks) for this block, a cycle across ranks that deadlocks (a
-// combine receiver needs every domain's partial of a batch, a combine forwarder every local rank's
+// combine receiver needs every domain's partial of a batch or chunk, a combine forwarder every local rank's
 // rows). Hence every block checks a share of the (channel, peer) pairs and no block sends before
 // the grid barrier, i.e. before all checks are done. All blocks are co-resident (required anyway).
 __device__ __forceinline__ void grid_sync(RdmaControl* ctl, const Watchdog& dog, int rank) {

@@ -147,9 +147,12 @@ struct CombineArgs {
   int num_channels;
   int nvl_chunk, nvl_slots, nvl_slot_bytes;
   int rdma_slots, rdma_slot_bytes;
-  int fwd_windows;                  // forwarder batch = 32 x fwd_windows tokens
-  int recv_windows;                 // source receiver batch = 32 x recv_windows tokens
+  int fwd_windows;                  // old combine: forwarder batch = 32 x fwd_windows tokens
+  int recv_windows;                 // old combine: source receiver batch = 32 x recv_windows tokens
+  int pipelined;                    // 1: pipelined combine (per-warp chunks), 0: the old batched one
+  int chunk_tokens;                 // pipelined combine: tokens per warp chunk (1..kMaxCombineChunk)
 };
+constexpr int kMaxCombineChunk = 32;  // a chunk's tokens are one warp's lanes
 
 void launch_layout(const LayoutArgs& args, cudaStream_t stream);
 void launch_notify(const NotifyArgs& args, cudaStream_t stream);
