@@ -182,8 +182,8 @@ void dispatch(const Context& ctx, uint64_t timeout_ns, uintptr_t x, uintptr_t sc
 void combine(const Context& ctx, uint64_t timeout_ns, uintptr_t x, uintptr_t topk_weights, uintptr_t bias0,
              uintptr_t bias1, uintptr_t is_token_in_rank, uintptr_t recv_channel_offset, uintptr_t fwd_offset,
              uintptr_t fwd_mask, int fwd_capacity, uintptr_t out, uintptr_t out_topk_weights, int dtype, int num_tokens,
-             int hidden, int num_topk, int num_x_rows, const std::vector<int>& geometry, int pipelined,
-             int chunk_tokens, uintptr_t stream) {
+             int hidden, int num_topk, int num_x_rows, const std::vector<int>& geometry, int chunk_tokens,
+             uintptr_t stream) {
   MOE_CHECK(geometry.size() == 7, "geometry: 7 values expected");
   CombineArgs a{};
   a.c = with_timeout(ctx, timeout_ns);
@@ -194,23 +194,19 @@ void combine(const Context& ctx, uint64_t timeout_ns, uintptr_t x, uintptr_t top
   a.rdma_slots = geometry[5];
   a.rdma_slot_bytes = geometry[6];
   check_geometry(a.c, a.num_channels, a.nvl_slots, a.nvl_slot_bytes, a.rdma_slots, a.rdma_slot_bytes);
-  // Forwarder batches must fit beside a sender chunk in the NVLink ring; the forwarder's and the
-  // source's batches together must fit the RDMA ring (docs/internode.md, "Progress").
-  a.fwd_windows = std::min(kMaxWindows, (a.nvl_slots - a.nvl_chunk) / 32);
-  MOE_CHECK(a.fwd_windows >= 1, "combine needs num_max_nvl_chunked_recv_tokens >= send tokens + 32");
-  a.fwd_windows = std::min(a.fwd_windows, a.rdma_slots / 64);
-  MOE_CHECK(a.fwd_windows >= 1, "combine needs num_max_rdma_chunked_recv_tokens >= 64");
-  a.recv_windows = std::min(kMaxWindows, (a.rdma_slots - 32 * a.fwd_windows) / 32);
-  MOE_CHECK(a.recv_windows >= 1, "combine needs num_max_rdma_chunked_recv_tokens >= 64");
-  // Pipelined combine: chunk_tokens <= 32 keeps nvl_slots >= nvl_chunk + chunk and rdma_slots >= 2 chunks
-  // (the checks above), which is what its progress argument needs. 0: pick from the tokens per channel,
-  // so that small calls still spread over the worker warps (15 per block).
+  // Progress (docs/internode.md): a forwarder chunk's rows must fit beside a sender chunk in the NVLink
+  // ring, and two chunks in the RDMA ring. Checked for the largest chunk, so that every chunk_tokens
+  // fits whatever the call's size.
+  MOE_CHECK(a.nvl_slots >= a.nvl_chunk + kMaxCombineChunk,
+            "combine needs num_max_nvl_chunked_recv_tokens >= send tokens + 32");
+  MOE_CHECK(a.rdma_slots >= 2 * kMaxCombineChunk, "combine needs num_max_rdma_chunked_recv_tokens >= 64");
+  // Tokens per warp chunk; 0: pick from the tokens per channel, so that small calls still spread over
+  // the worker warps (15 per block).
   if (chunk_tokens <= 0) {
     const int per_channel = (num_tokens + a.num_channels - 1) / a.num_channels;
     chunk_tokens = std::clamp((per_channel + 14) / 15, 1, 8);
   }
   MOE_CHECK(chunk_tokens >= 1 && chunk_tokens <= kMaxCombineChunk, "combine chunk tokens must be in [1, 32]");
-  a.pipelined = pipelined ? 1 : 0;
   a.chunk_tokens = chunk_tokens;
   a.x = ptr<const uint8_t>(x);
   a.topk_weights = ptr<const float>(topk_weights);

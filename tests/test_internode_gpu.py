@@ -121,18 +121,19 @@ def _check_case(kb, rb, c: Dict, seed: int, stats: Dict) -> None:
         bias = (torch.randn(t, h, generator=g).to(cdtype).to(dev), torch.randn(t, h, generator=g).to(cdtype).to(dev))
     yk = kb.combine(y, hk, topk_weights=ok[2], bias=bias)
     yr = rb.combine(y, hr, topk_weights=ro[2], bias=bias)
-    # The other combine kernel (pipelined / old) sums in the same order: the same bits.
+    # Other warp-chunk sizes (1 token; 32, the bound of the progress argument) sum in the same order: the
+    # same bits as the default chunk.
     backend = kb._kernels
-    first = backend.combine_variant
-    other = "old" if first == "pipelined" else "pipelined"
-    backend.combine_variant = other
+    first = backend.combine_chunk
     try:
-        yo = kb.combine(y, hk, topk_weights=ok[2], bias=bias)
+        for chunk in (1, 32):
+            backend.combine_chunk = chunk
+            yo = kb.combine(y, hk, topk_weights=ok[2], bias=bias)
+            assert_equal(yo[0], yk[0], f"combined_x: chunk {chunk} vs chunk {first}")
+            if yk[1] is not None:
+                assert_equal(yo[1], yk[1], f"combined_topk_weights: chunk {chunk} vs chunk {first}")
     finally:
-        backend.combine_variant = first
-    assert_equal(yo[0], yk[0], f"combined_x: {other} vs {first} combine")
-    if yk[1] is not None:
-        assert_equal(yo[1], yk[1], f"combined_topk_weights: {other} vs {first} combine")
+        backend.combine_chunk = first
     stats["combine_total"] += 1
     stats["combine_bit_exact"] += int(torch.equal(yk[0], yr[0]) and torch.equal(yk[1], yr[1]))
     tol = {torch.float32: (1e-5, 1e-5), torch.float16: (5e-3, 1e-2)}.get(cdtype, (2e-2, 6e-2))
@@ -172,16 +173,16 @@ def _world_matches_reference(rank: int, world_size: int) -> Dict:
         yk, _ = backend.combine(got[0], got[5], None, (), config=cfg)
         yr = rb.combine(want[0], want[4])[0]
         assert_close(yk, yr, "combine with Config(8, 4, 64, 4, 64)", rtol=2e-2, atol=6e-2)
-        # Pipelined combine at the extreme chunk sizes (1 token per warp chunk; 32 = 2 chunks fill the
-        # 64-slot RDMA ring, the bound of its progress argument), both kernels: the same bits.
-        first_variant, first_chunk = backend.combine_variant, backend.combine_chunk
+        # Extreme and odd warp-chunk sizes (1 token; 3, not dividing the 32-token scans; 32 = 2 chunks fill
+        # the 64-slot RDMA ring, the bound of the progress argument): the same bits as the default chunk.
+        first_chunk = backend.combine_chunk
         try:
-            for variant, chunk in (("pipelined", 1), ("pipelined", 32), ("old", 0)):
-                backend.combine_variant, backend.combine_chunk = variant, chunk
+            for chunk in (1, 3, 32):
+                backend.combine_chunk = chunk
                 yc, _ = backend.combine(got[0], got[5], None, (), config=cfg)
-                assert_equal(yc, yk, f"combine {variant} chunk={chunk} with Config(8, 4, 64, 4, 64)")
+                assert_equal(yc, yk, f"combine chunk={chunk} with Config(8, 4, 64, 4, 64)")
         finally:
-            backend.combine_variant, backend.combine_chunk = first_variant, first_chunk
+            backend.combine_chunk = first_chunk
     torch.cuda.synchronize()
     kb.destroy()
     rb.destroy()
@@ -237,12 +238,12 @@ def _world_graph_and_back_to_back(rank: int, world_size: int) -> None:
             assert_close(comb[1], want_comb[1], f"replay {it}: combined weights", rtol=1e-5, atol=1e-5)
         del graph
 
-    with case("1000 back-to-back dispatch+combine (both combine kernels, switched every 3 calls)"):
+    with case("1000 back-to-back dispatch+combine (combine chunk size switched every 3 calls)"):
         bad = torch.zeros((), dtype=torch.int64, device=dev)
         handle = None
-        backend, first = kb._kernels, kb._kernels.combine_variant
+        backend, first = kb._kernels, kb._kernels.combine_chunk
         for i in range(1000):
-            backend.combine_variant = (first, "old" if first == "pipelined" else "pipelined")[(i // 3) % 2]
+            backend.combine_chunk = (first, 1, 32)[(i // 3) % 3]
             x = torch.randint(-8, 9, (t, h), device=dev).to(torch.bfloat16)
             if handle is None or i % 2 == 0:
                 idx = torch.rand(t, e, device=dev).topk(k, dim=1).indices
@@ -255,7 +256,7 @@ def _world_graph_and_back_to_back(rank: int, world_size: int) -> None:
             ranks = handle.is_token_in_rank.sum(1, dtype=torch.float32)[:, None]
             bad += (comb.float() != x.float() * ranks).sum()
         torch.cuda.synchronize()
-        backend.combine_variant = first
+        backend.combine_chunk = first
         kb._kernels._check()
         assert int(bad) == 0, f"{int(bad)} wrong combined values over 1000 round trips"
         _, want = _dispatch(rb, x, idx, None, e)

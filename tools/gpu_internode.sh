@@ -2,8 +2,7 @@
 # Internode (two-hop) GPU check on the 4-GPU machine, after the build of tools/gpu_suite.sh
 # (STEPS="build" bash tools/gpu_suite.sh 4, or include "build" in STEPS here). Under 4 minutes (tests stop at the first failure):
 #   tests at MOE_DISPATCHER_NVL_SIZE=2 (2 emulated domains of 2) and =1 (4 domains of 1),
-#   bench --mode internode --nvl-size 2 (intranode kernels and NCCL beside it, same run; both internode
-#   combine kernels: "combine" = the backend's default, MOE_DISPATCHER_INTERNODE_COMBINE, and the other one).
+#   bench --mode internode --nvl-size 2 (intranode kernels and NCCL beside it, same run).
 # Logs in $OUT/logs, summary in $OUT/summary_internode.txt, everything packed into $OUT/internode.tgz.
 #   bash tools/gpu_internode.sh            STEPS="build tests bench" bash tools/gpu_internode.sh
 set -u
@@ -30,14 +29,13 @@ run() {
   (( rc == 0 )) || failed=1
 }
 failed=0
-# FAIL_FAST=1: a failed test step skips the later steps (tools/gpu_internode_combine.sh sets it).
+# FAIL_FAST=1: a failed test step skips the later steps (tools/gpu_inter_clean.sh sets it).
 stop_early() { [[ "${FAIL_FAST:-0}" == 1 && $failed == 1 ]] && { echo "SKIP the rest (FAIL_FAST)" | tee -a "$summary"; return 0; }; return 1; }
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 if [ -d .whl ] && ls .whl/*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
 has build && { DEADLINE_S=$((DEADLINE_S + 240)); run build 240 env MAX_JOBS=32 MOE_DISPATCHER_BUILD_EXT=1 python3 -m pip install --no-deps --no-build-isolation -v -e .; }
-echo "combine kernel: ${MOE_DISPATCHER_INTERNODE_COMBINE:-pipelined (default)}" | tee -a "$summary"
 if has tests && ! stop_early; then
   run internode_tests_nvl2 80 python3 -m pytest -x -q -s -m gpu -p no:cacheprovider tests/test_internode_gpu.py -k "4-nvl2"
   stop_early || run internode_tests_nvl1 80 python3 -m pytest -x -q -s -m gpu -p no:cacheprovider tests/test_internode_gpu.py -k "4-nvl1"

@@ -10,33 +10,10 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-import torch
-
 from ..buffer import Buffer
-from ..config import Config
 from ..topology import Topology
-from .common import Context, attach_baseline, fmt_rec, make_record
-from .normal import Workload, _cfg_fields, _release, cached_cases, nccl_baselines, nvl_bytes, plot_config
-from .timing import time_calls
-
-
-def _other_combine(ctx: Context, w: Workload, handle, ccfg: Config, nccl, backend) -> Dict[str, Any]:
-    """The internode combine with the backend's other kernel (pipelined / old), same calls, op 'combine-<variant>'."""
-    first = backend.combine_variant
-    other = "old" if first == "pipelined" else "pipelined"
-    backend.combine_variant = other
-    try:
-        times = time_calls(lambda i: w.buffer.combine(w.ys[i % len(w.ys)], handle, config=ccfg), ctx.opts.iters,
-                           ctx.opts.warmup, ctx.device, ctx.group)
-    finally:
-        backend.combine_variant = first
-    logical, physical = w.bytes_bf16()
-    rec = make_record(ctx, {"section": "internode", "op": f"combine-{other}", "dtype": "bf16", **w.fields(),
-                            **_cfg_fields(ccfg), "config": f"internode tuned, {other} combine kernel",
-                            "backend": handle.backend}, times, logical, physical)
-    attach_baseline(rec, (nccl or {}).get("combine-bf16"))
-    ctx.say(f"[internode] combine-{other} bf16 T={w.tokens:<5d} sms={ccfg.num_sms:<2d}: {fmt_rec(rec)}")
-    return rec
+from .common import Context, fmt_rec
+from .normal import Workload, _release, cached_cases, nccl_baselines, nvl_bytes, plot_config
 
 
 def run(ctx: Context) -> None:
@@ -69,12 +46,6 @@ def run(ctx: Context) -> None:
                 ctx.records.extend(nccl.values())
             ctx.say(f"  {name}: backend {h0.backend}")
             recs = cached_cases(ctx, w, h0, dcfg, ccfg, o.iters, o.warmup, nccl, name, f"{name} tuned")
-            backend = buf._kernels
-            if name == "internode" and h0.backend == "internode" and hasattr(backend, "combine_variant"):
-                for rec in recs:
-                    if rec["op"] == "combine":
-                        rec["config"] += f", {backend.combine_variant} combine kernel"
-                recs.append(_other_combine(ctx, w, h0, ccfg, nccl, backend))
             if name == "internode":
                 in_domain = w.layout[3].view(w.tokens, r // nvl, nvl).any(-1)
                 pairs = int(in_domain.sum())
@@ -92,8 +63,8 @@ def run(ctx: Context) -> None:
             ctx.records.extend(recs)
             del recv_x, h0, w
             _release(ctx.device)
-        for op in ("dispatch bf16", "dispatch fp8", "combine bf16", "combine-old bf16", "combine-pipelined bf16"):
-            a, b = results.get(f"intranode {op.replace('-old', '').replace('-pipelined', '')}"), results.get(f"internode {op}")
+        for op in ("dispatch bf16", "dispatch fp8", "combine bf16"):
+            a, b = results.get(f"intranode {op}"), results.get(f"internode {op}")
             if a and b and a["t_us"]["mean"] > 0:
                 ratio = b["t_us"]["mean"] / a["t_us"]["mean"]
                 ctx.say(f"  {op}: internode {b['t_us']['mean']:.0f} us / intranode {a['t_us']['mean']:.0f} us = "

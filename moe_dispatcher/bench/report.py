@@ -133,7 +133,7 @@ def internode_table(records: List[Dict[str, Any]]) -> str:
     for (section, op, dtype), r in by.items():
         if section != "internode":
             continue
-        intra = by.get(("intranode", op.split("-")[0], dtype))  # "combine-old": the other combine kernel
+        intra = by.get(("intranode", op, dtype))
         base = nccl.get(f"{op}-{dtype}")
         t, ti = r["t_us"]["mean"], intra["t_us"]["mean"] if intra else None
         rows.append([f"{op} {dtype}", r.get("num_sms", "-"), _f(t), _range(r["t_us"]), _f(ti),

@@ -26,12 +26,9 @@ from ..handle import DispatchHandle
 from . import current_stream_ptr, row_geometry, timeout_message
 from .intranode import (DEFAULT_TIMEOUT_S, TIMEOUT_ENV, _COMBINE_DTYPES, _DeviceMemory, combine_slot_bytes)
 
-# Which combine kernel a backend starts with (read once, at backend creation): "pipelined" (default: per-warp
-# chunks, docs/internode.md) or "old" (block-wide batches, kept to compare). InternodeBackend.combine_variant
-# may be changed between calls (bench, tests): both use the same rings and counters.
-COMBINE_ENV = "MOE_DISPATCHER_INTERNODE_COMBINE"
-COMBINE_VARIANTS = ("pipelined", "old")
-# Tokens per warp chunk of the pipelined combine, 1..32; unset or 0: from the tokens per channel (<= 8).
+# Tokens per warp chunk of the combine's forwarder and receiver (docs/internode.md), 1..32; unset or 0: from
+# the tokens per channel (<= 8). Read at backend creation; InternodeBackend.combine_chunk may be changed
+# between calls (tests): every chunk size drains the same rings and sums in the same order.
 COMBINE_CHUNK_ENV = "MOE_DISPATCHER_INTERNODE_COMBINE_CHUNK"
 
 
@@ -66,9 +63,6 @@ class InternodeBackend:
         if self.timeout_s <= 0:
             raise ValueError(f"{TIMEOUT_ENV} must be positive, got {self.timeout_s}")
         self._timeout_ns = int(self.timeout_s * 1e9)
-        self.combine_variant = os.environ.get(COMBINE_ENV, "") or COMBINE_VARIANTS[0]
-        if self.combine_variant not in COMBINE_VARIANTS:
-            raise ValueError(f"{COMBINE_ENV} must be one of {COMBINE_VARIANTS}, got {self.combine_variant!r}")
         self.combine_chunk = int(os.environ.get(COMBINE_CHUNK_ENV, "") or 0)
         if not 0 <= self.combine_chunk <= 32:
             raise ValueError(f"{COMBINE_CHUNK_ENV} must be in [0, 32] (0: automatic), got {self.combine_chunk}")
@@ -290,8 +284,8 @@ class InternodeBackend:
         """Reduce the rows of each source token in two hops; returns (combined_x, combined_topk_weights or None).
 
         Order: out = cast(bias0 + bias1 + sum over domains ascending of partial_domain), float32, where a
-        partial is the float32 sum of that domain's rows (ranks ascending) rounded to x.dtype. Both kernels
-        (combine_variant "pipelined" and "old") sum in this order, so they give the same bits."""
+        partial is the float32 sum of that domain's rows (ranks ascending) rounded to x.dtype, whatever
+        combine_chunk is (the same bits)."""
         self._check()
         if x.dtype not in _COMBINE_DTYPES:  # float64: the reference reduces it (in float64)
             if handle.num_recv_tokens is None:
@@ -307,8 +301,6 @@ class InternodeBackend:
             num_topk = topk_weights.shape[1]
             if num_topk > self._mod.MAX_TOPK:
                 raise ValueError(f"combine: at most {self._mod.MAX_TOPK} top-k weights per row, got {num_topk}")
-        if self.combine_variant not in COMBINE_VARIANTS:
-            raise ValueError(f"combine_variant must be one of {COMBINE_VARIANTS}, got {self.combine_variant!r}")
         channels, offsets, fwd_offset, fwd_mask, fwd_capacity = handle.backend_state
         geo = self._geometry(config, True, combine_slot_bytes(row_bytes, num_topk), channels, "combine")
         biases = [b.contiguous() for b in bias]
@@ -320,8 +312,7 @@ class InternodeBackend:
                           self._ptr(biases[1] if len(biases) > 1 else None), handle.is_token_in_rank.data_ptr(),
                           offsets.data_ptr(), fwd_offset.data_ptr(), fwd_mask.data_ptr(), fwd_capacity,
                           out.data_ptr(), self._ptr(out_w), _COMBINE_DTYPES[x.dtype], t, x.shape[1], num_topk,
-                          x.shape[0], geo, 1 if self.combine_variant == "pipelined" else 0, self.combine_chunk,
-                          self._stream())
+                          x.shape[0], geo, self.combine_chunk, self._stream())
         return out, out_w
 
     # ------------------------------------------------------------------ buffer access and lifetime

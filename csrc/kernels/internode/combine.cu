@@ -3,22 +3,55 @@
 //              (x, l)) the rows this rank received in channel c from sources (x, l), x ascending,
 //              each source's rows in token order, through FIFO (c, me -> l). Slot: row | top-k weights.
 //   block 3c+1 forwarder: for source domain x ascending, the tokens it forwarded in dispatch (their
-//              local-rank masks are fwd_mask), 32 x fwd_windows at a time: waits until every local
-//              rank's FIFO holds the rows of the batch, sums each token's rows over local ranks
-//              ascending in float32, rounds to the row dtype (the partial that travels) and writes it
-//              into ring (c, my domain) of the source (x, my local index): each warp puts the run of
-//              partials it reduced (put + quiet), then one tail signal per batch; for my own domain
-//              directly into my own ring.
-//   block 3c+2 source receiver: for its channel's tokens, 32 x recv_windows at a time, waits for the
-//              partial of each domain the token went to and writes
-//              out = cast(bias0 + bias1 + sum over domains ascending of partial), float32, and the
-//              top-k weights summed the same way.
-// Two forwarder / receiver implementations, picked per launch (CombineArgs::pipelined, template flag):
-// the old block-wide batches below, and the pipelined per-warp chunks further down (docs/internode.md
-// says what serialised the old one). Same rings, counters, slot layout and summation order: same bits.
+//              local-rank masks are fwd_mask): sums each token's rows over local ranks ascending in
+//              float32, rounds to the row dtype (the partial that travels) and puts it into ring
+//              (c, my domain) of the source (x, my local index); for my own domain directly into my
+//              own ring.
+//   block 3c+2 source receiver: for its channel's tokens, waits for the partial of each domain the
+//              token went to and writes out = cast(bias0 + bias1 + sum over domains ascending of
+//              partial), float32, and the top-k weights summed the same way.
 // Order of the sum: ((bias0 + bias1) + partial_0 + partial_1 ...) with partial_x =
 // round(sum over x's ranks ascending): equal to the reference (ranks ascending) when each token has
 // at most one contributing rank per domain, else within the rounding of the partials.
+//
+// The forwarder and the source receiver work in small per-warp chunks (docs/internode.md):
+//   worker warps (0 .. kWorkers-1) take chunks k = warp, warp + kWorkers, ... of chunk_tokens tokens
+//     each; a worker waits only for its own chunk's rows (lane j polls tail j), reduces its tokens,
+//     and (forwarder) puts its chunk's partials to the source at once and completes them (quiet);
+//     then it counts the chunk as done (st.release.cta of its shared counter);
+//   the commit warp (kCommitWarp) publishes in order: once chunks [kc, upto) are all done it
+//     advances the FIFO heads (forwarder) / RDMA credits (receiver) and the RDMA tails (forwarder)
+//     past them, so a consumer never sees a hole and a producer never reuses a slot still read.
+// Nothing waits for a whole batch: the NVLink rows of chunk k+1 arrive while chunk k is reduced,
+// the put of one warp overlaps the reduction of the others, and a source reduces each chunk as
+// soon as every domain's partials of that chunk are published.
+//
+// Where a row sits in a ring is computed, not communicated: each warp keeps a running count of the
+// rows every ring carried before its position in the token sequence (lane b counts ring b; rings
+// b >= 32 in a second register) by scanning the masks of the tokens it skips; the commit warp keeps
+// the same count for what it committed.
+//
+// Memory ordering (a CTA-scope release/acquire on the done counters carries each worker's accesses
+// to the commit warp, which publishes them at system scope):
+//   worker:  lane j ld.acquire.sys its tail (FIFO or RDMA) >= what the chunk needs; __syncwarp;
+//            every lane loads the slots (ld.cg) and writes the outputs / staging / own-ring slots;
+//            remote: nvshmemx_putmem_nbi_warp + nvshmem_quiet (rdma_put_rows); __syncwarp;
+//            lane 0: st.release.cta done[warp].
+//   commit:  lane 0 ld.acquire.cta done[w]; __syncwarp; then the publishing lanes: FIFO head
+//            st.release.sys, RDMA tail rdma_signal_tail (fence.sys + signal SET, or st.release.sys
+//            for my own domain), credit rdma_credit (same). Causality order runs from every lane's
+//            loads / stores / completed puts through the warp barrier, the CTA release/acquire pair
+//            and the commit warp's warp barrier to the system-scope release, so a peer that
+//            acquires the published counter sees the data, and a producer that acquires a head
+//            overwrites only slots whose loads are done.
+//   credits: a forwarder worker writes staging / own-ring slots only after acquiring the head
+//            (lane 31, ld.acquire.sys) that covers them; staging slot i was last read by a put that
+//            was completed (quiet) before its tail, hence before the credit, was published.
+// Progress (no cycle): FIFO: slots >= nvl_chunk + chunk_tokens, so the oldest unfinished chunk's
+// rows always fit behind the committed head; RDMA: slots >= 2 x chunk_tokens, so the forwarder
+// chunk that holds the last partial of the receiver's oldest unfinished chunk always has credit.
+// Forwarders serve source domains ascending and receivers tokens ascending, so the oldest blocked
+// item can always be traced to a smaller source domain, which ends (docs/internode.md).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -49,55 +82,6 @@ union Vec {
   int4 raw;
   T elems[kElems];
 };
-
-// One warp: out[row] = cast(bias0 + bias1 + srcs[0] + srcs[1] + ...) in float32, in that order, and
-// the K top-k weights after each row (srcs[i] + row_bytes) summed likewise into out_w (if non-null).
-template <typename T>
-__device__ void reduce_token(uint8_t* out, float* out_w, const uint8_t* const* srcs, int nsrc, const uint8_t* bias0,
-                             const uint8_t* bias1, int row_bytes, int num_topk, int lane) {
-  const int vecs = row_bytes / 16;
-  constexpr int kBatch = 8;
-  for (int v = lane; v < vecs; v += 32) {
-    float acc[Vec<T>::kElems];
-#pragma unroll
-    for (int e = 0; e < Vec<T>::kElems; ++e) acc[e] = 0.f;
-    if (bias0 != nullptr) {
-      Vec<T> b;
-      b.raw = ptx::ld_nc_v4(reinterpret_cast<const int4*>(bias0) + v);
-#pragma unroll
-      for (int e = 0; e < Vec<T>::kElems; ++e) acc[e] += to_float(b.elems[e]);
-    }
-    if (bias1 != nullptr) {
-      Vec<T> b;
-      b.raw = ptx::ld_nc_v4(reinterpret_cast<const int4*>(bias1) + v);
-#pragma unroll
-      for (int e = 0; e < Vec<T>::kElems; ++e) acc[e] += to_float(b.elems[e]);
-    }
-    for (int base = 0; base < nsrc; base += kBatch) {
-      Vec<T> rows[kBatch];
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        if (base + u < nsrc) rows[u].raw = ptx::ld_cg_v4(reinterpret_cast<const int4*>(srcs[base + u]) + v);
-      }
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        if (base + u < nsrc) {
-#pragma unroll
-          for (int e = 0; e < Vec<T>::kElems; ++e) acc[e] += to_float(rows[u].elems[e]);
-        }
-      }
-    }
-    Vec<T> o;
-#pragma unroll
-    for (int e = 0; e < Vec<T>::kElems; ++e) o.elems[e] = from_float<T>(acc[e]);
-    reinterpret_cast<int4*>(out)[v] = o.raw;
-  }
-  if (out_w != nullptr && lane < num_topk) {
-    float w = 0.f;
-    for (int i = 0; i < nsrc; ++i) w += __int_as_float(ptx::ld_cg(reinterpret_cast<const int*>(srcs[i] + row_bytes) + lane));
-    out_w[lane] = w;
-  }
-}
 
 // ------------------------------------------------------------------ NVLink sender (rows back to forwarders)
 __device__ void nvl_send(const CombineArgs& a, int ch, int l, int group_warp, int warps, int lane, int* shared_ok,
@@ -134,222 +118,7 @@ __device__ void nvl_send(const CombineArgs& a, int ch, int l, int group_warp, in
   }
 }
 
-// ------------------------------------------------------------------ forwarder (reduce in the domain, one put back)
-template <typename T>
-__device__ void forward(const CombineArgs& a, int ch, int warp, int lane, const Watchdog& dog, int row_bytes) {
-  const Common& c = a.c;
-  const int nvl = c.nvl_size, C = a.num_channels, W = a.fwd_windows;
-  RdmaControl* rctl = rdma_ctl(c);
-  intranode::Control* nctl = nvl_ctl(c, c.local);
-  __shared__ uint64_t nhead[kMaxNvl];
-  __shared__ unsigned window_mask[kMaxWindows][kMaxNvl];
-  __shared__ int window_offset[kMaxWindows][kMaxNvl];
-  __shared__ int batch_rows[kMaxNvl];
-  __shared__ int ok;
-  __shared__ const uint8_t* srcs[kWarps][kMaxNvl];
-  if (threadIdx.x < nvl) nhead[threadIdx.x] = *reinterpret_cast<volatile uint64_t*>(&nctl->head_copy[ch][threadIdx.x]);
-  const uint8_t* ring0 = nvl_ring(c, c.nvl[c.local], 0, ch, a.nvl_slots, a.nvl_slot_bytes);
-  __syncthreads();
-
-  const bool has_weights = a.num_topk > 0;  // the slot layout of every rank (not this rank's pointer)
-  bool any_remote = false;
-  for (int x = 0; x < c.num_domains; ++x) {
-    const int first = a.fwd_offset[x * (C + 1) + ch], count = a.fwd_offset[x * (C + 1) + ch + 1] - first;
-    if (count == 0) continue;
-    any_remote |= x != c.domain;
-    uint64_t rtail = *reinterpret_cast<volatile uint64_t*>(&rctl->tail_copy[ch][x]);
-    uint8_t* out_ring = rdma_write_ring(c, x, ch, a.rdma_slots, a.rdma_slot_bytes);
-    for (int base = 0; base < count; base += 32 * W) {
-      const int n = min(32 * W, count - base);
-      if (warp < W) {
-        const int k = base + warp * 32 + lane;
-        const int idx = first + k;
-        const int mask = (k < count && idx < a.fwd_capacity) ? a.fwd_mask[idx] : 0;
-        for (int j = 0; j < nvl; ++j) {
-          const unsigned m = __ballot_sync(0xffffffffu, (mask >> j) & 1);
-          if (lane == 0) window_mask[warp][j] = m;
-        }
-      }
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        int good = 1;
-        for (int j = 0; j < nvl; ++j) {
-          int rows = 0;
-          for (int w = 0; w < W; ++w) {
-            window_offset[w][j] = rows;
-            rows += __popc(window_mask[w][j]);
-          }
-          batch_rows[j] = rows;
-          if (good) good = wait_at_least(&nctl->fifo_tail[ch][j], nhead[j] + rows, dog, kPhaseCombineForward, c.domain * nvl + j);
-        }
-        while (good && rtail + n - ptx::ld_acquire_sys(&rctl->head[ch][x]) > static_cast<uint64_t>(a.rdma_slots)) {
-          if (dog.expired(kPhaseCombineRdmaSend, team_pe(c, x))) good = 0;
-        }
-        ok = good;
-      }
-      __syncthreads();  // the tails acquired by thread 0 cover every slot read below
-      if (!ok) return;
-      // Warp w reduces a contiguous run of the batch's tokens into the staging slots and puts the run.
-      const int per = (n + kWarps - 1) / kWarps;
-      const int lo = min(n, warp * per), hi = min(n, lo + per);
-      for (int i = lo; i < hi; ++i) {
-        const int w = i >> 5;
-        const unsigned below = (1u << (i & 31)) - 1u;
-        int nsrc = 0;
-        for (int j = 0; j < nvl; ++j) {
-          const unsigned m = window_mask[w][j];
-          if ((m >> (i & 31)) & 1u) {
-            const uint64_t index = nhead[j] + window_offset[w][j] + __popc(m & below);
-            if (lane == 0) srcs[warp][nsrc] = ring0 + j * c.layout.nvl_src_block_bytes + static_cast<size_t>(index % a.nvl_slots) * a.nvl_slot_bytes;
-            ++nsrc;
-          }
-        }
-        __syncwarp();
-        uint8_t* dst = out_ring + static_cast<size_t>((rtail + i) % a.rdma_slots) * a.rdma_slot_bytes;
-        reduce_token<T>(dst, has_weights ? reinterpret_cast<float*>(dst + row_bytes) : nullptr, srcs[warp], nsrc, nullptr,
-                        nullptr, row_bytes, a.num_topk, lane);
-        __syncwarp();
-      }
-      rdma_put_rows(c, x, ch, rtail + lo, hi - lo, a.rdma_slots, a.rdma_slot_bytes, lane);
-      __syncthreads();  // every ring load, partial store and completed put of the batch precede the flags
-      rtail += n;
-      if (threadIdx.x == 0) {
-        for (int j = 0; j < nvl; ++j) {
-          if (batch_rows[j] == 0) continue;
-          nhead[j] += batch_rows[j];
-          ptx::st_release_sys(&nvl_ctl(c, j)->fifo_head[ch][c.local], nhead[j]);  // j may reuse these slots
-        }
-        rdma_signal_tail(c, x, ch, rtail);
-        *reinterpret_cast<volatile uint64_t*>(&rctl->tail_copy[ch][x]) = rtail;
-      }
-      // No third barrier: thread 0 updates nhead / batch_rows, which the other warps read only
-      // after the next batch's first barrier; warps < W rewrite window_mask, which thread 0 has
-      // finished reading (it is in warp 0, which writes the next masks after this block).
-    }
-  }
-  if (threadIdx.x == 0 && any_remote) nvshmem_quiet();  // complete the tail signals
-  __syncthreads();  // thread 0's last nhead update before the copies below
-  if (threadIdx.x < nvl) nctl->head_copy[ch][threadIdx.x] = nhead[threadIdx.x];
-}
-
-// ------------------------------------------------------------------ source receiver
-template <typename T>
-__device__ void receive(const CombineArgs& a, int ch, int warp, int lane, const Watchdog& dog, int row_bytes) {
-  const Common& c = a.c;
-  const int R = c.num_ranks, nvl = c.nvl_size, D = c.num_domains, W = a.recv_windows;
-  RdmaControl* rctl = rdma_ctl(c);
-  __shared__ uint64_t rhead[kMaxDomains];
-  __shared__ unsigned window_mask[kMaxWindows][kMaxDomains];
-  __shared__ int window_offset[kMaxWindows][kMaxDomains];
-  __shared__ int batch_rows[kMaxDomains];
-  __shared__ int ok;
-  __shared__ const uint8_t* srcs[kWarps][kMaxDomains];
-  for (int x = threadIdx.x; x < D; x += blockDim.x) rhead[x] = *reinterpret_cast<volatile uint64_t*>(&rctl->head_copy[ch][x]);
-  __syncthreads();
-  int begin, end;
-  channel_range(a.num_tokens, a.num_channels, ch, begin, end);
-  for (int base = begin; base < end; base += 32 * W) {
-    if (warp < W) {
-      const int t = base + warp * 32 + lane;
-      for (int x = 0; x < D; ++x) {
-        bool hit = false;
-        for (int j = 0; j < nvl && t < end; ++j) hit |= a.is_token_in_rank[static_cast<int64_t>(t) * R + x * nvl + j];
-        const unsigned m = __ballot_sync(0xffffffffu, hit);
-        if (lane == 0) window_mask[warp][x] = m;
-      }
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      int good = 1;
-      for (int x = 0; x < D; ++x) {
-        int rows = 0;
-        for (int w = 0; w < W; ++w) {
-          window_offset[w][x] = rows;
-          rows += __popc(window_mask[w][x]);
-        }
-        batch_rows[x] = rows;
-        if (good) good = wait_at_least(&rctl->tail[ch][x], rhead[x] + rows, dog, kPhaseCombineRecv, team_pe(c, x));
-      }
-      ok = good;
-    }
-    __syncthreads();
-    if (!ok) return;
-    const int count = min(32 * W, end - base);
-    for (int i = warp; i < count; i += kWarps) {
-      const int64_t token = base + i;
-      const int w = i >> 5;
-      const unsigned below = (1u << (i & 31)) - 1u;
-      int nsrc = 0;
-      for (int x = 0; x < D; ++x) {
-        const unsigned m = window_mask[w][x];
-        if ((m >> (i & 31)) & 1u) {
-          const uint64_t index = rhead[x] + window_offset[w][x] + __popc(m & below);
-          if (lane == 0) {
-            srcs[warp][nsrc] = rdma_recv_ring(c, x, ch, a.rdma_slots, a.rdma_slot_bytes) +
-                               static_cast<size_t>(index % a.rdma_slots) * a.rdma_slot_bytes;
-          }
-          ++nsrc;
-        }
-      }
-      __syncwarp();
-      reduce_token<T>(a.out + token * row_bytes, a.out_topk_weights != nullptr ? a.out_topk_weights + token * a.num_topk : nullptr,
-                      srcs[warp], nsrc, a.bias0 != nullptr ? a.bias0 + token * row_bytes : nullptr,
-                      a.bias1 != nullptr ? a.bias1 + token * row_bytes : nullptr, row_bytes, a.num_topk, lane);
-      __syncwarp();
-    }
-    __syncthreads();  // every load of the batch's slots precedes the credits
-    if (threadIdx.x == 0) {
-      for (int x = 0; x < D; ++x) {
-        if (batch_rows[x] == 0) continue;
-        rhead[x] += batch_rows[x];
-        rdma_credit(c, x, ch, rhead[x]);
-      }
-    }
-    __syncthreads();
-  }
-  for (int x = threadIdx.x; x < D; x += blockDim.x) rctl->head_copy[ch][x] = rhead[x];
-}
-
-// ================================================================== pipelined combine
-// The same three roles and the same rings, counters and slot layout as above, but the forwarder and
-// the source receiver work in small per-warp chunks instead of block-wide batches:
-//   worker warps (0 .. kWorkers-1) take chunks k = warp, warp + kWorkers, ... of chunk_tokens tokens
-//     each; a worker waits only for its own chunk's rows (lane j polls tail j), reduces its tokens,
-//     and (forwarder) puts its chunk's partials to the source at once and completes them (quiet);
-//     then it counts the chunk as done (st.release.cta of its shared counter);
-//   the commit warp (kCommitWarp) publishes in order: once chunks [kc, upto) are all done it
-//     advances the FIFO heads (forwarder) / RDMA credits (receiver) and the RDMA tails (forwarder)
-//     past them, so a consumer never sees a hole and a producer never reuses a slot still read.
-// Nothing waits for a whole batch: the NVLink rows of chunk k+1 arrive while chunk k is reduced,
-// the put of one warp overlaps the reduction of the others, and a source reduces each chunk as
-// soon as every domain's partials of that chunk are published.
-//
-// Where a row sits in a ring is computed, not communicated: each warp keeps a running count of the
-// rows every ring carried before its position in the token sequence (lane b counts ring b; rings
-// b >= 32 in a second register) by scanning the masks of the tokens it skips; the commit warp keeps
-// the same count for what it committed.
-//
-// Memory ordering (the old kernel's, with a CTA-scope release/acquire on the done counters where
-// the old one had a CTA barrier):
-//   worker:  lane j ld.acquire.sys its tail (FIFO or RDMA) >= what the chunk needs; __syncwarp;
-//            every lane loads the slots (ld.cg) and writes the outputs / staging / own-ring slots;
-//            remote: nvshmemx_putmem_nbi_warp + nvshmem_quiet (rdma_put_rows); __syncwarp;
-//            lane 0: st.release.cta done[warp].
-//   commit:  lane 0 ld.acquire.cta done[w]; __syncwarp; then the publishing lanes: FIFO head
-//            st.release.sys, RDMA tail rdma_signal_tail (fence.sys + signal SET, or st.release.sys
-//            for my own domain), credit rdma_credit (same). Causality order runs from every lane's
-//            loads / stores / completed puts through the warp barrier, the CTA release/acquire pair
-//            and the commit warp's warp barrier to the system-scope release, so a peer that
-//            acquires the published counter sees the data, and a producer that acquires a head
-//            overwrites only slots whose loads are done.
-//   credits: a forwarder worker writes staging / own-ring slots only after acquiring the head
-//            (lane 31, ld.acquire.sys) that covers them; staging slot i was last read by a put that
-//            was completed (quiet) before its tail, hence before the credit, was published.
-// Progress (no cycle): FIFO: slots >= nvl_chunk + chunk_tokens, so the oldest unfinished chunk's
-// rows always fit behind the committed head; RDMA: slots >= 2 x chunk_tokens, so the forwarder
-// chunk that holds the last partial of the receiver's oldest unfinished chunk always has credit.
-// Forwarders serve source domains ascending and receivers tokens ascending, so the oldest blocked
-// item can always be traced to a smaller source domain, which ends (docs/internode.md).
+// ------------------------------------------------------------------ worker / commit warps, row reduction
 constexpr int kWorkers = kWarps - 1;
 constexpr int kCommitWarp = kWarps - 1;
 constexpr int kLoadUnroll = 4;  // 16-byte vectors per lane per source in flight
@@ -364,10 +133,10 @@ __device__ __forceinline__ int ld_acquire_cta(const int* p) {
   return v;
 }
 
-// One warp: out = cast(bias0 + bias1 + srcs[0] + srcs[1] + ...) in float32, in that order (the order
-// of reduce_token, so both kernels give the same bits), and the top-k weights after each source row
-// summed likewise into out_w (if non-null). kLoadGroup sources x kLoadUnroll vectors per lane are
-// loaded before any of them is added, so a lane keeps 8 loads in flight instead of nsrc.
+// One warp: out = cast(bias0 + bias1 + srcs[0] + srcs[1] + ...) in float32, in that order, and the
+// top-k weights after each source row summed likewise into out_w (if non-null). kLoadGroup sources x
+// kLoadUnroll vectors per lane are loaded before any of them is added, so a lane keeps 8 loads in
+// flight instead of nsrc.
 template <typename T>
 __device__ __forceinline__ void reduce_row(uint8_t* out, float* out_w, const uint8_t* const* srcs, int nsrc,
                                            const uint8_t* bias0, const uint8_t* bias1, int row_bytes, int num_topk,
@@ -483,7 +252,7 @@ __device__ __forceinline__ int done_upto(const int* done, int kc, int total, int
   return upto;
 }
 
-// ------------------------------------------------------------------ pipelined forwarder
+// ------------------------------------------------------------------ forwarder (reduce in the domain, put back)
 // Sequence of this channel's forwarded tokens: source domain x ascending, then token order (the
 // order in which every local rank's NVL sender returns its rows). Chunks never span two domains.
 struct FwdSeq {
@@ -622,8 +391,7 @@ __device__ void forward_commit(const CombineArgs& a, int ch, int lane, const Wat
 }
 
 template <typename T>
-__device__ void forward_pipelined(const CombineArgs& a, int ch, int warp, int lane, const Watchdog& dog,
-                                  int row_bytes) {
+__device__ void forward(const CombineArgs& a, int ch, int warp, int lane, const Watchdog& dog, int row_bytes) {
   const Common& c = a.c;
   const int D = c.num_domains, nvl = c.nvl_size, C = a.num_channels, K = a.chunk_tokens;
   RdmaControl* rctl = rdma_ctl(c);
@@ -660,7 +428,7 @@ __device__ void forward_pipelined(const CombineArgs& a, int ch, int warp, int la
   }
 }
 
-// ------------------------------------------------------------------ pipelined source receiver
+// ------------------------------------------------------------------ source receiver
 // Domains (bit x) that token t went to.
 __device__ __forceinline__ uint64_t token_domains(const CombineArgs& a, int t) {
   const Common& c = a.c;
@@ -773,7 +541,7 @@ __device__ void receive_commit(const CombineArgs& a, int ch, int lane, const Wat
 }
 
 template <typename T>
-__device__ void receive_pipelined(const CombineArgs& a, int ch, int warp, int lane, const Watchdog& dog, int row_bytes) {
+__device__ void receive(const CombineArgs& a, int ch, int warp, int lane, const Watchdog& dog, int row_bytes) {
   const Common& c = a.c;
   RdmaControl* rctl = rdma_ctl(c);
   __shared__ uint64_t s_rhead0[kMaxDomains];  // head of my ring (ch, from x), at kernel start
@@ -795,7 +563,7 @@ __device__ void receive_pipelined(const CombineArgs& a, int ch, int warp, int la
   }
 }
 
-template <typename T, bool kPipelined>
+template <typename T>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
   __shared__ int shared_ok[kMaxNvl];
   const Common& c = a.c;
@@ -805,11 +573,9 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
   const Watchdog dog = make_watchdog(c.timeout_ns, c.rank, &nvl_ctl(c, c.local)->timeout_claim, &c.mailbox->timeout);
   if (!drain_previous_calls(c, dog)) return;  // earlier calls drained; no ring written before this
   if (role == 1) {
-    if constexpr (kPipelined) forward_pipelined<T>(a, ch, warp, lane, dog, row_bytes);
-    else forward<T>(a, ch, warp, lane, dog, row_bytes);
+    forward<T>(a, ch, warp, lane, dog, row_bytes);
   } else if (role == 2) {
-    if constexpr (kPipelined) receive_pipelined<T>(a, ch, warp, lane, dog, row_bytes);
-    else receive<T>(a, ch, warp, lane, dog, row_bytes);
+    receive<T>(a, ch, warp, lane, dog, row_bytes);
   } else {
     const int warps = kWarps / c.nvl_size;
     const int group = warp / warps, group_warp = warp % warps;
@@ -822,18 +588,10 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
 
 void launch_combine(const CombineArgs& args, cudaStream_t stream) {
   const dim3 grid(3 * args.num_channels);
-  if (args.pipelined) {
-    switch (args.dtype) {
-      case kBf16: combine_kernel<__nv_bfloat16, true><<<grid, kThreads, 0, stream>>>(args); break;
-      case kFp16: combine_kernel<__half, true><<<grid, kThreads, 0, stream>>>(args); break;
-      default: combine_kernel<float, true><<<grid, kThreads, 0, stream>>>(args); break;
-    }
-  } else {
-    switch (args.dtype) {
-      case kBf16: combine_kernel<__nv_bfloat16, false><<<grid, kThreads, 0, stream>>>(args); break;
-      case kFp16: combine_kernel<__half, false><<<grid, kThreads, 0, stream>>>(args); break;
-      default: combine_kernel<float, false><<<grid, kThreads, 0, stream>>>(args); break;
-    }
+  switch (args.dtype) {
+    case kBf16: combine_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(args); break;
+    case kFp16: combine_kernel<__half><<<grid, kThreads, 0, stream>>>(args); break;
+    default: combine_kernel<float><<<grid, kThreads, 0, stream>>>(args); break;
   }
   intranode::check_launch("internode combine_kernel");
 }

@@ -27,7 +27,6 @@ constexpr int kMaxChannels = intranode::kMaxChannels;
 constexpr int kMaxLocalExperts = intranode::kMaxLocalExperts;
 constexpr int kMaxTopk = intranode::kMaxTopk;
 constexpr int kMaxChunk = intranode::kMaxChunk;
-constexpr int kMaxWindows = 4;
 
 // Phases named in timeout errors (distinct from the intranode ones; same TimeoutRecord).
 enum Phase : int32_t {
@@ -147,10 +146,7 @@ struct CombineArgs {
   int num_channels;
   int nvl_chunk, nvl_slots, nvl_slot_bytes;
   int rdma_slots, rdma_slot_bytes;
-  int fwd_windows;                  // old combine: forwarder batch = 32 x fwd_windows tokens
-  int recv_windows;                 // old combine: source receiver batch = 32 x recv_windows tokens
-  int pipelined;                    // 1: pipelined combine (per-warp chunks), 0: the old batched one
-  int chunk_tokens;                 // pipelined combine: tokens per warp chunk (1..kMaxCombineChunk)
+  int chunk_tokens;                 // tokens per warp chunk of the forwarder and receiver (1..kMaxCombineChunk)
 };
 constexpr int kMaxCombineChunk = 32;  // a chunk's tokens are one warp's lanes
 
