@@ -215,37 +215,85 @@ void combine(const IpcBuffer& b, uint64_t timeout_ns, uintptr_t x, uintptr_t top
   launch_combine(a, stream_of(stream));
 }
 
-// Split expert-major combine, local pre-pass: rank-major rows out [num_x_rows, hidden] (and out_topk_weights
-// [num_x_rows, em_topk] when em_topk_weights is given) from expert-major rows x through em_inverse.
-void em_unpermute(uintptr_t x, uintptr_t em_inverse, uintptr_t em_weights, uintptr_t em_topk_weights,
-                  uintptr_t recv_channel_offset, uintptr_t out, uintptr_t out_topk_weights, int dtype, int hidden,
-                  int num_x_rows, int em_topk, int num_ranks, int num_channels, int num_blocks, uintptr_t stream) {
-  MOE_CHECK(em_inverse != 0 && em_topk > 0 && em_topk <= kMaxTopk, "em_unpermute: bad inverse or top-k");
-  MOE_CHECK((em_topk_weights != 0) == (out_topk_weights != 0),
-            "em_unpermute: topk_weights and out_topk_weights go together");
-  MOE_CHECK(num_ranks >= 1 && num_ranks <= kMaxRanks && num_channels >= 1 && num_channels <= kMaxChannels,
-            "em_unpermute: bad ranks or channels");
-  CombineArgs a{};
-  a.c.num_ranks = num_ranks;
+// Split expert-major dispatch, local pass (em_permute.cu): received rows x -> expert-major rows em_x along the
+// fresh call's positions (fresh = 1: from recv_topk_idx + pair_rank + layout, recording the tables) or the
+// handle's em_inverse (fresh = 0); pad_blocks blocks zero the padding rows.
+void em_permute(uintptr_t x, uintptr_t scales, uintptr_t recv_topk_idx, uintptr_t recv_topk_weights,
+                uintptr_t pair_rank, uintptr_t layout, uintptr_t received, uintptr_t em_x, uintptr_t em_scales,
+                uintptr_t em_weights, uintptr_t em_pair_row, uintptr_t em_pair_slot, uintptr_t em_inverse,
+                uintptr_t recv_src_idx, int fresh,
+                int num_rows, int hidden_bytes, int num_scales, int num_topk, int num_ranks, int num_local,
+                int expert_alignment, int em_rows, int pad_blocks, uintptr_t stream) {
+  MOE_CHECK(layout != 0 && received != 0 && em_inverse != 0 && num_topk > 0 && num_topk <= kMaxTopk,
+            "em_permute: needs the layout, the received count, the inverse table and 1..MAX_TOPK slots");
+  MOE_CHECK(!fresh || (recv_topk_idx != 0 && pair_rank != 0 && em_pair_row != 0 && em_pair_slot != 0 &&
+                       recv_src_idx != 0 && (em_weights == 0 || recv_topk_weights != 0)),
+            "em_permute: a fresh call needs the received top-k, the pair ranks, pair_row/pair_slot and the "
+            "source indices");
+  MOE_CHECK((scales != 0) == (em_scales != 0), "em_permute: scales and em_scales go together");
+  MOE_CHECK(hidden_bytes % 16 == 0 && expert_alignment >= 1 && num_rows >= 0 && em_rows >= 0 && pad_blocks >= 0,
+            "em_permute: bad geometry");
+  MOE_CHECK(num_ranks >= 1 && num_ranks <= kMaxRanks && num_local >= 1 && num_local <= kMaxLocalExperts,
+            "em_permute: bad ranks or local experts");
+  EmPermuteArgs a{};
   a.x = ptr<const uint8_t>(x);
-  a.em_inverse = ptr<const int>(em_inverse);
-  a.em_weights = ptr<const float>(em_weights);
-  a.em_topk_weights = ptr<const float>(em_topk_weights);
-  a.em_topk = em_topk;
-  a.recv_channel_offset = ptr<const int>(recv_channel_offset);
+  a.scales = ptr<const int32_t>(scales);
+  a.recv_topk_idx = ptr<const int64_t>(recv_topk_idx);
+  a.recv_topk_weights = ptr<const float>(recv_topk_weights);
+  a.pair_rank = ptr<const int>(pair_rank);
+  a.layout = ptr<const int>(layout);
+  a.received = ptr<const int>(received);
+  a.fresh = fresh ? 1 : 0;
+  a.num_rows = num_rows;
+  a.hidden_bytes = hidden_bytes;
+  a.num_scales = num_scales;
+  a.num_topk = num_topk;
+  a.num_ranks = num_ranks;
+  a.num_local = num_local;
+  a.expert_alignment = expert_alignment;
+  a.em_rows = em_rows;
+  a.row_blocks = (num_rows + kEmRowsPerBlock - 1) / kEmRowsPerBlock;
+  a.em_x = ptr<uint8_t>(em_x);
+  a.em_scales = ptr<int32_t>(em_scales);
+  a.em_weights = ptr<float>(em_weights);
+  a.em_pair_row = ptr<int>(em_pair_row);
+  a.em_pair_slot = ptr<int>(em_pair_slot);
+  a.em_inverse = ptr<int>(em_inverse);
+  a.recv_src_idx = ptr<int>(recv_src_idx);
+  launch_em_permute(a, pad_blocks, stream_of(stream));
+}
+
+// Split expert-major combine, local pass (em_unpermute.cu): rank-major rows out [num_rows, hidden] (and
+// out_topk_weights [num_rows, num_topk] when topk_weights is given) from expert-major rows x through inverse.
+void em_unpermute(uintptr_t x, uintptr_t inverse, uintptr_t weights, uintptr_t topk_weights, uintptr_t received,
+                  uintptr_t out, uintptr_t out_topk_weights, int dtype, int hidden, int num_rows, int num_topk,
+                  uintptr_t stream) {
+  MOE_CHECK(inverse != 0 && received != 0 && num_topk > 0 && num_topk <= kMaxTopk,
+            "em_unpermute: needs the inverse table, the received count and 1..MAX_TOPK slots");
+  MOE_CHECK((topk_weights != 0) == (out_topk_weights != 0),
+            "em_unpermute: topk_weights and out_topk_weights go together");
+  MOE_CHECK(dtype == kBf16 || dtype == kFp16 || dtype == kFp32, "em_unpermute: bad dtype");
+  MOE_CHECK((hidden * (dtype == kFp32 ? 4 : 2)) % 16 == 0, "em_unpermute: rows must be a multiple of 16 bytes");
+  EmUnpermuteArgs a{};
+  a.x = ptr<const uint8_t>(x);
+  a.inverse = ptr<const int>(inverse);
+  a.weights = ptr<const float>(weights);
+  a.topk_weights = ptr<const float>(topk_weights);
+  a.received = ptr<const int>(received);
   a.out = ptr<uint8_t>(out);
   a.out_topk_weights = ptr<float>(out_topk_weights);
   a.dtype = dtype;
   a.hidden = hidden;
-  a.num_x_rows = num_x_rows;
-  a.num_channels = num_channels;
-  launch_em_unpermute(a, num_blocks, stream_of(stream));
+  a.num_rows = num_rows;
+  a.num_topk = num_topk;
+  launch_em_unpermute(a, stream_of(stream));
 }
 
 void pair_rank(uintptr_t topk_idx, int num_tokens, int num_topk, int num_experts, uintptr_t out,
-               uintptr_t workspace, uintptr_t stream) {
+               uintptr_t workspace, uintptr_t stream, uintptr_t row_limit) {
   MOE_CHECK(num_experts > 0 && num_experts <= kMaxLocalExperts * kMaxRanks, "pair_rank: too many experts");
-  PairRankArgs a{ptr<const int64_t>(topk_idx), num_tokens, num_topk, num_experts, ptr<int>(out), ptr<int>(workspace)};
+  PairRankArgs a{ptr<const int64_t>(topk_idx), num_tokens, num_topk, num_experts, ptr<int>(out), ptr<int>(workspace),
+                 ptr<const int>(row_limit)};
   launch_pair_rank(a, stream_of(stream));
 }
 
@@ -264,7 +312,7 @@ void register_intranode(py::module_& m) {
   sub.attr("PAIR_RANK_TOKENS") = kPairRankTokens;
   sub.def("em_layout_words", [](int r, int l) { return ExpertMajorLayout::words(r, l); });
   sub.def("pair_rank", &pair_rank, py::arg("topk_idx"), py::arg("num_tokens"), py::arg("num_topk"),
-          py::arg("num_experts"), py::arg("out"), py::arg("workspace"), py::arg("stream"));
+          py::arg("num_experts"), py::arg("out"), py::arg("workspace"), py::arg("stream"), py::arg("row_limit") = 0);
 
   py::class_<IpcBuffer>(sub, "IpcBuffer")
       .def(py::init<int, int, size_t>(), py::arg("rank"), py::arg("num_ranks"), py::arg("num_bytes"))
@@ -306,10 +354,15 @@ void register_intranode(py::module_& m) {
           py::arg("num_topk"), py::arg("num_x_rows"), py::arg("num_channels"), py::arg("chunk"), py::arg("num_slots"),
           py::arg("slot_bytes"), py::arg("stream"), py::arg("em_inverse") = 0, py::arg("em_weights") = 0,
           py::arg("em_topk_weights") = 0, py::arg("em_topk") = 0);
-  sub.def("em_unpermute", &em_unpermute, py::arg("x"), py::arg("em_inverse"), py::arg("em_weights"),
-          py::arg("em_topk_weights"), py::arg("recv_channel_offset"), py::arg("out"), py::arg("out_topk_weights"),
-          py::arg("dtype"), py::arg("hidden"), py::arg("num_x_rows"), py::arg("em_topk"), py::arg("num_ranks"),
-          py::arg("num_channels"), py::arg("num_blocks"), py::arg("stream"));
+  sub.def("em_permute", &em_permute, py::arg("x"), py::arg("scales"), py::arg("recv_topk_idx"),
+          py::arg("recv_topk_weights"), py::arg("pair_rank"), py::arg("layout"), py::arg("received"), py::arg("em_x"),
+          py::arg("em_scales"), py::arg("em_weights"), py::arg("em_pair_row"), py::arg("em_pair_slot"),
+          py::arg("em_inverse"), py::arg("recv_src_idx"), py::arg("fresh"), py::arg("num_rows"), py::arg("hidden_bytes"), py::arg("num_scales"),
+          py::arg("num_topk"), py::arg("num_ranks"), py::arg("num_local"), py::arg("expert_alignment"),
+          py::arg("em_rows"), py::arg("pad_blocks"), py::arg("stream"));
+  sub.def("em_unpermute", &em_unpermute, py::arg("x"), py::arg("inverse"), py::arg("weights"),
+          py::arg("topk_weights"), py::arg("received"), py::arg("out"), py::arg("out_topk_weights"), py::arg("dtype"),
+          py::arg("hidden"), py::arg("num_rows"), py::arg("num_topk"), py::arg("stream"));
 }
 
 }  // namespace moe_dispatcher

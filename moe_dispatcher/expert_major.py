@@ -26,7 +26,7 @@ class ExpertMajorHandle(NamedTuple):
                        when the counts are only on the device (num_worst_tokens).
     slot_offsets:      python ints [K + 1], where each slot's group starts in slot_order (or None).
     backend_state:     what a fused backend keeps (the compiled intranode one: the inverse table
-                       (received row, slot) -> row, its layout table, the local expert count).
+                       (received row, slot) -> row, its layout table, the local expert count, the alignment).
     rows_needed:       0-d device tensor: rows this rank needed (padded); above M with num_worst_tokens
                        means rows were dropped (the Buffer reports it; a caller may read it asynchronously).
     """

@@ -22,3 +22,16 @@ def test_timeout_message_names_rank_phase_and_peer():
     assert msg.startswith("moe_dispatcher intranode: rank 3 timed out after 2 s in combine receive waiting for "
                           "rank 0")
     assert "MOE_DISPATCHER_TIMEOUT_S" in msg
+
+
+def test_env_mode_picks_the_variant(monkeypatch):
+    from moe_dispatcher.compiled.intranode import EM_COMBINE_MODES, EM_DISPATCH_MODES, env_mode
+    monkeypatch.delenv("MOE_DISPATCHER_EM_DISPATCH", raising=False)
+    assert env_mode("MOE_DISPATCHER_EM_DISPATCH", EM_DISPATCH_MODES) == "split"
+    monkeypatch.setenv("MOE_DISPATCHER_EM_DISPATCH", " Fused ")
+    assert env_mode("MOE_DISPATCHER_EM_DISPATCH", EM_DISPATCH_MODES) == "fused"
+    monkeypatch.setenv("MOE_DISPATCHER_EM_COMBINE", "")
+    assert env_mode("MOE_DISPATCHER_EM_COMBINE", EM_COMBINE_MODES) == "split"
+    monkeypatch.setenv("MOE_DISPATCHER_EM_COMBINE", "both")
+    with pytest.raises(ValueError, match="MOE_DISPATCHER_EM_COMBINE must be one of"):
+        env_mode("MOE_DISPATCHER_EM_COMBINE", EM_COMBINE_MODES)

@@ -131,3 +131,36 @@ def _hook_snapshot_worker(rank: int, world: int) -> None:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_hook_sends_at_the_call(backend: str) -> None:
     run_distributed(_hook_snapshot_worker, 2, backend=backend, timeout=60)
+
+
+@pytest.mark.parametrize("align,worst", [(1, 0), (4, 0), (1, 40), (4, 24)])
+def test_split_dispatch_positions_match_permute(align: int, worst: int) -> None:
+    """The split expert-major dispatch (docs/intranode.md) places received row n's slot k, routed to local expert
+    l, at start[l] + (rank of (n, k) among the received pairs for l in (row, slot) order), dropping positions at
+    or past num_worst_tokens. That must be exactly permute()'s placement (pair_row / pair_slot), which the
+    fused dispatch and the reference also produce."""
+    from moe_dispatcher.expert_major import permute
+    g = torch.Generator().manual_seed(align * 100 + worst)
+    n, k, local = 37, 4, 5
+    recv_idx = torch.randint(-1, local, (n, k), generator=g)
+    recv_idx[3] = -1  # a row whose pairs are all elsewhere cannot arrive, but the placement must not care
+    x = torch.randn(n, 8, generator=g)
+    *_, pair_row, pair_slot, _, _, need = permute(x, None, recv_idx, None, local, align, worst)
+    # The kernels' computation, in torch: counts -> padded starts (notify's layout), ranks (launch_pair_rank).
+    flat = recv_idx.reshape(-1)
+    counts = torch.bincount(flat[flat >= 0], minlength=local)
+    padded = (counts + align - 1) // align * align
+    start = padded.cumsum(0) - padded
+    onehot = torch.nn.functional.one_hot(flat.clamp_min(0), local) * (flat >= 0).unsqueeze(1)
+    rank = (onehot.cumsum(0) - onehot)[torch.arange(flat.numel()), flat.clamp_min(0)]
+    pos = torch.where(flat >= 0, start[flat.clamp_min(0)] + rank, -1)
+    m = worst or int(padded.sum())
+    pos = torch.where(pos < m, pos, -1)
+    got_row = torch.full((m,), -1, dtype=torch.int64)
+    got_slot = torch.full((m,), -1, dtype=torch.int64)
+    placed = pos >= 0
+    got_row[pos[placed]] = torch.arange(flat.numel())[placed] // k
+    got_slot[pos[placed]] = torch.arange(flat.numel())[placed] % k
+    assert_equal(got_row, pair_row.long(), "pair_row")
+    assert_equal(got_slot, pair_slot.long(), "pair_slot")
+    assert int(need) == int(padded.sum())

@@ -1,5 +1,6 @@
 """The fused expert-major dispatch/combine of the compiled intranode kernels against the composition they
-replace (docs/semantics.md, "Expert-major"), on real GPUs.
+replace (docs/semantics.md, "Expert-major"), on real GPUs, for every dispatch variant (split, fused: switched
+in the run) and the combine variant of $MOE_DISPATCHER_EM_COMBINE (tools/gpu_em3.sh runs both).
 
 Two references per case:
 - the same compiled backend's rank-major dispatch + permute() / unpermute() + rank-major combine (the
@@ -161,15 +162,24 @@ CASES: List[Dict] = [
 
 def _world_fused_matches(rank: int, world_size: int) -> None:
     from moe_dispatcher import Buffer
+    from moe_dispatcher.compiled.intranode import EM_DISPATCH_MODES
     kb = make_buffer(hidden_bytes=MAX_HIDDEN_BYTES, backend="kernels", explicitly_destroy=True)
     rb = Buffer(backend="reference", explicitly_destroy=True)
+    for mode in EM_DISPATCH_MODES:
+        kb._kernels.em_dispatch_mode = mode
+        _check_variant(kb, rb, rank, world_size, f"[{mode} dispatch, {kb._kernels.em_combine_mode} combine]")
+    kb.destroy()
+    rb.destroy()
+
+
+def _check_variant(kb, rb, rank: int, world_size: int, tag: str) -> None:
     for i, c in enumerate(CASES):
-        with case(c["name"]):
+        with case(f"{c['name']} {tag}"):
             _check_case(kb, rb, c, i)
     torch.cuda.synchronize()
 
     # ---- Overflow: num_worst_tokens below what arrives; reported on every rank at the next synchronised call.
-    with case("num_worst_tokens overflow"):
+    with case(f"num_worst_tokens overflow {tag}"):
         dev = torch.device("cuda", torch.cuda.current_device())
         xo = torch.randn(64, 256, device=dev).bfloat16()
         io = torch.tensor([[0, 1]] * 64, device=dev)
@@ -182,7 +192,7 @@ def _world_fused_matches(rank: int, world_size: int) -> None:
         assert_close(y.float(), 2 * xo.float(), "round trip after the overflow", rtol=1e-2, atol=1e-2)
 
     # ---- CUDA graph: expert-major dispatch (num_worst_tokens) + combine + cached dispatch, replayed.
-    with case("cuda graph capture + replay (expert-major, num_worst_tokens)"):
+    with case(f"cuda graph capture + replay (expert-major, num_worst_tokens) {tag}"):
         dev = torch.device("cuda", torch.cuda.current_device())
         t, h, local, k = 384, 2048, 8, 6
         e, worst = local * world_size, 384 * world_size * 6
@@ -216,8 +226,6 @@ def _world_fused_matches(rank: int, world_size: int) -> None:
                 assert_equal(a, b, f"replay {it}: {name}", bitwise=True)
         del graph
     torch.cuda.synchronize()
-    kb.destroy()
-    rb.destroy()
 
 
 @pytest.mark.parametrize("world_size", tdist.GPU_WORLD_SIZES)

@@ -145,7 +145,7 @@ def rank_main(opts: argparse.Namespace) -> None:
                 "backends_used": sorted({r["backend"] for r in ctx.records if r.get("backend") not in (None, "nccl")}),
                 "env": {k: os.environ.get(k) for k in ("NVSHMEM_DISABLE_NVLS", "NCCL_NVLS_ENABLE",
                                                        "TORCH_SYMM_MEM_DISABLE_MULTICAST", "MOE_DISPATCHER_BACKEND",
-                                                       "MOE_DISPATCHER_EM_COMBINE")},
+                                                       "MOE_DISPATCHER_EM_DISPATCH", "MOE_DISPATCHER_EM_COMBINE")},
                 "options": {k: v for k, v in vars(opts).items() if k not in ("command",)},
                 "failed_sections": failed}
         report.write(meta, ctx.records, ctx.notes, opts.json, opts.out_dir, opts.mode)

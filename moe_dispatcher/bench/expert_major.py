@@ -5,10 +5,13 @@ On the standard shape (4096 tokens/rank, H 7168, top-8 of 256, routing `topk(ran
 Buffer's default Config (Buffer.num_sms SMs, the tuned chunks: what Megatron uses), it times:
   rank-major dispatch (cached handle) and combine;
   expert_major_dispatch fresh with num_worst_tokens (no host sync), fresh exact (host waits for the counts),
-  cached;
+  cached, for every dispatch variant the backend has (compiled intranode: "split" = the rank-major dispatch,
+  then a whole-GPU pass copies each received row to its expert-major rows, "fused" = the dispatch kernel's
+  receivers write them; MOE_DISPATCHER_EM_DISPATCH picks the default, the bench runs both);
   expert_major_combine without weights, with weights [M], with topk_weights [M], for every combine variant
-  the backend has (compiled intranode: "fused" = the senders gather and sum, "split" = a whole-GPU pre-pass
-  then the rank-major combine; MOE_DISPATCHER_EM_COMBINE picks the default, the bench runs both);
+  the backend has ("split" = a whole-GPU pass sums each received row's expert rows, then the rank-major
+  combine; "fused" = the combine kernel's senders gather and sum; MOE_DISPATCHER_EM_COMBINE);
+  the split variants' local passes alone (em_permute, em_unpermute: their HBM bytes / time in the notes);
   the torch composition (expert_major.unpermute + rank-major combine) and unpermute alone;
   NCCL all_to_all_single of the same rows (dispatch and combine direction).
 Each case twice: "b2b" = per-call CUDA events with calls back to back (what a training loop sees: includes
@@ -57,12 +60,12 @@ def time_calls_synced(fn: Callable[[int], Any], iters: int, warmup: int, device:
 
 
 def _em_backend(buffer: Buffer, handle):
-    """The backend object serving the handle, and its combine variants (() when it has none: reference)."""
+    """The backend object serving the handle, and its (dispatch, combine) variants (() when it has none)."""
     backend = buffer._backend_of(handle.dispatch, (type(handle.dispatch),))
     if not hasattr(backend, "em_combine_mode"):
-        return backend, ()
-    from ..compiled.intranode import EM_COMBINE_MODES
-    return backend, tuple(EM_COMBINE_MODES)
+        return backend, (), ()
+    from ..compiled.intranode import EM_COMBINE_MODES, EM_DISPATCH_MODES
+    return backend, tuple(EM_DISPATCH_MODES), tuple(EM_COMBINE_MODES)
 
 
 def run(ctx: Context) -> None:
@@ -103,11 +106,13 @@ def _run(ctx: Context, buffer: Buffer, dcfg, ccfg) -> None:
     dist.all_reduce(need, op=dist.ReduceOp.MAX, group=g)
     worst = (int(int(need.item()) * 1.1) + 127) // 128 * 128
     n_rows = int(em_handle.dispatch.recv_src_idx.shape[0])
-    backend, modes = _em_backend(buffer, em_handle)
+    pairs = int((em_handle.pair_row >= 0).sum())
+    backend, dmodes, modes = _em_backend(buffer, em_handle)
     default_mode = getattr(backend, "em_combine_mode", None)
+    default_dmode = getattr(backend, "em_dispatch_mode", None)
     ctx.say(f"  backend {em_handle.dispatch.backend}: rank {ctx.rank}: receives {w.recv_rows} rows, {m} expert rows "
-            f"(pairs + padding); num_worst_tokens bound {worst}; combine variants {list(modes) or '-'} (default "
-            f"{default_mode})")
+            f"(pairs + padding); num_worst_tokens bound {worst}; dispatch variants {list(dmodes) or '-'} (default "
+            f"{default_dmode}), combine variants {list(modes) or '-'} (default {default_mode})")
     counts = [None] * ctx.num_ranks
     dist.all_gather_object(counts, (w.recv_rows, m), group=g)
     ctx.note(f"rows per rank (received, expert-major): {counts}; num_worst_tokens bound {worst}")
@@ -124,12 +129,19 @@ def _run(ctx: Context, buffer: Buffer, dcfg, ccfg) -> None:
                                                                             config=dcfg)))
     cases.append(("rank-major combine", lambda i: buffer.combine(w.ys[i % len(w.ys)], handle, config=ccfg)))
     em_kw = dict(topk_idx=w.topk_idx, topk_weights=w.topk_weights, num_experts=w.num_experts, config=dcfg)
-    cases.append(("em dispatch fresh num_worst_tokens",
-                  lambda i: buffer.expert_major_dispatch(w.xs[i % len(w.xs)], num_worst_tokens=worst, **em_kw)))
-    cases.append(("em dispatch fresh exact (host sync)",
-                  lambda i: buffer.expert_major_dispatch(w.xs[i % len(w.xs)], **em_kw)))
-    cases.append(("em dispatch cached",
-                  lambda i: buffer.expert_major_dispatch(w.xs[i % len(w.xs)], handle=em_handle, config=dcfg)))
+
+    def em_dispatch(mode: Optional[str], **kw):
+        def fn(i):
+            if mode is not None:
+                backend.em_dispatch_mode = mode
+            return buffer.expert_major_dispatch(w.xs[i % len(w.xs)], **kw)
+        return fn
+
+    for mode in (dmodes or (None,)):
+        tag = f" [{mode}]" if mode else ""
+        cases.append((f"em dispatch fresh num_worst_tokens{tag}", em_dispatch(mode, num_worst_tokens=worst, **em_kw)))
+        cases.append((f"em dispatch fresh exact (host sync){tag}", em_dispatch(mode, **em_kw)))
+        cases.append((f"em dispatch cached{tag}", em_dispatch(mode, handle=em_handle, config=dcfg)))
 
     def em_combine(mode: Optional[str], weights, topk_weights):
         def fn(i):
@@ -149,6 +161,15 @@ def _run(ctx: Context, buffer: Buffer, dcfg, ccfg) -> None:
         rows, w_rows = unpermute(ems[i % len(ems)], em_handle, None, None)
         return buffer.combine(rows, em_handle.dispatch, topk_weights=w_rows, config=ccfg)
 
+    # The split variants' local passes alone; HBM bytes: every received row and every pair's expert row once.
+    local_bytes = (n_rows + pairs) * o.hidden * 2
+    if dmodes:
+        rank_rows = [torch.randn(n_rows, o.hidden, device=dev, generator=gen).to(torch.bfloat16) for _ in range(2)]
+        cases.append(("em_permute alone (local, split dispatch)",
+                      lambda i: backend.em_permute(rank_rows[i % 2], None, em_handle)))
+    if modes:
+        cases.append(("em_unpermute alone (local, split combine)",
+                      lambda i: backend.em_unpermute(ems[i % len(ems)], em_handle, None, None)))
     cases.append(("torch composition (unpermute + combine)", composition))
     cases.append(("torch unpermute alone (local)", lambda i: unpermute(ems[i % len(ems)], em_handle, None, None)))
 
@@ -177,9 +198,15 @@ def _run(ctx: Context, buffer: Buffer, dcfg, ccfg) -> None:
             ctx.records.append(rec)
             t = rec["t_us"]
             ctx.say(f"[{SECTION}] {op:42s} {timing:4s}: {t['mean']:9.1f} us (ranks {t['min']:.1f}..{t['max']:.1f})")
+            if op.startswith("em_") and timing == "sync":
+                ctx.note(f"{op}: {t['mean']:.1f} us for {local_bytes / 1e6:.0f} MB read + written (rank "
+                         f"{ctx.rank}: {n_rows} received rows, {pairs} pairs) = "
+                         f"{local_bytes / (t['mean'] * 1e-6) / 1e9:.0f} GB/s")
     if default_mode is not None:
         backend.em_combine_mode = default_mode
+        backend.em_dispatch_mode = default_dmode
     _check_equal(ctx, buffer, backend, modes, ems[0], em_w, em_tw, em_handle, ccfg)
+    _check_dispatch_equal(ctx, buffer, backend, dmodes, w, worst, em_handle, dcfg)
 
 
 def _check_equal(ctx: Context, buffer: Buffer, backend, modes, x, em_w, em_tw, em_handle, ccfg) -> None:
@@ -206,6 +233,39 @@ def _check_equal(ctx: Context, buffer: Buffer, backend, modes, x, em_w, em_tw, e
         raise RuntimeError(f"expert-major combine is not bit-identical to the composition: {failed}")
     ctx.note(f"every expert-major combine variant ({', '.join(modes) or 'default'}) x (plain, weights, "
              f"topk_weights) equals the torch composition bit for bit on every rank")
+
+
+def _check_dispatch_equal(ctx: Context, buffer: Buffer, backend, dmodes, w, worst: int, em_handle, dcfg) -> None:
+    """Every dispatch variant against the first, bit for bit: fresh exact, fresh num_worst_tokens (outputs and
+    handle tables) and cached (a note, and a RuntimeError if not)."""
+    if len(dmodes) < 2:
+        return
+    default = backend.em_dispatch_mode
+    kw = dict(topk_idx=w.topk_idx, topk_weights=w.topk_weights, num_experts=w.num_experts, config=dcfg)
+    results = {}
+    for mode in dmodes:
+        backend.em_dispatch_mode = mode
+        got = []
+        for extra in ({}, {"num_worst_tokens": worst}):
+            px, pw, _, tpe, h, _ = buffer.expert_major_dispatch(w.xs[0], **kw, **extra)
+            got += [px, pw, tpe, h.pair_row, h.pair_slot, h.backend_state[0], h.dispatch.recv_src_idx]
+        got.append(buffer.expert_major_dispatch(w.xs[1 % len(w.xs)], handle=em_handle, config=dcfg)[0])
+        results[mode] = got
+    backend.em_dispatch_mode = default
+    first = results[dmodes[0]]
+    bad = []
+    for mode in dmodes[1:]:
+        for i, (a, b) in enumerate(zip(first, results[mode])):
+            if a.shape != b.shape or not torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)):
+                bad.append(f"{mode}/output {i}")
+    verdicts = [None] * ctx.num_ranks
+    dist.all_gather_object(verdicts, bad, group=ctx.group)
+    failed = {r: v for r, v in enumerate(verdicts) if v}
+    if failed:
+        ctx.note(f"expert-major dispatch variants differ: {failed}")
+        raise RuntimeError(f"expert-major dispatch variants are not bit-identical: {failed}")
+    ctx.note(f"every expert-major dispatch variant ({', '.join(dmodes)}) x (fresh exact, fresh num_worst_tokens, "
+             f"cached) gives the same rows, weights, counts and tables bit for bit on every rank")
 
 
 def table(records: List[Dict[str, Any]]) -> str:

@@ -30,13 +30,27 @@ from . import current_stream_ptr, row_geometry, timeout_message
 
 TIMEOUT_ENV = "MOE_DISPATCHER_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 10.0
-# Expert-major combine variant, read when the backend is created (the attribute em_combine_mode changes it
-# later, e.g. in the bench): "split" (default) = a local pre-pass kernel over the whole GPU sums each received
-# row's expert rows into a rank-major row, then the rank-major combine kernel sends them; "fused" = the combine
-# kernel's senders gather and sum the expert rows themselves (send_em_row). Both are bit-identical.
+# Expert-major variants, read when the backend is created (the attributes em_dispatch_mode / em_combine_mode
+# change them later, e.g. in the bench); the first of each tuple is the default. All are bit-identical.
+# Dispatch: "split" = the rank-major dispatch kernel, then a local pass over the whole GPU (em_permute) copies
+# each received row to its expert-major rows; "fused" = the dispatch kernel's receivers write the expert-major
+# rows as the rows arrive (on num_channels SMs).
+# Combine: "split" = a local pass over the whole GPU (em_unpermute) sums each received row's expert rows into a
+# rank-major row, then the rank-major combine kernel sends them; "fused" = the combine kernel's senders gather
+# and sum the expert rows themselves (send_em_row).
+EM_DISPATCH_ENV = "MOE_DISPATCHER_EM_DISPATCH"
+EM_DISPATCH_MODES = ("split", "fused")
 EM_COMBINE_ENV = "MOE_DISPATCHER_EM_COMBINE"
 EM_COMBINE_MODES = ("split", "fused")
 _COMBINE_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+
+
+def env_mode(name: str, modes: Sequence[str]) -> str:
+    """The variant environment variable `name` selects (case-insensitive; unset or empty: modes[0])."""
+    value = os.environ.get(name, "").strip().lower() or modes[0]
+    if value not in modes:
+        raise ValueError(f"{name} must be one of {tuple(modes)}, got {value!r}")
+    return value
 
 
 def _align16(n: int) -> int:
@@ -87,9 +101,8 @@ class IntranodeBackend:
         if self.timeout_s <= 0:
             raise ValueError(f"{TIMEOUT_ENV} must be positive, got {self.timeout_s}")
         self._timeout_ns = int(self.timeout_s * 1e9)
-        self.em_combine_mode = os.environ.get(EM_COMBINE_ENV, "split").strip().lower() or "split"
-        if self.em_combine_mode not in EM_COMBINE_MODES:
-            raise ValueError(f"{EM_COMBINE_ENV} must be one of {EM_COMBINE_MODES}, got {self.em_combine_mode!r}")
+        self.em_dispatch_mode = env_mode(EM_DISPATCH_ENV, EM_DISPATCH_MODES)
+        self.em_combine_mode = env_mode(EM_COMBINE_ENV, EM_COMBINE_MODES)
         minimum = self._mod.RINGS_OFFSET + self.num_ranks * 128
         if self.num_nvl_bytes < minimum:
             raise ValueError(f"num_nvl_bytes={self.num_nvl_bytes} is too small for the intranode kernels (at least "
@@ -327,12 +340,15 @@ class IntranodeBackend:
     def expert_major_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: torch.Tensor,
                               topk_weights: Optional[torch.Tensor], num_experts: int, expert_alignment: int,
                               num_worst_tokens: int, config: Optional[Config] = None):
-        """Dispatch straight into expert-major rows (docs/intranode.md, "Expert-major dispatch"): the sender
-        carries each pair's rank among its pairs for that expert, notify turns every source's per-expert
-        counts into a base row per (source, expert), and the receiver writes each row to all its expert-major
-        rows. Returns (permuted_x, permuted_scales, permuted_weights, tokens_per_expert int32 [L] (device),
-        counts (python ints; empty with num_worst_tokens), ExpertMajorHandle). No host sync with
-        num_worst_tokens; otherwise one wait for notify's counts, like dispatch."""
+        """Dispatch into expert-major rows (docs/intranode.md, "Expert-major dispatch"). notify turns every
+        source's per-expert counts into the layout table (each expert's first row); then, by em_dispatch_mode:
+        "split": the rank-major dispatch kernel, then pair ranks over the received top-k and em_permute, which
+        copies each received row to its expert-major rows over the whole GPU; "fused": the sender carries each
+        pair's rank among its pairs for that expert and the dispatch kernel's receivers write each row straight
+        to its expert-major rows. Same outputs bit for bit. Returns (permuted_x, permuted_scales,
+        permuted_weights, tokens_per_expert int32 [L] (device), counts (python ints; empty with
+        num_worst_tokens), ExpertMajorHandle). No host sync with num_worst_tokens; otherwise one wait for
+        notify's counts, like dispatch."""
         self._check()
         r = self.num_ranks
         local = num_experts // r
@@ -340,21 +356,21 @@ class IntranodeBackend:
         if local > self._mod.MAX_LOCAL_EXPERTS or k > self._mod.MAX_TOPK or k == 0:
             return compose_expert_major_dispatch(self, x, x_scales, topk_idx, topk_weights, num_experts, local,
                                                  expert_alignment, num_worst_tokens, config)
+        split = self.em_dispatch_mode == "split"
         x = x.contiguous()
         x_scales = x_scales.contiguous() if x_scales is not None else None
         topk_idx = topk_idx.contiguous()
         topk_weights = topk_weights.contiguous() if topk_weights is not None else None
         hidden_bytes, num_scales = row_geometry(x, x_scales, "intranode")
         channels, chunk, slots = self._config(config, combine=False)
-        slot_bytes = dispatch_slot_bytes(hidden_bytes, num_scales, k, pair_ranks=True)
+        slot_bytes = dispatch_slot_bytes(hidden_bytes, num_scales, k, pair_ranks=not split)
         self._check_fits(channels, slots, slot_bytes, "expert-major dispatch")
         per_rank, _, per_expert, in_rank = self.get_dispatch_layout(topk_idx, num_experts)
         dev, t, stream = x.device, x.shape[0], self._stream()
 
-        pair_rank = torch.empty(t, k, dtype=torch.int32, device=dev)
-        blocks = (t + self._mod.PAIR_RANK_TOKENS - 1) // self._mod.PAIR_RANK_TOKENS
-        workspace = torch.empty(max(blocks, 1) * num_experts, dtype=torch.int32, device=dev)
-        self._mod.pair_rank(topk_idx.data_ptr(), t, k, num_experts, pair_rank.data_ptr(), workspace.data_ptr(), stream)
+        if not split:  # the sender's pair ranks travel in the ring slots
+            pair_rank = torch.empty(t, k, dtype=torch.int32, device=dev)
+            self._pair_rank(topk_idx, num_experts, pair_rank, None)
         prefix = torch.empty(r, r, dtype=torch.int32, device=dev)
         offsets = torch.empty(r, channels + 1, dtype=torch.int32, device=dev)
         layout = torch.empty(self._mod.em_layout_words(r, local), dtype=torch.int32, device=dev)
@@ -373,6 +389,20 @@ class IntranodeBackend:
             num_recv = self._wait_counts(seq)
             counts = self._ipc.expert_counts(local)
             rows, m = num_recv, sum(counts)
+        recv_src = torch.empty(rows, dtype=torch.int32, device=dev)
+        received = offsets[-1, -1:]  # rows received, on the device (rows past it in num_worst_tokens tables)
+        if split:
+            # Rank-major rows in (source rank, token) order, top-k as local experts; no padding rows (pad_rows 0):
+            # the passes below read only the rows received. Launched before the other outputs are allocated, so
+            # after a host sync the GPU starts on the transfer first.
+            recv_x = torch.empty(rows, x.shape[1], dtype=x.dtype, device=dev)
+            recv_s = torch.empty(rows, num_scales, dtype=x_scales.dtype, device=dev) if x_scales is not None else None
+            recv_idx = torch.empty(rows, k, dtype=torch.int64, device=dev)
+            recv_w = torch.empty(rows, k, dtype=torch.float32, device=dev)
+            self._mod.dispatch(self._ipc, self._timeout_ns, x.data_ptr(), self._ptr(x_scales), topk_idx.data_ptr(),
+                               self._ptr(topk_weights), in_rank.data_ptr(), offsets.data_ptr(), recv_x.data_ptr(),
+                               self._ptr(recv_s), recv_idx.data_ptr(), recv_w.data_ptr(), recv_src.data_ptr(), t,
+                               hidden_bytes, num_scales, k, local, rows, 0, channels, chunk, slots, slot_bytes, stream)
         px = torch.empty(m, x.shape[1], dtype=x.dtype, device=dev)
         ps = torch.empty(m, num_scales, dtype=x_scales.dtype, device=dev) if x_scales is not None else None
         pw = torch.empty(m, dtype=torch.float32, device=dev) if topk_weights is not None else None
@@ -380,23 +410,58 @@ class IntranodeBackend:
         pair_row = torch.empty(m + 1, dtype=torch.int32, device=dev)[:m]
         pair_slot = torch.empty(m + 1, dtype=torch.int32, device=dev)[:m]
         inverse = torch.empty((rows + 1) * k, dtype=torch.int32, device=dev)[:rows * k].view(rows, k)
-        recv_src = torch.empty(rows, dtype=torch.int32, device=dev)
-        self._mod.dispatch(self._ipc, self._timeout_ns, x.data_ptr(), self._ptr(x_scales), topk_idx.data_ptr(),
-                           self._ptr(topk_weights), in_rank.data_ptr(), offsets.data_ptr(), 0, 0, 0, 0,
-                           recv_src.data_ptr(), t, hidden_bytes, num_scales, k, local, rows,
-                           1 if num_worst_tokens else 0, channels, chunk, slots, slot_bytes, stream,
-                           em_mode=1, pair_rank=self._present(pair_rank), em_layout=layout.data_ptr(),
-                           em_x=self._ptr(px), em_scales=self._ptr(ps), em_weights=self._present(pw),
-                           em_pair_row=self._present(pair_row), em_pair_slot=self._present(pair_slot),
-                           em_inverse=self._present(inverse), em_topk=k, em_rows=m)
+        if split:
+            recv_rank = torch.empty(rows, k, dtype=torch.int32, device=dev)
+            self._pair_rank(recv_idx, local, recv_rank, received)
+            self._em_permute(recv_x, recv_s, inverse, layout, local, expert_alignment, received, px, ps,
+                             num_worst_tokens > 0,
+                             fresh=(recv_idx, recv_w, recv_rank, pw, pair_row, pair_slot, recv_src))
+        else:
+            self._mod.dispatch(self._ipc, self._timeout_ns, x.data_ptr(), self._ptr(x_scales), topk_idx.data_ptr(),
+                               self._ptr(topk_weights), in_rank.data_ptr(), offsets.data_ptr(), 0, 0, 0, 0,
+                               recv_src.data_ptr(), t, hidden_bytes, num_scales, k, local, rows,
+                               1 if num_worst_tokens else 0, channels, chunk, slots, slot_bytes, stream,
+                               em_mode=1, pair_rank=self._present(pair_rank), em_layout=layout.data_ptr(),
+                               em_x=self._ptr(px), em_scales=self._ptr(ps), em_weights=self._present(pw),
+                               em_pair_row=self._present(pair_row), em_pair_slot=self._present(pair_slot),
+                               em_inverse=self._present(inverse), em_topk=k, em_rows=m)
         r_local = r * local
         tpe = layout[r_local + 2 * local + 1: r_local + 3 * local + 1]
         need = layout[r_local + local]
         dh = DispatchHandle(prefix, in_rank, recv_src, num_recv, t, num_worst_tokens, self.name, self._buffer_token,
                             backend_state=(channels, offsets))
-        handle = ExpertMajorHandle(dh, pair_row, pair_slot, tpe, k, backend_state=(inverse, layout, local),
-                                   rows_needed=need)
+        handle = ExpertMajorHandle(dh, pair_row, pair_slot, tpe, k, rows_needed=need,
+                                   backend_state=(inverse, layout, local, expert_alignment))
         return px, ps, pw, tpe, counts, handle
+
+    def _pair_rank(self, idx: torch.Tensor, num_experts: int, out: torch.Tensor, row_limit: Optional[torch.Tensor]):
+        """out[t][k] = rank of pair (t, k) among the pairs of idx [T, K] for the same expert, (t, k) order (rows at
+        or past the device count row_limit are left out)."""
+        t, k = idx.shape
+        blocks = (t + self._mod.PAIR_RANK_TOKENS - 1) // self._mod.PAIR_RANK_TOKENS
+        workspace = torch.empty(max(blocks, 1) * num_experts, dtype=torch.int32, device=idx.device)
+        self._mod.pair_rank(idx.data_ptr(), t, k, num_experts, out.data_ptr(), workspace.data_ptr(), self._stream(),
+                            row_limit=self._ptr(row_limit))
+
+    def _em_permute(self, rows_x: torch.Tensor, rows_s: Optional[torch.Tensor], inverse: torch.Tensor,
+                    layout: torch.Tensor, local: int, alignment: int, received: torch.Tensor, px: torch.Tensor,
+                    ps: Optional[torch.Tensor], bounded: bool, fresh=None) -> None:
+        """Rank-major received rows [N, ...] -> expert-major rows px [M, ...] (split dispatch's local pass): fresh
+        = (received top-k, received weights, pair ranks, permuted weights or None, pair_row, pair_slot, source
+        indices) places the pairs and fills the tables; None (cached) follows inverse. received: the device count
+        of rows that arrived (offsets[-1, -1:]). bounded: M is num_worst_tokens (rows past the last expert's are
+        padding)."""
+        n, k = inverse.shape
+        m = px.shape[0]
+        hidden_bytes, num_scales = row_geometry(px, ps, "intranode")
+        # Padding rows: each expert's alignment rows, and with num_worst_tokens the rows past the last expert's.
+        pad_blocks = min(self._num_sms, (m + 7) // 8) if (alignment > 1 or bounded) else 0
+        idx, w, rank, pw, pair_row, pair_slot, src = fresh if fresh is not None else (None,) * 7
+        p = self._present  # empty tensors (no rows) still need non-null addresses for the launcher's checks
+        self._mod.em_permute(p(rows_x), p(rows_s), p(idx), p(w), p(rank), layout.data_ptr(), received.data_ptr(),
+                             p(px), p(ps), p(pw), p(pair_row), p(pair_slot), p(inverse), p(src),
+                             1 if fresh is not None else 0, n, hidden_bytes, num_scales, k,
+                             self.num_ranks, local, alignment, m, pad_blocks, self._stream())
 
     def _wait_counts(self, seq: int) -> int:
         """The host's wait for notify call `seq` (fresh dispatch without num_worst_tokens): rows received."""
@@ -417,7 +482,9 @@ class IntranodeBackend:
 
     def expert_major_cached_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor],
                                      handle: ExpertMajorHandle):
-        """x [T, H] -> expert-major rows [M, H] along the handle's routing (no count exchange, no host sync)."""
+        """x [T, H] -> expert-major rows [M, H] along the handle's routing (no count exchange, no host sync);
+        em_dispatch_mode "split": rank-major cached dispatch, then em_permute along the handle's inverse table;
+        "fused": the dispatch kernel's receivers write the expert-major rows."""
         self._check()
         if handle.backend_state is None:  # the handle came from the composition: do the same here
             rows, row_scales = self.cached_dispatch(x, x_scales, handle.dispatch)
@@ -425,13 +492,21 @@ class IntranodeBackend:
         x = x.contiguous()
         x_scales = x_scales.contiguous() if x_scales is not None else None
         hidden_bytes, num_scales = row_geometry(x, x_scales, "intranode")
-        inverse, layout, local = handle.backend_state
+        inverse, layout, local, alignment = handle.backend_state
         dh = handle.dispatch
         channels, offsets = dh.backend_state
         _, chunk, slots = self._config(None, combine=False)
         slot_bytes = dispatch_slot_bytes(hidden_bytes, num_scales, 0)
         self._check_fits(channels, slots, slot_bytes, "expert-major cached dispatch")
         m, rows, dev = handle.pair_row.numel(), dh.recv_src_idx.shape[0], x.device
+        if self.em_dispatch_mode == "split":  # rank-major rows (no padding rows: em_permute reads the received)
+            recv_x = torch.empty(rows, x.shape[1], dtype=x.dtype, device=dev)
+            recv_s = torch.empty(rows, num_scales, dtype=x_scales.dtype, device=dev) if x_scales is not None else None
+            self._mod.dispatch(self._ipc, self._timeout_ns, x.data_ptr(), self._ptr(x_scales), 0, 0,
+                               dh.is_token_in_rank.data_ptr(), offsets.data_ptr(), recv_x.data_ptr(),
+                               self._ptr(recv_s), 0, 0, 0, x.shape[0], hidden_bytes, num_scales, 0, 1, rows, 0,
+                               channels, chunk, slots, slot_bytes, self._stream())
+            return self.em_permute(recv_x, recv_s, handle)
         px = torch.empty(m, x.shape[1], dtype=x.dtype, device=dev)
         ps = torch.empty(m, num_scales, dtype=x_scales.dtype, device=dev) if x_scales is not None else None
         self._mod.dispatch(self._ipc, self._timeout_ns, x.data_ptr(), self._ptr(x_scales), 0, 0,
@@ -442,12 +517,40 @@ class IntranodeBackend:
                            em_topk=handle.num_topk, em_rows=m)
         return px, ps
 
+    def em_permute(self, rows_x: torch.Tensor, rows_s: Optional[torch.Tensor], handle: ExpertMajorHandle):
+        """Split dispatch's local pass along a handle of this backend: rank-major received rows [N, ...] (N rows
+        of the handle's tables; only those received are read) -> (expert-major rows [M, ...], scales or None)."""
+        inverse, layout, local, alignment = handle.backend_state
+        dh = handle.dispatch
+        m, dev = handle.pair_row.numel(), rows_x.device
+        px = torch.empty(m, rows_x.shape[1], dtype=rows_x.dtype, device=dev)
+        ps = torch.empty(m, rows_s.shape[1], dtype=rows_s.dtype, device=dev) if rows_s is not None else None
+        self._em_permute(rows_x, rows_s, inverse, layout, local, alignment, dh.backend_state[1][-1, -1:], px, ps,
+                         bool(dh.num_worst_tokens))
+        return px, ps
+
+    def em_unpermute(self, x: torch.Tensor, handle: ExpertMajorHandle, weights: Optional[torch.Tensor],
+                     topk_weights: Optional[torch.Tensor]):
+        """Split combine's local pass: expert-major rows x [M, H] (bf16/fp16/fp32) -> each received row's sum of its
+        pairs [N, H] (slot order, float32, rounded to x.dtype: unpermute()'s numbers) and, with topk_weights [M],
+        the per-slot weights [N, K]. Rows past the received count (num_worst_tokens tables) are not written."""
+        inverse = handle.backend_state[0]
+        n, k = inverse.shape
+        offsets = handle.dispatch.backend_state[1]
+        rows = torch.empty(n, x.shape[1], dtype=x.dtype, device=x.device)
+        w_rows = torch.empty(n, k, dtype=torch.float32, device=x.device) if topk_weights is not None else None
+        self._mod.em_unpermute(self._present(x), self._present(inverse), self._present(weights),
+                               self._present(topk_weights), offsets[-1, -1:].data_ptr(), self._present(rows),
+                               self._present(w_rows), _COMBINE_DTYPES[x.dtype], x.shape[1], n, k, self._stream())
+        return rows, w_rows
+
     def expert_major_combine(self, x: torch.Tensor, handle: ExpertMajorHandle, weights: Optional[torch.Tensor],
                              topk_weights: Optional[torch.Tensor], bias: Sequence[torch.Tensor],
                              config: Optional[Config] = None):
-        """Expert-major rows [M, H] -> [T, H]: the expert-side sender sums each received row's pairs (slot order,
-        float32, rounded to x.dtype) straight from x and sends that through the combine rings; topk_weights [M]
-        return to their slot. Returns (combined_x, combined_topk_weights [T, K] or None)."""
+        """Expert-major rows [M, H] -> [T, H]: each received row's pairs summed (slot order, float32, rounded to
+        x.dtype) and sent through the combine rings; topk_weights [M] return to their slot. em_combine_mode
+        "split": em_unpermute over the whole GPU, then the rank-major combine kernel; "fused": the combine
+        kernel's senders sum straight from x. Returns (combined_x, combined_topk_weights [T, K] or None)."""
         self._check()
         if handle.backend_state is None or x.dtype not in _COMBINE_DTYPES:
             rows, w_rows = unpermute(x, handle, weights, topk_weights)
@@ -458,7 +561,6 @@ class IntranodeBackend:
             raise ValueError(f"combine: rows of x must be a multiple of 16 bytes, got {row_bytes}")
         weights = weights.contiguous() if weights is not None else None
         topk_weights = topk_weights.contiguous() if topk_weights is not None else None
-        inverse, _, _ = handle.backend_state
         dh = handle.dispatch
         k = handle.num_topk
         num_topk = k if topk_weights is not None else 0
@@ -474,13 +576,7 @@ class IntranodeBackend:
         if self.em_combine_mode == "split":
             # The permutation's reads (every expert row, scattered over the local experts' blocks) and the float32
             # sums run over the whole GPU here, not on the combine kernel's 2 x channels SMs.
-            rows = torch.empty(n, x.shape[1], dtype=x.dtype, device=dev)
-            w_rows = torch.empty(n, k, dtype=torch.float32, device=dev) if topk_weights is not None else None
-            blocks = min((n + 7) // 8, 4 * self._num_sms)  # 8 warps (rows) per block, grid-stride beyond
-            self._mod.em_unpermute(x.data_ptr(), self._present(inverse), self._present(weights),
-                                   self._present(topk_weights), offsets.data_ptr(), rows.data_ptr(),
-                                   self._present(w_rows), _COMBINE_DTYPES[x.dtype], x.shape[1], n, k, self.num_ranks,
-                                   channels, blocks, self._stream())
+            rows, w_rows = self.em_unpermute(x, handle, weights, topk_weights)
             self._mod.combine(self._ipc, self._timeout_ns, rows.data_ptr(), self._ptr(w_rows),
                               self._ptr(biases[0] if len(biases) > 0 else None),
                               self._ptr(biases[1] if len(biases) > 1 else None), dh.is_token_in_rank.data_ptr(),
@@ -492,8 +588,8 @@ class IntranodeBackend:
                           self._ptr(biases[1] if len(biases) > 1 else None), dh.is_token_in_rank.data_ptr(),
                           offsets.data_ptr(), out.data_ptr(), self._ptr(out_w), _COMBINE_DTYPES[x.dtype], t,
                           x.shape[1], num_topk, n, channels, chunk, slots, slot_bytes,
-                          self._stream(), em_inverse=self._present(inverse), em_weights=self._present(weights),
-                          em_topk_weights=self._present(topk_weights), em_topk=k)
+                          self._stream(), em_inverse=self._present(handle.backend_state[0]),
+                          em_weights=self._present(weights), em_topk_weights=self._present(topk_weights), em_topk=k)
         return out, out_w
 
     # ------------------------------------------------------------------ buffer access and lifetime

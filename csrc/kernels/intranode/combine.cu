@@ -108,7 +108,7 @@ __device__ __forceinline__ void em_sum_many(const CombineArgs& a, int n, int cpo
 }
 
 // Writes the row's partial sum to `slot` and, when em_topk_weights is given, its K per-slot weights to
-// `slot_w` (the ring slot's tail in the fused kernel; a row of the [N, K] float32 table in the split pre-pass).
+// `slot_w` (the ring slot's tail). em_unpermute.cu computes the same numbers for the split variant.
 template <typename T>
 __device__ __forceinline__ void send_em_row(const CombineArgs& a, int64_t r, uint8_t* slot, float* slot_w,
                                             int row_bytes, int lane) {
@@ -338,40 +338,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
   send_channel<T>(a, c, group, group_warp, warps, lane, group_warp == 0 && lane == 0, &shared_ok[group], dog);
 }
 
-// Split expert-major combine, local pre-pass (MOE_DISPATCHER_EM_COMBINE=split): the same partial sums as the
-// fused sender (send_em_row, so bit-identical), written to rank-major rows out[r] (and the per-slot weights to
-// out_topk_weights[r]) by one warp per received row over the whole GPU; the rank-major combine_kernel then sends
-// them. It takes the permutation's reads (about 2 expert rows per received row, spread over every local
-// expert's block) off the 2 x num_channels SMs of the combine kernel. Rows past the received count (the tail
-// of a num_worst_tokens table: offsets[R - 1][C]) are not sent by combine, so they are skipped.
-constexpr int kUnpermuteThreads = 256;
-
-template <typename T>
-__global__ void __launch_bounds__(kUnpermuteThreads, 2) em_unpermute_kernel(CombineArgs a) {
-  const int lane = threadIdx.x & 31;
-  const int warps = kUnpermuteThreads / 32;
-  const int received = a.recv_channel_offset[a.c.num_ranks * (a.num_channels + 1) - 1];
-  const int64_t rows = min(static_cast<int64_t>(a.num_x_rows), static_cast<int64_t>(received));
-  const int row_bytes = a.hidden * static_cast<int>(sizeof(T));
-  for (int64_t r = static_cast<int64_t>(blockIdx.x) * warps + (threadIdx.x >> 5); r < rows;
-       r += static_cast<int64_t>(gridDim.x) * warps) {
-    float* w = a.out_topk_weights != nullptr ? a.out_topk_weights + r * a.em_topk : nullptr;
-    send_em_row<T>(a, r, a.out + r * row_bytes, w, row_bytes, lane);
-  }
-}
-
 }  // namespace
-
-void launch_em_unpermute(const CombineArgs& args, int num_blocks, cudaStream_t stream) {
-  if (num_blocks <= 0 || args.num_x_rows <= 0) return;
-  const dim3 grid(num_blocks);
-  switch (args.dtype) {
-    case kBf16: em_unpermute_kernel<__nv_bfloat16><<<grid, kUnpermuteThreads, 0, stream>>>(args); break;
-    case kFp16: em_unpermute_kernel<__half><<<grid, kUnpermuteThreads, 0, stream>>>(args); break;
-    default: em_unpermute_kernel<float><<<grid, kUnpermuteThreads, 0, stream>>>(args); break;
-  }
-  check_launch("em_unpermute_kernel");
-}
 
 void launch_combine(const CombineArgs& args, cudaStream_t stream) {
   const dim3 grid(2 * args.num_channels);

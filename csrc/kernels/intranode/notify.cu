@@ -32,12 +32,18 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a)
   if (threadIdx.x == 0) flags = 0;
   __syncthreads();
 
-  // 1. Rows per (channel, destination): channel c holds tokens [c * per, (c + 1) * per).
+  // 1. Rows per (channel, destination): channel c holds tokens [c * per, (c + 1) * per). A warp takes 32
+  // tokens at a time; the lanes sending to d in the same channel add their count with one atomic (one per
+  // lane would serialise 32 same-address shared atomics per warp and destination).
   const int per = (a.num_tokens + num_channels - 1) / num_channels;
-  for (int t = threadIdx.x; t < a.num_tokens; t += blockDim.x) {
-    const int c = t / per;
+  const int lane = threadIdx.x & 31;
+  for (int t0 = threadIdx.x - lane; t0 < a.num_tokens; t0 += blockDim.x) {  // warp-uniform trip count
+    const int t = t0 + lane;
+    const int c = t < a.num_tokens ? t / per : -1;
     for (int d = 0; d < num_ranks; ++d) {
-      if (a.is_token_in_rank[static_cast<int64_t>(t) * num_ranks + d]) atomicAdd(&count[c][d], 1);
+      const bool hit = c >= 0 && a.is_token_in_rank[static_cast<int64_t>(t) * num_ranks + d];
+      const unsigned same = __match_any_sync(0xffffffffu, hit ? c : -1);
+      if (hit && lane == __ffs(same) - 1) atomicAdd(&count[c][d], __popc(same));
     }
   }
   __syncthreads();

@@ -110,15 +110,19 @@ struct ExpertMajorLayout {
   __host__ __device__ int padded(int l) const { return num_ranks * num_local + 2 * num_local + 1 + l; }
 };
 
-// Sender side of an expert-major dispatch: for each (token t, slot k) routed to expert e, its rank among
-// this rank's pairs routed to e, in (t, k) order; -1 for unused slots. workspace: int32 [blocks, E].
+// For each (row t, slot k) of an int64 [T, K] expert table routed to expert e, its rank among the table's
+// pairs routed to e, in (t, k) order; -1 for unused slots (e outside [0, E)). Two users: the sender of a
+// fused expert-major dispatch (its topk_idx, E = all experts) and the split one's receiver (the rank-major
+// received top-k, E = local experts, row_limit = the received count on the device: rows at or past it are
+// neither counted nor written). workspace: int32 [blocks, E].
 struct PairRankArgs {
   const int64_t* topk_idx;  // [T, K]
   int num_tokens, num_topk, num_experts;
   int* pair_rank;           // out [T, K]
   int* workspace;           // [pair_rank_blocks(T), E]
+  const int* row_limit;     // device int or null (all T rows)
 };
-constexpr int kPairRankTokens = 128;  // tokens per block of the pair-rank kernels
+constexpr int kPairRankTokens = 64;  // rows per block of the pair-rank kernels
 inline int pair_rank_blocks(int num_tokens) { return (num_tokens + kPairRankTokens - 1) / kPairRankTokens; }
 
 struct DispatchArgs {
@@ -187,10 +191,52 @@ void launch_layout(const LayoutArgs& args, cudaStream_t stream);
 void launch_notify(const NotifyArgs& args, cudaStream_t stream);
 void launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
 void launch_combine(const CombineArgs& args, cudaStream_t stream);
-// Split expert-major combine's local pre-pass (combine.cu): out[r] / out_topk_weights[r] = what the fused
-// sender would put in received row r's slot, for r < min(num_x_rows, rows received); uses x, em_*, out,
-// out_topk_weights, hidden, dtype, num_x_rows, recv_channel_offset, num_channels, c.num_ranks.
-void launch_em_unpermute(const CombineArgs& args, int num_blocks, cudaStream_t stream);
 void launch_pair_rank(const PairRankArgs& args, cudaStream_t stream);
+
+// Split expert-major dispatch, local pass after the rank-major dispatch kernel (em_permute.cu): received row
+// n (n < min(num_rows, *received)) goes to each of its expert-major positions. Fresh (fresh = 1): the
+// position of slot k is layout.start[recv_topk_idx[n][k]] + pair_rank[n][k] (dropped at or past em_rows),
+// written to em_inverse with em_pair_row / em_pair_slot / em_weights; em_inverse and recv_src_idx are -1 for
+// the rows past the received count (the rank-major dispatch ran without padding rows). Cached (fresh = 0):
+// positions from em_inverse. Blocks from row_blocks on zero the
+// padding rows (each expert's alignment rows, then [layout.start[L], em_rows)): payload, scales, and in
+// fresh mode weight 0, pair row / slot -1.
+struct EmPermuteArgs {
+  const uint8_t* x;                 // [num_rows, hidden_bytes] rank-major received rows
+  const int32_t* scales;            // [num_rows, S] or null
+  const int64_t* recv_topk_idx;     // fresh: [num_rows, K] local expert of each slot, -1 where none
+  const float* recv_topk_weights;   // fresh: [num_rows, K], read when em_weights is given
+  const int* pair_rank;             // fresh: [num_rows, K] (launch_pair_rank over recv_topk_idx)
+  const int* layout;                // ExpertMajorLayout table of the fresh call (notify)
+  const int* received;              // device int: rows received (recv_channel_offset[R - 1][C])
+  int fresh, num_rows, hidden_bytes, num_scales, num_topk, num_ranks, num_local, expert_alignment, em_rows;
+  int row_blocks;                   // ceil(num_rows / rows per block)
+  uint8_t* em_x;                    // [em_rows, hidden_bytes]
+  int32_t* em_scales;               // [em_rows, S] or null
+  float* em_weights;                // fresh: [em_rows] or null
+  int* em_pair_row;                 // fresh: [em_rows]
+  int* em_pair_slot;                // fresh: [em_rows]
+  int* em_inverse;                  // [num_rows, K]: fresh out, cached in
+  int* recv_src_idx;                // fresh: [num_rows], set to -1 past the received count
+};
+constexpr int kEmRowsPerBlock = 8;  // em_permute / em_unpermute: one warp per received row
+void launch_em_permute(const EmPermuteArgs& args, int pad_blocks, cudaStream_t stream);
+
+// Split expert-major combine, local pass before the rank-major combine kernel (em_unpermute.cu): for received
+// row r < min(num_rows, *received), out[r] = sum over slots k ascending with p = inverse[r][k] >= 0 of x[p]
+// (times weights[p], the product rounded to float32), accumulated in float32 from 0 with no FMA contraction,
+// rounded to the dtype: the same numbers, in the same order, as unpermute() in moe_dispatcher/expert_major.py
+// and as the fused combine's senders. out_topk_weights[r][k] = topk_weights[p], 0 where no pair.
+struct EmUnpermuteArgs {
+  const uint8_t* x;                 // [M, hidden] expert-major rows
+  const int* inverse;               // [num_rows, K]
+  const float* weights;             // [M] or null
+  const float* topk_weights;        // [M] or null (then out_topk_weights is null too)
+  const int* received;              // device int: rows received
+  uint8_t* out;                     // [num_rows, hidden]
+  float* out_topk_weights;          // [num_rows, K] or null
+  int dtype, hidden, num_rows, num_topk;
+};
+void launch_em_unpermute(const EmUnpermuteArgs& args, cudaStream_t stream);
 
 }  // namespace moe_dispatcher::intranode
