@@ -7,7 +7,7 @@ rows (BF16) or to the CPU oracle's cast of them (FP8 bytes and scales); combine 
 kernels add float32 products in slot order, as the reference does). Longer runs (1000 alternating calls,
 CUDA graph replays) check combine(dispatch(x)) against the locally computed weighted sum.
 Every case runs under each kernel variant of MOE_LL_TEST_VARIANTS (default "0,2,6": per-expert dispatch + pair
-combine, dedup dispatch + pair combine, dedup dispatch + token-major combine), the dedup ones also on a grid
+combine, dedup dispatch + pair combine, dedup dispatch + token-major combine), the last dedup one also on a grid
 smaller than the token count (the kernels' multi-token and multi-batch paths).
 """
 from __future__ import annotations
@@ -92,7 +92,7 @@ def _gather(t: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     return torch.gather(t, 1, order[:, :, None].expand(-1, -1, t.shape[2]))
 
 
-def _compare_dispatch(got, ref, xs_all, opts, max_tokens: int, what: str):
+def _compare_dispatch(got, ref, xs_all, opts, max_tokens: int, what: str, casts=None):
     """Counts and (source, token) of the rows against the reference; payloads against the senders' x (BF16)
     or the CPU oracle's cast of it (FP8 bytes and scales), gathered from every rank."""
     (kx, kc, kh), (rc, rh) = got[:3], ref[1:3]
@@ -107,7 +107,8 @@ def _compare_dispatch(got, ref, xs_all, opts, max_tokens: int, what: str):
     key = torch.where(kv, kk, 0)
     src, tok = key // max_tokens, key % max_tokens
     if opts["use_fp8"]:
-        casts = [oracle.per_token_cast_to_fp8(x, opts["round_scale"], opts["use_ue8m0"]) for x in xs_all]
+        if casts is None:
+            casts = _casts(xs_all, opts)
         want = [torch.stack([c[i] for c in casts]).to(kc.device) for i in (0, 1)]
         pairs = [(kx[0], want[0][src, tok], "FP8 bytes"), (kx[1], want[1][src, tok], "scales")]
     else:
@@ -119,6 +120,11 @@ def _compare_dispatch(got, ref, xs_all, opts, max_tokens: int, what: str):
         diff = (a != b.view(as_int[b.dtype])) & kv[:, :, None]
         if bool(diff.any()):
             raise AssertionError(f"{what}: {name} differ in {int(diff.sum())} elements")
+
+
+def _casts(xs_all: list, opts: dict) -> list:
+    """The CPU oracle's FP8 cast of every rank's x."""
+    return [oracle.per_token_cast_to_fp8(x, opts["round_scale"], opts["use_ue8m0"]) for x in xs_all]
 
 
 def _all_x(x: torch.Tensor, max_tokens: int) -> list:
@@ -165,10 +171,11 @@ def _call(buf, mode: str, fn, **kw):
 
 
 def _configs(ll) -> list:
-    """(variant, grid) pairs the cases run under: every variant on the full grid, the dedup ones also on a small
-    grid."""
+    """(variant, grid) pairs the cases run under: every variant on the full grid, the last dedup one also on a
+    small grid."""
     full = ll.num_blocks
-    return [(v, full) for v in VARIANTS] + [(v, SMALL_GRID) for v in VARIANTS if v & VARIANT_DISPATCH_DEDUP]
+    dedup = [v for v in VARIANTS if v & VARIANT_DISPATCH_DEDUP]
+    return [(v, full) for v in VARIANTS] + [(v, SMALL_GRID) for v in dedup[-1:]]
 
 
 def _use(ll, variant: int, blocks: int) -> str:
@@ -189,10 +196,11 @@ def _cases_worker(rank: int, num_ranks: int) -> None:
             if got != Buffer.get_low_latency_rdma_size_hint(*shape):
                 raise AssertionError(f"{shape}: compiled layout {got} != hint")
     full_grid = ll.num_blocks
+    inputs = {}  # case index -> (every rank's x, their FP8 casts): the same under every variant
     for variant, blocks in _configs(ll):
         label = _use(ll, variant, blocks)
         for ci, c in enumerate(CASES):
-            _one_case(kb, rb, rank, num_ranks, ci, c, label)
+            _one_case(kb, rb, rank, num_ranks, ci, c, label, inputs)
     for variant in VARIANTS:
         with case(f"{_use(ll, variant, full_grid)} garbage in the NVSHMEM buffer, clean_low_latency_buffer, "
                   "then calls work"):
@@ -216,7 +224,7 @@ def _cases_worker(rank: int, num_ranks: int) -> None:
     rb.destroy()
 
 
-def _one_case(kb, rb, rank: int, num_ranks: int, ci: int, c: dict, label: str) -> None:
+def _one_case(kb, rb, rank: int, num_ranks: int, ci: int, c: dict, label: str, inputs: dict) -> None:
     dev = device()
     g = torch.Generator().manual_seed(1000 * ci + rank)
     t, h, e, k = c["T"][rank % len(c["T"])], c["H"], c["E"] or num_ranks, c["K"]
@@ -233,7 +241,10 @@ def _one_case(kb, rb, rank: int, num_ranks: int, ci: int, c: dict, label: str) -
                     num_experts=e, cumulative_local_expert_recv_stats=cum, dispatch_wait_recv_cost_stats=wait,
                     **opts)
         ref = rb.low_latency_dispatch(x, idx, MAX_T, e, **opts)
-        _compare_dispatch(got, ref, _all_x(x, MAX_T), opts, MAX_T, c["name"])
+        if ci not in inputs:  # collective (all_gather): every rank takes this branch at the same case
+            xs_all = _all_x(x, MAX_T)
+            inputs[ci] = (xs_all, _casts(xs_all, opts) if fp8 else None)
+        _compare_dispatch(got, ref, inputs[ci][0], opts, MAX_T, c["name"], inputs[ci][1])
         assert_equal(cum, ref[1], "cumulative_local_expert_recv_stats")
         if bool((wait < 0).any()):
             raise AssertionError(f"dispatch_wait_recv_cost_stats negative: {wait}")
@@ -393,7 +404,7 @@ def _bench_worker(rank: int, num_ranks: int, num_experts: int, iterations: int) 
 def test_low_latency_cases(world_size: int) -> None:
     """BF16/FP8 (round_scale, ue8m0) dispatch and weighted combine vs the reference: -1 slots, T=0, T=maxT,
     skewed routing, hidden 2048/4096/7168, E=32/256/one per rank, hook, async_finish, zero_copy, out=, stats,
-    clean; under every variant of MOE_LL_TEST_VARIANTS, the dedup ones also on a small grid."""
+    clean; under every variant of MOE_LL_TEST_VARIANTS, the last dedup one also on a small grid."""
     run_distributed(_cases_worker, world_size, backend="nccl", timeout=600)
 
 
