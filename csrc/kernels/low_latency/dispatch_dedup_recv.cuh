@@ -108,10 +108,36 @@ __device__ __forceinline__ void dispatch_dedup_recv_phase(const Common& c, const
     if (u0 == static_cast<int>(blockIdx.x)) trace_event(c, kTraceDFirstArrival);
     trace_event(c, kTraceDLastArrival);  // the last batch's stamp stays
 
+    // The picks, and the first round of body loads in flight with them (body offsets do not depend on
+    // the picks); each body vector is loaded once and stored to every row its message's picks name.
+    const int vecs = nb * data_vecs;
+    int4 v[kCopyUnroll];
+    auto load_round = [&](int base) {
+#pragma unroll
+      for (int u = 0; u < kCopyUnroll; ++u) {
+        const int idx = base + u * blockDim.x + tid;
+        if (idx < vecs) {
+          const int b = idx / data_vecs, j = idx - b * data_vecs;
+          v[u] = ld_cg(half + s_slot[b] + 16 + 16 * j);
+        }
+      }
+    };
+    auto store_round = [&](int base) {
+#pragma unroll
+      for (int u = 0; u < kCopyUnroll; ++u) {
+        const int idx = base + u * blockDim.x + tid;
+        if (idx < vecs) {
+          const int b = idx / data_vecs, j = idx - b * data_vecs;
+          const int n = s_pick[b][0];
+          for (int q = 0; q < n; ++q) st_v4(out + static_cast<size_t>(s_row[b][q]) * row_bytes + 16 * j, v[u]);
+        }
+      }
+    };
     for (int idx = tid; idx < nb * pick_words; idx += blockDim.x) {
       const int b = idx / pick_words, w = idx - b * pick_words;
       s_pick[b][w] = ld_cg_s32(half + s_slot[b] + used + 4 * w);
     }
+    load_round(0);
     __syncthreads();
     for (int idx = tid; idx < nb * kMaxTopk; idx += blockDim.x) {
       const int b = idx / kMaxTopk, q = idx - b * kMaxTopk;
@@ -133,28 +159,10 @@ __device__ __forceinline__ void dispatch_dedup_recv_phase(const Common& c, const
       }
     }
     __syncthreads();
-
-    // Bodies: each vector loaded once, stored to every row of its message's picks.
-    const int vecs = nb * data_vecs;
-    for (int base = 0; base < vecs; base += kCopyUnroll * blockDim.x) {
-      int4 v[kCopyUnroll];
-#pragma unroll
-      for (int u = 0; u < kCopyUnroll; ++u) {
-        const int idx = base + u * blockDim.x + tid;
-        if (idx < vecs) {
-          const int b = idx / data_vecs, j = idx - b * data_vecs;
-          v[u] = ld_cg(half + s_slot[b] + 16 + 16 * j);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kCopyUnroll; ++u) {
-        const int idx = base + u * blockDim.x + tid;
-        if (idx < vecs) {
-          const int b = idx / data_vecs, j = idx - b * data_vecs;
-          const int n = s_pick[b][0];
-          for (int q = 0; q < n; ++q) st_v4(out + static_cast<size_t>(s_row[b][q]) * row_bytes + 16 * j, v[u]);
-        }
-      }
+    store_round(0);
+    for (int base = kCopyUnroll * blockDim.x; base < vecs; base += kCopyUnroll * blockDim.x) {
+      load_round(base);
+      store_round(base);
     }
     if (a.fp8) {
       // Scales, token-minor: element (l, row, g) lives at [l][g][row].
