@@ -8,14 +8,14 @@
 #   variant 6 = dedup dispatch + token-major combine   (... and MOE_DISPATCHER_LL_COMBINE=tokens)
 # Logs under $OUT/ll3_logs, bench records $OUT/bench_low-latency_*.json, summary $OUT/summary_ll3.txt.
 #
-#   bash tools/gpu_ll3.sh                 VARIANTS="0 2 6" DEADLINE_S=170 by default
+#   bash tools/gpu_ll3.sh                 VARIANTS="0 2 6" DEADLINE_S=160 by default
 set -u
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_REMOTE_TRANSPORT=none
 export PYTHONUNBUFFERED=1 MOE_TEST_TIMEOUT=${MOE_TEST_TIMEOUT:-90} MOE_DISPATCHER_TIMEOUT_S=${MOE_DISPATCHER_TIMEOUT_S:-5}
 export OUT=${OUT:-./gpu-out}
 mkdir -p "$OUT/ll3_logs"
 VARIANTS=${VARIANTS:-"0 2 6"}
-DEADLINE_S=${DEADLINE_S:-170}
+DEADLINE_S=${DEADLINE_S:-160}
 export MOE_LL_TEST_VARIANTS=$(echo $VARIANTS | tr ' ' ',')
 GPUS=$(nvidia-smi -L | wc -l)
 start=$(date +%s)
@@ -55,8 +55,8 @@ bench() {
 }
 
 { nvidia-smi -L; git log --oneline -1; echo "variants: $VARIANTS"; } >> "$summary" 2>&1
-step tests_4gpu 75 tests 4 -k "cases or loop"
-step bench_4gpu 45 bench 4
+step tests_4gpu 70 tests 4 -k "cases or loop"
+step bench_4gpu 40 bench 4
 (( GPUS >= 2 )) && step bench_2gpu 35 bench 2
 step tests_2gpu 45 tests 2 -k "cases or loop"
 
