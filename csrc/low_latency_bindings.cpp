@@ -58,7 +58,10 @@ void register_low_latency(py::module_& parent) {
   m.attr("PHASE_SEND") = kPhaseSend;
   m.attr("PHASE_RECV") = kPhaseRecv;
   m.attr("VARIANT_COMBINE_ROWS") = kVariantCombineRows;
+  m.attr("VARIANT_DISPATCH_DEDUP") = kVariantDispatchDedup;
+  m.attr("VARIANT_COMBINE_TOKENS") = kVariantCombineTokens;
   m.attr("VARIANT_MASK") = kVariantMask;
+  m.attr("ROUTE_WORDS") = kRouteWords;
   // Phase trace (low_latency.h, kTrace*): one record is TRACE_WORDS int64 words; events of block b at
   // [b * TRACE_EVENTS + index], the SM id at TRACE_SMID, per-pair words from TRACE_PAIR_{SENT,WAIT,SEEN}.
   m.attr("TRACE_MAX_BLOCKS") = kTraceMaxBlocks;
@@ -101,10 +104,13 @@ void register_low_latency(py::module_& parent) {
         d["recv_off"] = l.recv_off;
         d["signal_off"] = l.signal_off;
         d["msg_bytes"] = l.msg_bytes;
+        d["dedup_slot_bytes"] = l.dedup_slot_bytes;
+        d["signal_bytes"] = l.signal_bytes;
         return d;
       },
       py::arg("max_tokens"), py::arg("hidden"), py::arg("num_ranks"), py::arg("num_experts"),
-      "Byte layout of one buffer half: {half_bytes, send_off, recv_off, signal_off, msg_bytes}.");
+      "Byte layout of one buffer half: {half_bytes, send_off, recv_off, signal_off, msg_bytes, "
+      "dedup_slot_bytes, signal_bytes}.");
 
   m.def(
       "dispatch",
@@ -113,8 +119,12 @@ void register_low_latency(py::module_& parent) {
          uint64_t timeout_ns, uintptr_t x, uintptr_t topk_idx, int num_tokens, int num_topk,
          bool fp8, bool round_scale, bool ue8m0, uintptr_t recv_x, uintptr_t recv_scales,
          uintptr_t src_info, uintptr_t layout_range, uintptr_t recv_count, uintptr_t cum_stats,
-         uintptr_t wait_stats, int phases, uintptr_t stream, int variant, uintptr_t trace) {
+         uintptr_t wait_stats, int phases, uintptr_t stream, int variant, uintptr_t trace,
+         uintptr_t route_count, uintptr_t route) {
         MOE_CHECK(num_topk >= 1 && num_topk <= kMaxTopk, "low_latency dispatch: bad top-k");
+        MOE_CHECK((route_count == 0) == (route == 0), "low_latency dispatch: route and route_count go together");
+        MOE_CHECK(route == 0 || (variant & kVariantDispatchDedup),
+                  "low_latency dispatch: only the dedup variant writes a route");
         MOE_CHECK(num_tokens >= 0 && num_tokens <= max_tokens, "low_latency dispatch: bad T");
         const Common c = make_common(buffer, peer_bases, workspace, half_offset, rank, num_ranks,
                                      num_experts, max_tokens, hidden, num_blocks, timeout_ns, variant,
@@ -134,6 +144,8 @@ void register_low_latency(py::module_& parent) {
         a.recv_count = ptr<int>(recv_count);
         a.cumulative_recv_stats = ptr<int>(cum_stats);
         a.wait_stats = ptr<int64_t>(wait_stats);
+        a.route_count = ptr<int>(route_count);
+        a.route = ptr<int>(route);
         launch_dispatch(c, a, phases, stream_of(stream));
       },
       py::arg("buffer"), py::arg("peer_bases"), py::arg("workspace"), py::arg("half_offset"),
@@ -143,9 +155,10 @@ void register_low_latency(py::module_& parent) {
       py::arg("round_scale"), py::arg("ue8m0"), py::arg("recv_x"), py::arg("recv_scales"),
       py::arg("src_info"), py::arg("layout_range"), py::arg("recv_count"),
       py::arg("cum_stats"), py::arg("wait_stats"), py::arg("phases"), py::arg("stream"), py::arg("variant") = 0,
-      py::arg("trace") = 0,
+      py::arg("trace") = 0, py::arg("route_count") = 0, py::arg("route") = 0,
       "Enqueue the low-latency dispatch kernel (phases: PHASE_SEND | PHASE_RECV; trace: a "
-      "TRACE_WORDS int64 record or 0).");
+      "TRACE_WORDS int64 record or 0; route_count int32 [R] and route int32 [R, maxT, ROUTE_WORDS]: "
+      "written by the dedup variant's receive for the token-major combine, or 0).");
 
   m.def(
       "combine",
@@ -153,8 +166,10 @@ void register_low_latency(py::module_& parent) {
          int num_ranks, int num_experts, int max_tokens, int hidden, int num_blocks,
          uint64_t timeout_ns, uintptr_t x, uintptr_t topk_idx, uintptr_t topk_weights,
          uintptr_t src_info, uintptr_t layout_range, uintptr_t out, int num_tokens, int num_topk,
-         uintptr_t wait_stats, int phases, uintptr_t stream, int variant, uintptr_t trace) {
+         uintptr_t wait_stats, int phases, uintptr_t stream, int variant, uintptr_t trace,
+         uintptr_t route_count, uintptr_t route) {
         MOE_CHECK(num_topk >= 1 && num_topk <= kMaxTopk, "low_latency combine: bad top-k");
+        MOE_CHECK((route_count == 0) == (route == 0), "low_latency combine: route and route_count go together");
         MOE_CHECK(num_tokens >= 0 && num_tokens <= max_tokens, "low_latency combine: bad T");
         const Common c = make_common(buffer, peer_bases, workspace, half_offset, rank, num_ranks,
                                      num_experts, max_tokens, hidden, num_blocks, timeout_ns, variant,
@@ -169,6 +184,8 @@ void register_low_latency(py::module_& parent) {
         a.num_tokens = num_tokens;
         a.num_topk = num_topk;
         a.wait_stats = ptr<int64_t>(wait_stats);
+        a.route_count = ptr<const int>(route_count);
+        a.route = ptr<const int>(route);
         launch_combine(c, a, phases, stream_of(stream));
       },
       py::arg("buffer"), py::arg("peer_bases"), py::arg("workspace"), py::arg("half_offset"),
@@ -177,8 +194,10 @@ void register_low_latency(py::module_& parent) {
       py::arg("topk_idx"), py::arg("topk_weights"), py::arg("src_info"), py::arg("layout_range"),
       py::arg("out"), py::arg("num_tokens"), py::arg("num_topk"), py::arg("wait_stats"),
       py::arg("phases"), py::arg("stream"), py::arg("variant") = 0, py::arg("trace") = 0,
+      py::arg("route_count") = 0, py::arg("route") = 0,
       "Enqueue the low-latency combine kernel (x = 0: zero-copy, rows in the send region; trace: a "
-      "TRACE_WORDS int64 record or 0).");
+      "TRACE_WORDS int64 record or 0; route_count/route: a dedup dispatch's route, which the token-major "
+      "variant sends along, or 0).");
 }
 
 }  // namespace moe_dispatcher

@@ -143,13 +143,19 @@ class Buffer:
                                        num_experts: int) -> int:
         """Bytes of NVSHMEM buffer per GPU that low-latency mode needs: two halves, each holding a send
         region (dispatch messages, or the [L, R*maxT, H] bf16 combine rows), a receive region (one slot per
-        (expert, source token) for either direction) and the per-expert signal words."""
+        (expert, source token) for either direction; the dedup dispatch's [R, maxT] per-rank slots fit in it)
+        and the signal words: per-expert counts, then the flags of the call (per-expert flags of a combine, or
+        per-rank message counts and per-(rank, token) flags: csrc/kernels/low_latency/low_latency.h,
+        half_layout). Never above DeepEP V1's formula (tests/test_low_latency_layout.py)."""
         max_tokens = num_max_dispatch_tokens_per_rank
         dispatch_msg = 16 + max(hidden * 2, hidden + hidden // 128 * 4)  # header + bf16, or fp8 + scales
         combine_msg = hidden * 2
         send = max(max_tokens * dispatch_msg, num_experts * max_tokens * combine_msg)
         recv = num_experts * max_tokens * max(dispatch_msg, combine_msg)
-        signal = num_experts * 4 * 2
+        flags = num_experts
+        if num_experts // num_ranks >= 2:  # the dedup dispatch / token-major combine may run
+            flags = max(flags, num_ranks + num_ranks * max_tokens)
+        signal = 4 * (num_experts + flags)
         half = (send + recv + signal + 127) // 128 * 128
         return 2 * half
 

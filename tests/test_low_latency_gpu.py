@@ -6,6 +6,9 @@ place them in the reference's order), with payloads equal to the senders'
 rows (BF16) or to the CPU oracle's cast of them (FP8 bytes and scales); combine must be bit-identical (the
 kernels add float32 products in slot order, as the reference does). Longer runs (1000 alternating calls,
 CUDA graph replays) check combine(dispatch(x)) against the locally computed weighted sum.
+Every case runs under each kernel variant of MOE_LL_TEST_VARIANTS (default "0,2,6": per-expert dispatch + pair
+combine, dedup dispatch + pair combine, dedup dispatch + token-major combine), the last dedup one also on a grid
+smaller than the token count (the kernels' multi-token and multi-batch paths).
 """
 from __future__ import annotations
 
@@ -19,9 +22,14 @@ import torch
 import torch.distributed as dist
 from dist import GPU_WORLD_SIZES, assert_equal, case, device, make_buffer, run_distributed
 
+from moe_dispatcher import Buffer
+from moe_dispatcher.compiled.low_latency import VARIANT_COMBINE_TOKENS, VARIANT_DISPATCH_DEDUP, variant_name
+
 pytestmark = pytest.mark.gpu
 WORLD_SIZES = GPU_WORLD_SIZES
 MAX_T, MAX_H, MAX_E = 128, 7168, 256
+VARIANTS = [int(v) for v in os.environ.get("MOE_LL_TEST_VARIANTS", "0,2,6").split(",")]
+SMALL_GRID = 24  # blocks: fewer than MAX_T tokens
 
 # T per rank cycles over the ranks; kind: random (20% of slots -1) or skewed (slot 0 = expert 5 everywhere).
 CASES = [
@@ -36,6 +44,8 @@ CASES = [
     {"name": "bf16 H4096 E32 all tokens to one expert hook", "H": 4096, "E": 32, "T": [128, 5, 128, 33], "K": 1,
      "kind": "skewed", "mode": "hook"},
     {"name": "fp8 H7168 E256 T=1", "H": 7168, "E": 256, "T": [1, 0, 1, 1], "K": 8, "fp8": True, "mode": "plain"},
+    {"name": "bf16 H2048 one expert per rank (no dedup)", "H": 2048, "E": 0, "T": [128, 90], "K": 2,
+     "mode": "async"},
 ]
 
 
@@ -82,7 +92,7 @@ def _gather(t: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     return torch.gather(t, 1, order[:, :, None].expand(-1, -1, t.shape[2]))
 
 
-def _compare_dispatch(got, ref, xs_all, opts, max_tokens: int, what: str):
+def _compare_dispatch(got, ref, xs_all, opts, max_tokens: int, what: str, casts=None):
     """Counts and (source, token) of the rows against the reference; payloads against the senders' x (BF16)
     or the CPU oracle's cast of it (FP8 bytes and scales), gathered from every rank."""
     (kx, kc, kh), (rc, rh) = got[:3], ref[1:3]
@@ -97,7 +107,8 @@ def _compare_dispatch(got, ref, xs_all, opts, max_tokens: int, what: str):
     key = torch.where(kv, kk, 0)
     src, tok = key // max_tokens, key % max_tokens
     if opts["use_fp8"]:
-        casts = [oracle.per_token_cast_to_fp8(x, opts["round_scale"], opts["use_ue8m0"]) for x in xs_all]
+        if casts is None:
+            casts = _casts(xs_all, opts)
         want = [torch.stack([c[i] for c in casts]).to(kc.device) for i in (0, 1)]
         pairs = [(kx[0], want[0][src, tok], "FP8 bytes"), (kx[1], want[1][src, tok], "scales")]
     else:
@@ -109,6 +120,11 @@ def _compare_dispatch(got, ref, xs_all, opts, max_tokens: int, what: str):
         diff = (a != b.view(as_int[b.dtype])) & kv[:, :, None]
         if bool(diff.any()):
             raise AssertionError(f"{what}: {name} differ in {int(diff.sum())} elements")
+
+
+def _casts(xs_all: list, opts: dict) -> list:
+    """The CPU oracle's FP8 cast of every rank's x."""
+    return [oracle.per_token_cast_to_fp8(x, opts["round_scale"], opts["use_ue8m0"]) for x in xs_all]
 
 
 def _all_x(x: torch.Tensor, max_tokens: int) -> list:
@@ -154,57 +170,49 @@ def _call(buf, mode: str, fn, **kw):
     return fn(**kw)
 
 
+def _configs(ll) -> list:
+    """(variant, grid) pairs the cases run under: every variant on the full grid, the last dedup one also on a
+    small grid."""
+    full = ll.num_blocks
+    dedup = [v for v in VARIANTS if v & VARIANT_DISPATCH_DEDUP]
+    return [(v, full) for v in VARIANTS] + [(v, SMALL_GRID) for v in dedup[-1:]]
+
+
+def _use(ll, variant: int, blocks: int) -> str:
+    ll.set_variant(variant)
+    ll._num_blocks = blocks
+    return f"[{variant_name(variant)}, {blocks} blocks]"
+
+
 def _cases_worker(rank: int, num_ranks: int) -> None:
     dev = device()
     kb = _kernel_buffer()
     rb = _reference_buffer(kb.num_rdma_bytes)
-    for ci, c in enumerate(CASES):
-        g = torch.Generator().manual_seed(1000 * ci + rank)
-        t, h, e, k = c["T"][rank % len(c["T"])], c["H"], c["E"], c["K"]
-        fp8, mode = c.get("fp8", False), c["mode"]
-        x = (torch.randn(t, h, generator=g) * torch.rand(t, 1, generator=g) * 10).to(torch.bfloat16).to(dev)
-        idx = _routing(g, t, e, k, c.get("kind", "random")).to(dev)
-        w = torch.rand(t, k, generator=g).to(dev)
-        local = e // num_ranks
-        cum = torch.zeros(local, dtype=torch.int32, device=dev)
-        wait = torch.zeros(num_ranks, dtype=torch.int64, device=dev)
-        opts = {"use_fp8": fp8, "round_scale": c.get("round", False), "use_ue8m0": c.get("ue8m0", False)}
-        with case(f"{c['name']}: dispatch ({mode})"):
-            got = _call(kb, mode, kb.low_latency_dispatch, x=x, topk_idx=idx, num_max_dispatch_tokens_per_rank=MAX_T,
-                        num_experts=e, cumulative_local_expert_recv_stats=cum, dispatch_wait_recv_cost_stats=wait,
-                        **opts)
-            ref = rb.low_latency_dispatch(x, idx, MAX_T, e, **opts)
-            _compare_dispatch(got, ref, _all_x(x, MAX_T), opts, MAX_T, c["name"])
-            assert_equal(cum, ref[1], "cumulative_local_expert_recv_stats")
-            if bool((wait < 0).any()):
-                raise AssertionError(f"dispatch_wait_recv_cost_stats negative: {wait}")
-        with case(f"{c['name']}: combine ({mode})"):
-            yk = _expert_outputs(got[0], got[1], num_ranks, rank)
-            want = rb.low_latency_combine(yk, idx, w, ref[2])[0]  # same layout: the same rows
-            cwait = torch.zeros(num_ranks, dtype=torch.int64, device=dev)
-            kw = {"x": yk, "topk_idx": idx, "topk_weights": w, "handle": got[2],
-                  "combine_wait_recv_cost_stats": cwait}
-            if mode == "zero_copy":
-                kb.get_next_low_latency_combine_buffer(got[2]).copy_(yk)
-                out = torch.full((t, h), float("nan"), dtype=torch.bfloat16, device=dev)
-                kw.update(x=torch.full_like(yk, float("nan")), zero_copy=True, out=out)
-            res = _call(kb, mode, kb.low_latency_combine, **kw)[0]
-            if mode == "zero_copy" and res.data_ptr() != out.data_ptr() and t:
-                raise AssertionError("combine(out=) must return out")
-            assert_equal(res, want, f"{c['name']}: combined_x", bitwise=True)
-            if bool((cwait < 0).any()):
-                raise AssertionError(f"combine_wait_recv_cost_stats negative: {cwait}")
-
-    with case("garbage in the NVSHMEM buffer, clean_low_latency_buffer, then calls work"):
-        h, e = 2048, 32
-        kb.get_local_buffer_tensor(torch.uint8, use_rdma_buffer=True).fill_(0x5A)
-        kb.clean_low_latency_buffer(MAX_T, h, e)
-        x = torch.randn(MAX_T, h, device=dev).to(torch.bfloat16)
-        idx = torch.rand(MAX_T, e, device=dev).topk(8, dim=1).indices
-        w = torch.rand(MAX_T, 8, device=dev)
-        recv, _, handle, _, _ = kb.low_latency_dispatch(x, idx, MAX_T, e, use_fp8=False)
-        assert_equal(kb.low_latency_combine(recv, idx, w, handle)[0], _local_combine(x, idx, w),
-                     "combine after clean", bitwise=True)
+    ll = kb._kernels_ll
+    with case("compiled half_layout == get_low_latency_rdma_size_hint"):
+        for shape in [(128, 7168, num_ranks, 256), (128, 2048, num_ranks, 32), (1, 128, num_ranks, num_ranks),
+                      (256, 4096, num_ranks, 8 * num_ranks)]:
+            got = 2 * ll._mod.half_layout(*shape)["half_bytes"]
+            if got != Buffer.get_low_latency_rdma_size_hint(*shape):
+                raise AssertionError(f"{shape}: compiled layout {got} != hint")
+    full_grid = ll.num_blocks
+    inputs = {}  # case index -> (every rank's x, their FP8 casts): the same under every variant
+    for variant, blocks in _configs(ll):
+        label = _use(ll, variant, blocks)
+        for ci, c in enumerate(CASES):
+            _one_case(kb, rb, rank, num_ranks, ci, c, label, inputs)
+    for variant in VARIANTS:
+        with case(f"{_use(ll, variant, full_grid)} garbage in the NVSHMEM buffer, clean_low_latency_buffer, "
+                  "then calls work"):
+            h, e = 2048, 32
+            kb.get_local_buffer_tensor(torch.uint8, use_rdma_buffer=True).fill_(0x5A)
+            kb.clean_low_latency_buffer(MAX_T, h, e)
+            x = torch.randn(MAX_T, h, device=dev).to(torch.bfloat16)
+            idx = torch.rand(MAX_T, e, device=dev).topk(8, dim=1).indices
+            w = torch.rand(MAX_T, 8, device=dev)
+            recv, _, handle, _, _ = kb.low_latency_dispatch(x, idx, MAX_T, e, use_fp8=False)
+            assert_equal(kb.low_latency_combine(recv, idx, w, handle)[0], _local_combine(x, idx, w),
+                         "combine after clean", bitwise=True)
 
     with case("hidden above the kernels' maximum: a clear error before launch"):
         with pytest.raises(ValueError):
@@ -216,9 +224,53 @@ def _cases_worker(rank: int, num_ranks: int) -> None:
     rb.destroy()
 
 
+def _one_case(kb, rb, rank: int, num_ranks: int, ci: int, c: dict, label: str, inputs: dict) -> None:
+    dev = device()
+    g = torch.Generator().manual_seed(1000 * ci + rank)
+    t, h, e, k = c["T"][rank % len(c["T"])], c["H"], c["E"] or num_ranks, c["K"]
+    fp8, mode = c.get("fp8", False), c["mode"]
+    x = (torch.randn(t, h, generator=g) * torch.rand(t, 1, generator=g) * 10).to(torch.bfloat16).to(dev)
+    idx = _routing(g, t, e, k, c.get("kind", "random")).to(dev)
+    w = torch.rand(t, k, generator=g).to(dev)
+    local = e // num_ranks
+    cum = torch.zeros(local, dtype=torch.int32, device=dev)
+    wait = torch.zeros(num_ranks, dtype=torch.int64, device=dev)
+    opts = {"use_fp8": fp8, "round_scale": c.get("round", False), "use_ue8m0": c.get("ue8m0", False)}
+    with case(f"{label} {c['name']}: dispatch ({mode})"):
+        got = _call(kb, mode, kb.low_latency_dispatch, x=x, topk_idx=idx, num_max_dispatch_tokens_per_rank=MAX_T,
+                    num_experts=e, cumulative_local_expert_recv_stats=cum, dispatch_wait_recv_cost_stats=wait,
+                    **opts)
+        ref = rb.low_latency_dispatch(x, idx, MAX_T, e, **opts)
+        if ci not in inputs:  # collective (all_gather): every rank takes this branch at the same case
+            xs_all = _all_x(x, MAX_T)
+            inputs[ci] = (xs_all, _casts(xs_all, opts) if fp8 else None)
+        _compare_dispatch(got, ref, inputs[ci][0], opts, MAX_T, c["name"], inputs[ci][1])
+        assert_equal(cum, ref[1], "cumulative_local_expert_recv_stats")
+        if bool((wait < 0).any()):
+            raise AssertionError(f"dispatch_wait_recv_cost_stats negative: {wait}")
+    with case(f"{label} {c['name']}: combine ({mode})"):
+        yk = _expert_outputs(got[0], got[1], num_ranks, rank)
+        want = rb.low_latency_combine(yk, idx, w, ref[2])[0]  # same layout: the same rows
+        cwait = torch.zeros(num_ranks, dtype=torch.int64, device=dev)
+        kw = {"x": yk, "topk_idx": idx, "topk_weights": w, "handle": got[2],
+              "combine_wait_recv_cost_stats": cwait}
+        if mode == "zero_copy":
+            kb.get_next_low_latency_combine_buffer(got[2]).copy_(yk)
+            out = torch.full((t, h), float("nan"), dtype=torch.bfloat16, device=dev)
+            kw.update(x=torch.full_like(yk, float("nan")), zero_copy=True, out=out)
+        res = _call(kb, mode, kb.low_latency_combine, **kw)[0]
+        if mode == "zero_copy" and res.data_ptr() != out.data_ptr() and t:
+            raise AssertionError("combine(out=) must return out")
+        assert_equal(res, want, f"{c['name']}: combined_x", bitwise=True)
+        if bool((cwait < 0).any()):
+            raise AssertionError(f"combine_wait_recv_cost_stats negative: {cwait}")
+
+
+
 def _loop_worker(rank: int, num_ranks: int, iterations: int, replays: int) -> None:
     dev = device()
     kb = _kernel_buffer()
+    ll = kb._kernels_ll
     h, e, k = 2048, 32, 8
     rng = random.Random(rank)
     bad = torch.zeros((), dtype=torch.int64, device=dev)
@@ -229,48 +281,55 @@ def _loop_worker(rank: int, num_ranks: int, iterations: int, replays: int) -> No
         idx = torch.where(torch.rand(t, k, device=dev) < 0.2, torch.full_like(idx, -1), idx)
         return x, idx, torch.rand(t, k, device=dev)
 
-    with case(f"{iterations} alternating dispatch/combine calls, fresh data, checked at the end"):
-        for it in range(iterations):
-            x, idx, w = fresh(rng.randint(0, MAX_T))
-            mode = ("plain", "hook", "async", "zero_copy")[it % 4]
-            recv, _, handle, _, _ = _call(kb, "hook" if mode == "hook" else "plain", kb.low_latency_dispatch,
+    for variant in VARIANTS:
+        label = _use(ll, variant, ll.num_blocks)
+        with case(f"{label} {iterations} alternating dispatch/combine calls, fresh data, checked at the end; every "
+                  "5th combine with the other combine variant"):
+            for it in range(iterations):
+                x, idx, w = fresh(rng.randint(0, MAX_T))
+                mode = ("plain", "hook", "async", "zero_copy")[it % 4]
+                recv, _, handle, _, _ = _call(kb, "hook" if mode == "hook" else "plain", kb.low_latency_dispatch,
                                               x=x, topk_idx=idx, num_max_dispatch_tokens_per_rank=MAX_T,
                                               num_experts=e, use_fp8=False)
-            if mode == "zero_copy":
-                kb.get_next_low_latency_combine_buffer(handle).copy_(recv)
-                out = kb.low_latency_combine(recv, idx, w, handle, zero_copy=True)[0]
-            else:
-                out = _call(kb, mode, kb.low_latency_combine, x=recv, topk_idx=idx, topk_weights=w, handle=handle)[0]
-            bad += (out.view(torch.int16) != _local_combine(x, idx, w).view(torch.int16)).sum()
-        if int(bad):
-            raise AssertionError(f"{int(bad)} combined elements differ over {iterations} iterations")
+                if it % 5 == 4:  # a handle combined under the other combine variant (every rank switches here)
+                    ll.set_variant(variant ^ VARIANT_COMBINE_TOKENS)
+                if mode == "zero_copy":
+                    kb.get_next_low_latency_combine_buffer(handle).copy_(recv)
+                    out = kb.low_latency_combine(recv, idx, w, handle, zero_copy=True)[0]
+                else:
+                    out = _call(kb, mode, kb.low_latency_combine, x=recv, topk_idx=idx, topk_weights=w,
+                                handle=handle)[0]
+                ll.set_variant(variant)
+                bad += (out.view(torch.int16) != _local_combine(x, idx, w).view(torch.int16)).sum()
+            if int(bad):
+                raise AssertionError(f"{int(bad)} combined elements differ over {iterations} iterations")
 
-    with case(f"CUDA graph of dispatch + combine, {replays} replays with fresh inputs"):
-        xs, idxs, ws = fresh(MAX_T)
-        recv, _, handle, _, _ = kb.low_latency_dispatch(xs, idxs, MAX_T, e, use_fp8=False)  # warm-up
-        kb.low_latency_combine(recv, idxs, ws, handle)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            recv, _, handle, _, _ = kb.low_latency_dispatch(xs, idxs, MAX_T, e, use_fp8=False)
-            out_s = kb.low_latency_combine(recv, idxs, ws, handle)[0]
-        dist.barrier()
-        for _ in range(replays):
+        with case(f"{label} CUDA graph of dispatch + combine, {replays} replays with fresh inputs"):
+            xs, idxs, ws = fresh(MAX_T)
+            recv, _, handle, _, _ = kb.low_latency_dispatch(xs, idxs, MAX_T, e, use_fp8=False)  # warm-up
+            kb.low_latency_combine(recv, idxs, ws, handle)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                recv, _, handle, _, _ = kb.low_latency_dispatch(xs, idxs, MAX_T, e, use_fp8=False)
+                out_s = kb.low_latency_combine(recv, idxs, ws, handle)[0]
+            dist.barrier()
+            for _ in range(replays):
+                x, idx, w = fresh(MAX_T)
+                xs.copy_(x)
+                idxs.copy_(idx)
+                ws.copy_(w)
+                graph.replay()
+                bad += (out_s.view(torch.int16) != _local_combine(x, idx, w).view(torch.int16)).sum()
+            if int(bad):
+                raise AssertionError(f"{int(bad)} combined elements differ over {replays} graph replays")
+        with case(f"{label} calls after the graph"):
             x, idx, w = fresh(MAX_T)
-            xs.copy_(x)
-            idxs.copy_(idx)
-            ws.copy_(w)
-            graph.replay()
-            bad += (out_s.view(torch.int16) != _local_combine(x, idx, w).view(torch.int16)).sum()
-        if int(bad):
-            raise AssertionError(f"{int(bad)} combined elements differ over {replays} graph replays")
-    with case("calls after the graph"):
-        x, idx, w = fresh(MAX_T)
-        recv, _, handle, _, _ = kb.low_latency_dispatch(x, idx, MAX_T, e, use_fp8=False)
-        assert_equal(kb.low_latency_combine(recv, idx, w, handle)[0], _local_combine(x, idx, w), "after graph",
-                     bitwise=True)
-    dist.barrier()
-    del graph
+            recv, _, handle, _, _ = kb.low_latency_dispatch(x, idx, MAX_T, e, use_fp8=False)
+            assert_equal(kb.low_latency_combine(recv, idx, w, handle)[0], _local_combine(x, idx, w), "after graph",
+                         bitwise=True)
+        dist.barrier()
+        del graph
     kb.destroy()
 
 
@@ -344,13 +403,15 @@ def _bench_worker(rank: int, num_ranks: int, num_experts: int, iterations: int) 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_low_latency_cases(world_size: int) -> None:
     """BF16/FP8 (round_scale, ue8m0) dispatch and weighted combine vs the reference: -1 slots, T=0, T=maxT,
-    skewed routing, hidden 2048/4096/7168, E=32/256, hook, async_finish, zero_copy, out=, stats, clean."""
+    skewed routing, hidden 2048/4096/7168, E=32/256/one per rank, hook, async_finish, zero_copy, out=, stats,
+    clean; under every variant of MOE_LL_TEST_VARIANTS, the last dedup one also on a small grid."""
     run_distributed(_cases_worker, world_size, backend="nccl", timeout=600)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_low_latency_loop_and_graph(world_size: int) -> None:
-    """1000 alternating calls (plain/hook/async/zero-copy) and 100 CUDA-graph replays with fresh inputs."""
+    """Per variant: 1000 alternating calls (plain/hook/async/zero-copy, every 5th combine under the other combine
+    variant) and 100 CUDA-graph replays with fresh inputs."""
     run_distributed(_loop_worker, world_size, 1000, 100, backend="nccl", timeout=600)
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -36,13 +37,54 @@ from ..runtime import nvshmem
 TIMEOUT_ENV = "MOE_DISPATCHER_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 10.0
 # Kernel variants (bits, csrc/kernels/low_latency/low_latency.h), read when the backend is created; every
-# variant gives the same bytes. 1 = combine send spreads rows over the whole grid (NVLink peers only).
+# variant gives the same bytes, and all of them need NVLink to every peer (cleared otherwise).
+#   1 = combine send spreads rows over the whole grid;
+#   2 = dedup dispatch: one message per (token, destination rank), expanded by the receiver;
+#   4 = token-major combine along the route a dedup dispatch leaves in its handle (pair combine otherwise).
+# MOE_DISPATCHER_LL_DISPATCH=dedup|per_expert and MOE_DISPATCHER_LL_COMBINE=tokens|pairs set or clear bits 2
+# and 4 on top of MOE_DISPATCHER_LL_VARIANT.
 VARIANT_ENV = "MOE_DISPATCHER_LL_VARIANT"
+DISPATCH_ENV = "MOE_DISPATCHER_LL_DISPATCH"
+COMBINE_ENV = "MOE_DISPATCHER_LL_COMBINE"
+VARIANT_COMBINE_ROWS, VARIANT_DISPATCH_DEDUP, VARIANT_COMBINE_TOKENS = 1, 2, 4  # == low_latency.h
+VARIANT_NAMED = {DISPATCH_ENV: (VARIANT_DISPATCH_DEDUP, "dedup", "per_expert"),
+                 COMBINE_ENV: (VARIANT_COMBINE_TOKENS, "tokens", "pairs")}
 # Grid size override (tuning only): at most the SM count.
 BLOCKS_ENV = "MOE_DISPATCHER_LL_BLOCKS"
 # Phase trace (diagnostics): "1" when the backend is created turns the kernels' timestamps on.
 TRACE_ENV = "MOE_DISPATCHER_LL_TRACE"
 TRACE_KINDS = ("dispatch", "combine")  # first index of the trace records
+
+
+def variant_from_env(env=os.environ) -> int:
+    """Kernel variant bits from MOE_DISPATCHER_LL_VARIANT, then MOE_DISPATCHER_LL_DISPATCH / _COMBINE."""
+    variant = int(env.get(VARIANT_ENV, "0") or 0)
+    for name, (bit, on, off) in VARIANT_NAMED.items():
+        value = env.get(name, "")
+        if value == on:
+            variant |= bit
+        elif value == off:
+            variant &= ~bit
+        elif value:
+            raise ValueError(f"{name}={value!r}: expected {on!r} or {off!r}")
+    return variant
+
+
+def variant_name(variant: int) -> str:
+    """Readable name of variant bits, e.g. 'dedup+tokens', 'per_expert+pairs+rows'."""
+    parts = ["dedup" if variant & VARIANT_DISPATCH_DEDUP else "per_expert",
+             "tokens" if variant & VARIANT_COMBINE_TOKENS else "pairs"]
+    if variant & VARIANT_COMBINE_ROWS:
+        parts.append("rows")
+    return "+".join(parts)
+
+
+class LowLatencyState(NamedTuple):
+    """backend_state of this backend's LowLatencyHandle: the buffer half of the dispatch, and the route its
+    receive left (dedup dispatch: int32 route_count [R] and route [R, maxT, ROUTE_WORDS]; None otherwise)."""
+    half: int
+    route_count: torch.Tensor | None = None
+    route: torch.Tensor | None = None
 
 
 class _DeviceMemory:
@@ -91,11 +133,8 @@ class LowLatencyBackend:
             self._num_blocks = int(os.environ[BLOCKS_ENV])
             if not 1 <= self._num_blocks <= sms:
                 raise ValueError(f"{BLOCKS_ENV} must be in [1, {sms}], got {self._num_blocks}")
-        self.variant = int(os.environ.get(VARIANT_ENV, "0") or 0)
-        if self.variant & ~getattr(self._mod, "VARIANT_MASK", 0):
-            raise ValueError(f"{VARIANT_ENV}={self.variant}: unknown variant bits")
-        if self.nvlink_peers < self.num_ranks:
-            self.variant &= ~getattr(self._mod, "VARIANT_COMBINE_ROWS", 0)
+        self.variant = 0
+        self.set_variant(variant_from_env())
         # Phase trace: int64 [kind, half, TRACE_WORDS] on the device, or None (off: the kernels get 0).
         self._trace: torch.Tensor | None = None
         self._trace_last: dict[str, tuple[int, int]] = {}  # kind -> (half, num_experts) of its last launch
@@ -115,12 +154,14 @@ class LowLatencyBackend:
 
     def set_variant(self, variant: int) -> None:
         """Kernel variant bits of later calls (tuning, see VARIANT_ENV): every variant gives the same results and
-        leaves the workspace as it found it, so switching between calls is safe (not inside a graph capture:
-        captured launches keep the variant they were captured with)."""
+        leaves the workspace as it found it, so switching between calls is safe when every rank switches between
+        the same two calls (not inside a graph capture: captured launches keep the variant they were captured
+        with). A handle keeps working across a switch: its combine runs token-major only if its dispatch was
+        dedup (it then carries the route) and the variant asks for it."""
         if variant & ~getattr(self._mod, "VARIANT_MASK", 0):
-            raise ValueError(f"unknown low-latency kernel variant bits: {variant}")
-        if self.nvlink_peers < self.num_ranks:
-            variant &= ~getattr(self._mod, "VARIANT_COMBINE_ROWS", 0)
+            raise ValueError(f"unknown low-latency kernel variant bits: {variant} (see {VARIANT_ENV})")
+        if self.nvlink_peers < self.num_ranks:  # every variant stores to peers through NVLink
+            variant &= ~(VARIANT_COMBINE_ROWS | VARIANT_DISPATCH_DEDUP | VARIANT_COMBINE_TOKENS)
         self.variant = variant
 
     # ------------------------------------------------------------------ phase trace
@@ -276,9 +317,18 @@ class LowLatencyBackend:
         recv_count = torch.empty(local, dtype=torch.int32, device=dev)
         src_info = torch.empty(local, rows, dtype=torch.int32, device=dev)
         layout_range = torch.empty(local, r, dtype=torch.int64, device=dev)
-        handle = LowLatencyHandle(src_info, layout_range, max_tokens, h, num_experts, self.name, self._buffer_token,
-                                  half)
         common = self._common(layout, half, max_tokens, h, num_experts)
+        # Dedup needs two local experts or more (with one, per-expert messages are already one per rank); its
+        # receive leaves the route the token-major combine sends along (kept in the handle).
+        route_count = route = None
+        if common["variant"] & VARIANT_DISPATCH_DEDUP and local < 2:
+            common["variant"] &= ~VARIANT_DISPATCH_DEDUP
+        if common["variant"] & VARIANT_DISPATCH_DEDUP:
+            route_count = torch.empty(r, dtype=torch.int32, device=dev)
+            route = torch.empty(r, max_tokens, self._mod.ROUTE_WORDS, dtype=torch.int32, device=dev)
+        handle = LowLatencyHandle(src_info, layout_range, max_tokens, h, num_experts, self.name, self._buffer_token,
+                                  LowLatencyState(half, route_count, route))
+        routes = {} if route is None else {"route_count": route_count.data_ptr(), "route": route.data_ptr()}
         cum, wait = cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats
         trace = self._trace_arg("dispatch", half, num_experts)
 
@@ -290,9 +340,9 @@ class LowLatencyBackend:
                                src_info=src_info.data_ptr(), layout_range=layout_range.data_ptr(),
                                recv_count=recv_count.data_ptr(), cum_stats=cum.data_ptr() if cum is not None else 0,
                                wait_stats=wait.data_ptr() if wait is not None else 0, phases=phases, stream=stream,
-                               **trace)
+                               **trace, **routes)
 
-        keep = [x, topk_idx, data, scales, recv_count, src_info, layout_range, cum, wait]
+        keep = [x, topk_idx, data, scales, recv_count, src_info, layout_range, cum, wait, route_count, route]
         event, hook = self._run(launch, async_finish, return_recv_hook, make_hook, [v for v in keep if v is not None])
         return recv_x, recv_count, handle, event, hook
 
@@ -312,6 +362,12 @@ class LowLatencyBackend:
         result = out if out is not None else torch.empty(t, h, dtype=torch.bfloat16, device=x.device)
         target = result if result.is_contiguous() else torch.empty_like(result, memory_format=torch.contiguous_format)
         common = self._common(layout, half, max_tokens, h, num_experts)
+        state = handle.backend_state
+        routes = {}
+        if common["variant"] & VARIANT_COMBINE_TOKENS and isinstance(state, LowLatencyState) and state.route is not None:
+            routes = {"route_count": state.route_count.data_ptr(), "route": state.route.data_ptr()}
+        else:
+            common["variant"] &= ~VARIANT_COMBINE_TOKENS
         wait = combine_wait_recv_cost_stats
         send_phase = self._mod.PHASE_SEND
         trace = self._trace_arg("combine", half, num_experts)
@@ -322,12 +378,14 @@ class LowLatencyBackend:
                               topk_weights=topk_weights.data_ptr(), src_info=handle.src_info.data_ptr(),
                               layout_range=handle.layout_range.data_ptr(), out=target.data_ptr(), num_tokens=t,
                               num_topk=k, wait_stats=wait.data_ptr() if wait is not None else 0, phases=phases,
-                              stream=stream, **trace)
+                              stream=stream, **trace, **routes)
             if target is not result and phases != send_phase:
                 with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
                     result.copy_(target)
 
         keep = [x, topk_idx, topk_weights, handle.src_info, handle.layout_range, result, target, wait]
+        if routes:
+            keep += [state.route_count, state.route]
         event, hook = self._run(launch, async_finish, return_recv_hook, make_hook, [v for v in keep if v is not None])
         return result, event, hook
 
@@ -351,7 +409,7 @@ class LowLatencyBackend:
         self._state.barrier(stream)  # every peer is done with the buffer (and its earlier use)
         for half in (0, 1):
             begin = half * layout["half_bytes"] + layout["signal_off"]
-            self._raw[begin: begin + num_experts * 4 * 2].zero_()
+            self._raw[begin: begin + layout["signal_bytes"]].zero_()
         self._workspace.zero_()
         self._state.barrier(stream)  # nobody sends before every peer's signals are zero
         self._layout_key = (max_tokens, hidden, num_experts)

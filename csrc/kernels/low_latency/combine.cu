@@ -1,8 +1,10 @@
 // Low-latency combine: the kernel (send phase, receive phase, or both in one launch) and its
-// launcher. The phases live in combine_send.cuh and combine_recv.cuh. As for dispatch, the grid
-// never exceeds the SM count so that a fused launch's blocks are all resident.
+// launcher. The phases live in combine_send.cuh and combine_recv.cuh (pairs), or combine_tokens.cuh
+// (kVariantCombineTokens with a dedup dispatch's route). As for dispatch, the grid never exceeds the
+// SM count so that a fused launch's blocks are all resident.
 #include "kernels/low_latency/combine_recv.cuh"
 #include "kernels/low_latency/combine_send.cuh"
+#include "kernels/low_latency/combine_tokens.cuh"
 #include "runtime/cuda_check.h"
 
 namespace moe_dispatcher::low_latency {
@@ -12,6 +14,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     low_latency_combine_kernel(Common c, CombineArgs a, int phases, int send_parts) {
   if (phases & kPhaseSend) trace_begin(c, kTraceCEntry);
   const HalfLayout lay = half_layout(c.max_tokens, c.hidden, c.num_ranks, c.num_experts);
+  if ((c.variant & kVariantCombineTokens) && a.route != nullptr) {
+    combine_tokens(c, a, lay, phases);
+    if (phases & kPhaseRecv) trace_event(c, kTraceCExit);
+    return;
+  }
   if (phases & kPhaseSend) {
     combine_send_phase(c, a, lay, send_parts);
     trace_block_event(c, kTraceCFlagsUp);

@@ -14,6 +14,55 @@
 
 namespace moe_dispatcher::low_latency {
 
+// out[t, col .. col+8) of this lane (the warp covers 256 channels of token t): lane k < K holds slot k
+// (expert my_e, weight my_w) of the token; the rows are recv [e][t] (bf16 [E][maxT][H]). The caller
+// made them visible to the whole warp (acquire + barrier).
+__device__ __forceinline__ void reduce_chunk(const Common& c, const CombineArgs& a, const uint8_t* recv, int t,
+                                             int col, int64_t my_e, float my_w) {
+  const int H = c.hidden, K = a.num_topk;
+  const size_t row_bytes = static_cast<size_t>(H) * 2;
+  float acc[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
+  // Slots in groups of 8: the group's loads are all issued before the first is used, then the
+  // products are added in slot order (the order, hence the bits, of the one-at-a-time loop).
+  for (int k0 = 0; k0 < K; k0 += 8) {
+    int4 raw[8];
+    float w[8];
+    bool has[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const int k = k0 + u;  // < 32: K <= kMaxTopk
+      const int64_t e = __shfl_sync(0xffffffffu, my_e, k);
+      w[u] = __shfl_sync(0xffffffffu, my_w, k);
+      has[u] = k < K && e >= 0;
+      raw[u] = make_int4(0, 0, 0, 0);
+      if (has[u] && col < H)
+        raw[u] = ld_cg(recv + (static_cast<size_t>(e) * c.max_tokens + t) * row_bytes +
+                       static_cast<size_t>(col) * 2);
+    }
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      if (k0 + u >= K) break;
+      const __nv_bfloat16* v = reinterpret_cast<const __nv_bfloat16*>(&raw[u]);
+      if (has[u]) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(w[u], __bfloat162float(v[j])));
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[j] = __fadd_rn(acc[j], 0.0f);
+      }
+    }
+  }
+  if (col < H) {
+    int4 packed;
+    __nv_bfloat162* p = reinterpret_cast<__nv_bfloat162*>(&packed);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) p[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
+    st_v4(static_cast<uint8_t*>(a.out) + (static_cast<size_t>(t) * H + col) * 2, packed);
+  }
+}
+
 __device__ __forceinline__ void combine_recv_phase(const Common& c, const CombineArgs& a,
                                                    const HalfLayout& lay) {
   __shared__ unsigned long long s_wait[kMaxRanks];
@@ -64,52 +113,12 @@ __device__ __forceinline__ void combine_recv_phase(const Common& c, const Combin
     }
   }
 
-  const size_t row_bytes = static_cast<size_t>(H) * 2;
   for (int task = blockIdx.x * warps + warp; task < tasks; task += stride) {
     const int t = task / chunks, col = (task - t * chunks) * 256 + lane * 8;
     const int64_t my_e = next_e;
     const float my_w = next_w;
     load_slots(task + stride);
-    float acc[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
-    // Slots in groups of 8: the group's loads are all issued before the first is used, then the
-    // products are added in slot order (the order, hence the bits, of the one-at-a-time loop).
-    for (int k0 = 0; k0 < K; k0 += 8) {
-      int4 raw[8];
-      float w[8];
-      bool has[8];
-#pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        const int k = k0 + u;  // < 32: K <= kMaxTopk
-        const int64_t e = __shfl_sync(0xffffffffu, my_e, k);
-        w[u] = __shfl_sync(0xffffffffu, my_w, k);
-        has[u] = k < K && e >= 0;
-        raw[u] = make_int4(0, 0, 0, 0);
-        if (has[u] && col < H)
-          raw[u] = ld_cg(recv + (static_cast<size_t>(e) * c.max_tokens + t) * row_bytes +
-                         static_cast<size_t>(col) * 2);
-      }
-#pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        if (k0 + u >= K) break;
-        const __nv_bfloat16* v = reinterpret_cast<const __nv_bfloat16*>(&raw[u]);
-        if (has[u]) {
-#pragma unroll
-          for (int j = 0; j < 8; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(w[u], __bfloat162float(v[j])));
-        } else {
-#pragma unroll
-          for (int j = 0; j < 8; ++j) acc[j] = __fadd_rn(acc[j], 0.0f);
-        }
-      }
-    }
-    if (col < H) {
-      int4 packed;
-      __nv_bfloat162* p = reinterpret_cast<__nv_bfloat162*>(&packed);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) p[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
-      st_v4(static_cast<uint8_t*>(a.out) + (static_cast<size_t>(t) * H + col) * 2, packed);
-    }
+    reduce_chunk(c, a, recv, t, col, my_e, my_w);
   }
 }
 

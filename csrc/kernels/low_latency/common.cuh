@@ -40,6 +40,19 @@ __device__ __forceinline__ void st_release_sys(int* p, int v) {
   asm volatile("st.release.sys.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+// Relaxed store at system scope to a peer's word: for values that order no data (the dedup dispatch's
+// early counts); the reader still acquires them.
+__device__ __forceinline__ void st_relaxed_sys(int* p, int v) {
+  asm volatile("st.relaxed.sys.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// Relaxed load at system scope (never served from a stale L1 line): the spin of wait_flag.
+__device__ __forceinline__ int ld_relaxed_sys(const int* p) {
+  int v;
+  asm volatile("ld.relaxed.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
 // 16-byte loads and stores. Inputs that do not change during the kernel: non-coherent path.
 __device__ __forceinline__ int4 ld_nc(const void* p) {
   int4 v;
@@ -113,6 +126,33 @@ __device__ __forceinline__ int wait_signal(const Common& c, const int* word, con
     }
   }
   return v;
+}
+
+// wait_signal for words polled while other warps of the SM stream data (the dedup dispatch's
+// message flags, the token-major combine's flags): spins with relaxed loads (an acquire load per
+// poll would be a fence each time), `sleep_ns` of __nanosleep between polls so that spinning warps
+// leave the issue slots to the copying ones, then one acquire load of the (still non-zero) word:
+// the peer's stores published by it are visible to this thread from here on.
+__device__ __forceinline__ int wait_flag(const Common& c, const int* word, const char* what, int peer,
+                                         unsigned sleep_ns) {
+  if (ld_relaxed_sys(word) == 0) {
+    const uint64_t start = now_ns();
+    while (ld_relaxed_sys(word) == 0) {
+      if (sleep_ns) __nanosleep(sleep_ns);
+      if (now_ns() - start > c.timeout_ns) {
+        printf("moe_dispatcher low-latency: rank %d timed out in %s waiting for rank %d (a peer "
+               "skipped a call, or calls differ between ranks)\n",
+               c.rank, what, peer);
+        __trap();
+      }
+    }
+  }
+  return ld_acquire_sys(word);
+}
+
+// The int32 signal words of this call's half (low_latency.h, HalfLayout).
+__device__ __forceinline__ int* half_signals(const Common& c, const HalfLayout& lay) {
+  return reinterpret_cast<int*>(c.buffer + c.half_offset + lay.signal_off);
 }
 
 // ---- Phase trace (low_latency.h, kTrace*): writes only to the trace record, never to data or

@@ -43,6 +43,34 @@ __device__ __forceinline__ void load_row(const __nv_bfloat16* x, int t, int H, i
   }
 }
 
+// The body of a message (at msg + 16) from the bf16 row in `raw` (load_row): the row itself, or its
+// FP8 cast (e4m3 bytes, then one float32 scale per 128 channels). Every thread of the block calls it.
+__device__ __forceinline__ void write_message_body(const DispatchArgs& a, const int4 (&raw)[kRowVectors],
+                                                   uint8_t* msg, int H) {
+  const int tid = threadIdx.x, lane = tid % 32;
+  const int vectors = H / 8;  // 16-byte vectors of the bf16 row
+  if (a.fp8) {
+    float* scales = reinterpret_cast<float*>(msg + 16 + H);
+    // H/8 is a multiple of 16 and blockDim of 32: half-warps are uniformly in or out of range.
+#pragma unroll
+    for (int j = 0; j < kRowVectors; ++j) {
+      const int i = j * blockDim.x + tid;
+      if (j * static_cast<int>(blockDim.x) >= vectors) break;  // uniform over the block
+      const Fp8Group g = cast_group_fp8(raw[j], a.round_scale);
+      if (i < vectors) {
+        reinterpret_cast<uint2*>(msg + 16)[i] = g.q;
+        if (lane % 16 == 0) scales[i / 16] = g.scale;
+      }
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kRowVectors; ++j) {
+      const int i = j * blockDim.x + tid;
+      if (i < vectors) reinterpret_cast<int4*>(msg + 16)[i] = raw[j];
+    }
+  }
+}
+
 // Count the earlier selections (flattened index < limit) of each destination expert of the token in
 // flight into sh.slot[k] (the first k with that expert, as the reference's order needs).
 __device__ __forceinline__ void count_slot(DispatchSendShared& sh, int e, int K) {
@@ -58,7 +86,7 @@ __device__ __forceinline__ void dispatch_send_phase(const Common& c, const Dispa
                                                     const HalfLayout& lay, uint8_t* smem_raw) {
   auto& sh = *reinterpret_cast<DispatchSendShared*>(smem_raw);
   uint8_t* msg = smem_raw + (sizeof(DispatchSendShared) + 15) / 16 * 16;
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int tid = threadIdx.x, warp = tid / 32;
   const int R = c.num_ranks, E = c.num_experts, L = E / R, K = a.num_topk, T = a.num_tokens;
   const int H = c.hidden;
   const size_t half = c.half_offset;
@@ -122,27 +150,7 @@ __device__ __forceinline__ void dispatch_send_phase(const Common& c, const Dispa
     }
     // The message in shared memory: header (source token), then the payload.
     if (tid == 0) reinterpret_cast<int4*>(msg)[0] = make_int4(t, 0, 0, 0);
-    const int vectors = H / 8;  // 16-byte vectors of the bf16 row
-    if (a.fp8) {
-      float* scales = reinterpret_cast<float*>(msg + 16 + H);
-      // H/8 is a multiple of 16 and blockDim of 32: half-warps are uniformly in or out of range.
-#pragma unroll
-      for (int j = 0; j < kRowVectors; ++j) {
-        const int i = j * blockDim.x + tid;
-        if (j * static_cast<int>(blockDim.x) >= vectors) break;  // uniform over the block
-        const Fp8Group g = cast_group_fp8(raw[j], a.round_scale);
-        if (i < vectors) {
-          reinterpret_cast<uint2*>(msg + 16)[i] = g.q;
-          if (lane % 16 == 0) scales[i / 16] = g.scale;
-        }
-      }
-    } else {
-#pragma unroll
-      for (int j = 0; j < kRowVectors; ++j) {
-        const int i = j * blockDim.x + tid;
-        if (i < vectors) reinterpret_cast<int4*>(msg + 16)[i] = raw[j];
-      }
-    }
+    write_message_body(a, raw, msg, H);
     __syncthreads();
     if (t == first) trace_event(c, kTraceDCastDone);
 

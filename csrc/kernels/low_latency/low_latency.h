@@ -23,44 +23,87 @@ constexpr int kThreads = 512;       // threads per block of every low-latency ke
 constexpr int kPhaseSend = 1;
 constexpr int kPhaseRecv = 2;
 
-// Kernel variants (bits of Common::variant; MOE_DISPATCHER_LL_VARIANT, read when the backend is
-// created). Every variant produces the same bytes; they differ in how work is spread.
+// Kernel variants (bits of Common::variant; MOE_DISPATCHER_LL_VARIANT, MOE_DISPATCHER_LL_DISPATCH and
+// MOE_DISPATCHER_LL_COMBINE, read when the backend is created). Every variant produces the same bytes;
+// they differ in how work is spread and in what crosses NVLink. All three are NVLink only: the backend
+// clears them when some peer has no NVLink mapping.
 //   kVariantCombineRows: the combine send spreads the received rows evenly over the whole grid
-//   (per-pair row counters) instead of one (local expert, source) pair per block. NVLink only: the
-//   backend clears it when some peer has no NVLink mapping.
+//   (per-pair row counters) instead of one (local expert, source) pair per block.
+//   kVariantDispatchDedup: the dispatch sends each token once per destination RANK (with the list of
+//   that rank's local experts it chose) into a per-source staging area of the receive region; the
+//   receiver expands it into the per-expert layout (dispatch_dedup_send.cuh / _recv.cuh). Needs at
+//   least two local experts (with one, per-expert messages are already one per rank): the backend
+//   clears it for such calls. Its receive also writes the route the token-major combine needs.
+//   kVariantCombineTokens: the combine sends token-major along that route, raising one flag per
+//   (expert rank, token), and the receiver reduces each token as soon as its rows are in
+//   (combine_tokens.cuh). Used only with a handle from a dedup dispatch (it carries the route).
 constexpr int kVariantCombineRows = 1;
-constexpr int kVariantMask = kVariantCombineRows;
+constexpr int kVariantDispatchDedup = 2;
+constexpr int kVariantCombineTokens = 4;
+constexpr int kVariantMask = kVariantCombineRows | kVariantDispatchDedup | kVariantCombineTokens;
+
+// The route a dedup dispatch leaves for the token-major combine (int32, one record per received
+// message): route[s][i] = {token, n, flat row 0, ..., flat row n-1} for message i of source rank s
+// (i < route_count[s]), flat row = l * R*maxT + row of recv_x. kRouteWords words per record.
+constexpr int kRouteWords = 2 + kMaxTopk;
 
 // Byte layout of ONE half of the symmetric buffer for a given (max_tokens, hidden, ranks, experts).
 // The halves sit at 0 and half_bytes. Inside a half:
 //   [send_off, +send_bytes)   send region: the zero-copy combine rows [L][R*maxT][H] bf16, or the
 //                             staging copy of dispatch messages [maxT][msg] for the put path
-//   [recv_off, +recv_bytes)   receive region: dispatch messages [L][R][maxT][msg], or combine rows
-//                             [E][maxT][H] bf16 (the same bytes; a half serves one call at a time)
-//   [signal_off, +8E)         int32 dispatch counts [L][R], then int32 combine flags [E]
+//   [recv_off, +recv_bytes)   receive region, one of (a half serves one call at a time):
+//                               per-expert dispatch messages [L][R][maxT][msg],
+//                               dedup dispatch messages [R][maxT][dedup_slot] (fits when L >= 2),
+//                               combine rows [E][maxT][H] bf16
+//   [signal_off, +signal_bytes)  int32 words:
+//       [0, E)            dispatch counts [L][R] (value count + 1), every dispatch
+//       [E, E + F)        the flags of the call, F = max(E, R + R*maxT) when L >= 2, else E:
+//                           pair combine: flags [E] (value 1);
+//                           dedup dispatch: message counts per source rank [R] (value count + 1), then
+//                             message flags [source][message index] (value token + 1) from E + R;
+//                           token-major combine: presence words [R] (value 1), then flags
+//                             [expert rank][token] (value 1) from E + R.
+//                         A half serves one call at a time and every call leaves them at 0, so the calls
+//                         share these words (which keeps the hint under DeepEP V1's formula).
 // The total (2 * half_bytes) equals Buffer.get_low_latency_rdma_size_hint.
+// A dedup message slot: [16 bytes, unused: the flag lives in the signal words] [body as in `msg`]
+// then, at message_used_bytes, the entries: int32 {n, pick 0, ..., pick n-1}, pick = l * maxT + slot.
 struct HalfLayout {
   size_t send_off, recv_off, signal_off, half_bytes;
-  size_t msg_bytes;       // one dispatch message slot: 16-byte header + max(2H, H + 4H/128)
+  size_t msg_bytes;        // one per-expert dispatch message slot: 16-byte header + max(2H, H + 4H/128)
+  size_t dedup_slot_bytes; // one dedup message slot: msg_bytes + room for {n, min(kMaxTopk, L) picks}
+  size_t signal_bytes;
 };
 
 __host__ __device__ inline HalfLayout half_layout(int max_tokens, int hidden, int num_ranks,
                                                   int num_experts) {
-  (void)num_ranks;
   HalfLayout l{};
   const size_t t = static_cast<size_t>(max_tokens), h = static_cast<size_t>(hidden);
-  const size_t e = static_cast<size_t>(num_experts);
+  const size_t r = static_cast<size_t>(num_ranks), e = static_cast<size_t>(num_experts);
+  const size_t local = e / r;
   const size_t fp8 = h + h / 128 * 4;
   l.msg_bytes = 16 + (2 * h > fp8 ? 2 * h : fp8);
+  const size_t picks = local < static_cast<size_t>(kMaxTopk) ? local : static_cast<size_t>(kMaxTopk);
+  l.dedup_slot_bytes = l.msg_bytes + (4 * (1 + picks) + 15) / 16 * 16;
   const size_t combine_msg = 2 * h;
   const size_t send = t * l.msg_bytes > e * t * combine_msg ? t * l.msg_bytes : e * t * combine_msg;
+  // The dedup staging [R][maxT][dedup_slot] fits here whenever L >= 2 (then L * msg >= dedup_slot).
   const size_t recv = e * t * (l.msg_bytes > combine_msg ? l.msg_bytes : combine_msg);
-  const size_t signal = e * 4 * 2;
+  const size_t flags = local >= 2 && r + r * t > e ? r + r * t : e;
+  l.signal_bytes = 4 * (e + flags);
   l.send_off = 0;
   l.recv_off = send;
   l.signal_off = send + recv;
-  l.half_bytes = (send + recv + signal + 127) / 128 * 128;
+  l.half_bytes = (send + recv + l.signal_bytes + 127) / 128 * 128;
   return l;
+}
+
+// The signal words of a half (see above), as int32 indices from signal_off.
+__host__ __device__ inline size_t signal_dispatch_counts() { return 0; }
+__host__ __device__ inline size_t signal_combine_flags(int num_experts) { return static_cast<size_t>(num_experts); }
+__host__ __device__ inline size_t signal_message_counts(int num_experts) { return static_cast<size_t>(num_experts); }
+__host__ __device__ inline size_t signal_pair_flags(int num_experts, int num_ranks) {
+  return static_cast<size_t>(num_experts) + static_cast<size_t>(num_ranks);
 }
 
 // Bytes of a dispatch message actually used (16-byte multiple): header + payload (+ scales).
@@ -76,7 +119,8 @@ constexpr int kWsDispatchFinished = 0;                              // [E] messa
 constexpr int kWsCombineFinished = kWsDispatchFinished + kMaxExperts;  // [L*R] parts done
 constexpr int kWsDispatchRecvDone = kWsCombineFinished + kMaxExperts;  // blocks done polling
 constexpr int kWsCombineRecvDone = kWsDispatchRecvDone + 1;
-constexpr int kWorkspaceInts = kWsCombineRecvDone + 1;
+constexpr int kWsCombineClaim = kWsCombineRecvDone + 1;  // token-major combine: reduction tasks taken
+constexpr int kWorkspaceInts = kWsCombineClaim + 1;
 
 // Opt-in phase trace (docs/low_latency.md, "Phase trace"). Common::trace null: off, and every trace
 // point is one uniform branch on it. Otherwise it points at one record of kTraceWords uint64 words (the
@@ -138,6 +182,8 @@ struct DispatchArgs {
   int* recv_count;             // [L]
   int* cumulative_recv_stats;  // [L] or null
   int64_t* wait_stats;         // [R] or null
+  int* route_count;            // dedup only: [R] messages received per source (or null: not kept)
+  int* route;                  // dedup only: [R][maxT][kRouteWords] (see kRouteWords), null with route_count
 };
 
 struct CombineArgs {
@@ -149,6 +195,8 @@ struct CombineArgs {
   void* out;                   // bf16 [T, H]
   int num_tokens, num_topk;
   int64_t* wait_stats;         // [R] or null
+  const int* route_count;      // the dedup dispatch's route (kRouteWords); both null: no route. The
+  const int* route;            // token-major combine (kVariantCombineTokens) runs only when given
 };
 
 // Enqueue on `stream`; no host synchronisation; capturable in CUDA graphs.

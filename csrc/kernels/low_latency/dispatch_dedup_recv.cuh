@@ -1,0 +1,208 @@
+// Dispatch, receive phase of the dedup variant (kVariantDispatchDedup; the sender's side and the slot
+// format are in dispatch_dedup_send.cuh): expand each source's per-rank messages into the per-expert
+// layout, the same bytes as the per-expert variant writes.
+//
+// 1. Placement. Every block waits for all the counts [l][s] and message counts [s] (published by the
+//    sources right after their counting pass, so usually long there) and computes begin[l][s] = rows
+//    of sources before s for expert l (sources ascending, then tokens: the reference's order). The
+//    block owning l (l % grid) writes layout_range[l][*], recv_count[l] and the stats.
+// 2. Messages. Units are the messages of all sources (source-major), handed out round-robin over the
+//    grid and unpacked kDedupBatch at a time per block: warp 0 waits for each message's flag (acquire;
+//    the flag carries the token), a CTA barrier hands the acquire to the block, then the picks are
+//    read, src_info (and the route) written, and each 16-byte vector of a body is loaded once and
+//    stored into every row its picks name (kCopyUnroll loads in flight per thread); FP8 scales go to
+//    the token-minor layout (UE8M0: packed 4 per int32).
+// Resets: a message flag is read by one block only, which zeroes it right after reading it; the counts
+// and message counts are read by every block, and the last block to finish (workspace
+// kWsDispatchRecvDone) zeroes them. No source writes them again before this kernel ends: its next use
+// of this half comes two calls later, after it has received this PE's signals of the call in between.
+#pragma once
+
+#include "kernels/low_latency/common.cuh"
+#include "kernels/low_latency/fp8_cast.cuh"
+
+namespace moe_dispatcher::low_latency {
+
+constexpr int kDedupBatch = 4;  // messages a block unpacks together (their loads in flight at once)
+
+__device__ __forceinline__ void dispatch_dedup_recv_phase(const Common& c, const DispatchArgs& a,
+                                                          const HalfLayout& lay) {
+  __shared__ int s_begin[kMaxExperts];        // [l*R + s]: the count of (l, s), then its first row
+  __shared__ int s_first_msg[kMaxRanks + 1];  // exclusive prefix of the sources' message counts
+  __shared__ unsigned long long s_slot[kDedupBatch];  // byte offset of the message's slot in the half
+  __shared__ int s_src[kDedupBatch], s_index[kDedupBatch], s_token[kDedupBatch];
+  __shared__ int s_pick[kDedupBatch][1 + kMaxTopk];  // {n, picks} as sent
+  __shared__ int s_row[kDedupBatch][kMaxTopk];       // flat row (l * R*maxT + row) of each pick
+  __shared__ unsigned long long s_wait[kMaxRanks];
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int R = c.num_ranks, E = c.num_experts, L = E / R, H = c.hidden, maxT = c.max_tokens;
+  const int RT = R * maxT;
+  int* signals = half_signals(c, lay);
+  int* counts = signals + signal_dispatch_counts();      // [L][R]
+  int* msg_counts = signals + signal_message_counts(E);  // [R]
+  int* flags = signals + signal_pair_flags(E, R);        // [R][maxT]
+  const uint8_t* half = c.buffer + c.half_offset;
+  const size_t used = message_used_bytes(H, a.fp8);
+  const int pick_words = 1 + (L < kMaxTopk ? L : kMaxTopk);  // {n, at most min(K, L) picks}
+
+  // 1. Placement.
+  if (tid < kMaxRanks) s_wait[tid] = 0;
+  for (int p = tid; p < E; p += blockDim.x) {
+    const uint64_t start = now_ns();
+    s_begin[p] = wait_signal(c, counts + p, "low_latency_dispatch (receive counts)", p % R) - 1;
+    if (blockIdx.x == 0) {
+      trace_pair(c, kTracePairWait, p, start);
+      trace_pair_now(c, kTracePairSeen, p);
+    }
+  }
+  for (int s = tid; s < R; s += blockDim.x)
+    s_first_msg[s + 1] = wait_signal(c, msg_counts + s, "low_latency_dispatch (receive counts)", s) - 1;
+  __syncthreads();
+  for (int l = tid; l < L; l += blockDim.x) {
+    const bool owner = l % gridDim.x == blockIdx.x;
+    int run = 0;
+    for (int s = 0; s < R; ++s) {
+      const int n = s_begin[l * R + s];
+      s_begin[l * R + s] = run;
+      if (owner) a.layout_range[l * R + s] = (static_cast<int64_t>(run) << 32) | static_cast<int64_t>(n);
+      run += n;
+    }
+    if (owner) {
+      a.recv_count[l] = run;
+      if (a.cumulative_recv_stats != nullptr) atomicAdd(a.cumulative_recv_stats + l, run);
+    }
+  }
+  if (tid == 0) {
+    s_first_msg[0] = 0;
+    for (int s = 0; s < R; ++s) s_first_msg[s + 1] += s_first_msg[s];
+  }
+  __syncthreads();
+  if (a.route_count != nullptr && blockIdx.x == 0 && tid < R)
+    a.route_count[tid] = s_first_msg[tid + 1] - s_first_msg[tid];
+
+  // 2. Messages.
+  const int total = s_first_msg[R];
+  const int G = gridDim.x;
+  const int data_vecs = a.fp8 ? H / 16 : H / 8;  // 16-byte vectors of one row of recv_x
+  const size_t row_bytes = a.fp8 ? static_cast<size_t>(H) : static_cast<size_t>(H) * 2;
+  uint8_t* out = static_cast<uint8_t*>(a.recv_x);
+  for (int u0 = blockIdx.x; u0 < total; u0 += G * kDedupBatch) {
+    const int remaining = (total - u0 + G - 1) / G;
+    const int nb = remaining < kDedupBatch ? remaining : kDedupBatch;
+    if (warp == 0 && lane < nb) {
+      const int u = u0 + lane * G;
+      int s = 0;
+      while (u >= s_first_msg[s + 1]) ++s;
+      const int i = u - s_first_msg[s];
+      int* flag = flags + static_cast<size_t>(s) * maxT + i;
+      const uint64_t start = now_ns();
+      const int token = wait_flag(c, flag, "low_latency_dispatch (receive)", s, 0) - 1;
+      if (a.wait_stats != nullptr) atomicAdd(&s_wait[s], static_cast<unsigned long long>(now_ns() - start));
+      *flag = 0;  // read by this block only; its next writer comes two calls later
+      s_src[lane] = s;
+      s_index[lane] = i;
+      s_token[lane] = token;
+      s_slot[lane] = lay.recv_off + (static_cast<size_t>(s) * maxT + i) * lay.dedup_slot_bytes;
+    }
+    __syncthreads();  // warp 0's acquires cover the block's reads of the messages below
+    if (u0 == static_cast<int>(blockIdx.x)) trace_event(c, kTraceDFirstArrival);
+    trace_event(c, kTraceDLastArrival);  // the last batch's stamp stays
+
+    // The picks, and the first round of body loads in flight with them (body offsets do not depend on
+    // the picks); each body vector is loaded once and stored to every row its message's picks name.
+    const int vecs = nb * data_vecs;
+    int4 v[kCopyUnroll];
+    auto load_round = [&](int base) {
+#pragma unroll
+      for (int u = 0; u < kCopyUnroll; ++u) {
+        const int idx = base + u * blockDim.x + tid;
+        if (idx < vecs) {
+          const int b = idx / data_vecs, j = idx - b * data_vecs;
+          v[u] = ld_cg(half + s_slot[b] + 16 + 16 * j);
+        }
+      }
+    };
+    auto store_round = [&](int base) {
+#pragma unroll
+      for (int u = 0; u < kCopyUnroll; ++u) {
+        const int idx = base + u * blockDim.x + tid;
+        if (idx < vecs) {
+          const int b = idx / data_vecs, j = idx - b * data_vecs;
+          const int n = s_pick[b][0];
+          for (int q = 0; q < n; ++q) st_v4(out + static_cast<size_t>(s_row[b][q]) * row_bytes + 16 * j, v[u]);
+        }
+      }
+    };
+    for (int idx = tid; idx < nb * pick_words; idx += blockDim.x) {
+      const int b = idx / pick_words, w = idx - b * pick_words;
+      s_pick[b][w] = ld_cg_s32(half + s_slot[b] + used + 4 * w);
+    }
+    load_round(0);
+    __syncthreads();
+    for (int idx = tid; idx < nb * kMaxTopk; idx += blockDim.x) {
+      const int b = idx / kMaxTopk, q = idx - b * kMaxTopk;
+      const int n = s_pick[b][0];
+      int* route = a.route != nullptr
+                       ? a.route + (static_cast<size_t>(s_src[b]) * maxT + s_index[b]) * kRouteWords
+                       : nullptr;
+      if (q < n) {
+        const int p = s_pick[b][1 + q];
+        const int l = p / maxT, slot = p - l * maxT;
+        const int flat = l * RT + s_begin[l * R + s_src[b]] + slot;
+        s_row[b][q] = flat;
+        a.src_info[flat] = s_token[b];
+        if (route != nullptr) route[2 + q] = flat;
+      }
+      if (q == 0 && route != nullptr) {
+        route[0] = s_token[b];
+        route[1] = n;
+      }
+    }
+    __syncthreads();
+    store_round(0);
+    for (int base = kCopyUnroll * blockDim.x; base < vecs; base += kCopyUnroll * blockDim.x) {
+      load_round(base);
+      store_round(base);
+    }
+    if (a.fp8) {
+      // Scales, token-minor: element (l, row, g) lives at [l][g][row].
+      const int groups = H / 128;
+      const int per_msg = a.ue8m0 ? groups / 4 : groups;  // int32 words (UE8M0) or floats per row
+      for (int idx = tid; idx < nb * per_msg; idx += blockDim.x) {
+        const int b = idx / per_msg, g = idx - b * per_msg;
+        const float* sc = reinterpret_cast<const float*>(half + s_slot[b] + 16 + H);
+        int value;
+        if (a.ue8m0) {
+          uint32_t word = 0;
+#pragma unroll
+          for (int k = 0; k < 4; ++k) word |= ue8m0_byte(ld_cg_f32(sc + 4 * g + k)) << (8 * k);
+          value = static_cast<int>(word);
+        } else {
+          value = __float_as_int(ld_cg_f32(sc + g));
+        }
+        int* scales_out = static_cast<int*>(a.recv_scales);
+        const int n = s_pick[b][0];
+        for (int q = 0; q < n; ++q) {
+          const int flat = s_row[b][q], l = flat / RT, row = flat - l * RT;
+          scales_out[(static_cast<size_t>(l) * per_msg + g) * RT + row] = value;
+        }
+      }
+    }
+    __syncthreads();  // the batch's shared state is rewritten by the next one
+    trace_event(c, kTraceDCopyDone);  // the last batch's stamp stays
+  }
+
+  if (a.wait_stats != nullptr && tid < R && s_wait[tid] != 0)
+    atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + tid), s_wait[tid]);
+  // Every block has finished polling when the counter reaches gridDim.x: the last one resets.
+  if (tid == 0) {
+    int* done = c.workspace + kWsDispatchRecvDone;
+    if (atomicAdd(done, 1) == static_cast<int>(gridDim.x) - 1) {
+      for (int i = 0; i < E; ++i) counts[i] = 0;
+      for (int s = 0; s < R; ++s) msg_counts[s] = 0;
+      *done = 0;
+    }
+  }
+}
+
+}  // namespace moe_dispatcher::low_latency

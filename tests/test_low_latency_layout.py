@@ -1,0 +1,184 @@
+"""Low-latency buffer layout and the dedup dispatch's index math, on CPU.
+
+* get_low_latency_rdma_size_hint never exceeds DeepEP V1's formula, and the dedup staging and flags fit the
+  layout it sizes (a Python mirror of csrc/kernels/low_latency/low_latency.h half_layout; the GPU tests check
+  that the compiled half_layout gives the same total).
+* The variant switches (MOE_DISPATCHER_LL_VARIANT / _DISPATCH / _COMBINE).
+* A model of what the dedup kernels compute (dispatch_dedup_send.cuh: slots, message indices, picks grouped
+  by destination; dispatch_dedup_recv.cuh: placement and expansion; combine_tokens.cuh: where the route sends
+  each row) lands every (source, token, expert) exactly where the reference backend puts it.
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from moe_dispatcher.buffer import Buffer
+from moe_dispatcher.compiled.low_latency import (
+    COMBINE_ENV,
+    DISPATCH_ENV,
+    VARIANT_COMBINE_ROWS,
+    VARIANT_COMBINE_TOKENS,
+    VARIANT_DISPATCH_DEDUP,
+    VARIANT_ENV,
+    variant_from_env,
+    variant_name,
+)
+
+MAX_TOPK = 32  # kMaxTopk
+
+
+def deepep_v1_hint(max_tokens: int, hidden: int, num_ranks: int, num_experts: int) -> int:
+    """DeepEP V1's low-latency buffer size (its LowLatencyLayout: two halves of send + receive + signal regions,
+    combine messages with per-128-channel scales), written from its documented layout."""
+    scales = hidden // 128
+    dispatch_msg = 16 + max(hidden * 2, hidden + scales * 4)
+    combine_msg = scales * 4 + hidden * 2
+    send = max(max_tokens * dispatch_msg, num_experts * max_tokens * combine_msg)
+    recv = num_experts * max_tokens * max(dispatch_msg, combine_msg)
+    signal = (num_experts * 4 + 127) // 128 * 128
+    return (2 * (send + recv + signal) + 127) // 128 * 128
+
+
+def half_layout(max_tokens: int, hidden: int, num_ranks: int, num_experts: int) -> dict:
+    """Mirror of half_layout (low_latency.h)."""
+    t, h, r, e = max_tokens, hidden, num_ranks, num_experts
+    local = e // r
+    msg = 16 + max(2 * h, h + h // 128 * 4)
+    dedup_slot = msg + (4 * (1 + min(local, MAX_TOPK)) + 15) // 16 * 16
+    send = max(t * msg, e * t * 2 * h)
+    recv = e * t * max(msg, 2 * h)
+    flags = r + r * t if local >= 2 and r + r * t > e else e
+    signal = 4 * (e + flags)
+    return {"send": send, "recv": recv, "signal_words": e + flags, "flags_words": flags, "msg": msg,
+            "dedup_slot": dedup_slot, "half": (send + recv + signal + 127) // 128 * 128}
+
+
+SHAPES = [(t, h, r, r * local)
+          for t, h, r, local in itertools.product([1, 3, 8, 128, 256, 1024, 4096], [128, 384, 512, 2048, 7168, 16384],
+                                                  [1, 2, 3, 4, 8, 32], [1, 2, 3, 8, 32, 64, 256])
+          if r * local <= 1024]
+
+
+def test_hint_never_above_deepep_and_matches_layout():
+    for t, h, r, e in SHAPES:
+        hint = Buffer.get_low_latency_rdma_size_hint(t, h, r, e)
+        assert hint == 2 * half_layout(t, h, r, e)["half"], (t, h, r, e)
+        assert hint <= deepep_v1_hint(t, h, r, e), (t, h, r, e, hint, deepep_v1_hint(t, h, r, e))
+
+
+def test_dedup_staging_and_flags_fit():
+    for t, h, r, e in SHAPES:
+        if e // r < 2:
+            continue  # the dedup dispatch is not used with one expert per rank
+        lay = half_layout(t, h, r, e)
+        assert r * t * lay["dedup_slot"] <= lay["recv"], (t, h, r, e)
+        assert lay["flags_words"] >= r + r * t, (t, h, r, e)  # message counts + [R][maxT] flags
+        # the picks {n, p...} of up to min(K, L) experts fit after the largest body
+        assert lay["msg"] + 4 * (1 + min(MAX_TOPK, e // r)) <= lay["dedup_slot"]
+
+
+def test_variant_env():
+    assert variant_from_env({}) == 0
+    assert variant_from_env({VARIANT_ENV: "1"}) == VARIANT_COMBINE_ROWS
+    assert variant_from_env({DISPATCH_ENV: "dedup"}) == VARIANT_DISPATCH_DEDUP
+    assert variant_from_env({DISPATCH_ENV: "dedup", COMBINE_ENV: "tokens"}) == 6
+    assert variant_from_env({VARIANT_ENV: "7", DISPATCH_ENV: "per_expert", COMBINE_ENV: "pairs"}) == 1
+    with pytest.raises(ValueError):
+        variant_from_env({DISPATCH_ENV: "per-expert"})
+    assert variant_name(0) == "per_expert+pairs"
+    assert variant_name(VARIANT_DISPATCH_DEDUP | VARIANT_COMBINE_TOKENS) == "dedup+tokens"
+
+
+# ------------------------------------------------------------------------------------ model of the dedup kernels
+def _sender(topk: torch.Tensor, num_ranks: int, local: int, max_tokens: int):
+    """What one source rank's dedup send phase writes: counts[e], messages[d], and per destination d the list of
+    messages (index i -> (token, picks)), picks grouped as plan_destinations groups them."""
+    t_count, k = topk.shape
+    counts = [0] * (num_ranks * local)
+    messages = [0] * num_ranks
+    out = {d: {} for d in range(num_ranks)}
+    for t in range(t_count):
+        # counting pass limited to the entries before token t: slots and message indices (count_earlier)
+        slot = [0] * k
+        stage = [0] * num_ranks
+        row = [int(v) for v in topk[t]]
+        for i in range(t * k):
+            e = int(topk.view(-1)[i])
+            if e < 0:
+                continue
+            for kk in range(k):
+                if row[kk] == e:
+                    slot[kk] += 1
+                    break
+            first = all(int(topk.view(-1)[j]) < 0 or int(topk.view(-1)[j]) // local != e // local
+                        for j in range(i - i % k, i))
+            if first:
+                stage[e // local] += 1
+        # plan_destinations: destinations in first-pick order, picks grouped, k ascending inside a group
+        dests = []
+        for e in row:
+            if e >= 0 and e // local not in dests:
+                dests.append(e // local)
+        for d in dests:
+            picks = [(e % local) * max_tokens + slot[kk] for kk, e in enumerate(row) if e >= 0 and e // local == d]
+            assert stage[d] not in out[d], "two messages in one slot"
+            out[d][stage[d]] = (t, picks)
+            messages[d] += 1
+        for e in row:
+            if e >= 0:
+                counts[e] += 1
+    for d in range(num_ranks):
+        assert sorted(out[d]) == list(range(messages[d])), "message indices are not 0..n-1"
+    return counts, messages, out
+
+
+def test_dedup_model_matches_reference_placement():
+    g = torch.Generator().manual_seed(3)
+    for num_ranks, local, k, max_tokens in [(4, 64, 8, 16), (2, 16, 6, 9), (3, 2, 2, 7), (4, 8, 8, 12)]:
+        e_total = num_ranks * local
+        tokens = [int(torch.randint(0, max_tokens + 1, (1,), generator=g)) for _ in range(num_ranks)]
+        topks = []
+        for t in tokens:
+            idx = torch.rand(t, e_total, generator=g).topk(k, dim=1).indices
+            idx[torch.rand(t, k, generator=g) < 0.2] = -1
+            topks.append(idx)
+        sent = [_sender(topks[s], num_ranks, local, max_tokens) for s in range(num_ranks)]
+        rt = num_ranks * max_tokens
+        for me in range(num_ranks):
+            # receiver: placement from the counts, then the expansion of every message
+            cnt = [[sent[s][0][me * local + l] for s in range(num_ranks)] for l in range(local)]
+            begin = [[sum(cnt[l][:s]) for s in range(num_ranks)] for l in range(local)]
+            src_info = {}
+            route = {}
+            for s in range(num_ranks):
+                assert sent[s][1][me] == len(sent[s][2][me])
+                for i, (tok, picks) in sent[s][2][me].items():
+                    rows = []
+                    for p in picks:
+                        l, sl = divmod(p, max_tokens)
+                        flat = l * rt + begin[l][s] + sl
+                        assert flat not in src_info, "two picks on one row"
+                        src_info[flat] = (s, tok)
+                        rows.append(flat)
+                    route[(s, i)] = (tok, rows)
+            # reference: expert l holds sources ascending, then tokens ascending
+            want = {}
+            for l in range(local):
+                r0 = 0
+                for s in range(num_ranks):
+                    for tok in range(tokens[s]):
+                        if (topks[s][tok] == me * local + l).any():
+                            want[l * rt + r0] = (s, tok)
+                            r0 += 1
+                assert r0 == sum(cnt[l])
+            assert src_info == want
+            # the token-major combine sends route row `flat` of message (s, i) to [me*L + l][tok] on rank s:
+            # that must be the slot of (tok, expert me*L + l) the receiver reads
+            for (s, _), (tok, rows) in route.items():
+                for flat in rows:
+                    l = flat // rt
+                    assert (topks[s][tok] == me * local + l).any()
+                    assert want[flat] == (s, tok)
