@@ -89,8 +89,8 @@ class CachedCall:
     """
 
     __slots__ = ("backend", "is_token_in_rank", "recv_src_idx", "num_tokens", "num_worst_tokens", "config", "num_sms",
-                 "dtype", "shape", "device", "torch_device", "aux_dtype", "aux_shape", "out_shape", "aux_out_shape",
-                 "native")
+                 "dtype", "shape", "device", "is_cuda", "torch_device", "aux_dtype", "aux_shape", "out_shape",
+                 "aux_out_shape", "native")
 
     def __init__(self, backend: "IntranodeBackend", handle: DispatchHandle, x: torch.Tensor,
                  aux: Optional[torch.Tensor], config: Optional[Config], out_shape: Tuple[int, int],
@@ -99,7 +99,8 @@ class CachedCall:
         self.is_token_in_rank, self.recv_src_idx = handle.is_token_in_rank, handle.recv_src_idx
         self.num_tokens, self.num_worst_tokens = handle.num_tokens, handle.num_worst_tokens
         self.config, self.num_sms = config, backend._buffer_cls.num_sms  # config None: the tuned one for num_sms
-        self.dtype, self.shape, self.device, self.torch_device = x.dtype, x.shape, x.get_device(), x.device
+        self.dtype, self.shape, self.torch_device = x.dtype, x.shape, x.device
+        self.device, self.is_cuda = x.get_device(), x.is_cuda  # the device, cheaply: index and type (CUDA or not)
         self.aux_dtype, self.aux_shape = (None, None) if aux is None else (aux.dtype, aux.shape)
         self.out_shape, self.aux_out_shape, self.native = out_shape, aux_out_shape, native
 
@@ -109,14 +110,15 @@ class CachedCall:
         if not (self.backend is backend and handle.is_token_in_rank is self.is_token_in_rank
                 and handle.recv_src_idx is self.recv_src_idx and handle.num_tokens == self.num_tokens
                 and handle.num_worst_tokens == self.num_worst_tokens and x.dtype is self.dtype
-                and x.shape == self.shape and x.get_device() == self.device and x.is_contiguous()
+                and x.shape == self.shape and x.get_device() == self.device and x.is_cuda is self.is_cuda
+                and x.is_contiguous()
                 and (config is self.config or (type(config) is Config and config == self.config))
                 and (config is not None or backend._buffer_cls.num_sms == self.num_sms)):
             return False
         if aux is None:
             return self.aux_shape is None
         return (aux.dtype is self.aux_dtype and aux.shape == self.aux_shape and aux.get_device() == self.device
-                and aux.is_contiguous())
+                and aux.is_cuda is self.is_cuda and aux.is_contiguous())
 
 
 class DispatchCall(CachedCall):
