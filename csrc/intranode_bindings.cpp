@@ -305,7 +305,12 @@ void pair_rank(uintptr_t topk_idx, int num_tokens, int num_topk, int num_experts
 
 // May the backend still launch? Not once the buffer is destroyed or a kernel recorded a timeout (sticky: the
 // Buffer is unusable from then on). Plans return false instead of launching; the caller raises the reason.
-bool usable(const IpcBuffer& b) { return b.alive() && b.host_mailbox()->timeout.status == 0; }
+// (The device writes the mailbox: read it through volatile, as timeout_info does.)
+bool usable(const IpcBuffer& b) {
+  if (!b.alive()) return false;
+  const volatile Mailbox* box = b.host_mailbox();
+  return box->timeout.status == 0;
+}
 
 // Orders a launch on the comm stream against the caller's stream with two events made once per backend
 // (on the backend's device) and re-recorded by every call: a stream wait captures the event as it is when
