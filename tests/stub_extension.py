@@ -73,8 +73,8 @@ def stub_intranode(rows: int) -> types.SimpleNamespace:
         MAX_RANKS=8, MAX_CHANNELS=32, MAX_LOCAL_EXPERTS=1024, MAX_TOPK=16, MAX_CHUNK=32, MAX_COMBINE_WINDOWS=4,
         RINGS_OFFSET=1 << 20, FLAG_LAYOUT_MISMATCH=1, PAIR_RANK_TOKENS=128, IpcBuffer=IpcBuffer,
         StreamJoin=StreamJoin, DispatchPlan=plan_class("DispatchPlan"), CombinePlan=plan_class("CombinePlan"),
-        layout=_noop, notify=_noop, dispatch=_noop, combine=_noop, em_unpermute=_noop, pair_rank=_noop,
-        launches=launches, plans=plans)
+        layout=_noop, notify=_noop, dispatch=_noop, combine=_noop, em_permute=_noop, em_unpermute=_noop,
+        pair_rank=_noop, launches=launches, plans=plans)
 
 
 def attach_stub_backend(buf, rows: int, patch: Callable = setattr):
