@@ -297,6 +297,162 @@ void pair_rank(uintptr_t topk_idx, int num_tokens, int num_topk, int num_experts
   launch_pair_rank(a, stream_of(stream));
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// Cached calls (dispatch along a handle, combine): their arguments are the same from call to call except the
+// tensors' addresses, so a plan fills them in once (DispatchPlan, CombinePlan) and each call passes only the
+// addresses and the streams. moe_dispatcher/compiled/intranode.py builds a plan after the call's checks
+// passed and keeps it with the handle; buffer.py reuses it while the call's inputs look the same.
+
+// May the backend still launch? Not once the buffer is destroyed or a kernel recorded a timeout (sticky: the
+// Buffer is unusable from then on). Plans return false instead of launching; the caller raises the reason.
+// (The device writes the mailbox: read it through volatile, as timeout_info does.)
+bool usable(const IpcBuffer& b) {
+  if (!b.alive()) return false;
+  const volatile Mailbox* box = b.host_mailbox();
+  return box->timeout.status == 0;
+}
+
+// Orders a launch on the comm stream against the caller's stream with two events made once per backend
+// (on the backend's device) and re-recorded by every call: a stream wait captures the event as it is when
+// the wait is enqueued, so re-recording cannot affect waits already queued. `join` of a launch:
+//   0  nothing (the caller already ordered the streams: it launches on the stream it made current);
+//   1  the comm stream first waits for the work queued on the caller's stream so far (async_finish);
+//   2  as 1, then the caller's stream waits for the launch (a synchronous call).
+class StreamJoin {
+ public:
+  StreamJoin() {
+    MOE_CUDA_CHECK(cudaGetDevice(&device_));
+    MOE_CUDA_CHECK(cudaEventCreateWithFlags(&before_, cudaEventDisableTiming));
+    MOE_CUDA_CHECK(cudaEventCreateWithFlags(&after_, cudaEventDisableTiming));
+  }
+  ~StreamJoin() {
+    cudaEventDestroy(before_);
+    cudaEventDestroy(after_);
+  }
+  StreamJoin(const StreamJoin&) = delete;
+  StreamJoin& operator=(const StreamJoin&) = delete;
+
+  template <typename Launch>
+  void run(cudaStream_t comm, cudaStream_t caller, int join, Launch&& launch) const {
+    MOE_CHECK(join >= 0 && join <= 2, "bad stream join");
+    const DeviceGuard guard(device_);
+    if (join >= 1) {
+      MOE_CUDA_CHECK(cudaEventRecord(before_, caller));
+      MOE_CUDA_CHECK(cudaStreamWaitEvent(comm, before_, 0));
+    }
+    launch();
+    if (join == 2) {
+      MOE_CUDA_CHECK(cudaEventRecord(after_, comm));
+      MOE_CUDA_CHECK(cudaStreamWaitEvent(caller, after_, 0));
+    }
+  }
+
+ private:
+  // The streams and events live on the backend's device: launch there whatever device is current.
+  struct DeviceGuard {
+    explicit DeviceGuard(int device) {
+      MOE_CUDA_CHECK(cudaGetDevice(&previous));
+      if (previous != device) MOE_CUDA_CHECK(cudaSetDevice(device));
+      switched = previous != device;
+    }
+    ~DeviceGuard() {
+      if (switched) cudaSetDevice(previous);
+    }
+    int previous = 0;
+    bool switched = false;
+  };
+
+  int device_ = 0;
+  cudaEvent_t before_ = nullptr, after_ = nullptr;
+};
+
+// Dispatch along a handle's routing (no top-k, no source indices: what cached dispatch sends).
+class DispatchPlan {
+ public:
+  DispatchPlan(const IpcBuffer& b, const StreamJoin& join, uint64_t timeout_ns, uintptr_t is_token_in_rank,
+               uintptr_t recv_channel_offset, int num_tokens, int hidden_bytes, int num_scales, int num_rows,
+               int pad_rows, int num_channels, int chunk, int num_slots, int slot_bytes)
+      : buffer_(&b), join_(&join) {
+    a_.c = b.common(timeout_ns);
+    MOE_CHECK(static_cast<size_t>(num_channels) * num_slots * slot_bytes <= a_.c.src_block_bytes,
+              "NVLink buffer too small for this config");
+    a_.is_token_in_rank = ptr<const bool>(is_token_in_rank);
+    a_.recv_channel_offset = ptr<const int>(recv_channel_offset);
+    a_.num_tokens = num_tokens;
+    a_.hidden_bytes = hidden_bytes;
+    a_.num_scales = num_scales;
+    a_.num_topk = 0;
+    a_.experts_per_rank = 1;
+    a_.num_rows = num_rows;
+    a_.pad_rows = pad_rows;
+    a_.num_channels = num_channels;
+    a_.chunk = chunk;
+    a_.num_slots = num_slots;
+    a_.slot_bytes = slot_bytes;
+  }
+
+  bool launch(uintptr_t x, uintptr_t scales, uintptr_t recv_x, uintptr_t recv_scales, uintptr_t stream,
+              uintptr_t caller, int join) {
+    if (!usable(*buffer_)) return false;
+    a_.x = ptr<const uint8_t>(x);
+    a_.scales = ptr<const int32_t>(scales);
+    a_.recv_x = ptr<uint8_t>(recv_x);
+    a_.recv_scales = ptr<int32_t>(recv_scales);
+    join_->run(stream_of(stream), stream_of(caller), join, [&] { launch_dispatch(a_, stream_of(stream)); });
+    return true;
+  }
+
+ private:
+  const IpcBuffer* buffer_;
+  const StreamJoin* join_;
+  DispatchArgs a_{};
+};
+
+// Combine along a handle's routing.
+class CombinePlan {
+ public:
+  CombinePlan(const IpcBuffer& b, const StreamJoin& join, uint64_t timeout_ns, uintptr_t is_token_in_rank,
+              uintptr_t recv_channel_offset, int dtype, int num_tokens, int hidden, int num_topk, int num_x_rows,
+              int num_channels, int chunk, int num_slots, int slot_bytes)
+      : buffer_(&b), join_(&join) {
+    // Tokens per receiver batch: as many 32-token windows as fit beside a sender chunk in the ring.
+    a_.batch_windows = std::min(kMaxWindows, (num_slots - chunk) / 32);
+    MOE_CHECK(a_.batch_windows >= 1, "combine needs num_max_nvl_chunked_recv_tokens >= send tokens + 32");
+    a_.c = b.common(timeout_ns);
+    MOE_CHECK(static_cast<size_t>(num_channels) * num_slots * slot_bytes <= a_.c.src_block_bytes,
+              "NVLink buffer too small for this config");
+    a_.is_token_in_rank = ptr<const bool>(is_token_in_rank);
+    a_.recv_channel_offset = ptr<const int>(recv_channel_offset);
+    a_.dtype = dtype;
+    a_.num_tokens = num_tokens;
+    a_.hidden = hidden;
+    a_.num_topk = num_topk;
+    a_.num_x_rows = num_x_rows;
+    a_.num_channels = num_channels;
+    a_.chunk = chunk;
+    a_.num_slots = num_slots;
+    a_.slot_bytes = slot_bytes;
+  }
+
+  bool launch(uintptr_t x, uintptr_t topk_weights, uintptr_t bias0, uintptr_t bias1, uintptr_t out,
+              uintptr_t out_topk_weights, uintptr_t stream, uintptr_t caller, int join) {
+    if (!usable(*buffer_)) return false;
+    a_.x = ptr<const uint8_t>(x);
+    a_.topk_weights = ptr<const float>(topk_weights);
+    a_.bias0 = ptr<const uint8_t>(bias0);
+    a_.bias1 = ptr<const uint8_t>(bias1);
+    a_.out = ptr<uint8_t>(out);
+    a_.out_topk_weights = ptr<float>(out_topk_weights);
+    join_->run(stream_of(stream), stream_of(caller), join, [&] { launch_combine(a_, stream_of(stream)); });
+    return true;
+  }
+
+ private:
+  const IpcBuffer* buffer_;
+  const StreamJoin* join_;
+  CombineArgs a_{};
+};
+
 }  // namespace
 
 void register_intranode(py::module_& m) {
@@ -330,6 +486,27 @@ void register_intranode(py::module_& m) {
       .def("wait_notify", &wait_notify, py::arg("seq"), py::arg("timeout_s"))
       .def("expert_counts", &expert_counts, py::arg("n"))
       .def("take_worst_overflow", &take_worst_overflow);
+
+  py::class_<StreamJoin>(sub, "StreamJoin").def(py::init<>());
+  // keep_alive: a plan holds raw pointers to the buffer and the events.
+  py::class_<DispatchPlan>(sub, "DispatchPlan")
+      .def(py::init<const IpcBuffer&, const StreamJoin&, uint64_t, uintptr_t, uintptr_t, int, int, int, int, int, int,
+                    int, int, int>(),
+           py::arg("buffer"), py::arg("join"), py::arg("timeout_ns"), py::arg("is_token_in_rank"),
+           py::arg("recv_channel_offset"), py::arg("num_tokens"), py::arg("hidden_bytes"), py::arg("num_scales"),
+           py::arg("num_rows"), py::arg("pad_rows"), py::arg("num_channels"), py::arg("chunk"), py::arg("num_slots"),
+           py::arg("slot_bytes"), py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
+      .def("launch", &DispatchPlan::launch, py::arg("x"), py::arg("scales"), py::arg("recv_x"),
+           py::arg("recv_scales"), py::arg("stream"), py::arg("caller"), py::arg("join"));
+  py::class_<CombinePlan>(sub, "CombinePlan")
+      .def(py::init<const IpcBuffer&, const StreamJoin&, uint64_t, uintptr_t, uintptr_t, int, int, int, int, int, int,
+                    int, int, int>(),
+           py::arg("buffer"), py::arg("join"), py::arg("timeout_ns"), py::arg("is_token_in_rank"),
+           py::arg("recv_channel_offset"), py::arg("dtype"), py::arg("num_tokens"), py::arg("hidden"),
+           py::arg("num_topk"), py::arg("num_x_rows"), py::arg("num_channels"), py::arg("chunk"), py::arg("num_slots"),
+           py::arg("slot_bytes"), py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
+      .def("launch", &CombinePlan::launch, py::arg("x"), py::arg("topk_weights"), py::arg("bias0"), py::arg("bias1"),
+           py::arg("out"), py::arg("out_topk_weights"), py::arg("stream"), py::arg("caller"), py::arg("join"));
 
   sub.def("layout", &layout, py::arg("topk_idx"), py::arg("num_tokens"), py::arg("num_topk"), py::arg("num_experts"),
           py::arg("num_ranks"), py::arg("num_tokens_per_rank"), py::arg("num_tokens_per_expert"),

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from . import _ext
 from . import config as _config
+from .compiled import JOIN_BEFORE, JOIN_BOTH, HandleState, current_stream_ptr
 from .config import Config
 from .event import EventOverlap
 from .expert_major import ExpertMajorHandle, compose_expert_major_dispatch, gather_rows, unpermute
@@ -32,6 +33,9 @@ from .validation import (check_flag_exclusive, check_num_experts, check_tensor, 
 
 BACKEND_ENV = "MOE_DISPATCHER_BACKEND"
 BACKENDS = ("auto", "reference", "kernels")
+# "0" turns off the fast path of repeated cached calls (Buffer._planned), for comparison: every call then takes
+# the full path (checks, _stream_scope, the backend). Read when a Buffer is created (attribute fast_cached_calls).
+FAST_CACHED_ENV = "MOE_DISPATCHER_FAST_CACHED"
 _tokens = itertools.count(1)
 
 Tensor = torch.Tensor
@@ -115,6 +119,7 @@ class Buffer:
         self._ll_last_shape: Optional[Tuple[int, int, int]] = None
         self._warned_fallback = False
         self._pending_row_checks: List[Tuple[Tensor, int]] = []
+        self.fast_cached_calls = os.environ.get(FAST_CACHED_ENV, "1").strip() != "0"
 
     # ------------------------------------------------------------------ static helpers (DeepEP V1)
     @staticmethod
@@ -278,6 +283,34 @@ class Buffer:
             events = self._events = (torch.cuda.Event(), torch.cuda.Event())
         return events[i]
 
+    def _planned(self, plan, x: Tensor, aux: Optional[Tensor], async_finish: bool) -> Tuple[Tensor, Optional[Tensor],
+                                                                                         EventOverlap]:
+        """The fast path of a cached call (dispatch along a handle, or combine) whose plan matched its arguments
+        (compiled.intranode.CachedCall: every check the full path would make has passed for the same handle,
+        tensor metadata and config): launch the plan; (output, aux output or None, EventOverlap).
+
+        Same stream semantics as _stream_scope without previous_event and allocate_on_comm_stream (the fast path
+        is not taken with them), in one native call: the comm stream waits for the current one, the kernel runs
+        on the comm stream and, unless async_finish, the current stream waits for it. The outputs are allocated
+        on the current stream, so none needs record_stream when the call is synchronous: the comm stream's
+        writes come after everything queued there before the call (a freed block's last uses included) and
+        before anything queued there after it. With async_finish the inputs and outputs are recorded on the
+        comm stream (so a free before the event cannot hand their blocks to other work while it runs) and kept
+        in the EventOverlap.
+        """
+        comm = self._comm_stream if self._comm_stream is not None else self.get_comm_stream()
+        caller = current_stream_ptr(plan.device)
+        if not async_finish:
+            out, aux_out = plan.run(x, aux, caller, comm.cuda_stream, JOIN_BOTH)
+            return out, aux_out, EventOverlap()
+        out, aux_out = plan.run(x, aux, caller, comm.cuda_stream, JOIN_BEFORE)
+        tensors = [t for t in (x, aux, out, aux_out) if t is not None]
+        for t in tensors:
+            t.record_stream(comm)
+        event = torch.cuda.Event()
+        event.record(comm)
+        return out, aux_out, EventOverlap(event, extra_tensors=tensors)
+
     # ------------------------------------------------------------------ backend choice
     def _normal_backend(self, device: torch.device):
         if device.type == "cuda" and self._kernels is not None and self._kernels.serves_normal(self.topology):
@@ -369,6 +402,20 @@ class Buffer:
         up to expert_alignment; empty with num_worst_tokens), handle, EventOverlap). Rows are ordered by
         source rank, then source token. Cached mode returns (recv_x, None, None, None, None, EventOverlap).
         """
+        if (handle is not None and self.fast_cached_calls and previous_event is None and not allocate_on_comm_stream
+                and topk_idx is None and topk_weights is None and type(expert_alignment) is int
+                and expert_alignment == 1 and type(num_worst_tokens) is int and num_worst_tokens == 0
+                and type(handle) is DispatchHandle and type(handle.backend_state) is HandleState):
+            plan = None
+            if type(x) is Tensor:
+                data, scales = x, None
+                plan = handle.backend_state.dispatch_plans[0]
+            elif type(x) is tuple and len(x) == 2 and type(x[0]) is Tensor and type(x[1]) is Tensor:
+                data, scales = x
+                plan = handle.backend_state.dispatch_plans[1]
+            if plan is not None and plan.matches(self._kernels, handle, data, scales, config):
+                recv_x, recv_scales, event = self._planned(plan, data, scales, async_finish)
+                return (recv_x if scales is None else (recv_x, recv_scales)), None, None, None, None, event
         self._check_alive()
         data, scales = split_x(x)
         dev = data.device
@@ -423,6 +470,12 @@ class Buffer:
         the same way. bias: None, a tensor or a pair of tensors [T, H] (x's dtype) added to the sum.
         Returns (combined_x [T, H] x.dtype, combined_topk_weights float32 [T, K] or None, EventOverlap).
         """
+        if (self.fast_cached_calls and bias is None and previous_event is None and not allocate_on_comm_stream
+                and type(handle) is DispatchHandle and type(handle.backend_state) is HandleState
+                and type(x) is Tensor and (topk_weights is None or type(topk_weights) is Tensor)):
+            plan = handle.backend_state.combine_plans[topk_weights is not None]
+            if plan is not None and plan.matches(self._kernels, handle, x, topk_weights, config):
+                return self._planned(plan, x, topk_weights, async_finish)
         self._check_alive()
         backend = self._backend_of(handle, (DispatchHandle,))
         rows = handle.recv_src_idx.shape[0]

@@ -262,6 +262,132 @@ def test_graph_and_back_to_back(world_size: int) -> None:
     run_distributed(_world_graph_and_back_to_back, world_size, backend="nccl")
 
 
+def _full_path(buf, fn):
+    """fn() with the Buffer's fast path of repeated cached calls off (every check, _stream_scope, the backend)."""
+    buf.fast_cached_calls = False
+    try:
+        return fn()
+    finally:
+        buf.fast_cached_calls = True
+
+
+def _world_fast_path(rank: int, world_size: int) -> None:
+    """Repeated cached calls (the fast path: the handle's plan launched with its stream joins in one native call)
+    give the bits of the full path and of the reference, with every stream option, in a CUDA graph, and with
+    their inputs dropped before an async_finish event fires."""
+    kb, rb = _buffers()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    t, h, local, k = (300, 77, 0, 129)[rank % 4], 2048, 4, 6
+    e = local * world_size
+    g = torch.Generator().manual_seed(31 + rank)
+    idx = _routing(g, t, e, k, world_size, "random").to(dev)
+    w = torch.rand(t, k, generator=g).to(dev)
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16).to(dev)
+    _, ok = _dispatch(kb, x, idx, w, e)
+    _, ro = _dispatch(rb, x, idx, w, e)
+    hk, hr, rows = ok[4], ro[4], ok[0].shape[0]
+    n = int(hr.rank_prefix_matrix[-1, rank])
+
+    def fresh_x():
+        return torch.randn(t, h, generator=g).to(torch.bfloat16).to(dev)
+
+    def fresh_y():
+        return torch.randn(rows, h, generator=g).to(torch.bfloat16).to(dev)
+
+    def check_dispatch(got, xin, what):
+        want = rb.dispatch(xin, handle=hr)[0]
+        if isinstance(got, tuple):
+            assert_equal(got[0][:n], want[0][:n], what)
+            assert_equal(got[1][:n], want[1][:n], what + " (scales)")
+        else:
+            assert_equal(got[:n], want[:n], what)
+
+    def check_combine(got, y, weights, what):
+        want = rb.combine(y, hr, topk_weights=weights)
+        assert_close(got[0], want[0], what, rtol=1e-2, atol=1e-2)
+        if weights is not None:
+            assert_close(got[1], want[1], what + " (weights)", rtol=1e-5, atol=1e-5)
+
+    with case("fast path = full path = reference"):
+        for i in range(4):  # the first call of each kind makes the plan, the later ones launch it
+            x2, y = fresh_x(), fresh_y()
+            fast = kb.dispatch(x2, handle=hk)[0]
+            full = _full_path(kb, lambda: kb.dispatch(x2, handle=hk)[0])
+            assert torch.equal(fast, full), f"call {i}: cached dispatch, fast path != full path"
+            check_dispatch(fast, x2, f"call {i}: cached dispatch")
+            for weights in (None, ok[2]):
+                fast = kb.combine(y, hk, topk_weights=weights)
+                full = _full_path(kb, lambda: kb.combine(y, hk, topk_weights=weights))
+                assert torch.equal(fast[0], full[0]), f"call {i}: combine, fast path != full path"
+                if weights is not None:
+                    assert torch.equal(fast[1], full[1]), f"call {i}: combine weights, fast path != full path"
+                check_combine(fast, y, weights, f"call {i}: combine (weights: {weights is not None})")
+        plans = hk.backend_state
+        assert all(p is not None for p in plans.dispatch_plans[:1] + plans.combine_plans), "plans were made"
+
+    with case("fp8 fast path"):
+        for i in range(3):
+            x8 = ((torch.randn(t, h, generator=g) * 50).to(torch.float8_e4m3fn).to(dev),
+                  torch.rand(t, h // 128, generator=g).to(dev))
+            check_dispatch(kb.dispatch(x8, handle=hk)[0], x8, f"call {i}: fp8 cached dispatch")
+
+    with case("async_finish, inputs dropped before the event"):
+        for i in range(3):
+            x2, y = fresh_x(), fresh_y()
+            x_keep, y_keep = x2.clone(), y.clone()
+            recv, *_, ev_d = kb.dispatch(x2, handle=hk, async_finish=True)
+            comb, _, ev_c = kb.combine(y, hk, async_finish=True)
+            del x2, y
+            junk = [torch.full((t, h), 7.0, dtype=torch.bfloat16, device=dev),
+                    torch.full((rows, h), 7.0, dtype=torch.bfloat16, device=dev)]  # may reuse freed blocks
+            ev_d.current_stream_wait()
+            ev_c.current_stream_wait()
+            del junk
+            check_dispatch(recv, x_keep, f"call {i}: async cached dispatch")
+            check_combine((comb, None), y_keep, None, f"call {i}: async combine")
+
+    with case("previous_event, allocate_on_comm_stream, another current stream"):
+        x2, y = fresh_x(), fresh_y()
+        got = kb.dispatch(x2, handle=hk, previous_event=kb.capture(), async_finish=True,
+                          allocate_on_comm_stream=True)
+        got[5].current_stream_wait()
+        check_dispatch(got[0], x2, "cached dispatch with previous_event")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            recv = kb.dispatch(x2, handle=hk)[0]
+            comb = kb.combine(y, hk)
+        torch.cuda.current_stream().wait_stream(side)
+        check_dispatch(recv, x2, "cached dispatch on a side stream")
+        check_combine(comb, y, None, "combine on a side stream")
+
+    with case("repeated cached calls in a CUDA graph"):
+        x_in, y_in = fresh_x(), fresh_y()
+        kb.dispatch(x_in, handle=hk)
+        kb.combine(y_in, hk)  # eager: the plans exist, so the captured calls take the fast path
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            recv = kb.dispatch(x_in, handle=hk)[0]
+            comb = kb.combine(y_in, hk)
+        for i in range(3):
+            x_in.copy_(fresh_x())
+            y_in.copy_(fresh_y())
+            graph.replay()
+            torch.cuda.synchronize()
+            check_dispatch(recv, x_in, f"replay {i}: cached dispatch")
+            check_combine(comb, y_in, None, f"replay {i}: combine")
+        del graph
+    torch.cuda.synchronize()
+    kb.destroy()
+    rb.destroy()
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_fast_path_of_repeated_cached_calls(world_size: int) -> None:
+    run_distributed(_world_fast_path, world_size, backend="nccl")
+
+
 def _world_timeout(rank: int, world_size: int) -> None:
     dev = torch.device("cuda", torch.cuda.current_device())
     t, h, e = 600, 2048, 4 * world_size
@@ -294,6 +420,8 @@ def _world_timeout(rank: int, world_size: int) -> None:
                 kb.get_dispatch_layout(idx, e)
             msg = str(err.value)
             assert f"rank {rank} timed out" in msg and "combine" in msg, msg
+            with pytest.raises(RuntimeError, match="timed out"):  # a repeated call (its plan made) too
+                kb.combine(out[0], out[4])
         torch.cuda.synchronize()
         dist.barrier()
         kb.destroy()

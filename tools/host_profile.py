@@ -3,10 +3,14 @@
     torchrun --standalone --nproc_per_node 2 tools/host_profile.py [OUT_DIR]
 
 Times (perf_counter, steady state, the device kept busy but never more than a few calls behind) of:
-  buffer.dispatch(x, handle=h)          the public call
-  buffer.combine(y, h)                  the public call
+  buffer.dispatch(x, handle=h)          the public call (the fast path of a repeated call: its plan matches)
+  buffer.combine(y, h)                  the public call, likewise
+  ... full path                         the same with Buffer.fast_cached_calls = False (every check, then
+                                        _stream_scope and the backend; MOE_DISPATCHER_FAST_CACHED=0 sets it)
   backend.cached_dispatch(...)          the backend alone, inside the comm stream (no Buffer stream semantics)
-  the bare extension launch             with every argument precomputed
+  the bare extension launch             the 25-argument launcher, every argument precomputed
+  the bare plan launch                  the handle's native plan: addresses and streams only, with the stream
+                                        joins of a synchronous call, and without them
 and a cProfile of 2000 public cached dispatches (rank 0), sorted by own time, written to OUT_DIR.
 """
 from __future__ import annotations
@@ -55,12 +59,12 @@ def main() -> None:
     idx = torch.rand(t, e, device="cuda").topk(k, dim=1).indices
     w = torch.rand(t, k, device="cuda")
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, e)
-    recv, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                                           num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+    recv, _, w_recv, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
     y = recv.clone()
     backend = buf._kernels
     comm = buf.get_comm_stream()
-    channels, offsets = handle.backend_state
+    channels, offsets = handle.backend_state.routing
     _, chunk, slots = backend._config(None, combine=False)
     rows = handle.recv_src_idx.shape[0]
     recv_x = torch.empty(rows, h, dtype=x.dtype, device="cuda")
@@ -73,16 +77,39 @@ def main() -> None:
                      recv_x.data_ptr(), 0, 0, 0, 0, t, h * 2, 0, 0, 1, rows, 0, channels, chunk, slots, slot_bytes,
                      stream)
 
+    buf.dispatch(x, handle=handle)  # the first cached dispatch makes the handle's plan
+    plan = handle.backend_state.dispatch_plans[0].native
+    recv_ptr, comm_ptr = recv_x.data_ptr(), stream
+    caller_ptr = torch.cuda.current_stream().cuda_stream
+
+    def plan_launch(join):
+        return lambda: plan.launch(x.data_ptr(), 0, recv_ptr, 0, comm_ptr, caller_ptr, join)
+
+    def full_path(fn):
+        def run():
+            buf.fast_cached_calls = False
+            try:
+                fn()
+            finally:
+                buf.fast_cached_calls = True
+        return run
+
     def backend_only():
         with torch.cuda.stream(comm):
             backend.cached_dispatch(x, None, handle)
 
     rows_out = {}
-    for name, fn in (("public cached dispatch", lambda: buf.dispatch(x, handle=handle)),
-                     ("public combine", lambda: buf.combine(y, handle)),
+    dispatch, combine = lambda: buf.dispatch(x, handle=handle), lambda: buf.combine(y, handle)
+    for name, fn in (("public cached dispatch", dispatch),
+                     ("public combine", combine),
+                     ("public combine with topk_weights", lambda: buf.combine(y, handle, topk_weights=w_recv)),
                      ("public cached dispatch async_finish", lambda: buf.dispatch(x, handle=handle, async_finish=True)),
+                     ("public cached dispatch, full path", full_path(dispatch)),
+                     ("public combine, full path", full_path(combine)),
                      ("backend.cached_dispatch in comm stream", backend_only),
                      ("bare extension launch", bare),
+                     ("bare plan launch, sync joins", plan_launch(2)),
+                     ("bare plan launch, no joins", plan_launch(0)),
                      ("torch.empty + stream ctx + event record", lambda: (torch.empty(rows, h, dtype=x.dtype,
                                                                                          device="cuda"),
                                                                              torch.cuda.Event().record(comm)))):

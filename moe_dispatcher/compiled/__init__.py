@@ -24,11 +24,36 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _get_device = getattr(torch._C, "_cuda_getDevice", None)
 
 
-def current_stream_ptr() -> int:
-    """The current CUDA stream of the current device, as the integer the bindings take."""
+def current_stream_ptr(device: Optional[int] = None) -> int:
+    """The current CUDA stream of `device` (default: the current device), as the integer the bindings take."""
     if _raw_stream is not None and _get_device is not None:
-        return _raw_stream(_get_device())
-    return torch.cuda.current_stream().cuda_stream
+        return _raw_stream(_get_device() if device is None else device)
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+# How a plan's launch on the comm stream is ordered against the caller's stream (StreamJoin in
+# csrc/intranode_bindings.cpp): not at all (the caller made the comm stream current after ordering it), the comm
+# stream waits for the caller's stream first (async_finish), or also the caller's stream waits for the launch.
+JOIN_NONE, JOIN_BEFORE, JOIN_BOTH = 0, 1, 2
+
+
+class HandleState:
+    """backend_state of a DispatchHandle from a backend whose cached calls run from launch plans (intranode).
+
+    routing:        the backend's tables of the handle (intranode: (num_channels, recv_channel_offset)).
+    dispatch_plans: [the plan of the latest cached dispatch of plain rows, that of FP8 rows with scales], None
+                    before the first such call (see intranode.CachedCall); combine_plans likewise, [without,
+                    with top-k weights]. One slot per kind, so that a model alternating the kinds on a handle
+                    (combine, then combine with weights in the backward) keeps both. A plan holds no reference
+                    to the handle (the handle owns it), so dropping the handle frees everything at once.
+    """
+
+    __slots__ = ("routing", "dispatch_plans", "combine_plans")
+
+    def __init__(self, routing: tuple) -> None:
+        self.routing = routing
+        self.dispatch_plans: list = [None, None]
+        self.combine_plans: list = [None, None]
 
 
 def row_geometry(x: torch.Tensor, scales: Optional[torch.Tensor], kernels: str) -> Tuple[int, int]:

@@ -26,7 +26,7 @@ from .. import _ext
 from ..config import Config
 from ..expert_major import ExpertMajorHandle, compose_expert_major_dispatch, gather_rows, unpermute
 from ..handle import DispatchHandle
-from . import current_stream_ptr, row_geometry, timeout_message
+from . import JOIN_NONE, HandleState, current_stream_ptr, row_geometry, timeout_message
 
 TIMEOUT_ENV = "MOE_DISPATCHER_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 10.0
@@ -73,6 +73,93 @@ def required_nvl_bytes(num_ranks: int, num_channels: int, num_slots: int, slot_b
     return rings_offset + num_ranks * _align16(num_channels * num_slots * slot_bytes + 127)
 
 
+class CachedCall:
+    """A cached call (dispatch along a handle, or combine) whose checks passed once, ready to launch again.
+
+    Every check of a cached call reads only the handle, the metadata of its tensors (dtype, shape, device,
+    contiguity: never their contents), the config and the backend. A later call with the same handle fields,
+    tensors of the same metadata (`x`, and `aux`: the FP8 scales of a dispatch, the top-k weights of a
+    combine, or None both times) and the same config would pass them again: matches() says so, and the caller
+    launches this plan without redoing them. Anything else takes the full path, which checks and builds a new
+    plan. What may change between two such calls (the buffer destroyed, a timeout recorded by a kernel) the
+    native plan checks at every launch (`refused` then raises the reason).
+
+    The plan keeps the handle's tensors whose addresses it holds (is_token_in_rank here; recv_channel_offset
+    stays in the handle's state, which owns the plan) and no reference to the handle itself.
+    """
+
+    __slots__ = ("backend", "is_token_in_rank", "recv_src_idx", "num_tokens", "num_worst_tokens", "config", "num_sms",
+                 "dtype", "shape", "device", "is_cuda", "torch_device", "aux_dtype", "aux_shape", "out_shape",
+                 "aux_out_shape", "native")
+
+    def __init__(self, backend: "IntranodeBackend", handle: DispatchHandle, x: torch.Tensor,
+                 aux: Optional[torch.Tensor], config: Optional[Config], out_shape: Tuple[int, int],
+                 aux_out_shape: Optional[Tuple[int, int]], native) -> None:
+        self.backend = backend
+        self.is_token_in_rank, self.recv_src_idx = handle.is_token_in_rank, handle.recv_src_idx
+        self.num_tokens, self.num_worst_tokens = handle.num_tokens, handle.num_worst_tokens
+        self.config, self.num_sms = config, backend._buffer_cls.num_sms  # config None: the tuned one for num_sms
+        self.dtype, self.shape, self.torch_device = x.dtype, x.shape, x.device
+        self.device, self.is_cuda = x.get_device(), x.is_cuda  # the device, cheaply: index and type (CUDA or not)
+        self.aux_dtype, self.aux_shape = (None, None) if aux is None else (aux.dtype, aux.shape)
+        self.out_shape, self.aux_out_shape, self.native = out_shape, aux_out_shape, native
+
+    def matches(self, backend: "IntranodeBackend", handle: DispatchHandle, x: torch.Tensor,
+                aux: Optional[torch.Tensor], config: Optional[Config]) -> bool:
+        """Would a call of `backend` with these arguments pass the checks this plan's call passed?"""
+        if not (self.backend is backend and handle.is_token_in_rank is self.is_token_in_rank
+                and handle.recv_src_idx is self.recv_src_idx and handle.num_tokens == self.num_tokens
+                and handle.num_worst_tokens == self.num_worst_tokens and x.dtype is self.dtype
+                and x.shape == self.shape and x.get_device() == self.device and x.is_cuda is self.is_cuda
+                and x.is_contiguous()
+                and (config is self.config or (type(config) is Config and config == self.config))
+                and (config is not None or backend._buffer_cls.num_sms == self.num_sms)):
+            return False
+        if aux is None:
+            return self.aux_shape is None
+        return (aux.dtype is self.aux_dtype and aux.shape == self.aux_shape and aux.get_device() == self.device
+                and aux.is_cuda is self.is_cuda and aux.is_contiguous())
+
+
+class DispatchCall(CachedCall):
+    """The plan of a cached dispatch: aux = FP8 scales."""
+
+    __slots__ = ()
+
+    def run(self, x: torch.Tensor, scales: Optional[torch.Tensor], caller: int, stream: int, join: int):
+        """Allocate the outputs (on the current stream) and launch on `stream`; (recv_x, recv_scales or None)."""
+        recv_x = torch.empty(self.out_shape, dtype=self.dtype, device=self.torch_device)
+        if scales is None:
+            if not self.native.launch(x.data_ptr(), 0, recv_x.data_ptr(), 0, stream, caller, join):
+                self.backend.refused()
+            return recv_x, None
+        recv_scales = torch.empty(self.aux_out_shape, dtype=self.aux_dtype, device=self.torch_device)
+        if not self.native.launch(x.data_ptr(), scales.data_ptr(), recv_x.data_ptr(), recv_scales.data_ptr(), stream,
+                                  caller, join):
+            self.backend.refused()
+        return recv_x, recv_scales
+
+
+class CombineCall(CachedCall):
+    """The plan of a combine: aux = top-k weights."""
+
+    __slots__ = ()
+
+    def run(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor], caller: int, stream: int, join: int,
+            bias: Sequence[torch.Tensor] = ()):
+        """Allocate the outputs (on the current stream) and launch on `stream`; (combined_x, weights or None)."""
+        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.torch_device)
+        out_w = None
+        if topk_weights is not None:
+            out_w = torch.empty(self.aux_out_shape, dtype=torch.float32, device=self.torch_device)
+        bias0 = bias[0].data_ptr() if len(bias) > 0 else 0
+        bias1 = bias[1].data_ptr() if len(bias) > 1 else 0
+        if not self.native.launch(x.data_ptr(), 0 if topk_weights is None else topk_weights.data_ptr(), bias0, bias1,
+                                  out.data_ptr(), 0 if out_w is None else out_w.data_ptr(), stream, caller, join):
+            self.backend.refused()
+        return out, out_w
+
+
 class _DeviceMemory:
     """Exposes a raw device range to torch.as_tensor through __cuda_array_interface__."""
 
@@ -113,6 +200,7 @@ class IntranodeBackend:
         handles: List[Optional[bytes]] = [None] * self.num_ranks
         dist.all_gather_object(handles, self._ipc.ipc_handle(), group=self.group)
         self._ipc.open_peers(handles)
+        self._join = self._mod.StreamJoin()
         self._seq = 0
         self._broken: Optional[str] = None
         self._rdma_emulation: Optional[torch.Tensor] = None
@@ -138,6 +226,11 @@ class IntranodeBackend:
     def _fail(self, info) -> None:
         self._broken = timeout_message(self.name, info, self.timeout_s, TIMEOUT_ENV)
         raise RuntimeError(self._broken)
+
+    def refused(self) -> None:
+        """A plan did not launch: raise why (destroyed, or a timeout recorded)."""
+        self._check()
+        raise RuntimeError("moe_dispatcher intranode: the launch was refused")
 
     @staticmethod
     def _stream() -> int:
@@ -276,35 +369,41 @@ class IntranodeBackend:
         if topk_weights is None:
             recv_w = None
         handle = DispatchHandle(prefix, is_token_in_rank, recv_src, num_recv, t, num_worst_tokens, self.name,
-                                self._buffer_token, backend_state=(channels, offsets))
+                                self._buffer_token, backend_state=HandleState((channels, offsets)))
         return recv_x, recv_scales, recv_idx, recv_w, counts, handle
 
     def cached_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], handle: DispatchHandle,
                         config: Optional[Config] = None):
-        """Dispatch along the routing of `handle` with no count exchange and no host sync."""
+        """Dispatch along the routing of `handle` with no count exchange and no host sync, on the current stream."""
         self._check()
         x = x.contiguous()
         x_scales = x_scales.contiguous() if x_scales is not None else None
+        plans, kind = handle.backend_state.dispatch_plans, x_scales is not None
+        plan = plans[kind]
+        if plan is None or not plan.matches(self, handle, x, x_scales, config):
+            plan = plans[kind] = self._dispatch_plan(x, x_scales, handle, config)
+        return plan.run(x, x_scales, 0, self._stream(), JOIN_NONE)
+
+    def _dispatch_plan(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], handle: DispatchHandle,
+                       config: Optional[Config]) -> DispatchCall:
+        """The checks of a cached dispatch, then its plan."""
         hidden_bytes, num_scales = row_geometry(x, x_scales, "intranode")
-        channels, offsets = handle.backend_state
+        channels, offsets = handle.backend_state.routing
         _, chunk, slots = self._config(config, combine=False)
         slot_bytes = dispatch_slot_bytes(hidden_bytes, num_scales, 0)
         self._check_fits(channels, slots, slot_bytes, "cached dispatch")
         rows = handle.recv_src_idx.shape[0]
-        dev = x.device
-        recv_x = torch.empty(rows, x.shape[1], dtype=x.dtype, device=dev)
-        recv_scales = (torch.empty(rows, num_scales, dtype=x_scales.dtype, device=dev)
-                       if x_scales is not None else None)
-        self._mod.dispatch(self._ipc, self._timeout_ns, x.data_ptr(), self._ptr(x_scales), 0, 0,
-                           handle.is_token_in_rank.data_ptr(), offsets.data_ptr(), recv_x.data_ptr(),
-                           self._ptr(recv_scales), 0, 0, 0, x.shape[0], hidden_bytes, num_scales, 0, 1, rows,
-                           1 if handle.num_worst_tokens else 0, channels, chunk, slots, slot_bytes, self._stream())
-        return recv_x, recv_scales
+        native = self._mod.DispatchPlan(self._ipc, self._join, self._timeout_ns, handle.is_token_in_rank.data_ptr(),
+                                        offsets.data_ptr(), x.shape[0], hidden_bytes, num_scales, rows,
+                                        1 if handle.num_worst_tokens else 0, channels, chunk, slots, slot_bytes)
+        return DispatchCall(self, handle, x, x_scales, config, (rows, x.shape[1]),
+                            (rows, num_scales) if x_scales is not None else None, native)
 
     # ------------------------------------------------------------------ combine
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
                 bias: Sequence[torch.Tensor], config: Optional[Config] = None):
-        """Reduce the rows of each source token; returns (combined_x, combined_topk_weights or None)."""
+        """Reduce the rows of each source token on the current stream; returns (combined_x, combined_topk_weights
+        or None)."""
         self._check()
         if x.dtype not in _COMBINE_DTYPES:  # float64: the reference reduces it (in float64)
             if handle.num_recv_tokens is None:
@@ -312,29 +411,34 @@ class IntranodeBackend:
                 handle = handle._replace(num_recv_tokens=n)
             return self._reference.combine(x, handle, topk_weights, bias)
         x = x.contiguous()
+        topk_weights = topk_weights.contiguous() if topk_weights is not None else None
+        plans, kind = handle.backend_state.combine_plans, topk_weights is not None
+        plan = plans[kind]
+        if plan is None or not plan.matches(self, handle, x, topk_weights, config):
+            plan = plans[kind] = self._combine_plan(x, topk_weights, handle, config)
+        return plan.run(x, topk_weights, 0, self._stream(), JOIN_NONE, [b.contiguous() for b in bias])
+
+    def _combine_plan(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor], handle: DispatchHandle,
+                      config: Optional[Config]) -> CombineCall:
+        """The checks of a combine (x of a kernel dtype), then its plan."""
         row_bytes = x.shape[1] * x.element_size()
         if row_bytes % 16:
             raise ValueError(f"combine: rows of x must be a multiple of 16 bytes, got {row_bytes}")
         num_topk = 0
         if topk_weights is not None:
-            topk_weights = topk_weights.contiguous()
             num_topk = topk_weights.shape[1]
             if num_topk > self._mod.MAX_TOPK:
                 raise ValueError(f"combine: at most {self._mod.MAX_TOPK} top-k weights per row, got {num_topk}")
-        channels, offsets = handle.backend_state
+        channels, offsets = handle.backend_state.routing
         _, chunk, slots = self._config(config, combine=True)
         slot_bytes = combine_slot_bytes(row_bytes, num_topk)
         self._check_fits(channels, slots, slot_bytes, "combine")
-        biases = [b.contiguous() for b in bias]
-        t, dev = handle.num_tokens, x.device
-        out = torch.empty(t, x.shape[1], dtype=x.dtype, device=dev)
-        out_w = torch.empty(t, num_topk, dtype=torch.float32, device=dev) if topk_weights is not None else None
-        self._mod.combine(self._ipc, self._timeout_ns, x.data_ptr(), self._ptr(topk_weights),
-                          self._ptr(biases[0] if len(biases) > 0 else None),
-                          self._ptr(biases[1] if len(biases) > 1 else None), handle.is_token_in_rank.data_ptr(),
-                          offsets.data_ptr(), out.data_ptr(), self._ptr(out_w), _COMBINE_DTYPES[x.dtype], t,
-                          x.shape[1], num_topk, x.shape[0], channels, chunk, slots, slot_bytes, self._stream())
-        return out, out_w
+        t = handle.num_tokens
+        native = self._mod.CombinePlan(self._ipc, self._join, self._timeout_ns, handle.is_token_in_rank.data_ptr(),
+                                       offsets.data_ptr(), _COMBINE_DTYPES[x.dtype], t, x.shape[1], num_topk,
+                                       x.shape[0], channels, chunk, slots, slot_bytes)
+        return CombineCall(self, handle, x, topk_weights, config, (t, x.shape[1]),
+                           (t, num_topk) if topk_weights is not None else None, native)
 
     # ------------------------------------------------------------------ expert-major (fused permutation)
     def expert_major_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: torch.Tensor,
@@ -429,7 +533,7 @@ class IntranodeBackend:
         tpe = layout[r_local + 2 * local + 1: r_local + 3 * local + 1]
         need = layout[r_local + local]
         dh = DispatchHandle(prefix, in_rank, recv_src, num_recv, t, num_worst_tokens, self.name, self._buffer_token,
-                            backend_state=(channels, offsets))
+                            backend_state=HandleState((channels, offsets)))
         handle = ExpertMajorHandle(dh, pair_row, pair_slot, tpe, k, rows_needed=need,
                                    backend_state=(inverse, layout, local, expert_alignment))
         return px, ps, pw, tpe, counts, handle
@@ -494,7 +598,7 @@ class IntranodeBackend:
         hidden_bytes, num_scales = row_geometry(x, x_scales, "intranode")
         inverse, layout, local, alignment = handle.backend_state
         dh = handle.dispatch
-        channels, offsets = dh.backend_state
+        channels, offsets = dh.backend_state.routing
         _, chunk, slots = self._config(None, combine=False)
         slot_bytes = dispatch_slot_bytes(hidden_bytes, num_scales, 0)
         self._check_fits(channels, slots, slot_bytes, "expert-major cached dispatch")
@@ -525,7 +629,7 @@ class IntranodeBackend:
         m, dev = handle.pair_row.numel(), rows_x.device
         px = torch.empty(m, rows_x.shape[1], dtype=rows_x.dtype, device=dev)
         ps = torch.empty(m, rows_s.shape[1], dtype=rows_s.dtype, device=dev) if rows_s is not None else None
-        self._em_permute(rows_x, rows_s, inverse, layout, local, alignment, dh.backend_state[1][-1, -1:], px, ps,
+        self._em_permute(rows_x, rows_s, inverse, layout, local, alignment, dh.backend_state.routing[1][-1, -1:], px, ps,
                          bool(dh.num_worst_tokens))
         return px, ps
 
@@ -536,7 +640,7 @@ class IntranodeBackend:
         the per-slot weights [N, K]. Rows past the received count (num_worst_tokens tables) are not written."""
         inverse = handle.backend_state[0]
         n, k = inverse.shape
-        offsets = handle.dispatch.backend_state[1]
+        offsets = handle.dispatch.backend_state.routing[1]
         rows = torch.empty(n, x.shape[1], dtype=x.dtype, device=x.device)
         w_rows = torch.empty(n, k, dtype=torch.float32, device=x.device) if topk_weights is not None else None
         self._mod.em_unpermute(self._present(x), self._present(inverse), self._present(weights),
@@ -564,7 +668,7 @@ class IntranodeBackend:
         dh = handle.dispatch
         k = handle.num_topk
         num_topk = k if topk_weights is not None else 0
-        channels, offsets = dh.backend_state
+        channels, offsets = dh.backend_state.routing
         _, chunk, slots = self._config(config, combine=True)
         slot_bytes = combine_slot_bytes(row_bytes, num_topk)
         self._check_fits(channels, slots, slot_bytes, "expert-major combine")

@@ -1,0 +1,236 @@
+"""The fast path of repeated cached calls (Buffer._planned, compiled.intranode.CachedCall), on CPU.
+
+The real Buffer and IntranodeBackend run over the stub extension of tests/stub_extension.py, whose plans
+record their arguments and every launch. A call takes the fast path when its launch comes with the joins of
+a synchronous call (JOIN_BOTH) instead of JOIN_NONE (the full path launches inside _stream_scope).
+Checked: repeated calls skip the checks only when the handle, the tensors' metadata and the config are those
+a plan was made for; anything else (a bad argument above all) takes the full path and raises as before, with
+nothing launched; a recorded timeout or a destroyed buffer still stops every call.
+"""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+from stub_extension import attach_stub_backend
+
+from moe_dispatcher import Buffer, Config
+from moe_dispatcher.buffer import FAST_CACHED_ENV
+from moe_dispatcher.compiled import JOIN_BOTH, JOIN_NONE
+from moe_dispatcher.compiled.intranode import combine_slot_bytes, dispatch_slot_bytes
+
+T, H, E, K = 16, 256, 8, 2
+ROWS = 24  # rows notify "received" (the stub's answer)
+
+
+@pytest.fixture
+def world(monkeypatch, tmp_path):
+    monkeypatch.delenv(FAST_CACHED_ENV, raising=False)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        buf = Buffer(num_nvl_bytes=1 << 30, backend="reference", explicitly_destroy=True)
+        backend = attach_stub_backend(buf, ROWS, monkeypatch.setattr)
+        g = torch.Generator().manual_seed(0)
+        idx = torch.rand(T, E, generator=g).topk(K, dim=1).indices
+        x = torch.randn(T, H, generator=g).bfloat16()
+        handle = backend.dispatch(x, None, idx, None, torch.full((1,), T, dtype=torch.int32),
+                                  torch.ones(T, 1, dtype=torch.bool), torch.zeros(E, dtype=torch.int32), 1, 0)[5]
+        yield types.SimpleNamespace(buf=buf, backend=backend, ext=backend._mod, handle=handle, x=x,
+                                    y=torch.randn(ROWS, H, generator=g).bfloat16(),
+                                    w=torch.rand(ROWS, K, generator=g))
+        buf.destroy()
+    finally:
+        dist.destroy_process_group()
+
+
+def _joins(w, kind: str) -> list:
+    return [args[-1] for k, args in w.ext.launches if k == kind]
+
+
+def test_repeated_cached_calls_take_the_fast_path(world):
+    w = world
+    buf, h = w.buf, w.handle
+    for _ in range(3):
+        recv, idx, weights, counts, new_handle, event = buf.dispatch(w.x, handle=h)
+        assert recv.shape == (ROWS, H) and recv.dtype == torch.bfloat16
+        assert (idx, weights, counts, new_handle, event.event) == (None, None, None, None, None)
+        out, out_w, event = buf.combine(w.y, h)
+        assert out.shape == (T, H) and out.dtype == torch.bfloat16 and out_w is None and event.event is None
+        out, out_w, _ = buf.combine(w.y, h, topk_weights=w.w)
+        assert out_w.shape == (T, K) and out_w.dtype == torch.float32
+    # The first call of each kind checks and makes a plan; the later ones launch it.
+    assert _joins(w, "DispatchPlan") == [JOIN_NONE, JOIN_BOTH, JOIN_BOTH]
+    assert _joins(w, "CombinePlan") == [JOIN_NONE, JOIN_NONE] + [JOIN_BOTH] * 4  # one plan per kind
+    # Plans hold what the full path used to pass at every launch.
+    _, chunk, slots = w.backend._config(None, combine=False)
+    channels, offsets = h.backend_state.routing
+    assert w.ext.plans[0] == ("DispatchPlan", (w.backend._timeout_ns, h.is_token_in_rank.data_ptr(), offsets.data_ptr(),
+                                               T, H * 2, 0, ROWS, 0, channels, chunk, slots,
+                                               dispatch_slot_bytes(H * 2, 0, 0)))
+    _, chunk, slots = w.backend._config(None, combine=True)
+    assert w.ext.plans[1][1][3:] == (0, T, H, 0, ROWS, channels, chunk, slots, combine_slot_bytes(H * 2, 0))
+    # A launch passes the tensors' addresses and the streams.
+    recv = buf.dispatch(w.x, handle=h)[0]
+    assert w.ext.launches[-1] == ("DispatchPlan", (w.x.data_ptr(), 0, recv.data_ptr(), 0, 0, 0, JOIN_BOTH))
+
+
+def test_fp8_dispatch_takes_the_fast_path_with_contiguous_scales(world):
+    w = world
+    x8 = w.x.float().to(torch.float8_e4m3fn)
+    scales = torch.rand(T, H // 128)
+    for _ in range(2):
+        (recv, recv_scales), *_ = w.buf.dispatch((x8, scales), handle=w.handle)
+        assert recv.dtype == torch.float8_e4m3fn and recv_scales.shape == (ROWS, H // 128)
+    column_major = torch.rand(H // 128, T).t()  # accepted, copied by the full path
+    w.buf.dispatch((x8, column_major), handle=w.handle)
+    assert _joins(w, "DispatchPlan") == [JOIN_NONE, JOIN_BOTH, JOIN_NONE]
+    assert len(w.ext.plans) == 1
+
+
+def _noncontiguous(rows: int, cols: int, dtype=torch.bfloat16) -> torch.Tensor:
+    return torch.zeros(cols, rows, dtype=dtype).t()
+
+
+BAD_DISPATCH = [
+    (dict(x=torch.zeros(T, H, dtype=torch.int32)), TypeError, "x must have dtype"),
+    (dict(x=torch.zeros(T + 1, H, dtype=torch.bfloat16)), ValueError, "x must have shape"),
+    (dict(x=torch.zeros(T, H, 1, dtype=torch.bfloat16)), ValueError, "x must be 2-D"),
+    (dict(x=_noncontiguous(T, H)), ValueError, "contiguous"),
+    (dict(x=torch.zeros(T, 4, dtype=torch.bfloat16)), ValueError, "multiple of 16"),
+    (dict(x=[torch.zeros(T, H, dtype=torch.bfloat16)]), TypeError, "tuple must be"),
+    (dict(x=(torch.zeros(T, H, dtype=torch.bfloat16), torch.rand(T, 2))), TypeError, "FP8 data"),
+    (dict(x=(torch.zeros(T, H).to(torch.float8_e4m3fn), torch.rand(T + 1, 2))), ValueError, "FP8 scales"),
+    (dict(topk_idx=torch.zeros(T, K, dtype=torch.int64)), ValueError, "takes no topk_idx"),
+    (dict(topk_weights=torch.zeros(T, K)), ValueError, "takes no topk_idx"),
+    (dict(expert_alignment=0), ValueError, "expert_alignment"),
+    (dict(expert_alignment=1.0), ValueError, "expert_alignment"),
+    (dict(num_worst_tokens=-1), ValueError, "num_worst_tokens"),
+    (dict(config="fast"), TypeError, "config must be"),
+    (dict(handle=(1, 2)), TypeError, "handle must be a DispatchHandle"),
+]
+
+
+@pytest.mark.parametrize("bad,error,match", BAD_DISPATCH, ids=[m for _, _, m in BAD_DISPATCH])
+def test_bad_dispatch_raises_with_a_plan_in_place(world, bad, error, match):
+    w = world
+    for _ in range(2):  # a plan, used once
+        w.buf.dispatch(w.x, handle=w.handle)
+    launched = len(w.ext.launches)
+    kwargs = dict(x=w.x, handle=w.handle)
+    kwargs.update(bad)
+    with pytest.raises(error, match=match):
+        w.buf.dispatch(**kwargs)
+    assert len(w.ext.launches) == launched, "nothing may launch for a bad call"
+
+
+BAD_COMBINE = [
+    (dict(x=torch.zeros(ROWS + 1, H, dtype=torch.bfloat16)), ValueError, "x must have shape"),
+    (dict(x=torch.zeros(ROWS, H, dtype=torch.int32)), TypeError, "x must have dtype"),
+    (dict(x=_noncontiguous(ROWS, H)), ValueError, "contiguous"),
+    (dict(x=torch.zeros(ROWS, 4, dtype=torch.bfloat16)), ValueError, "multiple of 16 bytes"),
+    (dict(topk_weights=torch.zeros(ROWS, K, dtype=torch.float16)), TypeError, "topk_weights must have dtype"),
+    (dict(topk_weights=torch.zeros(ROWS - 1, K)), ValueError, "topk_weights must have shape"),
+    (dict(topk_weights=_noncontiguous(ROWS, K, torch.float32)), ValueError, "contiguous"),
+    (dict(topk_weights=torch.zeros(ROWS, 17)), ValueError, "at most 16 top-k"),
+    (dict(bias=torch.zeros(T + 1, H, dtype=torch.bfloat16)), ValueError, "bias"),
+    (dict(bias=torch.zeros(T, H)), TypeError, "bias"),
+    (dict(config=1), TypeError, "config must be"),
+    (dict(handle=None), TypeError, "handle must be a DispatchHandle"),
+]
+
+
+@pytest.mark.parametrize("bad,error,match", BAD_COMBINE, ids=[m for _, _, m in BAD_COMBINE])
+def test_bad_combine_raises_with_a_plan_in_place(world, bad, error, match):
+    w = world
+    for weights in (None, w.w, None, w.w):
+        w.buf.combine(w.y, w.handle, topk_weights=weights)
+    launched = len(w.ext.launches)
+    kwargs = dict(x=w.y, handle=w.handle)
+    kwargs.update(bad)
+    with pytest.raises(error, match=match):
+        w.buf.combine(**kwargs)
+    assert len(w.ext.launches) == launched, "nothing may launch for a bad call"
+
+
+def test_a_call_unlike_the_plan_checks_and_replans(world):
+    w = world
+    buf, h = w.buf, w.handle
+    buf.dispatch(w.x, handle=h)
+    wide = torch.zeros(T, 2 * H, dtype=torch.bfloat16)
+    assert buf.dispatch(wide, handle=h)[0].shape == (ROWS, 2 * H)  # another row size: a new plan
+    buf.dispatch(w.x, handle=h)  # and back
+    assert [args[4] for kind, args in w.ext.plans] == [H * 2, H * 4, H * 2]
+    assert _joins(w, "DispatchPlan") == [JOIN_NONE] * 3
+
+    channels = h.backend_state.routing[0]  # the handle's: a config sets the chunk and ring sizes of a cached call
+    cfg = Config(8, 4, 64)
+    buf.dispatch(w.x, handle=h, config=cfg)  # another config: a new plan with its geometry
+    assert w.ext.plans[-1][1][8:11] == (channels, 4, 64)
+    buf.dispatch(w.x, handle=h, config=Config(8, 4, 64))  # an equal config: the same plan
+    assert len(w.ext.plans) == 4 and _joins(w, "DispatchPlan")[-1] == JOIN_BOTH
+
+    buf.dispatch(w.x, handle=h)  # config None again: a new plan
+    sms, n = Buffer.num_sms, len(w.ext.plans)
+    try:
+        Buffer.set_num_sms(sms + 2)  # the default config changes with it: checked again
+        buf.dispatch(w.x, handle=h)
+        assert len(w.ext.plans) == n + 1 and _joins(w, "DispatchPlan")[-2:] == [JOIN_NONE, JOIN_NONE]
+    finally:
+        Buffer.set_num_sms(sms)
+
+    # A handle whose routing fields were replaced shares the state but not the plan.
+    other = h._replace(is_token_in_rank=h.is_token_in_rank.clone())
+    n = len(w.ext.plans)
+    buf.dispatch(w.x, handle=other)
+    assert len(w.ext.plans) == n + 1 and w.ext.plans[-1][1][1] == other.is_token_in_rank.data_ptr()
+    buf.dispatch(w.x, handle=h)
+    assert len(w.ext.plans) == n + 2 and w.ext.plans[-1][1][1] == h.is_token_in_rank.data_ptr()
+
+
+def test_handle_of_another_buffer_is_refused(world):
+    w = world
+    w.buf.dispatch(w.x, handle=w.handle)
+    other = Buffer(num_nvl_bytes=1 << 30, backend="reference", explicitly_destroy=True)
+    with pytest.raises(RuntimeError, match="another Buffer"):
+        other.dispatch(w.x, handle=w.handle)
+    with pytest.raises(RuntimeError, match="another Buffer"):
+        other.combine(w.y, w.handle)
+
+
+def test_timeout_and_destroy_stop_the_fast_path(world):
+    w = world
+    for _ in range(2):
+        w.buf.dispatch(w.x, handle=w.handle)
+        w.buf.combine(w.y, w.handle)
+    w.backend._ipc.timeout = (1, "combine (receiver waiting for rows)", 0, 0)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="rank 0 timed out .* in combine"):
+            w.buf.dispatch(w.x, handle=w.handle)
+        with pytest.raises(RuntimeError, match="rank 0 timed out"):
+            w.buf.combine(w.y, w.handle)
+    w.backend._ipc.timeout = None
+    w.backend._broken = None
+    w.buf.dispatch(w.x, handle=w.handle)
+    w.backend._ipc.destroy()  # the backend's buffer gone under the plan
+    with pytest.raises(RuntimeError, match="intranode backend was destroyed"):
+        w.buf.dispatch(w.x, handle=w.handle)
+    w.buf.destroy()
+    with pytest.raises(RuntimeError, match="Buffer was destroyed"):
+        w.buf.dispatch(w.x, handle=w.handle)
+    with pytest.raises(RuntimeError, match="Buffer was destroyed"):
+        w.buf.combine(w.y, w.handle)
+
+
+def test_fast_path_off_checks_every_call(world, monkeypatch):
+    w = world
+    monkeypatch.setenv(FAST_CACHED_ENV, "0")
+    buf = Buffer(num_nvl_bytes=1 << 30, backend="reference", explicitly_destroy=True)
+    assert not buf.fast_cached_calls
+    buf._kernels, buf._token = w.backend, w.buf._token  # serve w's handle
+    for _ in range(3):
+        buf.dispatch(w.x, handle=w.handle)
+        buf.combine(w.y, w.handle)
+    assert _joins(w, "DispatchPlan") == [JOIN_NONE] * 3 and _joins(w, "CombinePlan") == [JOIN_NONE] * 3
+    assert len(w.ext.plans) == 2, "the full path still reuses a plan that matches"
