@@ -81,7 +81,8 @@ def test_dedup_staging_and_flags_fit():
 
 
 def test_variant_env():
-    assert variant_from_env({}) == 0
+    assert variant_from_env({}) == VARIANT_DISPATCH_DEDUP  # the default
+    assert variant_from_env({VARIANT_ENV: "0"}) == 0
     assert variant_from_env({VARIANT_ENV: "1"}) == VARIANT_COMBINE_ROWS
     assert variant_from_env({DISPATCH_ENV: "dedup"}) == VARIANT_DISPATCH_DEDUP
     assert variant_from_env({DISPATCH_ENV: "dedup", COMBINE_ENV: "tokens"}) == 6
