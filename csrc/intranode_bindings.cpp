@@ -129,8 +129,11 @@ void dispatch(const IpcBuffer& b, uint64_t timeout_ns, uintptr_t x, uintptr_t sc
               int num_tokens, int hidden_bytes, int num_scales, int num_topk, int experts_per_rank, int num_rows,
               int pad_rows, int num_channels, int chunk, int num_slots, int slot_bytes, uintptr_t stream, int em_mode,
               uintptr_t pair_rank, uintptr_t em_layout, uintptr_t em_x, uintptr_t em_scales, uintptr_t em_weights,
-              uintptr_t em_pair_row, uintptr_t em_pair_slot, uintptr_t em_inverse, int em_topk, int em_rows) {
+              uintptr_t em_pair_row, uintptr_t em_pair_slot, uintptr_t em_inverse, int em_topk, int em_rows,
+              int protocol) {
   DispatchArgs a{};
+  MOE_CHECK(protocol == kChunked || protocol == kStream, "unknown ring protocol");
+  a.protocol = protocol;
   MOE_CHECK(em_mode >= 0 && em_mode <= 2, "bad em_mode");
   MOE_CHECK(em_mode == 0 || (em_layout != 0 && em_inverse != 0 && em_topk > 0 && em_topk <= kMaxTopk),
             "expert-major dispatch needs the layout table and the inverse table");
@@ -180,8 +183,10 @@ void combine(const IpcBuffer& b, uint64_t timeout_ns, uintptr_t x, uintptr_t top
              uintptr_t out_topk_weights, int dtype, int num_tokens, int hidden, int num_topk, int num_x_rows,
              int num_channels,
              int chunk, int num_slots, int slot_bytes, uintptr_t stream, uintptr_t em_inverse, uintptr_t em_weights,
-             uintptr_t em_topk_weights, int em_topk) {
+             uintptr_t em_topk_weights, int em_topk, int protocol) {
   CombineArgs a{};
+  MOE_CHECK(protocol == kChunked || protocol == kStream, "unknown ring protocol");
+  a.protocol = protocol;
   MOE_CHECK(em_inverse == 0 || (em_topk > 0 && em_topk <= kMaxTopk), "expert-major combine: bad top-k");
   MOE_CHECK(em_inverse == 0 || num_topk == (em_topk_weights != 0 ? em_topk : 0),
             "expert-major combine: num_topk must be em_topk with topk_weights, else 0");
@@ -262,6 +267,8 @@ void register_intranode(py::module_& m) {
   sub.attr("RINGS_OFFSET") = kRingsOffset;
   sub.attr("FLAG_LAYOUT_MISMATCH") = kFlagLayoutMismatch;
   sub.attr("PAIR_RANK_TOKENS") = kPairRankTokens;
+  sub.attr("PROTOCOL_CHUNKED") = static_cast<int>(kChunked);
+  sub.attr("PROTOCOL_STREAM") = static_cast<int>(kStream);
   sub.def("em_layout_words", [](int r, int l) { return ExpertMajorLayout::words(r, l); });
   sub.def("pair_rank", &pair_rank, py::arg("topk_idx"), py::arg("num_tokens"), py::arg("num_topk"),
           py::arg("num_experts"), py::arg("out"), py::arg("workspace"), py::arg("stream"));
@@ -299,13 +306,14 @@ void register_intranode(py::module_& m) {
           py::arg("num_channels"), py::arg("chunk"), py::arg("num_slots"), py::arg("slot_bytes"), py::arg("stream"),
           py::arg("em_mode") = 0, py::arg("pair_rank") = 0, py::arg("em_layout") = 0, py::arg("em_x") = 0,
           py::arg("em_scales") = 0, py::arg("em_weights") = 0, py::arg("em_pair_row") = 0,
-          py::arg("em_pair_slot") = 0, py::arg("em_inverse") = 0, py::arg("em_topk") = 0, py::arg("em_rows") = 0);
+          py::arg("em_pair_slot") = 0, py::arg("em_inverse") = 0, py::arg("em_topk") = 0, py::arg("em_rows") = 0,
+          py::arg("protocol") = 0);
   sub.def("combine", &combine, py::arg("buffer"), py::arg("timeout_ns"), py::arg("x"), py::arg("topk_weights"),
           py::arg("bias0"), py::arg("bias1"), py::arg("is_token_in_rank"), py::arg("recv_channel_offset"),
           py::arg("out"), py::arg("out_topk_weights"), py::arg("dtype"), py::arg("num_tokens"), py::arg("hidden"),
           py::arg("num_topk"), py::arg("num_x_rows"), py::arg("num_channels"), py::arg("chunk"), py::arg("num_slots"),
           py::arg("slot_bytes"), py::arg("stream"), py::arg("em_inverse") = 0, py::arg("em_weights") = 0,
-          py::arg("em_topk_weights") = 0, py::arg("em_topk") = 0);
+          py::arg("em_topk_weights") = 0, py::arg("em_topk") = 0, py::arg("protocol") = 0);
   sub.def("em_unpermute", &em_unpermute, py::arg("x"), py::arg("em_inverse"), py::arg("em_weights"),
           py::arg("em_topk_weights"), py::arg("recv_channel_offset"), py::arg("out"), py::arg("out_topk_weights"),
           py::arg("dtype"), py::arg("hidden"), py::arg("num_x_rows"), py::arg("em_topk"), py::arg("num_ranks"),

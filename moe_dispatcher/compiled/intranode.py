@@ -36,6 +36,14 @@ DEFAULT_TIMEOUT_S = 10.0
 # kernel's senders gather and sum the expert rows themselves (send_em_row). Both are bit-identical.
 EM_COMBINE_ENV = "MOE_DISPATCHER_EM_COMBINE"
 EM_COMBINE_MODES = ("split", "fused")
+# How the dispatch and combine kernels move rows through the rings (docs/intranode.md), read when the backend
+# is created; the attribute nvl_variant changes it later (bench, tests). Both give the same bytes and use the
+# same rings, so calls of either may follow each other on one Buffer. "chunked" (default): warp groups in
+# lock-step chunks, each ending with a system-scope release by the group leader; "stream": every warp moves
+# its own rows and one publisher warp per block updates the ring counters (Config's send chunk is then the
+# least rows per tail update).
+NVL_VARIANT_ENV = "MOE_DISPATCHER_NVL_VARIANT"
+NVL_VARIANTS = ("chunked", "stream")  # index = the kernels' RingProtocol
 _COMBINE_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
@@ -90,6 +98,7 @@ class IntranodeBackend:
         self.em_combine_mode = os.environ.get(EM_COMBINE_ENV, "split").strip().lower() or "split"
         if self.em_combine_mode not in EM_COMBINE_MODES:
             raise ValueError(f"{EM_COMBINE_ENV} must be one of {EM_COMBINE_MODES}, got {self.em_combine_mode!r}")
+        self.nvl_variant = os.environ.get(NVL_VARIANT_ENV, "").strip().lower() or NVL_VARIANTS[0]
         minimum = self._mod.RINGS_OFFSET + self.num_ranks * 128
         if self.num_nvl_bytes < minimum:
             raise ValueError(f"num_nvl_bytes={self.num_nvl_bytes} is too small for the intranode kernels (at least "
@@ -104,6 +113,17 @@ class IntranodeBackend:
         self._broken: Optional[str] = None
         self._rdma_emulation: Optional[torch.Tensor] = None
         self._scratch: Optional[torch.Tensor] = None  # see _present
+
+    @property
+    def nvl_variant(self) -> str:
+        """The ring protocol of later dispatch / combine calls (NVL_VARIANT_ENV)."""
+        return NVL_VARIANTS[self._protocol]
+
+    @nvl_variant.setter
+    def nvl_variant(self, value: str) -> None:
+        if value not in NVL_VARIANTS:
+            raise ValueError(f"{NVL_VARIANT_ENV} / nvl_variant must be one of {NVL_VARIANTS}, got {value!r}")
+        self._protocol = NVL_VARIANTS.index(value)
 
     # ------------------------------------------------------------------ what this backend serves
     def serves_normal(self, topology) -> bool:
@@ -259,7 +279,8 @@ class IntranodeBackend:
                            self._ptr(topk_weights), is_token_in_rank.data_ptr(), offsets.data_ptr(),
                            recv_x.data_ptr(), self._ptr(recv_scales), self._ptr(recv_idx), self._ptr(recv_w),
                            recv_src.data_ptr(), t, hidden_bytes, num_scales, num_topk, local, rows,
-                           1 if num_worst_tokens else 0, channels, chunk, slots, slot_bytes, self._stream())
+                           1 if num_worst_tokens else 0, channels, chunk, slots, slot_bytes, self._stream(),
+                           protocol=self._protocol)
         if topk_weights is None:
             recv_w = None
         handle = DispatchHandle(prefix, is_token_in_rank, recv_src, num_recv, t, num_worst_tokens, self.name,
@@ -285,7 +306,8 @@ class IntranodeBackend:
         self._mod.dispatch(self._ipc, self._timeout_ns, x.data_ptr(), self._ptr(x_scales), 0, 0,
                            handle.is_token_in_rank.data_ptr(), offsets.data_ptr(), recv_x.data_ptr(),
                            self._ptr(recv_scales), 0, 0, 0, x.shape[0], hidden_bytes, num_scales, 0, 1, rows,
-                           1 if handle.num_worst_tokens else 0, channels, chunk, slots, slot_bytes, self._stream())
+                           1 if handle.num_worst_tokens else 0, channels, chunk, slots, slot_bytes, self._stream(),
+                           protocol=self._protocol)
         return recv_x, recv_scales
 
     # ------------------------------------------------------------------ combine
@@ -320,7 +342,8 @@ class IntranodeBackend:
                           self._ptr(biases[0] if len(biases) > 0 else None),
                           self._ptr(biases[1] if len(biases) > 1 else None), handle.is_token_in_rank.data_ptr(),
                           offsets.data_ptr(), out.data_ptr(), self._ptr(out_w), _COMBINE_DTYPES[x.dtype], t,
-                          x.shape[1], num_topk, x.shape[0], channels, chunk, slots, slot_bytes, self._stream())
+                          x.shape[1], num_topk, x.shape[0], channels, chunk, slots, slot_bytes, self._stream(),
+                          protocol=self._protocol)
         return out, out_w
 
     # ------------------------------------------------------------------ expert-major (fused permutation)
@@ -388,7 +411,7 @@ class IntranodeBackend:
                            em_mode=1, pair_rank=self._present(pair_rank), em_layout=layout.data_ptr(),
                            em_x=self._ptr(px), em_scales=self._ptr(ps), em_weights=self._present(pw),
                            em_pair_row=self._present(pair_row), em_pair_slot=self._present(pair_slot),
-                           em_inverse=self._present(inverse), em_topk=k, em_rows=m)
+                           em_inverse=self._present(inverse), em_topk=k, em_rows=m, protocol=self._protocol)
         r_local = r * local
         tpe = layout[r_local + 2 * local + 1: r_local + 3 * local + 1]
         need = layout[r_local + local]
@@ -439,7 +462,7 @@ class IntranodeBackend:
                            hidden_bytes, num_scales, 0, local, rows, 1 if dh.num_worst_tokens else 0, channels, chunk,
                            slots, slot_bytes, self._stream(), em_mode=2, em_layout=layout.data_ptr(),
                            em_x=self._ptr(px), em_scales=self._ptr(ps), em_inverse=self._present(inverse),
-                           em_topk=handle.num_topk, em_rows=m)
+                           em_topk=handle.num_topk, em_rows=m, protocol=self._protocol)
         return px, ps
 
     def expert_major_combine(self, x: torch.Tensor, handle: ExpertMajorHandle, weights: Optional[torch.Tensor],
@@ -485,7 +508,8 @@ class IntranodeBackend:
                               self._ptr(biases[0] if len(biases) > 0 else None),
                               self._ptr(biases[1] if len(biases) > 1 else None), dh.is_token_in_rank.data_ptr(),
                               offsets.data_ptr(), out.data_ptr(), self._ptr(out_w), _COMBINE_DTYPES[x.dtype], t,
-                              x.shape[1], num_topk, n, channels, chunk, slots, slot_bytes, self._stream())
+                              x.shape[1], num_topk, n, channels, chunk, slots, slot_bytes, self._stream(),
+                              protocol=self._protocol)
             return out, out_w
         self._mod.combine(self._ipc, self._timeout_ns, x.data_ptr(), 0,
                           self._ptr(biases[0] if len(biases) > 0 else None),
@@ -493,7 +517,7 @@ class IntranodeBackend:
                           offsets.data_ptr(), out.data_ptr(), self._ptr(out_w), _COMBINE_DTYPES[x.dtype], t,
                           x.shape[1], num_topk, n, channels, chunk, slots, slot_bytes,
                           self._stream(), em_inverse=self._present(inverse), em_weights=self._present(weights),
-                          em_topk_weights=self._present(topk_weights), em_topk=k)
+                          em_topk_weights=self._present(topk_weights), em_topk=k, protocol=self._protocol)
         return out, out_w
 
     # ------------------------------------------------------------------ buffer access and lifetime

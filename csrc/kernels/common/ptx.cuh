@@ -34,6 +34,23 @@ __device__ __forceinline__ int ld_volatile(const int* p) {
 
 __device__ __forceinline__ void fence_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
+// ---------------------------------------------------------------- words shared by the warps of one block
+// CTA-scope release/acquire on shared (or any) memory: a warp publishes its progress to a sibling warp of
+// the same block; cheap (no system-wide drain), and cumulative like the system-scope pair above, so a
+// sibling that acquires the value and then releases at system scope also publishes what this warp did
+// before its release.
+__device__ __forceinline__ void st_release_cta(int* p, int v) {
+  asm volatile("st.release.cta.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ int ld_acquire_cta(const int* p) {
+  int v;
+  asm volatile("ld.acquire.cta.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void red_add_release_cta(int* p, int v) {
+  asm volatile("red.release.cta.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
 // ---------------------------------------------------------------- bulk data (16-byte vectors)
 // Read-only input tensors: non-coherent path, no L1 allocation (they are streamed once).
 __device__ __forceinline__ int4 ld_nc_v4(const int4* p) {

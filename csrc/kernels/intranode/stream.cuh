@@ -1,0 +1,130 @@
+// The "stream" protocol of the intranode rings (MOE_DISPATCHER_NVL_VARIANT=stream; torch-free). Same rings,
+// slots and counters as the chunked protocol of channel.cuh, so calls of either protocol may follow each
+// other on one Buffer (a dispatch of one and a combine of the other included).
+//
+// Chunked (channel.cuh): a group of warps takes `chunk` rows, every warp copies its share, a group barrier,
+// then the leader's st.release.sys of the tail; the next chunk starts after that release. Every chunk ends
+// with the group idle: waiting for its slowest warp, for the system-scope fence (a round trip over NVLink),
+// and for the scan of the next chunk's tokens.
+//
+// Stream: the W warps that serve one ring take its rows round robin (warp w: rows w, w + W, ...), each at its
+// own pace. A sender warp waits (lane 0, ld.acquire.sys of the head, cached) only for the slot of its own next
+// row; a receiver warp waits only until the tail passes its own next row. After a row the warp stores the
+// index of its next row in a shared board (__syncwarp, then st.release.cta). One more warp per block, the
+// publisher, owns the system-scope counters: lane p takes the smallest board entry of ring p -- every row
+// below it is done, since a warp raises its entry only after its row -- and stores base + that count to the
+// ring's remote counter with st.release.sys (sender block: the tail in the receiver's buffer; receiver block:
+// the head in the sender's buffer). Ordering: a warp's slot stores (or loads) -> __syncwarp -> its
+// st.release.cta -> the publisher's ld.acquire.cta -> the publisher's st.release.sys; causality order is
+// transitive, so a peer that acquires the counter sees the rows (tail) or may overwrite the slots (head).
+// Only the publisher pays the system-scope fence, and no copy warp waits for it.
+//
+// Progress: a sender warp blocked on ring row i needs head > i - slots. Every row below the smallest
+// unfinished row is done; the publisher publishes whenever at least `batch` <= slots / 2 rows are new (and
+// all of them once the ring's warps have left), the receiver consumes published rows and releases them at
+// once (batch 1), so the head always moves up to the smallest blocked row's slot.
+#pragma once
+
+#include <climits>
+#include <cstdint>
+
+#include "kernels/common/channel.cuh"
+#include "kernels/common/ptx.cuh"
+#include "kernels/intranode/protocol.h"
+
+namespace moe_dispatcher::intranode {
+
+constexpr int kBoardWarps = kWarps;  // copy warps of one ring at most
+
+// Shared by the copy warps and the publisher of one block.
+struct StreamBoard {
+  int next[kMaxRanks][kBoardWarps];  // [ring][warp]: the warp's next row; its rows below it are done
+  int left[kMaxRanks];               // warps of the ring that left their loop (their `next` is final)
+};
+
+// Every thread of the block, before a __syncthreads: warp w of every ring starts at row w.
+__device__ __forceinline__ void board_init(StreamBoard& b) {
+  for (int i = threadIdx.x; i < kMaxRanks * kBoardWarps; i += blockDim.x) {
+    b.next[i / kBoardWarps][i % kBoardWarps] = i % kBoardWarps;
+  }
+  if (threadIdx.x < kMaxRanks) b.left[threadIdx.x] = 0;
+}
+
+// Whole copy warp, after the loads/stores of a row: the warp's next row is `next`.
+__device__ __forceinline__ void board_advance(StreamBoard& b, int ring, int warp, int next, int lane) {
+  __syncwarp();
+  if (lane == 0) ptx::st_release_cta(&b.next[ring][warp], next);
+}
+
+// Whole copy warp, leaving: `next` >= 0 is its final entry (the first of its rows past the ring's last row,
+// so the smallest final entry of the ring is its row count); -1 (a timeout) keeps the entry, so nothing
+// the warp did not finish is ever published.
+__device__ __forceinline__ void board_leave(StreamBoard& b, int ring, int warp, int next, int lane) {
+  __syncwarp();
+  if (lane == 0) {
+    if (next >= 0) ptx::st_release_cta(&b.next[ring][warp], next);
+    ptx::red_add_release_cta(&b.left[ring], 1);
+  }
+}
+
+// Lane 0 of a sender warp: wait until ring row `row` (counter value) has a free slot, i.e. the receiver
+// released row - slots. `seen` caches the last head read (acquired, so older acquires still order this
+// warp's later stores after the receiver's loads once the caller's __syncwarp extends them to every lane).
+__device__ __forceinline__ bool wait_free_slot(const uint64_t* head, uint64_t& seen, uint64_t row, int slots,
+                                               const Watchdog& dog, int phase, int peer) {
+  while (row >= seen + static_cast<uint64_t>(slots)) {
+    seen = ptx::ld_acquire_sys(head);
+    if (row < seen + static_cast<uint64_t>(slots)) break;
+    if (dog.expired(phase, peer)) return false;
+  }
+  return true;
+}
+
+// Lane 0 of a receiver warp: wait until the tail passed ring row `row`; `seen` caches the last tail read.
+__device__ __forceinline__ bool wait_published(const uint64_t* tail, uint64_t& seen, uint64_t row,
+                                               const Watchdog& dog, int phase, int peer) {
+  while (row >= seen) {
+    seen = ptx::ld_acquire_sys(tail);
+    if (row < seen) break;
+    if (dog.expired(phase, peer)) return false;
+  }
+  return true;
+}
+
+// Whole warp: lane 0's wait outcome in every lane, then a warp barrier that orders lane 0's acquire
+// before every lane's accesses to the slot.
+__device__ __forceinline__ bool warp_outcome(bool ok_in_lane0) {
+  const int ok = __shfl_sync(0xffffffffu, ok_in_lane0 ? 1 : 0, 0);
+  __syncwarp();
+  return ok != 0;
+}
+
+// The publisher warp. Lane p < rings owns ring p: `word` is its remote counter, `base` the counter's value
+// at kernel start, `mirror` (or null) a local word that gets every published value. Ring p is published
+// when at least `batch` rows are new, or when all its `warps` copy warps have left. Returns, in lane p, the
+// rows published: at the end the ring's row count (or, after a timeout, the rows finished before it).
+__device__ __forceinline__ int publish_rings(const StreamBoard& b, int rings, int warps, int batch, uint64_t* word,
+                                             uint64_t base, uint64_t* mirror, int lane) {
+  int count = 0;
+  while (true) {
+    bool finished = true, moved = false;
+    if (lane < rings) {
+      // `left` first: when every warp has left, the entries read after it are final.
+      const bool all_left = ptx::ld_acquire_cta(&b.left[lane]) == warps;
+      int k = INT_MAX;
+      for (int w = 0; w < warps; ++w) k = min(k, ptx::ld_acquire_cta(&b.next[lane][w]));
+      if (k > count && (all_left || k - count >= batch)) {
+        ptx::st_release_sys(word, base + static_cast<uint64_t>(k));
+        if (mirror != nullptr) *reinterpret_cast<volatile uint64_t*>(mirror) = base + static_cast<uint64_t>(k);
+        count = k;
+        moved = true;
+      }
+      finished = all_left;
+    }
+    if (__all_sync(0xffffffffu, finished)) break;
+    if (!__any_sync(0xffffffffu, moved)) __nanosleep(64);
+  }
+  return count;
+}
+
+}  // namespace moe_dispatcher::intranode
