@@ -159,10 +159,10 @@ CASES: List[Dict] = [
 ]
 
 
-# Case i runs with intranode ring protocol NVL_VARIANTS[i % 2] and combine variant EM_MODES[(i // 2) % 2] (unless
-# MOE_DISPATCHER_EM_COMBINE chooses it), so both protocols and both combine variants meet every kind of case
-# without running each case four times; the protocol switches between calls on the same Buffer.
-NVL_VARIANTS = ("chunked", "stream")
+# Case i runs with intranode ring protocol NVL_VARIANTS[i % 3] and combine variant EM_MODES[(i // 3) % 2] (unless
+# MOE_DISPATCHER_EM_COMBINE chooses it), so every protocol meets both combine variants without running each case
+# six times; the protocol switches between calls on the same Buffer.
+NVL_VARIANTS = ("chunked", "stream", "tma")
 EM_MODES = ("split", "fused")
 
 
@@ -174,9 +174,9 @@ def _world_fused_matches(rank: int, world_size: int) -> None:
     backend = kb._kernels
     em_mode_fixed = bool(os.environ.get("MOE_DISPATCHER_EM_COMBINE"))
     for i, c in enumerate(CASES):
-        backend.nvl_variant = NVL_VARIANTS[i % 2]
+        backend.nvl_variant = NVL_VARIANTS[i % 3]
         if not em_mode_fixed:
-            backend.em_combine_mode = EM_MODES[(i // 2) % 2]
+            backend.em_combine_mode = EM_MODES[(i // 3) % 2]
         with case(f"{c['name']} ({backend.nvl_variant}, {backend.em_combine_mode} combine)"):
             _check_case(kb, rb, c, i)
     torch.cuda.synchronize()
@@ -194,10 +194,10 @@ def _world_fused_matches(rank: int, world_size: int) -> None:
         y, _, _ = kb.expert_major_combine(px, h)
         assert_close(y.float(), 2 * xo.float(), "round trip after the overflow", rtol=1e-2, atol=1e-2)
 
-    # ---- CUDA graph: expert-major dispatch (num_worst_tokens) + combine + cached dispatch, replayed (stream
+    # ---- CUDA graph: expert-major dispatch (num_worst_tokens) + combine + cached dispatch, replayed (tma
     # protocol; the overflow case above ran with the last case's).
-    backend.nvl_variant = "stream"
-    with case("cuda graph capture + replay (expert-major, num_worst_tokens, stream)"):
+    backend.nvl_variant = "tma"
+    with case("cuda graph capture + replay (expert-major, num_worst_tokens, tma)"):
         dev = torch.device("cuda", torch.cuda.current_device())
         t, h, local, k = 384, 2048, 8, 6
         e, worst = local * world_size, 384 * world_size * 6

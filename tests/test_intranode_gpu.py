@@ -19,10 +19,10 @@ from dist import GPU_WORLD_SIZES, assert_close, assert_equal, case, make_buffer,
 pytestmark = pytest.mark.gpu
 WORLD_SIZES = GPU_WORLD_SIZES
 MAX_HIDDEN_BYTES = 7168 * 2
-NVL_VARIANTS = ("chunked", "stream")
+NVL_VARIANTS = ("chunked", "stream", "tma")
 # Protocol of (fresh dispatch, cached dispatch, combine) in one case: each protocol alone, and a mix.
-PLANS = [("chunked",) * 3, ("stream",) * 3]
-MIXED_PLAN = ("stream", "chunked", "stream")
+PLANS = [(v,) * 3 for v in NVL_VARIANTS]
+MIXED_PLAN = ("stream", "tma", "chunked")
 
 
 def _routing(g: torch.Generator, t: int, num_experts: int, k: int, num_ranks: int, kind: str) -> torch.Tensor:
@@ -311,26 +311,28 @@ def _world_timeout(rank: int, world_size: int) -> None:
         dist.barrier()
         kb.destroy()
 
-    with case("rank 1 skips a combine"):
-        kb = make_buffer(hidden_bytes=h * 2, backend="kernels", explicitly_destroy=True)
-        _, out = _dispatch(kb, x, idx, None, e)
-        if rank != 1:
-            kb.combine(out[0], out[4])
-            torch.cuda.synchronize()  # the kernel gives up after the timeout and exits
-            with pytest.raises(RuntimeError) as err:
-                kb.get_dispatch_layout(idx, e)
-            msg = str(err.value)
-            assert f"rank {rank} timed out" in msg and "combine" in msg, msg
-        torch.cuda.synchronize()
-        dist.barrier()
-        kb.destroy()
+    # With each ring protocol; a ring of 36 slots, so the senders to rank 1 wait for slots as well.
+    from moe_dispatcher import Config
+    for variant in NVL_VARIANTS:
+        with case(f"rank 1 skips a combine ({variant})"):
+            kb = make_buffer(hidden_bytes=h * 2, backend="kernels", explicitly_destroy=True)
+            kb._kernels.nvl_variant = variant
+            _, out = _dispatch(kb, x, idx, None, e)
+            if rank != 1:
+                kb.combine(out[0], out[4], config=Config(20, 4, 36))
+                torch.cuda.synchronize()  # the kernel gives up after the timeout and exits
+                with pytest.raises(RuntimeError) as err:
+                    kb.get_dispatch_layout(idx, e)
+                msg = str(err.value)
+                assert f"rank {rank} timed out" in msg and "combine" in msg, msg
+            torch.cuda.synchronize()
+            dist.barrier()
+            kb.destroy()
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-@pytest.mark.parametrize("variant", NVL_VARIANTS)
-def test_timeout_names_rank_and_phase(world_size: int, variant: str) -> None:
-    run_distributed(_world_timeout, world_size, backend="nccl",
-                    env={"MOE_DISPATCHER_TIMEOUT_S": "2", "MOE_DISPATCHER_NVL_VARIANT": variant})
+def test_timeout_names_rank_and_phase(world_size: int) -> None:
+    run_distributed(_world_timeout, world_size, backend="nccl", env={"MOE_DISPATCHER_TIMEOUT_S": "2"})
 
 
 def _world_no_leak(rank: int, world_size: int) -> int:

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# Intranode ring protocols, old (chunked) vs new (stream), on the 4-GPU machine, after the build of
+# Intranode ring protocols, old (chunked) vs new (stream, tma), on the 4-GPU machine, after the build of
 # tools/gpu_suite.sh (STEPS=build bash tools/gpu_suite.sh 4; export PYTHONPATH=/tmp/site). About 3 minutes,
 # highest priority first, each step under its own time limit, stopping before DEADLINE_S:
-#   1. tests/test_intranode_gpu.py (2 and 4 ranks; every case under both protocols, mixed within a case, the
-#      protocol switching inside the 1000-call loop, CUDA graphs of both, timeouts of both), not the speed report;
-#   2. bench normal mode, 4 ranks: every config timed with both protocols (--nvl-variants chunked,stream) beside
+#   1. tests/test_intranode_gpu.py (2 and 4 ranks; every case under each protocol, mixed within a case, the
+#      protocol switching inside the 1000-call loop, CUDA graphs and timeouts of each), not the speed report;
+#   2. bench normal mode, 4 ranks: every config timed with each protocol (--nvl-variants chunked,stream,tma) beside
 #      NCCL: num_sms 8/16/20/24 with the tuned chunks, send:recv chunks at 24 SMs, a few at 8 and 16 SMs;
 #   3. the same on 2 ranks (fewer rows);
 #   4. tests/test_expert_major_gpu.py (cases alternate protocol and split/fused combine).
 # Logs in $OUT/logs, bench JSON/markdown in $OUT, summary in $OUT/summary_nvl3.txt (printed at the end):
 # per op and SM count the best logical GB/s of each protocol (its chunks), NCCL's and the target.
+# Protocols: MOE_DISPATCHER_NVL_VARIANT (docs/intranode.md); the default stays chunked until these figures.
 #   bash tools/gpu_nvl3.sh            STEPS="bench4 bench2" bash tools/gpu_nvl3.sh
 set -u
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_REMOTE_TRANSPORT=none
@@ -38,7 +39,7 @@ has() { [[ " $STEPS " == *" $1 "* ]]; }
 bench() {  # bench NAME RANKS ARGS...: normal mode, both protocols, JSON to $OUT/NAME.json
   local name=$1 ranks=$2; shift 2
   run "$name" 120 python3 -m moe_dispatcher.bench --mode normal --backend kernels --num-ranks "$ranks" \
-    --nvl-variants chunked,stream --json "$OUT/$name.json" --out-dir "$OUT" "$@"
+    --nvl-variants chunked,stream,tma --json "$OUT/$name.json" --out-dir "$OUT" "$@"
 }
 
 has tests && run tests_intranode 150 python3 -m pytest -q -s -m gpu -p no:cacheprovider -rfE --tb=short \

@@ -37,13 +37,15 @@ DEFAULT_TIMEOUT_S = 10.0
 EM_COMBINE_ENV = "MOE_DISPATCHER_EM_COMBINE"
 EM_COMBINE_MODES = ("split", "fused")
 # How the dispatch and combine kernels move rows through the rings (docs/intranode.md), read when the backend
-# is created; the attribute nvl_variant changes it later (bench, tests). Both give the same bytes and use the
-# same rings, so calls of either may follow each other on one Buffer. "chunked" (default): warp groups in
+# is created; the attribute nvl_variant changes it later (bench, tests). All give the same bytes and use the
+# same rings, so calls of any may follow each other on one Buffer. "chunked" (default): warp groups in
 # lock-step chunks, each ending with a system-scope release by the group leader; "stream": every warp moves
 # its own rows and one publisher warp per block updates the ring counters (Config's send chunk is then the
-# least rows per tail update).
+# least rows per tail update); "tma": stream, with senders that move rows by bulk copies (TMA) through shared
+# memory, one warp per ring (the expert-major combine sends as stream; so does a slot too large for 2 buffers
+# per ring).
 NVL_VARIANT_ENV = "MOE_DISPATCHER_NVL_VARIANT"
-NVL_VARIANTS = ("chunked", "stream")  # index = the kernels' RingProtocol
+NVL_VARIANTS = ("chunked", "stream", "tma")  # index = the kernels' RingProtocol
 _COMBINE_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 

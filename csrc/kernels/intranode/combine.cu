@@ -405,6 +405,41 @@ __device__ void stream_send(const CombineArgs& a, int c, int s, int gw, int warp
   board_leave(board, s, gw, k, lane);
 }
 
+// Bulk-copy sender (tma protocol, rank-major rows): the only warp of ring (c, me -> s), rows in order
+// through `bufs`; the slot is the row (bulk-loaded) and its top-k weights (written by the lanes).
+template <typename T>
+__device__ void tma_send(const CombineArgs& a, int c, int s, int lane, uint64_t tail0, StreamBoard& board,
+                         uint8_t* bufs, uint64_t* bars, const Watchdog& dog) {
+  const int me = a.c.rank;
+  auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
+  const int row_bytes = a.hidden * static_cast<int>(sizeof(T));
+  int ok = 1;
+  if (lane == 0) {
+    ok = drain_previous<kMaxChannels>(&ctl->fifo_head[0][0], &ctl->tail_copy[0][0], kMaxRanks, s, dog, kPhaseDrain);
+    ptx::fence_proxy_async_global();  // the drained heads' acquires before this call's bulk stores
+  }
+  if (!warp_outcome(ok)) {
+    board_leave(board, s, 0, -1, lane);
+    return;
+  }
+  const int* offsets = a.recv_channel_offset + s * (a.num_channels + 1);
+  const int row0 = offsets[c], count = offsets[c + 1] - row0;
+  auto source = [&](int q, const uint8_t*& payload, int& r) {
+    r = row0 + q;
+    // Rows past num_x_rows (a num_worst_tokens overflow, reported by notify) leave their slot as it is.
+    payload = r < a.num_x_rows ? a.x + static_cast<int64_t>(r) * row_bytes : nullptr;
+    return q < count;
+  };
+  auto meta = [&](int r, uint8_t* buf, int ln) {
+    if (a.topk_weights != nullptr && ln < a.num_topk && r < a.num_x_rows) {
+      reinterpret_cast<float*>(buf + row_bytes)[ln] = a.topk_weights[static_cast<int64_t>(r) * a.num_topk + ln];
+    }
+  };
+  tma_send_ring(source, meta, bufs, bars, a.tma_buffers, a.tma_buffer_bytes, row_bytes,
+                ring_slots(a.c.peers[s], a.c.src_block_bytes, me, c, a.num_slots, a.slot_bytes), a.num_slots,
+                a.slot_bytes, &ctl->fifo_head[c][s], tail0, board, s, dog, kPhaseCombineSend, s, lane);
+}
+
 // A warp's walk over its channel's tokens for every ring at once, 32 tokens at a time: lane d (< R) holds
 // ring d's hits in the window [base, base + 32) (`mask`) and in the windows before it (`before`); lane i
 // holds the flags of token base + 32 + i (`next_bits`, bit d for ring d), loaded one window ahead.
@@ -545,16 +580,21 @@ __device__ void stream_receive(const CombineArgs& a, int c, int warp, int lane, 
 }
 
 // One instantiation per dtype, rank count (rounded up to 2, 4, 8) and expert-major or not (em_inverse set),
-// so that each compiles only its own paths within the 96 registers (together they would spill).
-template <typename T, int kRanks, bool kEm>
+// so that each compiles only its own paths within the 96 registers (together they would spill). kTma
+// (rank-major only): a sender block moves ring s's rows with bulk copies by warp s alone (tma_send; dynamic
+// shared memory: R x tma_buffers buffers of tma_buffer_bytes).
+template <typename T, int kRanks, bool kEm, bool kTma>
 __global__ void __launch_bounds__(kStreamCombineThreads, 1) combine_stream_kernel(CombineArgs a) {
+  static_assert(!(kEm && kTma), "expert-major partial sums are computed by the copy warps");
   __shared__ StreamBoard board;
   __shared__ int shared_ok[kMaxRanks];
+  __shared__ uint64_t tma_bars[kTma ? kMaxRanks : 1][kMaxTmaBuffers];
+  extern __shared__ __align__(128) uint8_t tma_bufs[];
   const int num_ranks = a.c.num_ranks, me = a.c.rank;
   const int c = blockIdx.x >> 1;
   const bool sender = (blockIdx.x & 1) == 0;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int warps = kStreamCombineWarps / num_ranks;  // sender warps per ring
+  const int warps = kTma ? 1 : kStreamCombineWarps / num_ranks;  // sender warps per ring
   const bool extra = warp == kStreamCombineWarps;     // publisher (sender block) or release warp (receiver)
   auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
   // Ring counters at kernel start, read before the barrier (the publisher rewrites tail_copy). Sender: of
@@ -577,8 +617,14 @@ __global__ void __launch_bounds__(kStreamCombineThreads, 1) combine_stream_kerne
     publish_rings(board, num_ranks, warps, max(1, min(a.chunk, a.num_slots / 2)), word, base, mirror, lane);
     return;
   }
-  if (ring >= num_ranks) return;  // idle warps when 19 % R != 0
-  stream_send<T, kEm>(a, c, ring, warp % warps, warps, lane, base, board, &shared_ok[ring], dog);
+  if (ring >= num_ranks) return;  // idle warps when 19 % R != 0 (tma: all but R)
+  if (kTma) {
+    tma_send<T>(a, c, ring, lane, base, board,
+                tma_bufs + static_cast<size_t>(ring) * a.tma_buffers * a.tma_buffer_bytes, tma_bars[kTma ? ring : 0],
+                dog);
+  } else {
+    stream_send<T, kEm>(a, c, ring, warp % warps, warps, lane, base, board, &shared_ok[ring], dog);
+  }
 }
 
 // Split expert-major combine, local pre-pass (MOE_DISPATCHER_EM_COMBINE=split): the same partial sums as the
@@ -605,11 +651,22 @@ __global__ void __launch_bounds__(kUnpermuteThreads, 2) em_unpermute_kernel(Comb
 
 template <typename T, int kRanks>
 void launch_stream(const CombineArgs& args, dim3 grid, cudaStream_t stream) {
-  if (args.em_inverse != nullptr) {
-    combine_stream_kernel<T, kRanks, true><<<grid, kStreamCombineThreads, 0, stream>>>(args);
-  } else {
-    combine_stream_kernel<T, kRanks, false><<<grid, kStreamCombineThreads, 0, stream>>>(args);
+  if (args.em_inverse != nullptr) {  // tma too: the copy warps compute the partial sums
+    combine_stream_kernel<T, kRanks, true, false><<<grid, kStreamCombineThreads, 0, stream>>>(args);
+    return;
   }
+  if (args.protocol == kStreamTma) {
+    CombineArgs a = args;
+    a.tma_buffers = tma_buffers(a.c.num_ranks, a.slot_bytes);
+    if (a.tma_buffers > 0) {  // else too few buffers fit: the stream protocol
+      a.tma_buffer_bytes = (a.slot_bytes + 127) / 128 * 128;
+      allow_dynamic_smem<combine_stream_kernel<T, kRanks, false, true>>(kTmaSmemBytes);
+      const size_t smem = static_cast<size_t>(a.c.num_ranks) * a.tma_buffers * a.tma_buffer_bytes;
+      combine_stream_kernel<T, kRanks, false, true><<<grid, kStreamCombineThreads, smem, stream>>>(a);
+      return;
+    }
+  }
+  combine_stream_kernel<T, kRanks, false, false><<<grid, kStreamCombineThreads, 0, stream>>>(args);
 }
 
 template <typename T>
@@ -638,7 +695,7 @@ void launch_em_unpermute(const CombineArgs& args, int num_blocks, cudaStream_t s
 
 void launch_combine(const CombineArgs& args, cudaStream_t stream) {
   const dim3 grid(2 * args.num_channels);
-  if (args.protocol == kStream) {
+  if (args.protocol != kChunked) {
     switch (args.dtype) {
       case kBf16: launch_stream<__nv_bfloat16>(args, grid, stream); break;
       case kFp16: launch_stream<__half>(args, grid, stream); break;

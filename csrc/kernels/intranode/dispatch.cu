@@ -107,14 +107,11 @@ __device__ void zero_em_padding(const DispatchArgs& a, int global_warp, int num_
   }
 }
 
-// Whole warp: token t's row into a ring slot bound for the rank whose experts are [lo, hi): payload, scales,
-// top-k rebased to that rank's local experts (weights zeroed elsewhere), source index, and (expert-major
-// fresh dispatch) the pair ranks.
-__device__ __forceinline__ void send_row(const DispatchArgs& a, const DispatchSlot& layout, uint8_t* slot, int t,
-                                         int lo, int hi, int lane) {
-  warp_copy<false, kDispatchUnroll>(reinterpret_cast<int4*>(slot),
-                                    reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(t) * a.hidden_bytes),
-                                    a.hidden_bytes / 16, lane);
+// Whole warp: the slot fields after the payload of token t's row bound for the rank whose experts are
+// [lo, hi): scales, top-k rebased to that rank's local experts (weights zeroed elsewhere), source index, and
+// (expert-major fresh dispatch) the pair ranks. `slot` is the ring slot or a shared-memory copy of it.
+__device__ __forceinline__ void write_meta(const DispatchArgs& a, const DispatchSlot& layout, uint8_t* slot, int t,
+                                           int lo, int hi, int lane) {
   for (int j = lane; j < a.num_scales; j += 32) {
     layout.scales(slot)[j] = a.scales[static_cast<int64_t>(t) * a.num_scales + j];
   }
@@ -130,6 +127,15 @@ __device__ __forceinline__ void send_row(const DispatchArgs& a, const DispatchSl
     }
   }
   if (lane == 0) *layout.source(slot) = t;
+}
+
+// Whole warp: token t's row (payload and write_meta's fields) into a ring slot.
+__device__ __forceinline__ void send_row(const DispatchArgs& a, const DispatchSlot& layout, uint8_t* slot, int t,
+                                         int lo, int hi, int lane) {
+  warp_copy<false, kDispatchUnroll>(reinterpret_cast<int4*>(slot),
+                                    reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(t) * a.hidden_bytes),
+                                    a.hidden_bytes / 16, lane);
+  write_meta(a, layout, slot, t, lo, hi, lane);
 }
 
 __device__ void send_channel(const DispatchArgs& a, int c, int d, int group_warp, int warps, int lane, bool leader,
@@ -404,6 +410,37 @@ __device__ void stream_send(const DispatchArgs& a, int c, int d, int gw, int war
   board_leave(board, d, gw, k, lane);
 }
 
+// Bulk-copy sender (tma protocol): the only warp of ring (c, me -> d), rows in order through `bufs`.
+__device__ void tma_send(const DispatchArgs& a, int c, int d, int lane, uint64_t tail0, StreamBoard& board,
+                         uint8_t* bufs, uint64_t* bars, const Watchdog& dog) {
+  const int me = a.c.rank;
+  auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
+  const DispatchSlot layout{a.hidden_bytes, a.num_scales, a.num_topk};
+  const int lo = d * a.experts_per_rank, hi = lo + a.experts_per_rank;
+  int ok = 1;
+  if (lane == 0) {
+    ok = drain_previous<kMaxChannels>(&ctl->fifo_head[0][0], &ctl->tail_copy[0][0], kMaxRanks, d, dog, kPhaseDrain);
+    ptx::fence_proxy_async_global();  // the drained heads' acquires before this call's bulk stores
+  }
+  if (!warp_outcome(ok)) {
+    board_leave(board, d, 0, -1, lane);
+    return;
+  }
+  int begin, end;
+  channel_range(a.num_tokens, a.num_channels, c, begin, end);
+  TokenScan scan{a.is_token_in_rank, a.c.num_ranks, d, end};
+  scan.start(begin, lane);
+  auto source = [&](int q, const uint8_t*& payload, int& token) {
+    token = scan.find(q, lane);
+    payload = token >= 0 ? a.x + static_cast<int64_t>(token) * a.hidden_bytes : nullptr;
+    return token >= 0;
+  };
+  auto meta = [&](int token, uint8_t* buf, int ln) { write_meta(a, layout, buf, token, lo, hi, ln); };
+  tma_send_ring(source, meta, bufs, bars, a.tma_buffers, a.tma_buffer_bytes, a.hidden_bytes,
+                ring_slots(a.c.peers[d], a.c.src_block_bytes, me, c, a.num_slots, a.slot_bytes), a.num_slots,
+                a.slot_bytes, &ctl->fifo_head[c][d], tail0, board, d, dog, kPhaseDispatchSend, d, lane);
+}
+
 // Receiver warp `gw` of the `warps` serving source s: rows gw, gw + warps, ... of ring (c, s -> me); the k-th
 // goes to row recv_channel_offset[s][c] + k.
 __device__ void stream_receive(const DispatchArgs& a, int c, int s, int gw, int warps, int lane, uint64_t head0,
@@ -434,14 +471,20 @@ __device__ void stream_receive(const DispatchArgs& a, int c, int s, int gw, int 
 
 // Blocks as dispatch_kernel (2c sends channel c, 2c + 1 receives it); warp 24 is the publisher: tails of
 // the rings to every destination (sender block), heads of the rings from every source (receiver block).
+// kTma: a sender block moves ring d's rows with bulk copies by warp d alone (tma_send; dynamic shared memory:
+// R x tma_buffers buffers of tma_buffer_bytes).
+template <bool kTma>
 __global__ void __launch_bounds__(kStreamThreads, 1) dispatch_stream_kernel(DispatchArgs a) {
   __shared__ StreamBoard board;
   __shared__ int shared_ok[kMaxRanks];
+  __shared__ uint64_t tma_bars[kTma ? kMaxRanks : 1][kMaxTmaBuffers];
+  extern __shared__ __align__(128) uint8_t tma_bufs[];
   const int num_ranks = a.c.num_ranks, me = a.c.rank;
   const int c = blockIdx.x >> 1;
   const bool sender = (blockIdx.x & 1) == 0;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int warps = kStreamCopyWarps / num_ranks;
+  const bool tma = kTma && sender;
+  const int warps = tma ? 1 : kStreamCopyWarps / num_ranks;  // copy warps per ring
   const bool publisher = warp == kStreamCopyWarps;
   auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
   // Each ring's counter at kernel start, read before the barrier: the publisher rewrites tail_copy.
@@ -475,7 +518,10 @@ __global__ void __launch_bounds__(kStreamThreads, 1) dispatch_stream_kernel(Disp
     return;
   }
   const Watchdog dog = make_watchdog(a.c.timeout_ns, me, &ctl->timeout_claim, &a.c.mailbox->timeout);
-  if (sender) {
+  if (tma) {
+    tma_send(a, c, ring, lane, base, board,
+             tma_bufs + static_cast<size_t>(ring) * a.tma_buffers * a.tma_buffer_bytes, tma_bars[kTma ? ring : 0], dog);
+  } else if (sender) {
     stream_send(a, c, ring, gw, warps, lane, base, board, &shared_ok[ring], dog);
   } else {
     stream_receive(a, c, ring, gw, warps, lane, base, board, dog);
@@ -486,8 +532,20 @@ __global__ void __launch_bounds__(kStreamThreads, 1) dispatch_stream_kernel(Disp
 }  // namespace
 
 void launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
-  if (args.protocol == kStream) {
-    dispatch_stream_kernel<<<2 * args.num_channels, kStreamThreads, 0, stream>>>(args);
+  if (args.protocol == kStreamTma) {
+    DispatchArgs a = args;
+    a.tma_buffers = tma_buffers(a.c.num_ranks, a.slot_bytes);
+    if (a.tma_buffers > 0) {  // else too few buffers fit: the stream protocol
+      a.tma_buffer_bytes = (a.slot_bytes + 127) / 128 * 128;
+      allow_dynamic_smem<dispatch_stream_kernel<true>>(kTmaSmemBytes);
+      const size_t smem = static_cast<size_t>(a.c.num_ranks) * a.tma_buffers * a.tma_buffer_bytes;
+      dispatch_stream_kernel<true><<<2 * a.num_channels, kStreamThreads, smem, stream>>>(a);
+      check_launch("dispatch_stream_kernel (tma)");
+      return;
+    }
+  }
+  if (args.protocol != kChunked) {
+    dispatch_stream_kernel<false><<<2 * args.num_channels, kStreamThreads, 0, stream>>>(args);
     check_launch("dispatch_stream_kernel");
     return;
   }

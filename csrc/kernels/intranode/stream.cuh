@@ -127,4 +127,123 @@ __device__ __forceinline__ int publish_rings(const StreamBoard& b, int rings, in
   return count;
 }
 
+// ------------------------------------------------------------------ bulk-copy (TMA) senders
+// MOE_DISPATCHER_NVL_VARIANT=tma: the stream protocol (same board, publisher and receivers), but a sender block
+// moves each ring's rows with bulk copies through shared memory instead of warp loads and stores: one warp
+// per ring, B = num_bufs slot-sized buffers. Row q: lane 0 bulk-loads the payload (local HBM -> shared,
+// mbarrier q % B) and the lanes write the slot's metadata beside it; B - 1 rows later, once the ring slot is
+// free, lane 0 bulk-stores the whole slot (shared -> the receiver's ring over NVLink, one bulk async-group per
+// row). A row is done, and goes on the board, once its group is complete (cp.async.bulk.wait_group: its
+// writes are performed and, through the implicit proxy fence of the completion, visible to lane 0, whose
+// release then covers them). Per ring up to B - 1 loads and kTmaStoresInFlight + 1 stores are in flight,
+// with no registers held. A buffer is reloaded once the store that read it has read it (wait_group.read).
+// Proxies: the lanes' metadata stores (generic) reach the bulk store (async) through fence.proxy.async on
+// shared memory; the receiver's reads of a slot, acquired through the head (generic), come before the bulk
+// store that overwrites it through fence.proxy.async on global memory after each head acquire.
+// Progress: before waiting for a slot, lane 0 completes every earlier store and puts it on the board, so
+// every earlier row gets published (the batch is at most half a ring) and the slot is freed.
+constexpr int kMaxTmaBuffers = 8;
+constexpr int kTmaStoresInFlight = 4;       // stores of a ring not yet known complete, besides the newest
+constexpr int kTmaSmemBytes = 200 * 1024;   // dynamic shared memory of a bulk-copy sender block at most
+
+// Buffers per ring for a slot size: 0 when fewer than 2 fit (the launcher then takes the stream protocol).
+inline int tma_buffers(int num_ranks, int slot_bytes) {
+  const int buf = (slot_bytes + 127) / 128 * 128;
+  const int n = kTmaSmemBytes / (num_ranks * buf);
+  return n < 2 ? 0 : (n > kMaxTmaBuffers ? kMaxTmaBuffers : n);
+}
+
+// Whole warp, the only one serving ring `ring` of the board: rows q = 0, 1, ... of the ring until
+// source(q, payload, key) returns false. payload: the row's bulk-loaded part (payload_bytes from it; null: a
+// row whose slot keeps what it holds), key: passed to meta(key, buf, lane), which writes the rest of the slot
+// into the shared buffer. slots: the receiver's ring; head: my head word of it; tail0: its tail at start.
+template <typename Source, typename Meta>
+__device__ __forceinline__ void tma_send_ring(Source&& source, Meta&& meta, uint8_t* bufs, uint64_t* bars,
+                                              int num_bufs, int buf_bytes, int payload_bytes, uint8_t* slots,
+                                              int num_slots, int slot_bytes, const uint64_t* head, uint64_t tail0,
+                                              StreamBoard& board, int ring, const Watchdog& dog, int phase,
+                                              int peer, int lane) {
+  const int lag = num_bufs - 1;  // a row is stored this many rows after its load was issued
+  if (lane == 0) {
+    for (int b = 0; b < num_bufs; ++b) ptx::mbarrier_init(&bars[b], 1);
+    ptx::fence_mbarrier_init();
+  }
+  __syncwarp();
+  int n = INT_MAX;             // the ring's rows, once source() has said so
+  int loaded = 0, landed = 0;  // rows whose load was issued / waited for
+  int done = 0;                // rows on the board
+  uint64_t head_seen = 0;      // lane 0
+  bool ok = true;
+  for (int q = 0;; ++q) {
+    if (q < n) {  // load row q
+      const uint8_t* payload = nullptr;
+      int key = 0;
+      if (!source(q, payload, key)) {
+        n = q;
+      } else {
+        const int b = q % num_bufs;
+        uint8_t* buf = bufs + static_cast<size_t>(b) * buf_bytes;
+        if (lane == 0) {
+          ptx::bulk_wait_read<0>();  // the buffer's previous row was stored in the previous iteration
+          if (payload != nullptr) {
+            ptx::mbarrier_arrive_expect_tx(&bars[b], static_cast<uint32_t>(payload_bytes));
+            ptx::bulk_load(buf, payload, static_cast<uint32_t>(payload_bytes), &bars[b]);
+          } else {
+            ptx::mbarrier_arrive(&bars[b]);
+          }
+        }
+        __syncwarp();  // lane 0's wait for the buffer before the lanes' metadata stores into it
+        meta(key, buf, lane);
+        ptx::fence_proxy_async_smem();  // this lane's metadata stores before the bulk store reads them
+        ++loaded;
+      }
+    }
+    const int s = q - lag;
+    if (s >= n) break;
+    if (s < 0) continue;
+    // Store row s.
+    const int b = s % num_bufs;
+    const uint64_t row = tail0 + static_cast<uint64_t>(s);
+    int good = 1, flushed = 0;
+    if (lane == 0) {
+      ptx::mbarrier_wait(&bars[b], static_cast<uint32_t>((s / num_bufs) & 1));
+      if (row >= head_seen + static_cast<uint64_t>(num_slots)) {
+        ptx::bulk_wait<0>();  // every earlier row complete: on the board below, so it gets published
+        flushed = 1;
+        const uint64_t seen = head_seen;
+        good = wait_free_slot(head, head_seen, row, num_slots, dog, phase, peer);
+        if (head_seen != seen) ptx::fence_proxy_async_global();
+      }
+    }
+    ++landed;
+    if (__shfl_sync(0xffffffffu, flushed, 0) && s > done) {
+      done = s;
+      board_advance(board, ring, 0, done, lane);
+    }
+    if (!warp_outcome(good)) {
+      ok = false;
+      break;
+    }
+    // Every lane's metadata of row s was fenced before the warp barriers above.
+    if (lane == 0) {
+      ptx::fence_proxy_async_smem();
+      ptx::bulk_store(slots + static_cast<size_t>(row % num_slots) * slot_bytes,
+                      bufs + static_cast<size_t>(b) * buf_bytes, static_cast<uint32_t>(slot_bytes));
+      ptx::bulk_commit();
+      ptx::bulk_wait<kTmaStoresInFlight>();  // rows <= s - kTmaStoresInFlight are complete
+    }
+    if (s - kTmaStoresInFlight + 1 > done) {
+      done = s - kTmaStoresInFlight + 1;
+      board_advance(board, ring, 0, done, lane);
+    }
+  }
+  if (!ok) {  // timed out waiting for a slot: let the loads already issued land before the block may exit
+    for (int r = landed; r < loaded; ++r) {
+      if (lane == 0) ptx::mbarrier_wait(&bars[r % num_bufs], static_cast<uint32_t>((r / num_bufs) & 1));
+    }
+  }
+  if (lane == 0) ptx::bulk_wait<0>();
+  board_leave(board, ring, 0, ok ? n : -1, lane);
+}
+
 }  // namespace moe_dispatcher::intranode
