@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Intranode ring protocols, old (chunked) vs new (stream, tma), on the 4-GPU machine, after the build of
-# tools/gpu_suite.sh (STEPS=build bash tools/gpu_suite.sh 4; export PYTHONPATH=/tmp/site). About 3 minutes,
+# tools/gpu_suite.sh (STEPS=build bash tools/gpu_suite.sh 4; export PYTHONPATH=/tmp/site). About 4-5 minutes,
 # highest priority first, each step under its own time limit, stopping before DEADLINE_S:
 #   1. tests/test_intranode_gpu.py (2 and 4 ranks; every case under each protocol, mixed within a case, the
 #      protocol switching inside the 1000-call loop, CUDA graphs and timeouts of each), not the speed report;
 #   2. bench normal mode, 4 ranks: every config timed with each protocol (--nvl-variants chunked,stream,tma) beside
 #      NCCL: num_sms 8/16/20/24 with the tuned chunks, send:recv chunks at 24 SMs, a few at 8 and 16 SMs;
-#   3. the same on 2 ranks (fewer rows);
-#   4. tests/test_expert_major_gpu.py (cases alternate protocol and split/fused combine).
+#   3. tests/test_expert_major_gpu.py (cases alternate protocol and split/fused combine);
+#   4. the bench on 2 ranks (fewer rows).
 # Logs in $OUT/logs, bench JSON/markdown in $OUT, summary in $OUT/summary_nvl3.txt (printed at the end):
 # per op and SM count the best logical GB/s of each protocol (its chunks), NCCL's and the target.
 # Protocols: MOE_DISPATCHER_NVL_VARIANT (docs/intranode.md); the default stays chunked until these figures.
@@ -19,7 +19,7 @@ export PYTHONUNBUFFERED=1 MOE_TEST_TIMEOUT=${MOE_TEST_TIMEOUT:-100} MOE_DISPATCH
 OUT=${OUT:-./gpu-out}
 mkdir -p "$OUT/logs"
 STEPS=${STEPS:-"tests bench4 bench2 em"}
-DEADLINE_S=${DEADLINE_S:-300}
+DEADLINE_S=${DEADLINE_S:-330}
 start=$(date +%s)
 summary="$OUT/summary_nvl3.txt"
 : > "$summary"
@@ -46,9 +46,9 @@ has tests && run tests_intranode 150 python3 -m pytest -q -s -m gpu -p no:cachep
   tests/test_intranode_gpu.py -k "not speed"
 has bench4 && bench bench_nvl3_4 4 --num-sms 8,16,20,24 --chunks 4:256,8:256,24:256,32:256,12:512,32:512 \
   --configs 8:32:256,8:12:512,16:32:256,16:12:512
-has bench2 && bench bench_nvl3_2 2 --num-sms 8,16,24 --chunks 8:256,16:256,32:256,32:512
 has em && run tests_expert_major 120 python3 -m pytest -q -s -m gpu -p no:cacheprovider -rfE --tb=short \
   tests/test_expert_major_gpu.py
+has bench2 && bench bench_nvl3_2 2 --num-sms 8,16,24 --chunks 8:256,16:256,32:256,32:512
 
 python3 - "$OUT" >> "$summary" 2>&1 <<'EOF'
 import json, os, sys

@@ -281,18 +281,20 @@ def run(ctx: Context) -> None:
         del handle0
         variants = nvl_variants(ctx, buffer, o.nvl_variants)
         default_variant = buffer._kernels.nvl_variant if variants != [None] else None
-        for tag, dcfg, ccfg in rows:
-            try:
-                _, handle = w.fresh(dcfg)
-                for variant in variants:
-                    if variant:
-                        buffer._kernels.nvl_variant = variant
+        # Variant by variant (a variant that breaks the Buffer, e.g. by a timeout, costs only the rows after it).
+        for variant in variants:
+            if variant:
+                buffer._kernels.nvl_variant = variant
+            for tag, dcfg, ccfg in rows:
+                try:
+                    _, handle = w.fresh(dcfg)
                     ctx.records.extend(cached_cases(ctx, w, handle, dcfg, ccfg, o.iters, o.warmup, nccl, "normal", tag,
                                                     variant))
-                del handle
-            except (ValueError, RuntimeError, NotImplementedError) as exc:
-                ctx.note(f"config sms={dcfg.num_sms} chunks={dcfg.num_max_nvl_chunked_send_tokens}/"
-                         f"{dcfg.num_max_nvl_chunked_recv_tokens} failed: {type(exc).__name__}: {exc}")
+                    del handle
+                except (ValueError, RuntimeError, NotImplementedError) as exc:
+                    ctx.note(f"config sms={dcfg.num_sms} chunks={dcfg.num_max_nvl_chunked_send_tokens}/"
+                             f"{dcfg.num_max_nvl_chunked_recv_tokens}{' ' + variant if variant else ''} failed: "
+                             f"{type(exc).__name__}: {exc}")
         if default_variant:
             buffer._kernels.nvl_variant = default_variant  # the later sections run with the environment's
         extras(ctx, w, pd, pc)

@@ -140,8 +140,8 @@ __device__ __forceinline__ int publish_rings(const StreamBoard& b, int rings, in
 // Proxies: the lanes' metadata stores (generic) reach the bulk store (async) through fence.proxy.async on
 // shared memory; the receiver's reads of a slot, acquired through the head (generic), come before the bulk
 // store that overwrites it through fence.proxy.async on global memory after each head acquire.
-// Progress: before waiting for a slot, lane 0 completes every earlier store and puts it on the board, so
-// every earlier row gets published (the batch is at most half a ring) and the slot is freed.
+// Progress: before waiting for a taken slot, lane 0 completes every earlier store and the warp puts it on the
+// board, so every earlier row gets published (the batch is at most half a ring) and the slot is freed.
 constexpr int kMaxTmaBuffers = 8;
 constexpr int kTmaStoresInFlight = 4;       // stores of a ring not yet known complete, besides the newest
 constexpr int kTmaSmemBytes = 200 * 1024;   // dynamic shared memory of a bulk-copy sender block at most
@@ -151,6 +151,15 @@ inline int tma_buffers(int num_ranks, int slot_bytes) {
   const int buf = (slot_bytes + 127) / 128 * 128;
   const int n = kTmaSmemBytes / (num_ranks * buf);
   return n < 2 ? 0 : (n > kMaxTmaBuffers ? kMaxTmaBuffers : n);
+}
+
+// Lane 0 of a bulk-copy sender: wait for the load of the row that used buffer `b` for the u-th time (false
+// only past the deadline: local loads take microseconds, so that would be a bug, reported as a timeout).
+__device__ __forceinline__ bool wait_landed(uint64_t* bars, int b, int u, const Watchdog& dog, int phase, int peer) {
+  while (!ptx::mbarrier_try_wait(&bars[b], static_cast<uint32_t>(u & 1))) {
+    if (dog.expired(phase, peer)) return false;
+  }
+  return true;
 }
 
 // Whole warp, the only one serving ring `ring` of the board: rows q = 0, 1, ... of the ring until
@@ -204,21 +213,28 @@ __device__ __forceinline__ void tma_send_ring(Source&& source, Meta&& meta, uint
     // Store row s.
     const int b = s % num_bufs;
     const uint64_t row = tail0 + static_cast<uint64_t>(s);
-    int good = 1, flushed = 0;
+    int good = 1, blocked = 0;
     if (lane == 0) {
-      ptx::mbarrier_wait(&bars[b], static_cast<uint32_t>((s / num_bufs) & 1));
-      if (row >= head_seen + static_cast<uint64_t>(num_slots)) {
-        ptx::bulk_wait<0>();  // every earlier row complete: on the board below, so it gets published
-        flushed = 1;
-        const uint64_t seen = head_seen;
-        good = wait_free_slot(head, head_seen, row, num_slots, dog, phase, peer);
-        if (head_seen != seen) ptx::fence_proxy_async_global();
+      good = wait_landed(bars, b, s / num_bufs, dog, phase, peer);
+      if (good && row >= head_seen + static_cast<uint64_t>(num_slots)) {  // the cached head is not enough
+        head_seen = ptx::ld_acquire_sys(head);
+        ptx::fence_proxy_async_global();
+        if (row >= head_seen + static_cast<uint64_t>(num_slots)) {
+          ptx::bulk_wait<0>();  // the slot is taken: complete every earlier row, so they all get published
+          blocked = 1;
+        }
       }
     }
     ++landed;
-    if (__shfl_sync(0xffffffffu, flushed, 0) && s > done) {
-      done = s;
-      board_advance(board, ring, 0, done, lane);
+    if (__shfl_sync(0xffffffffu, blocked, 0)) {
+      if (s > done) {
+        done = s;
+        board_advance(board, ring, 0, done, lane);
+      }
+      if (lane == 0) {
+        good = wait_free_slot(head, head_seen, row, num_slots, dog, phase, peer);
+        ptx::fence_proxy_async_global();
+      }
     }
     if (!warp_outcome(good)) {
       ok = false;
@@ -237,9 +253,11 @@ __device__ __forceinline__ void tma_send_ring(Source&& source, Meta&& meta, uint
       board_advance(board, ring, 0, done, lane);
     }
   }
-  if (!ok) {  // timed out waiting for a slot: let the loads already issued land before the block may exit
+  if (!ok && lane == 0) {  // timed out: let the loads already issued land (1 ms more) before the block may exit
+    Watchdog grace = dog;
+    grace.deadline_ns = ptx::globaltimer_ns() + 1000000ull;
     for (int r = landed; r < loaded; ++r) {
-      if (lane == 0) ptx::mbarrier_wait(&bars[r % num_bufs], static_cast<uint32_t>((r / num_bufs) & 1));
+      if (!wait_landed(bars, r % num_bufs, r / num_bufs, grace, phase, peer)) break;
     }
   }
   if (lane == 0) ptx::bulk_wait<0>();
