@@ -3,7 +3,8 @@
 # tools/gpu_suite.sh (STEPS=build bash tools/gpu_suite.sh 4; export PYTHONPATH=/tmp/site). About 4-5 minutes,
 # highest priority first, each step under its own time limit, stopping before DEADLINE_S:
 #   1. tests/test_intranode_gpu.py (2 and 4 ranks; every case under each protocol, mixed within a case, the
-#      protocol switching inside the 1000-call loop, CUDA graphs and timeouts of each), not the speed report;
+#      protocol switching inside the 1000-call loop, CUDA graphs and timeouts of each), not the speed report
+#      nor the create/destroy leak check (buffers are unchanged);
 #   2. bench normal mode, 4 ranks: every config timed with each protocol (--nvl-variants chunked,stream,tma) beside
 #      NCCL: num_sms 8/16/20/24 with the tuned chunks, send:recv chunks at 24 SMs, a few at 8 and 16 SMs;
 #   3. tests/test_expert_major_gpu.py (cases alternate protocol and split/fused combine);
@@ -43,7 +44,7 @@ bench() {  # bench NAME RANKS ARGS...: normal mode, both protocols, JSON to $OUT
 }
 
 has tests && run tests_intranode 150 python3 -m pytest -q -s -m gpu -p no:cacheprovider -rfE --tb=short \
-  tests/test_intranode_gpu.py -k "not speed"
+  tests/test_intranode_gpu.py -k "not speed and not leak"
 has bench4 && bench bench_nvl3_4 4 --num-sms 8,16,20,24 --chunks 4:256,8:256,24:256,32:256,12:512,32:512 \
   --configs 8:32:256,8:12:512,16:32:256,16:12:512
 has em && run tests_expert_major 120 python3 -m pytest -q -s -m gpu -p no:cacheprovider -rfE --tb=short \
