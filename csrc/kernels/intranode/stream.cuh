@@ -131,11 +131,11 @@ __device__ __forceinline__ int publish_rings(const StreamBoard& b, int rings, in
 // MOE_DISPATCHER_NVL_VARIANT=tma: the stream protocol (same board, publisher and receivers), but a sender block
 // moves each ring's rows with bulk copies through shared memory instead of warp loads and stores: one warp
 // per ring, B = num_bufs slot-sized buffers. Row q: lane 0 bulk-loads the payload (local HBM -> shared,
-// mbarrier q % B) and the lanes write the slot's metadata beside it; B - 1 rows later, once the ring slot is
-// free, lane 0 bulk-stores the whole slot (shared -> the receiver's ring over NVLink, one bulk async-group per
-// row). A row is done, and goes on the board, once its group is complete (cp.async.bulk.wait_group: its
+// mbarrier q % B) and the lanes write the slot's metadata beside it; B - 1 (B - 2 when B >= 4, so that two
+// stores read their buffers at once) rows later, once the ring slot is free, lane 0 bulk-stores the whole slot
+// (shared -> the receiver's ring over NVLink, one bulk async-group per row). A row is done, and goes on the board, once its group is complete (cp.async.bulk.wait_group: its
 // writes are performed and, through the implicit proxy fence of the completion, visible to lane 0, whose
-// release then covers them). Per ring up to B - 1 loads and kTmaStoresInFlight + 1 stores are in flight,
+// release then covers them). Per ring up to `lag` loads and kTmaStoresInFlight + 1 stores are in flight,
 // with no registers held. A buffer is reloaded once the store that read it has read it (wait_group.read).
 // Proxies: the lanes' metadata stores (generic) reach the bulk store (async) through fence.proxy.async on
 // shared memory; the receiver's reads of a slot, acquired through the head (generic), come before the bulk
@@ -172,7 +172,10 @@ __device__ __forceinline__ void tma_send_ring(Source&& source, Meta&& meta, uint
                                               int num_slots, int slot_bytes, const uint64_t* head, uint64_t tail0,
                                               StreamBoard& board, int ring, const Watchdog& dog, int phase,
                                               int peer, int lane) {
-  const int lag = num_bufs - 1;  // a row is stored this many rows after its load was issued
+  // Stores that may read their buffers at once (2 when 4 buffers or more fit), and how many rows after its
+  // load a row is stored: when row q is loaded, the store that read its buffer is the oldest of them.
+  const int reading = num_bufs >= 4 ? 2 : 1;
+  const int lag = num_bufs - reading;
   if (lane == 0) {
     for (int b = 0; b < num_bufs; ++b) ptx::mbarrier_init(&bars[b], 1);
     ptx::fence_mbarrier_init();
@@ -193,7 +196,12 @@ __device__ __forceinline__ void tma_send_ring(Source&& source, Meta&& meta, uint
         const int b = q % num_bufs;
         uint8_t* buf = bufs + static_cast<size_t>(b) * buf_bytes;
         if (lane == 0) {
-          ptx::bulk_wait_read<0>();  // the buffer's previous row was stored in the previous iteration
+          // The buffer's previous row (q - B) was stored `reading` iterations ago: let that store read it.
+          if (reading == 2) {
+            ptx::bulk_wait_read<1>();
+          } else {
+            ptx::bulk_wait_read<0>();
+          }
           if (payload != nullptr) {
             ptx::mbarrier_arrive_expect_tx(&bars[b], static_cast<uint32_t>(payload_bytes));
             ptx::bulk_load(buf, payload, static_cast<uint32_t>(payload_bytes), &bars[b]);
