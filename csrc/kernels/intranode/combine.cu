@@ -398,7 +398,8 @@ __device__ void stream_send(const CombineArgs& a, int c, int s, int gw, int warp
     }
     const int64_t r = row0 + static_cast<int64_t>(k);
     if (r < a.num_x_rows) {  // else dropped by a num_worst_tokens overflow (reported by notify)
-      send_row<T, kEm, kStreamEmLoads>(a, r, ring + static_cast<size_t>(row % a.num_slots) * a.slot_bytes, row_bytes, lane);
+      uint8_t* slot = ring + static_cast<size_t>(row % a.num_slots) * a.slot_bytes;
+      send_row<T, kEm, kStreamEmLoads>(a, r, slot, row_bytes, lane);
     }
     board_advance(board, s, gw, k + warps, lane);
   }
