@@ -159,11 +159,18 @@ CASES: List[Dict] = [
 ]
 
 
-# Case i runs with intranode ring protocol NVL_VARIANTS[i % 3] and combine variant EM_MODES[(i // 3) % 2] (unless
-# MOE_DISPATCHER_EM_COMBINE chooses it), so every protocol meets both combine variants without running each case
-# six times; the protocol switches between calls on the same Buffer.
-NVL_VARIANTS = ("chunked", "stream", "tma")
+# Intranode ring protocol and combine variant of case i (the combine variant unless MOE_DISPATCHER_EM_COMBINE
+# chooses it): chunked and stream alternate, the bulk-copy protocol takes the last TMA_CASES cases (and the
+# graph case), so a fault there comes after the others' results; combine split and fused alternate every two
+# cases, so each protocol meets both without running every case six times. The protocol switches between
+# calls on the same Buffer.
+TMA_CASES = 4
 EM_MODES = ("split", "fused")
+
+
+def _variants(i: int, n: int):
+    return ("tma" if i >= n - TMA_CASES else ("chunked", "stream")[i % 2]), EM_MODES[(i // 2) % 2]
+
 
 
 def _world_fused_matches(rank: int, world_size: int) -> None:
@@ -174,9 +181,9 @@ def _world_fused_matches(rank: int, world_size: int) -> None:
     backend = kb._kernels
     em_mode_fixed = bool(os.environ.get("MOE_DISPATCHER_EM_COMBINE"))
     for i, c in enumerate(CASES):
-        backend.nvl_variant = NVL_VARIANTS[i % 3]
+        backend.nvl_variant, em_mode = _variants(i, len(CASES))
         if not em_mode_fixed:
-            backend.em_combine_mode = EM_MODES[(i // 3) % 2]
+            backend.em_combine_mode = em_mode
         with case(f"{c['name']} ({backend.nvl_variant}, {backend.em_combine_mode} combine)"):
             _check_case(kb, rb, c, i)
     torch.cuda.synchronize()

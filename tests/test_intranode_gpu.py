@@ -5,7 +5,8 @@ Each world holds two Buffers on the same NCCL group: one forced onto the compile
 top-k, counts, prefix matrix, source indices); combine must agree within bf16 rounding (it is designed to be
 bit-exact: same float32 summation order), and the tests report how many combine outputs were bit-exact.
 Every case runs with each ring protocol (NVL_VARIANTS: the backend's nvl_variant, switched between calls on
-the same Buffer, which also checks that calls of different protocols may follow each other).
+the same Buffer, which also checks that calls of different protocols may follow each other). The bulk-copy
+protocol runs in worlds of its own (VARIANT_GROUPS), so a fault there leaves the other protocols' results.
 """
 from __future__ import annotations
 
@@ -20,9 +21,18 @@ pytestmark = pytest.mark.gpu
 WORLD_SIZES = GPU_WORLD_SIZES
 MAX_HIDDEN_BYTES = 7168 * 2
 NVL_VARIANTS = ("chunked", "stream", "tma")
-# Protocol of (fresh dispatch, cached dispatch, combine) in one case: each protocol alone, and a mix.
-PLANS = [(v,) * 3 for v in NVL_VARIANTS]
-MIXED_PLAN = ("stream", "tma", "chunked")
+VARIANT_GROUPS = [("chunked", "stream"), ("tma",)]
+GROUP_IDS = ["+".join(g) for g in VARIANT_GROUPS]
+
+
+def _plans(variants, mixed: bool) -> List[tuple]:
+    """Protocols of (fresh dispatch, cached dispatch, combine) in one case: each of `variants` alone, and with
+    `mixed` a mix (fresh stream, cached the group's last protocol, combine chunked)."""
+    plans = [(v,) * 3 for v in variants]
+    if mixed:
+        plans.append(("stream", variants[-1], "chunked"))
+    return plans
+
 
 
 def _routing(g: torch.Generator, t: int, num_experts: int, k: int, num_ranks: int, kind: str) -> torch.Tensor:
@@ -55,7 +65,7 @@ def _dispatch(buf, x, idx, w, num_experts, align=1, num_worst=0, config=None):
     return layout, out
 
 
-def _check_case(kb, rb, c: Dict, seed: int, stats: Dict, plan=PLANS[0]) -> None:
+def _check_case(kb, rb, c: Dict, seed: int, stats: Dict, plan=("chunked",) * 3) -> None:
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     backend = kb._kernels
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -146,11 +156,11 @@ CASES: List[Dict] = [
 ]
 
 
-def _world_matches_reference(rank: int, world_size: int) -> Dict:
+def _world_matches_reference(rank: int, world_size: int, variants) -> Dict:
     kb, rb = _buffers()
     stats = {"combine_total": 0, "combine_bit_exact": 0}
     for i, c in enumerate(CASES):
-        for plan in PLANS + ([MIXED_PLAN] if i % 3 == 0 else []):
+        for plan in _plans(variants, i % 3 == 0):
             with case(f"{c['name']} ({'/'.join(plan)})"):
                 _check_case(kb, rb, c, i, stats, plan)
     # Config honoured: fewer channels and smaller rings (the senders wait for free slots), through the backend
@@ -158,7 +168,7 @@ def _world_matches_reference(rank: int, world_size: int) -> Dict:
     from moe_dispatcher import Config
     backend = kb._kernels
     for cfg in (Config(8, 4, 64), Config(4, 1, 33)):
-        for variant in NVL_VARIANTS:
+        for variant in variants:
             with case(f"config {cfg} ({variant})"):
                 backend.nvl_variant = variant
                 dev = torch.device("cuda", torch.cuda.current_device())
@@ -188,14 +198,16 @@ def _world_matches_reference(rank: int, world_size: int) -> Dict:
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_matches_reference(world_size: int) -> None:
-    stats = run_distributed(_world_matches_reference, world_size, backend="nccl")
+@pytest.mark.parametrize("variants", VARIANT_GROUPS, ids=GROUP_IDS)
+def test_matches_reference(world_size: int, variants) -> None:
+    stats = run_distributed(_world_matches_reference, world_size, variants, backend="nccl")
     exact = sum(s["combine_bit_exact"] for s in stats)
     total = sum(s["combine_total"] for s in stats)
-    print(f"\n[intranode R={world_size}] combine bit-exact vs reference: {exact}/{total} (rank, case) pairs")
+    print(f"\n[intranode R={world_size} {'+'.join(variants)}] combine bit-exact vs reference: {exact}/{total} (rank, "
+          f"case, protocol) triples")
 
 
-def _world_graph_and_back_to_back(rank: int, world_size: int) -> None:
+def _world_graph_and_back_to_back(rank: int, world_size: int, variants) -> None:
     kb, rb = _buffers()
     dev = torch.device("cuda", torch.cuda.current_device())
     t, h, local, k = 384, 2048, 8, 6
@@ -204,7 +216,7 @@ def _world_graph_and_back_to_back(rank: int, world_size: int) -> None:
 
     # ---- CUDA graph: layout + dispatch(num_worst_tokens) + combine captured once, replayed on new data (each
     # ring protocol: it is fixed in the captured launches).
-    for variant in NVL_VARIANTS:
+    for variant in variants:
         with case(f"cuda graph capture + replay ({variant})"):
             kb._kernels.nvl_variant = variant
             g = torch.Generator().manual_seed(5 + rank)
@@ -243,11 +255,12 @@ def _world_graph_and_back_to_back(rank: int, world_size: int) -> None:
     # ---- 1000 back-to-back dispatch + combine (fresh and cached alternating, the ring protocol switching
     # every two round trips) with fresh data; each round trip is checked on the device (x holds small
     # integers, so x * ranks is exact), the last one against the reference.
-    with case("1000 back-to-back dispatch+combine"):
+    cycle = variants if len(variants) > 1 else variants + ("chunked",)
+    with case(f"1000 back-to-back dispatch+combine ({'/'.join(cycle)})"):
         bad = torch.zeros((), dtype=torch.int64, device=dev)
         handle = None
         for i in range(1000):
-            kb._kernels.nvl_variant = NVL_VARIANTS[(i // 2) % len(NVL_VARIANTS)]
+            kb._kernels.nvl_variant = cycle[(i // 2) % len(cycle)]
             x = torch.randint(-8, 9, (t, h), device=dev).to(torch.bfloat16)
             if handle is None or i % 2 == 0:
                 idx = torch.rand(t, e, device=dev).topk(k, dim=1).indices
@@ -268,7 +281,7 @@ def _world_graph_and_back_to_back(rank: int, world_size: int) -> None:
 
     # More rows than num_worst_tokens: no host sync at that call, so the extra rows are dropped and every
     # rank raises at its next synchronised dispatch; the group keeps working afterwards.
-    for variant in NVL_VARIANTS:
+    for variant in variants:
         with case(f"num_worst_tokens overflow ({variant})"):
             kb._kernels.nvl_variant = variant
             idx0 = torch.zeros(t, 1, dtype=torch.int64, device=dev)  # every token to expert 0 on rank 0
@@ -285,8 +298,9 @@ def _world_graph_and_back_to_back(rank: int, world_size: int) -> None:
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_graph_and_back_to_back(world_size: int) -> None:
-    run_distributed(_world_graph_and_back_to_back, world_size, backend="nccl")
+@pytest.mark.parametrize("variants", VARIANT_GROUPS, ids=GROUP_IDS)
+def test_graph_and_back_to_back(world_size: int, variants) -> None:
+    run_distributed(_world_graph_and_back_to_back, world_size, variants, backend="nccl")
 
 
 def _world_timeout(rank: int, world_size: int) -> None:
