@@ -123,14 +123,71 @@ void notify(const IpcBuffer& b, uint64_t timeout_ns, uintptr_t is_token_in_rank,
   launch_notify(a, stream_of(stream));
 }
 
+// The ring arguments that direct calls and plans (below) share: checked and filled in one place.
+DispatchArgs ring_dispatch_args(const IpcBuffer& b, uint64_t timeout_ns, uintptr_t is_token_in_rank,
+                                uintptr_t recv_channel_offset, int num_tokens, int hidden_bytes, int num_scales,
+                                int num_rows, int pad_rows, int num_channels, int chunk, int num_slots,
+                                int slot_bytes, int protocol) {
+  MOE_CHECK(protocol == kChunked || protocol == kStream || protocol == kStreamTma, "unknown ring protocol");
+  DispatchArgs a{};
+  a.protocol = protocol;
+  a.c = b.common(timeout_ns);
+  MOE_CHECK(static_cast<size_t>(num_channels) * num_slots * slot_bytes <= a.c.src_block_bytes,
+            "NVLink buffer too small for this config");
+  a.is_token_in_rank = ptr<const bool>(is_token_in_rank);
+  a.recv_channel_offset = ptr<const int>(recv_channel_offset);
+  a.num_tokens = num_tokens;
+  a.hidden_bytes = hidden_bytes;
+  a.num_scales = num_scales;
+  a.num_topk = 0;
+  a.experts_per_rank = 1;
+  a.num_rows = num_rows;
+  a.pad_rows = pad_rows;
+  a.num_channels = num_channels;
+  a.chunk = chunk;
+  a.num_slots = num_slots;
+  a.slot_bytes = slot_bytes;
+  return a;
+}
+
+CombineArgs ring_combine_args(const IpcBuffer& b, uint64_t timeout_ns, uintptr_t is_token_in_rank,
+                              uintptr_t recv_channel_offset, int dtype, int num_tokens, int hidden, int num_topk,
+                              int num_x_rows, int num_channels, int chunk, int num_slots, int slot_bytes,
+                              int protocol) {
+  MOE_CHECK(protocol == kChunked || protocol == kStream || protocol == kStreamTma, "unknown ring protocol");
+  CombineArgs a{};
+  a.protocol = protocol;
+  // Tokens per receiver batch: as many 32-token windows as fit beside a sender chunk in the ring.
+  a.batch_windows = std::min(kMaxWindows, (num_slots - chunk) / 32);
+  MOE_CHECK(a.batch_windows >= 1, "combine needs num_max_nvl_chunked_recv_tokens >= send tokens + 32");
+  a.c = b.common(timeout_ns);
+  MOE_CHECK(static_cast<size_t>(num_channels) * num_slots * slot_bytes <= a.c.src_block_bytes,
+            "NVLink buffer too small for this config");
+  a.is_token_in_rank = ptr<const bool>(is_token_in_rank);
+  a.recv_channel_offset = ptr<const int>(recv_channel_offset);
+  a.dtype = dtype;
+  a.num_tokens = num_tokens;
+  a.hidden = hidden;
+  a.num_topk = num_topk;
+  a.num_x_rows = num_x_rows;
+  a.num_channels = num_channels;
+  a.chunk = chunk;
+  a.num_slots = num_slots;
+  a.slot_bytes = slot_bytes;
+  return a;
+}
+
 void dispatch(const IpcBuffer& b, uint64_t timeout_ns, uintptr_t x, uintptr_t scales, uintptr_t topk_idx,
               uintptr_t topk_weights, uintptr_t is_token_in_rank, uintptr_t recv_channel_offset, uintptr_t recv_x,
               uintptr_t recv_scales, uintptr_t recv_topk_idx, uintptr_t recv_topk_weights, uintptr_t recv_src_idx,
               int num_tokens, int hidden_bytes, int num_scales, int num_topk, int experts_per_rank, int num_rows,
               int pad_rows, int num_channels, int chunk, int num_slots, int slot_bytes, uintptr_t stream, int em_mode,
               uintptr_t pair_rank, uintptr_t em_layout, uintptr_t em_x, uintptr_t em_scales, uintptr_t em_weights,
-              uintptr_t em_pair_row, uintptr_t em_pair_slot, uintptr_t em_inverse, int em_topk, int em_rows) {
-  DispatchArgs a{};
+              uintptr_t em_pair_row, uintptr_t em_pair_slot, uintptr_t em_inverse, int em_topk, int em_rows,
+              int protocol) {
+  DispatchArgs a = ring_dispatch_args(b, timeout_ns, is_token_in_rank, recv_channel_offset, num_tokens, hidden_bytes,
+                                      num_scales, num_rows, pad_rows, num_channels, chunk, num_slots, slot_bytes,
+                                      protocol);
   MOE_CHECK(em_mode >= 0 && em_mode <= 2, "bad em_mode");
   MOE_CHECK(em_mode == 0 || (em_layout != 0 && em_inverse != 0 && em_topk > 0 && em_topk <= kMaxTopk),
             "expert-major dispatch needs the layout table and the inverse table");
@@ -147,31 +204,17 @@ void dispatch(const IpcBuffer& b, uint64_t timeout_ns, uintptr_t x, uintptr_t sc
   a.em_inverse = ptr<int>(em_inverse);
   a.em_topk = em_topk;
   a.em_rows = em_rows;
-  a.c = b.common(timeout_ns);
-  MOE_CHECK(static_cast<size_t>(num_channels) * num_slots * slot_bytes <= a.c.src_block_bytes,
-            "NVLink buffer too small for this config");
   a.x = ptr<const uint8_t>(x);
   a.scales = ptr<const int32_t>(scales);
   a.topk_idx = ptr<const int64_t>(topk_idx);
   a.topk_weights = ptr<const float>(topk_weights);
-  a.is_token_in_rank = ptr<const bool>(is_token_in_rank);
-  a.recv_channel_offset = ptr<const int>(recv_channel_offset);
   a.recv_x = ptr<uint8_t>(recv_x);
   a.recv_scales = ptr<int32_t>(recv_scales);
   a.recv_topk_idx = ptr<int64_t>(recv_topk_idx);
   a.recv_topk_weights = ptr<float>(recv_topk_weights);
   a.recv_src_idx = ptr<int>(recv_src_idx);
-  a.num_tokens = num_tokens;
-  a.hidden_bytes = hidden_bytes;
-  a.num_scales = num_scales;
   a.num_topk = num_topk;
   a.experts_per_rank = experts_per_rank;
-  a.num_rows = num_rows;
-  a.pad_rows = pad_rows;
-  a.num_channels = num_channels;
-  a.chunk = chunk;
-  a.num_slots = num_slots;
-  a.slot_bytes = slot_bytes;
   launch_dispatch(a, stream_of(stream));
 }
 
@@ -180,8 +223,9 @@ void combine(const IpcBuffer& b, uint64_t timeout_ns, uintptr_t x, uintptr_t top
              uintptr_t out_topk_weights, int dtype, int num_tokens, int hidden, int num_topk, int num_x_rows,
              int num_channels,
              int chunk, int num_slots, int slot_bytes, uintptr_t stream, uintptr_t em_inverse, uintptr_t em_weights,
-             uintptr_t em_topk_weights, int em_topk) {
-  CombineArgs a{};
+             uintptr_t em_topk_weights, int em_topk, int protocol) {
+  CombineArgs a = ring_combine_args(b, timeout_ns, is_token_in_rank, recv_channel_offset, dtype, num_tokens, hidden,
+                                    num_topk, num_x_rows, num_channels, chunk, num_slots, slot_bytes, protocol);
   MOE_CHECK(em_inverse == 0 || (em_topk > 0 && em_topk <= kMaxTopk), "expert-major combine: bad top-k");
   MOE_CHECK(em_inverse == 0 || num_topk == (em_topk_weights != 0 ? em_topk : 0),
             "expert-major combine: num_topk must be em_topk with topk_weights, else 0");
@@ -189,29 +233,12 @@ void combine(const IpcBuffer& b, uint64_t timeout_ns, uintptr_t x, uintptr_t top
   a.em_weights = ptr<const float>(em_weights);
   a.em_topk_weights = ptr<const float>(em_topk_weights);
   a.em_topk = em_topk;
-  // Tokens per receiver batch: as many 32-token windows as fit beside a sender chunk in the ring.
-  a.batch_windows = std::min(kMaxWindows, (num_slots - chunk) / 32);
-  MOE_CHECK(a.batch_windows >= 1, "combine needs num_max_nvl_chunked_recv_tokens >= send tokens + 32");
-  a.c = b.common(timeout_ns);
-  MOE_CHECK(static_cast<size_t>(num_channels) * num_slots * slot_bytes <= a.c.src_block_bytes,
-            "NVLink buffer too small for this config");
   a.x = ptr<const uint8_t>(x);
   a.topk_weights = ptr<const float>(topk_weights);
   a.bias0 = ptr<const uint8_t>(bias0);
   a.bias1 = ptr<const uint8_t>(bias1);
-  a.is_token_in_rank = ptr<const bool>(is_token_in_rank);
-  a.recv_channel_offset = ptr<const int>(recv_channel_offset);
   a.out = ptr<uint8_t>(out);
   a.out_topk_weights = ptr<float>(out_topk_weights);
-  a.dtype = dtype;
-  a.num_tokens = num_tokens;
-  a.hidden = hidden;
-  a.num_topk = num_topk;
-  a.num_x_rows = num_x_rows;
-  a.num_channels = num_channels;
-  a.chunk = chunk;
-  a.num_slots = num_slots;
-  a.slot_bytes = slot_bytes;
   launch_combine(a, stream_of(stream));
 }
 
@@ -371,25 +398,11 @@ class DispatchPlan {
  public:
   DispatchPlan(const IpcBuffer& b, const StreamJoin& join, uint64_t timeout_ns, uintptr_t is_token_in_rank,
                uintptr_t recv_channel_offset, int num_tokens, int hidden_bytes, int num_scales, int num_rows,
-               int pad_rows, int num_channels, int chunk, int num_slots, int slot_bytes)
-      : buffer_(&b), join_(&join) {
-    a_.c = b.common(timeout_ns);
-    MOE_CHECK(static_cast<size_t>(num_channels) * num_slots * slot_bytes <= a_.c.src_block_bytes,
-              "NVLink buffer too small for this config");
-    a_.is_token_in_rank = ptr<const bool>(is_token_in_rank);
-    a_.recv_channel_offset = ptr<const int>(recv_channel_offset);
-    a_.num_tokens = num_tokens;
-    a_.hidden_bytes = hidden_bytes;
-    a_.num_scales = num_scales;
-    a_.num_topk = 0;
-    a_.experts_per_rank = 1;
-    a_.num_rows = num_rows;
-    a_.pad_rows = pad_rows;
-    a_.num_channels = num_channels;
-    a_.chunk = chunk;
-    a_.num_slots = num_slots;
-    a_.slot_bytes = slot_bytes;
-  }
+               int pad_rows, int num_channels, int chunk, int num_slots, int slot_bytes, int protocol)
+      : buffer_(&b),
+        join_(&join),
+        a_(ring_dispatch_args(b, timeout_ns, is_token_in_rank, recv_channel_offset, num_tokens, hidden_bytes,
+                              num_scales, num_rows, pad_rows, num_channels, chunk, num_slots, slot_bytes, protocol)) {}
 
   bool launch(uintptr_t x, uintptr_t scales, uintptr_t recv_x, uintptr_t recv_scales, uintptr_t stream,
               uintptr_t caller, int join) {
@@ -405,7 +418,7 @@ class DispatchPlan {
  private:
   const IpcBuffer* buffer_;
   const StreamJoin* join_;
-  DispatchArgs a_{};
+  DispatchArgs a_;
 };
 
 // Combine along a handle's routing.
@@ -413,26 +426,11 @@ class CombinePlan {
  public:
   CombinePlan(const IpcBuffer& b, const StreamJoin& join, uint64_t timeout_ns, uintptr_t is_token_in_rank,
               uintptr_t recv_channel_offset, int dtype, int num_tokens, int hidden, int num_topk, int num_x_rows,
-              int num_channels, int chunk, int num_slots, int slot_bytes)
-      : buffer_(&b), join_(&join) {
-    // Tokens per receiver batch: as many 32-token windows as fit beside a sender chunk in the ring.
-    a_.batch_windows = std::min(kMaxWindows, (num_slots - chunk) / 32);
-    MOE_CHECK(a_.batch_windows >= 1, "combine needs num_max_nvl_chunked_recv_tokens >= send tokens + 32");
-    a_.c = b.common(timeout_ns);
-    MOE_CHECK(static_cast<size_t>(num_channels) * num_slots * slot_bytes <= a_.c.src_block_bytes,
-              "NVLink buffer too small for this config");
-    a_.is_token_in_rank = ptr<const bool>(is_token_in_rank);
-    a_.recv_channel_offset = ptr<const int>(recv_channel_offset);
-    a_.dtype = dtype;
-    a_.num_tokens = num_tokens;
-    a_.hidden = hidden;
-    a_.num_topk = num_topk;
-    a_.num_x_rows = num_x_rows;
-    a_.num_channels = num_channels;
-    a_.chunk = chunk;
-    a_.num_slots = num_slots;
-    a_.slot_bytes = slot_bytes;
-  }
+              int num_channels, int chunk, int num_slots, int slot_bytes, int protocol)
+      : buffer_(&b),
+        join_(&join),
+        a_(ring_combine_args(b, timeout_ns, is_token_in_rank, recv_channel_offset, dtype, num_tokens, hidden, num_topk,
+                             num_x_rows, num_channels, chunk, num_slots, slot_bytes, protocol)) {}
 
   bool launch(uintptr_t x, uintptr_t topk_weights, uintptr_t bias0, uintptr_t bias1, uintptr_t out,
               uintptr_t out_topk_weights, uintptr_t stream, uintptr_t caller, int join) {
@@ -450,7 +448,7 @@ class CombinePlan {
  private:
   const IpcBuffer* buffer_;
   const StreamJoin* join_;
-  CombineArgs a_{};
+  CombineArgs a_;
 };
 
 }  // namespace
@@ -466,6 +464,9 @@ void register_intranode(py::module_& m) {
   sub.attr("RINGS_OFFSET") = kRingsOffset;
   sub.attr("FLAG_LAYOUT_MISMATCH") = kFlagLayoutMismatch;
   sub.attr("PAIR_RANK_TOKENS") = kPairRankTokens;
+  sub.attr("PROTOCOL_CHUNKED") = static_cast<int>(kChunked);
+  sub.attr("PROTOCOL_STREAM") = static_cast<int>(kStream);
+  sub.attr("PROTOCOL_STREAM_TMA") = static_cast<int>(kStreamTma);
   sub.def("em_layout_words", [](int r, int l) { return ExpertMajorLayout::words(r, l); });
   sub.def("pair_rank", &pair_rank, py::arg("topk_idx"), py::arg("num_tokens"), py::arg("num_topk"),
           py::arg("num_experts"), py::arg("out"), py::arg("workspace"), py::arg("stream"), py::arg("row_limit") = 0);
@@ -491,20 +492,20 @@ void register_intranode(py::module_& m) {
   // keep_alive: a plan holds raw pointers to the buffer and the events.
   py::class_<DispatchPlan>(sub, "DispatchPlan")
       .def(py::init<const IpcBuffer&, const StreamJoin&, uint64_t, uintptr_t, uintptr_t, int, int, int, int, int, int,
-                    int, int, int>(),
+                    int, int, int, int>(),
            py::arg("buffer"), py::arg("join"), py::arg("timeout_ns"), py::arg("is_token_in_rank"),
            py::arg("recv_channel_offset"), py::arg("num_tokens"), py::arg("hidden_bytes"), py::arg("num_scales"),
            py::arg("num_rows"), py::arg("pad_rows"), py::arg("num_channels"), py::arg("chunk"), py::arg("num_slots"),
-           py::arg("slot_bytes"), py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
+           py::arg("slot_bytes"), py::arg("protocol"), py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
       .def("launch", &DispatchPlan::launch, py::arg("x"), py::arg("scales"), py::arg("recv_x"),
            py::arg("recv_scales"), py::arg("stream"), py::arg("caller"), py::arg("join"));
   py::class_<CombinePlan>(sub, "CombinePlan")
       .def(py::init<const IpcBuffer&, const StreamJoin&, uint64_t, uintptr_t, uintptr_t, int, int, int, int, int, int,
-                    int, int, int>(),
+                    int, int, int, int>(),
            py::arg("buffer"), py::arg("join"), py::arg("timeout_ns"), py::arg("is_token_in_rank"),
            py::arg("recv_channel_offset"), py::arg("dtype"), py::arg("num_tokens"), py::arg("hidden"),
            py::arg("num_topk"), py::arg("num_x_rows"), py::arg("num_channels"), py::arg("chunk"), py::arg("num_slots"),
-           py::arg("slot_bytes"), py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
+           py::arg("slot_bytes"), py::arg("protocol"), py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
       .def("launch", &CombinePlan::launch, py::arg("x"), py::arg("topk_weights"), py::arg("bias0"), py::arg("bias1"),
            py::arg("out"), py::arg("out_topk_weights"), py::arg("stream"), py::arg("caller"), py::arg("join"));
 
@@ -524,13 +525,14 @@ void register_intranode(py::module_& m) {
           py::arg("num_channels"), py::arg("chunk"), py::arg("num_slots"), py::arg("slot_bytes"), py::arg("stream"),
           py::arg("em_mode") = 0, py::arg("pair_rank") = 0, py::arg("em_layout") = 0, py::arg("em_x") = 0,
           py::arg("em_scales") = 0, py::arg("em_weights") = 0, py::arg("em_pair_row") = 0,
-          py::arg("em_pair_slot") = 0, py::arg("em_inverse") = 0, py::arg("em_topk") = 0, py::arg("em_rows") = 0);
+          py::arg("em_pair_slot") = 0, py::arg("em_inverse") = 0, py::arg("em_topk") = 0, py::arg("em_rows") = 0,
+          py::arg("protocol") = 0);
   sub.def("combine", &combine, py::arg("buffer"), py::arg("timeout_ns"), py::arg("x"), py::arg("topk_weights"),
           py::arg("bias0"), py::arg("bias1"), py::arg("is_token_in_rank"), py::arg("recv_channel_offset"),
           py::arg("out"), py::arg("out_topk_weights"), py::arg("dtype"), py::arg("num_tokens"), py::arg("hidden"),
           py::arg("num_topk"), py::arg("num_x_rows"), py::arg("num_channels"), py::arg("chunk"), py::arg("num_slots"),
           py::arg("slot_bytes"), py::arg("stream"), py::arg("em_inverse") = 0, py::arg("em_weights") = 0,
-          py::arg("em_topk_weights") = 0, py::arg("em_topk") = 0);
+          py::arg("em_topk_weights") = 0, py::arg("em_topk") = 0, py::arg("protocol") = 0);
   sub.def("em_permute", &em_permute, py::arg("x"), py::arg("scales"), py::arg("recv_topk_idx"),
           py::arg("recv_topk_weights"), py::arg("pair_rank"), py::arg("layout"), py::arg("received"), py::arg("em_x"),
           py::arg("em_scales"), py::arg("em_weights"), py::arg("em_pair_row"), py::arg("em_pair_slot"),

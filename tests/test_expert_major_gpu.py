@@ -160,6 +160,19 @@ CASES: List[Dict] = [
 ]
 
 
+# Intranode ring protocol and combine variant of case i (the combine variant unless MOE_DISPATCHER_EM_COMBINE
+# chooses it): chunked and stream alternate, the bulk-copy protocol takes the last TMA_CASES cases (and the
+# graph case), so a fault there comes after the others' results; combine split and fused alternate every two
+# cases, so each protocol meets both without running every case six times. The protocol switches between
+# calls on the same Buffer.
+TMA_CASES = 4
+EM_MODES = ("split", "fused")
+
+
+def _variants(i: int, n: int):
+    return ("tma" if i >= n - TMA_CASES else ("chunked", "stream")[i % 2]), EM_MODES[(i // 2) % 2]
+
+
 def _world_fused_matches(rank: int, world_size: int) -> None:
     from moe_dispatcher import Buffer
     from moe_dispatcher.compiled.intranode import EM_DISPATCH_MODES
@@ -167,14 +180,20 @@ def _world_fused_matches(rank: int, world_size: int) -> None:
     rb = Buffer(backend="reference", explicitly_destroy=True)
     for mode in EM_DISPATCH_MODES:
         kb._kernels.em_dispatch_mode = mode
-        _check_variant(kb, rb, rank, world_size, f"[{mode} dispatch, {kb._kernels.em_combine_mode} combine]")
+        _check_variant(kb, rb, rank, world_size, f"[{mode} dispatch]")
     kb.destroy()
     rb.destroy()
 
 
 def _check_variant(kb, rb, rank: int, world_size: int, tag: str) -> None:
+    """Every case under one dispatch mode, the ring protocols and combine modes alternating over the cases."""
+    backend = kb._kernels
+    em_mode_fixed = bool(os.environ.get("MOE_DISPATCHER_EM_COMBINE"))
     for i, c in enumerate(CASES):
-        with case(f"{c['name']} {tag}"):
+        backend.nvl_variant, em_mode = _variants(i, len(CASES))
+        if not em_mode_fixed:
+            backend.em_combine_mode = em_mode
+        with case(f"{c['name']} {tag} ({backend.nvl_variant}, {backend.em_combine_mode} combine)"):
             _check_case(kb, rb, c, i)
     torch.cuda.synchronize()
 
@@ -191,8 +210,10 @@ def _check_variant(kb, rb, rank: int, world_size: int, tag: str) -> None:
         y, _, _ = kb.expert_major_combine(px, h)
         assert_close(y.float(), 2 * xo.float(), "round trip after the overflow", rtol=1e-2, atol=1e-2)
 
-    # ---- CUDA graph: expert-major dispatch (num_worst_tokens) + combine + cached dispatch, replayed.
-    with case(f"cuda graph capture + replay (expert-major, num_worst_tokens) {tag}"):
+    # ---- CUDA graph: expert-major dispatch (num_worst_tokens) + combine + cached dispatch, replayed (tma
+    # protocol; the overflow case above ran with the last case's).
+    backend.nvl_variant = "tma"
+    with case(f"cuda graph capture + replay (expert-major, num_worst_tokens, tma) {tag}"):
         dev = torch.device("cuda", torch.cuda.current_device())
         t, h, local, k = 384, 2048, 8, 6
         e, worst = local * world_size, 384 * world_size * 6

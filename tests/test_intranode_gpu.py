@@ -4,6 +4,9 @@ Each world holds two Buffers on the same NCCL group: one forced onto the compile
 (backend="kernels"), one on the reference backend. Dispatch outputs must be bit-identical (data, order,
 top-k, counts, prefix matrix, source indices); combine must agree within bf16 rounding (it is designed to be
 bit-exact: same float32 summation order), and the tests report how many combine outputs were bit-exact.
+Every case runs with each ring protocol (NVL_VARIANTS: the backend's nvl_variant, switched between calls on
+the same Buffer, which also checks that calls of different protocols may follow each other). The bulk-copy
+protocol runs in worlds of its own (VARIANT_GROUPS), so a fault there leaves the other protocols' results.
 """
 from __future__ import annotations
 
@@ -17,6 +20,19 @@ from dist import GPU_WORLD_SIZES, assert_close, assert_equal, case, make_buffer,
 pytestmark = pytest.mark.gpu
 WORLD_SIZES = GPU_WORLD_SIZES
 MAX_HIDDEN_BYTES = 7168 * 2
+NVL_VARIANTS = ("chunked", "stream", "tma")
+VARIANT_GROUPS = [("chunked", "stream"), ("tma",)]
+GROUP_IDS = ["+".join(g) for g in VARIANT_GROUPS]
+
+
+def _plans(variants, mixed: bool) -> List[tuple]:
+    """Protocols of (fresh dispatch, cached dispatch, combine) in one case: each of `variants` alone, and with
+    `mixed` a mix (fresh stream, cached the group's last protocol, combine chunked)."""
+    plans = [(v,) * 3 for v in variants]
+    if mixed:
+        plans.append(("stream", variants[-1], "chunked"))
+    return plans
+
 
 
 def _routing(g: torch.Generator, t: int, num_experts: int, k: int, num_ranks: int, kind: str) -> torch.Tensor:
@@ -49,8 +65,9 @@ def _dispatch(buf, x, idx, w, num_experts, align=1, num_worst=0, config=None):
     return layout, out
 
 
-def _check_case(kb, rb, c: Dict, seed: int, stats: Dict) -> None:
+def _check_case(kb, rb, c: Dict, seed: int, stats: Dict, plan=("chunked",) * 3) -> None:
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    backend = kb._kernels
     dev = torch.device("cuda", torch.cuda.current_device())
     t = c["T"][rank % len(c["T"])]
     h, local, k = c["H"], c["L"], c["K"]
@@ -69,6 +86,7 @@ def _check_case(kb, rb, c: Dict, seed: int, stats: Dict) -> None:
         xin = x
     num_worst = sum(c["T"][r % len(c["T"])] for r in range(num_ranks)) if c.get("worst") else 0
     align = c.get("align", 1)
+    backend.nvl_variant = plan[0]
     lk, ok = _dispatch(kb, xin, idx, w, num_experts, align, num_worst)
     lr, ro = _dispatch(rb, xin, idx, w, num_experts, align, num_worst)
     for i, name in ((0, "num_tokens_per_rank"), (2, "num_tokens_per_expert"), (3, "is_token_in_rank")):
@@ -93,6 +111,7 @@ def _check_case(kb, rb, c: Dict, seed: int, stats: Dict) -> None:
     x2 = ((torch.randn(t, h, generator=g) * 3).to(x.dtype).to(dev) if scales is None
           else x.view(torch.uint8).flip(0).view(x.dtype))
     x2in = x2 if scales is None else (x2, scales.flip(0))
+    backend.nvl_variant = plan[1]
     ck, cr = kb.dispatch(x2in, handle=hk), rb.dispatch(x2in, handle=hr)
     if scales is None:
         assert_equal(ck[0][:n], cr[0][:n], "cached recv_x")
@@ -110,6 +129,7 @@ def _check_case(kb, rb, c: Dict, seed: int, stats: Dict) -> None:
         bias = torch.randn(t, h, generator=g).to(cdtype).to(dev)
     elif c.get("bias") == 2:
         bias = (torch.randn(t, h, generator=g).to(cdtype).to(dev), torch.randn(t, h, generator=g).to(cdtype).to(dev))
+    backend.nvl_variant = plan[2]
     yk = kb.combine(y, hk, topk_weights=ok[2], bias=bias)
     yr = rb.combine(y, hr, topk_weights=ro[2], bias=bias)
     stats["combine_total"] += 1
@@ -136,31 +156,41 @@ CASES: List[Dict] = [
 ]
 
 
-def _world_matches_reference(rank: int, world_size: int) -> Dict:
+def _world_matches_reference(rank: int, world_size: int, variants) -> Dict:
     kb, rb = _buffers()
     stats = {"combine_total": 0, "combine_bit_exact": 0}
     for i, c in enumerate(CASES):
-        with case(c["name"]):
-            _check_case(kb, rb, c, i, stats)
-    # Config honoured: fewer channels and smaller rings, through the backend directly (same stream rules).
+        for plan in _plans(variants, i % 3 == 0):
+            with case(f"{c['name']} ({'/'.join(plan)})"):
+                _check_case(kb, rb, c, i, stats, plan)
+    # Config honoured: fewer channels and smaller rings (the senders wait for free slots), through the backend
+    # directly (same stream rules).
     from moe_dispatcher import Config
-    with case("config num_sms=8 chunk 4 ring 64"):
-        dev = torch.device("cuda", torch.cuda.current_device())
-        g = torch.Generator().manual_seed(77 + rank)
-        t, h, e = 333, 2048, 8 * world_size
-        idx = _routing(g, t, e, 4, world_size, "random").to(dev)
-        x = torch.randn(t, h, generator=g).to(torch.bfloat16).to(dev)
-        cfg = Config(8, 4, 64)
-        backend = kb._kernels
-        layout = backend.get_dispatch_layout(idx, e)
-        got = backend.dispatch(x, None, idx, None, layout[0], layout[3], layout[2], 1, 0, config=cfg)
-        _, want = _dispatch(rb, x, idx, None, e)
-        n = int(want[4].rank_prefix_matrix[-1, rank])
-        assert_equal(got[0][:n], want[0][:n], "recv_x with Config(8, 4, 64)")
-        assert_equal(got[5].recv_src_idx, want[4].recv_src_idx, "recv_src_idx with Config(8, 4, 64)")
-        yk, _ = backend.combine(got[0], got[5], None, (), config=cfg)
-        yr = rb.combine(want[0], want[4])[0]
-        assert_close(yk, yr, "combine with Config(8, 4, 64)", rtol=1e-2, atol=1e-2)
+    backend = kb._kernels
+    for cfg in (Config(8, 4, 64), Config(4, 1, 33)):
+        for variant in variants:
+            with case(f"config {cfg} ({variant})"):
+                backend.nvl_variant = variant
+                dev = torch.device("cuda", torch.cuda.current_device())
+                g = torch.Generator().manual_seed(77 + rank)
+                t, h, e = 333, 2048, 8 * world_size
+                idx = _routing(g, t, e, 4, world_size, "random").to(dev)
+                x = torch.randn(t, h, generator=g).to(torch.bfloat16).to(dev)
+                w = torch.rand(t, 4, generator=g).to(dev)
+                layout = backend.get_dispatch_layout(idx, e)
+                got = backend.dispatch(x, None, idx, w, layout[0], layout[3], layout[2], 1, 0, config=cfg)
+                _, want = _dispatch(rb, x, idx, w, e)
+                n = int(want[4].rank_prefix_matrix[-1, rank])
+                assert_equal(got[0][:n], want[0][:n], f"recv_x with {cfg}")
+                assert_equal(got[2], want[1], f"recv_topk_idx with {cfg}")
+                assert_equal(got[3], want[2], f"recv_topk_weights with {cfg}")
+                assert_equal(got[5].recv_src_idx, want[4].recv_src_idx, f"recv_src_idx with {cfg}")
+                cached = backend.cached_dispatch(x, None, got[5], config=cfg)[0]
+                assert_equal(cached[:n], want[0][:n], f"cached recv_x with {cfg}")
+                yk, wk = backend.combine(got[0], got[5], got[3], (), config=cfg)
+                yr, wr, _ = rb.combine(want[0], want[4], topk_weights=want[2])
+                assert_close(yk, yr, f"combine with {cfg}", rtol=1e-2, atol=1e-2)
+                assert_close(wk, wr, f"combined weights with {cfg}", rtol=1e-5, atol=1e-5)
     torch.cuda.synchronize()
     kb.destroy()
     rb.destroy()
@@ -168,62 +198,69 @@ def _world_matches_reference(rank: int, world_size: int) -> Dict:
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_matches_reference(world_size: int) -> None:
-    stats = run_distributed(_world_matches_reference, world_size, backend="nccl")
+@pytest.mark.parametrize("variants", VARIANT_GROUPS, ids=GROUP_IDS)
+def test_matches_reference(world_size: int, variants) -> None:
+    stats = run_distributed(_world_matches_reference, world_size, variants, backend="nccl")
     exact = sum(s["combine_bit_exact"] for s in stats)
     total = sum(s["combine_total"] for s in stats)
-    print(f"\n[intranode R={world_size}] combine bit-exact vs reference: {exact}/{total} (rank, case) pairs")
+    print(f"\n[intranode R={world_size} {'+'.join(variants)}] combine bit-exact vs reference: {exact}/{total} (rank, "
+          f"case, protocol) triples")
 
 
-def _world_graph_and_back_to_back(rank: int, world_size: int) -> None:
+def _world_graph_and_back_to_back(rank: int, world_size: int, variants) -> None:
     kb, rb = _buffers()
     dev = torch.device("cuda", torch.cuda.current_device())
     t, h, local, k = 384, 2048, 8, 6
     e = local * world_size
     worst = t * world_size
 
-    # ---- CUDA graph: layout + dispatch(num_worst_tokens) + combine captured once, replayed on new data.
-    with case("cuda graph capture + replay"):
-        g = torch.Generator().manual_seed(5 + rank)
-        x = torch.randn(t, h, generator=g).to(torch.bfloat16).to(dev)
-        idx = _routing(g, t, e, k, world_size, "random").to(dev)
-        w = torch.rand(t, k, generator=g).to(dev)
+    # ---- CUDA graph: layout + dispatch(num_worst_tokens) + combine captured once, replayed on new data (each
+    # ring protocol: it is fixed in the captured launches).
+    for variant in variants:
+        with case(f"cuda graph capture + replay ({variant})"):
+            kb._kernels.nvl_variant = variant
+            g = torch.Generator().manual_seed(5 + rank)
+            x = torch.randn(t, h, generator=g).to(torch.bfloat16).to(dev)
+            idx = _routing(g, t, e, k, world_size, "random").to(dev)
+            w = torch.rand(t, k, generator=g).to(dev)
 
-        def step():
-            _, out = _dispatch(kb, x, idx, w, e, num_worst=worst)
-            comb = kb.combine(out[0], out[4], topk_weights=out[2])
-            return out, comb
+            def step():
+                _, out = _dispatch(kb, x, idx, w, e, num_worst=worst)
+                comb = kb.combine(out[0], out[4], topk_weights=out[2])
+                return out, comb
 
-        step()  # eager warm-up
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out, comb = step()
-        for it in range(3):
-            x.copy_(torch.randn(t, h, generator=g).to(torch.bfloat16))
-            idx.copy_(_routing(g, t, e, k, world_size, "random"))
-            w.copy_(torch.rand(t, k, generator=g))
-            graph.replay()
+            step()  # eager warm-up
             torch.cuda.synchronize()
-            _, want = _dispatch(rb, x, idx, w, e, num_worst=worst)
-            n = int(want[4].rank_prefix_matrix[-1, rank])
-            assert_equal(out[4].rank_prefix_matrix, want[4].rank_prefix_matrix, f"replay {it}: prefix matrix")
-            assert_equal(out[0][:n], want[0][:n], f"replay {it}: recv_x")
-            assert_equal(out[1], want[1], f"replay {it}: recv_topk_idx")
-            assert_equal(out[2], want[2], f"replay {it}: recv_topk_weights")
-            assert_equal(out[4].recv_src_idx, want[4].recv_src_idx, f"replay {it}: recv_src_idx")
-            want_comb = rb.combine(want[0], want[4], topk_weights=want[2])
-            assert_close(comb[0], want_comb[0], f"replay {it}: combined_x", rtol=1e-2, atol=1e-2)
-            assert_close(comb[1], want_comb[1], f"replay {it}: combined weights", rtol=1e-5, atol=1e-5)
-        del graph
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out, comb = step()
+            for it in range(3):
+                x.copy_(torch.randn(t, h, generator=g).to(torch.bfloat16))
+                idx.copy_(_routing(g, t, e, k, world_size, "random"))
+                w.copy_(torch.rand(t, k, generator=g))
+                graph.replay()
+                torch.cuda.synchronize()
+                _, want = _dispatch(rb, x, idx, w, e, num_worst=worst)
+                n = int(want[4].rank_prefix_matrix[-1, rank])
+                assert_equal(out[4].rank_prefix_matrix, want[4].rank_prefix_matrix, f"replay {it}: prefix matrix")
+                assert_equal(out[0][:n], want[0][:n], f"replay {it}: recv_x")
+                assert_equal(out[1], want[1], f"replay {it}: recv_topk_idx")
+                assert_equal(out[2], want[2], f"replay {it}: recv_topk_weights")
+                assert_equal(out[4].recv_src_idx, want[4].recv_src_idx, f"replay {it}: recv_src_idx")
+                want_comb = rb.combine(want[0], want[4], topk_weights=want[2])
+                assert_close(comb[0], want_comb[0], f"replay {it}: combined_x", rtol=1e-2, atol=1e-2)
+                assert_close(comb[1], want_comb[1], f"replay {it}: combined weights", rtol=1e-5, atol=1e-5)
+            del graph
 
-    # ---- 1000 back-to-back dispatch + combine (fresh and cached alternating) with fresh data; each
-    # round trip is checked on the device (x holds small integers, so x * ranks is exact), the last
-    # one against the reference.
-    with case("1000 back-to-back dispatch+combine"):
+    # ---- 1000 back-to-back dispatch + combine (fresh and cached alternating, the ring protocol switching
+    # every two round trips) with fresh data; each round trip is checked on the device (x holds small
+    # integers, so x * ranks is exact), the last one against the reference.
+    cycle = variants if len(variants) > 1 else variants + ("chunked",)
+    with case(f"1000 back-to-back dispatch+combine ({'/'.join(cycle)})"):
         bad = torch.zeros((), dtype=torch.int64, device=dev)
         handle = None
         for i in range(1000):
+            kb._kernels.nvl_variant = cycle[(i // 2) % len(cycle)]
             x = torch.randint(-8, 9, (t, h), device=dev).to(torch.bfloat16)
             if handle is None or i % 2 == 0:
                 idx = torch.rand(t, e, device=dev).topk(k, dim=1).indices
@@ -244,22 +281,26 @@ def _world_graph_and_back_to_back(rank: int, world_size: int) -> None:
 
     # More rows than num_worst_tokens: no host sync at that call, so the extra rows are dropped and every
     # rank raises at its next synchronised dispatch; the group keeps working afterwards.
-    with case("num_worst_tokens overflow"):
-        idx0 = torch.zeros(t, 1, dtype=torch.int64, device=dev)  # every token to expert 0 on rank 0
-        x0 = torch.randn(t, h, device=dev).to(torch.bfloat16)
-        _dispatch(kb, x0, idx0, None, e, num_worst=1)
-        with pytest.raises(ValueError, match="num_worst_tokens"):
-            _dispatch(kb, x0, idx0, None, e)
-        _, out = _dispatch(kb, x0, idx0, None, e)
-        assert_equal(kb.combine(out[0], out[4])[0], x0, "round trip after the overflow")
+    for variant in variants:
+        with case(f"num_worst_tokens overflow ({variant})"):
+            kb._kernels.nvl_variant = variant
+            idx0 = torch.zeros(t, 1, dtype=torch.int64, device=dev)  # every token to expert 0 on rank 0
+            x0 = torch.randn(t, h, device=dev).to(torch.bfloat16)
+            _, dropped = _dispatch(kb, x0, idx0, None, e, num_worst=1)
+            kb.combine(dropped[0], dropped[4])  # the rows past num_worst_tokens are not sent back either
+            with pytest.raises(ValueError, match="num_worst_tokens"):
+                _dispatch(kb, x0, idx0, None, e)
+            _, out = _dispatch(kb, x0, idx0, None, e)
+            assert_equal(kb.combine(out[0], out[4])[0], x0, "round trip after the overflow")
     torch.cuda.synchronize()
     kb.destroy()
     rb.destroy()
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_graph_and_back_to_back(world_size: int) -> None:
-    run_distributed(_world_graph_and_back_to_back, world_size, backend="nccl")
+@pytest.mark.parametrize("variants", VARIANT_GROUPS, ids=GROUP_IDS)
+def test_graph_and_back_to_back(world_size: int, variants) -> None:
+    run_distributed(_world_graph_and_back_to_back, world_size, variants, backend="nccl")
 
 
 def _full_path(buf, fn):
@@ -410,21 +451,26 @@ def _world_timeout(rank: int, world_size: int) -> None:
         dist.barrier()
         kb.destroy()
 
-    with case("rank 1 skips a combine"):
-        kb = make_buffer(hidden_bytes=h * 2, backend="kernels", explicitly_destroy=True)
-        _, out = _dispatch(kb, x, idx, None, e)
-        if rank != 1:
-            kb.combine(out[0], out[4])
-            torch.cuda.synchronize()  # the kernel gives up after the timeout and exits
-            with pytest.raises(RuntimeError) as err:
-                kb.get_dispatch_layout(idx, e)
-            msg = str(err.value)
-            assert f"rank {rank} timed out" in msg and "combine" in msg, msg
-            with pytest.raises(RuntimeError, match="timed out"):  # a repeated call (its plan made) too
-                kb.combine(out[0], out[4])
-        torch.cuda.synchronize()
-        dist.barrier()
-        kb.destroy()
+    # With each ring protocol; a ring of 36 slots, so the senders to rank 1 wait for slots as well.
+    from moe_dispatcher import Config
+    for variant in NVL_VARIANTS:
+        with case(f"rank 1 skips a combine ({variant})"):
+            kb = make_buffer(hidden_bytes=h * 2, backend="kernels", explicitly_destroy=True)
+            kb._kernels.nvl_variant = variant
+            _, out = _dispatch(kb, x, idx, None, e)
+            if rank != 1:
+                cfg = Config(20, 4, 36)
+                kb.combine(out[0], out[4], config=cfg)
+                torch.cuda.synchronize()  # the kernel gives up after the timeout and exits
+                with pytest.raises(RuntimeError) as err:
+                    kb.get_dispatch_layout(idx, e)
+                msg = str(err.value)
+                assert f"rank {rank} timed out" in msg and "combine" in msg, msg
+                with pytest.raises(RuntimeError, match="timed out"):  # a repeated call (its plan made) too
+                    kb.combine(out[0], out[4], config=cfg)
+            torch.cuda.synchronize()
+            dist.barrier()
+            kb.destroy()
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)

@@ -11,7 +11,7 @@
 # Needs: nvcc (CUDA 13; $CUDA_HOME, PATH or /usr/local/cuda), NVSHMEM headers from the
 # nvidia-nvshmem-cu13==3.4.5 wheel (or $NVSHMEM_HOME), setuptools, and torch for the files above.
 # Installs nothing. Env: MOE_CHECK_ARCH (default 90a), JOBS (parallel compiles, default nproc),
-# PYTHON (default python3), CXX (default c++).
+# PYTHON (default python3), CXX (default c++). Arguments: check only these files (default: all of csrc/).
 # Prints one line per file; exits non-zero if any file fails (its compiler output follows).
 set -uo pipefail
 
@@ -78,7 +78,11 @@ check_one() {  # $1 = source file; prints the compiler output, returns its statu
   esac
 }
 
-mapfile -t files < <(find csrc -type f \( -name '*.cu' -o -name '*.cpp' \) | sort)
+if [[ $# -gt 0 ]]; then  # only the files named (e.g. the ones a change touched)
+  files=("$@")
+else
+  mapfile -t files < <(find csrc -type f \( -name '*.cu' -o -name '*.cpp' \) | sort)
+fi
 [[ ${#files[@]} -gt 0 ]] || { echo "check_kernels_compile: no sources under csrc/"; exit 0; }
 
 tmp=$(mktemp -d)

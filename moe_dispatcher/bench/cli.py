@@ -19,6 +19,19 @@ def _ints(text: str) -> List[int]:
     return [int(v) for v in text.replace(" ", "").split(",") if v]
 
 
+def _names(text: str) -> List[str]:
+    return [v for v in text.replace(" ", "").split(",") if v]
+
+
+def _triples(text: str) -> List[tuple]:
+    out = []
+    for item in text.replace(" ", "").split(","):
+        if item:
+            sms, send, recv = item.split(":")
+            out.append((int(sms), int(send), int(recv)))
+    return out
+
+
 def _pairs(text: str) -> List[tuple]:
     out = []
     for item in text.replace(" ", "").split(","):
@@ -54,6 +67,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--num-sms", type=_ints, default=None, help="num_sms sweep with tuned chunks (8,16,24)")
     g.add_argument("--chunks", type=_pairs, default=None,
                    help="extra send:recv chunk pairs at the largest num_sms (8:128,16:256,32:512)")
+    g.add_argument("--configs", type=_triples, default=[],
+                   help="extra num_sms:send:recv configs, e.g. 16:12:256,24:32:512 (after the rows above)")
     g.add_argument("--plot-sms", type=int, default=None, help="num_sms of the tokens sweep (24)")
     g.add_argument("--tokens-sweep", type=_ints, default=None, help="tokens per rank of --plot-sweep "
                    "(512,1024,2048,4096,8192)")
@@ -62,6 +77,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--ll-variants", type=_ints, default=None,
                    help="low-latency kernel variants to time side by side (bits of MOE_DISPATCHER_LL_VARIANT; "
                         "default: the environment's)")
+    g.add_argument("--nvl-variants", type=_names, default=None,
+                   help="normal mode, intranode kernels: ring protocols to time side by side, e.g. chunked,stream "
+                        "(MOE_DISPATCHER_NVL_VARIANT; default: the environment's)")
     g.add_argument("--iters", type=int, default=None, help="timed calls per case (50)")
     g.add_argument("--warmup", type=int, default=None, help="warm-up calls per case (10)")
     g.add_argument("--no-graph", action="store_true", help="low-latency: skip the CUDA-graph timings")
@@ -145,7 +163,8 @@ def rank_main(opts: argparse.Namespace) -> None:
                 "backends_used": sorted({r["backend"] for r in ctx.records if r.get("backend") not in (None, "nccl")}),
                 "env": {k: os.environ.get(k) for k in ("NVSHMEM_DISABLE_NVLS", "NCCL_NVLS_ENABLE",
                                                        "TORCH_SYMM_MEM_DISABLE_MULTICAST", "MOE_DISPATCHER_BACKEND",
-                                                       "MOE_DISPATCHER_EM_DISPATCH", "MOE_DISPATCHER_EM_COMBINE")},
+                                                       "MOE_DISPATCHER_EM_DISPATCH", "MOE_DISPATCHER_EM_COMBINE",
+                                                       "MOE_DISPATCHER_NVL_VARIANT")},
                 "options": {k: v for k, v in vars(opts).items() if k not in ("command",)},
                 "failed_sections": failed}
         report.write(meta, ctx.records, ctx.notes, opts.json, opts.out_dir, opts.mode)

@@ -36,7 +36,8 @@ def normal_table(records: List[Dict[str, Any]]) -> str:
     for r in records:
         if r["section"] != "normal":
             continue
-        rows.append([f"{r['op']} {r['dtype']}", r["num_sms"], f"{r['send_chunk']}/{r['recv_chunk']}", r["config"],
+        config = r["config"] + (f" {r['nvl_variant']}" if r.get("nvl_variant") else "")
+        rows.append([f"{r['op']} {r['dtype']}", r["num_sms"], f"{r['send_chunk']}/{r['recv_chunk']}", config,
                      _f(r["t_us"]["mean"]), _range(r["t_us"]), _f(r["logical_gbps"]["mean"]),
                      _f(r["logical_gbps"]["min"]), _f(r.get("physical_gbps", {}).get("mean")),
                      *_nccl_cells(r), _f(r.get("target_gbps"), 0)])
@@ -47,12 +48,12 @@ def normal_table(records: List[Dict[str, Any]]) -> str:
 
 
 def best_table(records: List[Dict[str, Any]]) -> str:
-    """The best config of each (op, num_sms) of the normal-mode sweep."""
+    """The best config of each (op, num_sms, ring protocol) of the normal-mode sweep."""
     best: Dict[tuple, Dict[str, Any]] = {}
     for r in records:
         if r["section"] != "normal":
             continue
-        key = (f"{r['op']} {r['dtype']}", r["num_sms"])
+        key = (f"{r['op']} {r['dtype']}" + (f" {r['nvl_variant']}" if r.get("nvl_variant") else ""), r["num_sms"])
         if key not in best or r["logical_gbps"]["mean"] > best[key]["logical_gbps"]["mean"]:
             best[key] = r
     if len(best) == sum(1 for r in records if r["section"] == "normal"):

@@ -42,6 +42,16 @@ EM_DISPATCH_ENV = "MOE_DISPATCHER_EM_DISPATCH"
 EM_DISPATCH_MODES = ("split", "fused")
 EM_COMBINE_ENV = "MOE_DISPATCHER_EM_COMBINE"
 EM_COMBINE_MODES = ("split", "fused")
+# How the dispatch and combine kernels move rows through the rings (docs/intranode.md), read when the backend
+# is created; the attribute nvl_variant changes it later (bench, tests). All give the same bytes and use the
+# same rings, so calls of any may follow each other on one Buffer. "chunked" (default): warp groups in
+# lock-step chunks, each ending with a system-scope release by the group leader; "stream": every warp moves
+# its own rows and one publisher warp per block updates the ring counters (Config's send chunk is then the
+# least rows per tail update); "tma": stream, with senders that move rows by bulk copies (TMA) through shared
+# memory, one warp per ring (the expert-major combine sends as stream; so does a slot too large for 2 buffers
+# per ring).
+NVL_VARIANT_ENV = "MOE_DISPATCHER_NVL_VARIANT"
+NVL_VARIANTS = ("chunked", "stream", "tma")  # index = the kernels' RingProtocol
 _COMBINE_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
@@ -90,7 +100,7 @@ class CachedCall:
 
     __slots__ = ("backend", "is_token_in_rank", "recv_src_idx", "num_tokens", "num_worst_tokens", "config", "num_sms",
                  "dtype", "shape", "device", "is_cuda", "torch_device", "aux_dtype", "aux_shape", "out_shape",
-                 "aux_out_shape", "native")
+                 "aux_out_shape", "protocol", "native")
 
     def __init__(self, backend: "IntranodeBackend", handle: DispatchHandle, x: torch.Tensor,
                  aux: Optional[torch.Tensor], config: Optional[Config], out_shape: Tuple[int, int],
@@ -103,11 +113,13 @@ class CachedCall:
         self.device, self.is_cuda = x.get_device(), x.is_cuda  # the device, cheaply: index and type (CUDA or not)
         self.aux_dtype, self.aux_shape = (None, None) if aux is None else (aux.dtype, aux.shape)
         self.out_shape, self.aux_out_shape, self.native = out_shape, aux_out_shape, native
+        self.protocol = backend._protocol  # the ring protocol the native plan launches
 
     def matches(self, backend: "IntranodeBackend", handle: DispatchHandle, x: torch.Tensor,
                 aux: Optional[torch.Tensor], config: Optional[Config]) -> bool:
         """Would a call of `backend` with these arguments pass the checks this plan's call passed?"""
-        if not (self.backend is backend and handle.is_token_in_rank is self.is_token_in_rank
+        if not (self.backend is backend and backend._protocol == self.protocol
+                and handle.is_token_in_rank is self.is_token_in_rank
                 and handle.recv_src_idx is self.recv_src_idx and handle.num_tokens == self.num_tokens
                 and handle.num_worst_tokens == self.num_worst_tokens and x.dtype is self.dtype
                 and x.shape == self.shape and x.get_device() == self.device and x.is_cuda is self.is_cuda
@@ -190,6 +202,7 @@ class IntranodeBackend:
         self._timeout_ns = int(self.timeout_s * 1e9)
         self.em_dispatch_mode = env_mode(EM_DISPATCH_ENV, EM_DISPATCH_MODES)
         self.em_combine_mode = env_mode(EM_COMBINE_ENV, EM_COMBINE_MODES)
+        self.nvl_variant = env_mode(NVL_VARIANT_ENV, NVL_VARIANTS)
         minimum = self._mod.RINGS_OFFSET + self.num_ranks * 128
         if self.num_nvl_bytes < minimum:
             raise ValueError(f"num_nvl_bytes={self.num_nvl_bytes} is too small for the intranode kernels (at least "
@@ -205,6 +218,17 @@ class IntranodeBackend:
         self._broken: Optional[str] = None
         self._rdma_emulation: Optional[torch.Tensor] = None
         self._scratch: Optional[torch.Tensor] = None  # see _present
+
+    @property
+    def nvl_variant(self) -> str:
+        """The ring protocol of later dispatch / combine calls (NVL_VARIANT_ENV)."""
+        return NVL_VARIANTS[self._protocol]
+
+    @nvl_variant.setter
+    def nvl_variant(self, value: str) -> None:
+        if value not in NVL_VARIANTS:
+            raise ValueError(f"{NVL_VARIANT_ENV} / nvl_variant must be one of {NVL_VARIANTS}, got {value!r}")
+        self._protocol = NVL_VARIANTS.index(value)
 
     # ------------------------------------------------------------------ what this backend serves
     def serves_normal(self, topology) -> bool:
@@ -365,7 +389,8 @@ class IntranodeBackend:
                            self._ptr(topk_weights), is_token_in_rank.data_ptr(), offsets.data_ptr(),
                            recv_x.data_ptr(), self._ptr(recv_scales), self._ptr(recv_idx), self._ptr(recv_w),
                            recv_src.data_ptr(), t, hidden_bytes, num_scales, num_topk, local, rows,
-                           1 if num_worst_tokens else 0, channels, chunk, slots, slot_bytes, self._stream())
+                           1 if num_worst_tokens else 0, channels, chunk, slots, slot_bytes, self._stream(),
+                           protocol=self._protocol)
         if topk_weights is None:
             recv_w = None
         handle = DispatchHandle(prefix, is_token_in_rank, recv_src, num_recv, t, num_worst_tokens, self.name,
@@ -395,7 +420,8 @@ class IntranodeBackend:
         rows = handle.recv_src_idx.shape[0]
         native = self._mod.DispatchPlan(self._ipc, self._join, self._timeout_ns, handle.is_token_in_rank.data_ptr(),
                                         offsets.data_ptr(), x.shape[0], hidden_bytes, num_scales, rows,
-                                        1 if handle.num_worst_tokens else 0, channels, chunk, slots, slot_bytes)
+                                        1 if handle.num_worst_tokens else 0, channels, chunk, slots, slot_bytes,
+                                        self._protocol)
         return DispatchCall(self, handle, x, x_scales, config, (rows, x.shape[1]),
                             (rows, num_scales) if x_scales is not None else None, native)
 
@@ -436,7 +462,8 @@ class IntranodeBackend:
         t = handle.num_tokens
         native = self._mod.CombinePlan(self._ipc, self._join, self._timeout_ns, handle.is_token_in_rank.data_ptr(),
                                        offsets.data_ptr(), _COMBINE_DTYPES[x.dtype], t, x.shape[1], num_topk,
-                                       x.shape[0], channels, chunk, slots, slot_bytes)
+                                       x.shape[0], channels, chunk, slots, slot_bytes,
+                                       self._protocol)
         return CombineCall(self, handle, x, topk_weights, config, (t, x.shape[1]),
                            (t, num_topk) if topk_weights is not None else None, native)
 
@@ -506,7 +533,8 @@ class IntranodeBackend:
             self._mod.dispatch(self._ipc, self._timeout_ns, x.data_ptr(), self._ptr(x_scales), topk_idx.data_ptr(),
                                self._ptr(topk_weights), in_rank.data_ptr(), offsets.data_ptr(), recv_x.data_ptr(),
                                self._ptr(recv_s), recv_idx.data_ptr(), recv_w.data_ptr(), recv_src.data_ptr(), t,
-                               hidden_bytes, num_scales, k, local, rows, 0, channels, chunk, slots, slot_bytes, stream)
+                               hidden_bytes, num_scales, k, local, rows, 0, channels, chunk, slots, slot_bytes, stream,
+                               protocol=self._protocol)
         px = torch.empty(m, x.shape[1], dtype=x.dtype, device=dev)
         ps = torch.empty(m, num_scales, dtype=x_scales.dtype, device=dev) if x_scales is not None else None
         pw = torch.empty(m, dtype=torch.float32, device=dev) if topk_weights is not None else None
@@ -528,7 +556,8 @@ class IntranodeBackend:
                                em_mode=1, pair_rank=self._present(pair_rank), em_layout=layout.data_ptr(),
                                em_x=self._ptr(px), em_scales=self._ptr(ps), em_weights=self._present(pw),
                                em_pair_row=self._present(pair_row), em_pair_slot=self._present(pair_slot),
-                               em_inverse=self._present(inverse), em_topk=k, em_rows=m)
+                               em_inverse=self._present(inverse), em_topk=k, em_rows=m,
+                               protocol=self._protocol)
         r_local = r * local
         tpe = layout[r_local + 2 * local + 1: r_local + 3 * local + 1]
         need = layout[r_local + local]
@@ -609,7 +638,7 @@ class IntranodeBackend:
             self._mod.dispatch(self._ipc, self._timeout_ns, x.data_ptr(), self._ptr(x_scales), 0, 0,
                                dh.is_token_in_rank.data_ptr(), offsets.data_ptr(), recv_x.data_ptr(),
                                self._ptr(recv_s), 0, 0, 0, x.shape[0], hidden_bytes, num_scales, 0, 1, rows, 0,
-                               channels, chunk, slots, slot_bytes, self._stream())
+                               channels, chunk, slots, slot_bytes, self._stream(), protocol=self._protocol)
             return self.em_permute(recv_x, recv_s, handle)
         px = torch.empty(m, x.shape[1], dtype=x.dtype, device=dev)
         ps = torch.empty(m, num_scales, dtype=x_scales.dtype, device=dev) if x_scales is not None else None
@@ -618,7 +647,7 @@ class IntranodeBackend:
                            hidden_bytes, num_scales, 0, local, rows, 1 if dh.num_worst_tokens else 0, channels, chunk,
                            slots, slot_bytes, self._stream(), em_mode=2, em_layout=layout.data_ptr(),
                            em_x=self._ptr(px), em_scales=self._ptr(ps), em_inverse=self._present(inverse),
-                           em_topk=handle.num_topk, em_rows=m)
+                           em_topk=handle.num_topk, em_rows=m, protocol=self._protocol)
         return px, ps
 
     def em_permute(self, rows_x: torch.Tensor, rows_s: Optional[torch.Tensor], handle: ExpertMajorHandle):
@@ -685,7 +714,8 @@ class IntranodeBackend:
                               self._ptr(biases[0] if len(biases) > 0 else None),
                               self._ptr(biases[1] if len(biases) > 1 else None), dh.is_token_in_rank.data_ptr(),
                               offsets.data_ptr(), out.data_ptr(), self._ptr(out_w), _COMBINE_DTYPES[x.dtype], t,
-                              x.shape[1], num_topk, n, channels, chunk, slots, slot_bytes, self._stream())
+                              x.shape[1], num_topk, n, channels, chunk, slots, slot_bytes, self._stream(),
+                              protocol=self._protocol)
             return out, out_w
         self._mod.combine(self._ipc, self._timeout_ns, x.data_ptr(), 0,
                           self._ptr(biases[0] if len(biases) > 0 else None),
@@ -693,7 +723,8 @@ class IntranodeBackend:
                           offsets.data_ptr(), out.data_ptr(), self._ptr(out_w), _COMBINE_DTYPES[x.dtype], t,
                           x.shape[1], num_topk, n, channels, chunk, slots, slot_bytes,
                           self._stream(), em_inverse=self._present(handle.backend_state[0]),
-                          em_weights=self._present(weights), em_topk_weights=self._present(topk_weights), em_topk=k)
+                          em_weights=self._present(weights), em_topk_weights=self._present(topk_weights), em_topk=k,
+                          protocol=self._protocol)
         return out, out_w
 
     # ------------------------------------------------------------------ buffer access and lifetime

@@ -55,6 +55,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "kernels/common/vec.cuh"
 #include "kernels/intranode/copy.cuh"
 #include "kernels/intranode/launch_check.cuh"
 #include "kernels/internode/common.cuh"
@@ -66,22 +67,6 @@ using intranode::warp_copy;
 
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
-
-template <typename T> __device__ __forceinline__ float to_float(T v);
-template <> __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <> __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-template <> __device__ __forceinline__ float to_float(float v) { return v; }
-template <typename T> __device__ __forceinline__ T from_float(float v);
-template <> __device__ __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
-template <> __device__ __forceinline__ __half from_float(float v) { return __float2half_rn(v); }
-template <> __device__ __forceinline__ float from_float(float v) { return v; }
-
-template <typename T>
-union Vec {
-  static constexpr int kElems = 16 / sizeof(T);
-  int4 raw;
-  T elems[kElems];
-};
 
 // ------------------------------------------------------------------ NVLink sender (rows back to forwarders)
 __device__ void nvl_send(const CombineArgs& a, int ch, int l, int group_warp, int warps, int lane, int* shared_ok,

@@ -4,16 +4,24 @@
 // the token: out = cast(bias_0 + bias_1 + sum over ranks ascending), accumulated in float32 in that
 // order, exactly like the reference; the returned top-k weights are summed the same way.
 //
-// A receiver takes a batch of 32 x batch_windows tokens at a time: it learns from is_token_in_rank
-// how many rows each ring must deliver, waits for them (thread 0 acquires each tail), reduces (one
-// warp per token), then releases the consumed slots of every ring.
+// Two kernels move the rows (args.protocol); they share the per-row code (send_row, reduce_token), so they
+// give the same bits:
+// - combine_kernel (chunked, channel.cuh): a receiver takes a batch of 32 x batch_windows tokens at a time:
+//   it learns from is_token_in_rank how many rows each ring must deliver, waits for them (thread 0 acquires
+//   each tail), reduces (one warp per token), then releases the consumed slots of every ring.
+// - combine_stream_kernel (stream.cuh): senders as in dispatch; a receiver warp takes tokens round robin
+//   and waits only for its own token's rows, and a release warp returns the slots of every token below the
+//   smallest one still in progress. No block-wide barrier, so reducing overlaps the arrival of later rows.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include "kernels/common/channel.cuh"
+#include "kernels/common/vec.cuh"
+#include "kernels/intranode/em_pairs.cuh"
 #include "kernels/intranode/copy.cuh"
 #include "kernels/intranode/launch_check.cuh"
 #include "kernels/intranode/protocol.h"
+#include "kernels/intranode/stream.cuh"
 
 namespace moe_dispatcher::intranode {
 namespace {
@@ -21,22 +29,6 @@ namespace {
 // Fewer threads than dispatch: the receiver keeps 8 rows in flight per lane and needs the registers.
 constexpr int kCombineThreads = 512;
 constexpr int kCombineWarps = kCombineThreads / 32;
-
-template <typename T> __device__ __forceinline__ float to_float(T v);
-template <> __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <> __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-template <> __device__ __forceinline__ float to_float(float v) { return v; }
-template <typename T> __device__ __forceinline__ T from_float(float v);
-template <> __device__ __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
-template <> __device__ __forceinline__ __half from_float(float v) { return __float2half_rn(v); }
-template <> __device__ __forceinline__ float from_float(float v) { return v; }
-
-template <typename T>
-union Vec {
-  static constexpr int kElems = 16 / sizeof(T);
-  int4 raw;
-  T elems[kElems];
-};
 
 // Expert-major combine, sender side: the partial sum of received row r over its pairs here (slot order,
 // float32, each term x[pos] * em_weights[pos] rounded to float32 when weighted; explicit _rn intrinsics
@@ -53,11 +45,12 @@ union Vec {
 // registers (the kernel is capped at 128: more, or a second variant per pair count, spills).
 constexpr int kEmLoadsInFlight = 8;
 
-// The float32 sums of kUnroll vectors per lane are carried from group to group (slot order kept).
-template <typename T>
+// The float32 sums of kUnroll vectors per lane are carried from group to group (slot order kept). kLoads: the
+// loads in flight per lane (the stream kernel, with fewer registers, takes 4; the order of the sums is the same).
+template <typename T, int kLoads>
 __device__ __forceinline__ void em_sum_many(const CombineArgs& a, int n, int cpos, float cw, uint8_t* slot,
                                             int row_bytes, int lane) {
-  constexpr int kGroup = 2, kUnroll = kEmLoadsInFlight / kGroup;
+  constexpr int kGroup = 2, kUnroll = kLoads / kGroup;
   const int vecs = row_bytes / 16;
   const bool weighted = a.em_weights != nullptr;
 #pragma unroll 1
@@ -109,33 +102,28 @@ __device__ __forceinline__ void em_sum_many(const CombineArgs& a, int n, int cpo
 
 // Writes the row's partial sum to `slot` and, when em_topk_weights is given, its K per-slot weights to
 // `slot_w` (the ring slot's tail). em_unpermute.cu computes the same numbers for the split variant.
-template <typename T>
+template <typename T, int kLoads = kEmLoadsInFlight>
 __device__ __forceinline__ void send_em_row(const CombineArgs& a, int64_t r, uint8_t* slot, float* slot_w,
                                             int row_bytes, int lane) {
-  const int k = a.em_topk;
-  int pos = -1;
-  float w = 1.f;
-  if (lane < k) {
-    pos = a.em_inverse[r * k + lane];
-    if (pos >= 0 && a.em_weights != nullptr) w = a.em_weights[pos];
+  const EmRowPairs p = em_row_pairs(a.em_inverse, a.em_weights, r, a.em_topk, lane);
+  em_sum_many<T, kLoads>(a, p.n, p.cpos, p.cw, slot, row_bytes, lane);  // n == 0 (pairs dropped): zeros
+  if (a.em_topk_weights != nullptr && slot_w != nullptr && lane < a.em_topk) {
+    slot_w[lane] = p.pos >= 0 ? a.em_topk_weights[p.pos] : 0.f;
   }
-  // Compact the valid pairs, keeping slot order: lane i gets the i-th one (n is warp-uniform).
-  const unsigned valid = __ballot_sync(0xffffffffu, pos >= 0);
-  const int n = __popc(valid);
-  int cpos = 0;
-  float cw = 1.f;
-  for (unsigned rest = valid, i = 0; rest != 0; rest &= rest - 1, ++i) {
-    const int j = __ffs(rest) - 1;
-    const int p = __shfl_sync(0xffffffffu, pos, j);
-    const float wj = __shfl_sync(0xffffffffu, w, j);
-    if (lane == static_cast<int>(i)) {
-      cpos = p;
-      cw = wj;
-    }
+}
+
+// Whole warp: received row r (or, expert-major, its partial sum) and its top-k weights into a ring slot.
+// kEm: whether a.em_inverse may be set (false compiles the rank-major path alone).
+template <typename T, bool kEm = true, int kEmLoads = kEmLoadsInFlight>
+__device__ __forceinline__ void send_row(const CombineArgs& a, int64_t r, uint8_t* slot, int row_bytes, int lane) {
+  if (kEm && a.em_inverse != nullptr) {
+    send_em_row<T, kEmLoads>(a, r, slot, reinterpret_cast<float*>(slot + row_bytes), row_bytes, lane);
+    return;
   }
-  em_sum_many<T>(a, n, cpos, cw, slot, row_bytes, lane);  // n == 0 (pairs dropped): zeros
-  if (a.em_topk_weights != nullptr && slot_w != nullptr && lane < k) {
-    slot_w[lane] = pos >= 0 ? a.em_topk_weights[pos] : 0.f;
+  warp_copy<false, 8>(reinterpret_cast<int4*>(slot), reinterpret_cast<const int4*>(a.x + r * row_bytes),
+                      row_bytes / 16, lane);
+  if (a.topk_weights != nullptr && lane < a.num_topk) {
+    reinterpret_cast<float*>(slot + row_bytes)[lane] = a.topk_weights[r * a.num_topk + lane];
   }
 }
 
@@ -164,18 +152,9 @@ __device__ void send_channel(const CombineArgs& a, int c, int s, int group_warp,
     ptx::group_sync(bar, threads);
     if (!*shared_ok) return;
     for (int i = group_warp; i < n; i += warps) {
-      uint8_t* slot = ch.slot(i);
       const int64_t r = row + i;
       if (r >= a.num_x_rows) continue;  // dropped by a num_worst_tokens overflow (reported by notify)
-      if (a.em_inverse != nullptr) {
-        send_em_row<T>(a, r, slot, reinterpret_cast<float*>(slot + row_bytes), row_bytes, lane);
-        continue;
-      }
-      warp_copy<false, 8>(reinterpret_cast<int4*>(slot), reinterpret_cast<const int4*>(a.x + r * row_bytes),
-                       row_bytes / 16, lane);
-      if (a.topk_weights != nullptr && lane < a.num_topk) {
-        reinterpret_cast<float*>(slot + row_bytes)[lane] = a.topk_weights[r * a.num_topk + lane];
-      }
+      send_row<T>(a, r, ch.slot(i), row_bytes, lane);
     }
     ptx::group_sync(bar, threads);
     ch.advance(n, leader);
@@ -183,11 +162,69 @@ __device__ void send_channel(const CombineArgs& a, int c, int s, int group_warp,
   }
 }
 
-// kRanks: the rank count rounded up to 2, 4 or 8, so the per-rank arrays stay in registers; each lane
-// keeps 8 row loads in flight (8 / kRanks vectors of each rank's row).
+// Whole warp: output row `token` = cast(bias0 + bias1 + rows of ranks ascending), accumulated in float32 in
+// that order (the reference's order), and the top-k weights summed likewise. src[d]: the token's slot in the
+// ring from rank d, or null. kRanks: the rank count rounded up to 2, 4 or 8, so the per-rank arrays stay in
+// registers; each lane keeps 8 row loads in flight (8 / kRanks vectors of each rank's row).
+template <typename T, int kRanks>
+__device__ __forceinline__ void reduce_token(const CombineArgs& a, int64_t token, const uint8_t* const* src,
+                                             int row_bytes, int lane) {
+  constexpr int kUnroll = 8 / kRanks;
+  const int vecs = row_bytes / 16;
+  for (int v0 = lane; v0 < vecs; v0 += 32 * kUnroll) {
+    Vec<T> rows[kUnroll][kRanks];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int v = v0 + u * 32;
+#pragma unroll
+      for (int d = 0; d < kRanks; ++d) {
+        if (v < vecs && src[d] != nullptr) rows[u][d].raw = ptx::ld_cg_v4(reinterpret_cast<const int4*>(src[d]) + v);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int v = v0 + u * 32;
+      if (v >= vecs) break;
+      float acc[Vec<T>::kElems];
+#pragma unroll
+      for (int e = 0; e < Vec<T>::kElems; ++e) acc[e] = 0.f;
+      if (a.bias0 != nullptr) {
+        Vec<T> b;
+        b.raw = ptx::ld_nc_v4(reinterpret_cast<const int4*>(a.bias0 + token * row_bytes) + v);
+#pragma unroll
+        for (int e = 0; e < Vec<T>::kElems; ++e) acc[e] += to_float(b.elems[e]);
+      }
+      if (a.bias1 != nullptr) {
+        Vec<T> b;
+        b.raw = ptx::ld_nc_v4(reinterpret_cast<const int4*>(a.bias1 + token * row_bytes) + v);
+#pragma unroll
+        for (int e = 0; e < Vec<T>::kElems; ++e) acc[e] += to_float(b.elems[e]);
+      }
+#pragma unroll
+      for (int d = 0; d < kRanks; ++d) {
+        if (src[d] != nullptr) {
+#pragma unroll
+          for (int e = 0; e < Vec<T>::kElems; ++e) acc[e] += to_float(rows[u][d].elems[e]);
+        }
+      }
+      Vec<T> out;
+#pragma unroll
+      for (int e = 0; e < Vec<T>::kElems; ++e) out.elems[e] = from_float<T>(acc[e]);
+      reinterpret_cast<int4*>(a.out + token * row_bytes)[v] = out.raw;
+    }
+  }
+  if (a.out_topk_weights != nullptr && lane < a.num_topk) {
+    float wsum = 0.f;
+#pragma unroll
+    for (int d = 0; d < kRanks; ++d) {
+      if (src[d] != nullptr) wsum += __int_as_float(ptx::ld_cg(reinterpret_cast<const int*>(src[d] + row_bytes) + lane));
+    }
+    a.out_topk_weights[token * a.num_topk + lane] = wsum;
+  }
+}
+
 template <typename T, int kRanks>
 __device__ void receive_channel(const CombineArgs& a, int c, int warp, int lane, const Watchdog& dog) {
-  constexpr int kUnroll = 8 / kRanks;
   __shared__ uint64_t head[kMaxRanks];                 // rows consumed from ring (c, d); thread 0 changes it
   __shared__ unsigned window_mask[kMaxWindows][kMaxRanks];  // is_token_in_rank bits of each 32-token window
   __shared__ int window_offset[kMaxWindows][kMaxRanks];     // rows of ring d before the window, in the batch
@@ -196,7 +233,6 @@ __device__ void receive_channel(const CombineArgs& a, int c, int warp, int lane,
   const int me = a.c.rank, num_ranks = a.c.num_ranks;
   auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
   const int row_bytes = a.hidden * static_cast<int>(sizeof(T));
-  const int vecs = row_bytes / 16;
   const int windows = a.batch_windows;
   if (threadIdx.x < num_ranks) head[threadIdx.x] = *reinterpret_cast<volatile uint64_t*>(&ctl->head_copy[c][threadIdx.x]);
   const uint8_t* ring0 = ring_slots(a.c.peers[me], a.c.src_block_bytes, 0, c, a.num_slots, a.slot_bytes);
@@ -249,56 +285,7 @@ __device__ void receive_channel(const CombineArgs& a, int c, int warp, int lane,
           }
         }
       }
-      for (int v0 = lane; v0 < vecs; v0 += 32 * kUnroll) {
-        Vec<T> rows[kUnroll][kRanks];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const int v = v0 + u * 32;
-#pragma unroll
-          for (int d = 0; d < kRanks; ++d) {
-            if (v < vecs && src[d] != nullptr) rows[u][d].raw = ptx::ld_cg_v4(reinterpret_cast<const int4*>(src[d]) + v);
-          }
-        }
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const int v = v0 + u * 32;
-          if (v >= vecs) break;
-          float acc[Vec<T>::kElems];
-#pragma unroll
-          for (int e = 0; e < Vec<T>::kElems; ++e) acc[e] = 0.f;
-          if (a.bias0 != nullptr) {
-            Vec<T> b;
-            b.raw = ptx::ld_nc_v4(reinterpret_cast<const int4*>(a.bias0 + token * row_bytes) + v);
-#pragma unroll
-            for (int e = 0; e < Vec<T>::kElems; ++e) acc[e] += to_float(b.elems[e]);
-          }
-          if (a.bias1 != nullptr) {
-            Vec<T> b;
-            b.raw = ptx::ld_nc_v4(reinterpret_cast<const int4*>(a.bias1 + token * row_bytes) + v);
-#pragma unroll
-            for (int e = 0; e < Vec<T>::kElems; ++e) acc[e] += to_float(b.elems[e]);
-          }
-#pragma unroll
-          for (int d = 0; d < kRanks; ++d) {
-            if (src[d] != nullptr) {
-#pragma unroll
-              for (int e = 0; e < Vec<T>::kElems; ++e) acc[e] += to_float(rows[u][d].elems[e]);
-            }
-          }
-          Vec<T> out;
-#pragma unroll
-          for (int e = 0; e < Vec<T>::kElems; ++e) out.elems[e] = from_float<T>(acc[e]);
-          reinterpret_cast<int4*>(a.out + token * row_bytes)[v] = out.raw;
-        }
-      }
-      if (a.out_topk_weights != nullptr && lane < a.num_topk) {
-        float wsum = 0.f;
-#pragma unroll
-        for (int d = 0; d < kRanks; ++d) {
-          if (src[d] != nullptr) wsum += __int_as_float(ptx::ld_cg(reinterpret_cast<const int*>(src[d] + row_bytes) + lane));
-        }
-        a.out_topk_weights[token * a.num_topk + lane] = wsum;
-      }
+      reduce_token<T, kRanks>(a, token, src, row_bytes, lane);
     }
     __syncthreads();  // every load of this batch's slots precedes the releases below
     if (threadIdx.x == 0) {
@@ -338,10 +325,319 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
   send_channel<T>(a, c, group, group_warp, warps, lane, group_warp == 0 && lane == 0, &shared_ok[group], dog);
 }
 
+// ------------------------------------------------------------------ stream protocol (stream.cuh)
+// Sender blocks: 19 copy warps (19 / R per ring) and the publisher warp. Receiver blocks: 19 reduce warps and
+// the release warp. 20 warps are 5 per SM sub-partition, which leaves 96 registers per thread (17 would too).
+constexpr int kStreamCombineWarps = 19;
+constexpr int kStreamEmLoads = 4;  // expert-major partial sums: loads in flight per lane (8 spill at 96 registers)
+constexpr int kStreamCombineThreads = (kStreamCombineWarps + 1) * 32;
+
+// Sender warp `gw` of the `warps` serving source rank s: received rows gw, gw + warps, ... of channel c
+// (those that came from s) into ring (c, me -> s).
+template <typename T, bool kEm>
+__device__ void stream_send(const CombineArgs& a, int c, int s, int gw, int warps, int lane, uint64_t tail0,
+                            StreamBoard& board, int* shared_ok, const Watchdog& dog) {
+  const int me = a.c.rank;
+  auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
+  uint8_t* ring = ring_slots(a.c.peers[s], a.c.src_block_bytes, me, c, a.num_slots, a.slot_bytes);
+  const uint64_t* head = &ctl->fifo_head[c][s];
+  const int row_bytes = a.hidden * static_cast<int>(sizeof(T));
+
+  if (gw == 0 && lane == 0) {
+    *shared_ok = drain_previous<kMaxChannels>(&ctl->fifo_head[0][0], &ctl->tail_copy[0][0], kMaxRanks, s, dog,
+                                              kPhaseDrain);
+  }
+  ptx::group_sync(1 + s, warps * 32);  // no row of the group before the drain check
+  if (!*shared_ok) {
+    board_leave(board, s, gw, -1, lane);
+    return;
+  }
+  const int* offsets = a.recv_channel_offset + s * (a.num_channels + 1);
+  const int row0 = offsets[c], count = offsets[c + 1] - row0;
+  uint64_t head_seen = 0;
+  int k = gw;
+  for (; k < count; k += warps) {
+    const uint64_t row = tail0 + static_cast<uint64_t>(k);
+    if (!warp_outcome(lane != 0 || wait_free_slot(head, head_seen, row, a.num_slots, dog, kPhaseCombineSend, s))) {
+      board_leave(board, s, gw, -1, lane);
+      return;
+    }
+    const int64_t r = row0 + static_cast<int64_t>(k);
+    if (r < a.num_x_rows) {  // else dropped by a num_worst_tokens overflow (reported by notify)
+      uint8_t* slot = ring + static_cast<size_t>(row % a.num_slots) * a.slot_bytes;
+      send_row<T, kEm, kStreamEmLoads>(a, r, slot, row_bytes, lane);
+    }
+    board_advance(board, s, gw, k + warps, lane);
+  }
+  board_leave(board, s, gw, k, lane);
+}
+
+// Bulk-copy sender (tma protocol, rank-major rows): the only warp of ring (c, me -> s), rows in order
+// through `bufs`; the slot is the row (bulk-loaded) and its top-k weights (written by the lanes).
+template <typename T>
+__device__ void tma_send(const CombineArgs& a, int c, int s, int lane, uint64_t tail0, StreamBoard& board,
+                         uint8_t* bufs, uint64_t* bars, const Watchdog& dog) {
+  const int me = a.c.rank;
+  auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
+  const int row_bytes = a.hidden * static_cast<int>(sizeof(T));
+  int ok = 1;
+  if (lane == 0) {
+    ok = drain_previous<kMaxChannels>(&ctl->fifo_head[0][0], &ctl->tail_copy[0][0], kMaxRanks, s, dog, kPhaseDrain);
+    ptx::fence_proxy_async_global();  // the drained heads' acquires before this call's bulk stores
+  }
+  if (!warp_outcome(ok)) {
+    board_leave(board, s, 0, -1, lane);
+    return;
+  }
+  const int* offsets = a.recv_channel_offset + s * (a.num_channels + 1);
+  const int row0 = offsets[c], count = offsets[c + 1] - row0;
+  auto source = [&](int q, const uint8_t*& payload, int& r) {
+    r = row0 + q;
+    // Rows past num_x_rows (a num_worst_tokens overflow, reported by notify) leave their slot as it is.
+    payload = r < a.num_x_rows ? a.x + static_cast<int64_t>(r) * row_bytes : nullptr;
+    return q < count;
+  };
+  auto meta = [&](int r, uint8_t* buf, int ln) {
+    if (a.topk_weights != nullptr && ln < a.num_topk && r < a.num_x_rows) {
+      reinterpret_cast<float*>(buf + row_bytes)[ln] = a.topk_weights[static_cast<int64_t>(r) * a.num_topk + ln];
+    }
+  };
+  tma_send_ring(source, meta, bufs, bars, a.tma_buffers, a.tma_buffer_bytes, row_bytes,
+                ring_slots(a.c.peers[s], a.c.src_block_bytes, me, c, a.num_slots, a.slot_bytes), a.num_slots,
+                a.slot_bytes, &ctl->fifo_head[c][s], tail0, board, s, dog, kPhaseCombineSend, s, lane);
+}
+
+// A warp's walk over its channel's tokens for every ring at once, 32 tokens at a time: lane d (< R) holds
+// ring d's hits in the window [base, base + 32) (`mask`) and in the windows before it (`before`); lane i
+// holds the flags of token base + 32 + i (`next_bits`, bit d for ring d), loaded one window ahead.
+template <int kRanks>
+struct RingScan {
+  const bool* in_rank;
+  int num_ranks, end;
+  int base, before;
+  unsigned mask, next_bits;
+
+  __device__ unsigned flags(int t) const {
+    unsigned bits = 0;
+    if (t < end) {
+#pragma unroll
+      for (int d = 0; d < kRanks; ++d) {
+        if (d < num_ranks && in_rank[static_cast<int64_t>(t) * num_ranks + d]) bits |= 1u << d;
+      }
+    }
+    return bits;
+  }
+  __device__ void load(int lane) {  // mask: the window at base (from next_bits); next_bits: base + 32
+    unsigned mine = 0;
+#pragma unroll
+    for (int d = 0; d < kRanks; ++d) {
+      const unsigned m = __ballot_sync(0xffffffffu, (next_bits >> d) & 1u);
+      if (lane == d) mine = m;
+    }
+    mask = mine;
+    next_bits = flags(base + 32 + lane);
+  }
+  __device__ void start(int begin, int lane) {
+    base = begin;
+    before = 0;
+    next_bits = flags(begin + lane);
+    load(lane);
+  }
+  // Moves to the window of token t (t >= the last t, at most end).
+  __device__ void seek(int t, int lane) {
+    while (t >= base + 32) {
+      before += __popc(mask);
+      base += 32;
+      load(lane);
+    }
+  }
+  // Lane d, after seek(t): rows of ring d for the tokens before t; whether ring d has a row for t.
+  __device__ int rows_before(int t) const { return before + __popc(mask & ((1u << (t - base)) - 1u)); }
+  __device__ bool has(int t) const { return (mask >> (t - base)) & 1u; }
+};
+
+// Reduce warp `warp`: tokens begin + warp, begin + warp + 19, ... of channel c. Lane d waits (cached
+// ld.acquire.sys of ring d's tail) only for this token's row of ring d; then the warp reduces the token.
+// Board entry next[0][warp]: the warp's next token (relative to begin); tokens below it are done.
+template <typename T, int kRanks>
+__device__ void stream_reduce(const CombineArgs& a, int c, int warp, int lane, uint64_t head0, StreamBoard& board,
+                              const Watchdog& dog) {
+  const int me = a.c.rank, num_ranks = a.c.num_ranks;
+  auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
+  const int row_bytes = a.hidden * static_cast<int>(sizeof(T));
+  int begin, end;
+  channel_range(a.num_tokens, a.num_channels, c, begin, end);
+  const bool ring_lane = lane < num_ranks;
+  const uint8_t* ring =
+      ring_lane ? ring_slots(a.c.peers[me], a.c.src_block_bytes, lane, c, a.num_slots, a.slot_bytes) : nullptr;
+  const uint64_t* tail = ring_lane ? &ctl->fifo_tail[c][lane] : nullptr;
+  uint64_t seen = 0;
+  RingScan<kRanks> scan{a.is_token_in_rank, num_ranks, end};
+  scan.start(begin, lane);
+  int j = warp;
+  for (; begin + j < end; j += kStreamCombineWarps) {
+    const int t = begin + j;
+    scan.seek(t, lane);
+    const bool has = ring_lane && scan.has(t);
+    const uint64_t index = head0 + static_cast<uint64_t>(scan.rows_before(t));
+    const bool ok = !has || wait_published(tail, seen, index, dog, kPhaseCombineRecv, lane);
+    if (!__all_sync(0xffffffffu, ok)) {
+      board_leave(board, 0, warp, -1, lane);
+      return;
+    }
+    __syncwarp();  // every lane's tail acquire before every lane's slot loads
+    const uint8_t* mine = has ? ring + static_cast<size_t>(index % a.num_slots) * a.slot_bytes : nullptr;
+    const uint8_t* src[kRanks];  // ascending d = sum order
+#pragma unroll
+    for (int d = 0; d < kRanks; ++d) {
+      src[d] = reinterpret_cast<const uint8_t*>(
+          __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(mine), d));
+    }
+    reduce_token<T, kRanks>(a, t, src, row_bytes, lane);
+    board_advance(board, 0, warp, j + kStreamCombineWarps, lane);
+  }
+  board_leave(board, 0, warp, j, lane);
+}
+
+// The release warp of a receiver block: lane d returns to rank d the slots of ring d that hold the rows of
+// every token below the smallest board entry (all reduced), st.release.sys of the head in d's buffer, as soon
+// as it moves; at the end, head_copy for the next kernel.
+template <int kRanks>
+__device__ void stream_release(const CombineArgs& a, int c, int lane, uint64_t head0, const StreamBoard& board) {
+  const int me = a.c.rank, num_ranks = a.c.num_ranks;
+  auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
+  int begin, end;
+  channel_range(a.num_tokens, a.num_channels, c, begin, end);
+  uint64_t* word = lane < num_ranks ? &reinterpret_cast<Control*>(a.c.peers[lane])->fifo_head[c][me] : nullptr;
+  RingScan<kRanks> scan{a.is_token_in_rank, num_ranks, end};
+  scan.start(begin, lane);
+  int released = 0;
+  while (true) {
+    // `left` first (lane 0, then a warp barrier): when every warp has left, the entries read after are final.
+    int left = lane == 0 ? ptx::ld_acquire_cta(&board.left[0]) : 0;
+    left = __shfl_sync(0xffffffffu, left, 0);
+    __syncwarp();
+    int j = lane < kStreamCombineWarps ? ptx::ld_acquire_cta(&board.next[0][lane]) : INT_MAX;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) j = min(j, __shfl_xor_sync(0xffffffffu, j, o));
+    __syncwarp();  // every lane's acquire of the board before any lane's release below
+    const int t = begin + min(j, end - begin);
+    scan.seek(t, lane);
+    const int rows = scan.rows_before(t);
+    bool moved = false;
+    if (lane < num_ranks && rows > released) {
+      ptx::st_release_sys(word, head0 + static_cast<uint64_t>(rows));  // d may overwrite these slots
+      released = rows;
+      moved = true;
+    }
+    if (left == kStreamCombineWarps) break;
+    if (!__any_sync(0xffffffffu, moved)) __nanosleep(64);
+  }
+  if (lane < num_ranks) ctl->head_copy[c][lane] = head0 + static_cast<uint64_t>(released);
+}
+
+template <typename T, int kRanks>
+__device__ void stream_receive(const CombineArgs& a, int c, int warp, int lane, uint64_t head0, StreamBoard& board,
+                               const Watchdog& dog) {
+  if (warp == kStreamCombineWarps) {
+    stream_release<kRanks>(a, c, lane, head0, board);
+  } else {
+    stream_reduce<T, kRanks>(a, c, warp, lane, head0, board, dog);
+  }
+}
+
+// One instantiation per dtype, rank count (rounded up to 2, 4, 8) and expert-major or not (em_inverse set),
+// so that each compiles only its own paths within the 96 registers (together they would spill). kTma
+// (rank-major only): a sender block moves ring s's rows with bulk copies by warp s alone (tma_send; dynamic
+// shared memory: R x tma_buffers buffers of tma_buffer_bytes).
+template <typename T, int kRanks, bool kEm, bool kTma>
+__global__ void __launch_bounds__(kStreamCombineThreads, 1) combine_stream_kernel(CombineArgs a) {
+  static_assert(!(kEm && kTma), "expert-major partial sums are computed by the copy warps");
+  __shared__ StreamBoard board;
+  __shared__ int shared_ok[kMaxRanks];
+  __shared__ uint64_t tma_bars[kTma ? kMaxRanks : 1][kMaxTmaBuffers];
+  extern __shared__ __align__(128) uint8_t tma_bufs[];
+  const int num_ranks = a.c.num_ranks, me = a.c.rank;
+  const int c = blockIdx.x >> 1;
+  const bool sender = (blockIdx.x & 1) == 0;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int warps = kTma ? 1 : kStreamCombineWarps / num_ranks;  // sender warps per ring
+  const bool extra = warp == kStreamCombineWarps;     // publisher (sender block) or release warp (receiver)
+  auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
+  // Ring counters at kernel start, read before the barrier (the publisher rewrites tail_copy). Sender: of
+  // the warp's ring (lane p's for the publisher); receiver: lane d holds ring d's head.
+  const int ring = sender && !extra ? warp / warps : lane;
+  uint64_t base = 0;
+  if (ring < num_ranks) {
+    base = *reinterpret_cast<volatile uint64_t*>(sender ? &ctl->tail_copy[c][ring] : &ctl->head_copy[c][ring]);
+  }
+  board_init(board);
+  __syncthreads();
+  const Watchdog dog = make_watchdog(a.c.timeout_ns, me, &ctl->timeout_claim, &a.c.mailbox->timeout);
+  if (!sender) {
+    stream_receive<T, kRanks>(a, c, warp, lane, base, board, dog);
+    return;
+  }
+  if (extra) {
+    uint64_t* word = lane < num_ranks ? &reinterpret_cast<Control*>(a.c.peers[lane])->fifo_tail[c][me] : nullptr;
+    uint64_t* mirror = lane < num_ranks ? &ctl->tail_copy[c][lane] : nullptr;
+    publish_rings(board, num_ranks, warps, max(1, min(a.chunk, a.num_slots / 2)), word, base, mirror, lane);
+    return;
+  }
+  if (ring >= num_ranks) return;  // idle warps when 19 % R != 0 (tma: all but R)
+  if (kTma) {
+    tma_send<T>(a, c, ring, lane, base, board,
+                tma_bufs + static_cast<size_t>(ring) * a.tma_buffers * a.tma_buffer_bytes, tma_bars[kTma ? ring : 0],
+                dog);
+  } else {
+    stream_send<T, kEm>(a, c, ring, warp % warps, warps, lane, base, board, &shared_ok[ring], dog);
+  }
+}
+
+template <typename T, int kRanks>
+void launch_stream(const CombineArgs& args, dim3 grid, cudaStream_t stream) {
+  if (args.em_inverse != nullptr) {  // tma too: the copy warps compute the partial sums
+    combine_stream_kernel<T, kRanks, true, false><<<grid, kStreamCombineThreads, 0, stream>>>(args);
+    return;
+  }
+  if (args.protocol == kStreamTma) {
+    CombineArgs a = args;
+    a.tma_buffers = tma_buffers(a.c.num_ranks, a.slot_bytes);
+    if (a.tma_buffers > 0) {  // else too few buffers fit: the stream protocol
+      a.tma_buffer_bytes = (a.slot_bytes + 127) / 128 * 128;
+      allow_dynamic_smem<combine_stream_kernel<T, kRanks, false, true>>(kTmaSmemBytes);
+      const size_t smem = static_cast<size_t>(a.c.num_ranks) * a.tma_buffers * a.tma_buffer_bytes;
+      combine_stream_kernel<T, kRanks, false, true><<<grid, kStreamCombineThreads, smem, stream>>>(a);
+      return;
+    }
+  }
+  combine_stream_kernel<T, kRanks, false, false><<<grid, kStreamCombineThreads, 0, stream>>>(args);
+}
+
+template <typename T>
+void launch_stream(const CombineArgs& args, dim3 grid, cudaStream_t stream) {
+  if (args.c.num_ranks <= 2) {
+    launch_stream<T, 2>(args, grid, stream);
+  } else if (args.c.num_ranks <= 4) {
+    launch_stream<T, 4>(args, grid, stream);
+  } else {
+    launch_stream<T, 8>(args, grid, stream);
+  }
+}
+
 }  // namespace
 
 void launch_combine(const CombineArgs& args, cudaStream_t stream) {
   const dim3 grid(2 * args.num_channels);
+  if (args.protocol != kChunked) {
+    switch (args.dtype) {
+      case kBf16: launch_stream<__nv_bfloat16>(args, grid, stream); break;
+      case kFp16: launch_stream<__half>(args, grid, stream); break;
+      default: launch_stream<float>(args, grid, stream); break;
+    }
+    check_launch("combine_stream_kernel");
+    return;
+  }
   switch (args.dtype) {
     case kBf16: combine_kernel<__nv_bfloat16><<<grid, kCombineThreads, 0, stream>>>(args); break;
     case kFp16: combine_kernel<__half><<<grid, kCombineThreads, 0, stream>>>(args); break;

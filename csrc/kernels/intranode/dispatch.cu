@@ -8,10 +8,14 @@
 // Receiver group for source s: the k-th row of channel c from s goes to row
 // recv_channel_offset[s][c] + k (computed by notify, or kept in the handle for cached dispatch),
 // which gives exactly the (source rank, token) order of the contract.
+// Two kernels move the rows (args.protocol): dispatch_kernel, in lock-step chunks per warp group
+// (channel.cuh), and dispatch_stream_kernel, every warp at its own pace behind one publisher warp per
+// block (stream.cuh). They share the per-row code (send_row / receive_row), so they give the same bytes.
 #include "kernels/common/channel.cuh"
 #include "kernels/intranode/copy.cuh"
 #include "kernels/intranode/launch_check.cuh"
 #include "kernels/intranode/protocol.h"
+#include "kernels/intranode/stream.cuh"
 
 namespace moe_dispatcher::intranode {
 namespace {
@@ -103,6 +107,37 @@ __device__ void zero_em_padding(const DispatchArgs& a, int global_warp, int num_
   }
 }
 
+// Whole warp: the slot fields after the payload of token t's row bound for the rank whose experts are
+// [lo, hi): scales, top-k rebased to that rank's local experts (weights zeroed elsewhere), source index, and
+// (expert-major fresh dispatch) the pair ranks. `slot` is the ring slot or a shared-memory copy of it.
+__device__ __forceinline__ void write_meta(const DispatchArgs& a, const DispatchSlot& layout, uint8_t* slot, int t,
+                                           int lo, int hi, int lane) {
+  for (int j = lane; j < a.num_scales; j += 32) {
+    layout.scales(slot)[j] = a.scales[static_cast<int64_t>(t) * a.num_scales + j];
+  }
+  if (a.topk_idx != nullptr && lane < a.num_topk) {
+    const int64_t e = a.topk_idx[static_cast<int64_t>(t) * a.num_topk + lane];
+    const int local = (e >= lo && e < hi) ? static_cast<int>(e - lo) : -1;
+    layout.idx(slot)[lane] = local;
+    layout.weights(slot)[lane] =
+        (local >= 0 && a.topk_weights != nullptr) ? a.topk_weights[static_cast<int64_t>(t) * a.num_topk + lane] : 0.f;
+    // Expert-major: the pair's rank among my pairs for e (-1 where e is not on d; the receiver skips it).
+    if (a.pair_rank != nullptr) {
+      layout.rank(slot)[lane] = local >= 0 ? a.pair_rank[static_cast<int64_t>(t) * a.num_topk + lane] : -1;
+    }
+  }
+  if (lane == 0) *layout.source(slot) = t;
+}
+
+// Whole warp: token t's row (payload and write_meta's fields) into a ring slot.
+__device__ __forceinline__ void send_row(const DispatchArgs& a, const DispatchSlot& layout, uint8_t* slot, int t,
+                                         int lo, int hi, int lane) {
+  warp_copy<false, kDispatchUnroll>(reinterpret_cast<int4*>(slot),
+                                    reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(t) * a.hidden_bytes),
+                                    a.hidden_bytes / 16, lane);
+  write_meta(a, layout, slot, t, lo, hi, lane);
+}
+
 __device__ void send_channel(const DispatchArgs& a, int c, int d, int group_warp, int warps, int lane, bool leader,
                              int* chunk_tokens, int* shared_ok, const Watchdog& dog) {
   const int me = a.c.rank, num_ranks = a.c.num_ranks;
@@ -149,28 +184,7 @@ __device__ void send_channel(const DispatchArgs& a, int c, int d, int group_warp
     if (leader) *shared_ok = ch.reserve(n, dog, kPhaseDispatchSend, d);
     ptx::group_sync(bar, threads);
     if (!*shared_ok) return;
-    for (int i = group_warp; i < n; i += warps) {
-      const int t = chunk_tokens[i];
-      uint8_t* slot = ch.slot(i);
-      warp_copy<false, kDispatchUnroll>(reinterpret_cast<int4*>(slot),
-                       reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(t) * a.hidden_bytes),
-                       a.hidden_bytes / 16, lane);
-      for (int j = lane; j < a.num_scales; j += 32) {
-        layout.scales(slot)[j] = a.scales[static_cast<int64_t>(t) * a.num_scales + j];
-      }
-      if (a.topk_idx != nullptr && lane < a.num_topk) {
-        const int64_t e = a.topk_idx[static_cast<int64_t>(t) * a.num_topk + lane];
-        const int local = (e >= lo && e < hi) ? static_cast<int>(e - lo) : -1;
-        layout.idx(slot)[lane] = local;
-        layout.weights(slot)[lane] =
-            (local >= 0 && a.topk_weights != nullptr) ? a.topk_weights[static_cast<int64_t>(t) * a.num_topk + lane] : 0.f;
-        // Expert-major: the pair's rank among my pairs for e (-1 where e is not on d; the receiver skips it).
-        if (a.pair_rank != nullptr) {
-          layout.rank(slot)[lane] = local >= 0 ? a.pair_rank[static_cast<int64_t>(t) * a.num_topk + lane] : -1;
-        }
-      }
-      if (lane == 0) *layout.source(slot) = t;
-    }
+    for (int i = group_warp; i < n; i += warps) send_row(a, layout, ch.slot(i), chunk_tokens[i], lo, hi, lane);
     ptx::group_sync(bar, threads);  // every slot store of the chunk precedes the leader's release
     ch.advance(n, leader);
   }
@@ -212,6 +226,28 @@ __device__ __forceinline__ void receive_em_row(const DispatchArgs& a, int s, int
   }
 }
 
+// Whole warp: the ring slot of received row `row` from source s into the outputs (rank-major row, or the
+// row's expert-major positions).
+__device__ __forceinline__ void receive_row(const DispatchArgs& a, const DispatchSlot& layout, int s, int64_t row,
+                                            uint8_t* slot, int lane) {
+  if (a.em_mode != 0) {
+    receive_em_row(a, s, row, slot, layout, lane);
+    return;
+  }
+  const int k = a.num_topk;
+  warp_copy<true, kDispatchUnroll>(reinterpret_cast<int4*>(a.recv_x + row * a.hidden_bytes),
+                                   reinterpret_cast<const int4*>(slot), a.hidden_bytes / 16, lane);
+  for (int j = lane; j < a.num_scales; j += 32) {
+    a.recv_scales[row * a.num_scales + j] = ptx::ld_cg(layout.scales(slot) + j);
+  }
+  if (a.recv_topk_idx != nullptr && lane < k) {
+    a.recv_topk_idx[row * k + lane] = ptx::ld_cg(layout.idx(slot) + lane);
+    a.recv_topk_weights[row * k + lane] =
+        __int_as_float(ptx::ld_cg(reinterpret_cast<const int*>(layout.weights(slot)) + lane));
+  }
+  if (a.recv_src_idx != nullptr && lane == 0) a.recv_src_idx[row] = ptx::ld_cg(layout.source(slot));
+}
+
 __device__ void receive_channel(const DispatchArgs& a, int c, int s, int group_warp, int warps, int lane,
                                 bool leader, uint64_t* shared_tail, const Watchdog& dog) {
   const int me = a.c.rank;
@@ -226,7 +262,6 @@ __device__ void receive_channel(const DispatchArgs& a, int c, int s, int group_w
   const int* offsets = a.recv_channel_offset + s * (a.num_channels + 1);
   const int row0 = offsets[c];
   const uint64_t first = ch.head, last = first + (offsets[c + 1] - row0);
-  const int k = a.num_topk;
 
   while (ch.head < last) {
     if (leader) *shared_tail = ch.wait(ch.head + 1, dog, kPhaseDispatchRecv, s);
@@ -238,28 +273,33 @@ __device__ void receive_channel(const DispatchArgs& a, int c, int s, int group_w
       const uint64_t index = ch.head + i;
       const int64_t row = row0 + static_cast<int64_t>(index - first);
       if (row >= a.num_rows) continue;  // more rows than num_worst_tokens: reported by notify
-      const uint8_t* slot = ch.slot(index);
-      uint8_t* s_slot = const_cast<uint8_t*>(slot);
-      if (a.em_mode != 0) {
-        receive_em_row(a, s, row, s_slot, layout, lane);
-        continue;
-      }
-      warp_copy<true, kDispatchUnroll>(reinterpret_cast<int4*>(a.recv_x + row * a.hidden_bytes), reinterpret_cast<const int4*>(slot),
-                      a.hidden_bytes / 16, lane);
-      for (int j = lane; j < a.num_scales; j += 32) {
-        a.recv_scales[row * a.num_scales + j] = ptx::ld_cg(layout.scales(s_slot) + j);
-      }
-      if (a.recv_topk_idx != nullptr && lane < k) {
-        a.recv_topk_idx[row * k + lane] = ptx::ld_cg(layout.idx(s_slot) + lane);
-        a.recv_topk_weights[row * k + lane] =
-            __int_as_float(ptx::ld_cg(reinterpret_cast<const int*>(layout.weights(s_slot)) + lane));
-      }
-      if (a.recv_src_idx != nullptr && lane == 0) a.recv_src_idx[row] = ptx::ld_cg(layout.source(s_slot));
+      receive_row(a, layout, s, row, const_cast<uint8_t*>(ch.slot(index)), lane);
     }
     ptx::group_sync(bar, threads);  // every load of these slots precedes the leader's release of them
     ch.release(n, leader);
   }
   ch.finish(leader);
+}
+
+// num_worst_tokens: rows past the received count get zero payload and scales (as the reference pads),
+// top-k -1, weight 0, source -1. Every thread of the receiver blocks takes its share (block c of C).
+__device__ void pad_worst_rows(const DispatchArgs& a, int c) {
+  const int received = a.recv_channel_offset[(a.c.num_ranks - 1) * (a.num_channels + 1) + a.num_channels];
+  const int64_t first = min(received, a.num_rows), extra = a.num_rows - first;
+  const int64_t stride = static_cast<int64_t>(a.num_channels) * blockDim.x;
+  const int64_t start = static_cast<int64_t>(c) * blockDim.x + threadIdx.x;
+  const int vecs = a.hidden_bytes / 16;
+  auto* x_pad = reinterpret_cast<int4*>(a.recv_x + first * a.hidden_bytes);
+  for (int64_t i = start; a.recv_x != nullptr && i < extra * vecs; i += stride) x_pad[i] = make_int4(0, 0, 0, 0);
+  for (int64_t i = start; a.recv_scales != nullptr && i < extra * a.num_scales; i += stride) {
+    a.recv_scales[first * a.num_scales + i] = 0;
+  }
+  for (int64_t i = start; a.em_mode == 1 && i < extra * a.em_topk; i += stride) a.em_inverse[first * a.em_topk + i] = -1;
+  for (int64_t i = start; a.recv_topk_idx != nullptr && i < extra * a.num_topk; i += stride) {
+    a.recv_topk_idx[first * a.num_topk + i] = -1;
+    a.recv_topk_weights[first * a.num_topk + i] = 0.f;
+  }
+  for (int64_t i = start; a.recv_src_idx != nullptr && i < extra; i += stride) a.recv_src_idx[first + i] = -1;
 }
 
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a) {
@@ -271,26 +311,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a) {
   const bool sender = (blockIdx.x & 1) == 0;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 
-  if (!sender && a.pad_rows) {
-    // num_worst_tokens: rows past the received count get zero payload and scales (as the reference
-    // pads), top-k -1, weight 0, source -1. Receiver blocks share the work.
-    const int received = a.recv_channel_offset[(num_ranks - 1) * (a.num_channels + 1) + a.num_channels];
-    const int64_t first = min(received, a.num_rows), extra = a.num_rows - first;
-    const int64_t stride = static_cast<int64_t>(a.num_channels) * blockDim.x;
-    const int64_t start = static_cast<int64_t>(c) * blockDim.x + threadIdx.x;
-    const int vecs = a.hidden_bytes / 16;
-    auto* x_pad = reinterpret_cast<int4*>(a.recv_x + first * a.hidden_bytes);
-    for (int64_t i = start; a.recv_x != nullptr && i < extra * vecs; i += stride) x_pad[i] = make_int4(0, 0, 0, 0);
-    for (int64_t i = start; a.recv_scales != nullptr && i < extra * a.num_scales; i += stride) {
-      a.recv_scales[first * a.num_scales + i] = 0;
-    }
-    for (int64_t i = start; a.em_mode == 1 && i < extra * a.em_topk; i += stride) a.em_inverse[first * a.em_topk + i] = -1;
-    for (int64_t i = start; a.recv_topk_idx != nullptr && i < extra * a.num_topk; i += stride) {
-      a.recv_topk_idx[first * a.num_topk + i] = -1;
-      a.recv_topk_weights[first * a.num_topk + i] = 0.f;
-    }
-    for (int64_t i = start; a.recv_src_idx != nullptr && i < extra; i += stride) a.recv_src_idx[first + i] = -1;
-  }
+  if (!sender && a.pad_rows) pad_worst_rows(a, c);
 
   // Expert-major padding rows: every warp of the receiver blocks takes its share once it is done with
   // the rings (so the transfer starts first); disjoint from the pair rows, so no ordering is needed.
@@ -312,9 +333,222 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a) {
   }
 }
 
+// ------------------------------------------------------------------ stream protocol (stream.cuh)
+// 24 copy warps (24 / R per ring, as the chunked kernel) and the publisher warp.
+constexpr int kStreamCopyWarps = kWarps;
+constexpr int kStreamThreads = (kStreamCopyWarps + 1) * 32;
+
+// A sender warp's walk over its channel's tokens bound for one destination, 32 at a time (every lane
+// holds the same state): the window [base, base + 32), its hits `mask`, and `before`, the hits of the
+// earlier windows. The next window's flags are loaded one window ahead (next_hit, lane i: token
+// base + 32 + i), so crossing a window rarely waits for memory.
+struct TokenScan {
+  const bool* in_rank;
+  int num_ranks, dst, end;
+  int base, before;
+  unsigned mask;
+  bool next_hit;
+
+  __device__ bool hit(int t) const { return t < end && in_rank[static_cast<int64_t>(t) * num_ranks + dst]; }
+  __device__ void start(int begin, int lane) {
+    base = begin;
+    before = 0;
+    mask = __ballot_sync(0xffffffffu, hit(begin + lane));
+    next_hit = hit(begin + 32 + lane);
+  }
+  // The token of the channel's k-th row for dst (k never decreases between calls), or -1 past the last.
+  __device__ int find(int k, int lane) {
+    while (k >= before + __popc(mask)) {
+      if (base + 32 >= end) return -1;
+      before += __popc(mask);
+      base += 32;
+      mask = __ballot_sync(0xffffffffu, next_hit);
+      next_hit = hit(base + 32 + lane);
+    }
+    const int j = k - before;
+    const bool mine = ((mask >> lane) & 1u) && __popc(mask & ((1u << lane) - 1u)) == j;
+    return base + __ffs(__ballot_sync(0xffffffffu, mine)) - 1;
+  }
+};
+
+// Sender warp `gw` of the `warps` serving destination d: rows gw, gw + warps, ... of ring (c, me -> d).
+__device__ void stream_send(const DispatchArgs& a, int c, int d, int gw, int warps, int lane, uint64_t tail0,
+                            StreamBoard& board, int* shared_ok, const Watchdog& dog) {
+  const int me = a.c.rank;
+  auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
+  uint8_t* ring = ring_slots(a.c.peers[d], a.c.src_block_bytes, me, c, a.num_slots, a.slot_bytes);
+  const uint64_t* head = &ctl->fifo_head[c][d];
+  const DispatchSlot layout{a.hidden_bytes, a.num_scales, a.num_topk};
+  const int lo = d * a.experts_per_rank, hi = lo + a.experts_per_rank;
+
+  if (gw == 0 && lane == 0) {
+    *shared_ok = drain_previous<kMaxChannels>(&ctl->fifo_head[0][0], &ctl->tail_copy[0][0], kMaxRanks, d, dog,
+                                              kPhaseDrain);
+  }
+  ptx::group_sync(1 + d, warps * 32);  // no row of the group before the drain check
+  if (!*shared_ok) {
+    board_leave(board, d, gw, -1, lane);
+    return;
+  }
+  int begin, end;
+  channel_range(a.num_tokens, a.num_channels, c, begin, end);
+  TokenScan scan{a.is_token_in_rank, a.c.num_ranks, d, end};
+  scan.start(begin, lane);
+  uint64_t head_seen = 0;
+  int k = gw;
+  for (;; k += warps) {
+    const int t = scan.find(k, lane);
+    if (t < 0) break;
+    const uint64_t row = tail0 + static_cast<uint64_t>(k);
+    if (!warp_outcome(lane != 0 || wait_free_slot(head, head_seen, row, a.num_slots, dog, kPhaseDispatchSend, d))) {
+      board_leave(board, d, gw, -1, lane);
+      return;
+    }
+    send_row(a, layout, ring + static_cast<size_t>(row % a.num_slots) * a.slot_bytes, t, lo, hi, lane);
+    board_advance(board, d, gw, k + warps, lane);
+  }
+  board_leave(board, d, gw, k, lane);
+}
+
+// Bulk-copy sender (tma protocol): the only warp of ring (c, me -> d), rows in order through `bufs`.
+__device__ void tma_send(const DispatchArgs& a, int c, int d, int lane, uint64_t tail0, StreamBoard& board,
+                         uint8_t* bufs, uint64_t* bars, const Watchdog& dog) {
+  const int me = a.c.rank;
+  auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
+  const DispatchSlot layout{a.hidden_bytes, a.num_scales, a.num_topk};
+  const int lo = d * a.experts_per_rank, hi = lo + a.experts_per_rank;
+  int ok = 1;
+  if (lane == 0) {
+    ok = drain_previous<kMaxChannels>(&ctl->fifo_head[0][0], &ctl->tail_copy[0][0], kMaxRanks, d, dog, kPhaseDrain);
+    ptx::fence_proxy_async_global();  // the drained heads' acquires before this call's bulk stores
+  }
+  if (!warp_outcome(ok)) {
+    board_leave(board, d, 0, -1, lane);
+    return;
+  }
+  int begin, end;
+  channel_range(a.num_tokens, a.num_channels, c, begin, end);
+  TokenScan scan{a.is_token_in_rank, a.c.num_ranks, d, end};
+  scan.start(begin, lane);
+  auto source = [&](int q, const uint8_t*& payload, int& token) {
+    token = scan.find(q, lane);
+    payload = token >= 0 ? a.x + static_cast<int64_t>(token) * a.hidden_bytes : nullptr;
+    return token >= 0;
+  };
+  auto meta = [&](int token, uint8_t* buf, int ln) { write_meta(a, layout, buf, token, lo, hi, ln); };
+  tma_send_ring(source, meta, bufs, bars, a.tma_buffers, a.tma_buffer_bytes, a.hidden_bytes,
+                ring_slots(a.c.peers[d], a.c.src_block_bytes, me, c, a.num_slots, a.slot_bytes), a.num_slots,
+                a.slot_bytes, &ctl->fifo_head[c][d], tail0, board, d, dog, kPhaseDispatchSend, d, lane);
+}
+
+// Receiver warp `gw` of the `warps` serving source s: rows gw, gw + warps, ... of ring (c, s -> me); the k-th
+// goes to row recv_channel_offset[s][c] + k.
+__device__ void stream_receive(const DispatchArgs& a, int c, int s, int gw, int warps, int lane, uint64_t head0,
+                               StreamBoard& board, const Watchdog& dog) {
+  const int me = a.c.rank;
+  auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
+  uint8_t* ring = ring_slots(a.c.peers[me], a.c.src_block_bytes, s, c, a.num_slots, a.slot_bytes);
+  const uint64_t* tail = &ctl->fifo_tail[c][s];
+  const DispatchSlot layout{a.hidden_bytes, a.num_scales, a.num_topk};
+  const int* offsets = a.recv_channel_offset + s * (a.num_channels + 1);
+  const int row0 = offsets[c], count = offsets[c + 1] - row0;
+  uint64_t tail_seen = 0;
+  int k = gw;
+  for (; k < count; k += warps) {
+    const uint64_t index = head0 + static_cast<uint64_t>(k);
+    if (!warp_outcome(lane != 0 || wait_published(tail, tail_seen, index, dog, kPhaseDispatchRecv, s))) {
+      board_leave(board, s, gw, -1, lane);
+      return;
+    }
+    const int64_t row = row0 + static_cast<int64_t>(k);
+    if (row < a.num_rows) {  // more rows than num_worst_tokens: dropped, reported by notify
+      receive_row(a, layout, s, row, ring + static_cast<size_t>(index % a.num_slots) * a.slot_bytes, lane);
+    }
+    board_advance(board, s, gw, k + warps, lane);
+  }
+  board_leave(board, s, gw, k, lane);
+}
+
+// Blocks as dispatch_kernel (2c sends channel c, 2c + 1 receives it); warp 24 is the publisher: tails of
+// the rings to every destination (sender block), heads of the rings from every source (receiver block).
+// kTma: a sender block moves ring d's rows with bulk copies by warp d alone (tma_send; dynamic shared memory:
+// R x tma_buffers buffers of tma_buffer_bytes).
+template <bool kTma>
+__global__ void __launch_bounds__(kStreamThreads, 1) dispatch_stream_kernel(DispatchArgs a) {
+  __shared__ StreamBoard board;
+  __shared__ int shared_ok[kMaxRanks];
+  __shared__ uint64_t tma_bars[kTma ? kMaxRanks : 1][kMaxTmaBuffers];
+  extern __shared__ __align__(128) uint8_t tma_bufs[];
+  const int num_ranks = a.c.num_ranks, me = a.c.rank;
+  const int c = blockIdx.x >> 1;
+  const bool sender = (blockIdx.x & 1) == 0;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const bool tma = kTma && sender;
+  const int warps = tma ? 1 : kStreamCopyWarps / num_ranks;  // copy warps per ring
+  const bool publisher = warp == kStreamCopyWarps;
+  auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
+  // Each ring's counter at kernel start, read before the barrier: the publisher rewrites tail_copy.
+  const int ring = publisher ? lane : warp / warps;
+  uint64_t base = 0;
+  if (ring < num_ranks) {
+    base = *reinterpret_cast<volatile uint64_t*>(sender ? &ctl->tail_copy[c][ring] : &ctl->head_copy[c][ring]);
+  }
+  board_init(board);
+  __syncthreads();
+
+  if (!sender && a.pad_rows) pad_worst_rows(a, c);
+  if (publisher) {
+    uint64_t* word = nullptr;
+    if (lane < num_ranks) {
+      auto* peer = reinterpret_cast<Control*>(a.c.peers[lane]);
+      word = sender ? &peer->fifo_tail[c][me] : &peer->fifo_head[c][me];
+    }
+    // Sender: a tail update per `chunk` rows at least (at most half a ring, see stream.cuh); receiver: every
+    // consumed row is released at once.
+    const int batch = sender ? max(1, min(a.chunk, a.num_slots / 2)) : 1;
+    uint64_t* mirror = sender && lane < num_ranks ? &ctl->tail_copy[c][lane] : nullptr;
+    const int n = publish_rings(board, num_ranks, warps, batch, word, base, mirror, lane);
+    if (!sender && lane < num_ranks) ctl->head_copy[c][lane] = base + n;  // read by the next kernel
+    return;
+  }
+  const bool em_pad = !sender && a.em_mode != 0;
+  const int gw = warp % warps;
+  if (ring >= num_ranks) {  // idle warps when 24 % R != 0
+    if (em_pad) zero_em_padding(a, c * kWarps + warp, a.num_channels * kWarps, lane);
+    return;
+  }
+  const Watchdog dog = make_watchdog(a.c.timeout_ns, me, &ctl->timeout_claim, &a.c.mailbox->timeout);
+  if (tma) {
+    tma_send(a, c, ring, lane, base, board,
+             tma_bufs + static_cast<size_t>(ring) * a.tma_buffers * a.tma_buffer_bytes, tma_bars[kTma ? ring : 0], dog);
+  } else if (sender) {
+    stream_send(a, c, ring, gw, warps, lane, base, board, &shared_ok[ring], dog);
+  } else {
+    stream_receive(a, c, ring, gw, warps, lane, base, board, dog);
+    if (em_pad) zero_em_padding(a, c * kWarps + warp, a.num_channels * kWarps, lane);
+  }
+}
+
 }  // namespace
 
 void launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
+  if (args.protocol == kStreamTma) {
+    DispatchArgs a = args;
+    a.tma_buffers = tma_buffers(a.c.num_ranks, a.slot_bytes);
+    if (a.tma_buffers > 0) {  // else too few buffers fit: the stream protocol
+      a.tma_buffer_bytes = (a.slot_bytes + 127) / 128 * 128;
+      allow_dynamic_smem<dispatch_stream_kernel<true>>(kTmaSmemBytes);
+      const size_t smem = static_cast<size_t>(a.c.num_ranks) * a.tma_buffers * a.tma_buffer_bytes;
+      dispatch_stream_kernel<true><<<2 * a.num_channels, kStreamThreads, smem, stream>>>(a);
+      check_launch("dispatch_stream_kernel (tma)");
+      return;
+    }
+  }
+  if (args.protocol != kChunked) {
+    dispatch_stream_kernel<false><<<2 * args.num_channels, kStreamThreads, 0, stream>>>(args);
+    check_launch("dispatch_stream_kernel");
+    return;
+  }
   dispatch_kernel<<<2 * args.num_channels, kThreads, 0, stream>>>(args);
   check_launch("dispatch_kernel");
 }

@@ -17,6 +17,8 @@
 #include <cuda_fp16.h>
 
 #include "kernels/common/ptx.cuh"
+#include "kernels/common/vec.cuh"
+#include "kernels/intranode/em_pairs.cuh"
 #include "kernels/intranode/launch_check.cuh"
 #include "kernels/intranode/protocol.h"
 
@@ -27,22 +29,6 @@ constexpr int kUnpermuteThreads = kEmRowsPerBlock * 32;
 constexpr int kLoadsInFlight = 8;  // 16-byte loads per lane before the first addition
 // 4 blocks (32 warps) per SM: 64 registers, enough for the 8 loads in flight without spilling (sm_90a).
 constexpr int kUnpermuteBlocksPerSm = 4;
-
-template <typename T> __device__ __forceinline__ float to_float(T v);
-template <> __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <> __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-template <> __device__ __forceinline__ float to_float(float v) { return v; }
-template <typename T> __device__ __forceinline__ T from_float(float v);
-template <> __device__ __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
-template <> __device__ __forceinline__ __half from_float(float v) { return __float2half_rn(v); }
-template <> __device__ __forceinline__ float from_float(float v) { return v; }
-
-template <typename T>
-union Vec {
-  static constexpr int kElems = 16 / sizeof(T);
-  int4 raw;
-  T elems[kElems];
-};
 
 // acc += term(x) for every element, in this order (the caller walks the pairs in slot order).
 template <typename T>
@@ -142,26 +128,9 @@ __global__ void __launch_bounds__(kUnpermuteThreads, kUnpermuteBlocksPerSm) em_u
   // Rows past the received count (the tail of a num_worst_tokens table) are never sent by combine.
   if (r >= a.num_rows || r >= *a.received) return;
   const int k = a.num_topk;
-  int pos = -1;
-  float w = 1.f;
-  if (lane < k) {
-    pos = a.inverse[r * k + lane];
-    if (pos >= 0 && a.weights != nullptr) w = a.weights[pos];
-  }
-  // Compact the valid pairs, keeping slot order: lane i gets the i-th one (n is warp-uniform).
-  const unsigned valid = __ballot_sync(0xffffffffu, pos >= 0);
-  const int n = __popc(valid);
-  int cpos = 0;
-  float cw = 1.f;
-  for (unsigned rest = valid, i = 0; rest != 0; rest &= rest - 1, ++i) {
-    const int j = __ffs(rest) - 1;
-    const int p = __shfl_sync(0xffffffffu, pos, j);
-    const float wj = __shfl_sync(0xffffffffu, w, j);
-    if (lane == static_cast<int>(i)) {
-      cpos = p;
-      cw = wj;
-    }
-  }
+  const EmRowPairs pairs = em_row_pairs(a.inverse, a.weights, r, k, lane);
+  const int n = pairs.n, cpos = pairs.cpos, pos = pairs.pos;
+  const float cw = pairs.cw;
   const int row_bytes = a.hidden * static_cast<int>(sizeof(T));
   const int vecs = row_bytes / 16;
   int4* out = reinterpret_cast<int4*>(a.out + r * row_bytes);
