@@ -132,9 +132,10 @@ def internode_nvl_layout(num_ranks: int, nvl_size: int, num_nvl_bytes: int) -> d
 
 
 # Tuned tables: (num_max_nvl_chunked_send_tokens, num_max_nvl_chunked_recv_tokens) per rank count, from
-# chunk sweeps of the intranode kernels on H200s (2026-11-21, 4096 tokens, H=7168, 24 SMs); 8 ranks untuned.
-_DISPATCH_TABLE = {2: (32, 256), 4: (12, 256), 8: (6, 256)}
-_COMBINE_TABLE = {2: (32, 256), 4: (16, 256), 8: (4, 256)}
+# chunk sweeps of the intranode kernels' stream protocol (the default) on H200s (2026-11-21, 4096 tokens,
+# H=7168, 8-24 SMs; bench/results/*20261121-092*); 8 ranks untuned.
+_DISPATCH_TABLE = {2: (8, 256), 4: (12, 256), 8: (6, 256)}
+_COMBINE_TABLE = {2: (8, 256), 4: (16, 256), 8: (4, 256)}
 
 
 # Internode RDMA hop: rows per send step and ring slots. Every warp of a sender group puts the rows it staged

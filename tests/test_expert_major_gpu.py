@@ -10,6 +10,7 @@ Outputs are allocated from memory poisoned with 0xFF first, so a row the kernels
 """
 from __future__ import annotations
 
+import os
 from typing import Dict, List
 
 import pytest

@@ -44,20 +44,22 @@ EM_COMBINE_ENV = "MOE_DISPATCHER_EM_COMBINE"
 EM_COMBINE_MODES = ("split", "fused")
 # How the dispatch and combine kernels move rows through the rings (docs/intranode.md), read when the backend
 # is created; the attribute nvl_variant changes it later (bench, tests). All give the same bytes and use the
-# same rings, so calls of any may follow each other on one Buffer. "chunked" (default): warp groups in
-# lock-step chunks, each ending with a system-scope release by the group leader; "stream": every warp moves
-# its own rows and one publisher warp per block updates the ring counters (Config's send chunk is then the
-# least rows per tail update); "tma": stream, with senders that move rows by bulk copies (TMA) through shared
+# same rings, so calls of any may follow each other on one Buffer. "chunked": warp groups in lock-step
+# chunks, each ending with a system-scope release by the group leader; "stream" (default: the fastest on
+# 2 and 4 x H200, bench/results/*20261121-092*): every warp moves its own rows and one publisher warp per
+# block updates the ring counters (Config's send chunk is then the least rows per tail update); "tma": stream, with senders that move rows by bulk copies (TMA) through shared
 # memory, one warp per ring (the expert-major combine sends as stream; so does a slot too large for 2 buffers
 # per ring).
 NVL_VARIANT_ENV = "MOE_DISPATCHER_NVL_VARIANT"
 NVL_VARIANTS = ("chunked", "stream", "tma")  # index = the kernels' RingProtocol
+DEFAULT_NVL_VARIANT = "stream"
 _COMBINE_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
-def env_mode(name: str, modes: Sequence[str]) -> str:
-    """The variant environment variable `name` selects (case-insensitive; unset or empty: modes[0])."""
-    value = os.environ.get(name, "").strip().lower() or modes[0]
+def env_mode(name: str, modes: Sequence[str], default: Optional[str] = None) -> str:
+    """The variant environment variable `name` selects (case-insensitive; unset or empty: default, else
+    modes[0])."""
+    value = os.environ.get(name, "").strip().lower() or default or modes[0]
     if value not in modes:
         raise ValueError(f"{name} must be one of {tuple(modes)}, got {value!r}")
     return value
@@ -202,7 +204,7 @@ class IntranodeBackend:
         self._timeout_ns = int(self.timeout_s * 1e9)
         self.em_dispatch_mode = env_mode(EM_DISPATCH_ENV, EM_DISPATCH_MODES)
         self.em_combine_mode = env_mode(EM_COMBINE_ENV, EM_COMBINE_MODES)
-        self.nvl_variant = env_mode(NVL_VARIANT_ENV, NVL_VARIANTS)
+        self.nvl_variant = env_mode(NVL_VARIANT_ENV, NVL_VARIANTS, DEFAULT_NVL_VARIANT)
         minimum = self._mod.RINGS_OFFSET + self.num_ranks * 128
         if self.num_nvl_bytes < minimum:
             raise ValueError(f"num_nvl_bytes={self.num_nvl_bytes} is too small for the intranode kernels (at least "
