@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "bindings.h"
+#include "kernels/common/layout.h"
 #include "kernels/internode/protocol.h"
 #include "runtime/cuda_check.h"
 #include "runtime/ipc_buffer.h"
@@ -94,10 +95,10 @@ int num_forward(const IpcBuffer& b) { return b.host_mailbox()->num_forward; }
 void layout(uintptr_t topk_idx, int num_tokens, int num_topk, int num_experts, int num_ranks, int nvl_size,
             uintptr_t num_tokens_per_rank, uintptr_t num_tokens_per_domain, uintptr_t num_tokens_per_expert,
             uintptr_t is_token_in_rank, uintptr_t stream) {
-  LayoutArgs a{ptr<const int64_t>(topk_idx), num_tokens, num_topk, num_experts, num_ranks, nvl_size,
-               ptr<int>(num_tokens_per_rank), ptr<int>(num_tokens_per_domain), ptr<int>(num_tokens_per_expert),
-               ptr<bool>(is_token_in_rank)};
-  launch_layout(a, stream_of(stream));
+  DispatchLayoutArgs a{ptr<const int64_t>(topk_idx), num_tokens, num_topk, num_experts, num_ranks, nvl_size,
+                       ptr<int>(num_tokens_per_rank), ptr<int>(num_tokens_per_domain),
+                       ptr<int>(num_tokens_per_expert), ptr<bool>(is_token_in_rank)};
+  launch_dispatch_layout(a, stream_of(stream));
 }
 
 void notify(const Context& ctx, uint64_t timeout_ns, uintptr_t is_token_in_rank, uintptr_t num_tokens_per_rank,

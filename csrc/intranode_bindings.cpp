@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "bindings.h"
+#include "kernels/common/layout.h"
 #include "kernels/intranode/protocol.h"
 #include "runtime/cuda_check.h"
 #include "runtime/ipc_buffer.h"
@@ -97,9 +98,11 @@ std::vector<int> expert_counts(const IpcBuffer& b, int n) {
 void layout(uintptr_t topk_idx, int num_tokens, int num_topk, int num_experts, int num_ranks,
             uintptr_t num_tokens_per_rank, uintptr_t num_tokens_per_expert, uintptr_t is_token_in_rank,
             uintptr_t stream) {
-  LayoutArgs a{ptr<const int64_t>(topk_idx), num_tokens, num_topk, num_experts, num_ranks,
-               ptr<int>(num_tokens_per_rank), ptr<int>(num_tokens_per_expert), ptr<bool>(is_token_in_rank)};
-  launch_layout(a, stream_of(stream));
+  // One NVLink domain: no per-domain counts.
+  DispatchLayoutArgs a{ptr<const int64_t>(topk_idx), num_tokens, num_topk, num_experts, num_ranks, num_ranks,
+                       ptr<int>(num_tokens_per_rank), nullptr, ptr<int>(num_tokens_per_expert),
+                       ptr<bool>(is_token_in_rank)};
+  launch_dispatch_layout(a, stream_of(stream));
 }
 
 void notify(const IpcBuffer& b, uint64_t timeout_ns, uintptr_t is_token_in_rank, uintptr_t num_tokens_per_rank,

@@ -84,15 +84,6 @@ struct Common {
   Layout layout;
 };
 
-struct LayoutArgs {
-  const int64_t* topk_idx;  // [T, K]
-  int num_tokens, num_topk, num_experts, num_ranks, nvl_size;
-  int* num_tokens_per_rank;    // [R], zeroed by the caller
-  int* num_tokens_per_domain;  // [D], zeroed by the caller
-  int* num_tokens_per_expert;  // [E], zeroed by the caller
-  bool* is_token_in_rank;      // [T, R]
-};
-
 struct NotifyArgs {
   Common c;
   const bool* is_token_in_rank;      // [T, R]
@@ -150,7 +141,6 @@ struct CombineArgs {
 };
 constexpr int kMaxCombineChunk = 32;  // a chunk's tokens are one warp's lanes
 
-void launch_layout(const LayoutArgs& args, cudaStream_t stream);
 void launch_notify(const NotifyArgs& args, cudaStream_t stream);
 void launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
 void launch_combine(const CombineArgs& args, cudaStream_t stream);

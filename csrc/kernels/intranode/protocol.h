@@ -78,14 +78,6 @@ struct Common {
   size_t src_block_bytes;     // ring bytes per source rank in each buffer (after kRingsOffset)
 };
 
-struct LayoutArgs {
-  const int64_t* topk_idx;  // [T, K]
-  int num_tokens, num_topk, num_experts, num_ranks;
-  int* num_tokens_per_rank;    // [R], zeroed by the caller
-  int* num_tokens_per_expert;  // [E], zeroed by the caller
-  bool* is_token_in_rank;      // [T, R]
-};
-
 struct NotifyArgs {
   Common c;
   const bool* is_token_in_rank;      // [T, R]
@@ -197,7 +189,6 @@ struct CombineArgs {
 };
 
 // Launchers (csrc/kernels/intranode/*.cu). They check the launch and throw std::runtime_error.
-void launch_layout(const LayoutArgs& args, cudaStream_t stream);
 void launch_notify(const NotifyArgs& args, cudaStream_t stream);
 void launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
 void launch_combine(const CombineArgs& args, cudaStream_t stream);
