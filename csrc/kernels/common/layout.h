@@ -1,0 +1,26 @@
+// Dispatch layout (torch-free): from topk_idx [T, K], the tokens per rank, per expert and (internode) per
+// NVLink domain, and which ranks each token goes to. Local, no communication. The intranode and internode
+// backends both launch it (intranode: one domain, no domain counts).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace moe_dispatcher {
+
+constexpr int kLayoutMaxRanks = 64;  // ranks of one layout (a bit each in a 64-bit mask per token)
+
+struct DispatchLayoutArgs {
+  const int64_t* topk_idx;     // [T, K]; -1 (or any id outside [0, E)) = unused slot
+  int num_tokens, num_topk, num_experts, num_ranks;
+  int nvl_size;                // ranks per NVLink domain (num_ranks % nvl_size == 0)
+  int* num_tokens_per_rank;    // [R], zeroed by the caller
+  int* num_tokens_per_domain;  // [R / nvl_size], zeroed by the caller; null: not counted
+  int* num_tokens_per_expert;  // [E], zeroed by the caller
+  bool* is_token_in_rank;      // [T, R]
+};
+
+void launch_dispatch_layout(const DispatchLayoutArgs& args, cudaStream_t stream);
+
+}  // namespace moe_dispatcher
