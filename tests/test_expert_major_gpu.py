@@ -1,6 +1,6 @@
 """The fused expert-major dispatch/combine of the compiled intranode kernels against the composition they
 replace (docs/semantics.md, "Expert-major"), on real GPUs, for every dispatch variant (split, fused: switched
-in the run) and the combine variant of $MOE_DISPATCHER_EM_COMBINE (tools/gpu_em3.sh runs both).
+in the run) and the combine variant of $MOE_DISPATCHER_EM_COMBINE (the bench, `--mode expert-major`, times both).
 
 Two references per case:
 - the same compiled backend's rank-major dispatch + permute() / unpermute() + rank-major combine (the

@@ -1,24 +1,47 @@
 #!/usr/bin/env bash
-# Everything one session's kernel changes need, in one call on the 4-GPU machine (under ~9 minutes):
-# build, the internode script (tests at nvl 2 and 1, bench), the fused expert-major script (tests, Megatron
-# parity, yardstick, round-trip profile), the intranode kernel tests, the Megatron training-curve test and
-# the host-overhead profile. Everything lands in $OUT/session.tgz plus $OUT/session_summary.txt.
+# The whole check of one tree on the 4-GPU machine, in one device call (~7 minutes; stops before DEADLINE_S):
+# build, every GPU test family (intranode, expert-major, low-latency at 4 and 2 GPUs, internode at nvl 2 and
+# 1, Megatron parity and the 200-step training curve), the benches beside NCCL (normal, low-latency at 4 and
+# 2, internode 2 x 2), the NVLink ceilings, the host overhead of cached calls, the Megatron yardstick
+# ($LAYER_BENCH, default .out/megatron_layer_bench.py: copy shared/tools/megatron_layer_bench.py there) and
+# the round-trip profile. Logs in $OUT/logs, bench files in $OUT, the summary in $OUT/session_summary.txt;
+# everything is packed into $OUT/session.tgz at the end (the device tool brings back only a few files).
+#   bash tools/gpu_session_check.sh            DEADLINE_S=400 bash tools/gpu_session_check.sh
 set -u
 export OUT=${OUT:-./gpu-out}
-export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_REMOTE_TRANSPORT=none
-mkdir -p "$OUT"
-S="$OUT/session_summary.txt"
-# Packed after every stage, so a call cut short still brings back what finished.
-pack() { tar czf "$OUT/session.tgz" -C "$OUT" --exclude session.tgz --exclude results.tgz --exclude internode.tgz . 2>/dev/null; }
-STEPS=build bash tools/gpu_suite.sh 4 > /dev/null 2>&1
-grep -E "PASS|FAIL" "$OUT/summary.txt" > "$S"
-export PYTHONPATH=/tmp/site
-DEADLINE_S=${INTERNODE_S:-180} bash tools/gpu_internode.sh > /dev/null 2>&1; cat "$OUT/summary_internode.txt" >> "$S"; pack
-bash tools/gpu_fused.sh > /dev/null 2>&1; cat "$OUT/fused_summary.txt" >> "$S"; pack
-TESTS="tests/test_intranode_gpu.py tests/test_megatron_train.py" TEST_LIMIT_S=${TEST_LIMIT_S:-80} STEPS=tests \
-  DEADLINE_S=170 bash tools/gpu_suite.sh 4 > /dev/null 2>&1
-grep -v "^GPU\|^torch" "$OUT/summary.txt" >> "$S"; pack
-timeout 60 torchrun --standalone --nproc_per_node 2 tools/host_profile.py "$OUT" > "$OUT/logs/host_profile.log" 2>&1
-head -8 "$OUT/host_profile.txt" >> "$S" 2>/dev/null
-pack
-cat "$S"
+export MOE_TEST_TIMEOUT=${MOE_TEST_TIMEOUT:-120} MOE_DISPATCHER_TIMEOUT_S=${MOE_DISPATCHER_TIMEOUT_S:-10}
+DEADLINE_S=${DEADLINE_S:-560}
+LAYER_BENCH=${LAYER_BENCH:-.out/megatron_layer_bench.py}
+start=$(date +%s)
+summary="$OUT/session_summary.txt"
+mkdir -p "$OUT/logs"
+: > "$summary"
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_lib.sh"
+KEYS="passed|failed|FAILED|^E  |round trip|yardstick floor|public cached|public combine|GB/s|wrote .*\.md"
+git log --oneline -1 >> "$summary" 2>/dev/null
+
+STEPS=build OUT="$OUT/build" bash tools/gpu_suite.sh 4 > "$OUT/logs/build.txt" 2>&1
+grep -E "PASS|FAIL" "$OUT/build/summary.txt" | tee -a "$summary"
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+pytest_gpu() { python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short "$@"; }
+
+run intranode_gpu 110 pytest_gpu tests/test_intranode_gpu.py
+run expert_major_gpu 90 pytest_gpu tests/test_expert_major_gpu.py
+run low_latency_gpu 110 pytest_gpu -s tests/test_low_latency_gpu.py
+run internode_gpu 90 pytest_gpu -x -s tests/test_internode_gpu.py -k "4-nvl2 or 4-nvl1"
+run megatron_layer_gpu 60 pytest_gpu tests/test_megatron_layer.py
+run bench_normal_4 60 python3 -m moe_dispatcher.bench --mode normal --backend kernels --num-ranks 4 --out-dir "$OUT"
+run bench_normal_2 40 python3 -m moe_dispatcher.bench --mode normal --backend kernels --num-ranks 2 --out-dir "$OUT"
+run bench_ll_4 40 python3 -m moe_dispatcher.bench --mode low-latency --num-ranks 4 --out-dir "$OUT"
+run bench_ll_2 40 python3 -m moe_dispatcher.bench --mode low-latency --num-ranks 2 --out-dir "$OUT"
+run bench_internode 60 python3 -m moe_dispatcher.bench --mode internode --nvl-size 2 --backend kernels --num-ranks 4 \
+  --out-dir "$OUT"
+run nvlink_ceiling 40 python3 tools/nvlink_ceiling.py
+run host_profile 40 torchrun --standalone --nproc_per_node 2 tools/host_profile.py "$OUT"
+[ -f "$LAYER_BENCH" ] && run yardstick 100 torchrun --standalone --nproc_per_node 4 "$LAYER_BENCH"
+run round_trip_profile 80 torchrun --standalone --nproc_per_node 4 tools/profile_round_trip.py
+run megatron_train 100 pytest_gpu tests/test_megatron_train.py
+echo "total $(( $(date +%s) - start )) s" >> "$summary"
+cat "$summary"
+tar czf /tmp/session.tgz -C "$OUT" --exclude='*.pt' --exclude='*.tgz' . && find "$OUT" -mindepth 1 -delete \
+  && mv /tmp/session.tgz "$OUT/"

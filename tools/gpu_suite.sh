@@ -11,8 +11,7 @@
 # yardstick is read from $LAYER_BENCH (default .out/megatron_layer_bench.py, a copy of
 # shared/tools/megatron_layer_bench.py).
 set -u
-export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_REMOTE_TRANSPORT=none
-export PYTHONUNBUFFERED=1 MOE_TEST_TIMEOUT=${MOE_TEST_TIMEOUT:-120} MOE_DISPATCHER_TIMEOUT_S=${MOE_DISPATCHER_TIMEOUT_S:-10}
+export MOE_TEST_TIMEOUT=${MOE_TEST_TIMEOUT:-120} MOE_DISPATCHER_TIMEOUT_S=${MOE_DISPATCHER_TIMEOUT_S:-10}
 OUT=${OUT:-./gpu-out}
 mkdir -p "$OUT/logs"
 N=${1:-$(nvidia-smi -L | wc -l)}
@@ -23,19 +22,7 @@ start=$(date +%s)
 summary="$OUT/summary.txt"
 : > "$summary"
 
-left() { echo $(( DEADLINE_S - ($(date +%s) - start) )); }
-# run NAME LIMIT_S CMD...: one step, its log in $OUT/logs/NAME.log, a line in the summary.
-run() {
-  local name=$1 limit=$2; shift 2
-  local budget; budget=$(left)
-  (( budget < 15 )) && { echo "SKIP $name (deadline)" | tee -a "$summary"; return; }
-  (( limit > budget )) && limit=$budget
-  local t0; t0=$(date +%s)
-  timeout -k 5 "$limit" "$@" > "$OUT/logs/$name.log" 2>&1
-  local rc=$?
-  echo "$( ((rc == 0)) && echo PASS || echo "FAIL rc=$rc") $name ($(( $(date +%s) - t0 )) s)" | tee -a "$summary"
-  tail -n 4 "$OUT/logs/$name.log" | sed 's/^/    /' | tee -a "$summary"
-}
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_lib.sh"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 
 if [ -d .whl ] && ls .whl/*.whl > /dev/null 2>&1; then
