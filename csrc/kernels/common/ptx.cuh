@@ -67,6 +67,57 @@ __device__ __forceinline__ void st_cs_v4(int4* p, int4 v) {
                : "memory");
 }
 
+// ---------------------------------------------------------------- bulk copies (sm_90 copy engine)
+// One thread moves a whole 16-byte-aligned range (size a multiple of 16): global -> shared completes
+// on an mbarrier (expect_tx bytes, then wait for the phase), shared -> global is tracked in the
+// thread's bulk groups (commit, then wait_group.read before the shared buffer is reused, and
+// wait_group 0 before the writes may be published: after it they are performed, and
+// fence.proxy.async.global orders them before the thread's later generic accesses, e.g. a
+// __threadfence_system and a release of a flag). The global side may be a peer's NVLink mapping.
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+// Initialise an mbarrier expecting one arrival per phase, visible to the copy engine afterwards.
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(bar)) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+// Start `bytes` of global `src` -> shared `dst`; the phase of `bar` completes when they landed.
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(bar)), "r"(bytes)
+               : "memory");
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+          shared_address(dst)),
+      "l"(src), "r"(bytes), "r"(shared_address(bar))
+      : "memory");
+}
+// Wait for the phase of `bar` with parity `parity` (0 for its first phase, then alternating).
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(shared_address(bar)), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+// Start `bytes` of shared `src` -> global `dst` as one bulk group of this thread.
+__device__ __forceinline__ void bulk_store(void* dst, const void* src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst),
+               "r"(shared_address(src)), "r"(bytes)
+               : "memory");
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+// This thread's bulk stores have read their shared sources (the buffers may be rewritten).
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+// This thread's bulk stores are complete, and ordered before its later generic accesses.
+__device__ __forceinline__ void bulk_wait_written() {
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
 // ---------------------------------------------------------------- time and barriers
 __device__ __forceinline__ uint64_t globaltimer_ns() {
   uint64_t t;

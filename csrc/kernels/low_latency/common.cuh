@@ -20,6 +20,7 @@ namespace moe_dispatcher::low_latency {
 // threads of the block, and each thread issues this many loads before the matching stores: the
 // loads' latencies (L2 or HBM, ~0.5-1 us) overlap instead of adding up.
 constexpr int kCopyUnroll = 8;
+constexpr int kCopyUnrollWide = 16;  // the combine send's kVariantCombineUnroll
 
 __device__ __forceinline__ uint64_t now_ns() {
   uint64_t t;
