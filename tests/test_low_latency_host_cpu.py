@@ -50,7 +50,7 @@ def backend(monkeypatch):
     stream = types.SimpleNamespace(cuda_stream=7, wait_stream=lambda other: None)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
     mod = types.SimpleNamespace(MAX_HIDDEN=16384, MAX_EXPERTS=1024, MAX_TOPK=32, PHASE_SEND=1, PHASE_RECV=2,
-                                VARIANT_MASK=2 | 8 | 16, Launcher=_Launcher, half_layout=_half_layout)
+                                VARIANT_MASK=2 | 8, Launcher=_Launcher, half_layout=_half_layout)
     b = object.__new__(LowLatencyBackend)
     b._mod, b.rank, b.num_ranks, b.num_bytes = mod, 0, 4, 1 << 30
     b._buffer_token, b.timeout_s, b._num_blocks, b._ptr = 1, 10.0, 132, 4096

@@ -20,7 +20,6 @@ from moe_dispatcher.compiled.low_latency import (
     COMBINE_SEND_ENV,
     DISPATCH_ENV,
     VARIANT_COMBINE_BULK,
-    VARIANT_COMBINE_UNROLL,
     VARIANT_DISPATCH_DEDUP,
     VARIANT_ENV,
     variant_from_env,
@@ -86,14 +85,13 @@ def test_variant_env():
     assert variant_from_env({VARIANT_ENV: "8"}) == VARIANT_COMBINE_BULK
     assert variant_from_env({DISPATCH_ENV: "dedup"}) == VARIANT_DISPATCH_DEDUP
     assert variant_from_env({COMBINE_SEND_ENV: "bulk"}) == VARIANT_DISPATCH_DEDUP | VARIANT_COMBINE_BULK
-    assert variant_from_env({VARIANT_ENV: "26", DISPATCH_ENV: "per_expert", COMBINE_SEND_ENV: "wide"}) == 16
+    assert variant_from_env({VARIANT_ENV: "10", DISPATCH_ENV: "per_expert"}) == VARIANT_COMBINE_BULK
     assert variant_from_env({VARIANT_ENV: "10", COMBINE_SEND_ENV: "threads"}) == VARIANT_DISPATCH_DEDUP
-    for bad in ({DISPATCH_ENV: "per-expert"}, {COMBINE_SEND_ENV: "tokens"}):
+    for bad in ({DISPATCH_ENV: "per-expert"}, {COMBINE_SEND_ENV: "wide"}):
         with pytest.raises(ValueError):
             variant_from_env(bad)
     assert variant_name(0) == "per_expert+threads"
     assert variant_name(VARIANT_DISPATCH_DEDUP | VARIANT_COMBINE_BULK) == "dedup+bulk"
-    assert variant_name(VARIANT_DISPATCH_DEDUP | VARIANT_COMBINE_UNROLL) == "dedup+wide"
 
 
 # ------------------------------------------------------------------------------------ model of the dedup kernels

@@ -39,16 +39,15 @@ DEFAULT_TIMEOUT_S = 10.0
 # Kernel variants (bits, csrc/kernels/low_latency/low_latency.h), read when the backend is created; every
 # variant gives the same bytes, and all of them need NVLink to every peer (cleared otherwise).
 #   2 = dedup dispatch: one message per (token, destination rank), expanded by the receiver (the default);
-#   8 = bulk combine send: rows move through the copy engine (cp.async.bulk via shared memory);
-#   16 = wide combine send: 16 loads in flight per thread instead of 8.
+#   8 = bulk combine send: rows move through the copy engine (cp.async.bulk via shared memory) instead of
+#       16-byte loads and stores by every thread.
 # MOE_DISPATCHER_LL_DISPATCH=dedup|per_expert sets or clears bit 2 and MOE_DISPATCHER_LL_COMBINE_SEND=
-# threads|wide|bulk picks the combine send, on top of MOE_DISPATCHER_LL_VARIANT.
+# threads|bulk bit 8, on top of MOE_DISPATCHER_LL_VARIANT.
 VARIANT_ENV = "MOE_DISPATCHER_LL_VARIANT"
 DISPATCH_ENV = "MOE_DISPATCHER_LL_DISPATCH"
 COMBINE_SEND_ENV = "MOE_DISPATCHER_LL_COMBINE_SEND"
-VARIANT_DISPATCH_DEDUP, VARIANT_COMBINE_BULK, VARIANT_COMBINE_UNROLL = 2, 8, 16  # == low_latency.h
+VARIANT_DISPATCH_DEDUP, VARIANT_COMBINE_BULK = 2, 8  # == low_latency.h
 DEFAULT_VARIANT = VARIANT_DISPATCH_DEDUP
-COMBINE_SEND_BITS = {"threads": 0, "wide": VARIANT_COMBINE_UNROLL, "bulk": VARIANT_COMBINE_BULK}
 # Grid size override (tuning only): at most the SM count.
 BLOCKS_ENV = "MOE_DISPATCHER_LL_BLOCKS"
 # Phase trace (diagnostics): "1" when the backend is created turns the kernels' timestamps on.
@@ -68,17 +67,19 @@ def variant_from_env(env=os.environ) -> int:
     elif value:
         raise ValueError(f"{DISPATCH_ENV}={value!r}: expected 'dedup' or 'per_expert'")
     value = env.get(COMBINE_SEND_ENV, "")
-    if value in COMBINE_SEND_BITS:
-        variant = variant & ~(VARIANT_COMBINE_BULK | VARIANT_COMBINE_UNROLL) | COMBINE_SEND_BITS[value]
+    if value == "bulk":
+        variant |= VARIANT_COMBINE_BULK
+    elif value == "threads":
+        variant &= ~VARIANT_COMBINE_BULK
     elif value:
-        raise ValueError(f"{COMBINE_SEND_ENV}={value!r}: expected one of {', '.join(COMBINE_SEND_BITS)}")
+        raise ValueError(f"{COMBINE_SEND_ENV}={value!r}: expected 'bulk' or 'threads'")
     return variant
 
 
 def variant_name(variant: int) -> str:
     """Readable name of variant bits, e.g. 'dedup+bulk', 'per_expert+threads'."""
-    send = "bulk" if variant & VARIANT_COMBINE_BULK else "wide" if variant & VARIANT_COMBINE_UNROLL else "threads"
-    return ("dedup" if variant & VARIANT_DISPATCH_DEDUP else "per_expert") + "+" + send
+    return (("dedup" if variant & VARIANT_DISPATCH_DEDUP else "per_expert") + "+" +
+            ("bulk" if variant & VARIANT_COMBINE_BULK else "threads"))
 
 
 class LowLatencyState(NamedTuple):

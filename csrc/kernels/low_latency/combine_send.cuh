@@ -11,9 +11,8 @@
 // once. The receiver waits for every flag before reading anything, so raising a block's flags
 // together at its end delays nothing and saves a fence per unit.
 //
-// Row copies to NVLink peers, by variant (low_latency.h): the block's threads, kCopyUnroll (or, with
-// kVariantCombineUnroll, kCopyUnrollWide) 16-byte loads in flight per thread, then the stores; or
-// (kVariantCombineBulk) the copy engine: the block's rows, in unit order, go round-robin to `stages`
+// Row copies to NVLink peers, by variant (low_latency.h): the block's threads, kCopyUnroll 16-byte
+// loads in flight per thread, then the stores; or (kVariantCombineBulk) the copy engine: the block's rows, in unit order, go round-robin to `stages`
 // owner threads (lane 0 of warps 0 .. stages-1), each with a row buffer in shared memory: bulk load
 // of the row, wait for it, bulk store to the peer slot; before its next load the owner waits until
 // the store has read the buffer. Before the CTA barrier that precedes the flags, every owner waits
@@ -21,24 +20,22 @@
 // plain stores.
 #pragma once
 
-#include "kernels/common/ptx.cuh"
 #include "kernels/low_latency/common.cuh"
 
 namespace moe_dispatcher::low_latency {
 
 // Copy rows [lo, hi) of pair (l, s) to `remote_base` (the peer's [me*L + l] region) with the whole
-// block; row i goes to the slot of its source token. kUnroll loads in flight per thread.
-template <int kUnroll>
+// block; row i goes to the slot of its source token.
 __device__ __forceinline__ void copy_pair_rows(const Common& c, const CombineArgs& a, const uint8_t* send,
                                                uint8_t* remote_base, size_t first_row, int n) {
   const int H = c.hidden, V = H / 8;
   const size_t row_bytes = static_cast<size_t>(H) * 2;
   const int total = n * V;
-  for (int base = 0; base < total; base += kUnroll * blockDim.x) {
-    int4 v[kUnroll];
-    int token[kUnroll];
+  for (int base = 0; base < total; base += kCopyUnroll * blockDim.x) {
+    int4 v[kCopyUnroll];
+    int token[kCopyUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < kCopyUnroll; ++u) {
       const int idx = base + u * blockDim.x + threadIdx.x;
       if (idx < total) {
         const int i = idx / V, j = idx - i * V;
@@ -50,7 +47,7 @@ __device__ __forceinline__ void copy_pair_rows(const Common& c, const CombineArg
       }
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < kCopyUnroll; ++u) {
       const int idx = base + u * blockDim.x + threadIdx.x;
       if (idx < total) {
         const int i = idx / V, j = idx - i * V;
@@ -130,7 +127,7 @@ __device__ __forceinline__ void combine_send_phase(const Common& c, const Combin
   uint8_t* send = c.buffer + half + lay.send_off;  // [L][R*maxT][H] bf16 (zero-copy rows)
   const int units = L * R * parts;
 
-  const bool bulk = bulk_stages > 0, wide = (c.variant & kVariantCombineUnroll) != 0;
+  const bool bulk = bulk_stages > 0;
   BulkPipe pipe{};
   if (bulk) pipe = bulk_pipe(smem, bulk_stages, row_bytes);
   bool put = false;
@@ -148,10 +145,8 @@ __device__ __forceinline__ void combine_send_phase(const Common& c, const Combin
       const size_t first_row = static_cast<size_t>(l) * RT + begin + lo;
       if (bulk) {
         bulk_pair_rows(c, a, send, remote_base, first_row, hi - lo, pipe);
-      } else if (wide) {
-        copy_pair_rows<kCopyUnrollWide>(c, a, send, remote_base, first_row, hi - lo);
       } else {
-        copy_pair_rows<kCopyUnroll>(c, a, send, remote_base, first_row, hi - lo);
+        copy_pair_rows(c, a, send, remote_base, first_row, hi - lo);
       }
       continue;
     }

@@ -35,12 +35,9 @@ constexpr int kPhaseRecv = 2;
 //   kVariantCombineBulk: the combine send moves rows with the bulk-copy engine (cp.async.bulk: global ->
 //   shared, then shared -> the peer's global address), up to kBulkStages rows in flight per block,
 //   instead of 16-byte loads and stores by every thread (combine_send.cuh).
-//   kVariantCombineUnroll: the combine send's thread copies keep kCopyUnrollWide loads in flight per
-//   thread instead of kCopyUnroll.
 constexpr int kVariantDispatchDedup = 2;
 constexpr int kVariantCombineBulk = 8;
-constexpr int kVariantCombineUnroll = 16;
-constexpr int kVariantMask = kVariantDispatchDedup | kVariantCombineBulk | kVariantCombineUnroll;
+constexpr int kVariantMask = kVariantDispatchDedup | kVariantCombineBulk;
 
 // Byte layout of ONE half of the symmetric buffer for a given (max_tokens, hidden, ranks, experts).
 // The halves sit at 0 and half_bytes. Inside a half:
