@@ -17,34 +17,92 @@ namespace {
 
 using namespace low_latency;
 
-// The fields every launch shares, from the Python backend's buffer description.
-Common make_common(uintptr_t buffer, uintptr_t peer_bases, uintptr_t workspace, size_t half_offset,
-                   int rank, int num_ranks, int num_experts, int max_tokens, int hidden,
-                   int num_blocks, uint64_t timeout_ns, int variant, uintptr_t trace) {
-  MOE_CHECK(num_ranks >= 1 && num_ranks <= kMaxRanks, "low_latency: bad number of ranks");
-  MOE_CHECK(num_experts % num_ranks == 0 && num_experts <= kMaxExperts,
-            "low_latency: bad number of experts");
-  MOE_CHECK(hidden % 128 == 0 && hidden <= kMaxHidden, "low_latency: bad hidden size");
-  MOE_CHECK(num_blocks >= 1, "low_latency: num_blocks must be positive");
-  MOE_CHECK((variant & ~kVariantMask) == 0, "low_latency: unknown kernel variant bits");
-  MOE_CHECK(trace == 0 || num_blocks <= kTraceMaxBlocks,
-            "low_latency: the phase trace records at most TRACE_MAX_BLOCKS blocks");
-  Common c{};
-  c.buffer = ptr<uint8_t>(buffer);
-  c.peer_bases = ptr<const uint64_t>(peer_bases);
-  c.workspace = ptr<int>(workspace);
-  c.half_offset = half_offset;
-  c.rank = rank;
-  c.num_ranks = num_ranks;
-  c.num_experts = num_experts;
-  c.max_tokens = max_tokens;
-  c.hidden = hidden;
-  c.num_blocks = num_blocks;
-  c.timeout_ns = timeout_ns;
-  c.variant = variant;
-  c.trace = ptr<unsigned long long>(trace);
-  return c;
-}
+// The launcher of one (buffer half, shapes, variant) of a backend: the fields every launch shares,
+// checked once when it is made; its methods take only what changes between calls (addresses, sizes,
+// flags, stream), as positional arguments (the per-call host cost is the point: docs/low_latency.md).
+class Launcher {
+ public:
+  Launcher(uintptr_t buffer, uintptr_t peer_bases, uintptr_t workspace, size_t half_offset, int rank,
+           int num_ranks, int num_experts, int max_tokens, int hidden, int num_blocks,
+           uint64_t timeout_ns, int variant, uintptr_t dispatch_trace, uintptr_t combine_trace) {
+    MOE_CHECK(num_ranks >= 1 && num_ranks <= kMaxRanks, "low_latency: bad number of ranks");
+    MOE_CHECK(num_experts % num_ranks == 0 && num_experts <= kMaxExperts,
+              "low_latency: bad number of experts");
+    MOE_CHECK(max_tokens >= 1, "low_latency: bad max_tokens");
+    MOE_CHECK(hidden % 128 == 0 && hidden <= kMaxHidden, "low_latency: bad hidden size");
+    MOE_CHECK(num_blocks >= 1, "low_latency: num_blocks must be positive");
+    MOE_CHECK((variant & ~kVariantMask) == 0, "low_latency: unknown kernel variant bits");
+    MOE_CHECK(!(variant & kVariantDispatchDedup) || num_experts / num_ranks >= 2,
+              "low_latency: the dedup dispatch needs at least two experts per rank");
+    MOE_CHECK((dispatch_trace == 0 && combine_trace == 0) || num_blocks <= kTraceMaxBlocks,
+              "low_latency: the phase trace records at most TRACE_MAX_BLOCKS blocks");
+    c_.buffer = ptr<uint8_t>(buffer);
+    c_.peer_bases = ptr<const uint64_t>(peer_bases);
+    c_.workspace = ptr<int>(workspace);
+    c_.half_offset = half_offset;
+    c_.rank = rank;
+    c_.num_ranks = num_ranks;
+    c_.num_experts = num_experts;
+    c_.max_tokens = max_tokens;
+    c_.hidden = hidden;
+    c_.num_blocks = num_blocks;
+    c_.timeout_ns = timeout_ns;
+    c_.variant = variant;
+    dispatch_trace_ = ptr<unsigned long long>(dispatch_trace);
+    combine_trace_ = ptr<unsigned long long>(combine_trace);
+  }
+
+  void dispatch(uintptr_t x, uintptr_t topk_idx, int num_tokens, int num_topk, bool fp8, bool round_scale,
+                bool ue8m0, uintptr_t recv_x, uintptr_t recv_scales, uintptr_t src_info,
+                uintptr_t layout_range, uintptr_t recv_count, uintptr_t cum_stats, uintptr_t wait_stats,
+                int phases, uintptr_t stream) const {
+    MOE_CHECK(num_topk >= 1 && num_topk <= kMaxTopk, "low_latency dispatch: bad top-k");
+    MOE_CHECK(num_tokens >= 0 && num_tokens <= c_.max_tokens, "low_latency dispatch: bad T");
+    Common c = c_;
+    c.trace = dispatch_trace_;
+    DispatchArgs a{};
+    a.x = ptr<const void>(x);
+    a.topk_idx = ptr<const int64_t>(topk_idx);
+    a.num_tokens = num_tokens;
+    a.num_topk = num_topk;
+    a.fp8 = fp8;
+    a.round_scale = round_scale;
+    a.ue8m0 = ue8m0;
+    a.recv_x = ptr<void>(recv_x);
+    a.recv_scales = ptr<void>(recv_scales);
+    a.src_info = ptr<int>(src_info);
+    a.layout_range = ptr<int64_t>(layout_range);
+    a.recv_count = ptr<int>(recv_count);
+    a.cumulative_recv_stats = ptr<int>(cum_stats);
+    a.wait_stats = ptr<int64_t>(wait_stats);
+    launch_dispatch(c, a, phases, stream_of(stream));
+  }
+
+  void combine(uintptr_t x, uintptr_t topk_idx, uintptr_t topk_weights, uintptr_t src_info,
+               uintptr_t layout_range, uintptr_t out, int num_tokens, int num_topk, uintptr_t wait_stats,
+               int phases, uintptr_t stream) const {
+    MOE_CHECK(num_topk >= 1 && num_topk <= kMaxTopk, "low_latency combine: bad top-k");
+    MOE_CHECK(num_tokens >= 0 && num_tokens <= c_.max_tokens, "low_latency combine: bad T");
+    Common c = c_;
+    c.trace = combine_trace_;
+    CombineArgs a{};
+    a.x = ptr<const void>(x);
+    a.topk_idx = ptr<const int64_t>(topk_idx);
+    a.topk_weights = ptr<const float>(topk_weights);
+    a.src_info = ptr<const int>(src_info);
+    a.layout_range = ptr<const int64_t>(layout_range);
+    a.out = ptr<void>(out);
+    a.num_tokens = num_tokens;
+    a.num_topk = num_topk;
+    a.wait_stats = ptr<int64_t>(wait_stats);
+    launch_combine(c, a, phases, stream_of(stream));
+  }
+
+ private:
+  Common c_{};
+  unsigned long long* dispatch_trace_ = nullptr;
+  unsigned long long* combine_trace_ = nullptr;
+};
 
 }  // namespace
 
@@ -57,11 +115,9 @@ void register_low_latency(py::module_& parent) {
   m.attr("WORKSPACE_INTS") = kWorkspaceInts;
   m.attr("PHASE_SEND") = kPhaseSend;
   m.attr("PHASE_RECV") = kPhaseRecv;
-  m.attr("VARIANT_COMBINE_ROWS") = kVariantCombineRows;
   m.attr("VARIANT_DISPATCH_DEDUP") = kVariantDispatchDedup;
-  m.attr("VARIANT_COMBINE_TOKENS") = kVariantCombineTokens;
+  m.attr("VARIANT_COMBINE_BULK") = kVariantCombineBulk;
   m.attr("VARIANT_MASK") = kVariantMask;
-  m.attr("ROUTE_WORDS") = kRouteWords;
   // Phase trace (low_latency.h, kTrace*): one record is TRACE_WORDS int64 words; events of block b at
   // [b * TRACE_EVENTS + index], the SM id at TRACE_SMID, per-pair words from TRACE_PAIR_{SENT,WAIT,SEEN}.
   m.attr("TRACE_MAX_BLOCKS") = kTraceMaxBlocks;
@@ -112,92 +168,22 @@ void register_low_latency(py::module_& parent) {
       "Byte layout of one buffer half: {half_bytes, send_off, recv_off, signal_off, msg_bytes, "
       "dedup_slot_bytes, signal_bytes}.");
 
-  m.def(
-      "dispatch",
-      [](uintptr_t buffer, uintptr_t peer_bases, uintptr_t workspace, size_t half_offset, int rank,
-         int num_ranks, int num_experts, int max_tokens, int hidden, int num_blocks,
-         uint64_t timeout_ns, uintptr_t x, uintptr_t topk_idx, int num_tokens, int num_topk,
-         bool fp8, bool round_scale, bool ue8m0, uintptr_t recv_x, uintptr_t recv_scales,
-         uintptr_t src_info, uintptr_t layout_range, uintptr_t recv_count, uintptr_t cum_stats,
-         uintptr_t wait_stats, int phases, uintptr_t stream, int variant, uintptr_t trace,
-         uintptr_t route_count, uintptr_t route) {
-        MOE_CHECK(num_topk >= 1 && num_topk <= kMaxTopk, "low_latency dispatch: bad top-k");
-        MOE_CHECK((route_count == 0) == (route == 0), "low_latency dispatch: route and route_count go together");
-        MOE_CHECK(route == 0 || (variant & kVariantDispatchDedup),
-                  "low_latency dispatch: only the dedup variant writes a route");
-        MOE_CHECK(num_tokens >= 0 && num_tokens <= max_tokens, "low_latency dispatch: bad T");
-        const Common c = make_common(buffer, peer_bases, workspace, half_offset, rank, num_ranks,
-                                     num_experts, max_tokens, hidden, num_blocks, timeout_ns, variant,
-                                     trace);
-        DispatchArgs a{};
-        a.x = ptr<const void>(x);
-        a.topk_idx = ptr<const int64_t>(topk_idx);
-        a.num_tokens = num_tokens;
-        a.num_topk = num_topk;
-        a.fp8 = fp8;
-        a.round_scale = round_scale;
-        a.ue8m0 = ue8m0;
-        a.recv_x = ptr<void>(recv_x);
-        a.recv_scales = ptr<void>(recv_scales);
-        a.src_info = ptr<int>(src_info);
-        a.layout_range = ptr<int64_t>(layout_range);
-        a.recv_count = ptr<int>(recv_count);
-        a.cumulative_recv_stats = ptr<int>(cum_stats);
-        a.wait_stats = ptr<int64_t>(wait_stats);
-        a.route_count = ptr<int>(route_count);
-        a.route = ptr<int>(route);
-        launch_dispatch(c, a, phases, stream_of(stream));
-      },
-      py::arg("buffer"), py::arg("peer_bases"), py::arg("workspace"), py::arg("half_offset"),
-      py::arg("rank"), py::arg("num_ranks"), py::arg("num_experts"), py::arg("max_tokens"),
-      py::arg("hidden"), py::arg("num_blocks"), py::arg("timeout_ns"), py::arg("x"),
-      py::arg("topk_idx"), py::arg("num_tokens"), py::arg("num_topk"), py::arg("fp8"),
-      py::arg("round_scale"), py::arg("ue8m0"), py::arg("recv_x"), py::arg("recv_scales"),
-      py::arg("src_info"), py::arg("layout_range"), py::arg("recv_count"),
-      py::arg("cum_stats"), py::arg("wait_stats"), py::arg("phases"), py::arg("stream"), py::arg("variant") = 0,
-      py::arg("trace") = 0, py::arg("route_count") = 0, py::arg("route") = 0,
-      "Enqueue the low-latency dispatch kernel (phases: PHASE_SEND | PHASE_RECV; trace: a "
-      "TRACE_WORDS int64 record or 0; route_count int32 [R] and route int32 [R, maxT, ROUTE_WORDS]: "
-      "written by the dedup variant's receive for the token-major combine, or 0).");
-
-  m.def(
-      "combine",
-      [](uintptr_t buffer, uintptr_t peer_bases, uintptr_t workspace, size_t half_offset, int rank,
-         int num_ranks, int num_experts, int max_tokens, int hidden, int num_blocks,
-         uint64_t timeout_ns, uintptr_t x, uintptr_t topk_idx, uintptr_t topk_weights,
-         uintptr_t src_info, uintptr_t layout_range, uintptr_t out, int num_tokens, int num_topk,
-         uintptr_t wait_stats, int phases, uintptr_t stream, int variant, uintptr_t trace,
-         uintptr_t route_count, uintptr_t route) {
-        MOE_CHECK(num_topk >= 1 && num_topk <= kMaxTopk, "low_latency combine: bad top-k");
-        MOE_CHECK((route_count == 0) == (route == 0), "low_latency combine: route and route_count go together");
-        MOE_CHECK(num_tokens >= 0 && num_tokens <= max_tokens, "low_latency combine: bad T");
-        const Common c = make_common(buffer, peer_bases, workspace, half_offset, rank, num_ranks,
-                                     num_experts, max_tokens, hidden, num_blocks, timeout_ns, variant,
-                                     trace);
-        CombineArgs a{};
-        a.x = ptr<const void>(x);
-        a.topk_idx = ptr<const int64_t>(topk_idx);
-        a.topk_weights = ptr<const float>(topk_weights);
-        a.src_info = ptr<const int>(src_info);
-        a.layout_range = ptr<const int64_t>(layout_range);
-        a.out = ptr<void>(out);
-        a.num_tokens = num_tokens;
-        a.num_topk = num_topk;
-        a.wait_stats = ptr<int64_t>(wait_stats);
-        a.route_count = ptr<const int>(route_count);
-        a.route = ptr<const int>(route);
-        launch_combine(c, a, phases, stream_of(stream));
-      },
-      py::arg("buffer"), py::arg("peer_bases"), py::arg("workspace"), py::arg("half_offset"),
-      py::arg("rank"), py::arg("num_ranks"), py::arg("num_experts"), py::arg("max_tokens"),
-      py::arg("hidden"), py::arg("num_blocks"), py::arg("timeout_ns"), py::arg("x"),
-      py::arg("topk_idx"), py::arg("topk_weights"), py::arg("src_info"), py::arg("layout_range"),
-      py::arg("out"), py::arg("num_tokens"), py::arg("num_topk"), py::arg("wait_stats"),
-      py::arg("phases"), py::arg("stream"), py::arg("variant") = 0, py::arg("trace") = 0,
-      py::arg("route_count") = 0, py::arg("route") = 0,
-      "Enqueue the low-latency combine kernel (x = 0: zero-copy, rows in the send region; trace: a "
-      "TRACE_WORDS int64 record or 0; route_count/route: a dedup dispatch's route, which the token-major "
-      "variant sends along, or 0).");
+  py::class_<Launcher>(m, "Launcher",
+                       "Launches of one buffer half with fixed shapes and variant (checked once here).")
+      .def(py::init<uintptr_t, uintptr_t, uintptr_t, size_t, int, int, int, int, int, int, uint64_t, int,
+                    uintptr_t, uintptr_t>(),
+           py::arg("buffer"), py::arg("peer_bases"), py::arg("workspace"), py::arg("half_offset"),
+           py::arg("rank"), py::arg("num_ranks"), py::arg("num_experts"), py::arg("max_tokens"),
+           py::arg("hidden"), py::arg("num_blocks"), py::arg("timeout_ns"), py::arg("variant"),
+           py::arg("dispatch_trace"), py::arg("combine_trace"))
+      .def("dispatch", &Launcher::dispatch,
+           "dispatch(x, topk_idx, num_tokens, num_topk, fp8, round_scale, ue8m0, recv_x, recv_scales, "
+           "src_info, layout_range, recv_count, cum_stats, wait_stats, phases, stream): enqueue the "
+           "dispatch kernel (addresses as ints, 0 = none; phases: PHASE_SEND | PHASE_RECV).")
+      .def("combine", &Launcher::combine,
+           "combine(x, topk_idx, topk_weights, src_info, layout_range, out, num_tokens, num_topk, "
+           "wait_stats, phases, stream): enqueue the combine kernel (x = 0: zero-copy, rows in the send "
+           "region).");
 }
 
 }  // namespace moe_dispatcher

@@ -3,10 +3,10 @@
 * get_low_latency_rdma_size_hint never exceeds DeepEP V1's formula, and the dedup staging and flags fit the
   layout it sizes (a Python mirror of csrc/kernels/low_latency/low_latency.h half_layout; the GPU tests check
   that the compiled half_layout gives the same total).
-* The variant switches (MOE_DISPATCHER_LL_VARIANT / _DISPATCH / _COMBINE).
+* The variant switches (MOE_DISPATCHER_LL_VARIANT / _DISPATCH / _COMBINE_SEND).
 * A model of what the dedup kernels compute (dispatch_dedup_send.cuh: slots, message indices, picks grouped
-  by destination; dispatch_dedup_recv.cuh: placement and expansion; combine_tokens.cuh: where the route sends
-  each row) lands every (source, token, expert) exactly where the reference backend puts it.
+  by destination; dispatch_dedup_recv.cuh: placement and expansion) lands every (source, token, expert)
+  exactly where the reference backend puts it.
 """
 from __future__ import annotations
 
@@ -17,10 +17,9 @@ import torch
 
 from moe_dispatcher.buffer import Buffer
 from moe_dispatcher.compiled.low_latency import (
-    COMBINE_ENV,
+    COMBINE_SEND_ENV,
     DISPATCH_ENV,
-    VARIANT_COMBINE_ROWS,
-    VARIANT_COMBINE_TOKENS,
+    VARIANT_COMBINE_BULK,
     VARIANT_DISPATCH_DEDUP,
     VARIANT_ENV,
     variant_from_env,
@@ -83,14 +82,16 @@ def test_dedup_staging_and_flags_fit():
 def test_variant_env():
     assert variant_from_env({}) == VARIANT_DISPATCH_DEDUP  # the default
     assert variant_from_env({VARIANT_ENV: "0"}) == 0
-    assert variant_from_env({VARIANT_ENV: "1"}) == VARIANT_COMBINE_ROWS
+    assert variant_from_env({VARIANT_ENV: "8"}) == VARIANT_COMBINE_BULK
     assert variant_from_env({DISPATCH_ENV: "dedup"}) == VARIANT_DISPATCH_DEDUP
-    assert variant_from_env({DISPATCH_ENV: "dedup", COMBINE_ENV: "tokens"}) == 6
-    assert variant_from_env({VARIANT_ENV: "7", DISPATCH_ENV: "per_expert", COMBINE_ENV: "pairs"}) == 1
-    with pytest.raises(ValueError):
-        variant_from_env({DISPATCH_ENV: "per-expert"})
-    assert variant_name(0) == "per_expert+pairs"
-    assert variant_name(VARIANT_DISPATCH_DEDUP | VARIANT_COMBINE_TOKENS) == "dedup+tokens"
+    assert variant_from_env({COMBINE_SEND_ENV: "bulk"}) == VARIANT_DISPATCH_DEDUP | VARIANT_COMBINE_BULK
+    assert variant_from_env({VARIANT_ENV: "10", DISPATCH_ENV: "per_expert"}) == VARIANT_COMBINE_BULK
+    assert variant_from_env({VARIANT_ENV: "10", COMBINE_SEND_ENV: "threads"}) == VARIANT_DISPATCH_DEDUP
+    for bad in ({DISPATCH_ENV: "per-expert"}, {COMBINE_SEND_ENV: "wide"}):
+        with pytest.raises(ValueError):
+            variant_from_env(bad)
+    assert variant_name(0) == "per_expert+threads"
+    assert variant_name(VARIANT_DISPATCH_DEDUP | VARIANT_COMBINE_BULK) == "dedup+bulk"
 
 
 # ------------------------------------------------------------------------------------ model of the dedup kernels
@@ -136,6 +137,8 @@ def _sender(topk: torch.Tensor, num_ranks: int, local: int, max_tokens: int):
     return counts, messages, out
 
 
+
+
 def test_dedup_model_matches_reference_placement():
     g = torch.Generator().manual_seed(3)
     for num_ranks, local, k, max_tokens in [(4, 64, 8, 16), (2, 16, 6, 9), (3, 2, 2, 7), (4, 8, 8, 12)]:
@@ -153,18 +156,14 @@ def test_dedup_model_matches_reference_placement():
             cnt = [[sent[s][0][me * local + l] for s in range(num_ranks)] for l in range(local)]
             begin = [[sum(cnt[l][:s]) for s in range(num_ranks)] for l in range(local)]
             src_info = {}
-            route = {}
             for s in range(num_ranks):
                 assert sent[s][1][me] == len(sent[s][2][me])
-                for i, (tok, picks) in sent[s][2][me].items():
-                    rows = []
+                for tok, picks in sent[s][2][me].values():
                     for p in picks:
                         l, sl = divmod(p, max_tokens)
                         flat = l * rt + begin[l][s] + sl
                         assert flat not in src_info, "two picks on one row"
                         src_info[flat] = (s, tok)
-                        rows.append(flat)
-                    route[(s, i)] = (tok, rows)
             # reference: expert l holds sources ascending, then tokens ascending
             want = {}
             for l in range(local):
@@ -176,10 +175,3 @@ def test_dedup_model_matches_reference_placement():
                             r0 += 1
                 assert r0 == sum(cnt[l])
             assert src_info == want
-            # the token-major combine sends route row `flat` of message (s, i) to [me*L + l][tok] on rank s:
-            # that must be the slot of (tok, expert me*L + l) the receiver reads
-            for (s, _), (tok, rows) in route.items():
-                for flat in rows:
-                    l = flat // rt
-                    assert (topks[s][tok] == me * local + l).any()
-                    assert want[flat] == (s, tok)

@@ -38,19 +38,16 @@ TIMEOUT_ENV = "MOE_DISPATCHER_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 10.0
 # Kernel variants (bits, csrc/kernels/low_latency/low_latency.h), read when the backend is created; every
 # variant gives the same bytes, and all of them need NVLink to every peer (cleared otherwise).
-#   1 = combine send spreads rows over the whole grid;
-#   2 = dedup dispatch: one message per (token, destination rank), expanded by the receiver;
-#   4 = token-major combine along the route a dedup dispatch leaves in its handle (pair combine otherwise).
-# MOE_DISPATCHER_LL_DISPATCH=dedup|per_expert and MOE_DISPATCHER_LL_COMBINE=tokens|pairs set or clear bits 2
-# and 4 on top of MOE_DISPATCHER_LL_VARIANT. Default: dedup dispatch + pair combine (the fastest on 4 x H200,
-# 2026-11-21: 32.9 / 50.9 us against 40.3 / 50.8 for per_expert + pairs and 32.8 / 58.9 for dedup + tokens).
+#   2 = dedup dispatch: one message per (token, destination rank), expanded by the receiver (the default);
+#   8 = bulk combine send: rows move through the copy engine (cp.async.bulk via shared memory) instead of
+#       16-byte loads and stores by every thread.
+# MOE_DISPATCHER_LL_DISPATCH=dedup|per_expert sets or clears bit 2 and MOE_DISPATCHER_LL_COMBINE_SEND=
+# threads|bulk bit 8, on top of MOE_DISPATCHER_LL_VARIANT.
 VARIANT_ENV = "MOE_DISPATCHER_LL_VARIANT"
 DISPATCH_ENV = "MOE_DISPATCHER_LL_DISPATCH"
-COMBINE_ENV = "MOE_DISPATCHER_LL_COMBINE"
-VARIANT_COMBINE_ROWS, VARIANT_DISPATCH_DEDUP, VARIANT_COMBINE_TOKENS = 1, 2, 4  # == low_latency.h
+COMBINE_SEND_ENV = "MOE_DISPATCHER_LL_COMBINE_SEND"
+VARIANT_DISPATCH_DEDUP, VARIANT_COMBINE_BULK = 2, 8  # == low_latency.h
 DEFAULT_VARIANT = VARIANT_DISPATCH_DEDUP
-VARIANT_NAMED = {DISPATCH_ENV: (VARIANT_DISPATCH_DEDUP, "dedup", "per_expert"),
-                 COMBINE_ENV: (VARIANT_COMBINE_TOKENS, "tokens", "pairs")}
 # Grid size override (tuning only): at most the SM count.
 BLOCKS_ENV = "MOE_DISPATCHER_LL_BLOCKS"
 # Phase trace (diagnostics): "1" when the backend is created turns the kernels' timestamps on.
@@ -59,35 +56,44 @@ TRACE_KINDS = ("dispatch", "combine")  # first index of the trace records
 
 
 def variant_from_env(env=os.environ) -> int:
-    """Kernel variant bits from MOE_DISPATCHER_LL_VARIANT, then MOE_DISPATCHER_LL_DISPATCH / _COMBINE."""
+    """Kernel variant bits from MOE_DISPATCHER_LL_VARIANT, then MOE_DISPATCHER_LL_DISPATCH / _COMBINE_SEND."""
     value = env.get(VARIANT_ENV, "")
     variant = int(value) if value else DEFAULT_VARIANT
-    for name, (bit, on, off) in VARIANT_NAMED.items():
-        value = env.get(name, "")
-        if value == on:
-            variant |= bit
-        elif value == off:
-            variant &= ~bit
-        elif value:
-            raise ValueError(f"{name}={value!r}: expected {on!r} or {off!r}")
+    value = env.get(DISPATCH_ENV, "")
+    if value == "dedup":
+        variant |= VARIANT_DISPATCH_DEDUP
+    elif value == "per_expert":
+        variant &= ~VARIANT_DISPATCH_DEDUP
+    elif value:
+        raise ValueError(f"{DISPATCH_ENV}={value!r}: expected 'dedup' or 'per_expert'")
+    value = env.get(COMBINE_SEND_ENV, "")
+    if value == "bulk":
+        variant |= VARIANT_COMBINE_BULK
+    elif value == "threads":
+        variant &= ~VARIANT_COMBINE_BULK
+    elif value:
+        raise ValueError(f"{COMBINE_SEND_ENV}={value!r}: expected 'bulk' or 'threads'")
     return variant
 
 
 def variant_name(variant: int) -> str:
-    """Readable name of variant bits, e.g. 'dedup+tokens', 'per_expert+pairs+rows'."""
-    parts = ["dedup" if variant & VARIANT_DISPATCH_DEDUP else "per_expert",
-             "tokens" if variant & VARIANT_COMBINE_TOKENS else "pairs"]
-    if variant & VARIANT_COMBINE_ROWS:
-        parts.append("rows")
-    return "+".join(parts)
+    """Readable name of variant bits, e.g. 'dedup+bulk', 'per_expert+threads'."""
+    return (("dedup" if variant & VARIANT_DISPATCH_DEDUP else "per_expert") + "+" +
+            ("bulk" if variant & VARIANT_COMBINE_BULK else "threads"))
 
 
 class LowLatencyState(NamedTuple):
-    """backend_state of this backend's LowLatencyHandle: the buffer half of the dispatch, and the route its
-    receive left (dedup dispatch: int32 route_count [R] and route [R, maxT, ROUTE_WORDS]; None otherwise)."""
+    """backend_state of this backend's LowLatencyHandle: the buffer half of the dispatch."""
     half: int
-    route_count: torch.Tensor | None = None
-    route: torch.Tensor | None = None
+
+
+class _Plan(NamedTuple):
+    """What the calls of one (max tokens, hidden, experts, top-k, buffer half) share, checked once: the native
+    launcher (its fixed fields checked when made) and the output shapes of a dispatch."""
+    launcher: object
+    local: int
+    rows: int
+    state: LowLatencyState
 
 
 class _DeviceMemory:
@@ -136,6 +142,7 @@ class LowLatencyBackend:
             self._num_blocks = int(os.environ[BLOCKS_ENV])
             if not 1 <= self._num_blocks <= sms:
                 raise ValueError(f"{BLOCKS_ENV} must be in [1, {sms}], got {self._num_blocks}")
+        self._checked: set[tuple] = set()  # (maxT, hidden, experts, top-k) that passed check_shape
         self.variant = 0
         self.set_variant(variant_from_env())
         # Phase trace: int64 [kind, half, TRACE_WORDS] on the device, or None (off: the kernels get 0).
@@ -150,6 +157,7 @@ class LowLatencyBackend:
             self._trace = torch.zeros(len(TRACE_KINDS), 2, self._mod.TRACE_WORDS, dtype=torch.int64,
                                       device=self.device)
         self._layout_key: tuple[int, int, int] | None = None
+        self._phase_both = self._mod.PHASE_SEND | self._mod.PHASE_RECV
         self._own_comm_stream: torch.cuda.Stream | None = None
         self._alive = True
         self._state.barrier()  # nobody sends before every peer zeroed its buffer
@@ -159,13 +167,13 @@ class LowLatencyBackend:
         """Kernel variant bits of later calls (tuning, see VARIANT_ENV): every variant gives the same results and
         leaves the workspace as it found it, so switching between calls is safe when every rank switches between
         the same two calls (not inside a graph capture: captured launches keep the variant they were captured
-        with). A handle keeps working across a switch: its combine runs token-major only if its dispatch was
-        dedup (it then carries the route) and the variant asks for it."""
+        with)."""
         if variant & ~getattr(self._mod, "VARIANT_MASK", 0):
             raise ValueError(f"unknown low-latency kernel variant bits: {variant} (see {VARIANT_ENV})")
         if self.nvlink_peers < self.num_ranks:  # every variant stores to peers through NVLink
-            variant &= ~(VARIANT_COMBINE_ROWS | VARIANT_DISPATCH_DEDUP | VARIANT_COMBINE_TOKENS)
+            variant = 0
         self.variant = variant
+        self._plans: dict[tuple, _Plan] = {}  # (maxT, hidden, experts, top-k, half) -> plan of this variant
 
     # ------------------------------------------------------------------ phase trace
     @property
@@ -175,14 +183,6 @@ class LowLatencyBackend:
     @property
     def num_blocks(self) -> int:
         return self._num_blocks
-
-    def _trace_arg(self, kind: str, half: int, num_experts: int) -> dict:
-        """The `trace` keyword of a launch: the record of (kind, half), or nothing when tracing is off (so an
-        extension built before the trace existed still works)."""
-        if self._trace is None:
-            return {}
-        self._trace_last[kind] = (half, num_experts)
-        return {"trace": self._trace[TRACE_KINDS.index(kind), half].data_ptr()}
 
     def trace_record(self, kind: str, half: int) -> torch.Tensor:
         """The raw device record (int64 [TRACE_WORDS]) the kernels of `kind` ("dispatch"/"combine") write when
@@ -237,6 +237,9 @@ class LowLatencyBackend:
 
     # ------------------------------------------------------------------ layout and checks
     def check_shape(self, max_tokens: int, hidden: int, num_experts: int, num_topk: int | None = None) -> None:
+        key = (max_tokens, hidden, num_experts, num_topk)
+        if key in self._checked:
+            return
         m = self._mod
         if hidden > m.MAX_HIDDEN:
             raise ValueError(f"the low-latency kernels take hidden sizes up to {m.MAX_HIDDEN}, got {hidden}")
@@ -248,21 +251,35 @@ class LowLatencyBackend:
         if 2 * half > self.num_bytes:
             raise ValueError(f"num_rdma_bytes={self.num_bytes} is too small for {max_tokens} tokens, hidden {hidden}, "
                              f"{num_experts} experts (needs {2 * half})")
+        self._checked.add(key)
 
-    def _layout(self, max_tokens: int, hidden: int, num_experts: int) -> dict:
-        """The half layout of these shapes; clears the signal words when the shapes changed since the last call."""
-        key = (max_tokens, hidden, num_experts)
-        if self._layout_key is not None and self._layout_key != key:
-            self.clean_low_latency_buffer(max_tokens, hidden, num_experts)
-        self._layout_key = key
-        return self._mod.half_layout(max_tokens, hidden, self.num_ranks, num_experts)
+    def _plan(self, max_tokens: int, hidden: int, num_experts: int, num_topk: int, half: int) -> _Plan:
+        """The plan of a call with these shapes (made and checked on first use). A call whose (maxT, hidden,
+        experts) differ from the previous call's first clears the signal words of the new layout."""
+        if self._layout_key != (max_tokens, hidden, num_experts):
+            if self._layout_key is not None:
+                self.clean_low_latency_buffer(max_tokens, hidden, num_experts)
+            self._layout_key = (max_tokens, hidden, num_experts)
+        key = (max_tokens, hidden, num_experts, num_topk, half)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._new_plan(*key)
+        return plan
 
-    def _common(self, layout: dict, half: int, max_tokens: int, hidden: int, num_experts: int) -> dict:
-        return {"buffer": self._ptr, "peer_bases": self._peer_bases.data_ptr(),
-                "workspace": self._workspace.data_ptr(), "half_offset": half * layout["half_bytes"],
-                "rank": self.rank, "num_ranks": self.num_ranks, "num_experts": num_experts,
-                "max_tokens": max_tokens, "hidden": hidden, "num_blocks": self._num_blocks,
-                "timeout_ns": int(self.timeout_s * 1e9), "variant": self.variant}
+    def _new_plan(self, max_tokens: int, hidden: int, num_experts: int, num_topk: int, half: int) -> _Plan:
+        self.check_shape(max_tokens, hidden, num_experts, num_topk)
+        r = self.num_ranks
+        local = num_experts // r
+        variant = self.variant
+        if local < 2:  # dedup needs two local experts or more (with one, messages are already one per rank)
+            variant &= ~VARIANT_DISPATCH_DEDUP
+        layout = self._mod.half_layout(max_tokens, hidden, r, num_experts)
+        traces = [self._trace[TRACE_KINDS.index(kind), half].data_ptr() if self._trace is not None else 0
+                  for kind in TRACE_KINDS]
+        launcher = self._mod.Launcher(self._ptr, self._peer_bases.data_ptr(), self._workspace.data_ptr(),
+                                      half * layout["half_bytes"], self.rank, r, num_experts, max_tokens, hidden,
+                                      self._num_blocks, int(self.timeout_s * 1e9), variant, *traces)
+        return _Plan(launcher, local, r * max_tokens, LowLatencyState(half))
 
     def _comm_stream(self) -> torch.cuda.Stream:
         buffer = self._buffer_ref()
@@ -274,14 +291,12 @@ class LowLatencyBackend:
 
     def _run(self, launch: Callable[[int, int], None], async_finish: bool, return_recv_hook: bool,
              make_hook: Callable, keep: list) -> tuple[EventOverlap, Callable | None]:
-        """Enqueue send+receive (or send now, receive in the hook) with DeepEP's stream semantics."""
+        """Enqueue send now and receive in the hook, or send+receive on the comm stream (async_finish), with
+        DeepEP's stream semantics (the plain call launches on the current stream without coming here)."""
         send, recv = self._mod.PHASE_SEND, self._mod.PHASE_RECV
         if return_recv_hook:
             launch(send, torch.cuda.current_stream().cuda_stream)
             return EventOverlap(), make_hook(lambda: launch(recv, torch.cuda.current_stream().cuda_stream))
-        if not async_finish:
-            launch(send | recv, torch.cuda.current_stream().cuda_stream)
-            return EventOverlap(), None
         compute, comm = torch.cuda.current_stream(), self._comm_stream()
         comm.wait_stream(compute)
         launch(send | recv, comm.cuda_stream)
@@ -298,55 +313,45 @@ class LowLatencyBackend:
                              dispatch_wait_recv_cost_stats: torch.Tensor | None, use_fp8: bool, round_scale: bool,
                              use_ue8m0: bool, async_finish: bool, return_recv_hook: bool, half: int,
                              make_hook: Callable):
+        """The Buffer checked the arguments (x bf16 [T, H] and topk_idx int64 [T, K], both contiguous, on this
+        device); outputs are new tensors of every call."""
         self._check_alive()
         t, h = x.shape
         k = topk_idx.shape[1]
-        self.check_shape(max_tokens, h, num_experts, k)
-        layout = self._layout(max_tokens, h, num_experts)
-        x = x.contiguous()
-        topk_idx = topk_idx.to(torch.int64).contiguous()
-        r = self.num_ranks
-        local, rows = num_experts // r, r * max_tokens
-        dev = x.device
-        scales = None
+        plan = self._plan(max_tokens, h, num_experts, k, half)
+        local, rows, dev = plan.local, plan.rows, x.device
         if use_fp8:
-            groups = h // 512 if use_ue8m0 else h // 128
-            data = torch.empty(local, rows, h, dtype=torch.float8_e4m3fn, device=dev)
-            scales = torch.empty(local, groups, rows, dtype=torch.int32 if use_ue8m0 else torch.float32,
-                                 device=dev).transpose(1, 2)
-            recv_x = (data, scales)
+            data = torch.empty((local, rows, h), dtype=torch.float8_e4m3fn, device=dev)
+            if use_ue8m0:
+                scales = torch.empty((local, h // 512, rows), dtype=torch.int32, device=dev).transpose(1, 2)
+            else:
+                scales = torch.empty((local, h // 128, rows), dtype=torch.float32, device=dev).transpose(1, 2)
+            recv_x, scales_ptr = (data, scales), scales.data_ptr()
         else:
-            data = recv_x = torch.empty(local, rows, h, dtype=torch.bfloat16, device=dev)
+            data = recv_x = torch.empty((local, rows, h), dtype=torch.bfloat16, device=dev)
+            scales, scales_ptr = None, 0
         recv_count = torch.empty(local, dtype=torch.int32, device=dev)
-        src_info = torch.empty(local, rows, dtype=torch.int32, device=dev)
-        layout_range = torch.empty(local, r, dtype=torch.int64, device=dev)
-        common = self._common(layout, half, max_tokens, h, num_experts)
-        # Dedup needs two local experts or more (with one, per-expert messages are already one per rank); its
-        # receive leaves the route the token-major combine sends along (kept in the handle).
-        route_count = route = None
-        if common["variant"] & VARIANT_DISPATCH_DEDUP and local < 2:
-            common["variant"] &= ~VARIANT_DISPATCH_DEDUP
-        if common["variant"] & VARIANT_DISPATCH_DEDUP:
-            route_count = torch.empty(r, dtype=torch.int32, device=dev)
-            route = torch.empty(r, max_tokens, self._mod.ROUTE_WORDS, dtype=torch.int32, device=dev)
+        src_info = torch.empty((local, rows), dtype=torch.int32, device=dev)
+        layout_range = torch.empty((local, self.num_ranks), dtype=torch.int64, device=dev)
         handle = LowLatencyHandle(src_info, layout_range, max_tokens, h, num_experts, self.name, self._buffer_token,
-                                  LowLatencyState(half, route_count, route))
-        routes = {} if route is None else {"route_count": route_count.data_ptr(), "route": route.data_ptr()}
+                                  plan.state, t)
         cum, wait = cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats
-        trace = self._trace_arg("dispatch", half, num_experts)
+        if self._trace is not None:
+            self._trace_last["dispatch"] = (half, num_experts)
+        args = (x.data_ptr(), topk_idx.data_ptr(), t, k, use_fp8, round_scale, use_ue8m0, data.data_ptr(), scales_ptr,
+                src_info.data_ptr(), layout_range.data_ptr(), recv_count.data_ptr(),
+                0 if cum is None else cum.data_ptr(), 0 if wait is None else wait.data_ptr())
+        dispatch = plan.launcher.dispatch
 
         def launch(phases: int, stream: int) -> None:
             self._check_alive()
-            self._mod.dispatch(**common, x=x.data_ptr(), topk_idx=topk_idx.data_ptr(), num_tokens=t, num_topk=k,
-                               fp8=use_fp8, round_scale=round_scale, ue8m0=use_ue8m0, recv_x=data.data_ptr(),
-                               recv_scales=scales.data_ptr() if scales is not None else 0,
-                               src_info=src_info.data_ptr(), layout_range=layout_range.data_ptr(),
-                               recv_count=recv_count.data_ptr(), cum_stats=cum.data_ptr() if cum is not None else 0,
-                               wait_stats=wait.data_ptr() if wait is not None else 0, phases=phases, stream=stream,
-                               **trace, **routes)
+            dispatch(*args, phases, stream)
 
-        keep = [x, topk_idx, data, scales, recv_count, src_info, layout_range, cum, wait, route_count, route]
-        event, hook = self._run(launch, async_finish, return_recv_hook, make_hook, [v for v in keep if v is not None])
+        if not (async_finish or return_recv_hook):  # the common call: one launch on the current stream
+            launch(self._phase_both, torch.cuda.current_stream().cuda_stream)
+            return recv_x, recv_count, handle, EventOverlap(), None
+        keep = [v for v in (x, topk_idx, data, scales, recv_count, src_info, layout_range, cum, wait) if v is not None]
+        event, hook = self._run(launch, async_finish, return_recv_hook, make_hook, keep)
         return recv_x, recv_count, handle, event, hook
 
     # ------------------------------------------------------------------ combine
@@ -354,42 +359,31 @@ class LowLatencyBackend:
                             handle: LowLatencyHandle, zero_copy: bool, async_finish: bool, return_recv_hook: bool,
                             out: torch.Tensor | None, combine_wait_recv_cost_stats: torch.Tensor | None,
                             half: int, make_hook: Callable):
+        """The Buffer checked the arguments (x bf16 [L, R*maxT, H], topk_idx int64 and topk_weights float32
+        [T, K], out bf16 [T, H] or None: all contiguous, on this device)."""
         self._check_alive()
         max_tokens, h, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
         t, k = topk_idx.shape
-        self.check_shape(max_tokens, h, num_experts, k)
-        layout = self._layout(max_tokens, h, num_experts)
-        x = x.contiguous()
-        topk_idx = topk_idx.to(torch.int64).contiguous()
-        topk_weights = topk_weights.contiguous()
-        result = out if out is not None else torch.empty(t, h, dtype=torch.bfloat16, device=x.device)
-        target = result if result.is_contiguous() else torch.empty_like(result, memory_format=torch.contiguous_format)
-        common = self._common(layout, half, max_tokens, h, num_experts)
-        state = handle.backend_state
-        routes = {}
-        if common["variant"] & VARIANT_COMBINE_TOKENS and isinstance(state, LowLatencyState) and state.route is not None:
-            routes = {"route_count": state.route_count.data_ptr(), "route": state.route.data_ptr()}
-        else:
-            common["variant"] &= ~VARIANT_COMBINE_TOKENS
+        plan = self._plan(max_tokens, h, num_experts, k, half)
+        result = out if out is not None else torch.empty((t, h), dtype=torch.bfloat16, device=x.device)
         wait = combine_wait_recv_cost_stats
-        send_phase = self._mod.PHASE_SEND
-        trace = self._trace_arg("combine", half, num_experts)
+        if self._trace is not None:
+            self._trace_last["combine"] = (half, num_experts)
+        args = (0 if zero_copy else x.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr(),
+                handle.src_info.data_ptr(), handle.layout_range.data_ptr(), result.data_ptr(), t, k,
+                0 if wait is None else wait.data_ptr())
+        combine = plan.launcher.combine
 
         def launch(phases: int, stream: int) -> None:
             self._check_alive()
-            self._mod.combine(**common, x=0 if zero_copy else x.data_ptr(), topk_idx=topk_idx.data_ptr(),
-                              topk_weights=topk_weights.data_ptr(), src_info=handle.src_info.data_ptr(),
-                              layout_range=handle.layout_range.data_ptr(), out=target.data_ptr(), num_tokens=t,
-                              num_topk=k, wait_stats=wait.data_ptr() if wait is not None else 0, phases=phases,
-                              stream=stream, **trace, **routes)
-            if target is not result and phases != send_phase:
-                with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
-                    result.copy_(target)
+            combine(*args, phases, stream)
 
-        keep = [x, topk_idx, topk_weights, handle.src_info, handle.layout_range, result, target, wait]
-        if routes:
-            keep += [state.route_count, state.route]
-        event, hook = self._run(launch, async_finish, return_recv_hook, make_hook, [v for v in keep if v is not None])
+        if not (async_finish or return_recv_hook):
+            launch(self._phase_both, torch.cuda.current_stream().cuda_stream)
+            return result, EventOverlap(), None
+        keep = [v for v in (x, topk_idx, topk_weights, handle.src_info, handle.layout_range, result, wait)
+                if v is not None]
+        event, hook = self._run(launch, async_finish, return_recv_hook, make_hook, keep)
         return result, event, hook
 
     # ------------------------------------------------------------------ buffer views and cleaning

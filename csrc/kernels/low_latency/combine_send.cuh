@@ -11,11 +11,13 @@
 // once. The receiver waits for every flag before reading anything, so raising a block's flags
 // together at its end delays nothing and saves a fence per unit.
 //
-// Variant kVariantCombineRows (NVLink peers only): the received rows, ordered by pair (l, s) then
-// row, are cut into gridDim.x equal ranges, one per block (a block's range may span pairs, a pair
-// may span blocks). combine_finished[pair] then counts rows: each block adds the rows it wrote of
-// each pair it touched (after the same barrier + fence), and the add that reaches the pair's count
-// raises the flag as above.
+// Row copies to NVLink peers, by variant (low_latency.h): the block's threads, kCopyUnroll 16-byte
+// loads in flight per thread, then the stores; or (kVariantCombineBulk) the copy engine: the block's rows, in unit order, go round-robin to `stages`
+// owner threads (lane 0 of warps 0 .. stages-1), each with a row buffer in shared memory: bulk load
+// of the row, wait for it, bulk store to the peer slot; before its next load the owner waits until
+// the store has read the buffer. Before the CTA barrier that precedes the flags, every owner waits
+// for its stores to complete (bulk_wait), so the fences below cover them as they cover
+// plain stores.
 #pragma once
 
 #include "kernels/low_latency/common.cuh"
@@ -55,8 +57,56 @@ __device__ __forceinline__ void copy_pair_rows(const Common& c, const CombineArg
   }
 }
 
-// Raise flag [me*L + l] on rank s once `pair`'s rows are all written: this thread adds `rows` (units
-// or rows, see above) to the pair's workspace counter; the add reaching `target` signals.
+// Variant kVariantCombineBulk: the state of one owner thread (see the top of the file). Every thread
+// of the block keeps `seq` (rows of the block's units so far), which names the owner of each row.
+struct BulkPipe {
+  uint8_t* buffer;   // this owner's row buffer (shared memory)
+  uint64_t* bar;     // its mbarrier
+  uint32_t parity;   // parity of the next phase of `bar`
+  int seq, stages;
+};
+
+// Dynamic shared memory of the bulk variant: kBulkStages mbarriers, then `stages` row buffers
+// (stages = min(kBulkStages, kBulkRowBytes / row bytes), set by the launcher; <= the warps of a block).
+constexpr int kBulkStages = 8;
+constexpr int kBulkBarBytes = 128;  // >= 8 * kBulkStages, keeps the row buffers 128-byte aligned
+constexpr int kBulkRowBytes = 192 * 1024;
+
+__device__ __forceinline__ BulkPipe bulk_pipe(uint8_t* smem, int stages, size_t row_bytes) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int own = warp < stages ? warp : 0;
+  BulkPipe p{smem + kBulkBarBytes + own * row_bytes, reinterpret_cast<uint64_t*>(smem) + own, 0, 0, stages};
+  if (lane == 0 && warp < stages) {
+    ptx::mbarrier_init(p.bar, 1);
+    ptx::fence_mbarrier_init();
+  }
+  return p;
+}
+
+// Rows [first_row, first_row + n) of a pair to `remote_base`, each by its owner thread.
+__device__ __forceinline__ void bulk_pair_rows(const Common& c, const CombineArgs& a, const uint8_t* send,
+                                               uint8_t* remote_base, size_t first_row, int n, BulkPipe& p) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const uint32_t row_bytes = static_cast<uint32_t>(c.hidden) * 2;
+  const uint8_t* rows = a.x != nullptr ? static_cast<const uint8_t*>(a.x) : send;
+  if (lane == 0 && warp < p.stages) {
+    for (int i = (warp - p.seq % p.stages + p.stages) % p.stages; i < n; i += p.stages) {
+      const size_t row = first_row + i;
+      ptx::bulk_wait_read<0>();  // the previous store from this buffer has read it
+      ptx::mbarrier_arrive_expect_tx(p.bar, row_bytes);
+      ptx::bulk_load(p.buffer, rows + row * row_bytes, row_bytes, p.bar);
+      while (!ptx::mbarrier_try_wait(p.bar, p.parity)) {
+      }
+      p.parity ^= 1;
+      ptx::bulk_store(remote_base + static_cast<size_t>(__ldg(a.src_info + row)) * row_bytes, p.buffer, row_bytes);
+      ptx::bulk_commit();
+    }
+  }
+  p.seq += n;
+}
+
+// Raise flag [me*L + l] on rank s once `pair`'s rows are all written: this thread adds `rows` (units)
+// to the pair's workspace counter; the add reaching `target` signals.
 // Precondition: every store of the block this add covers precedes a CTA barrier before this call.
 __device__ __forceinline__ void combine_pair_done(const Common& c, int* flags, int pair, int rows,
                                                   int target) {
@@ -71,128 +121,9 @@ __device__ __forceinline__ void combine_pair_done(const Common& c, int* flags, i
   }
 }
 
-// Variant kVariantCombineRows (see the top of the file).
-__device__ __forceinline__ void combine_send_rows(const Common& c, const CombineArgs& a,
-                                                  const HalfLayout& lay) {
-  constexpr int kChunk = 64;  // rows whose addresses are resolved at once
-  __shared__ int s_prefix[kMaxExperts + 1];  // exclusive prefix of the pairs' counts
-  __shared__ int s_warp[kThreads / 32];
-  __shared__ size_t s_row[kChunk];           // source row index in x / the send region
-  __shared__ uint8_t* s_dst[kChunk];         // the row's slot on the peer
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, warps = blockDim.x / 32;
-  const int R = c.num_ranks, E = c.num_experts, L = E / R, P = E, H = c.hidden;
-  const size_t RT = static_cast<size_t>(R) * c.max_tokens;
-  const size_t row_bytes = static_cast<size_t>(H) * 2;
-  int* flags = reinterpret_cast<int*>(c.buffer + c.half_offset + lay.signal_off) + E;  // [E]
-  const uint8_t* send = c.buffer + c.half_offset + lay.send_off;
-  uint8_t* recv = c.buffer + c.half_offset + lay.recv_off;
-
-  // Block-wide exclusive scan of the counts (each thread sums `per` consecutive pairs).
-  const int per = (P + blockDim.x - 1) / blockDim.x;
-  int mine = 0;
-  for (int q = 0; q < per; ++q) {
-    const int p = tid * per + q;
-    if (p < P) mine += static_cast<int>(a.layout_range[p] & 0xFFFFFFFF);
-  }
-  int incl = mine;
-#pragma unroll
-  for (int off = 1; off < 32; off <<= 1) {
-    const int v = __shfl_up_sync(0xffffffffu, incl, off);
-    if (lane >= off) incl += v;
-  }
-  if (lane == 31) s_warp[warp] = incl;
-  __syncthreads();
-  if (warp == 0) {
-    int w = lane < warps ? s_warp[lane] : 0;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const int v = __shfl_up_sync(0xffffffffu, w, off);
-      if (lane >= off) w += v;
-    }
-    if (lane < warps) s_warp[lane] = w;  // inclusive over warps
-  }
-  __syncthreads();
-  int run = incl - mine + (warp > 0 ? s_warp[warp - 1] : 0);
-  for (int q = 0; q < per; ++q) {
-    const int p = tid * per + q;
-    if (p < P) {
-      s_prefix[p] = run;
-      run += static_cast<int>(a.layout_range[p] & 0xFFFFFFFF);
-    }
-  }
-  if (tid == 0) s_prefix[P] = s_warp[warps - 1];
-  __syncthreads();
-
-  const int total = s_prefix[P];
-  const int g_lo = static_cast<int>(static_cast<int64_t>(total) * blockIdx.x / gridDim.x);
-  const int g_hi = static_cast<int>(static_cast<int64_t>(total) * (blockIdx.x + 1) / gridDim.x);
-  for (int c0 = g_lo; c0 < g_hi; c0 += kChunk) {
-    const int n = min(kChunk, g_hi - c0);
-    if (tid < n) {
-      const int g = c0 + tid;
-      int lo = 0, hi = P;  // largest p with s_prefix[p] <= g (a pair with rows, as g < total)
-      while (hi - lo > 1) {
-        const int mid = (lo + hi) / 2;
-        if (s_prefix[mid] <= g) lo = mid; else hi = mid;
-      }
-      const int p = lo, l = p / R, s = p % R;
-      const int begin = static_cast<int>(a.layout_range[p] >> 32);
-      const size_t row = static_cast<size_t>(l) * RT + begin + (g - s_prefix[p]);
-      s_row[tid] = row;
-      uint8_t* base = peer_address(c, s, recv + static_cast<size_t>(c.rank * L + l) * c.max_tokens * row_bytes);
-      s_dst[tid] = base + static_cast<size_t>(__ldg(a.src_info + row)) * row_bytes;
-    }
-    __syncthreads();
-    const int V = H / 8, vecs = n * V;
-    for (int b = 0; b < vecs; b += kCopyUnroll * blockDim.x) {
-      int4 v[kCopyUnroll];
-#pragma unroll
-      for (int u = 0; u < kCopyUnroll; ++u) {
-        const int idx = b + u * blockDim.x + tid;
-        if (idx < vecs) {
-          const int i = idx / V, j = idx - i * V;
-          const uint8_t* src = (a.x != nullptr ? static_cast<const uint8_t*>(a.x) : send) + s_row[i] * row_bytes;
-          v[u] = ld_nc(src + 16 * j);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kCopyUnroll; ++u) {
-        const int idx = b + u * blockDim.x + tid;
-        if (idx < vecs) {
-          const int i = idx / V, j = idx - i * V;
-          st_v4(s_dst[i] + 16 * j, v[u]);
-        }
-      }
-    }
-    __syncthreads();  // the chunk's stores precede the fences below; s_row/s_dst are rewritten
-  }
-  trace_event(c, kTraceCSendsIssued);
-
-  for (int p = tid; p < P; p += blockDim.x) {
-    const int count = s_prefix[p + 1] - s_prefix[p];
-    if (count == 0) {
-      if (p % gridDim.x == blockIdx.x) {
-        signal_peer(c, flags + c.rank * L + p / R, 1, p % R);
-        trace_pair_now(c, kTracePairSent, p);
-      }
-      continue;
-    }
-    const int rows = min(g_hi, s_prefix[p + 1]) - max(g_lo, s_prefix[p]);
-    if (rows > 0) combine_pair_done(c, flags, p, rows, count);
-  }
-}
-
 __device__ __forceinline__ void combine_send_phase(const Common& c, const CombineArgs& a,
-                                                   const HalfLayout& lay, int parts) {
-  if (c.variant & kVariantCombineRows) {
-    // NVLink only (the backend clears the bit otherwise; checked again here, uniformly per block).
-    bool all_mapped = true;
-    for (int pe = 0; pe < c.num_ranks; ++pe) all_mapped = all_mapped && c.peer_bases[pe] != 0;
-    if (all_mapped) {
-      combine_send_rows(c, a, lay);
-      return;
-    }
-  }
+                                                   const HalfLayout& lay, int parts, uint8_t* smem,
+                                                   int bulk_stages) {
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, warps = blockDim.x / 32;
   const int R = c.num_ranks, E = c.num_experts, L = E / R, H = c.hidden;
   const size_t RT = static_cast<size_t>(R) * c.max_tokens;
@@ -202,6 +133,9 @@ __device__ __forceinline__ void combine_send_phase(const Common& c, const Combin
   uint8_t* send = c.buffer + half + lay.send_off;  // [L][R*maxT][H] bf16 (zero-copy rows)
   const int units = L * R * parts;
 
+  const bool bulk = bulk_stages > 0;
+  BulkPipe pipe{};
+  if (bulk) pipe = bulk_pipe(smem, bulk_stages, row_bytes);
   bool put = false;
   for (int u = blockIdx.x; u < units; u += gridDim.x) {
     const int pair = u % (L * R), part = u / (L * R);
@@ -214,7 +148,12 @@ __device__ __forceinline__ void combine_send_phase(const Common& c, const Combin
                         static_cast<size_t>(c.rank * L + l) * c.max_tokens * row_bytes;
     uint8_t* remote_base = peer_address(c, s, dst_base);
     if (remote_base != nullptr) {
-      copy_pair_rows(c, a, send, remote_base, static_cast<size_t>(l) * RT + begin + lo, hi - lo);
+      const size_t first_row = static_cast<size_t>(l) * RT + begin + lo;
+      if (bulk) {
+        bulk_pair_rows(c, a, send, remote_base, first_row, hi - lo, pipe);
+      } else {
+        copy_pair_rows(c, a, send, remote_base, first_row, hi - lo);
+      }
       continue;
     }
     for (int i = lo + warp; i < hi; i += warps) {
@@ -232,6 +171,10 @@ __device__ __forceinline__ void combine_send_phase(const Common& c, const Combin
     }
   }
   if (put) nvshmem_quiet();
+  if (bulk && lane == 0 && warp < bulk_stages) {  // this owner's stores are complete, before the fences below
+    ptx::bulk_wait<0>();
+    ptx::fence_proxy_async_global();
+  }
   __syncthreads();  // every store of the block's units precedes the fences in combine_pair_done
   trace_event(c, kTraceCSendsIssued);
   for (int u = blockIdx.x + tid * gridDim.x; u < units; u += blockDim.x * gridDim.x)

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstdio>
 
+#include "kernels/common/ptx.cuh"
 #include "kernels/low_latency/low_latency.h"
 
 namespace moe_dispatcher::low_latency {
@@ -21,60 +22,21 @@ namespace moe_dispatcher::low_latency {
 // loads' latencies (L2 or HBM, ~0.5-1 us) overlap instead of adding up.
 constexpr int kCopyUnroll = 8;
 
-__device__ __forceinline__ uint64_t now_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
+// Memory-order helpers of kernels/common/ptx.cuh (system scope: writer and reader are different GPUs):
+// ld_acquire_sys / st_release_sys on signal words, ld_relaxed_sys for spins that end in an acquire,
+// st_relaxed_sys for values that publish no data (the dedup dispatch's early counts).
+using ptx::ld_acquire_sys;
+using ptx::ld_relaxed_sys;
+using ptx::st_relaxed_sys;
+using ptx::st_release_sys;
 
-// Acquire load at system scope: once it returns the value a peer published with a release (or
-// fence + store), the peer's earlier data stores to this GPU are visible to this thread.
-__device__ __forceinline__ int ld_acquire_sys(const int* p) {
-  int v;
-  asm volatile("ld.acquire.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
+__device__ __forceinline__ uint64_t now_ns() { return ptx::globaltimer_ns(); }
 
-// Release store at system scope to a peer's word (through its NVLink mapping).
-__device__ __forceinline__ void st_release_sys(int* p, int v) {
-  asm volatile("st.release.sys.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-
-// Relaxed store at system scope to a peer's word: for values that order no data (the dedup dispatch's
-// early counts); the reader still acquires them.
-__device__ __forceinline__ void st_relaxed_sys(int* p, int v) {
-  asm volatile("st.relaxed.sys.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-
-// Relaxed load at system scope (never served from a stale L1 line): the spin of wait_flag.
-__device__ __forceinline__ int ld_relaxed_sys(const int* p) {
-  int v;
-  asm volatile("ld.relaxed.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-// 16-byte loads and stores. Inputs that do not change during the kernel: non-coherent path.
-__device__ __forceinline__ int4 ld_nc(const void* p) {
-  int4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-// Data a peer wrote into our buffer (published by a signal we acquired): L2 only, never L1.
-__device__ __forceinline__ int4 ld_cg(const void* p) {
-  int4 v;
-  asm volatile("ld.global.cg.v4.s32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p)
-               : "memory");
-  return v;
-}
-__device__ __forceinline__ int ld_cg_s32(const void* p) {
-  int v;
-  asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
+// 16-byte loads. Inputs that do not change during the kernel: non-coherent path. Data a peer wrote
+// into our buffer (published by a signal we acquired): L2 only (.cg), never L1.
+__device__ __forceinline__ int4 ld_nc(const void* p) { return ptx::ld_nc_v4(static_cast<const int4*>(p)); }
+__device__ __forceinline__ int4 ld_cg(const void* p) { return ptx::ld_cg_v4(static_cast<const int4*>(p)); }
+__device__ __forceinline__ int ld_cg_s32(const void* p) { return ptx::ld_cg(static_cast<const int*>(p)); }
 __device__ __forceinline__ float ld_cg_f32(const void* p) {
   float v;
   asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");

@@ -9,7 +9,7 @@
 // 2. Messages. Units are the messages of all sources (source-major), handed out round-robin over the
 //    grid and unpacked kDedupBatch at a time per block: warp 0 waits for each message's flag (acquire;
 //    the flag carries the token), a CTA barrier hands the acquire to the block, then the picks are
-//    read, src_info (and the route) written, and each 16-byte vector of a body is loaded once and
+//    read, src_info written, and each 16-byte vector of a body is loaded once and
 //    stored into every row its picks name (kCopyUnroll loads in flight per thread); FP8 scales go to
 //    the token-minor layout (UE8M0: packed 4 per int32).
 // Resets: a message flag is read by one block only, which zeroes it right after reading it; the counts
@@ -30,7 +30,7 @@ __device__ __forceinline__ void dispatch_dedup_recv_phase(const Common& c, const
   __shared__ int s_begin[kMaxExperts];        // [l*R + s]: the count of (l, s), then its first row
   __shared__ int s_first_msg[kMaxRanks + 1];  // exclusive prefix of the sources' message counts
   __shared__ unsigned long long s_slot[kDedupBatch];  // byte offset of the message's slot in the half
-  __shared__ int s_src[kDedupBatch], s_index[kDedupBatch], s_token[kDedupBatch];
+  __shared__ int s_src[kDedupBatch], s_token[kDedupBatch];
   __shared__ int s_pick[kDedupBatch][1 + kMaxTopk];  // {n, picks} as sent
   __shared__ int s_row[kDedupBatch][kMaxTopk];       // flat row (l * R*maxT + row) of each pick
   __shared__ unsigned long long s_wait[kMaxRanks];
@@ -77,8 +77,6 @@ __device__ __forceinline__ void dispatch_dedup_recv_phase(const Common& c, const
     for (int s = 0; s < R; ++s) s_first_msg[s + 1] += s_first_msg[s];
   }
   __syncthreads();
-  if (a.route_count != nullptr && blockIdx.x == 0 && tid < R)
-    a.route_count[tid] = s_first_msg[tid + 1] - s_first_msg[tid];
 
   // 2. Messages.
   const int total = s_first_msg[R];
@@ -100,7 +98,6 @@ __device__ __forceinline__ void dispatch_dedup_recv_phase(const Common& c, const
       if (a.wait_stats != nullptr) atomicAdd(&s_wait[s], static_cast<unsigned long long>(now_ns() - start));
       *flag = 0;  // read by this block only; its next writer comes two calls later
       s_src[lane] = s;
-      s_index[lane] = i;
       s_token[lane] = token;
       s_slot[lane] = lay.recv_off + (static_cast<size_t>(s) * maxT + i) * lay.dedup_slot_bytes;
     }
@@ -142,20 +139,12 @@ __device__ __forceinline__ void dispatch_dedup_recv_phase(const Common& c, const
     for (int idx = tid; idx < nb * kMaxTopk; idx += blockDim.x) {
       const int b = idx / kMaxTopk, q = idx - b * kMaxTopk;
       const int n = s_pick[b][0];
-      int* route = a.route != nullptr
-                       ? a.route + (static_cast<size_t>(s_src[b]) * maxT + s_index[b]) * kRouteWords
-                       : nullptr;
       if (q < n) {
         const int p = s_pick[b][1 + q];
         const int l = p / maxT, slot = p - l * maxT;
         const int flat = l * RT + s_begin[l * R + s_src[b]] + slot;
         s_row[b][q] = flat;
         a.src_info[flat] = s_token[b];
-        if (route != nullptr) route[2 + q] = flat;
-      }
-      if (q == 0 && route != nullptr) {
-        route[0] = s_token[b];
-        route[1] = n;
       }
     }
     __syncthreads();

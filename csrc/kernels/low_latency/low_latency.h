@@ -24,28 +24,20 @@ constexpr int kPhaseSend = 1;
 constexpr int kPhaseRecv = 2;
 
 // Kernel variants (bits of Common::variant; MOE_DISPATCHER_LL_VARIANT, MOE_DISPATCHER_LL_DISPATCH and
-// MOE_DISPATCHER_LL_COMBINE, read when the backend is created). Every variant produces the same bytes;
-// they differ in how work is spread and in what crosses NVLink. All three are NVLink only: the backend
+// MOE_DISPATCHER_LL_COMBINE_SEND, read when the backend is created). Every variant produces the same
+// bytes; they differ in how work is spread and in what crosses NVLink. All are NVLink only: the backend
 // clears them when some peer has no NVLink mapping.
-//   kVariantCombineRows: the combine send spreads the received rows evenly over the whole grid
-//   (per-pair row counters) instead of one (local expert, source) pair per block.
-//   kVariantDispatchDedup: the dispatch sends each token once per destination RANK (with the list of
-//   that rank's local experts it chose) into a per-source staging area of the receive region; the
-//   receiver expands it into the per-expert layout (dispatch_dedup_send.cuh / _recv.cuh). Needs at
-//   least two local experts (with one, per-expert messages are already one per rank): the backend
-//   clears it for such calls. Its receive also writes the route the token-major combine needs.
-//   kVariantCombineTokens: the combine sends token-major along that route, raising one flag per
-//   (expert rank, token), and the receiver reduces each token as soon as its rows are in
-//   (combine_tokens.cuh). Used only with a handle from a dedup dispatch (it carries the route).
-constexpr int kVariantCombineRows = 1;
+//   kVariantDispatchDedup (the default): the dispatch sends each token once per destination RANK (with
+//   the list of that rank's local experts it chose) into a per-source staging area of the receive
+//   region; the receiver expands it into the per-expert layout (dispatch_dedup_send.cuh / _recv.cuh).
+//   Needs at least two local experts (with one, per-expert messages are already one per rank): the
+//   backend clears it for such calls.
+//   kVariantCombineBulk: the combine send moves rows with the bulk-copy engine (cp.async.bulk: global ->
+//   shared, then shared -> the peer's global address), up to kBulkStages rows in flight per block,
+//   instead of 16-byte loads and stores by every thread (combine_send.cuh).
 constexpr int kVariantDispatchDedup = 2;
-constexpr int kVariantCombineTokens = 4;
-constexpr int kVariantMask = kVariantCombineRows | kVariantDispatchDedup | kVariantCombineTokens;
-
-// The route a dedup dispatch leaves for the token-major combine (int32, one record per received
-// message): route[s][i] = {token, n, flat row 0, ..., flat row n-1} for message i of source rank s
-// (i < route_count[s]), flat row = l * R*maxT + row of recv_x. kRouteWords words per record.
-constexpr int kRouteWords = 2 + kMaxTopk;
+constexpr int kVariantCombineBulk = 8;
+constexpr int kVariantMask = kVariantDispatchDedup | kVariantCombineBulk;
 
 // Byte layout of ONE half of the symmetric buffer for a given (max_tokens, hidden, ranks, experts).
 // The halves sit at 0 and half_bytes. Inside a half:
@@ -58,11 +50,9 @@ constexpr int kRouteWords = 2 + kMaxTopk;
 //   [signal_off, +signal_bytes)  int32 words:
 //       [0, E)            dispatch counts [L][R] (value count + 1), every dispatch
 //       [E, E + F)        the flags of the call, F = max(E, R + R*maxT) when L >= 2, else E:
-//                           pair combine: flags [E] (value 1);
+//                           combine: flags [E] (value 1);
 //                           dedup dispatch: message counts per source rank [R] (value count + 1), then
-//                             message flags [source][message index] (value token + 1) from E + R;
-//                           token-major combine: presence words [R] (value 1), then flags
-//                             [expert rank][token] (value 1) from E + R.
+//                             message flags [source][message index] (value token + 1) from E + R.
 //                         A half serves one call at a time and every call leaves them at 0, so the calls
 //                         share these words (which keeps the hint under DeepEP V1's formula).
 // The total (2 * half_bytes) equals Buffer.get_low_latency_rdma_size_hint.
@@ -119,8 +109,7 @@ constexpr int kWsDispatchFinished = 0;                              // [E] messa
 constexpr int kWsCombineFinished = kWsDispatchFinished + kMaxExperts;  // [L*R] parts done
 constexpr int kWsDispatchRecvDone = kWsCombineFinished + kMaxExperts;  // blocks done polling
 constexpr int kWsCombineRecvDone = kWsDispatchRecvDone + 1;
-constexpr int kWsCombineClaim = kWsCombineRecvDone + 1;  // token-major combine: reduction tasks taken
-constexpr int kWorkspaceInts = kWsCombineClaim + 1;
+constexpr int kWorkspaceInts = kWsCombineRecvDone + 1;
 
 // Opt-in phase trace (docs/low_latency.md, "Phase trace"). Common::trace null: off, and every trace
 // point is one uniform branch on it. Otherwise it points at one record of kTraceWords uint64 words (the
@@ -182,8 +171,6 @@ struct DispatchArgs {
   int* recv_count;             // [L]
   int* cumulative_recv_stats;  // [L] or null
   int64_t* wait_stats;         // [R] or null
-  int* route_count;            // dedup only: [R] messages received per source (or null: not kept)
-  int* route;                  // dedup only: [R][maxT][kRouteWords] (see kRouteWords), null with route_count
 };
 
 struct CombineArgs {
@@ -195,8 +182,6 @@ struct CombineArgs {
   void* out;                   // bf16 [T, H]
   int num_tokens, num_topk;
   int64_t* wait_stats;         // [R] or null
-  const int* route_count;      // the dedup dispatch's route (kRouteWords); both null: no route. The
-  const int* route;            // token-major combine (kVariantCombineTokens) runs only when given
 };
 
 // Enqueue on `stream`; no host synchronisation; capturable in CUDA graphs.
