@@ -156,6 +156,21 @@ def register(backend: str | None = None) -> None:
         return megatron_should_free_input(name, is_moe, config, num_local_experts)
 
     schedule_utils.should_free_input = should_free_input
+
+    # Training steps through Megatron's schedules run in the rerun guard (guard.py): the default expert-row
+    # sizing then needs no host sync in steady state and never loses a token.
+    from megatron.core import pipeline_parallel
+    from megatron.core.pipeline_parallel import schedules
+
+    from .guard import guard_forward_backward
+    megatron_get_fb = schedules.get_forward_backward_func
+
+    @functools.wraps(megatron_get_fb)
+    def get_forward_backward_func(*args, **kwargs):
+        return guard_forward_backward(megatron_get_fb(*args, **kwargs))
+
+    schedules.get_forward_backward_func = get_forward_backward_func
+    pipeline_parallel.get_forward_backward_func = get_forward_backward_func
     _state["registered"] = True
 
 
