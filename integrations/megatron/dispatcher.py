@@ -156,8 +156,8 @@ class MoEDispatcherTokenDispatcher(MoETokenDispatcher):
         """-> (expert-major rows, tokens_per_expert int64 (padded counts), permuted probs).
 
         With moe_router_padding_for_quantization each expert's rows are padded with zero rows (prob 0) to a
-        multiple of 16/32, so fp8/fp4 grouped GEMMs need no padding of their own. With fixed sizing (opt-in
-        MOE_DISPATCHER_EXPERT_ROWS=bound, sizing.py) tokens_per_expert stays on the device (experts that need
+        multiple of 16/32, so fp8/fp4 grouped GEMMs need no padding of their own. With fixed rows (sizing.py: the
+        default inside a guarded training step, guard.py) tokens_per_expert stays on the device (experts that need
         it on the host read it there, as Megatron's SequentialMLP / GroupedMLP do with .tolist()) and the zero
         rows past the last expert's are counted in the last expert, so the counts add up to the rows."""
         tokens_per_expert, self._tokens_per_expert = self._tokens_per_expert, None

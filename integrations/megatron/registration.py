@@ -16,7 +16,9 @@ communication backend with another on ``config.moe_flex_dispatcher_backend``. We
 
 Plus one schedule detail: Megatron's EP-overlap schedule frees the inputs of the dispatch node after its
 forward for backends it does not know; we answer as Megatron does for DeepEP (keep them), the conservative
-choice for a dispatch whose autograd graph reaches back to its inputs.
+choice for a dispatch whose autograd graph reaches back to its inputs. And one for the expert-row sizing:
+``get_forward_backward_func`` returns its schedule wrapped in the rerun guard (guard.py), so training steps
+of models that use our dispatcher size expert rows without a host sync and re-run a step that overflowed.
 """
 from __future__ import annotations
 
