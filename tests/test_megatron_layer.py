@@ -97,7 +97,8 @@ def _parity(ours: str, reference: str, tp: int, ep: int, dtype: torch.dtype = to
             "x_grad": _errors(g1, g0),
             "params": {n: (_errors(p1[n], p0[n]) if p0[n] is not None else None) for n in p0},
             "missing_grads": sorted(n for n in p0 if (p0[n] is None) != (p1[n] is None)),
-            "reruns": guard.stats["reruns"] - reruns}
+            "reruns": guard.stats["reruns"] - reruns,
+            "high_water": getattr(getattr(layers[1].token_dispatcher, "_row_budget", None), "high_water", None)}
 
 
 def _dispatcher(config, ep: int):
@@ -196,6 +197,18 @@ def _ep2_worker(rank: int, world: int) -> dict[str, Any]:
             res["bound"] = _parity("moe_dispatcher", "allgather", 1, world)
         finally:
             del os.environ["MOE_DISPATCHER_EXPERT_ROWS"], os.environ["MOE_DISPATCHER_EXPERT_ROWS_INITIAL"]
+    with case("normal vs allgather in the rerun guard, fixed expert rows (the GPU default, forced on CPU)"):
+        import os
+
+        from moe_dispatcher.integrations.megatron import dispatcher, guard
+        rows_mode = dispatcher.rows_mode
+        dispatcher.rows_mode = lambda device: "guarded" if guard.fixed_rows_allowed() else "exact"
+        os.environ["MOE_DISPATCHER_EXPERT_ROWS_INITIAL"] = "200"
+        try:
+            res["guarded"] = _parity("moe_dispatcher", "allgather", 1, world, guarded=True)
+        finally:
+            dispatcher.rows_mode = rows_mode
+            del os.environ["MOE_DISPATCHER_EXPERT_ROWS_INITIAL"]
     with case("low-latency vs allgather"):
         res["ll"] = _parity("moe_dispatcher_ll", "allgather", 1, world)
     with case("round trip"):
@@ -283,6 +296,14 @@ def test_layer_matches_allgather_with_fixed_expert_rows(ep2):
         _check_parity(res["bound"], 0.0, f"rank {rank} fixed expert rows")
 
 
+def test_layer_matches_allgather_in_the_rerun_guard(ep2):
+    """Fixed rows inside guard.run_step: the step's check reads the rows needed (no overflow: no re-run)."""
+    for rank, res in enumerate(ep2):
+        _check_parity(res["guarded"], 0.0, f"rank {rank} guarded fixed expert rows")
+        assert res["guarded"]["reruns"] == 0
+        assert res["guarded"]["high_water"] is not None  # set by the step's check alone (the calls were fixed-M)
+
+
 def test_layer_matches_allgather_with_dropped_tokens(ep2):
     for rank, res in enumerate(ep2):
         _check_parity(res["capacity"], 0.0, f"rank {rank} capacity factor")
@@ -349,3 +370,4 @@ def test_layer_matches_alltoall_on_gpus():
         for key in ("moe_dispatcher", "moe_dispatcher_ll", "overlap", "guarded_fits", "guarded_overflow"):
             _check_parity(res[key], 3e-2, f"rank {rank} {key} (NCCL, kernels, bf16)")
         assert res["guarded_fits"]["reruns"] == 0 and res["guarded_overflow"]["reruns"] == 1, res
+        assert res["guarded_fits"]["high_water"] is not None  # the step's check read the rows needed
