@@ -24,8 +24,9 @@ H, E, K, FFN, T = 128, 8, 2, 64, 24  # hidden is a multiple of 128 for the low-l
 # ------------------------------------------------------------------------------------------- in a rank
 def _setup(tp: int, ep: int) -> None:
     warnings.filterwarnings("ignore")
-    import moe_dispatcher.integrations.megatron  # noqa: F401  (registers)
     from megatron.core import parallel_state as ps
+
+    import moe_dispatcher.integrations.megatron  # noqa: F401  (registers)
     from moe_dispatcher.integrations.megatron import cpu
     on_cpu = cpu.enable()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
@@ -56,38 +57,54 @@ def _errors(got: torch.Tensor, want: torch.Tensor) -> list[float]:
     return [(got.float() - want.float()).abs().max().item(), want.float().abs().max().item()]
 
 
-def _parity(ours: str, reference: str, tp: int, ep: int, dtype: torch.dtype = torch.float32,
-            **overrides: Any) -> dict[str, Any]:
-    """Run one MoELayer forward+backward with each dispatcher; return the errors of ours."""
+def _parity(ours: str, reference: str, tp: int, ep: int, dtype: torch.dtype = torch.float32, guarded: bool = False,
+            num_tokens: int = T, **overrides: Any) -> dict[str, Any]:
+    """Run one MoELayer forward+backward with each dispatcher; return the errors of ours. guarded: ours runs
+    inside the rerun guard (guard.run_step; result["reruns"]: how many times it re-ran the step)."""
     import torch.distributed as dist
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.spec_utils import get_submodules
+
+    from moe_dispatcher.integrations.megatron import guard
     dev = device()
     submodules = get_submodules(get_gpt_layer_local_submodules(num_experts=E, moe_grouped_gemm=False).mlp)
     torch.manual_seed(0)
     layers = [MoELayer(_config(name, tp, ep, **overrides), submodules).to(dev, dtype) for name in (reference, ours)]
     layers[1].load_state_dict(layers[0].state_dict())
     torch.manual_seed(100 + dist.get_rank())
-    x = torch.randn(T, 1, H, dtype=dtype).to(dev)
-    upstream = torch.randn(T, 1, H, dtype=dtype).to(dev)
+    x = torch.randn(num_tokens, 1, H, dtype=dtype).to(dev)
+    upstream = torch.randn(num_tokens, 1, H, dtype=dtype).to(dev)
     runs = []
-    for layer in layers:
+    reruns = guard.stats["reruns"]
+    for i, layer in enumerate(layers):
         layer.set_layer_number(1)
         xi = x.clone().requires_grad_()
-        y, _ = layer(xi)
-        y.backward(upstream)
+
+        def step(layer=layer, xi=xi):
+            y, _ = layer(xi)
+            y.backward(upstream)
+            return y
+
+        def zero_grad(layer=layer, xi=xi):
+            layer.zero_grad(set_to_none=True)
+            xi.grad = None
+
+        y = guard.run_step(step, zero_grad) if guarded and i == 1 else step()
         runs.append((y.detach(), xi.grad, {n: p.grad for n, p in layer.named_parameters()}))
     (y0, g0, p0), (y1, g1, p1) = runs
     return {"dispatcher": type(layers[1].token_dispatcher).__name__, "out": _errors(y1, y0),
             "x_grad": _errors(g1, g0),
             "params": {n: (_errors(p1[n], p0[n]) if p0[n] is not None else None) for n in p0},
-            "missing_grads": sorted(n for n in p0 if (p0[n] is None) != (p1[n] is None))}
+            "missing_grads": sorted(n for n in p0 if (p0[n] is None) != (p1[n] is None)),
+            "reruns": guard.stats["reruns"] - reruns,
+            "high_water": getattr(getattr(layers[1].token_dispatcher, "_row_budget", None), "high_water", None)}
 
 
 def _dispatcher(config, ep: int):
     import torch.distributed as dist
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
     from moe_dispatcher.integrations.megatron import MoEDispatcherTokenDispatcher
     pg = get_default_pg_collection()
     local = E // ep
@@ -153,6 +170,7 @@ def _round_trip(ep: int, fp8_recipe: str | None = None) -> dict[str, Any]:
 def _buffer_reuse() -> dict[str, Any]:
     """Layers share one Buffer per group; it is replaced only when a call needs more room."""
     import torch.distributed as dist
+
     from moe_dispatcher.integrations.megatron import buffers
     group = dist.group.WORLD
     first = buffers.get_buffer(group, hidden=H, element_size=4)
@@ -179,6 +197,18 @@ def _ep2_worker(rank: int, world: int) -> dict[str, Any]:
             res["bound"] = _parity("moe_dispatcher", "allgather", 1, world)
         finally:
             del os.environ["MOE_DISPATCHER_EXPERT_ROWS"], os.environ["MOE_DISPATCHER_EXPERT_ROWS_INITIAL"]
+    with case("normal vs allgather in the rerun guard, fixed expert rows (the GPU default, forced on CPU)"):
+        import os
+
+        from moe_dispatcher.integrations.megatron import dispatcher, guard
+        rows_mode = dispatcher.rows_mode
+        dispatcher.rows_mode = lambda device: "guarded" if guard.fixed_rows_allowed() else "exact"
+        os.environ["MOE_DISPATCHER_EXPERT_ROWS_INITIAL"] = "200"
+        try:
+            res["guarded"] = _parity("moe_dispatcher", "allgather", 1, world, guarded=True)
+        finally:
+            dispatcher.rows_mode = rows_mode
+            del os.environ["MOE_DISPATCHER_EXPERT_ROWS_INITIAL"]
     with case("low-latency vs allgather"):
         res["ll"] = _parity("moe_dispatcher_ll", "allgather", 1, world)
     with case("round trip"):
@@ -209,6 +239,19 @@ def _gpu_worker(rank: int, world: int) -> dict[str, Any]:
         with case(f"{ours} vs alltoall, bf16"):
             res[ours] = _parity(ours, "alltoall", 1, world, dtype=torch.bfloat16, bf16=True,
                                 params_dtype=torch.bfloat16)
+    import os
+    tokens = 256
+    for name, initial in (("guarded_fits", tokens * K * world), ("guarded_overflow", 128)):
+        # Default sizing inside the rerun guard: fixed M = initial rows from the first call (no host sync).
+        # 128 rows cannot hold the ~512 pairs a rank receives: the overflow is found at the step's end and
+        # the step re-run exactly.
+        with case(f"moe_dispatcher vs alltoall in the rerun guard, M = {initial}, bf16"):
+            os.environ["MOE_DISPATCHER_EXPERT_ROWS_INITIAL"] = str(initial)
+            try:
+                res[name] = _parity("moe_dispatcher", "alltoall", 1, world, dtype=torch.bfloat16, guarded=True,
+                                    num_tokens=tokens, bf16=True, params_dtype=torch.bfloat16)
+            finally:
+                del os.environ["MOE_DISPATCHER_EXPERT_ROWS_INITIAL"]
     with case("moe_dispatcher vs alltoall, shared-expert overlap, bf16"):
         res["overlap"] = _parity("moe_dispatcher", "alltoall", 1, world, dtype=torch.bfloat16, bf16=True,
                                  params_dtype=torch.bfloat16, moe_shared_expert_intermediate_size=FFN,
@@ -251,6 +294,14 @@ def test_layer_matches_allgather_with_fixed_expert_rows(ep2):
     """The no-host-sync sizing: M fixed above the need, the tail rows counted in the last expert."""
     for rank, res in enumerate(ep2):
         _check_parity(res["bound"], 0.0, f"rank {rank} fixed expert rows")
+
+
+def test_layer_matches_allgather_in_the_rerun_guard(ep2):
+    """Fixed rows inside guard.run_step: the step's check reads the rows needed (no overflow: no re-run)."""
+    for rank, res in enumerate(ep2):
+        _check_parity(res["guarded"], 0.0, f"rank {rank} guarded fixed expert rows")
+        assert res["guarded"]["reruns"] == 0
+        assert res["guarded"]["high_water"] is not None  # set by the step's check alone (the calls were fixed-M)
 
 
 def test_layer_matches_allgather_with_dropped_tokens(ep2):
@@ -316,5 +367,7 @@ def test_layer_matches_alltoall_on_gpus():
     results = run_distributed(_gpu_worker, n, backend="nccl", env={"MOE_DISPATCHER_BACKEND": "kernels"},
                               timeout=300)
     for rank, res in enumerate(results):
-        for key in ("moe_dispatcher", "moe_dispatcher_ll", "overlap"):
+        for key in ("moe_dispatcher", "moe_dispatcher_ll", "overlap", "guarded_fits", "guarded_overflow"):
             _check_parity(res[key], 3e-2, f"rank {rank} {key} (NCCL, kernels, bf16)")
+        assert res["guarded_fits"]["reruns"] == 0 and res["guarded_overflow"]["reruns"] == 1, res
+        assert res["guarded_fits"]["high_water"] is not None  # the step's check read the rows needed

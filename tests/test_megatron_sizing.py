@@ -56,3 +56,70 @@ def test_default_headroom_and_alignment_slack():
     c = sizing.ExpertRowBudget(align=16, num_local_experts=64, headroom=1.1)
     c.observe(1000)
     assert c.rows_for(4096, 8) == 3072  # 1000 + 2 x 16 x 64 beats 1000 x 1.1
+
+
+def test_guard_reruns_an_overflowed_step_exactly(monkeypatch):
+    from moe_dispatcher.integrations.megatron import guard
+
+    monkeypatch.delenv(sizing.ROWS_ENV, raising=False)
+
+    class FakeDispatcher:  # what the guard reads of a dispatcher: its group and its row budget
+        group = None
+
+    d = FakeDispatcher()
+    d._row_budget = sizing.ExpertRowBudget(align=1, headroom=1.0)
+    d._row_budget.observe(100)
+    guard.track(d)
+    modes, zeroed = [], []
+
+    def step(need):
+        def run():
+            modes.append(sizing.rows_mode(torch.device("cuda", 0)))
+            if modes[-1] == "guarded":
+                d._row_budget.track(torch.tensor(need), d._row_budget.rows_for(10, 2))
+            return len(modes)
+        return run
+
+    assert guard.run_step(step(300), lambda: zeroed.append(1)) == 2  # M = 128 < 300: re-run, exact
+    assert modes == ["guarded", "exact"] and zeroed == [1] and d._row_budget.high_water == 300
+    assert guard.run_step(step(300), lambda: zeroed.append(1)) == 3  # M = 384 now: fits, no re-run
+    assert modes[2:] == ["guarded"] and zeroed == [1]
+    assert sizing.rows_mode(torch.device("cuda", 0)) == "exact"  # outside a guard
+    assert sizing.rows_mode(torch.device("cpu")) == "exact"
+    monkeypatch.setenv(sizing.ROWS_ENV, "exact")  # a chosen mode: run_step only runs the step
+    assert guard.run_step(step(10_000), lambda: zeroed.append(1)) == 4 and modes[3] == "exact"
+
+
+def test_guarded_forward_backward_replays_microbatches(monkeypatch):
+    """Megatron's forward_backward functions (registration wraps get_forward_backward_func): guarded only when
+    the config selects our dispatcher; a re-run sees the same microbatches and cleared gradients."""
+    from types import SimpleNamespace
+
+    from moe_dispatcher.integrations.megatron import guard
+
+    monkeypatch.delenv(sizing.ROWS_ENV, raising=False)
+    seen, cleared = [], []
+
+    class Chunk:
+        def __init__(self, backend):
+            self.config = SimpleNamespace(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend=backend)
+
+        def zero_grad_buffer(self):
+            cleared.append(1)
+
+    overflow = {"left": 1}
+    monkeypatch.setattr(guard, "_check_step", lambda: overflow.update(left=overflow["left"] - 1) or
+                        overflow["left"] == 0)
+
+    def forward_backward(*, data_iterator, model, num_microbatches, forward_only=False):
+        seen.append([next(data_iterator) for _ in range(num_microbatches)])
+        return seen[-1]
+
+    wrapped = guard.guard_forward_backward(forward_backward)
+    assert guard.guard_forward_backward(wrapped) is wrapped
+    data = iter(range(100))
+    out = wrapped(data_iterator=data, model=[Chunk("moe_dispatcher")], num_microbatches=3)
+    assert out == [0, 1, 2] and seen == [[0, 1, 2], [0, 1, 2]] and cleared == [1]  # re-run on the same data
+    assert next(data) == 3
+    seen.clear()
+    assert wrapped(data_iterator=data, model=[Chunk("deepep")], num_microbatches=2) == [4, 5] and seen == [[4, 5]]

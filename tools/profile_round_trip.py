@@ -61,50 +61,110 @@ def rt():
     h.float().sum().backward()
 
 
-def timed(iters=20):
+def timed(fn, iters=20):
     torch.cuda.synchronize(); dist.barrier()
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     t0 = time.perf_counter()
     s.record()
     for _ in range(iters):
-        rt()
+        fn()
     host_ms = (time.perf_counter() - t0) * 1e3 / iters
     e.record(); torch.cuda.synchronize()
     return s.elapsed_time(e) / iters, host_ms
 
 
-for _ in range(5):  # warm-up: the first call is synchronised (it seeds the row budget)
-    rt()
-gpu_ms, host_ms = timed()
+from moe_dispatcher.integrations.megatron import guard  # noqa: E402
+from moe_dispatcher.integrations.megatron.buffers import _buffers  # noqa: E402
+from moe_dispatcher.integrations.megatron.sizing import ROWS_ENV  # noqa: E402
+
+
+def zero_grad():
+    layer.zero_grad(set_to_none=True)
+    x.grad = None
+
+
+# Sizing variants of the same dispatcher, side by side ($MOE_DISPATCHER_EXPERT_ROWS, sizing.py):
+#   exact       every dispatch waits for notify's counts (the default outside a rerun guard);
+#   bound       fixed M, no guard (overflow would raise two calls later);
+#   auto+guard  the default inside guard.run_step: fixed M, one check of the rows needed per step;
+#   ... h1.03   the same with 3% headroom instead of 10% (fewer zero rows for every op over the expert rows).
+# The default goes last: the profile below runs it.
+VARIANTS = [("exact", "exact", False, None), ("bound", "bound", False, None),
+            ("auto+guard h1.03", "auto", True, 1.03), ("auto+guard", "auto", True, None)]
+DEFAULT_HEADROOM = d._row_budget.headroom
+
+
+def use(variant):
+    _, env, guarded, headroom = variant
+    os.environ[ROWS_ENV] = env
+    d._row_budget.headroom = headroom or DEFAULT_HEADROOM
+    return (lambda: guard.run_step(rt, zero_grad)) if guarded else rt
+
+
+waits = {"n": 0}
+
+
+def count_notify_waits():
+    for _, buf in list(_buffers.values()):
+        kernels = getattr(buf, "_kernels", None)
+        if kernels is not None and hasattr(kernels, "_wait_counts") and not hasattr(kernels._wait_counts, "counted"):
+            inner = kernels._wait_counts
+
+            def counted(*a, _inner=inner, **kw):
+                waits["n"] += 1
+                return _inner(*a, **kw)
+            counted.counted = True
+            kernels._wait_counts = counted
+
+
+def host_syncs(fn, iters=3):
+    """Host syncs per iteration in steady state: notify waits (the intranode backend's only host wait) plus
+    the synchronising torch ops CUDA's sync debug mode reports (e.g. the guard's one read per step)."""
+    count_notify_waits()
+    waits["n"] = 0
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        for _ in range(iters):
+            fn()
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    msgs = [str(w.message).splitlines()[0][:160] for w in caught if "synchroniz" in str(w.message).lower()
+            and "prototype" not in str(w.message)]
+    return (waits["n"] + len(msgs)) / iters, waits["n"] / iters, sorted(set(msgs))
+
+
+results = {}
+for variant in VARIANTS:
+    fn = use(variant)
+    for _ in range(5):  # warm-up (the very first call is synchronised: it seeds the row budget)
+        fn()
+    gpu_ms, host_ms = timed(fn)
+    syncs, notify_waits, msgs = host_syncs(fn)
+    rows = d._row_budget.high_water if variant[1] == "exact" else d._row_budget.rows_for(T, K)
+    results[variant[0]] = (gpu_ms, host_ms, syncs, notify_waits, msgs, rows)
+
 
 # The yardstick's own work, with no exchange at all: router forward/backward, and the float32 probs multiply
-# with its cast to bf16 on as many expert rows as our dispatch produced (the same for every dispatcher: one row
-# per (token, expert) pair), forward and backward (the permuted probs are an index of the router's probs; the
-# gradient arriving at the multiply is a ready bf16 tensor, as combine's backward would hand it over). Every
-# dispatcher's round trip contains this work; what is left is the dispatcher's own (exchange, permutation,
-# reduction, bookkeeping) plus the yardstick's loss on [T, H].
-with torch.no_grad():
-    probs0, rmap0 = layer.router(x)
-    h0, p0 = d.dispatch_preprocess(x, rmap0, probs0)
-    h0, p0 = d.token_dispatch(h0, p0)
-    h0, _, pp0 = d.dispatch_postprocess(h0, p0)
-    rows = h0.shape[0]
+# with its cast to bf16 on as many expert rows as the dispatch hands the experts (the same for every
+# dispatcher with exact rows: one per (token, expert) pair; M >= that with fixed rows), forward and backward
+# (the permuted probs are an index of the router's probs; the gradient arriving at the multiply is a ready
+# bf16 tensor, as combine's backward would hand it over). Every dispatcher's round trip contains this work;
+# what is left is the dispatcher's own (exchange, permutation, reduction, bookkeeping) plus the yardstick's
+# loss on [T, H].
+def floor_ms(rows, iters=20):
     h_rows = torch.randn(rows, H, device="cuda", dtype=torch.bfloat16)
     grad_rows = torch.randn(rows, H, device="cuda", dtype=torch.bfloat16)
     pick = torch.randint(0, T * E, (rows,), device="cuda")
-del h0, p0, pp0
 
-
-def floor_rt():
-    probs, _ = layer.router(x)
-    hh = h_rows.requires_grad_()
-    pp = probs.reshape(-1)[pick]
-    y = (hh * pp.unsqueeze(-1)).to(x.dtype)
-    y.backward(grad_rows)
-    hh.grad = None  # no accumulation across calls (the real round trip hands this gradient on)
-
-
-def timed_floor(iters=20):
+    def floor_rt():
+        probs, _ = layer.router(x)
+        hh = h_rows.requires_grad_()
+        pp = probs.reshape(-1)[pick]
+        y = (hh * pp.unsqueeze(-1)).to(x.dtype)
+        y.backward(grad_rows)
+        hh.grad = None  # no accumulation across calls (the real round trip hands this gradient on)
     for _ in range(3):
         floor_rt()
     torch.cuda.synchronize(); dist.barrier()
@@ -116,53 +176,29 @@ def timed_floor(iters=20):
     return s.elapsed_time(e) / iters
 
 
-floor_ms = timed_floor()
-
-# Host syncs in steady state: CUDA's sync debug mode flags synchronising torch ops; notify waits (the only
-# host wait of the intranode backend) are counted on the Buffer's backend.
-from moe_dispatcher.integrations.megatron.buffers import _buffers  # noqa: E402
-
-waits = {"n": 0}
-for _, buf in list(_buffers.values()):
-    kernels = getattr(buf, "_kernels", None)
-    if kernels is not None and hasattr(kernels, "_wait_counts"):
-        inner = kernels._wait_counts
-
-        def counted(*a, _inner=inner, **kw):
-            waits["n"] += 1
-            return _inner(*a, **kw)
-        kernels._wait_counts = counted
-torch.cuda.synchronize()
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    torch.cuda.set_sync_debug_mode("warn")
-    for _ in range(3):
-        rt()
-    torch.cuda.set_sync_debug_mode("default")
-torch.cuda.synchronize()
-sync_msgs = sorted({str(w.message).splitlines()[0][:160] for w in caught if "synchroniz" in str(w.message).lower()})
+floors = {name: floor_ms(r[-1]) for name, r in results.items()}  # per variant: the same calls on every rank
+x.grad = None
+profiled = use(VARIANTS[-1])  # the profile below: the default of a training step (auto sizing in the rerun guard)
 
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 torch.cuda.synchronize(); dist.barrier()
 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
     for _ in range(5):
-        rt()
+        profiled()
     torch.cuda.synchronize()
 if rank == 0:
     os.makedirs(OUT, exist_ok=True)
-    budget = d._row_budget
     with open(os.path.join(OUT, "round_trip_profile.txt"), "w") as f:
         f.write(f"EP={world} T={T} H={H} E={E} top{K} bf16: our dispatcher round trip (fwd+bwd, identity experts)\n")
-        f.write(f"  GPU {gpu_ms:.3f} ms/iter (events), host enqueue {host_ms:.3f} ms/iter\n")
-        f.write(f"  yardstick floor (router + float32 probs multiply on {rows} rows, fwd+bwd, no exchange): "
-                f"{floor_ms:.3f} ms/iter; the dispatcher's own share: {gpu_ms - floor_ms:.3f} ms\n")
-        f.write(f"  expert rows: high-water {budget.high_water}, headroom {budget.headroom}, next M "
-                f"{budget.rows_for(T, K)}\n")
-        f.write(f"  steady state: {waits['n']} notify waits in 3 iterations; {len(sync_msgs)} distinct "
-                f"synchronising torch ops:\n")
-        for m in sync_msgs:
-            f.write(f"    {m}\n")
+        f.write("  floor: the yardstick's own work on the M expert rows (router + float32 probs multiply, fwd+bwd, "
+                "no exchange); own share = round trip - floor\n")
+        for name, (gpu_ms, host_ms, syncs, notify_waits, msgs, rows) in results.items():
+            f.write(f"  {name:16s} M {rows:6d} | round trip GPU {gpu_ms:.3f} ms/iter (events), floor {floors[name]:.3f}, "
+                    f"own share {gpu_ms - floors[name]:.3f} ms | host enqueue {host_ms:.3f} ms/iter | host syncs/iter "
+                    f"{syncs:.2f} "
+                    f"(notify waits {notify_waits:.2f}){' | ' + '; '.join(msgs) if msgs else ''}\n")
+        f.write(f"  guard: {guard.stats['steps']} guarded steps, {guard.stats['reruns']} re-run\n")
         f.write("\n=== top ops by CUDA time (5 iterations) ===\n")
         try:
             f.write(prof.key_averages().table(sort_by="device_time_total", row_limit=30, max_name_column_width=60))

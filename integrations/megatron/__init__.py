@@ -22,6 +22,7 @@ with warnings.catch_warnings():
 
     from .buffers import dispatch_group, get_buffer, megatron_topology, release_buffers
     from .dispatcher import MoEDispatcherLowLatencyTokenDispatcher, MoEDispatcherTokenDispatcher
+    from .guard import run_step
     from .registration import DISPATCHER_NAMES, LOW_LATENCY, NORMAL, is_registered, register
     from .timing import comm_timer
 
@@ -40,4 +41,5 @@ __all__ = [
     "megatron_topology",
     "register",
     "release_buffers",
+    "run_step",
 ]

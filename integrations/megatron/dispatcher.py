@@ -30,7 +30,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from moe_dispatcher import Buffer
 from moe_dispatcher import autograd as md_autograd
 
-from . import registration
+from . import guard, registration
 from .buffers import get_buffer
 from .permutation import LowLatencyPacking, routing_to_topk
 from .sizing import ExpertRowBudget, rows_mode, tokens_per_expert_covering
@@ -86,6 +86,7 @@ class MoEDispatcherTokenDispatcher(MoETokenDispatcher):
         self._row_budget = ExpertRowBudget(self.pad_multiple,
                                            getattr(config, "moe_expert_rank_capacity_factor", None),
                                            num_local_experts=num_local_experts, group=self.group)
+        guard.track(self)
 
     # -------------------------------------------------------------- helpers shared with the low-latency one
     def _routing(self, routing_map: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
@@ -129,15 +130,19 @@ class MoEDispatcherTokenDispatcher(MoETokenDispatcher):
                             backend=self.buffer_backend)
         x, weights = comm_timer.backward_end("dispatch", hidden_states, probs)
         worst = 0
-        if rows_mode(hidden_states.device) == "bound":
+        mode = rows_mode(hidden_states.device)
+        if mode != "exact":
             worst = self._row_budget.rows_for(hidden_states.shape[0], self._topk_idx.shape[1])
         with comm_timer.forward("dispatch", hidden_states.device):
             permuted, permuted_probs, counts, tpe, handle = md_autograd.expert_major_dispatch(
                 buffer, x, self._topk_idx, weights, self.num_dispatch_experts, expert_alignment=self.pad_multiple,
                 num_worst_tokens=worst)
         permuted, permuted_probs = comm_timer.backward_start("dispatch", permuted, permuted_probs)
-        if worst:  # M = worst rows, counts on the device only; the budget reads the need asynchronously
-            self._row_budget.watch(handle.rows_needed, worst)
+        if worst:  # M = worst rows, counts on the device only; the need is checked later (sizing.py, guard.py)
+            if mode == "guarded" and self._row_budget.capacity_factor is None:  # (a capacity factor may drop)
+                self._row_budget.track(handle.rows_needed, worst)
+            else:
+                self._row_budget.watch(handle.rows_needed, worst)
             self._tokens_per_expert = tokens_per_expert_covering(tpe, worst)
         else:
             self._row_budget.observe(sum(counts))
@@ -151,8 +156,8 @@ class MoEDispatcherTokenDispatcher(MoETokenDispatcher):
         """-> (expert-major rows, tokens_per_expert int64 (padded counts), permuted probs).
 
         With moe_router_padding_for_quantization each expert's rows are padded with zero rows (prob 0) to a
-        multiple of 16/32, so fp8/fp4 grouped GEMMs need no padding of their own. With fixed sizing (opt-in
-        MOE_DISPATCHER_EXPERT_ROWS=bound, sizing.py) tokens_per_expert stays on the device (experts that need
+        multiple of 16/32, so fp8/fp4 grouped GEMMs need no padding of their own. With fixed rows (sizing.py: the
+        default inside a guarded training step, guard.py) tokens_per_expert stays on the device (experts that need
         it on the host read it there, as Megatron's SequentialMLP / GroupedMLP do with .tolist()) and the zero
         rows past the last expert's are counted in the last expert, so the counts add up to the rows."""
         tokens_per_expert, self._tokens_per_expert = self._tokens_per_expert, None

@@ -16,7 +16,9 @@ communication backend with another on ``config.moe_flex_dispatcher_backend``. We
 
 Plus one schedule detail: Megatron's EP-overlap schedule frees the inputs of the dispatch node after its
 forward for backends it does not know; we answer as Megatron does for DeepEP (keep them), the conservative
-choice for a dispatch whose autograd graph reaches back to its inputs.
+choice for a dispatch whose autograd graph reaches back to its inputs. And one for the expert-row sizing:
+``get_forward_backward_func`` returns its schedule wrapped in the rerun guard (guard.py), so training steps
+of models that use our dispatcher size expert rows without a host sync and re-run a step that overflowed.
 """
 from __future__ import annotations
 
@@ -156,6 +158,21 @@ def register(backend: str | None = None) -> None:
         return megatron_should_free_input(name, is_moe, config, num_local_experts)
 
     schedule_utils.should_free_input = should_free_input
+
+    # Training steps through Megatron's schedules run in the rerun guard (guard.py): the default expert-row
+    # sizing then needs no host sync in steady state and never loses a token.
+    from megatron.core import pipeline_parallel
+    from megatron.core.pipeline_parallel import schedules
+
+    from .guard import guard_forward_backward
+    megatron_get_fb = schedules.get_forward_backward_func
+
+    @functools.wraps(megatron_get_fb)
+    def get_forward_backward_func(*args, **kwargs):
+        return guard_forward_backward(megatron_get_fb(*args, **kwargs))
+
+    schedules.get_forward_backward_func = get_forward_backward_func
+    pipeline_parallel.get_forward_backward_func = get_forward_backward_func
     _state["registered"] = True
 
 

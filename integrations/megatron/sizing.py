@@ -21,6 +21,14 @@ everything that touches the tensor (the experts, the probs multiply, their backw
 $MOE_DISPATCHER_EXPERT_ROWS_INITIAL=N makes the first call use M = N instead of a synchronised one (no host
 sync at all, e.g. for a captured warm-up). $MOE_DISPATCHER_EXPERT_ROWS=exact turns all of this off: every dispatch waits for the counts (one host sync)
 and M is exact, as are the CPU tokens_per_expert.
+
+Modes ($MOE_DISPATCHER_EXPERT_ROWS):
+- ``auto`` (default): fixed M (no host sync) while a rerun guard is active (guard.py: the training step is
+  checked once at its end and re-run with exact sizing if any dispatch needed more rows than its M, so no
+  token is ever lost), exact (synchronised) outside a guard and on CPU. Megatron training through
+  ``guard.run_step`` or the driver in train.py is guarded; a bare layer call (a benchmark) is not.
+- ``bound``: fixed M everywhere, checked as described above (read LAG calls later; an overflow raises).
+- ``exact``: every dispatch waits for the counts.
 """
 from __future__ import annotations
 
@@ -40,18 +48,22 @@ _PINNED_SLOTS = 64
 
 
 def rows_mode(device: torch.device) -> str:
-    """'exact' (host-synchronised counts) or 'bound' (fixed M, no host sync); default: exact.
+    """How this call sizes its expert rows: 'exact' (host-synchronised counts), 'bound' (fixed M, overflow
+    raises LAG calls later) or 'guarded' (fixed M, overflow re-runs the step: guard.py).
 
-    Bound mode is opt-in ($MOE_DISPATCHER_EXPERT_ROWS=bound): a routing that outgrows the headroom loses
-    that step's rows past M and raises two calls later. A 200-step GPU training run showed that this happens
-    (the router sharpens as it learns; 8667 rows needed against M = 8576), so training defaults to the
-    exact, synchronised sizing that Megatron's own alltoall dispatcher also uses. Use bound mode where the
-    routing is stable or a loss is acceptable (inference, benchmarks, a configured capacity factor).
+    $MOE_DISPATCHER_EXPERT_ROWS=auto (default) is 'guarded' inside a rerun guard on a GPU and 'exact'
+    elsewhere (and during a guard's exact re-run): a routing can outgrow any headroom (a 200-step GPU
+    training run needed 8667 rows against M = 8576 at step ~100: the router sharpens as it learns), so a
+    fixed M is only safe where an overflow can be undone. 'bound' is the opt-in for stable routings
+    (inference, benchmarks) without a guard.
     """
     mode = os.environ.get(ROWS_ENV, "auto").lower()
     if mode not in ("auto", "exact", "bound"):
         raise ValueError(f"{ROWS_ENV} must be auto, exact or bound, got {mode!r}")
-    return "exact" if mode == "auto" else mode
+    if mode != "auto":
+        return mode
+    from . import guard  # (guard imports this module)
+    return "guarded" if device.type == "cuda" and guard.fixed_rows_allowed() else "exact"
 
 
 class ExpertRowBudget:
@@ -74,6 +86,7 @@ class ExpertRowBudget:
         self._next_slot = 0
         self._calls = 0
         self._side = None  # side stream of the all-reduce and the copy
+        self._step_need = None  # guarded mode: int64 [2] on the device, (most rows needed, most excess over M)
 
     def _round(self, rows: float) -> int:
         return max(self.quantum, math.ceil(rows / self.quantum) * self.quantum)
@@ -118,6 +131,22 @@ class ExpertRowBudget:
             event.record()
         rows_needed.record_stream(self._side)
         self._pending.append((slot, event, limit, self._calls))
+
+    def track(self, rows_needed: torch.Tensor, limit: int) -> None:
+        """Guarded mode, after a call with num_worst_tokens=limit: fold (need, need - limit) into this step's
+        running maxima on the device (no host sync, no collective); the guard reads them at the step's end."""
+        need = rows_needed.reshape(1).to(torch.int64)
+        pair = torch.cat([need, need - limit])
+        if self._step_need is None:
+            self._step_need = pair
+        else:
+            torch.maximum(self._step_need, pair, out=self._step_need)
+
+    def take_step(self) -> torch.Tensor | None:
+        """The step's (most rows needed, most excess over M) on the device, or None if no call was guarded;
+        resets them for the next step."""
+        pair, self._step_need = self._step_need, None
+        return pair
 
     def poll(self) -> None:
         """Take in the needs of the calls LAG or more calls back (the same calls on every rank). Their events

@@ -214,7 +214,8 @@ def say(bar, text: str) -> None:
 def train(cfg: dict[str, dict[str, Any]], show_progress: bool = True, log_json: str | None = None) -> dict[str, Any]:
     device = init_distributed()
     from megatron.core import parallel_state as ps
-    from moe_dispatcher.integrations.megatron import comm_timer, cpu, megatron_topology
+
+    from moe_dispatcher.integrations.megatron import comm_timer, cpu, guard, megatron_topology
     on_cpu = cpu.enable()
     model_cfg, parallel, data, train_cfg = cfg["model"], cfg["parallel"], cfg["data"], cfg["train"]
     init_model_parallel(parallel, train_cfg["seed"])
@@ -246,8 +247,14 @@ def train(cfg: dict[str, dict[str, Any]], show_progress: bool = True, log_json: 
     for step in range(steps):
         tokens, positions, mask, labels = synthetic_batch(step, data, model_cfg["vocab_size"], train_cfg["seed"],
                                                           dp_rank, device)
-        loss = model(tokens, positions, mask, labels=labels).float().mean()
-        loss.backward()
+
+        def forward_backward(tokens=tokens, positions=positions, mask=mask, labels=labels):
+            loss = model(tokens, positions, mask, labels=labels).float().mean()
+            loss.backward()
+            return loss
+
+        # Sync-free expert-row sizing, re-run exactly if a dispatch overflowed (guard.py): no token is lost.
+        loss = guard.run_step(forward_backward, zero_grad=lambda: model.zero_grad(set_to_none=True))
         optimizer.step(step)
         reduced = loss.detach().clone()
         dist.all_reduce(reduced)
@@ -279,13 +286,15 @@ def train(cfg: dict[str, dict[str, Any]], show_progress: bool = True, log_json: 
     comm_timer.enable(False)
     result = {"dispatcher": kind, "world_size": world, "steps": steps, "losses": losses,
               "tokens_per_s": measured["tokens"] / measured["time"] if measured["time"] else None,
-              "comm_seconds": comm_total, "measured_seconds": measured["time"]}
+              "comm_seconds": comm_total, "measured_seconds": measured["time"],
+              "steps_rerun": guard.stats["reruns"]}
     if rank == 0:
         comm_s = sum(comm_total.values())
         share = f"{100 * comm_s / measured['time']:.1f}% of" if measured["time"] else "n/a of"
         tps = f"{result['tokens_per_s']:.0f}" if result["tokens_per_s"] else "n/a"
         print(f"done: loss {losses[0]:.4f} -> {losses[-1]:.4f} | {tps} tokens/s after warm-up | "
-              f"dispatch+combine (fwd+bwd) {comm_s:.2f} s = {share} the measured time", flush=True)
+              f"dispatch+combine (fwd+bwd) {comm_s:.2f} s = {share} the measured time | "
+              f"{guard.stats['reruns']} step(s) re-run for expert-row overflow", flush=True)
         if log_json:
             with open(log_json, "w", encoding="utf-8") as f:
                 json.dump(result, f, indent=1)

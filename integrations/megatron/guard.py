@@ -1,0 +1,167 @@
+"""Rerun guard: sync-free expert-row sizing that never loses a token.
+
+A dispatch sized with a fixed row count M (sizing.py) needs no host sync, but a routing that needs more than
+M rows on some rank loses the rows past M. Inside ``run_step(step, zero_grad)`` (the default ``auto`` sizing
+mode uses fixed M only there, on GPUs):
+
+1. every normal-mode dispatch of the step uses the dispatcher's fixed M and folds, on the device, the rows it
+   needed and its excess over M into running maxima (no host sync, no collective);
+2. at the step's end, one all-reduce per dispatch group (the most rows each dispatcher needed, which raises
+   its high-water mark identically on every rank of the group) and one over the world (did any dispatch
+   anywhere overflow), then one host read of all of it: the only host sync of the step that is ours, where
+   a training step synchronises anyway (loss, gradient norm, optimizer);
+3. if any dispatch overflowed, ``zero_grad()`` is called and the step runs again with exact (synchronised)
+   sizing everywhere, so its result is what an exact step gives. Later steps use fixed M again, sized from
+   the raised high-water marks.
+
+This is the protocol Megatron-Core's PagedStashRunner follows for HybridEP's static budget (detect on the
+device, check once per step, re-run the step in synced dropless mode). Side effects of a re-run step are
+those of running the step twice: whatever ``step`` consumes (data) it must consume again alike, and state
+it updates outside autograd (e.g. the router's per-expert token counts for aux-loss-free balancing, which
+Megatron accumulates during the forward) counts the first attempt too.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .sizing import ROWS_ENV
+
+_active = 0  # nesting depth of run_step
+_exact_rerun = False  # inside the exact second attempt
+_dispatchers: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()  # serial -> dispatcher
+_serials = itertools.count()
+stats = {"steps": 0, "reruns": 0}
+
+
+def fixed_rows_allowed() -> bool:
+    """Whether a dispatch may use a fixed row count now (inside run_step, not in its exact re-run)."""
+    return _active > 0 and not _exact_rerun
+
+
+def track(dispatcher) -> None:
+    """Register a normal-mode dispatcher whose row budget run_step checks (in construction order, which is
+    the same on every rank of its group)."""
+    _dispatchers[next(_serials)] = dispatcher
+
+
+def _check_step() -> bool:
+    """Read the step's row needs of every guarded dispatcher (see the module docstring). Returns whether any
+    dispatch on any rank overflowed its M. Collective: one all-reduce per dispatch group that was guarded,
+    one over the world (ranks without a guarded dispatch take part with "no overflow")."""
+    per_group: dict[Any, list] = {}
+    for serial in sorted(_dispatchers.keys()):
+        d = _dispatchers.get(serial)
+        pair = d._row_budget.take_step() if d is not None else None
+        if pair is not None:
+            per_group.setdefault(d.group, []).append((d, pair))
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    device = torch.device("cuda", torch.cuda.current_device()) if (
+        world > 1 and dist.get_backend() == "nccl") else torch.device("cpu")
+    overflow = torch.full((1,), -1, dtype=torch.int64, device=device)
+    reduced = []
+    for group, entries in per_group.items():
+        needs = torch.stack([pair for _, pair in entries])  # [n, 2]: rows needed, excess over M
+        if world > 1 and dist.get_world_size(group) > 1:
+            dist.all_reduce(needs, op=dist.ReduceOp.MAX, group=group)
+        reduced.append((entries, needs[:, 0]))
+        overflow = torch.maximum(overflow, needs[:, 1].max().reshape(1).to(device))
+    if world > 1:
+        dist.all_reduce(overflow, op=dist.ReduceOp.MAX)
+    host = torch.cat([overflow] + [needs.to(device) for _, needs in reduced]).tolist()  # the one host read
+    pos = 1
+    for entries, _ in reduced:
+        for d, _ in entries:
+            d._row_budget.observe(int(host[pos]))
+            pos += 1
+    return host[0] > 0
+
+
+def _discard_buffer_row_checks() -> None:
+    """The Buffer also remembers guarded calls' excess, to raise at its next synchronised dispatch; an
+    overflow the guard undoes must not raise there."""
+    from .buffers import _buffers
+    for _, buffer in list(_buffers.values()):
+        if hasattr(buffer, "_pending_row_checks"):
+            buffer._pending_row_checks = []
+
+
+def run_step(step: Callable[[], Any], zero_grad: Callable[[], None]) -> Any:
+    """Run one training step (forward and backward; not the optimizer update) with sync-free expert-row
+    sizing, re-running it with exact sizing if any dispatch overflowed (module docstring). ``zero_grad``
+    clears the gradients the first attempt accumulated. Returns what the successful attempt returned."""
+    global _active, _exact_rerun
+    if _active or os.environ.get(ROWS_ENV, "auto").lower() != "auto":  # nested, or fixed sizing chosen
+        return step()
+    _active += 1
+    try:
+        result = step()
+        stats["steps"] += 1
+        if not _check_step():
+            return result
+        stats["reruns"] += 1
+        _discard_buffer_row_checks()
+        zero_grad()
+        _exact_rerun = True
+        try:
+            result = step()
+        finally:
+            _exact_rerun = False
+        return result
+    finally:
+        _active -= 1
+
+
+def _model_chunks(model) -> list:
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+def _uses_normal_dispatcher(model) -> bool:
+    """Whether the model's config selects our normal-mode dispatcher (a config field, the same on every rank,
+    so every rank decides alike whether to guard; a pipeline stage without MoE layers still takes part)."""
+    from .registration import NORMAL
+    config = getattr(_model_chunks(model)[0], "config", None)
+    return (getattr(config, "moe_token_dispatcher_type", None) == "flex"
+            and getattr(config, "moe_flex_dispatcher_backend", None) == NORMAL)
+
+
+def guard_forward_backward(forward_backward_func: Callable) -> Callable:
+    """Wrap one of Megatron-Core's forward_backward functions (what get_forward_backward_func returns) in
+    run_step when the model uses our normal-mode dispatcher. The microbatches are read from the data
+    iterator(s) first and replayed if the step re-runs (as Megatron's PagedStashRunner does); a re-run clears
+    the model chunks' gradient buffers (zero_grad_buffer, else zero_grad) first. Registration wraps
+    get_forward_backward_func with this, so Megatron-LM training loops are guarded as they are."""
+    if getattr(forward_backward_func, "_moe_dispatcher_guarded", False):
+        return forward_backward_func
+
+    @functools.wraps(forward_backward_func)
+    def guarded(*args, **kwargs):
+        model = kwargs.get("model")
+        if args or model is None or not _uses_normal_dispatcher(model):
+            return forward_backward_func(*args, **kwargs)
+        data, n = kwargs.get("data_iterator"), kwargs.get("num_microbatches", 1)
+        iterators = data if isinstance(data, list) else [data]
+        batches = [None if it is None else [next(it) for _ in range(n)] for it in iterators]
+
+        def step():
+            fresh = [None if b is None else iter(b) for b in batches]
+            return forward_backward_func(**{**kwargs, "data_iterator": fresh if isinstance(data, list) else fresh[0]})
+
+        def zero_grad():
+            for chunk in _model_chunks(model):
+                if hasattr(chunk, "zero_grad_buffer"):
+                    chunk.zero_grad_buffer()
+                else:
+                    chunk.zero_grad(set_to_none=True)
+
+        return run_step(step, zero_grad)
+
+    guarded._moe_dispatcher_guarded = True
+    return guarded
