@@ -37,6 +37,7 @@ run bench_ll_2 40 python3 -m moe_dispatcher.bench --mode low-latency --num-ranks
 run bench_internode 60 python3 -m moe_dispatcher.bench --mode internode --nvl-size 2 --backend kernels --num-ranks 4 \
   --out-dir "$OUT"
 run nvlink_ceiling 40 python3 tools/nvlink_ceiling.py
+run nvlink_ceiling_2 30 env CUDA_VISIBLE_DEVICES=0,1 python3 tools/nvlink_ceiling.py
 run host_profile 40 torchrun --standalone --nproc_per_node 2 tools/host_profile.py "$OUT"
 [ -f "$LAYER_BENCH" ] && run yardstick 100 torchrun --standalone --nproc_per_node 4 "$LAYER_BENCH"
 run round_trip_profile 80 torchrun --standalone --nproc_per_node 4 tools/profile_round_trip.py
