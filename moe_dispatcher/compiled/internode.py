@@ -193,9 +193,10 @@ class InternodeBackend:
                 topk_weights = topk_weights.contiguous()
         num_experts = num_tokens_per_expert.numel()
         local = num_experts // r
-        if local > self._mod.MAX_LOCAL_EXPERTS:
-            raise ValueError(f"dispatch: the internode kernels take at most {self._mod.MAX_LOCAL_EXPERTS} experts per "
-                             f"rank, got {local}")
+        if local > self._mod.MAX_LOCAL_EXPERTS:  # beyond the kernels' tables: the reference, as intranode does
+            return self._reference.dispatch(x, x_scales, topk_idx, topk_weights, num_tokens_per_rank,
+                                            is_token_in_rank, num_tokens_per_expert, expert_alignment,
+                                            num_worst_tokens)
         geo = self._geometry(config, False, dispatch_slot_bytes(hidden_bytes, num_scales, num_topk))
         channels = geo[0]
         is_token_in_rank = is_token_in_rank.contiguous()
