@@ -35,3 +35,20 @@ def test_env_mode_picks_the_variant(monkeypatch):
     monkeypatch.setenv("MOE_DISPATCHER_EM_COMBINE", "both")
     with pytest.raises(ValueError, match="MOE_DISPATCHER_EM_COMBINE must be one of"):
         env_mode("MOE_DISPATCHER_EM_COMBINE", EM_COMBINE_MODES)
+
+
+def test_parse_nvl_variant_knobs():
+    from moe_dispatcher.compiled.intranode import NVL_VARIANTS, dispatch_slot_bytes, parse_nvl_variant
+    for i, name in enumerate(NVL_VARIANTS):
+        assert parse_nvl_variant(name) == (name, i, 16)
+    # Knobs in any order, canonical sorted; bits as protocol.h's ring mode lays them out.
+    name, mode, align = parse_nvl_variant(" Stream/w5/P/b12/a/u/h/e ")
+    assert name == "stream/a/b12/e/h/p/u/w5" and align == 128
+    assert mode == 1 | 5 << 4 | 1 << 10 | 1 << 11 | 12 << 12 | 1 << 22 | 1 << 23
+    assert parse_nvl_variant("chunked/a") == ("chunked/a", 0, 128)
+    for bad in ("tma", "stream/", "stream/x", "stream/w64", "stream/p/p", "chunked/p", "chunked/e", "stream/wx", "stream/a2"):
+        with pytest.raises(ValueError):
+            parse_nvl_variant(bad)
+    # Slot alignment: 7168 bf16 + 8 top-k + source = 14404 bytes -> 14416 (16) or 14464 (128).
+    assert dispatch_slot_bytes(14336, 0, 8) == 14416
+    assert dispatch_slot_bytes(14336, 0, 8, align=128) == 14464

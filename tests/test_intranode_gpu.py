@@ -5,8 +5,10 @@ Each world holds two Buffers on the same NCCL group: one forced onto the compile
 top-k, counts, prefix matrix, source indices); combine must agree within bf16 rounding (it is designed to be
 bit-exact: same float32 summation order), and the tests report how many combine outputs were bit-exact.
 Every case runs with each ring protocol (NVL_VARIANTS: the backend's nvl_variant, switched between calls on
-the same Buffer, which also checks that calls of different protocols may follow each other). The bulk-copy
-protocol runs in worlds of its own (VARIANT_GROUPS), so a fault there leaves the other protocols' results.
+the same Buffer, which also checks that calls of different protocols may follow each other), the stream
+protocol's knobs included (KNOB_VARIANTS: every knob on in one, few copy warps per ring in the other; a release
+batch above half of the small test rings, so the clamp is exercised). The knob variants run in worlds of their
+own (VARIANT_GROUPS), so a fault there leaves the two protocols' results.
 """
 from __future__ import annotations
 
@@ -20,9 +22,10 @@ from dist import GPU_WORLD_SIZES, assert_close, assert_equal, case, make_buffer,
 pytestmark = pytest.mark.gpu
 WORLD_SIZES = GPU_WORLD_SIZES
 MAX_HIDDEN_BYTES = 7168 * 2
-NVL_VARIANTS = ("chunked", "stream", "tma")
-VARIANT_GROUPS = [("chunked", "stream"), ("tma",)]
-GROUP_IDS = ["+".join(g) for g in VARIANT_GROUPS]
+KNOB_VARIANTS = ("stream/a/b20/e/h/p/u", "stream/w3")
+NVL_VARIANTS = ("chunked", "stream") + KNOB_VARIANTS
+VARIANT_GROUPS = [("chunked", "stream"), KNOB_VARIANTS]
+GROUP_IDS = ["chunked+stream", "knobs"]
 
 
 def _plans(variants, mixed: bool) -> List[tuple]:

@@ -67,6 +67,14 @@ __device__ __forceinline__ int ld_acquire_cta(const int* p) {
   asm volatile("ld.acquire.cta.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
+__device__ __forceinline__ void st_release_cta(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.cta.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ uint64_t ld_acquire_cta(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.cta.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
 __device__ __forceinline__ void red_add_release_cta(int* p, int v) {
   asm volatile("red.release.cta.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
@@ -92,6 +100,21 @@ __device__ __forceinline__ int4 ld_cg_v4(const int4* p) {
                : "memory");
   return v;
 }
+// L2 policy "evict first" (for every line an access with it touches): data that is read or written once.
+__device__ __forceinline__ uint64_t l2_evict_first_policy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+// ld_cg_v4 whose lines L2 evicts first (a ring row read once: its slot is next written a whole ring later).
+__device__ __forceinline__ int4 ld_cg_v4_policy(const int4* p, uint64_t policy) {
+  int4 v;
+  asm volatile("ld.global.cg.L2::cache_hint.v4.s32 {%0,%1,%2,%3}, [%4], %5;"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p), "l"(policy)
+               : "memory");
+  return v;
+}
 __device__ __forceinline__ int ld_cg(const int* p) {
   int v;
   asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -102,74 +125,6 @@ __device__ __forceinline__ int ld_cg(const int* p) {
 __device__ __forceinline__ void st_cs_v4(int4* p, int4 v) {
   asm volatile("st.global.cs.v4.s32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                : "memory");
-}
-
-// ---------------------------------------------------------------- bulk copies (TMA) through shared memory
-// Shared-memory addresses as the 32-bit shared-window offsets the instructions take.
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// mbarrier with one expected arrival per phase (the thread that issues the bulk load).
-__device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
-}
-// After the inits, before any bulk copy signals them: makes the initialised barriers visible to the async proxy.
-__device__ __forceinline__ void fence_mbarrier_init() {
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
-// Arrive (completing this phase's one arrival) and expect `bytes` more of transactions before the phase ends.
-__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
-               : "memory");
-}
-// Arrive without transactions (a phase in which nothing was loaded).
-__device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
-}
-// Whether the phase with parity `parity` has completed (waits a while in hardware before saying no).
-__device__ __forceinline__ bool mbarrier_try_wait(uint64_t* bar, uint32_t parity) {
-  uint32_t done;
-  asm volatile(
-      "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-      : "=r"(done)
-      : "r"(smem_addr(bar)), "r"(parity)
-      : "memory");
-  return done != 0;
-}
-
-// Bulk load global -> shared (async proxy); completion: `bytes` of transactions on the mbarrier.
-__device__ __forceinline__ void bulk_load(void* dst_smem, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                   smem_addr(dst_smem)),
-               "l"(src), "r"(bytes), "r"(smem_addr(bar))
-               : "memory");
-}
-// Bulk store shared -> global (any global address, a peer's mapped memory included), in this thread's next
-// bulk async-group (commit_group); complete once wait_group says so.
-__device__ __forceinline__ void bulk_store(void* dst, const void* src_smem, uint32_t bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(smem_addr(src_smem)),
-               "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
-// Every bulk async-group of this thread but the newest N has finished reading its shared-memory source.
-template <int N>
-__device__ __forceinline__ void bulk_wait_read() {
-  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
-}
-// Every bulk async-group of this thread but the newest N is complete: its writes are performed and visible
-// to this thread (the completion implies a generic-async proxy fence), so a later release publishes them.
-template <int N>
-__device__ __forceinline__ void bulk_wait() {
-  asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
-}
-// Generic-proxy accesses before it are ordered before async-proxy (bulk copy) accesses after it.
-__device__ __forceinline__ void fence_proxy_async_smem() {
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-__device__ __forceinline__ void fence_proxy_async_global() {
-  asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 
 // ---------------------------------------------------------------- time and barriers

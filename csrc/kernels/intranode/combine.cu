@@ -165,12 +165,14 @@ __device__ void send_channel(const CombineArgs& a, int c, int s, int group_warp,
 // Whole warp: output row `token` = cast(bias0 + bias1 + rows of ranks ascending), accumulated in float32 in
 // that order (the reference's order), and the top-k weights summed likewise. src[d]: the token's slot in the
 // ring from rank d, or null. kRanks: the rank count rounded up to 2, 4 or 8, so the per-rank arrays stay in
-// registers; each lane keeps 8 row loads in flight (8 / kRanks vectors of each rank's row).
-template <typename T, int kRanks>
+// registers; each lane keeps 8 row loads in flight (8 / kRanks vectors of each rank's row). kEvictFirst (stream
+// knob `e`): the ring rows are read with an L2 evict-first policy and the output is stored streaming.
+template <typename T, int kRanks, bool kEvictFirst = false>
 __device__ __forceinline__ void reduce_token(const CombineArgs& a, int64_t token, const uint8_t* const* src,
                                              int row_bytes, int lane) {
   constexpr int kUnroll = 8 / kRanks;
   const int vecs = row_bytes / 16;
+  const uint64_t policy = kEvictFirst ? ptx::l2_evict_first_policy() : 0;
   for (int v0 = lane; v0 < vecs; v0 += 32 * kUnroll) {
     Vec<T> rows[kUnroll][kRanks];
 #pragma unroll
@@ -178,7 +180,10 @@ __device__ __forceinline__ void reduce_token(const CombineArgs& a, int64_t token
       const int v = v0 + u * 32;
 #pragma unroll
       for (int d = 0; d < kRanks; ++d) {
-        if (v < vecs && src[d] != nullptr) rows[u][d].raw = ptx::ld_cg_v4(reinterpret_cast<const int4*>(src[d]) + v);
+        if (v < vecs && src[d] != nullptr) {
+          const int4* p = reinterpret_cast<const int4*>(src[d]) + v;
+          rows[u][d].raw = kEvictFirst ? ptx::ld_cg_v4_policy(p, policy) : ptx::ld_cg_v4(p);
+        }
       }
     }
 #pragma unroll
@@ -210,7 +215,12 @@ __device__ __forceinline__ void reduce_token(const CombineArgs& a, int64_t token
       Vec<T> out;
 #pragma unroll
       for (int e = 0; e < Vec<T>::kElems; ++e) out.elems[e] = from_float<T>(acc[e]);
-      reinterpret_cast<int4*>(a.out + token * row_bytes)[v] = out.raw;
+      int4* dst = reinterpret_cast<int4*>(a.out + token * row_bytes) + v;
+      if (kEvictFirst) {
+        ptx::st_cs_v4(dst, out.raw);
+      } else {
+        *dst = out.raw;
+      }
     }
   }
   if (a.out_topk_weights != nullptr && lane < a.num_topk) {
@@ -358,7 +368,9 @@ __device__ void stream_send(const CombineArgs& a, int c, int s, int gw, int warp
   int k = gw;
   for (; k < count; k += warps) {
     const uint64_t row = tail0 + static_cast<uint64_t>(k);
-    if (!warp_outcome(lane != 0 || wait_free_slot(head, head_seen, row, a.num_slots, dog, kPhaseCombineSend, s))) {
+    if (!warp_outcome(lane != 0 ||
+                      wait_free_slot(head, a.tune.shared_poll ? &board.incoming[s] : nullptr, head_seen, row,
+                                     a.num_slots, dog, kPhaseCombineSend, s))) {
       board_leave(board, s, gw, -1, lane);
       return;
     }
@@ -370,41 +382,6 @@ __device__ void stream_send(const CombineArgs& a, int c, int s, int gw, int warp
     board_advance(board, s, gw, k + warps, lane);
   }
   board_leave(board, s, gw, k, lane);
-}
-
-// Bulk-copy sender (tma protocol, rank-major rows): the only warp of ring (c, me -> s), rows in order
-// through `bufs`; the slot is the row (bulk-loaded) and its top-k weights (written by the lanes).
-template <typename T>
-__device__ void tma_send(const CombineArgs& a, int c, int s, int lane, uint64_t tail0, StreamBoard& board,
-                         uint8_t* bufs, uint64_t* bars, const Watchdog& dog) {
-  const int me = a.c.rank;
-  auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
-  const int row_bytes = a.hidden * static_cast<int>(sizeof(T));
-  int ok = 1;
-  if (lane == 0) {
-    ok = drain_previous<kMaxChannels>(&ctl->fifo_head[0][0], &ctl->tail_copy[0][0], kMaxRanks, s, dog, kPhaseDrain);
-    ptx::fence_proxy_async_global();  // the drained heads' acquires before this call's bulk stores
-  }
-  if (!warp_outcome(ok)) {
-    board_leave(board, s, 0, -1, lane);
-    return;
-  }
-  const int* offsets = a.recv_channel_offset + s * (a.num_channels + 1);
-  const int row0 = offsets[c], count = offsets[c + 1] - row0;
-  auto source = [&](int q, const uint8_t*& payload, int& r) {
-    r = row0 + q;
-    // Rows past num_x_rows (a num_worst_tokens overflow, reported by notify) leave their slot as it is.
-    payload = r < a.num_x_rows ? a.x + static_cast<int64_t>(r) * row_bytes : nullptr;
-    return q < count;
-  };
-  auto meta = [&](int r, uint8_t* buf, int ln) {
-    if (a.topk_weights != nullptr && ln < a.num_topk && r < a.num_x_rows) {
-      reinterpret_cast<float*>(buf + row_bytes)[ln] = a.topk_weights[static_cast<int64_t>(r) * a.num_topk + ln];
-    }
-  };
-  tma_send_ring(source, meta, bufs, bars, a.tma_buffers, a.tma_buffer_bytes, row_bytes,
-                ring_slots(a.c.peers[s], a.c.src_block_bytes, me, c, a.num_slots, a.slot_bytes), a.num_slots,
-                a.slot_bytes, &ctl->fifo_head[c][s], tail0, board, s, dog, kPhaseCombineSend, s, lane);
 }
 
 // A warp's walk over its channel's tokens for every ring at once, 32 tokens at a time: lane d (< R) holds
@@ -480,7 +457,8 @@ __device__ void stream_reduce(const CombineArgs& a, int c, int warp, int lane, u
     scan.seek(t, lane);
     const bool has = ring_lane && scan.has(t);
     const uint64_t index = head0 + static_cast<uint64_t>(scan.rows_before(t));
-    const bool ok = !has || wait_published(tail, seen, index, dog, kPhaseCombineRecv, lane);
+    const bool ok = !has || wait_published(tail, a.tune.shared_poll ? &board.incoming[lane] : nullptr, seen, index,
+                                           dog, kPhaseCombineRecv, lane);
     if (!__all_sync(0xffffffffu, ok)) {
       board_leave(board, 0, warp, -1, lane);
       return;
@@ -493,17 +471,23 @@ __device__ void stream_reduce(const CombineArgs& a, int c, int warp, int lane, u
       src[d] = reinterpret_cast<const uint8_t*>(
           __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(mine), d));
     }
-    reduce_token<T, kRanks>(a, t, src, row_bytes, lane);
+    if (a.tune.evict_first) {
+      reduce_token<T, kRanks, true>(a, t, src, row_bytes, lane);
+    } else {
+      reduce_token<T, kRanks>(a, t, src, row_bytes, lane);
+    }
     board_advance(board, 0, warp, j + kStreamCombineWarps, lane);
   }
   board_leave(board, 0, warp, j, lane);
 }
 
 // The release warp of a receiver block: lane d returns to rank d the slots of ring d that hold the rows of
-// every token below the smallest board entry (all reduced), st.release.sys of the head in d's buffer, as soon
-// as it moves; at the end, head_copy for the next kernel.
+// every token below the smallest board entry (all reduced), st.release.sys of the head in d's buffer, once at
+// least release_batch rows (default 1; at most half a ring, see stream.cuh) are new, and all of them when the
+// reduce warps have left; at the end, head_copy for the next kernel. shared_poll: lane d also polls ring d's
+// tail into board.incoming[d] on every round.
 template <int kRanks>
-__device__ void stream_release(const CombineArgs& a, int c, int lane, uint64_t head0, const StreamBoard& board) {
+__device__ void stream_release(const CombineArgs& a, int c, int lane, uint64_t head0, StreamBoard& board) {
   const int me = a.c.rank, num_ranks = a.c.num_ranks;
   auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
   int begin, end;
@@ -511,8 +495,12 @@ __device__ void stream_release(const CombineArgs& a, int c, int lane, uint64_t h
   uint64_t* word = lane < num_ranks ? &reinterpret_cast<Control*>(a.c.peers[lane])->fifo_head[c][me] : nullptr;
   RingScan<kRanks> scan{a.is_token_in_rank, num_ranks, end};
   scan.start(begin, lane);
+  const int batch = max(1, min(a.tune.release_batch, a.num_slots / 2));
+  const uint64_t* tail = a.tune.shared_poll && lane < num_ranks ? &ctl->fifo_tail[c][lane] : nullptr;
+  uint64_t polled = 0;
   int released = 0;
   while (true) {
+    bool moved = tail != nullptr && poll_incoming(tail, &board.incoming[lane], polled);
     // `left` first (lane 0, then a warp barrier): when every warp has left, the entries read after are final.
     int left = lane == 0 ? ptx::ld_acquire_cta(&board.left[0]) : 0;
     left = __shfl_sync(0xffffffffu, left, 0);
@@ -524,8 +512,7 @@ __device__ void stream_release(const CombineArgs& a, int c, int lane, uint64_t h
     const int t = begin + min(j, end - begin);
     scan.seek(t, lane);
     const int rows = scan.rows_before(t);
-    bool moved = false;
-    if (lane < num_ranks && rows > released) {
+    if (lane < num_ranks && rows > released && (rows - released >= batch || left == kStreamCombineWarps)) {
       ptx::st_release_sys(word, head0 + static_cast<uint64_t>(rows));  // d may overwrite these slots
       released = rows;
       moved = true;
@@ -547,26 +534,21 @@ __device__ void stream_receive(const CombineArgs& a, int c, int warp, int lane, 
 }
 
 // One instantiation per dtype, rank count (rounded up to 2, 4, 8) and expert-major or not (em_inverse set),
-// so that each compiles only its own paths within the 96 registers (together they would spill). kTma
-// (rank-major only): a sender block moves ring s's rows with bulk copies by warp s alone (tma_send; dynamic
-// shared memory: R x tma_buffers buffers of tma_buffer_bytes).
-template <typename T, int kRanks, bool kEm, bool kTma>
+// so that each compiles only its own paths within the 96 registers (together they would spill).
+template <typename T, int kRanks, bool kEm>
 __global__ void __launch_bounds__(kStreamCombineThreads, 1) combine_stream_kernel(CombineArgs a) {
-  static_assert(!(kEm && kTma), "expert-major partial sums are computed by the copy warps");
   __shared__ StreamBoard board;
   __shared__ int shared_ok[kMaxRanks];
-  __shared__ uint64_t tma_bars[kTma ? kMaxRanks : 1][kMaxTmaBuffers];
-  extern __shared__ __align__(128) uint8_t tma_bufs[];
   const int num_ranks = a.c.num_ranks, me = a.c.rank;
-  const int c = blockIdx.x >> 1;
-  const bool sender = (blockIdx.x & 1) == 0;
+  const int c = stream_channel(a.tune, blockIdx.x, a.num_channels);
+  const bool sender = stream_sender(a.tune, blockIdx.x, a.num_channels);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int warps = kTma ? 1 : kStreamCombineWarps / num_ranks;  // sender warps per ring
-  const bool extra = warp == kStreamCombineWarps;     // publisher (sender block) or release warp (receiver)
+  const RingWarps rw{kStreamCombineWarps, num_ranks, a.tune};  // which ring each sender warp serves
+  const bool extra = warp == kStreamCombineWarps;  // publisher (sender block) or release warp (receiver)
   auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
   // Ring counters at kernel start, read before the barrier (the publisher rewrites tail_copy). Sender: of
   // the warp's ring (lane p's for the publisher); receiver: lane d holds ring d's head.
-  const int ring = sender && !extra ? warp / warps : lane;
+  const int ring = sender && !extra ? rw.ring_of(warp) : lane;
   uint64_t base = 0;
   if (ring < num_ranks) {
     base = *reinterpret_cast<volatile uint64_t*>(sender ? &ctl->tail_copy[c][ring] : &ctl->head_copy[c][ring]);
@@ -581,37 +563,22 @@ __global__ void __launch_bounds__(kStreamCombineThreads, 1) combine_stream_kerne
   if (extra) {
     uint64_t* word = lane < num_ranks ? &reinterpret_cast<Control*>(a.c.peers[lane])->fifo_tail[c][me] : nullptr;
     uint64_t* mirror = lane < num_ranks ? &ctl->tail_copy[c][lane] : nullptr;
-    publish_rings(board, num_ranks, warps, max(1, min(a.chunk, a.num_slots / 2)), word, base, mirror, lane);
+    const uint64_t* incoming = a.tune.shared_poll && lane < num_ranks ? &ctl->fifo_head[c][lane] : nullptr;
+    publish_rings(board, num_ranks, lane < num_ranks ? rw.warps_of(lane) : 0, max(1, min(a.chunk, a.num_slots / 2)),
+                  word, base, mirror, incoming, lane);
     return;
   }
-  if (ring >= num_ranks) return;  // idle warps when 19 % R != 0 (tma: all but R)
-  if (kTma) {
-    tma_send<T>(a, c, ring, lane, base, board,
-                tma_bufs + static_cast<size_t>(ring) * a.tma_buffers * a.tma_buffer_bytes, tma_bars[kTma ? ring : 0],
-                dog);
-  } else {
-    stream_send<T, kEm>(a, c, ring, warp % warps, warps, lane, base, board, &shared_ok[ring], dog);
-  }
+  if (ring >= num_ranks) return;  // idle warps (19 % R != 0 unless spread, or ring_warps)
+  stream_send<T, kEm>(a, c, ring, rw.gw_of(warp), rw.warps_of(ring), lane, base, board, &shared_ok[ring], dog);
 }
 
 template <typename T, int kRanks>
 void launch_stream(const CombineArgs& args, dim3 grid, cudaStream_t stream) {
-  if (args.em_inverse != nullptr) {  // tma too: the copy warps compute the partial sums
-    combine_stream_kernel<T, kRanks, true, false><<<grid, kStreamCombineThreads, 0, stream>>>(args);
-    return;
+  if (args.em_inverse != nullptr) {
+    combine_stream_kernel<T, kRanks, true><<<grid, kStreamCombineThreads, 0, stream>>>(args);
+  } else {
+    combine_stream_kernel<T, kRanks, false><<<grid, kStreamCombineThreads, 0, stream>>>(args);
   }
-  if (args.protocol == kStreamTma) {
-    CombineArgs a = args;
-    a.tma_buffers = tma_buffers(a.c.num_ranks, a.slot_bytes);
-    if (a.tma_buffers > 0) {  // else too few buffers fit: the stream protocol
-      a.tma_buffer_bytes = (a.slot_bytes + 127) / 128 * 128;
-      allow_dynamic_smem<combine_stream_kernel<T, kRanks, false, true>>(kTmaSmemBytes);
-      const size_t smem = static_cast<size_t>(a.c.num_ranks) * a.tma_buffers * a.tma_buffer_bytes;
-      combine_stream_kernel<T, kRanks, false, true><<<grid, kStreamCombineThreads, smem, stream>>>(a);
-      return;
-    }
-  }
-  combine_stream_kernel<T, kRanks, false, false><<<grid, kStreamCombineThreads, 0, stream>>>(args);
 }
 
 template <typename T>
@@ -629,7 +596,7 @@ void launch_stream(const CombineArgs& args, dim3 grid, cudaStream_t stream) {
 
 void launch_combine(const CombineArgs& args, cudaStream_t stream) {
   const dim3 grid(2 * args.num_channels);
-  if (args.protocol != kChunked) {
+  if (args.protocol == kStream) {
     switch (args.dtype) {
       case kBf16: launch_stream<__nv_bfloat16>(args, grid, stream); break;
       case kFp16: launch_stream<__half>(args, grid, stream); break;
