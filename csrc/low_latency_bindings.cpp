@@ -116,7 +116,6 @@ void register_low_latency(py::module_& parent) {
   m.attr("PHASE_SEND") = kPhaseSend;
   m.attr("PHASE_RECV") = kPhaseRecv;
   m.attr("VARIANT_DISPATCH_DEDUP") = kVariantDispatchDedup;
-  m.attr("VARIANT_COMBINE_BULK") = kVariantCombineBulk;
   m.attr("VARIANT_MASK") = kVariantMask;
   // Phase trace (low_latency.h, kTrace*): one record is TRACE_WORDS int64 words; events of block b at
   // [b * TRACE_EVENTS + index], the SM id at TRACE_SMID, per-pair words from TRACE_PAIR_{SENT,WAIT,SEEN}.

@@ -50,7 +50,7 @@ def backend(monkeypatch):
     stream = types.SimpleNamespace(cuda_stream=7, wait_stream=lambda other: None)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
     mod = types.SimpleNamespace(MAX_HIDDEN=16384, MAX_EXPERTS=1024, MAX_TOPK=32, PHASE_SEND=1, PHASE_RECV=2,
-                                VARIANT_MASK=2 | 8, Launcher=_Launcher, half_layout=_half_layout)
+                                VARIANT_MASK=2, Launcher=_Launcher, half_layout=_half_layout)
     b = object.__new__(LowLatencyBackend)
     b._mod, b.rank, b.num_ranks, b.num_bytes = mod, 0, 4, 1 << 30
     b._buffer_token, b.timeout_s, b._num_blocks, b._ptr = 1, 10.0, 132, 4096
@@ -98,9 +98,9 @@ def test_plans_cached_per_half_and_dropped_by_set_variant(backend):
         _dispatch(backend, half=half)
     assert [m.fields["half_offset"] for m in _Launcher.made] == [0, 1 << 20]
     assert [len(m.calls) for m in _Launcher.made] == [2, 2]
-    backend.set_variant(ll.VARIANT_DISPATCH_DEDUP | ll.VARIANT_COMBINE_BULK)
+    backend.set_variant(0)
     _dispatch(backend)
-    assert len(_Launcher.made) == 3 and _Launcher.made[-1].fields["variant"] == 10
+    assert len(_Launcher.made) == 3 and _Launcher.made[-1].fields["variant"] == 0
     with pytest.raises(ValueError, match="unknown low-latency kernel variant"):
         backend.set_variant(1)
 

@@ -3,7 +3,7 @@
 * get_low_latency_rdma_size_hint never exceeds DeepEP V1's formula, and the dedup staging and flags fit the
   layout it sizes (a Python mirror of csrc/kernels/low_latency/low_latency.h half_layout; the GPU tests check
   that the compiled half_layout gives the same total).
-* The variant switches (MOE_DISPATCHER_LL_VARIANT / _DISPATCH / _COMBINE_SEND).
+* The variant switches (MOE_DISPATCHER_LL_VARIANT / _DISPATCH).
 * A model of what the dedup kernels compute (dispatch_dedup_send.cuh: slots, message indices, picks grouped
   by destination; dispatch_dedup_recv.cuh: placement and expansion) lands every (source, token, expert)
   exactly where the reference backend puts it.
@@ -17,9 +17,7 @@ import torch
 
 from moe_dispatcher.buffer import Buffer
 from moe_dispatcher.compiled.low_latency import (
-    COMBINE_SEND_ENV,
     DISPATCH_ENV,
-    VARIANT_COMBINE_BULK,
     VARIANT_DISPATCH_DEDUP,
     VARIANT_ENV,
     variant_from_env,
@@ -82,16 +80,13 @@ def test_dedup_staging_and_flags_fit():
 def test_variant_env():
     assert variant_from_env({}) == VARIANT_DISPATCH_DEDUP  # the default
     assert variant_from_env({VARIANT_ENV: "0"}) == 0
-    assert variant_from_env({VARIANT_ENV: "8"}) == VARIANT_COMBINE_BULK
     assert variant_from_env({DISPATCH_ENV: "dedup"}) == VARIANT_DISPATCH_DEDUP
-    assert variant_from_env({COMBINE_SEND_ENV: "bulk"}) == VARIANT_DISPATCH_DEDUP | VARIANT_COMBINE_BULK
-    assert variant_from_env({VARIANT_ENV: "10", DISPATCH_ENV: "per_expert"}) == VARIANT_COMBINE_BULK
-    assert variant_from_env({VARIANT_ENV: "10", COMBINE_SEND_ENV: "threads"}) == VARIANT_DISPATCH_DEDUP
-    for bad in ({DISPATCH_ENV: "per-expert"}, {COMBINE_SEND_ENV: "wide"}):
-        with pytest.raises(ValueError):
-            variant_from_env(bad)
-    assert variant_name(0) == "per_expert+threads"
-    assert variant_name(VARIANT_DISPATCH_DEDUP | VARIANT_COMBINE_BULK) == "dedup+bulk"
+    assert variant_from_env({VARIANT_ENV: "2", DISPATCH_ENV: "per_expert"}) == 0
+    assert variant_from_env({VARIANT_ENV: "0", DISPATCH_ENV: "dedup"}) == VARIANT_DISPATCH_DEDUP
+    with pytest.raises(ValueError):
+        variant_from_env({DISPATCH_ENV: "per-expert"})
+    assert variant_name(0) == "per_expert"
+    assert variant_name(VARIANT_DISPATCH_DEDUP) == "dedup"
 
 
 # ------------------------------------------------------------------------------------ model of the dedup kernels

@@ -38,15 +38,11 @@ TIMEOUT_ENV = "MOE_DISPATCHER_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 10.0
 # Kernel variants (bits, csrc/kernels/low_latency/low_latency.h), read when the backend is created; every
 # variant gives the same bytes, and all of them need NVLink to every peer (cleared otherwise).
-#   2 = dedup dispatch: one message per (token, destination rank), expanded by the receiver (the default);
-#   8 = bulk combine send: rows move through the copy engine (cp.async.bulk via shared memory) instead of
-#       16-byte loads and stores by every thread.
-# MOE_DISPATCHER_LL_DISPATCH=dedup|per_expert sets or clears bit 2 and MOE_DISPATCHER_LL_COMBINE_SEND=
-# threads|bulk bit 8, on top of MOE_DISPATCHER_LL_VARIANT.
+#   2 = dedup dispatch: one message per (token, destination rank), expanded by the receiver (the default).
+# MOE_DISPATCHER_LL_DISPATCH=dedup|per_expert sets or clears bit 2, on top of MOE_DISPATCHER_LL_VARIANT.
 VARIANT_ENV = "MOE_DISPATCHER_LL_VARIANT"
 DISPATCH_ENV = "MOE_DISPATCHER_LL_DISPATCH"
-COMBINE_SEND_ENV = "MOE_DISPATCHER_LL_COMBINE_SEND"
-VARIANT_DISPATCH_DEDUP, VARIANT_COMBINE_BULK = 2, 8  # == low_latency.h
+VARIANT_DISPATCH_DEDUP = 2  # == low_latency.h
 DEFAULT_VARIANT = VARIANT_DISPATCH_DEDUP
 # Grid size override (tuning only): at most the SM count.
 BLOCKS_ENV = "MOE_DISPATCHER_LL_BLOCKS"
@@ -56,7 +52,7 @@ TRACE_KINDS = ("dispatch", "combine")  # first index of the trace records
 
 
 def variant_from_env(env=os.environ) -> int:
-    """Kernel variant bits from MOE_DISPATCHER_LL_VARIANT, then MOE_DISPATCHER_LL_DISPATCH / _COMBINE_SEND."""
+    """Kernel variant bits from MOE_DISPATCHER_LL_VARIANT, then MOE_DISPATCHER_LL_DISPATCH."""
     value = env.get(VARIANT_ENV, "")
     variant = int(value) if value else DEFAULT_VARIANT
     value = env.get(DISPATCH_ENV, "")
@@ -66,20 +62,12 @@ def variant_from_env(env=os.environ) -> int:
         variant &= ~VARIANT_DISPATCH_DEDUP
     elif value:
         raise ValueError(f"{DISPATCH_ENV}={value!r}: expected 'dedup' or 'per_expert'")
-    value = env.get(COMBINE_SEND_ENV, "")
-    if value == "bulk":
-        variant |= VARIANT_COMBINE_BULK
-    elif value == "threads":
-        variant &= ~VARIANT_COMBINE_BULK
-    elif value:
-        raise ValueError(f"{COMBINE_SEND_ENV}={value!r}: expected 'bulk' or 'threads'")
     return variant
 
 
 def variant_name(variant: int) -> str:
-    """Readable name of variant bits, e.g. 'dedup+bulk', 'per_expert+threads'."""
-    return (("dedup" if variant & VARIANT_DISPATCH_DEDUP else "per_expert") + "+" +
-            ("bulk" if variant & VARIANT_COMBINE_BULK else "threads"))
+    """Readable name of variant bits: 'dedup' or 'per_expert'."""
+    return "dedup" if variant & VARIANT_DISPATCH_DEDUP else "per_expert"
 
 
 class LowLatencyState(NamedTuple):

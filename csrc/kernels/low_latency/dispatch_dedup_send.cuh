@@ -59,12 +59,7 @@ __device__ __forceinline__ bool first_pick_on_rank(const int64_t* topk_idx, int 
 // is its token's first pick there.
 __device__ __forceinline__ void count_earlier(DedupSendShared& sh, const int64_t* topk_idx, int i, int e,
                                               int K, int L) {
-  for (int k = 0; k < K; ++k) {
-    if (sh.expert[k] == e) {
-      atomicAdd(&sh.slot[k], 1);
-      break;
-    }
-  }
+  count_slot(sh.expert, sh.slot, e, K);
   if (first_pick_on_rank(topk_idx, i, e, K, L)) atomicAdd(&sh.stage[e / L], 1);
 }
 
@@ -134,10 +129,7 @@ __device__ __forceinline__ void dispatch_dedup_send_phase(const Common& c, const
     sh.messages[tid] = 0;
     sh.stage[tid] = 0;
   }
-  if (tid < K) {
-    sh.expert[tid] = first < T ? static_cast<int>(a.topk_idx[static_cast<size_t>(first) * K + tid]) : -1;
-    sh.slot[tid] = 0;
-  }
+  read_token_experts(a.topk_idx, first, T, K, sh.expert, sh.slot);
   __syncthreads();
   const int first_limit = first < T ? first * K : 0;
   for (int i = tid; i < T * K; i += blockDim.x) {
@@ -149,14 +141,7 @@ __device__ __forceinline__ void dispatch_dedup_send_phase(const Common& c, const
       atomicAdd(&sh.messages[e / L], 1);
       if (i < first_limit) atomicAdd(&sh.stage[e / L], 1);
     }
-    if (i < first_limit) {
-      for (int k = 0; k < K; ++k) {
-        if (sh.expert[k] == e) {
-          atomicAdd(&sh.slot[k], 1);
-          break;
-        }
-      }
-    }
+    if (i < first_limit) count_slot(sh.expert, sh.slot, e, K);
   }
   __syncthreads();
   trace_event(c, kTraceDCounted);
@@ -178,10 +163,7 @@ __device__ __forceinline__ void dispatch_dedup_send_phase(const Common& c, const
     if (t != first) {
       // Later tokens of this block (T > grid): row loads first, then the slot / message-index pass.
       load_row(x, t, H, raw);
-      if (tid < K) {
-        sh.expert[tid] = static_cast<int>(a.topk_idx[static_cast<size_t>(t) * K + tid]);
-        sh.slot[tid] = 0;
-      }
+      read_token_experts(a.topk_idx, t, T, K, sh.expert, sh.slot);
       if (tid < R) sh.stage[tid] = 0;
       __syncthreads();
       for (int i = tid; i < t * K; i += blockDim.x) {

@@ -71,12 +71,23 @@ __device__ __forceinline__ void write_message_body(const DispatchArgs& a, const 
   }
 }
 
-// Count the earlier selections (flattened index < limit) of each destination expert of the token in
-// flight into sh.slot[k] (the first k with that expert, as the reference's order needs).
-__device__ __forceinline__ void count_slot(DispatchSendShared& sh, int e, int K) {
+// Threads tid < K: the experts of token t (-1: unused slot; all -1 when t >= T, no token) into
+// expert[], and their slots (counted next) to 0.
+__device__ __forceinline__ void read_token_experts(const int64_t* topk_idx, int t, int T, int K, int* expert,
+                                                   int* slot) {
+  const int tid = threadIdx.x;
+  if (tid < K) {
+    expert[tid] = t < T ? static_cast<int>(topk_idx[static_cast<size_t>(t) * K + tid]) : -1;
+    slot[tid] = 0;
+  }
+}
+
+// One earlier selection of expert e (a token before the one in flight chose it): count it in slot[k]
+// of the first k whose expert[k] is e (the first, as the reference's order needs).
+__device__ __forceinline__ void count_slot(const int* expert, int* slot, int e, int K) {
   for (int k = 0; k < K; ++k) {
-    if (sh.dst_expert[k] == e) {
-      atomicAdd(&sh.slot[k], 1);
+    if (expert[k] == e) {
+      atomicAdd(&slot[k], 1);
       break;
     }
   }
@@ -101,10 +112,7 @@ __device__ __forceinline__ void dispatch_send_phase(const Common& c, const Dispa
   const int first = blockIdx.x;
   if (first < T) load_row(x, first, H, raw);
   for (int e = tid; e < E; e += blockDim.x) sh.count[e] = 0;
-  if (tid < K) {
-    sh.dst_expert[tid] = first < T ? static_cast<int>(a.topk_idx[static_cast<size_t>(first) * K + tid]) : -1;
-    sh.slot[tid] = 0;
-  }
+  read_token_experts(a.topk_idx, first, T, K, sh.dst_expert, sh.slot);
   __syncthreads();
   // Every block counts this rank's selections per expert (T*K entries, shared-memory atomics).
   const int first_limit = first < T ? first * K : 0;
@@ -112,7 +120,7 @@ __device__ __forceinline__ void dispatch_send_phase(const Common& c, const Dispa
     const int64_t e = a.topk_idx[i];
     if (e >= 0) {
       atomicAdd(&sh.count[e], 1);
-      if (i < first_limit) count_slot(sh, static_cast<int>(e), K);
+      if (i < first_limit) count_slot(sh.dst_expert, sh.slot, static_cast<int>(e), K);
     }
   }
   __syncthreads();
@@ -130,14 +138,11 @@ __device__ __forceinline__ void dispatch_send_phase(const Common& c, const Dispa
     if (t != first) {
       // Later tokens of this block (T > grid): row loads first, then the slot pass of this token.
       load_row(x, t, H, raw);
-      if (tid < K) {
-        sh.dst_expert[tid] = static_cast<int>(a.topk_idx[static_cast<size_t>(t) * K + tid]);
-        sh.slot[tid] = 0;
-      }
+      read_token_experts(a.topk_idx, t, T, K, sh.dst_expert, sh.slot);
       __syncthreads();
       for (int i = tid; i < t * K; i += blockDim.x) {
         const int e = static_cast<int>(a.topk_idx[i]);
-        if (e >= 0) count_slot(sh, e, K);
+        if (e >= 0) count_slot(sh.dst_expert, sh.slot, e, K);
       }
       __syncthreads();
     }

@@ -23,21 +23,16 @@ constexpr int kThreads = 512;       // threads per block of every low-latency ke
 constexpr int kPhaseSend = 1;
 constexpr int kPhaseRecv = 2;
 
-// Kernel variants (bits of Common::variant; MOE_DISPATCHER_LL_VARIANT, MOE_DISPATCHER_LL_DISPATCH and
-// MOE_DISPATCHER_LL_COMBINE_SEND, read when the backend is created). Every variant produces the same
-// bytes; they differ in how work is spread and in what crosses NVLink. All are NVLink only: the backend
-// clears them when some peer has no NVLink mapping.
+// Kernel variants (bits of Common::variant; MOE_DISPATCHER_LL_VARIANT and MOE_DISPATCHER_LL_DISPATCH,
+// read when the backend is created). Every variant produces the same bytes; they differ in what crosses
+// NVLink. All are NVLink only: the backend clears them when some peer has no NVLink mapping.
 //   kVariantDispatchDedup (the default): the dispatch sends each token once per destination RANK (with
 //   the list of that rank's local experts it chose) into a per-source staging area of the receive
 //   region; the receiver expands it into the per-expert layout (dispatch_dedup_send.cuh / _recv.cuh).
 //   Needs at least two local experts (with one, per-expert messages are already one per rank): the
 //   backend clears it for such calls.
-//   kVariantCombineBulk: the combine send moves rows with the bulk-copy engine (cp.async.bulk: global ->
-//   shared, then shared -> the peer's global address), up to kBulkStages rows in flight per block,
-//   instead of 16-byte loads and stores by every thread (combine_send.cuh).
 constexpr int kVariantDispatchDedup = 2;
-constexpr int kVariantCombineBulk = 8;
-constexpr int kVariantMask = kVariantDispatchDedup | kVariantCombineBulk;
+constexpr int kVariantMask = kVariantDispatchDedup;
 
 // Byte layout of ONE half of the symmetric buffer for a given (max_tokens, hidden, ranks, experts).
 // The halves sit at 0 and half_bytes. Inside a half:
