@@ -126,25 +126,14 @@ void notify(const IpcBuffer& b, uint64_t timeout_ns, uintptr_t is_token_in_rank,
   launch_notify(a, stream_of(stream));
 }
 
-// A ring mode (protocol.h: the RingProtocol in the low bits, the stream protocol's knobs above): the protocol,
-// and its knobs into `tune` (all zero for the chunked protocol, which has none).
-int ring_protocol(int mode, StreamTuning& tune) {
-  const int protocol = mode & kRingModeProtocolMask;
-  MOE_CHECK(mode >= 0 && mode < (1 << kRingModeBits) && (protocol == kChunked || protocol == kStream),
-            "unknown ring protocol");
-  MOE_CHECK(protocol == kStream || mode == kChunked, "the chunked ring protocol has no knobs");
-  tune = ring_mode_tuning(mode);
-  MOE_CHECK(tune.ring_warps <= kWarps, "ring_warps: at most 24");
-  return protocol;
-}
-
 // The ring arguments that direct calls and plans (below) share: checked and filled in one place.
 DispatchArgs ring_dispatch_args(const IpcBuffer& b, uint64_t timeout_ns, uintptr_t is_token_in_rank,
                                 uintptr_t recv_channel_offset, int num_tokens, int hidden_bytes, int num_scales,
                                 int num_rows, int pad_rows, int num_channels, int chunk, int num_slots,
                                 int slot_bytes, int protocol) {
+  MOE_CHECK(protocol == kChunked || protocol == kStream, "unknown ring protocol");
   DispatchArgs a{};
-  a.protocol = ring_protocol(protocol, a.tune);
+  a.protocol = protocol;
   a.c = b.common(timeout_ns);
   MOE_CHECK(static_cast<size_t>(num_channels) * num_slots * slot_bytes <= a.c.src_block_bytes,
             "NVLink buffer too small for this config");
@@ -168,8 +157,9 @@ CombineArgs ring_combine_args(const IpcBuffer& b, uint64_t timeout_ns, uintptr_t
                               uintptr_t recv_channel_offset, int dtype, int num_tokens, int hidden, int num_topk,
                               int num_x_rows, int num_channels, int chunk, int num_slots, int slot_bytes,
                               int protocol) {
+  MOE_CHECK(protocol == kChunked || protocol == kStream, "unknown ring protocol");
   CombineArgs a{};
-  a.protocol = ring_protocol(protocol, a.tune);
+  a.protocol = protocol;
   // Tokens per receiver batch: as many 32-token windows as fit beside a sender chunk in the ring.
   a.batch_windows = std::min(kMaxWindows, (num_slots - chunk) / 32);
   MOE_CHECK(a.batch_windows >= 1, "combine needs num_max_nvl_chunked_recv_tokens >= send tokens + 32");

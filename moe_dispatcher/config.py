@@ -16,6 +16,13 @@ def _align(n: int, a: int = _ALIGN) -> int:
     return (n + a - 1) // a * a
 
 
+def align_slot(nbytes: int) -> int:
+    """Size of a ring slot holding `nbytes`: every slot of the intranode and internode rings is a multiple of 128
+    bytes, so each starts on a cache line (4 x H200, intranode stream dispatch: BF16 396.6 vs 376.1 GB/s at
+    20 SMs, FP8 384.0 vs 335.2 at 24, against 16-byte slots; combine unchanged; docs/intranode.md)."""
+    return _align(nbytes, 128)
+
+
 @dataclass(frozen=True)
 class Config:
     """How many SMs a normal-mode kernel uses and how tokens are chunked through the channel FIFOs.
@@ -50,22 +57,24 @@ class Config:
 
     @staticmethod
     def slot_bytes(hidden_bytes: int) -> int:
-        """Bytes of one token slot in a channel ring: payload, FP8 scales, top-k ids/weights, source index."""
+        """Bytes of one token slot in a channel ring: payload, FP8 scales, top-k ids/weights, source index (at
+        least any kernel's slot for rows of `hidden_bytes`, both rounded by align_slot)."""
         scale_bytes = (hidden_bytes + 127) // 128 * 4
-        return _align(hidden_bytes + scale_bytes + MAX_TOPK * (8 + 4) + 16, 16)
+        return align_slot(hidden_bytes + scale_bytes + MAX_TOPK * (8 + 4) + 16)
 
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """Bytes of NVLink (CUDA IPC) buffer per GPU that normal-mode intranode dispatch/combine need.
+        """Bytes of NVLink (CUDA IPC) buffer per GPU that normal-mode dispatch/combine need.
 
         hidden_bytes: bytes of one token row (H * element size; pass H * 2 for FP8 to leave room for BF16
-        combine). Per (channel, source peer): a ring of `num_max_nvl_chunked_recv_tokens` slots plus its head
-        and tail words; plus the count matrices exchanged by notify.
+        combine). The control words and messages ahead of the rings (the internode layout's, a superset of the
+        intranode kRingsOffset), then per source peer a block of `num_channels` rings of
+        `num_max_nvl_chunked_recv_tokens` slots of slot_bytes, plus 128 bytes of rounding: at least what both
+        backends require (compiled.intranode.required_nvl_bytes, internode_nvl_layout).
         """
         nvl_peers = min(num_ranks, MAX_NVL_PEERS)
-        ring = self.num_max_nvl_chunked_recv_tokens * self.slot_bytes(hidden_bytes) + 64
-        rings = self.num_channels * nvl_peers * ring
-        counts = nvl_peers * nvl_peers * 4 * (1 + self.num_channels) + nvl_peers * 4096
-        return _align(rings + counts)
+        header = internode_nvl_layout(num_ranks, nvl_peers, 0)["nvl_rings_offset"]
+        block = self.num_channels * self.num_max_nvl_chunked_recv_tokens * self.slot_bytes(hidden_bytes)
+        return header + nvl_peers * _align(block + 128)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int, nvl_size: Optional[int] = None) -> int:
         """Bytes of NVSHMEM symmetric buffer per GPU for internode normal mode (0 when one domain suffices).
@@ -133,9 +142,10 @@ def internode_nvl_layout(num_ranks: int, nvl_size: int, num_nvl_bytes: int) -> d
 
 # Tuned tables: (num_max_nvl_chunked_send_tokens, num_max_nvl_chunked_recv_tokens) per rank count, from
 # chunk sweeps of the intranode kernels' stream protocol (the default) on H200s (2026-11-21, 4096 tokens,
-# H=7168, 8-24 SMs; bench/results/*20261121-092*); 8 ranks untuned.
+# H=7168, 8-24 SMs; bench/results/*20261121-092*); 8 ranks untuned. 4-rank combine: 64-slot rings (stream,
+# 128-byte slots: 386 vs 354 GB/s at 24 SMs, equal at 20; bench/results/nvl_knobs_h200x4_20261121-0950.txt).
 _DISPATCH_TABLE = {2: (8, 256), 4: (12, 256), 8: (6, 256)}
-_COMBINE_TABLE = {2: (8, 256), 4: (16, 256), 8: (4, 256)}
+_COMBINE_TABLE = {2: (8, 256), 4: (12, 64), 8: (4, 256)}
 
 
 # Internode RDMA hop: rows per send step and ring slots. Every warp of a sender group puts the rows it staged

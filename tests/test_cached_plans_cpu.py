@@ -19,7 +19,7 @@ from stub_extension import attach_stub_backend
 from moe_dispatcher import Buffer, Config
 from moe_dispatcher.buffer import FAST_CACHED_ENV
 from moe_dispatcher.compiled import JOIN_BOTH, JOIN_NONE
-from moe_dispatcher.compiled.intranode import combine_slot_bytes, dispatch_slot_bytes, parse_nvl_variant
+from moe_dispatcher.compiled.intranode import NVL_VARIANTS, combine_slot_bytes, dispatch_slot_bytes
 
 T, H, E, K = 16, 256, 8, 2
 ROWS = 24  # rows notify "received" (the stub's answer)
@@ -68,23 +68,19 @@ def test_repeated_cached_calls_take_the_fast_path(world):
     channels, offsets = h.backend_state.routing
     assert w.ext.plans[0] == ("DispatchPlan", (w.backend._timeout_ns, h.is_token_in_rank.data_ptr(), offsets.data_ptr(),
                                                T, H * 2, 0, ROWS, 0, channels, chunk, slots,
-                                               dispatch_slot_bytes(H * 2, 0, 0, align=w.backend._slot_align),
-                                               w.backend._protocol))
+                                               dispatch_slot_bytes(H * 2, 0, 0), w.backend._protocol))
     _, chunk, slots = w.backend._config(None, combine=True)
-    assert w.ext.plans[1][1][3:] == (0, T, H, 0, ROWS, channels, chunk, slots,
-                                     combine_slot_bytes(H * 2, 0, w.backend._slot_align), w.backend._protocol)
+    assert w.ext.plans[1][1][3:] == (0, T, H, 0, ROWS, channels, chunk, slots, combine_slot_bytes(H * 2, 0),
+                                     w.backend._protocol)
     # A launch passes the tensors' addresses and the streams.
     recv = buf.dispatch(w.x, handle=h)[0]
     assert w.ext.launches[-1] == ("DispatchPlan", (w.x.data_ptr(), 0, recv.data_ptr(), 0, 0, 0, JOIN_BOTH))
-    # Another ring protocol, or other knobs: the plan made for the old variant is not reused; a new one carries
-    # the new ring mode and slot size.
+    # Another ring protocol: the plan made for the old one is not reused; a new one carries the new protocol.
     old = w.backend.nvl_variant
-    for variant in ("chunked" if old != "chunked" else "stream", "stream/a/p/w3", "stream/p/w3"):
-        w.backend.nvl_variant = variant
-        buf.dispatch(w.x, handle=h)
-        assert _joins(w, "DispatchPlan")[-1] == JOIN_NONE
-        _, mode, align = parse_nvl_variant(variant)
-        assert w.ext.plans[-1][1][-2:] == (dispatch_slot_bytes(H * 2, 0, 0, align=align), mode)
+    w.backend.nvl_variant = next(v for v in NVL_VARIANTS if v != old)
+    buf.dispatch(w.x, handle=h)
+    assert _joins(w, "DispatchPlan")[-1] == JOIN_NONE
+    assert w.ext.plans[-1][1][-1] == NVL_VARIANTS.index(w.backend.nvl_variant)
     w.backend.nvl_variant = old
 
 

@@ -37,18 +37,23 @@ def test_env_mode_picks_the_variant(monkeypatch):
         env_mode("MOE_DISPATCHER_EM_COMBINE", EM_COMBINE_MODES)
 
 
-def test_parse_nvl_variant_knobs():
-    from moe_dispatcher.compiled.intranode import NVL_VARIANTS, dispatch_slot_bytes, parse_nvl_variant
-    for i, name in enumerate(NVL_VARIANTS):
-        assert parse_nvl_variant(name) == (name, i, 16)
-    # Knobs in any order, canonical sorted; bits as protocol.h's ring mode lays them out.
-    name, mode, align = parse_nvl_variant(" Stream/w5/P/b12/a/u/h/e ")
-    assert name == "stream/a/b12/e/h/p/u/w5" and align == 128
-    assert mode == 1 | 5 << 4 | 1 << 10 | 1 << 11 | 12 << 12 | 1 << 22 | 1 << 23
-    assert parse_nvl_variant("chunked/a") == ("chunked/a", 0, 128)
-    for bad in ("tma", "stream/", "stream/x", "stream/w64", "stream/p/p", "chunked/p", "chunked/e", "stream/wx", "stream/a2"):
-        with pytest.raises(ValueError):
-            parse_nvl_variant(bad)
-    # Slot alignment: 7168 bf16 + 8 top-k + source = 14404 bytes -> 14416 (16) or 14464 (128).
-    assert dispatch_slot_bytes(14336, 0, 8) == 14416
-    assert dispatch_slot_bytes(14336, 0, 8, align=128) == 14464
+def test_ring_slots_are_128_byte_multiples_and_the_nvl_hint_covers_them():
+    from moe_dispatcher.config import MAX_TOPK, NVL_CONTROL_BYTES, Config, get_combine_config, get_dispatch_config
+    from moe_dispatcher.compiled.intranode import combine_slot_bytes, dispatch_slot_bytes, required_nvl_bytes
+    from moe_dispatcher.compiled.internode import dispatch_slot_bytes as internode_dispatch_slot_bytes
+    # 7168 bf16 + 8 top-k ids and weights + source index = 14404 bytes -> 14464; FP8 with 56 scales -> 7552.
+    assert dispatch_slot_bytes(14336, 0, 8) == 14464
+    assert dispatch_slot_bytes(7168, 56, 8, pair_ranks=True) == 7552
+    assert combine_slot_bytes(14336, 8) == 14464 and combine_slot_bytes(128, 0) == 128
+    assert internode_dispatch_slot_bytes(14336, 0, 8) == 14464
+    for r in (2, 3, 4, 8):
+        for sms in (2, 8, 20, 24, 64):
+            for cfg in (get_dispatch_config(r, sms), get_combine_config(r, sms), Config(sms, 1, 1), Config(sms, 32, 512)):
+                for h in (128, 896, 2048, 7168):
+                    hint = cfg.get_nvl_buffer_size_hint(h * 2, r)  # BF16 rows, or FP8 ones with room for BF16
+                    slot = max(dispatch_slot_bytes(h * 2, 0, MAX_TOPK, pair_ranks=True),
+                               dispatch_slot_bytes(h, h // 128, MAX_TOPK, pair_ranks=True),
+                               combine_slot_bytes(h * 2, MAX_TOPK))
+                    assert slot % 128 == 0 and slot <= Config.slot_bytes(h * 2)
+                    assert hint >= required_nvl_bytes(r, cfg.num_channels, cfg.num_max_nvl_chunked_recv_tokens, slot,
+                                                      NVL_CONTROL_BYTES)

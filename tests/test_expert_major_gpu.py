@@ -162,18 +162,15 @@ CASES: List[Dict] = [
 
 
 # Intranode ring protocol and combine variant of case i (the combine variant unless MOE_DISPATCHER_EM_COMBINE
-# chooses it): chunked and stream alternate, the stream protocol with knobs (KNOB_VARIANTS, alternating) takes
-# the last KNOB_CASES cases (and the graph case), so a fault there comes after the others' results; combine
-# split and fused alternate every two cases, so each protocol meets both without running every case six times.
-# The protocol switches between calls on the same Buffer.
-KNOB_VARIANTS = ("stream/a/b20/e/h/p/u", "stream/w3")
-KNOB_CASES = 4
+# chooses it): chunked and stream alternate; combine split and fused alternate every two cases, so each
+# protocol meets both without running every case four times. The protocol switches between calls on the same
+# Buffer.
+NVL_VARIANTS = ("chunked", "stream")
 EM_MODES = ("split", "fused")
 
 
-def _variants(i: int, n: int):
-    protocol = KNOB_VARIANTS[i % 2] if i >= n - KNOB_CASES else ("chunked", "stream")[i % 2]
-    return protocol, EM_MODES[(i // 2) % 2]
+def _variants(i: int):
+    return NVL_VARIANTS[i % 2], EM_MODES[(i // 2) % 2]
 
 
 def _world_fused_matches(rank: int, world_size: int) -> None:
@@ -193,7 +190,7 @@ def _check_variant(kb, rb, rank: int, world_size: int, tag: str) -> None:
     backend = kb._kernels
     em_mode_fixed = bool(os.environ.get("MOE_DISPATCHER_EM_COMBINE"))
     for i, c in enumerate(CASES):
-        backend.nvl_variant, em_mode = _variants(i, len(CASES))
+        backend.nvl_variant, em_mode = _variants(i)
         if not em_mode_fixed:
             backend.em_combine_mode = em_mode
         with case(f"{c['name']} {tag} ({backend.nvl_variant}, {backend.em_combine_mode} combine)"):
@@ -213,10 +210,10 @@ def _check_variant(kb, rb, rank: int, world_size: int, tag: str) -> None:
         y, _, _ = kb.expert_major_combine(px, h)
         assert_close(y.float(), 2 * xo.float(), "round trip after the overflow", rtol=1e-2, atol=1e-2)
 
-    # ---- CUDA graph: expert-major dispatch (num_worst_tokens) + combine + cached dispatch, replayed (the first
-    # knob variant; the overflow case above ran with the last case's).
-    backend.nvl_variant = KNOB_VARIANTS[0]
-    with case(f"cuda graph capture + replay (expert-major, num_worst_tokens, {KNOB_VARIANTS[0]}) {tag}"):
+    # ---- CUDA graph: expert-major dispatch (num_worst_tokens) + combine + cached dispatch, replayed (the stream
+    # protocol, the default; the overflow case above ran with the last case's).
+    backend.nvl_variant = "stream"
+    with case(f"cuda graph capture + replay (expert-major, num_worst_tokens, stream) {tag}"):
         dev = torch.device("cuda", torch.cuda.current_device())
         t, h, local, k = 384, 2048, 8, 6
         e, worst = local * world_size, 384 * world_size * 6

@@ -5,10 +5,7 @@ Each world holds two Buffers on the same NCCL group: one forced onto the compile
 top-k, counts, prefix matrix, source indices); combine must agree within bf16 rounding (it is designed to be
 bit-exact: same float32 summation order), and the tests report how many combine outputs were bit-exact.
 Every case runs with each ring protocol (NVL_VARIANTS: the backend's nvl_variant, switched between calls on
-the same Buffer, which also checks that calls of different protocols may follow each other), the stream
-protocol's knobs included (KNOB_VARIANTS: every knob on in one, few copy warps per ring in the other; a release
-batch above half of the small test rings, so the clamp is exercised). The knob variants run in worlds of their
-own (VARIANT_GROUPS), so a fault there leaves the two protocols' results.
+the same Buffer, which also checks that calls of different protocols may follow each other).
 """
 from __future__ import annotations
 
@@ -22,18 +19,15 @@ from dist import GPU_WORLD_SIZES, assert_close, assert_equal, case, make_buffer,
 pytestmark = pytest.mark.gpu
 WORLD_SIZES = GPU_WORLD_SIZES
 MAX_HIDDEN_BYTES = 7168 * 2
-KNOB_VARIANTS = ("stream/a/b20/e/h/p/u", "stream/w3")
-NVL_VARIANTS = ("chunked", "stream") + KNOB_VARIANTS
-VARIANT_GROUPS = [("chunked", "stream"), KNOB_VARIANTS]
-GROUP_IDS = ["chunked+stream", "knobs"]
+NVL_VARIANTS = ("chunked", "stream")
 
 
-def _plans(variants, mixed: bool) -> List[tuple]:
-    """Protocols of (fresh dispatch, cached dispatch, combine) in one case: each of `variants` alone, and with
-    `mixed` a mix (fresh stream, cached the group's last protocol, combine chunked)."""
-    plans = [(v,) * 3 for v in variants]
+def _plans(mixed: bool) -> List[tuple]:
+    """Protocols of (fresh dispatch, cached dispatch, combine) in one case: each protocol alone, and with
+    `mixed` a mix (fresh and cached stream, combine chunked)."""
+    plans = [(v,) * 3 for v in NVL_VARIANTS]
     if mixed:
-        plans.append(("stream", variants[-1], "chunked"))
+        plans.append(("stream", "stream", "chunked"))
     return plans
 
 
@@ -159,11 +153,11 @@ CASES: List[Dict] = [
 ]
 
 
-def _world_matches_reference(rank: int, world_size: int, variants) -> Dict:
+def _world_matches_reference(rank: int, world_size: int) -> Dict:
     kb, rb = _buffers()
     stats = {"combine_total": 0, "combine_bit_exact": 0}
     for i, c in enumerate(CASES):
-        for plan in _plans(variants, i % 3 == 0):
+        for plan in _plans(i % 3 == 0):
             with case(f"{c['name']} ({'/'.join(plan)})"):
                 _check_case(kb, rb, c, i, stats, plan)
     # Config honoured: fewer channels and smaller rings (the senders wait for free slots), through the backend
@@ -171,7 +165,7 @@ def _world_matches_reference(rank: int, world_size: int, variants) -> Dict:
     from moe_dispatcher import Config
     backend = kb._kernels
     for cfg in (Config(8, 4, 64), Config(4, 1, 33)):
-        for variant in variants:
+        for variant in NVL_VARIANTS:
             with case(f"config {cfg} ({variant})"):
                 backend.nvl_variant = variant
                 dev = torch.device("cuda", torch.cuda.current_device())
@@ -201,16 +195,15 @@ def _world_matches_reference(rank: int, world_size: int, variants) -> Dict:
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-@pytest.mark.parametrize("variants", VARIANT_GROUPS, ids=GROUP_IDS)
-def test_matches_reference(world_size: int, variants) -> None:
-    stats = run_distributed(_world_matches_reference, world_size, variants, backend="nccl")
+def test_matches_reference(world_size: int) -> None:
+    stats = run_distributed(_world_matches_reference, world_size, backend="nccl")
     exact = sum(s["combine_bit_exact"] for s in stats)
     total = sum(s["combine_total"] for s in stats)
-    print(f"\n[intranode R={world_size} {'+'.join(variants)}] combine bit-exact vs reference: {exact}/{total} (rank, "
+    print(f"\n[intranode R={world_size} {'+'.join(NVL_VARIANTS)}] combine bit-exact vs reference: {exact}/{total} (rank, "
           f"case, protocol) triples")
 
 
-def _world_graph_and_back_to_back(rank: int, world_size: int, variants) -> None:
+def _world_graph_and_back_to_back(rank: int, world_size: int) -> None:
     kb, rb = _buffers()
     dev = torch.device("cuda", torch.cuda.current_device())
     t, h, local, k = 384, 2048, 8, 6
@@ -219,7 +212,7 @@ def _world_graph_and_back_to_back(rank: int, world_size: int, variants) -> None:
 
     # ---- CUDA graph: layout + dispatch(num_worst_tokens) + combine captured once, replayed on new data (each
     # ring protocol: it is fixed in the captured launches).
-    for variant in variants:
+    for variant in NVL_VARIANTS:
         with case(f"cuda graph capture + replay ({variant})"):
             kb._kernels.nvl_variant = variant
             g = torch.Generator().manual_seed(5 + rank)
@@ -258,12 +251,11 @@ def _world_graph_and_back_to_back(rank: int, world_size: int, variants) -> None:
     # ---- 1000 back-to-back dispatch + combine (fresh and cached alternating, the ring protocol switching
     # every two round trips) with fresh data; each round trip is checked on the device (x holds small
     # integers, so x * ranks is exact), the last one against the reference.
-    cycle = variants if len(variants) > 1 else variants + ("chunked",)
-    with case(f"1000 back-to-back dispatch+combine ({'/'.join(cycle)})"):
+    with case(f"1000 back-to-back dispatch+combine ({'/'.join(NVL_VARIANTS)})"):
         bad = torch.zeros((), dtype=torch.int64, device=dev)
         handle = None
         for i in range(1000):
-            kb._kernels.nvl_variant = cycle[(i // 2) % len(cycle)]
+            kb._kernels.nvl_variant = NVL_VARIANTS[(i // 2) % len(NVL_VARIANTS)]
             x = torch.randint(-8, 9, (t, h), device=dev).to(torch.bfloat16)
             if handle is None or i % 2 == 0:
                 idx = torch.rand(t, e, device=dev).topk(k, dim=1).indices
@@ -284,7 +276,7 @@ def _world_graph_and_back_to_back(rank: int, world_size: int, variants) -> None:
 
     # More rows than num_worst_tokens: no host sync at that call, so the extra rows are dropped and every
     # rank raises at its next synchronised dispatch; the group keeps working afterwards.
-    for variant in variants:
+    for variant in NVL_VARIANTS:
         with case(f"num_worst_tokens overflow ({variant})"):
             kb._kernels.nvl_variant = variant
             idx0 = torch.zeros(t, 1, dtype=torch.int64, device=dev)  # every token to expert 0 on rank 0
@@ -301,9 +293,8 @@ def _world_graph_and_back_to_back(rank: int, world_size: int, variants) -> None:
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-@pytest.mark.parametrize("variants", VARIANT_GROUPS, ids=GROUP_IDS)
-def test_graph_and_back_to_back(world_size: int, variants) -> None:
-    run_distributed(_world_graph_and_back_to_back, world_size, variants, backend="nccl")
+def test_graph_and_back_to_back(world_size: int) -> None:
+    run_distributed(_world_graph_and_back_to_back, world_size, backend="nccl")
 
 
 def _full_path(buf, fn):

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from .. import _ext
 from .. import config as _cfg
-from ..config import Config
+from ..config import Config, align_slot
 from ..handle import DispatchHandle
 from . import current_stream_ptr, row_geometry, timeout_message
 from .intranode import (DEFAULT_TIMEOUT_S, TIMEOUT_ENV, _COMBINE_DTYPES, _DeviceMemory, combine_slot_bytes)
@@ -34,8 +34,9 @@ COMBINE_CHUNK_ENV = "MOE_DISPATCHER_INTERNODE_COMBINE_CHUNK"
 
 def dispatch_slot_bytes(hidden_bytes: int, num_scales: int, num_topk: int) -> int:
     """Bytes of one internode dispatch slot (RDMA and NVLink alike): payload, 4-byte scales, top-k ids
-    (int32) and weights, source token, and one more int32 (local-rank mask, or source domain)."""
-    return (hidden_bytes + num_scales * 4 + num_topk * 8 + 8 + 15) // 16 * 16
+    (int32) and weights, source token, and one more int32 (local-rank mask, or source domain); rounded by
+    align_slot."""
+    return align_slot(hidden_bytes + num_scales * 4 + num_topk * 8 + 8)
 
 
 class InternodeBackend:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _ext
-from ..config import Config
+from ..config import Config, align_slot
 from ..expert_major import ExpertMajorHandle, compose_expert_major_dispatch, gather_rows, unpermute
 from ..handle import DispatchHandle
 from . import JOIN_NONE, HandleState, current_stream_ptr, row_geometry, timeout_message
@@ -48,52 +48,9 @@ EM_COMBINE_MODES = ("split", "fused")
 # chunks, each ending with a system-scope release by the group leader; "stream" (default: the fastest on
 # 2 and 4 x H200, bench/results/*20261121-092*): every warp moves its own rows and one publisher warp per
 # block updates the ring counters (Config's send chunk is then the least rows per tail update).
-# A variant is a protocol name and optional knobs, "/"-separated (e.g. "stream/p/w5"; parse_nvl_variant):
-# NVL_KNOBS, the stream protocol's (protocol.h StreamTuning), and "a" (slots aligned to 128 bytes, either).
 NVL_VARIANT_ENV = "MOE_DISPATCHER_NVL_VARIANT"
 NVL_VARIANTS = ("chunked", "stream")  # index = the kernels' RingProtocol
 DEFAULT_NVL_VARIANT = "stream"
-# Stream knob -> (first bit in the ring mode, bits, what it does); a letter alone sets 1, a letter and a
-# number sets the number.
-NVL_KNOBS = {
-    "w": (4, 6, "copy warps per ring at most (0: all that divide evenly)"),
-    "u": (10, 1, "spread: every copy warp serves a ring (warp w: ring w % R)"),
-    "p": (11, 1, "shared poll: one warp per block polls the rings' counters into shared memory"),
-    "b": (12, 10, "receivers' least rows per head update (default 1)"),
-    "h": (22, 1, "halves: blocks [0, C) send, [C, 2C) receive (default: even blocks send, odd receive)"),
-    "e": (23, 1, "evict first: receivers read ring rows evict-first in L2 and store their outputs streaming"),
-}
-SLOT_ALIGN_KNOB = "a"  # ring slots aligned to 128 bytes instead of 16
-_COMBINE_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
-
-
-def parse_nvl_variant(value: str) -> Tuple[str, int, int]:
-    """(canonical name, ring mode for the kernels, slot alignment in bytes) of an NVL variant such as "stream",
-    "chunked/a" or "stream/p/w5/b4" (case-insensitive; knobs in any order, canonical: sorted)."""
-    parts = value.strip().lower().split("/")
-    if not parts or parts[0] not in NVL_VARIANTS or any(not p for p in parts[1:]):
-        raise ValueError(f"{NVL_VARIANT_ENV} / nvl_variant: one of {NVL_VARIANTS}, then optional /knobs "
-                         f"({', '.join(sorted(NVL_KNOBS))} for stream, {SLOT_ALIGN_KNOB} for either), got {value!r}")
-    protocol = NVL_VARIANTS.index(parts[0])
-    mode, align, seen = protocol, 16, set()
-    for knob in parts[1:]:
-        letter, digits = knob[0], knob[1:]
-        if letter in seen or not (digits == "" or digits.isdigit()):
-            raise ValueError(f"{NVL_VARIANT_ENV}: bad or repeated knob {knob!r} in {value!r}")
-        seen.add(letter)
-        if letter == SLOT_ALIGN_KNOB and digits == "":
-            align = 128
-        elif letter in NVL_KNOBS and parts[0] == "stream":
-            shift, bits, _ = NVL_KNOBS[letter]
-            number = int(digits) if digits else 1
-            if number >= 1 << bits:
-                raise ValueError(f"{NVL_VARIANT_ENV}: knob {knob!r} out of range (< {1 << bits})")
-            mode |= number << shift
-        else:
-            raise ValueError(f"{NVL_VARIANT_ENV}: unknown knob {knob!r} for {parts[0]} in {value!r}")
-    return "/".join([parts[0]] + sorted(parts[1:])), mode, align
-
-
 _COMBINE_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
@@ -110,20 +67,15 @@ def _align16(n: int) -> int:
     return (n + 15) // 16 * 16
 
 
-def _align_to(n: int, align: int) -> int:
-    return (n + align - 1) // align * align
-
-
-def dispatch_slot_bytes(hidden_bytes: int, num_scales: int, num_topk: int, pair_ranks: bool = False,
-                        align: int = 16) -> int:
+def dispatch_slot_bytes(hidden_bytes: int, num_scales: int, num_topk: int, pair_ranks: bool = False) -> int:
     """Bytes of one dispatch ring slot: payload, 4-byte scales, top-k ids (int32) and weights, source index,
-    and (expert-major fresh dispatch) the int32 pair rank of each slot; a multiple of `align` (16 or 128)."""
-    return _align_to(hidden_bytes + num_scales * 4 + num_topk * (12 if pair_ranks else 8) + 4, align)
+    and (expert-major fresh dispatch) the int32 pair rank of each slot; rounded by align_slot."""
+    return align_slot(hidden_bytes + num_scales * 4 + num_topk * (12 if pair_ranks else 8) + 4)
 
 
-def combine_slot_bytes(row_bytes: int, num_topk: int, align: int = 16) -> int:
-    """Bytes of one combine ring slot: the row and its top-k weights; a multiple of `align` (16 or 128)."""
-    return _align_to(row_bytes + num_topk * 4, align)
+def combine_slot_bytes(row_bytes: int, num_topk: int) -> int:
+    """Bytes of one combine ring slot: the row and its top-k weights; rounded by align_slot."""
+    return align_slot(row_bytes + num_topk * 4)
 
 
 def required_nvl_bytes(num_ranks: int, num_channels: int, num_slots: int, slot_bytes: int, rings_offset: int) -> int:
@@ -161,12 +113,12 @@ class CachedCall:
         self.device, self.is_cuda = x.get_device(), x.is_cuda  # the device, cheaply: index and type (CUDA or not)
         self.aux_dtype, self.aux_shape = (None, None) if aux is None else (aux.dtype, aux.shape)
         self.out_shape, self.aux_out_shape, self.native = out_shape, aux_out_shape, native
-        self.protocol = backend._nvl_variant  # the ring protocol (and slot size) the native plan launches
+        self.protocol = backend._protocol  # the ring protocol the native plan launches
 
     def matches(self, backend: "IntranodeBackend", handle: DispatchHandle, x: torch.Tensor,
                 aux: Optional[torch.Tensor], config: Optional[Config]) -> bool:
         """Would a call of `backend` with these arguments pass the checks this plan's call passed?"""
-        if not (self.backend is backend and backend._nvl_variant == self.protocol
+        if not (self.backend is backend and backend._protocol == self.protocol
                 and handle.is_token_in_rank is self.is_token_in_rank
                 and handle.recv_src_idx is self.recv_src_idx and handle.num_tokens == self.num_tokens
                 and handle.num_worst_tokens == self.num_worst_tokens and x.dtype is self.dtype
@@ -250,7 +202,7 @@ class IntranodeBackend:
         self._timeout_ns = int(self.timeout_s * 1e9)
         self.em_dispatch_mode = env_mode(EM_DISPATCH_ENV, EM_DISPATCH_MODES)
         self.em_combine_mode = env_mode(EM_COMBINE_ENV, EM_COMBINE_MODES)
-        self.nvl_variant = os.environ.get(NVL_VARIANT_ENV, "").strip() or DEFAULT_NVL_VARIANT
+        self.nvl_variant = env_mode(NVL_VARIANT_ENV, NVL_VARIANTS, DEFAULT_NVL_VARIANT)
         minimum = self._mod.RINGS_OFFSET + self.num_ranks * 128
         if self.num_nvl_bytes < minimum:
             raise ValueError(f"num_nvl_bytes={self.num_nvl_bytes} is too small for the intranode kernels (at least "
@@ -269,12 +221,14 @@ class IntranodeBackend:
 
     @property
     def nvl_variant(self) -> str:
-        """The ring protocol (and knobs) of later dispatch / combine calls (NVL_VARIANT_ENV, parse_nvl_variant)."""
-        return self._nvl_variant
+        """The ring protocol of later dispatch / combine calls (NVL_VARIANT_ENV)."""
+        return NVL_VARIANTS[self._protocol]
 
     @nvl_variant.setter
     def nvl_variant(self, value: str) -> None:
-        self._nvl_variant, self._protocol, self._slot_align = parse_nvl_variant(value)
+        if value not in NVL_VARIANTS:
+            raise ValueError(f"{NVL_VARIANT_ENV} / nvl_variant must be one of {NVL_VARIANTS}, got {value!r}")
+        self._protocol = NVL_VARIANTS.index(value)
 
     # ------------------------------------------------------------------ what this backend serves
     def serves_normal(self, topology) -> bool:
@@ -388,7 +342,7 @@ class IntranodeBackend:
                                             is_token_in_rank, num_tokens_per_expert, expert_alignment,
                                             num_worst_tokens)
         channels, chunk, slots = self._config(config, combine=False)
-        slot_bytes = dispatch_slot_bytes(hidden_bytes, num_scales, num_topk, align=self._slot_align)
+        slot_bytes = dispatch_slot_bytes(hidden_bytes, num_scales, num_topk)
         self._check_fits(channels, slots, slot_bytes, "dispatch")
         is_token_in_rank = is_token_in_rank.contiguous()
         num_tokens_per_rank = num_tokens_per_rank.contiguous()
@@ -461,7 +415,7 @@ class IntranodeBackend:
         hidden_bytes, num_scales = row_geometry(x, x_scales, "intranode")
         channels, offsets = handle.backend_state.routing
         _, chunk, slots = self._config(config, combine=False)
-        slot_bytes = dispatch_slot_bytes(hidden_bytes, num_scales, 0, align=self._slot_align)
+        slot_bytes = dispatch_slot_bytes(hidden_bytes, num_scales, 0)
         self._check_fits(channels, slots, slot_bytes, "cached dispatch")
         rows = handle.recv_src_idx.shape[0]
         native = self._mod.DispatchPlan(self._ipc, self._join, self._timeout_ns, handle.is_token_in_rank.data_ptr(),
@@ -503,7 +457,7 @@ class IntranodeBackend:
                 raise ValueError(f"combine: at most {self._mod.MAX_TOPK} top-k weights per row, got {num_topk}")
         channels, offsets = handle.backend_state.routing
         _, chunk, slots = self._config(config, combine=True)
-        slot_bytes = combine_slot_bytes(row_bytes, num_topk, self._slot_align)
+        slot_bytes = combine_slot_bytes(row_bytes, num_topk)
         self._check_fits(channels, slots, slot_bytes, "combine")
         t = handle.num_tokens
         native = self._mod.CombinePlan(self._ipc, self._join, self._timeout_ns, handle.is_token_in_rank.data_ptr(),
@@ -540,8 +494,7 @@ class IntranodeBackend:
         topk_weights = topk_weights.contiguous() if topk_weights is not None else None
         hidden_bytes, num_scales = row_geometry(x, x_scales, "intranode")
         channels, chunk, slots = self._config(config, combine=False)
-        slot_bytes = dispatch_slot_bytes(hidden_bytes, num_scales, k, pair_ranks=not split,
-                                         align=self._slot_align)
+        slot_bytes = dispatch_slot_bytes(hidden_bytes, num_scales, k, pair_ranks=not split)
         self._check_fits(channels, slots, slot_bytes, "expert-major dispatch")
         per_rank, _, per_expert, in_rank = self.get_dispatch_layout(topk_idx, num_experts)
         dev, t, stream = x.device, x.shape[0], self._stream()
@@ -676,7 +629,7 @@ class IntranodeBackend:
         dh = handle.dispatch
         channels, offsets = dh.backend_state.routing
         _, chunk, slots = self._config(None, combine=False)
-        slot_bytes = dispatch_slot_bytes(hidden_bytes, num_scales, 0, align=self._slot_align)
+        slot_bytes = dispatch_slot_bytes(hidden_bytes, num_scales, 0)
         self._check_fits(channels, slots, slot_bytes, "expert-major cached dispatch")
         m, rows, dev = handle.pair_row.numel(), dh.recv_src_idx.shape[0], x.device
         if self.em_dispatch_mode == "split":  # rank-major rows (no padding rows: em_permute reads the received)
@@ -746,7 +699,7 @@ class IntranodeBackend:
         num_topk = k if topk_weights is not None else 0
         channels, offsets = dh.backend_state.routing
         _, chunk, slots = self._config(config, combine=True)
-        slot_bytes = combine_slot_bytes(row_bytes, num_topk, self._slot_align)
+        slot_bytes = combine_slot_bytes(row_bytes, num_topk)
         self._check_fits(channels, slots, slot_bytes, "expert-major combine")
         biases = [b.contiguous() for b in bias]
         t, dev = dh.num_tokens, x.device

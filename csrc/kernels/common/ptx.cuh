@@ -67,14 +67,6 @@ __device__ __forceinline__ int ld_acquire_cta(const int* p) {
   asm volatile("ld.acquire.cta.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
-__device__ __forceinline__ void st_release_cta(uint64_t* p, uint64_t v) {
-  asm volatile("st.release.cta.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-__device__ __forceinline__ uint64_t ld_acquire_cta(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.cta.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
 __device__ __forceinline__ void red_add_release_cta(int* p, int v) {
   asm volatile("red.release.cta.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
@@ -97,21 +89,6 @@ __device__ __forceinline__ int4 ld_cg_v4(const int4* p) {
   asm volatile("ld.global.cg.v4.s32 {%0,%1,%2,%3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "l"(p)
-               : "memory");
-  return v;
-}
-// L2 policy "evict first" (for every line an access with it touches): data that is read or written once.
-__device__ __forceinline__ uint64_t l2_evict_first_policy() {
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  return policy;
-}
-// ld_cg_v4 whose lines L2 evicts first (a ring row read once: its slot is next written a whole ring later).
-__device__ __forceinline__ int4 ld_cg_v4_policy(const int4* p, uint64_t policy) {
-  int4 v;
-  asm volatile("ld.global.cg.L2::cache_hint.v4.s32 {%0,%1,%2,%3}, [%4], %5;"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p), "l"(policy)
                : "memory");
   return v;
 }

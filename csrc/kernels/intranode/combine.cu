@@ -165,14 +165,12 @@ __device__ void send_channel(const CombineArgs& a, int c, int s, int group_warp,
 // Whole warp: output row `token` = cast(bias0 + bias1 + rows of ranks ascending), accumulated in float32 in
 // that order (the reference's order), and the top-k weights summed likewise. src[d]: the token's slot in the
 // ring from rank d, or null. kRanks: the rank count rounded up to 2, 4 or 8, so the per-rank arrays stay in
-// registers; each lane keeps 8 row loads in flight (8 / kRanks vectors of each rank's row). kEvictFirst (stream
-// knob `e`): the ring rows are read with an L2 evict-first policy and the output is stored streaming.
-template <typename T, int kRanks, bool kEvictFirst = false>
+// registers; each lane keeps 8 row loads in flight (8 / kRanks vectors of each rank's row).
+template <typename T, int kRanks>
 __device__ __forceinline__ void reduce_token(const CombineArgs& a, int64_t token, const uint8_t* const* src,
                                              int row_bytes, int lane) {
   constexpr int kUnroll = 8 / kRanks;
   const int vecs = row_bytes / 16;
-  const uint64_t policy = kEvictFirst ? ptx::l2_evict_first_policy() : 0;
   for (int v0 = lane; v0 < vecs; v0 += 32 * kUnroll) {
     Vec<T> rows[kUnroll][kRanks];
 #pragma unroll
@@ -180,10 +178,7 @@ __device__ __forceinline__ void reduce_token(const CombineArgs& a, int64_t token
       const int v = v0 + u * 32;
 #pragma unroll
       for (int d = 0; d < kRanks; ++d) {
-        if (v < vecs && src[d] != nullptr) {
-          const int4* p = reinterpret_cast<const int4*>(src[d]) + v;
-          rows[u][d].raw = kEvictFirst ? ptx::ld_cg_v4_policy(p, policy) : ptx::ld_cg_v4(p);
-        }
+        if (v < vecs && src[d] != nullptr) rows[u][d].raw = ptx::ld_cg_v4(reinterpret_cast<const int4*>(src[d]) + v);
       }
     }
 #pragma unroll
@@ -215,12 +210,7 @@ __device__ __forceinline__ void reduce_token(const CombineArgs& a, int64_t token
       Vec<T> out;
 #pragma unroll
       for (int e = 0; e < Vec<T>::kElems; ++e) out.elems[e] = from_float<T>(acc[e]);
-      int4* dst = reinterpret_cast<int4*>(a.out + token * row_bytes) + v;
-      if (kEvictFirst) {
-        ptx::st_cs_v4(dst, out.raw);
-      } else {
-        *dst = out.raw;
-      }
+      reinterpret_cast<int4*>(a.out + token * row_bytes)[v] = out.raw;
     }
   }
   if (a.out_topk_weights != nullptr && lane < a.num_topk) {
@@ -368,9 +358,7 @@ __device__ void stream_send(const CombineArgs& a, int c, int s, int gw, int warp
   int k = gw;
   for (; k < count; k += warps) {
     const uint64_t row = tail0 + static_cast<uint64_t>(k);
-    if (!warp_outcome(lane != 0 ||
-                      wait_free_slot(head, a.tune.shared_poll ? &board.incoming[s] : nullptr, head_seen, row,
-                                     a.num_slots, dog, kPhaseCombineSend, s))) {
+    if (!warp_outcome(lane != 0 || wait_free_slot(head, head_seen, row, a.num_slots, dog, kPhaseCombineSend, s))) {
       board_leave(board, s, gw, -1, lane);
       return;
     }
@@ -457,8 +445,7 @@ __device__ void stream_reduce(const CombineArgs& a, int c, int warp, int lane, u
     scan.seek(t, lane);
     const bool has = ring_lane && scan.has(t);
     const uint64_t index = head0 + static_cast<uint64_t>(scan.rows_before(t));
-    const bool ok = !has || wait_published(tail, a.tune.shared_poll ? &board.incoming[lane] : nullptr, seen, index,
-                                           dog, kPhaseCombineRecv, lane);
+    const bool ok = !has || wait_published(tail, seen, index, dog, kPhaseCombineRecv, lane);
     if (!__all_sync(0xffffffffu, ok)) {
       board_leave(board, 0, warp, -1, lane);
       return;
@@ -471,23 +458,17 @@ __device__ void stream_reduce(const CombineArgs& a, int c, int warp, int lane, u
       src[d] = reinterpret_cast<const uint8_t*>(
           __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(mine), d));
     }
-    if (a.tune.evict_first) {
-      reduce_token<T, kRanks, true>(a, t, src, row_bytes, lane);
-    } else {
-      reduce_token<T, kRanks>(a, t, src, row_bytes, lane);
-    }
+    reduce_token<T, kRanks>(a, t, src, row_bytes, lane);
     board_advance(board, 0, warp, j + kStreamCombineWarps, lane);
   }
   board_leave(board, 0, warp, j, lane);
 }
 
 // The release warp of a receiver block: lane d returns to rank d the slots of ring d that hold the rows of
-// every token below the smallest board entry (all reduced), st.release.sys of the head in d's buffer, once at
-// least release_batch rows (default 1; at most half a ring, see stream.cuh) are new, and all of them when the
-// reduce warps have left; at the end, head_copy for the next kernel. shared_poll: lane d also polls ring d's
-// tail into board.incoming[d] on every round.
+// every token below the smallest board entry (all reduced), st.release.sys of the head in d's buffer, as soon
+// as it moves; at the end, head_copy for the next kernel.
 template <int kRanks>
-__device__ void stream_release(const CombineArgs& a, int c, int lane, uint64_t head0, StreamBoard& board) {
+__device__ void stream_release(const CombineArgs& a, int c, int lane, uint64_t head0, const StreamBoard& board) {
   const int me = a.c.rank, num_ranks = a.c.num_ranks;
   auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
   int begin, end;
@@ -495,12 +476,8 @@ __device__ void stream_release(const CombineArgs& a, int c, int lane, uint64_t h
   uint64_t* word = lane < num_ranks ? &reinterpret_cast<Control*>(a.c.peers[lane])->fifo_head[c][me] : nullptr;
   RingScan<kRanks> scan{a.is_token_in_rank, num_ranks, end};
   scan.start(begin, lane);
-  const int batch = max(1, min(a.tune.release_batch, a.num_slots / 2));
-  const uint64_t* tail = a.tune.shared_poll && lane < num_ranks ? &ctl->fifo_tail[c][lane] : nullptr;
-  uint64_t polled = 0;
   int released = 0;
   while (true) {
-    bool moved = tail != nullptr && poll_incoming(tail, &board.incoming[lane], polled);
     // `left` first (lane 0, then a warp barrier): when every warp has left, the entries read after are final.
     int left = lane == 0 ? ptx::ld_acquire_cta(&board.left[0]) : 0;
     left = __shfl_sync(0xffffffffu, left, 0);
@@ -512,7 +489,8 @@ __device__ void stream_release(const CombineArgs& a, int c, int lane, uint64_t h
     const int t = begin + min(j, end - begin);
     scan.seek(t, lane);
     const int rows = scan.rows_before(t);
-    if (lane < num_ranks && rows > released && (rows - released >= batch || left == kStreamCombineWarps)) {
+    bool moved = false;
+    if (lane < num_ranks && rows > released) {
       ptx::st_release_sys(word, head0 + static_cast<uint64_t>(rows));  // d may overwrite these slots
       released = rows;
       moved = true;
@@ -540,15 +518,15 @@ __global__ void __launch_bounds__(kStreamCombineThreads, 1) combine_stream_kerne
   __shared__ StreamBoard board;
   __shared__ int shared_ok[kMaxRanks];
   const int num_ranks = a.c.num_ranks, me = a.c.rank;
-  const int c = stream_channel(a.tune, blockIdx.x, a.num_channels);
-  const bool sender = stream_sender(a.tune, blockIdx.x, a.num_channels);
+  const int c = blockIdx.x >> 1;
+  const bool sender = (blockIdx.x & 1) == 0;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const RingWarps rw{kStreamCombineWarps, num_ranks, a.tune};  // which ring each sender warp serves
-  const bool extra = warp == kStreamCombineWarps;  // publisher (sender block) or release warp (receiver)
+  const int warps = kStreamCombineWarps / num_ranks;  // sender warps per ring
+  const bool extra = warp == kStreamCombineWarps;     // publisher (sender block) or release warp (receiver)
   auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
   // Ring counters at kernel start, read before the barrier (the publisher rewrites tail_copy). Sender: of
   // the warp's ring (lane p's for the publisher); receiver: lane d holds ring d's head.
-  const int ring = sender && !extra ? rw.ring_of(warp) : lane;
+  const int ring = sender && !extra ? warp / warps : lane;
   uint64_t base = 0;
   if (ring < num_ranks) {
     base = *reinterpret_cast<volatile uint64_t*>(sender ? &ctl->tail_copy[c][ring] : &ctl->head_copy[c][ring]);
@@ -563,13 +541,11 @@ __global__ void __launch_bounds__(kStreamCombineThreads, 1) combine_stream_kerne
   if (extra) {
     uint64_t* word = lane < num_ranks ? &reinterpret_cast<Control*>(a.c.peers[lane])->fifo_tail[c][me] : nullptr;
     uint64_t* mirror = lane < num_ranks ? &ctl->tail_copy[c][lane] : nullptr;
-    const uint64_t* incoming = a.tune.shared_poll && lane < num_ranks ? &ctl->fifo_head[c][lane] : nullptr;
-    publish_rings(board, num_ranks, lane < num_ranks ? rw.warps_of(lane) : 0, max(1, min(a.chunk, a.num_slots / 2)),
-                  word, base, mirror, incoming, lane);
+    publish_rings(board, num_ranks, warps, max(1, min(a.chunk, a.num_slots / 2)), word, base, mirror, lane);
     return;
   }
-  if (ring >= num_ranks) return;  // idle warps (19 % R != 0 unless spread, or ring_warps)
-  stream_send<T, kEm>(a, c, ring, rw.gw_of(warp), rw.warps_of(ring), lane, base, board, &shared_ok[ring], dog);
+  if (ring >= num_ranks) return;  // idle warps when 19 % R != 0
+  stream_send<T, kEm>(a, c, ring, warp % warps, warps, lane, base, board, &shared_ok[ring], dog);
 }
 
 template <typename T, int kRanks>

@@ -8,32 +8,20 @@ namespace moe_dispatcher::intranode {
 
 // dst[0..n) = src[0..n) in 16-byte vectors, kUnroll loads in flight per lane. kFromRing: src is a ring
 // written by another GPU (ld.cg); otherwise src is a read-only input (ld.nc). Stores are plain (they may
-// go to a peer over NVLink). kEvictFirst (ring to a local output only): the ring loads are marked evict-first
-// in L2 and the stores are streaming (st.cs), so neither pushes the rings' unread rows out of L2.
-template <bool kFromRing, int kUnroll, bool kEvictFirst = false>
+// go to a peer over NVLink).
+template <bool kFromRing, int kUnroll>
 __device__ __forceinline__ void warp_copy(int4* dst, const int4* src, int n, int lane) {
-  static_assert(kFromRing || !kEvictFirst, "evict-first copies read a ring");
-  const uint64_t policy = kEvictFirst ? ptx::l2_evict_first_policy() : 0;
   for (int base = lane; base < n; base += 32 * kUnroll) {
     int4 v[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int i = base + u * 32;
-      if (i < n) {
-        v[u] = kEvictFirst ? ptx::ld_cg_v4_policy(src + i, policy)
-                           : (kFromRing ? ptx::ld_cg_v4(src + i) : ptx::ld_nc_v4(src + i));
-      }
+      if (i < n) v[u] = kFromRing ? ptx::ld_cg_v4(src + i) : ptx::ld_nc_v4(src + i);
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int i = base + u * 32;
-      if (i < n) {
-        if (kEvictFirst) {
-          ptx::st_cs_v4(dst + i, v[u]);
-        } else {
-          dst[i] = v[u];
-        }
-      }
+      if (i < n) dst[i] = v[u];
     }
   }
 }

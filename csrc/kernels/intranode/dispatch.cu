@@ -227,8 +227,7 @@ __device__ __forceinline__ void receive_em_row(const DispatchArgs& a, int s, int
 }
 
 // Whole warp: the ring slot of received row `row` from source s into the outputs (rank-major row, or the
-// row's expert-major positions). kEvictFirst: stream knob `e` (warp_copy), rank-major rows only.
-template <bool kEvictFirst = false>
+// row's expert-major positions).
 __device__ __forceinline__ void receive_row(const DispatchArgs& a, const DispatchSlot& layout, int s, int64_t row,
                                             uint8_t* slot, int lane) {
   if (a.em_mode != 0) {
@@ -236,8 +235,8 @@ __device__ __forceinline__ void receive_row(const DispatchArgs& a, const Dispatc
     return;
   }
   const int k = a.num_topk;
-  warp_copy<true, kDispatchUnroll, kEvictFirst>(reinterpret_cast<int4*>(a.recv_x + row * a.hidden_bytes),
-                                                reinterpret_cast<const int4*>(slot), a.hidden_bytes / 16, lane);
+  warp_copy<true, kDispatchUnroll>(reinterpret_cast<int4*>(a.recv_x + row * a.hidden_bytes),
+                                   reinterpret_cast<const int4*>(slot), a.hidden_bytes / 16, lane);
   for (int j = lane; j < a.num_scales; j += 32) {
     a.recv_scales[row * a.num_scales + j] = ptx::ld_cg(layout.scales(slot) + j);
   }
@@ -401,9 +400,7 @@ __device__ void stream_send(const DispatchArgs& a, int c, int d, int gw, int war
     const int t = scan.find(k, lane);
     if (t < 0) break;
     const uint64_t row = tail0 + static_cast<uint64_t>(k);
-    if (!warp_outcome(lane != 0 ||
-                      wait_free_slot(head, a.tune.shared_poll ? &board.incoming[d] : nullptr, head_seen, row,
-                                     a.num_slots, dog, kPhaseDispatchSend, d))) {
+    if (!warp_outcome(lane != 0 || wait_free_slot(head, head_seen, row, a.num_slots, dog, kPhaseDispatchSend, d))) {
       board_leave(board, d, gw, -1, lane);
       return;
     }
@@ -414,10 +411,9 @@ __device__ void stream_send(const DispatchArgs& a, int c, int d, int gw, int war
 }
 
 // Receiver warp `gw` of the `warps` serving source s: rows gw, gw + warps, ... of ring (c, s -> me); the k-th
-// goes to row recv_channel_offset[s][c] + k. tail_copy: the block's copy of the ring's tail (shared_poll) or null.
-template <bool kEvictFirst>
+// goes to row recv_channel_offset[s][c] + k.
 __device__ void stream_receive(const DispatchArgs& a, int c, int s, int gw, int warps, int lane, uint64_t head0,
-                               StreamBoard& board, const uint64_t* tail_copy, const Watchdog& dog) {
+                               StreamBoard& board, const Watchdog& dog) {
   const int me = a.c.rank;
   auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
   uint8_t* ring = ring_slots(a.c.peers[me], a.c.src_block_bytes, s, c, a.num_slots, a.slot_bytes);
@@ -429,14 +425,13 @@ __device__ void stream_receive(const DispatchArgs& a, int c, int s, int gw, int 
   int k = gw;
   for (; k < count; k += warps) {
     const uint64_t index = head0 + static_cast<uint64_t>(k);
-    if (!warp_outcome(lane != 0 || wait_published(tail, tail_copy, tail_seen, index, dog, kPhaseDispatchRecv, s))) {
+    if (!warp_outcome(lane != 0 || wait_published(tail, tail_seen, index, dog, kPhaseDispatchRecv, s))) {
       board_leave(board, s, gw, -1, lane);
       return;
     }
     const int64_t row = row0 + static_cast<int64_t>(k);
     if (row < a.num_rows) {  // more rows than num_worst_tokens: dropped, reported by notify
-      receive_row<kEvictFirst>(a, layout, s, row, ring + static_cast<size_t>(index % a.num_slots) * a.slot_bytes,
-                               lane);
+      receive_row(a, layout, s, row, ring + static_cast<size_t>(index % a.num_slots) * a.slot_bytes, lane);
     }
     board_advance(board, s, gw, k + warps, lane);
   }
@@ -445,21 +440,18 @@ __device__ void stream_receive(const DispatchArgs& a, int c, int s, int gw, int 
 
 // Blocks as dispatch_kernel (2c sends channel c, 2c + 1 receives it); warp 24 is the publisher: tails of
 // the rings to every destination (sender block), heads of the rings from every source (receiver block).
-// kEvictFirst: the stream knob `e` (a.tune.evict_first; an instantiation of its own, so the default one
-// compiles without it).
-template <bool kEvictFirst>
 __global__ void __launch_bounds__(kStreamThreads, 1) dispatch_stream_kernel(DispatchArgs a) {
   __shared__ StreamBoard board;
   __shared__ int shared_ok[kMaxRanks];
   const int num_ranks = a.c.num_ranks, me = a.c.rank;
-  const int c = stream_channel(a.tune, blockIdx.x, a.num_channels);
-  const bool sender = stream_sender(a.tune, blockIdx.x, a.num_channels);
+  const int c = blockIdx.x >> 1;
+  const bool sender = (blockIdx.x & 1) == 0;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const RingWarps rw{kStreamCopyWarps, num_ranks, a.tune};  // which ring each copy warp serves
+  const int warps = kStreamCopyWarps / num_ranks;  // copy warps per ring
   const bool publisher = warp == kStreamCopyWarps;
   auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
   // Each ring's counter at kernel start, read before the barrier: the publisher rewrites tail_copy.
-  const int ring = publisher ? lane : rw.ring_of(warp);
+  const int ring = publisher ? lane : warp / warps;
   uint64_t base = 0;
   if (ring < num_ranks) {
     base = *reinterpret_cast<volatile uint64_t*>(sender ? &ctl->tail_copy[c][ring] : &ctl->head_copy[c][ring]);
@@ -474,29 +466,25 @@ __global__ void __launch_bounds__(kStreamThreads, 1) dispatch_stream_kernel(Disp
       auto* peer = reinterpret_cast<Control*>(a.c.peers[lane]);
       word = sender ? &peer->fifo_tail[c][me] : &peer->fifo_head[c][me];
     }
-    // Sender: a tail update per `chunk` rows at least; receiver: per release_batch rows (default: every
-    // consumed row at once); each at most half a ring (see stream.cuh).
-    const int batch = max(1, min(sender ? a.chunk : a.tune.release_batch, a.num_slots / 2));
+    // Sender: a tail update per `chunk` rows at least (at most half a ring, see stream.cuh); receiver: every
+    // consumed row is released at once.
+    const int batch = sender ? max(1, min(a.chunk, a.num_slots / 2)) : 1;
     uint64_t* mirror = sender && lane < num_ranks ? &ctl->tail_copy[c][lane] : nullptr;
-    const uint64_t* incoming = nullptr;  // shared_poll: the heads of my rings (sender) or their tails (receiver)
-    if (a.tune.shared_poll && lane < num_ranks) incoming = sender ? &ctl->fifo_head[c][lane] : &ctl->fifo_tail[c][lane];
-    const int n = publish_rings(board, num_ranks, lane < num_ranks ? rw.warps_of(lane) : 0, batch, word, base, mirror,
-                                incoming, lane);
+    const int n = publish_rings(board, num_ranks, warps, batch, word, base, mirror, lane);
     if (!sender && lane < num_ranks) ctl->head_copy[c][lane] = base + n;  // read by the next kernel
     return;
   }
   const bool em_pad = !sender && a.em_mode != 0;
-  if (ring >= num_ranks) {  // idle warps (24 % R != 0, or ring_warps)
+  const int gw = warp % warps;
+  if (ring >= num_ranks) {  // idle warps when 24 % R != 0
     if (em_pad) zero_em_padding(a, c * kWarps + warp, a.num_channels * kWarps, lane);
     return;
   }
   const Watchdog dog = make_watchdog(a.c.timeout_ns, me, &ctl->timeout_claim, &a.c.mailbox->timeout);
-  const int gw = rw.gw_of(warp), warps = rw.warps_of(ring);
-  const uint64_t* copy = a.tune.shared_poll ? &board.incoming[ring] : nullptr;
   if (sender) {
     stream_send(a, c, ring, gw, warps, lane, base, board, &shared_ok[ring], dog);
   } else {
-    stream_receive<kEvictFirst>(a, c, ring, gw, warps, lane, base, board, copy, dog);
+    stream_receive(a, c, ring, gw, warps, lane, base, board, dog);
     if (em_pad) zero_em_padding(a, c * kWarps + warp, a.num_channels * kWarps, lane);
   }
 }
@@ -505,11 +493,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) dispatch_stream_kernel(Disp
 
 void launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
   if (args.protocol == kStream) {
-    if (args.tune.evict_first) {
-      dispatch_stream_kernel<true><<<2 * args.num_channels, kStreamThreads, 0, stream>>>(args);
-    } else {
-      dispatch_stream_kernel<false><<<2 * args.num_channels, kStreamThreads, 0, stream>>>(args);
-    }
+    dispatch_stream_kernel<<<2 * args.num_channels, kStreamThreads, 0, stream>>>(args);
     check_launch("dispatch_stream_kernel");
     return;
   }

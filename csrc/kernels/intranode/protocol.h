@@ -122,35 +122,6 @@ inline int pair_rank_blocks(int num_tokens) { return (num_tokens + kPairRankToke
 // (channel.cuh); kStream: every warp at its own pace, one publisher warp per block (stream.cuh).
 enum RingProtocol : int { kChunked = 0, kStream = 1 };
 
-// Knobs of the stream protocol (stream.cuh; suffixes of MOE_DISPATCHER_NVL_VARIANT, docs/intranode.md). The
-// host passes them with the protocol in one int, the "ring mode": bits 0-3 the RingProtocol, 4-9 ring_warps,
-// 10 spread, 11 shared_poll, 12-21 release_batch, 22 halves, 23 evict_first. Mode 1 (all zero) is the
-// stream protocol as measured first.
-struct StreamTuning {
-  int ring_warps;     // copy warps per ring at most (0: all that divide evenly among the rings)
-  int spread;         // 1: every copy warp serves a ring (warp w: ring w % R; some rings get one warp more;
-                      //    ring_warps is then ignored)
-  int shared_poll;    // 1: the block's extra warp polls the rings' incoming counters into shared memory and
-                      //    the copy warps wait on that copy (one system-scope poller per block, not per warp)
-  int release_batch;  // receivers: least rows per head update (0 or 1: every row; at most slots / 2)
-  int halves;         // 1: blocks [0, C) send channel b, blocks [C, 2C) receive channel b - C (else block 2c
-                      //    sends channel c and block 2c + 1 receives it), which places the roles on other SMs
-  int evict_first;    // 1: receivers read ring rows with an L2 evict-first policy and store outputs streaming
-};
-constexpr int kRingModeProtocolMask = 0xf;
-inline StreamTuning ring_mode_tuning(int mode) {
-  return StreamTuning{(mode >> 4) & 0x3f, (mode >> 10) & 1, (mode >> 11) & 1, (mode >> 12) & 0x3ff, (mode >> 22) & 1,
-                      (mode >> 23) & 1};
-}
-constexpr int kRingModeBits = 24;
-// Stream kernels: the channel of block b and whether it sends (see StreamTuning::halves).
-__host__ __device__ inline int stream_channel(const StreamTuning& t, int block, int num_channels) {
-  return t.halves ? block % num_channels : block >> 1;
-}
-__host__ __device__ inline bool stream_sender(const StreamTuning& t, int block, int num_channels) {
-  return t.halves ? block < num_channels : (block & 1) == 0;
-}
-
 struct DispatchArgs {
   Common c;
   const uint8_t* x;          // [T, hidden_bytes]
@@ -169,7 +140,6 @@ struct DispatchArgs {
   int pad_rows;              // 1: fill rows past the received count (num_worst_tokens): zeros, -1
   int num_channels, chunk, num_slots, slot_bytes;
   int protocol;              // RingProtocol (stream: `chunk` is the sender's least rows per tail update)
-  StreamTuning tune;         // kStream only
   // Expert-major dispatch (em_mode 1: fresh, 2: cached; 0: rank-major, every pointer below null).
   // Fresh: the sender also carries pair_rank[t][k] in the slot (after the source index), and the
   // receiver writes each row straight to its expert-major positions (no rank-major payload: recv_x,
@@ -204,7 +174,6 @@ struct CombineArgs {
   int num_channels, chunk, num_slots, slot_bytes;
   int batch_windows;               // 1..kMaxWindows; 32 x batch_windows + chunk <= num_slots (chunked only)
   int protocol;                    // RingProtocol (stream: `chunk` is the sender's least rows per tail update)
-  StreamTuning tune;               // kStream only
   // Expert-major combine (em_inverse non-null): x is [M, hidden] expert-major rows. For received row r
   // the sender sends sum over slots k ascending of x[em_inverse[r][k]] (times em_weights[pos], the
   // product rounded to float32) accumulated in float32 and rounded to the dtype; the slot's top-k

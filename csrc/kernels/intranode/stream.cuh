@@ -20,19 +20,9 @@
 // Only the publisher pays the system-scope fence, and no copy warp waits for it.
 //
 // Progress: a sender warp blocked on ring row i needs head > i - slots. Every row below the smallest
-// unfinished row is done; the sender's publisher publishes whenever at least `batch` <= slots / 2 rows are
-// new (and all of them once the ring's warps have left), so the tail is past i - slots / 2; the receiver
-// consumes published rows and releases them once at least release_batch <= slots / 2 of them are new (1 by
-// default), so the head is past i - slots: the slot of the smallest blocked row always gets freed.
-//
-// Knobs (StreamTuning in protocol.h, suffixes of MOE_DISPATCHER_NVL_VARIANT): how many copy warps serve each
-// ring and which (RingWarps), the receivers' release batch, the block roles (halves), and shared_poll: a
-// waiting copy warp polls no system-scope word itself; the block's extra warp (publisher, or the combine
-// receiver's release warp) acquires each ring's incoming counter (sender: head; receiver: tail) on every
-// round and releases it to a shared-memory copy (StreamBoard::incoming) that the copy warps acquire at CTA
-// scope. Ordering: the peer's release -> the extra warp's ld.acquire.sys -> its st.release.cta -> the copy
-// warp's ld.acquire.cta -> __syncwarp -> every lane's slot accesses (causality order is transitive). One
-// poller per block instead of up to 24 per block hammering the same few control lines in L2.
+// unfinished row is done; the publisher publishes whenever at least `batch` <= slots / 2 rows are new (and
+// all of them once the ring's warps have left), the receiver consumes published rows and releases them at
+// once (batch 1), so the head always moves up to the smallest blocked row's slot.
 #pragma once
 
 #include <climits>
@@ -50,8 +40,6 @@ constexpr int kBoardWarps = kWarps;  // copy warps of one ring at most
 struct StreamBoard {
   int next[kMaxRanks][kBoardWarps];  // [ring][warp]: the warp's next row; its rows below it are done
   int left[kMaxRanks];               // warps of the ring that left their loop (their `next` is final)
-  uint64_t incoming[kMaxRanks];      // shared_poll: the latest value of each ring's incoming counter (sender
-                                     // block: its head; receiver block: its tail), acquired by the extra warp
 };
 
 // Every thread of the block, before a __syncthreads: warp w of every ring starts at row w.
@@ -59,27 +47,8 @@ __device__ __forceinline__ void board_init(StreamBoard& b) {
   for (int i = threadIdx.x; i < kMaxRanks * kBoardWarps; i += blockDim.x) {
     b.next[i / kBoardWarps][i % kBoardWarps] = i % kBoardWarps;
   }
-  if (threadIdx.x < kMaxRanks) {
-    b.left[threadIdx.x] = 0;
-    b.incoming[threadIdx.x] = 0;
-  }
+  if (threadIdx.x < kMaxRanks) b.left[threadIdx.x] = 0;
 }
-
-// Which ring copy warp `warp` (of `total`) serves among `rings`, as its warp `gw` of `warps`. Even (default):
-// per = total / rings warps each (at most tune.ring_warps when set), ring = warp / per, the rest idle (ring >=
-// rings). Spread: warp w serves ring w % rings, so every warp works and the first total % rings rings get one
-// warp more. warps_of(r) is the same count for ring r (the publisher's lanes).
-struct RingWarps {
-  int total, rings;
-  StreamTuning tune;
-  __device__ int even() const {
-    const int per = total / rings;
-    return tune.ring_warps > 0 ? min(per, tune.ring_warps) : per;
-  }
-  __device__ int ring_of(int warp) const { return tune.spread ? warp % rings : warp / even(); }
-  __device__ int gw_of(int warp) const { return tune.spread ? warp / rings : warp % even(); }
-  __device__ int warps_of(int r) const { return tune.spread ? (total - r + rings - 1) / rings : even(); }
-};
 
 // Whole copy warp, after the loads/stores of a row: the warp's next row is `next`.
 __device__ __forceinline__ void board_advance(StreamBoard& b, int ring, int warp, int next, int lane) {
@@ -98,21 +67,13 @@ __device__ __forceinline__ void board_leave(StreamBoard& b, int ring, int warp, 
   }
 }
 
-// A ring's incoming counter as a waiting lane reads it: ld.acquire.sys of the word itself, or (shared_poll)
-// ld.acquire.cta of the block's copy, which the extra warp acquired at system scope before its release, so
-// the chain orders the peer's accesses before this lane's just the same.
-__device__ __forceinline__ uint64_t read_incoming(const uint64_t* word, const uint64_t* copy) {
-  return copy != nullptr ? ptx::ld_acquire_cta(copy) : ptx::ld_acquire_sys(word);
-}
-
 // Lane 0 of a sender warp: wait until ring row `row` (counter value) has a free slot, i.e. the receiver
 // released row - slots. `seen` caches the last head read (acquired, so older acquires still order this
 // warp's later stores after the receiver's loads once the caller's __syncwarp extends them to every lane).
-// copy: the block's copy of the head (shared_poll) or null.
-__device__ __forceinline__ bool wait_free_slot(const uint64_t* head, const uint64_t* copy, uint64_t& seen,
-                                               uint64_t row, int slots, const Watchdog& dog, int phase, int peer) {
+__device__ __forceinline__ bool wait_free_slot(const uint64_t* head, uint64_t& seen, uint64_t row, int slots,
+                                               const Watchdog& dog, int phase, int peer) {
   while (row >= seen + static_cast<uint64_t>(slots)) {
-    seen = read_incoming(head, copy);
+    seen = ptx::ld_acquire_sys(head);
     if (row < seen + static_cast<uint64_t>(slots)) break;
     if (dog.expired(phase, peer)) return false;
   }
@@ -120,23 +81,13 @@ __device__ __forceinline__ bool wait_free_slot(const uint64_t* head, const uint6
 }
 
 // Lane 0 of a receiver warp: wait until the tail passed ring row `row`; `seen` caches the last tail read.
-__device__ __forceinline__ bool wait_published(const uint64_t* tail, const uint64_t* copy, uint64_t& seen,
-                                               uint64_t row, const Watchdog& dog, int phase, int peer) {
+__device__ __forceinline__ bool wait_published(const uint64_t* tail, uint64_t& seen, uint64_t row,
+                                               const Watchdog& dog, int phase, int peer) {
   while (row >= seen) {
-    seen = read_incoming(tail, copy);
+    seen = ptx::ld_acquire_sys(tail);
     if (row < seen) break;
     if (dog.expired(phase, peer)) return false;
   }
-  return true;
-}
-
-// The extra warp's part of shared_poll, lane p < rings: acquire ring p's incoming counter `word` and, when it
-// moved past `last`, release it to the block's copy. Returns whether it moved.
-__device__ __forceinline__ bool poll_incoming(const uint64_t* word, uint64_t* copy, uint64_t& last) {
-  const uint64_t v = ptx::ld_acquire_sys(word);
-  if (v == last) return false;
-  last = v;
-  ptx::st_release_cta(copy, v);
   return true;
 }
 
@@ -150,18 +101,14 @@ __device__ __forceinline__ bool warp_outcome(bool ok_in_lane0) {
 
 // The publisher warp. Lane p < rings owns ring p: `word` is its remote counter, `base` the counter's value
 // at kernel start, `mirror` (or null) a local word that gets every published value. Ring p is published
-// when at least `batch` rows are new, or when all its `warps` copy warps have left (`warps`: lane p's ring's).
-// `incoming` (shared_poll, else null): ring p's incoming counter, polled into b.incoming[p] on every round.
-// Returns, in lane p, the rows published: at the end the ring's row count (or, after a timeout, the rows
-// finished before it).
-__device__ __forceinline__ int publish_rings(StreamBoard& b, int rings, int warps, int batch, uint64_t* word,
-                                             uint64_t base, uint64_t* mirror, const uint64_t* incoming, int lane) {
+// when at least `batch` rows are new, or when all its `warps` copy warps have left. Returns, in lane p, the
+// rows published: at the end the ring's row count (or, after a timeout, the rows finished before it).
+__device__ __forceinline__ int publish_rings(const StreamBoard& b, int rings, int warps, int batch, uint64_t* word,
+                                             uint64_t base, uint64_t* mirror, int lane) {
   int count = 0;
-  uint64_t polled = 0;
   while (true) {
     bool finished = true, moved = false;
     if (lane < rings) {
-      if (incoming != nullptr) moved = poll_incoming(incoming, &b.incoming[lane], polled);
       // `left` first: when every warp has left, the entries read after it are final.
       const bool all_left = ptx::ld_acquire_cta(&b.left[lane]) == warps;
       int k = INT_MAX;
