@@ -309,11 +309,7 @@ class InternodeBackend:
         if not self._alive:
             return
         self._alive = False
-        torch.cuda.synchronize(self.device)
-        self._state.barrier()
-        torch.cuda.synchronize(self.device)
         self._rdma_raw = None
-        self._state.free(self._rdma_ptr)
-        self._state.finalize()
+        self._state.release(self._rdma_ptr, self.device)
         if self._ipc.alive:
             self._ipc.destroy()

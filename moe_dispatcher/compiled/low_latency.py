@@ -213,12 +213,8 @@ class LowLatencyBackend:
         if not self._alive:
             return
         self._alive = False
-        torch.cuda.synchronize(self.device)
-        self._state.barrier()
-        torch.cuda.synchronize(self.device)
         self._raw = None
-        self._state.free(self._ptr)
-        self._state.finalize()
+        self._state.release(self._ptr, self.device)
 
     def _check_alive(self) -> None:
         if not self._alive:
