@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "bindings.h"
+#include "ipc_bindings.h"
 #include "kernels/common/layout.h"
 #include "kernels/internode/protocol.h"
 #include "runtime/cuda_check.h"
@@ -84,11 +85,7 @@ std::string phase_name(int phase) {
   }
 }
 
-py::object timeout_info(const IpcBuffer& b) {
-  const volatile TimeoutRecord* rec = &b.host_mailbox()->timeout;
-  if (rec->status == 0) return py::none();
-  return py::make_tuple(rec->phase, phase_name(rec->phase), rec->rank, rec->peer);
-}
+py::object timeout_info(const IpcBuffer& b) { return mailbox_timeout_info(b, phase_name); }
 
 int num_forward(const IpcBuffer& b) { return b.host_mailbox()->num_forward; }
 
@@ -112,17 +109,8 @@ void notify(const Context& ctx, uint64_t timeout_ns, uintptr_t is_token_in_rank,
   MOE_CHECK(1 + a.c.num_ranks + num_channels + a.c.nvl_size * (num_channels + num_experts / a.c.num_ranks) <=
                 a.c.layout.rdma_msg_ints,
             "internode notify message larger than its slot");
-  a.is_token_in_rank = ptr<const bool>(is_token_in_rank);
-  a.num_tokens_per_rank = ptr<const int>(num_tokens_per_rank);
-  a.num_tokens_per_expert = ptr<const int>(num_tokens_per_expert);
-  a.num_tokens = num_tokens;
-  a.num_experts = num_experts;
-  a.num_channels = num_channels;
-  a.expert_alignment = expert_alignment;
-  a.num_worst_tokens = num_worst_tokens;
-  a.seq = seq;
-  a.rank_prefix_matrix = ptr<int>(rank_prefix_matrix);
-  a.recv_channel_offset = ptr<int>(recv_channel_offset);
+  set_notify_counts(a, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert, num_tokens, num_experts,
+                    num_channels, expert_alignment, num_worst_tokens, seq, rank_prefix_matrix, recv_channel_offset);
   a.fwd_offset = ptr<int>(fwd_offset);
   launch_notify(a, stream_of(stream));
 }
