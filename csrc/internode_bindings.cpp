@@ -125,23 +125,30 @@ void check_geometry(const Common& c, int channels, int nvl_slots, int nvl_slot_b
             "NVSHMEM buffer too small for this config");
 }
 
+// The geometry that dispatch and combine (Args) share into `a` (a.c set), checked; combine has no RDMA chunk
+// (its forwarders send chunk_tokens rows at a time), dispatch takes geometry[4] itself.
+template <typename Args>
+void set_geometry(Args& a, const std::vector<int>& geometry) {
+  MOE_CHECK(geometry.size() == 7, "geometry: 7 values expected");
+  a.num_channels = geometry[0];
+  a.nvl_chunk = geometry[1];
+  a.nvl_slots = geometry[2];
+  a.nvl_slot_bytes = geometry[3];
+  a.rdma_slots = geometry[5];
+  a.rdma_slot_bytes = geometry[6];
+  check_geometry(a.c, a.num_channels, a.nvl_slots, a.nvl_slot_bytes, a.rdma_slots, a.rdma_slot_bytes);
+}
+
 void dispatch(const Context& ctx, uint64_t timeout_ns, uintptr_t x, uintptr_t scales, uintptr_t topk_idx,
               uintptr_t topk_weights, uintptr_t is_token_in_rank, uintptr_t recv_channel_offset, uintptr_t fwd_offset,
               uintptr_t fwd_mask, int fwd_capacity, uintptr_t recv_x, uintptr_t recv_scales, uintptr_t recv_topk_idx,
               uintptr_t recv_topk_weights, uintptr_t recv_src_idx, int num_tokens, int hidden_bytes, int num_scales,
               int num_topk, int experts_per_rank, int num_rows, int pad_rows, const std::vector<int>& geometry,
               uintptr_t stream) {
-  MOE_CHECK(geometry.size() == 7, "geometry: 7 values expected");
   DispatchArgs a{};
   a.c = with_timeout(ctx, timeout_ns);
-  a.num_channels = geometry[0];
-  a.nvl_chunk = geometry[1];
-  a.nvl_slots = geometry[2];
-  a.nvl_slot_bytes = geometry[3];
+  set_geometry(a, geometry);
   a.rdma_chunk = geometry[4];
-  a.rdma_slots = geometry[5];
-  a.rdma_slot_bytes = geometry[6];
-  check_geometry(a.c, a.num_channels, a.nvl_slots, a.nvl_slot_bytes, a.rdma_slots, a.rdma_slot_bytes);
   MOE_CHECK(a.nvl_chunk >= 1 && a.nvl_chunk <= kMaxChunk && a.nvl_chunk <= a.nvl_slots, "bad NVLink chunk");
   MOE_CHECK(a.rdma_chunk >= 1 && a.rdma_chunk <= kMaxChunk && a.rdma_chunk <= a.rdma_slots, "bad RDMA chunk");
   a.x = ptr<const uint8_t>(x);
@@ -173,16 +180,9 @@ void combine(const Context& ctx, uint64_t timeout_ns, uintptr_t x, uintptr_t top
              uintptr_t fwd_mask, int fwd_capacity, uintptr_t out, uintptr_t out_topk_weights, int dtype, int num_tokens,
              int hidden, int num_topk, int num_x_rows, const std::vector<int>& geometry, int chunk_tokens,
              uintptr_t stream) {
-  MOE_CHECK(geometry.size() == 7, "geometry: 7 values expected");
   CombineArgs a{};
   a.c = with_timeout(ctx, timeout_ns);
-  a.num_channels = geometry[0];
-  a.nvl_chunk = geometry[1];
-  a.nvl_slots = geometry[2];
-  a.nvl_slot_bytes = geometry[3];
-  a.rdma_slots = geometry[5];
-  a.rdma_slot_bytes = geometry[6];
-  check_geometry(a.c, a.num_channels, a.nvl_slots, a.nvl_slot_bytes, a.rdma_slots, a.rdma_slot_bytes);
+  set_geometry(a, geometry);
   // Progress (docs/internode.md): a forwarder chunk's rows must fit beside a sender chunk in the NVLink
   // ring, and two chunks in the RDMA ring. Checked for the largest chunk, so that every chunk_tokens
   // fits whatever the call's size.
