@@ -83,6 +83,21 @@ def check_topk(topk: Optional[torch.Tensor], max_topk: int, what: str, unit: str
     return num_topk
 
 
+def dispatch_inputs(x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
+                    topk_weights: Optional[torch.Tensor], kernels: str, max_topk: int):
+    """A fresh dispatch's inputs made contiguous and checked for the `kernels` backend: (x, x_scales, topk_idx,
+    topk_weights, hidden bytes, scales per row, top-k slots (0 without topk_idx))."""
+    x = x.contiguous()
+    x_scales = x_scales.contiguous() if x_scales is not None else None
+    hidden_bytes, num_scales = row_geometry(x, x_scales, kernels)
+    num_topk = check_topk(topk_idx, max_topk, f"dispatch: the {kernels} kernels take")
+    if topk_idx is not None:
+        topk_idx = topk_idx.contiguous()
+        if topk_weights is not None:
+            topk_weights = topk_weights.contiguous()
+    return x, x_scales, topk_idx, topk_weights, hidden_bytes, num_scales, num_topk
+
+
 def combine_row_bytes(x: torch.Tensor) -> int:
     """Bytes of one row of combine input x, checked: a multiple of 16."""
     row_bytes = x.shape[1] * x.element_size()

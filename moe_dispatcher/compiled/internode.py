@@ -23,8 +23,8 @@ from .. import _ext
 from .. import config as _cfg
 from ..config import Config
 from ..handle import DispatchHandle
-from . import (buffer_view, check_topk, combine_row_bytes, current_stream_ptr, recv_tensors, row_geometry,
-               timeout_message, wait_counts)
+from . import (buffer_view, check_topk, combine_row_bytes, current_stream_ptr, dispatch_inputs, recv_tensors,
+               row_geometry, timeout_message, wait_counts)
 from .intranode import (DEFAULT_TIMEOUT_S, TIMEOUT_ENV, _COMBINE_DTYPES, _DeviceMemory, combine_slot_bytes)
 
 # Tokens per warp chunk of the combine's forwarder and receiver (docs/internode.md), 1..32; unset or 0: from
@@ -181,14 +181,8 @@ class InternodeBackend:
         """Fresh dispatch; returns what ReferenceNormal.dispatch returns."""
         self._check()
         r = self.num_ranks
-        x = x.contiguous()
-        x_scales = x_scales.contiguous() if x_scales is not None else None
-        hidden_bytes, num_scales = row_geometry(x, x_scales, "internode")
-        num_topk = check_topk(topk_idx, self._mod.MAX_TOPK, "dispatch: the internode kernels take")
-        if topk_idx is not None:
-            topk_idx = topk_idx.contiguous()
-            if topk_weights is not None:
-                topk_weights = topk_weights.contiguous()
+        x, x_scales, topk_idx, topk_weights, hidden_bytes, num_scales, num_topk = dispatch_inputs(
+            x, x_scales, topk_idx, topk_weights, "internode", self._mod.MAX_TOPK)
         num_experts = num_tokens_per_expert.numel()
         local = num_experts // r
         if local > self._mod.MAX_LOCAL_EXPERTS:  # beyond the kernels' tables: the reference, as intranode does

@@ -26,8 +26,8 @@ from .. import _ext
 from ..config import Config
 from ..expert_major import ExpertMajorHandle, compose_expert_major_dispatch, gather_rows, unpermute
 from ..handle import DispatchHandle
-from . import (JOIN_NONE, HandleState, buffer_view, check_topk, combine_row_bytes, current_stream_ptr, recv_tensors,
-               row_geometry, timeout_message, wait_counts)
+from . import (JOIN_NONE, HandleState, buffer_view, check_topk, combine_row_bytes, current_stream_ptr,
+               dispatch_inputs, recv_tensors, row_geometry, timeout_message, wait_counts)
 
 TIMEOUT_ENV = "MOE_DISPATCHER_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 10.0
@@ -370,14 +370,8 @@ class IntranodeBackend:
         """Fresh dispatch; returns what ReferenceNormal.dispatch returns."""
         self._check()
         r = self.num_ranks
-        x = x.contiguous()
-        x_scales = x_scales.contiguous() if x_scales is not None else None
-        hidden_bytes, num_scales = row_geometry(x, x_scales, "intranode")
-        num_topk = check_topk(topk_idx, self._mod.MAX_TOPK, "dispatch: the intranode kernels take")
-        if topk_idx is not None:
-            topk_idx = topk_idx.contiguous()
-            if topk_weights is not None:
-                topk_weights = topk_weights.contiguous()
+        x, x_scales, topk_idx, topk_weights, hidden_bytes, num_scales, num_topk = dispatch_inputs(
+            x, x_scales, topk_idx, topk_weights, "intranode", self._mod.MAX_TOPK)
         num_experts = num_tokens_per_expert.numel()
         local = num_experts // r
         if local > self._mod.MAX_LOCAL_EXPERTS:
