@@ -296,7 +296,7 @@ class InternodeBackend:
             if use_rdma_buffer:
                 return self._rdma_raw
             return torch.as_tensor(_DeviceMemory(self._ipc.local_ptr, total), device=self.device)
-        return buffer_view(raw, total, dtype, size, offset, 'RDMA' if use_rdma_buffer else 'NVLink')
+        return buffer_view(raw, total, dtype, size, offset, "RDMA" if use_rdma_buffer else "NVLink")
 
     def destroy(self) -> None:
         """Free both buffers. Collective (NVSHMEM free + barrier): every rank calls it at the same point."""
