@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "bindings.h"
+#include "ipc_bindings.h"
 #include "kernels/common/layout.h"
 #include "kernels/internode/protocol.h"
 #include "runtime/cuda_check.h"
@@ -84,11 +85,7 @@ std::string phase_name(int phase) {
   }
 }
 
-py::object timeout_info(const IpcBuffer& b) {
-  const volatile TimeoutRecord* rec = &b.host_mailbox()->timeout;
-  if (rec->status == 0) return py::none();
-  return py::make_tuple(rec->phase, phase_name(rec->phase), rec->rank, rec->peer);
-}
+py::object timeout_info(const IpcBuffer& b) { return mailbox_timeout_info(b, phase_name); }
 
 int num_forward(const IpcBuffer& b) { return b.host_mailbox()->num_forward; }
 
@@ -112,17 +109,8 @@ void notify(const Context& ctx, uint64_t timeout_ns, uintptr_t is_token_in_rank,
   MOE_CHECK(1 + a.c.num_ranks + num_channels + a.c.nvl_size * (num_channels + num_experts / a.c.num_ranks) <=
                 a.c.layout.rdma_msg_ints,
             "internode notify message larger than its slot");
-  a.is_token_in_rank = ptr<const bool>(is_token_in_rank);
-  a.num_tokens_per_rank = ptr<const int>(num_tokens_per_rank);
-  a.num_tokens_per_expert = ptr<const int>(num_tokens_per_expert);
-  a.num_tokens = num_tokens;
-  a.num_experts = num_experts;
-  a.num_channels = num_channels;
-  a.expert_alignment = expert_alignment;
-  a.num_worst_tokens = num_worst_tokens;
-  a.seq = seq;
-  a.rank_prefix_matrix = ptr<int>(rank_prefix_matrix);
-  a.recv_channel_offset = ptr<int>(recv_channel_offset);
+  set_notify_counts(a, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert, num_tokens, num_experts,
+                    num_channels, expert_alignment, num_worst_tokens, seq, rank_prefix_matrix, recv_channel_offset);
   a.fwd_offset = ptr<int>(fwd_offset);
   launch_notify(a, stream_of(stream));
 }
@@ -137,23 +125,30 @@ void check_geometry(const Common& c, int channels, int nvl_slots, int nvl_slot_b
             "NVSHMEM buffer too small for this config");
 }
 
+// The geometry that dispatch and combine (Args) share into `a` (a.c set), checked; combine has no RDMA chunk
+// (its forwarders send chunk_tokens rows at a time), dispatch takes geometry[4] itself.
+template <typename Args>
+void set_geometry(Args& a, const std::vector<int>& geometry) {
+  MOE_CHECK(geometry.size() == 7, "geometry: 7 values expected");
+  a.num_channels = geometry[0];
+  a.nvl_chunk = geometry[1];
+  a.nvl_slots = geometry[2];
+  a.nvl_slot_bytes = geometry[3];
+  a.rdma_slots = geometry[5];
+  a.rdma_slot_bytes = geometry[6];
+  check_geometry(a.c, a.num_channels, a.nvl_slots, a.nvl_slot_bytes, a.rdma_slots, a.rdma_slot_bytes);
+}
+
 void dispatch(const Context& ctx, uint64_t timeout_ns, uintptr_t x, uintptr_t scales, uintptr_t topk_idx,
               uintptr_t topk_weights, uintptr_t is_token_in_rank, uintptr_t recv_channel_offset, uintptr_t fwd_offset,
               uintptr_t fwd_mask, int fwd_capacity, uintptr_t recv_x, uintptr_t recv_scales, uintptr_t recv_topk_idx,
               uintptr_t recv_topk_weights, uintptr_t recv_src_idx, int num_tokens, int hidden_bytes, int num_scales,
               int num_topk, int experts_per_rank, int num_rows, int pad_rows, const std::vector<int>& geometry,
               uintptr_t stream) {
-  MOE_CHECK(geometry.size() == 7, "geometry: 7 values expected");
   DispatchArgs a{};
   a.c = with_timeout(ctx, timeout_ns);
-  a.num_channels = geometry[0];
-  a.nvl_chunk = geometry[1];
-  a.nvl_slots = geometry[2];
-  a.nvl_slot_bytes = geometry[3];
+  set_geometry(a, geometry);
   a.rdma_chunk = geometry[4];
-  a.rdma_slots = geometry[5];
-  a.rdma_slot_bytes = geometry[6];
-  check_geometry(a.c, a.num_channels, a.nvl_slots, a.nvl_slot_bytes, a.rdma_slots, a.rdma_slot_bytes);
   MOE_CHECK(a.nvl_chunk >= 1 && a.nvl_chunk <= kMaxChunk && a.nvl_chunk <= a.nvl_slots, "bad NVLink chunk");
   MOE_CHECK(a.rdma_chunk >= 1 && a.rdma_chunk <= kMaxChunk && a.rdma_chunk <= a.rdma_slots, "bad RDMA chunk");
   a.x = ptr<const uint8_t>(x);
@@ -185,16 +180,9 @@ void combine(const Context& ctx, uint64_t timeout_ns, uintptr_t x, uintptr_t top
              uintptr_t fwd_mask, int fwd_capacity, uintptr_t out, uintptr_t out_topk_weights, int dtype, int num_tokens,
              int hidden, int num_topk, int num_x_rows, const std::vector<int>& geometry, int chunk_tokens,
              uintptr_t stream) {
-  MOE_CHECK(geometry.size() == 7, "geometry: 7 values expected");
   CombineArgs a{};
   a.c = with_timeout(ctx, timeout_ns);
-  a.num_channels = geometry[0];
-  a.nvl_chunk = geometry[1];
-  a.nvl_slots = geometry[2];
-  a.nvl_slot_bytes = geometry[3];
-  a.rdma_slots = geometry[5];
-  a.rdma_slot_bytes = geometry[6];
-  check_geometry(a.c, a.num_channels, a.nvl_slots, a.nvl_slot_bytes, a.rdma_slots, a.rdma_slot_bytes);
+  set_geometry(a, geometry);
   // Progress (docs/internode.md): a forwarder chunk's rows must fit beside a sender chunk in the NVLink
   // ring, and two chunks in the RDMA ring. Checked for the largest chunk, so that every chunk_tokens
   // fits whatever the call's size.

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "bindings.h"
+#include "ipc_bindings.h"
 #include "kernels/common/layout.h"
 #include "kernels/intranode/protocol.h"
 #include "runtime/cuda_check.h"
@@ -38,11 +39,7 @@ std::string phase_name(int phase) {
 }
 
 // (status, phase name, waiting rank, peer) of the first timeout this rank recorded, or None.
-py::object timeout_info(const IpcBuffer& b) {
-  const volatile TimeoutRecord* rec = &b.host_mailbox()->timeout;
-  if (rec->status == 0) return py::none();
-  return py::make_tuple(rec->phase, phase_name(rec->phase), rec->rank, rec->peer);
-}
+py::object timeout_info(const IpcBuffer& b) { return mailbox_timeout_info(b, phase_name); }
 
 // Spins on the mailbox until notify call `seq` has published its results. Returns
 // (num_recv, flags), or (-1, 0) if a timeout was recorded. The GIL is released while spinning.
@@ -112,17 +109,8 @@ void notify(const IpcBuffer& b, uint64_t timeout_ns, uintptr_t is_token_in_rank,
   NotifyArgs a{};
   a.em_layout = ptr<int>(em_layout);
   a.c = b.common(timeout_ns);
-  a.is_token_in_rank = ptr<const bool>(is_token_in_rank);
-  a.num_tokens_per_rank = ptr<const int>(num_tokens_per_rank);
-  a.num_tokens_per_expert = ptr<const int>(num_tokens_per_expert);
-  a.num_tokens = num_tokens;
-  a.num_experts = num_experts;
-  a.num_channels = num_channels;
-  a.expert_alignment = expert_alignment;
-  a.num_worst_tokens = num_worst_tokens;
-  a.seq = seq;
-  a.rank_prefix_matrix = ptr<int>(rank_prefix_matrix);
-  a.recv_channel_offset = ptr<int>(recv_channel_offset);
+  set_notify_counts(a, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert, num_tokens, num_experts,
+                    num_channels, expert_alignment, num_worst_tokens, seq, rank_prefix_matrix, recv_channel_offset);
   launch_notify(a, stream_of(stream));
 }
 

@@ -5,6 +5,7 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <string>
 
 #include "bindings.h"
 #include "kernels/low_latency/low_latency.h"
@@ -56,10 +57,7 @@ class Launcher {
                 bool ue8m0, uintptr_t recv_x, uintptr_t recv_scales, uintptr_t src_info,
                 uintptr_t layout_range, uintptr_t recv_count, uintptr_t cum_stats, uintptr_t wait_stats,
                 int phases, uintptr_t stream) const {
-    MOE_CHECK(num_topk >= 1 && num_topk <= kMaxTopk, "low_latency dispatch: bad top-k");
-    MOE_CHECK(num_tokens >= 0 && num_tokens <= c_.max_tokens, "low_latency dispatch: bad T");
-    Common c = c_;
-    c.trace = dispatch_trace_;
+    const Common c = call_context("dispatch", num_tokens, num_topk, dispatch_trace_);
     DispatchArgs a{};
     a.x = ptr<const void>(x);
     a.topk_idx = ptr<const int64_t>(topk_idx);
@@ -81,10 +79,7 @@ class Launcher {
   void combine(uintptr_t x, uintptr_t topk_idx, uintptr_t topk_weights, uintptr_t src_info,
                uintptr_t layout_range, uintptr_t out, int num_tokens, int num_topk, uintptr_t wait_stats,
                int phases, uintptr_t stream) const {
-    MOE_CHECK(num_topk >= 1 && num_topk <= kMaxTopk, "low_latency combine: bad top-k");
-    MOE_CHECK(num_tokens >= 0 && num_tokens <= c_.max_tokens, "low_latency combine: bad T");
-    Common c = c_;
-    c.trace = combine_trace_;
+    const Common c = call_context("combine", num_tokens, num_topk, combine_trace_);
     CombineArgs a{};
     a.x = ptr<const void>(x);
     a.topk_idx = ptr<const int64_t>(topk_idx);
@@ -99,6 +94,16 @@ class Launcher {
   }
 
  private:
+  // This context for one call (`what`: "dispatch" or "combine") recording into `trace`, after the checks that
+  // both calls make.
+  Common call_context(const char* what, int num_tokens, int num_topk, unsigned long long* trace) const {
+    MOE_CHECK(num_topk >= 1 && num_topk <= kMaxTopk, std::string("low_latency ") + what + ": bad top-k");
+    MOE_CHECK(num_tokens >= 0 && num_tokens <= c_.max_tokens, std::string("low_latency ") + what + ": bad T");
+    Common c = c_;
+    c.trace = trace;
+    return c;
+  }
+
   Common c_{};
   unsigned long long* dispatch_trace_ = nullptr;
   unsigned long long* combine_trace_ = nullptr;

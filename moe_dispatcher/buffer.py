@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from . import _ext
 from . import config as _config
-from .compiled import JOIN_BEFORE, JOIN_BOTH, HandleState, current_stream_ptr
+from .compiled import JOIN_BEFORE, JOIN_BOTH, HandleState, buffer_view, current_stream_ptr
 from .config import Config
 from .event import EventOverlap
 from .expert_major import ExpertMajorHandle, compose_expert_major_dispatch, gather_rows, unpermute
@@ -213,18 +213,14 @@ class Buffer:
         if kernels is not None:
             return kernels.local_buffer_tensor(dtype, size, offset, use_rdma_buffer)
         total = self.num_rdma_bytes if use_rdma_buffer else self.num_nvl_bytes
-        elem = torch.empty((), dtype=dtype).element_size()
-        count = (total - offset) // elem if size is None else int(torch.Size(size).numel())
-        if offset < 0 or offset % elem or offset + count * elem > total:
-            raise ValueError(f"get_local_buffer_tensor: {count} x {dtype} at offset {offset} does not fit the "
-                             f"{total}-byte {'RDMA' if use_rdma_buffer else 'NVLink'} buffer")
-        key = use_rdma_buffer
-        if key not in self._local_buffers:
-            cuda = torch.cuda.is_available()
-            dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-            self._local_buffers[key] = torch.zeros(total, dtype=torch.uint8, device=dev)
-        view = self._local_buffers[key][offset: offset + count * elem].view(dtype)
-        return view.view(*size) if size is not None else view
+
+        def raw() -> Tensor:
+            if use_rdma_buffer not in self._local_buffers:
+                cuda = torch.cuda.is_available()
+                dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+                self._local_buffers[use_rdma_buffer] = torch.zeros(total, dtype=torch.uint8, device=dev)
+            return self._local_buffers[use_rdma_buffer]
+        return buffer_view(raw, total, dtype, size, offset, "RDMA" if use_rdma_buffer else "NVLink")
 
     def _stream_scope(self, device: torch.device, previous_event: Optional[EventOverlap], async_finish: bool,
                       allocate_on_comm_stream: bool, run: Callable[[], tuple],

@@ -351,6 +351,13 @@ def make_buffer(*, hidden_bytes: int = 0, low_latency: bool = False, max_tokens:
     return Buffer(group, num_nvl_bytes=nvl, num_rdma_bytes=rdma, low_latency_mode=low_latency, **kwargs)
 
 
+def make_low_latency_buffer(cases: list[dict], num_ranks: int):
+    """A low-latency Buffer sized for every case of `cases` (dicts with "maxT" tokens, "H" hidden, "L" local
+    experts)."""
+    return make_buffer(low_latency=True, max_tokens=max(c["maxT"] for c in cases),
+                       hidden=max(c["H"] for c in cases), num_experts=num_ranks * max(c["L"] for c in cases))
+
+
 def per_rank(values: list[int], num_ranks: int) -> list[int]:
     """values cycled to one entry per rank (cases are written for 4 ranks and reused for 2)."""
     return [values[r % len(values)] for r in range(num_ranks)]

@@ -18,6 +18,7 @@ from dist import (
     case,
     device,
     make_buffer,
+    make_low_latency_buffer,
     per_rank,
     run_distributed,
 )
@@ -145,8 +146,7 @@ def _ll_worker(rank: int, num_ranks: int) -> None:
     from moe_dispatcher import autograd
     dev = device()
     reference = dev.type == "cpu"
-    buf = make_buffer(low_latency=True, max_tokens=max(c["maxT"] for c in LL_CASES),
-                      hidden=max(c["H"] for c in LL_CASES), num_experts=num_ranks * max(c["L"] for c in LL_CASES))
+    buf = make_low_latency_buffer(LL_CASES, num_ranks)
     bf16 = {"rtol": 2 ** -7, "atol": 1e-6}
     for ci, c in enumerate(LL_CASES):
         tokens = per_rank(c["T"], num_ranks)

@@ -18,6 +18,7 @@ from dist import (
     case,
     device,
     make_buffer,
+    make_low_latency_buffer,
     per_rank,
     run_distributed,
 )
@@ -134,9 +135,7 @@ def check_fp8_bound(deq: torch.Tensor, x: torch.Tensor, scales: torch.Tensor, wh
 def _ll_dispatch_worker(rank: int, num_ranks: int) -> None:
     dev = device()
     reference = dev.type == "cpu"
-    buf = make_buffer(low_latency=True, max_tokens=max(c["maxT"] for c in LL_DISPATCH_CASES),
-                      hidden=max(c["H"] for c in LL_DISPATCH_CASES),
-                      num_experts=num_ranks * max(c["L"] for c in LL_DISPATCH_CASES))
+    buf = make_low_latency_buffer(LL_DISPATCH_CASES, num_ranks)
     for ci, c in enumerate(LL_DISPATCH_CASES):
         fp8, round_scale, ue8m0 = c.get("fp8", False), c.get("round_scale", False), c.get("ue8m0", False)
         xs, idxs, _, num_experts = _routing(c, 300 + ci, num_ranks, c.get("x", "fp8" if fp8 else "randn"))
@@ -252,9 +251,7 @@ def _check_combined(out: torch.Tensor, what: str, *, want: torch.Tensor, exact: 
 def _ll_combine_worker(rank: int, num_ranks: int) -> None:
     dev = device()
     reference = dev.type == "cpu"
-    buf = make_buffer(low_latency=True, max_tokens=max(c["maxT"] for c in LL_COMBINE_CASES),
-                      hidden=max(c["H"] for c in LL_COMBINE_CASES),
-                      num_experts=num_ranks * max(c["L"] for c in LL_COMBINE_CASES))
+    buf = make_low_latency_buffer(LL_COMBINE_CASES, num_ranks)
     for ci, c in enumerate(LL_COMBINE_CASES):
         num_local, max_tokens, hidden = c["L"], c["maxT"], c["H"]
         for x_kind in ("grid", "randn"):

@@ -10,7 +10,7 @@ exchanges CUDA IPC handles over the group), and all ranks take the same decision
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -70,6 +70,90 @@ def row_geometry(x: torch.Tensor, scales: Optional[torch.Tensor], kernels: str) 
                              f"{list(scales.shape)}")
         num_scales = scales.shape[1]
     return hidden_bytes, num_scales
+
+
+def check_topk(topk: Optional[torch.Tensor], max_topk: int, what: str, unit: str = "top-k slots") -> int:
+    """Top-k columns of `topk` (0 when None), checked against the kernels' MAX_TOPK; the error reads
+    "{what} at most {max_topk} {unit}, got ..."."""
+    if topk is None:
+        return 0
+    num_topk = topk.shape[1]
+    if num_topk > max_topk:
+        raise ValueError(f"{what} at most {max_topk} {unit}, got {num_topk}")
+    return num_topk
+
+
+def dispatch_inputs(x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
+                    topk_weights: Optional[torch.Tensor], kernels: str, max_topk: int):
+    """A fresh dispatch's inputs made contiguous and checked for the `kernels` backend: (x, x_scales, topk_idx,
+    topk_weights, hidden bytes, scales per row, top-k slots (0 without topk_idx))."""
+    x = x.contiguous()
+    x_scales = x_scales.contiguous() if x_scales is not None else None
+    hidden_bytes, num_scales = row_geometry(x, x_scales, kernels)
+    num_topk = check_topk(topk_idx, max_topk, f"dispatch: the {kernels} kernels take")
+    if topk_idx is not None:
+        topk_idx = topk_idx.contiguous()
+        if topk_weights is not None:
+            topk_weights = topk_weights.contiguous()
+    return x, x_scales, topk_idx, topk_weights, hidden_bytes, num_scales, num_topk
+
+
+def combine_row_bytes(x: torch.Tensor) -> int:
+    """Bytes of one row of combine input x, checked: a multiple of 16."""
+    row_bytes = x.shape[1] * x.element_size()
+    if row_bytes % 16:
+        raise ValueError(f"combine: rows of x must be a multiple of 16 bytes, got {row_bytes}")
+    return row_bytes
+
+
+def wait_counts(backend, seq: int, flag_layout_mismatch: int) -> int:
+    """A normal-mode backend's host wait for its notify call `seq` (fresh dispatch without num_worst_tokens) on
+    its IpcBuffer mailbox: the rows this rank receives, after the errors notify reported (a timeout, a layout
+    that does not match the counts, an earlier num_worst_tokens overflow)."""
+    num_recv, flags = backend._ipc.wait_notify(seq, backend.timeout_s + 30.0)
+    if num_recv < 0:
+        backend._check()
+        raise RuntimeError(f"moe_dispatcher {backend.name}: rank {backend.rank}: notify gave up")
+    if flags & flag_layout_mismatch:
+        raise ValueError("dispatch: num_tokens_per_rank does not match is_token_in_rank on some rank (pass "
+                         "the layout that get_dispatch_layout returned for these topk_idx)")
+    overflow = backend._ipc.take_worst_overflow()
+    if overflow is not None:
+        raise ValueError(f"dispatch: in an earlier dispatch with num_worst_tokens={overflow[2]}, rank "
+                         f"{overflow[0]} received {overflow[1]} rows; the rows past num_worst_tokens were "
+                         f"dropped (the compiled backend reports this at the next synchronised dispatch, "
+                         f"on every rank; raise num_worst_tokens)")
+    return num_recv
+
+
+def recv_tensors(rows: int, x: torch.Tensor, x_scales: Optional[torch.Tensor], num_scales: int,
+                 num_topk: Optional[int]) -> List[Optional[torch.Tensor]]:
+    """The outputs of a fresh dispatch receiving `rows` rows: [recv_x, recv_scales or None, recv_topk_idx and
+    recv_topk_weights (None when num_topk is None: no topk_idx), recv_src_idx]."""
+    dev = x.device
+    recv_x = torch.empty(rows, x.shape[1], dtype=x.dtype, device=dev)
+    recv_scales = (torch.empty(rows, num_scales, dtype=x_scales.dtype, device=dev)
+                   if x_scales is not None else None)
+    recv_idx = recv_w = None
+    if num_topk is not None:
+        recv_idx = torch.empty(rows, num_topk, dtype=torch.int64, device=dev)
+        recv_w = torch.empty(rows, num_topk, dtype=torch.float32, device=dev)
+    recv_src = torch.empty(rows, dtype=torch.int32, device=dev)
+    return [recv_x, recv_scales, recv_idx, recv_w, recv_src]
+
+
+def buffer_view(raw: Callable[[], torch.Tensor], total: int, dtype: torch.dtype, size: Optional[Sequence[int]],
+                offset: int, kind: str) -> torch.Tensor:
+    """get_local_buffer_tensor's view: `size` (None: the rest of the buffer) elements of `dtype` from byte
+    `offset` of the `total`-byte `kind` ("NVLink", "RDMA", ...) buffer, checked to fit before raw() (the buffer's
+    bytes, uint8) is asked for."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    count = (total - offset) // elem if size is None else int(torch.Size(size).numel())
+    if offset < 0 or offset % elem or offset + count * elem > total:
+        raise ValueError(f"get_local_buffer_tensor: {count} x {dtype} at offset {offset} does not fit the "
+                         f"{total}-byte {kind} buffer")
+    view = raw()[offset: offset + count * elem].view(dtype)
+    return view.view(*size) if size is not None else view
 
 
 def timeout_message(kernels: str, info, timeout_s: float, env: str) -> str:

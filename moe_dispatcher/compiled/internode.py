@@ -23,7 +23,8 @@ from .. import _ext
 from .. import config as _cfg
 from ..config import Config, align_slot
 from ..handle import DispatchHandle
-from . import current_stream_ptr, row_geometry, timeout_message
+from . import (buffer_view, check_topk, combine_row_bytes, current_stream_ptr, dispatch_inputs, recv_tensors,
+               row_geometry, timeout_message, wait_counts)
 from .intranode import (DEFAULT_TIMEOUT_S, TIMEOUT_ENV, _COMBINE_DTYPES, _DeviceMemory, combine_slot_bytes)
 
 # Tokens per warp chunk of the combine's forwarder and receiver (docs/internode.md), 1..32; unset or 0: from
@@ -181,17 +182,8 @@ class InternodeBackend:
         """Fresh dispatch; returns what ReferenceNormal.dispatch returns."""
         self._check()
         r = self.num_ranks
-        x = x.contiguous()
-        x_scales = x_scales.contiguous() if x_scales is not None else None
-        hidden_bytes, num_scales = row_geometry(x, x_scales, "internode")
-        num_topk = 0
-        if topk_idx is not None:
-            topk_idx = topk_idx.contiguous()
-            num_topk = topk_idx.shape[1]
-            if num_topk > self._mod.MAX_TOPK:
-                raise ValueError(f"dispatch: the internode kernels take at most {self._mod.MAX_TOPK} top-k slots")
-            if topk_weights is not None:
-                topk_weights = topk_weights.contiguous()
+        x, x_scales, topk_idx, topk_weights, hidden_bytes, num_scales, num_topk = dispatch_inputs(
+            x, x_scales, topk_idx, topk_weights, "internode", self._mod.MAX_TOPK)
         num_experts = num_tokens_per_expert.numel()
         local = num_experts // r
         if local > self._mod.MAX_LOCAL_EXPERTS:  # beyond the kernels' tables: the reference, as intranode does
@@ -221,31 +213,13 @@ class InternodeBackend:
             # Each forwarded token reaches >= 1 rank of this domain, each of which receives <= W rows.
             fwd_capacity = self.nvl_size * num_worst_tokens
         else:
-            num_recv, flags = self._ipc.wait_notify(seq, self.timeout_s + 30.0)
-            if num_recv < 0:
-                self._check()
-                raise RuntimeError(f"moe_dispatcher internode: rank {self.rank}: notify gave up")
-            if flags & self._intra.FLAG_LAYOUT_MISMATCH:
-                raise ValueError("dispatch: num_tokens_per_rank does not match is_token_in_rank on some rank (pass "
-                                 "the layout that get_dispatch_layout returned for these topk_idx)")
-            overflow = self._ipc.take_worst_overflow()
-            if overflow is not None:
-                raise ValueError(f"dispatch: in an earlier dispatch with num_worst_tokens={overflow[2]}, rank "
-                                 f"{overflow[0]} received {overflow[1]} rows; the rows past num_worst_tokens were "
-                                 f"dropped (the compiled backend reports this at the next synchronised dispatch, "
-                                 f"on every rank; raise num_worst_tokens)")
+            num_recv = wait_counts(self, seq, self._intra.FLAG_LAYOUT_MISMATCH)
             counts = self._ipc.expert_counts(local)
             rows = num_recv
             fwd_capacity = self._mod.num_forward(self._ipc)
 
-        recv_x = torch.empty(rows, x.shape[1], dtype=x.dtype, device=dev)
-        recv_scales = (torch.empty(rows, num_scales, dtype=x_scales.dtype, device=dev)
-                       if x_scales is not None else None)
-        recv_idx = recv_w = None
-        if topk_idx is not None:
-            recv_idx = torch.empty(rows, num_topk, dtype=torch.int64, device=dev)
-            recv_w = torch.empty(rows, num_topk, dtype=torch.float32, device=dev)
-        recv_src = torch.empty(rows, dtype=torch.int32, device=dev)
+        recv_x, recv_scales, recv_idx, recv_w, recv_src = recv_tensors(
+            rows, x, x_scales, num_scales, num_topk if topk_idx is not None else None)
         fwd_mask = torch.zeros(max(fwd_capacity, 1), dtype=torch.int32, device=dev)
         self._mod.dispatch(self._ctx, self._timeout_ns, x.data_ptr(), self._ptr(x_scales), self._ptr(topk_idx),
                            self._ptr(topk_weights), is_token_in_rank.data_ptr(), offsets.data_ptr(),
@@ -294,15 +268,10 @@ class InternodeBackend:
                 handle = handle._replace(num_recv_tokens=int(handle.rank_prefix_matrix[-1, self.rank]))
             return self._reference.combine(x, handle, topk_weights, bias)
         x = x.contiguous()
-        row_bytes = x.shape[1] * x.element_size()
-        if row_bytes % 16:
-            raise ValueError(f"combine: rows of x must be a multiple of 16 bytes, got {row_bytes}")
-        num_topk = 0
+        row_bytes = combine_row_bytes(x)
+        num_topk = check_topk(topk_weights, self._mod.MAX_TOPK, "combine:", "top-k weights per row")
         if topk_weights is not None:
             topk_weights = topk_weights.contiguous()
-            num_topk = topk_weights.shape[1]
-            if num_topk > self._mod.MAX_TOPK:
-                raise ValueError(f"combine: at most {self._mod.MAX_TOPK} top-k weights per row, got {num_topk}")
         channels, offsets, fwd_offset, fwd_mask, fwd_capacity = handle.backend_state
         geo = self._geometry(config, True, combine_slot_bytes(row_bytes, num_topk), channels, "combine")
         biases = [b.contiguous() for b in bias]
@@ -323,26 +292,19 @@ class InternodeBackend:
         """A typed view of this rank's NVLink buffer, or of its NVSHMEM buffer, from byte `offset`."""
         self._check()
         total = self.num_rdma_bytes if use_rdma_buffer else self.num_nvl_bytes
-        elem = torch.empty((), dtype=dtype).element_size()
-        count = (total - offset) // elem if size is None else int(torch.Size(size).numel())
-        if offset < 0 or offset % elem or offset + count * elem > total:
-            raise ValueError(f"get_local_buffer_tensor: {count} x {dtype} at offset {offset} does not fit the "
-                             f"{total}-byte {'RDMA' if use_rdma_buffer else 'NVLink'} buffer")
-        raw = self._rdma_raw if use_rdma_buffer else torch.as_tensor(_DeviceMemory(self._ipc.local_ptr, total),
-                                                                     device=self.device)
-        view = raw[offset: offset + count * elem].view(dtype)
-        return view.view(*size) if size is not None else view
+
+        def raw() -> torch.Tensor:
+            if use_rdma_buffer:
+                return self._rdma_raw
+            return torch.as_tensor(_DeviceMemory(self._ipc.local_ptr, total), device=self.device)
+        return buffer_view(raw, total, dtype, size, offset, "RDMA" if use_rdma_buffer else "NVLink")
 
     def destroy(self) -> None:
         """Free both buffers. Collective (NVSHMEM free + barrier): every rank calls it at the same point."""
         if not self._alive:
             return
         self._alive = False
-        torch.cuda.synchronize(self.device)
-        self._state.barrier()
-        torch.cuda.synchronize(self.device)
         self._rdma_raw = None
-        self._state.free(self._rdma_ptr)
-        self._state.finalize()
+        self._state.release(self._rdma_ptr, self.device)
         if self._ipc.alive:
             self._ipc.destroy()

@@ -26,7 +26,8 @@ from .. import _ext
 from ..config import Config, align_slot
 from ..expert_major import ExpertMajorHandle, compose_expert_major_dispatch, gather_rows, unpermute
 from ..handle import DispatchHandle
-from . import JOIN_NONE, HandleState, current_stream_ptr, row_geometry, timeout_message
+from . import (JOIN_NONE, HandleState, buffer_view, check_topk, combine_row_bytes, current_stream_ptr,
+               dispatch_inputs, recv_tensors, row_geometry, timeout_message, wait_counts)
 
 TIMEOUT_ENV = "MOE_DISPATCHER_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 10.0
@@ -323,18 +324,8 @@ class IntranodeBackend:
         """Fresh dispatch; returns what ReferenceNormal.dispatch returns."""
         self._check()
         r = self.num_ranks
-        x = x.contiguous()
-        x_scales = x_scales.contiguous() if x_scales is not None else None
-        hidden_bytes, num_scales = row_geometry(x, x_scales, "intranode")
-        num_topk = 0
-        if topk_idx is not None:
-            topk_idx = topk_idx.contiguous()
-            num_topk = topk_idx.shape[1]
-            if num_topk > self._mod.MAX_TOPK:
-                raise ValueError(f"dispatch: the intranode kernels take at most {self._mod.MAX_TOPK} top-k slots, "
-                                 f"got {num_topk}")
-            if topk_weights is not None:
-                topk_weights = topk_weights.contiguous()
+        x, x_scales, topk_idx, topk_weights, hidden_bytes, num_scales, num_topk = dispatch_inputs(
+            x, x_scales, topk_idx, topk_weights, "intranode", self._mod.MAX_TOPK)
         num_experts = num_tokens_per_expert.numel()
         local = num_experts // r
         if local > self._mod.MAX_LOCAL_EXPERTS:
@@ -361,30 +352,12 @@ class IntranodeBackend:
         if num_worst_tokens:
             rows = num_worst_tokens
         else:
-            num_recv, flags = self._ipc.wait_notify(seq, self.timeout_s + 30.0)
-            if num_recv < 0:
-                self._check()
-                raise RuntimeError(f"moe_dispatcher intranode: rank {self.rank}: notify gave up")
-            if flags & self._mod.FLAG_LAYOUT_MISMATCH:
-                raise ValueError("dispatch: num_tokens_per_rank does not match is_token_in_rank on some rank (pass "
-                                 "the layout that get_dispatch_layout returned for these topk_idx)")
-            overflow = self._ipc.take_worst_overflow()
-            if overflow is not None:
-                raise ValueError(f"dispatch: in an earlier dispatch with num_worst_tokens={overflow[2]}, rank "
-                                 f"{overflow[0]} received {overflow[1]} rows; the rows past num_worst_tokens were "
-                                 f"dropped (the compiled backend reports this at the next synchronised dispatch, "
-                                 f"on every rank; raise num_worst_tokens)")
+            num_recv = self._wait_counts(seq)
             counts = self._ipc.expert_counts(local)
             rows = num_recv
 
-        recv_x = torch.empty(rows, x.shape[1], dtype=x.dtype, device=dev)
-        recv_scales = (torch.empty(rows, num_scales, dtype=x_scales.dtype, device=dev)
-                       if x_scales is not None else None)
-        recv_idx = recv_w = None
-        if topk_idx is not None:
-            recv_idx = torch.empty(rows, num_topk, dtype=torch.int64, device=dev)
-            recv_w = torch.empty(rows, num_topk, dtype=torch.float32, device=dev)
-        recv_src = torch.empty(rows, dtype=torch.int32, device=dev)
+        recv_x, recv_scales, recv_idx, recv_w, recv_src = recv_tensors(
+            rows, x, x_scales, num_scales, num_topk if topk_idx is not None else None)
         self._mod.dispatch(self._ipc, self._timeout_ns, x.data_ptr(), self._ptr(x_scales), self._ptr(topk_idx),
                            self._ptr(topk_weights), is_token_in_rank.data_ptr(), offsets.data_ptr(),
                            recv_x.data_ptr(), self._ptr(recv_scales), self._ptr(recv_idx), self._ptr(recv_w),
@@ -447,14 +420,8 @@ class IntranodeBackend:
     def _combine_plan(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor], handle: DispatchHandle,
                       config: Optional[Config]) -> CombineCall:
         """The checks of a combine (x of a kernel dtype), then its plan."""
-        row_bytes = x.shape[1] * x.element_size()
-        if row_bytes % 16:
-            raise ValueError(f"combine: rows of x must be a multiple of 16 bytes, got {row_bytes}")
-        num_topk = 0
-        if topk_weights is not None:
-            num_topk = topk_weights.shape[1]
-            if num_topk > self._mod.MAX_TOPK:
-                raise ValueError(f"combine: at most {self._mod.MAX_TOPK} top-k weights per row, got {num_topk}")
+        row_bytes = combine_row_bytes(x)
+        num_topk = check_topk(topk_weights, self._mod.MAX_TOPK, "combine:", "top-k weights per row")
         channels, offsets = handle.backend_state.routing
         _, chunk, slots = self._config(config, combine=True)
         slot_bytes = combine_slot_bytes(row_bytes, num_topk)
@@ -597,21 +564,9 @@ class IntranodeBackend:
                              self.num_ranks, local, alignment, m, pad_blocks, self._stream())
 
     def _wait_counts(self, seq: int) -> int:
-        """The host's wait for notify call `seq` (fresh dispatch without num_worst_tokens): rows received."""
-        num_recv, flags = self._ipc.wait_notify(seq, self.timeout_s + 30.0)
-        if num_recv < 0:
-            self._check()
-            raise RuntimeError(f"moe_dispatcher intranode: rank {self.rank}: notify gave up")
-        if flags & self._mod.FLAG_LAYOUT_MISMATCH:
-            raise ValueError("dispatch: num_tokens_per_rank does not match is_token_in_rank on some rank (pass "
-                             "the layout that get_dispatch_layout returned for these topk_idx)")
-        overflow = self._ipc.take_worst_overflow()
-        if overflow is not None:
-            raise ValueError(f"dispatch: in an earlier dispatch with num_worst_tokens={overflow[2]}, rank "
-                             f"{overflow[0]} received {overflow[1]} rows; the rows past num_worst_tokens were "
-                             f"dropped (the compiled backend reports this at the next synchronised dispatch, "
-                             f"on every rank; raise num_worst_tokens)")
-        return num_recv
+        """The host's wait for notify call `seq` (fresh dispatch without num_worst_tokens): rows received (one
+        method, so that tools/profile_round_trip.py can count the waits)."""
+        return wait_counts(self, seq, self._mod.FLAG_LAYOUT_MISMATCH)
 
     def expert_major_cached_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor],
                                      handle: ExpertMajorHandle):
@@ -689,9 +644,7 @@ class IntranodeBackend:
             rows, w_rows = unpermute(x, handle, weights, topk_weights)
             return self.combine(rows, handle.dispatch, w_rows, bias, config)
         x = x.contiguous()
-        row_bytes = x.shape[1] * x.element_size()
-        if row_bytes % 16:
-            raise ValueError(f"combine: rows of x must be a multiple of 16 bytes, got {row_bytes}")
+        row_bytes = combine_row_bytes(x)
         weights = weights.contiguous() if weights is not None else None
         topk_weights = topk_weights.contiguous() if topk_weights is not None else None
         dh = handle.dispatch
@@ -734,19 +687,14 @@ class IntranodeBackend:
         plain allocation: this backend has none)."""
         self._check()
         total = self.num_rdma_bytes if use_rdma_buffer else self.num_nvl_bytes
-        elem = torch.empty((), dtype=dtype).element_size()
-        count = (total - offset) // elem if size is None else int(torch.Size(size).numel())
-        if offset < 0 or offset % elem or offset + count * elem > total:
-            raise ValueError(f"get_local_buffer_tensor: {count} x {dtype} at offset {offset} does not fit the "
-                             f"{total}-byte {'RDMA' if use_rdma_buffer else 'NVLink'} buffer")
-        if use_rdma_buffer:
-            if self._rdma_emulation is None:
-                self._rdma_emulation = torch.zeros(total, dtype=torch.uint8, device=self.device)
-            raw = self._rdma_emulation
-        else:
-            raw = torch.as_tensor(_DeviceMemory(self._ipc.local_ptr, total), device=self.device)
-        view = raw[offset: offset + count * elem].view(dtype)
-        return view.view(*size) if size is not None else view
+
+        def raw() -> torch.Tensor:
+            if use_rdma_buffer:
+                if self._rdma_emulation is None:
+                    self._rdma_emulation = torch.zeros(total, dtype=torch.uint8, device=self.device)
+                return self._rdma_emulation
+            return torch.as_tensor(_DeviceMemory(self._ipc.local_ptr, total), device=self.device)
+        return buffer_view(raw, total, dtype, size, offset, "RDMA" if use_rdma_buffer else "NVLink")
 
     def destroy(self) -> None:
         """Wait for the device, close the peers' mappings, free the buffer and the mailbox (local only)."""

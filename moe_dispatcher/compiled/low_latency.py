@@ -33,6 +33,7 @@ from .. import _ext
 from ..event import EventOverlap
 from ..handle import LowLatencyHandle
 from ..runtime import nvshmem
+from . import buffer_view
 
 TIMEOUT_ENV = "MOE_DISPATCHER_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 10.0
@@ -212,12 +213,8 @@ class LowLatencyBackend:
         if not self._alive:
             return
         self._alive = False
-        torch.cuda.synchronize(self.device)
-        self._state.barrier()
-        torch.cuda.synchronize(self.device)
         self._raw = None
-        self._state.free(self._ptr)
-        self._state.finalize()
+        self._state.release(self._ptr, self.device)
 
     def _check_alive(self) -> None:
         if not self._alive:
@@ -403,13 +400,7 @@ class LowLatencyBackend:
         """A typed view of this rank's NVSHMEM buffer from byte `offset` (writing it needs a
         clean_low_latency_buffer before the next low-latency call)."""
         self._check_alive()
-        elem = torch.empty((), dtype=dtype).element_size()
-        count = (self.num_bytes - offset) // elem if size is None else int(torch.Size(size).numel())
-        if offset < 0 or offset % elem or offset + count * elem > self.num_bytes:
-            raise ValueError(f"get_local_buffer_tensor: {count} x {dtype} at offset {offset} does not fit the "
-                             f"{self.num_bytes}-byte NVSHMEM buffer")
-        view = self._raw[offset: offset + count * elem].view(dtype)
-        return view.view(*size) if size is not None else view
+        return buffer_view(lambda: self._raw, self.num_bytes, dtype, size, offset, "NVSHMEM")
 
 
 def parse_trace_record(words: torch.Tensor, kind: str, meta: dict) -> dict:

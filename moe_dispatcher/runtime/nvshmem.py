@@ -72,6 +72,15 @@ class NvshmemState:
         """Drop one reference; the last one finalizes NVSHMEM for this process (collective)."""
         finalize()
 
+    def release(self, ptr: int, device: torch.device) -> None:
+        """A backend's collective end: wait for `device`'s work, a barrier (no PE still reads or writes `ptr`,
+        every one's work is done), then free `ptr` and drop this reference."""
+        torch.cuda.synchronize(device)
+        self.barrier()
+        torch.cuda.synchronize(device)
+        self.free(ptr)
+        self.finalize()
+
 
 def _set_env_defaults(single_host: bool) -> None:
     """NVSHMEM environment for our machines; values the user already set are kept."""
