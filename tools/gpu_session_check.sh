@@ -30,8 +30,10 @@ run expert_major_gpu 90 pytest_gpu tests/test_expert_major_gpu.py
 run low_latency_gpu 110 pytest_gpu -s tests/test_low_latency_gpu.py
 run internode_gpu 90 pytest_gpu -x -s tests/test_internode_gpu.py -k "4-nvl2 or 4-nvl1"
 run megatron_layer_gpu 60 pytest_gpu tests/test_megatron_layer.py
-run bench_normal_4 60 python3 -m moe_dispatcher.bench --mode normal --backend kernels --num-ranks 4 --out-dir "$OUT"
-run bench_normal_2 40 python3 -m moe_dispatcher.bench --mode normal --backend kernels --num-ranks 2 --out-dir "$OUT"
+run bench_normal_4 90 python3 -m moe_dispatcher.bench --mode normal --backend kernels --num-ranks 4 --num-sms 8,16,20,22,24 \
+  --plot-sweep --out-dir "$OUT"
+run bench_normal_2 40 python3 -m moe_dispatcher.bench --mode normal --backend kernels --num-ranks 2 --num-sms 16,20,24 \
+  --out-dir "$OUT"
 run bench_ll_4 40 python3 -m moe_dispatcher.bench --mode low-latency --num-ranks 4 --out-dir "$OUT"
 run bench_ll_2 40 python3 -m moe_dispatcher.bench --mode low-latency --num-ranks 2 --out-dir "$OUT"
 run bench_internode 60 python3 -m moe_dispatcher.bench --mode internode --nvl-size 2 --backend kernels --num-ranks 4 \
