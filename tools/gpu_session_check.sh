@@ -18,18 +18,17 @@ mkdir -p "$OUT/logs"
 : > "$summary"
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_lib.sh"
 KEYS="passed|failed|FAILED|^E  |round trip|yardstick floor|public cached|public combine|GB/s|wrote .*\.md"
-git log --oneline -1 >> "$summary" 2>/dev/null
 
 STEPS=build OUT="$OUT/build" bash tools/gpu_suite.sh 4 > "$OUT/logs/build.txt" 2>&1
 grep -E "PASS|FAIL" "$OUT/build/summary.txt" | tee -a "$summary"
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-pytest_gpu() { python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short "$@"; }
+PYTEST=(python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short)  # an array: `timeout` runs no functions
 
-run intranode_gpu 110 pytest_gpu tests/test_intranode_gpu.py
-run expert_major_gpu 90 pytest_gpu tests/test_expert_major_gpu.py
-run low_latency_gpu 110 pytest_gpu -s tests/test_low_latency_gpu.py
-run internode_gpu 90 pytest_gpu -x -s tests/test_internode_gpu.py -k "4-nvl2 or 4-nvl1"
-run megatron_layer_gpu 60 pytest_gpu tests/test_megatron_layer.py
+run intranode_gpu 110 "${PYTEST[@]}" tests/test_intranode_gpu.py
+run expert_major_gpu 90 "${PYTEST[@]}" tests/test_expert_major_gpu.py
+run low_latency_gpu 110 "${PYTEST[@]}" -s tests/test_low_latency_gpu.py
+run internode_gpu 90 "${PYTEST[@]}" -x -s tests/test_internode_gpu.py -k "4-nvl2 or 4-nvl1"
+run megatron_layer_gpu 60 "${PYTEST[@]}" tests/test_megatron_layer.py
 run bench_normal_4 90 python3 -m moe_dispatcher.bench --mode normal --backend kernels --num-ranks 4 --num-sms 8,16,20,22,24 \
   --plot-sweep --out-dir "$OUT"
 run bench_normal_2 40 python3 -m moe_dispatcher.bench --mode normal --backend kernels --num-ranks 2 --num-sms 16,20,24 \
@@ -43,7 +42,7 @@ run nvlink_ceiling_2 30 env CUDA_VISIBLE_DEVICES=0,1 python3 tools/nvlink_ceilin
 run host_profile 40 torchrun --standalone --nproc_per_node 2 tools/host_profile.py "$OUT"
 [ -f "$LAYER_BENCH" ] && run yardstick 100 torchrun --standalone --nproc_per_node 4 "$LAYER_BENCH"
 run round_trip_profile 80 torchrun --standalone --nproc_per_node 4 tools/profile_round_trip.py
-run megatron_train 100 pytest_gpu tests/test_megatron_train.py
+run megatron_train 100 "${PYTEST[@]}" tests/test_megatron_train.py
 echo "total $(( $(date +%s) - start )) s" >> "$summary"
 cat "$summary"
 tar czf /tmp/session.tgz -C "$OUT" --exclude='*.pt' --exclude='*.tgz' . && find "$OUT" -mindepth 1 -delete \
