@@ -109,14 +109,6 @@ constexpr int kCommitWarp = kWarps - 1;
 constexpr int kLoadUnroll = 4;  // 16-byte vectors per lane per source in flight
 constexpr int kLoadGroup = 2;   // sources whose vectors are loaded together (8 loads per lane in flight)
 
-__device__ __forceinline__ void st_release_cta(int* p, int v) {
-  asm volatile("st.release.cta.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-__device__ __forceinline__ int ld_acquire_cta(const int* p) {
-  int v;
-  asm volatile("ld.acquire.cta.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
 
 // One warp: out = cast(bias0 + bias1 + srcs[0] + srcs[1] + ...) in float32, in that order, and the
 // top-k weights after each source row summed likewise into out_w (if non-null). kLoadGroup sources x
@@ -230,7 +222,7 @@ __device__ __forceinline__ bool commit_idle_ok(const Watchdog& dog, int phase, i
 __device__ __forceinline__ int done_upto(const int* done, int kc, int total, int lane) {
   int upto = kc;
   if (lane == 0) {
-    while (upto < total && ld_acquire_cta(&done[upto % kWorkers]) > upto / kWorkers) ++upto;
+    while (upto < total && ptx::ld_acquire_cta(&done[upto % kWorkers]) > upto / kWorkers) ++upto;
   }
   upto = __shfl_sync(0xffffffffu, upto, 0);
   __syncwarp();
@@ -332,7 +324,7 @@ __device__ void forward_worker(const CombineArgs& a, int ch, int warp, int lane,
     }
     rdma_put_rows(c, x, ch, first_slot, n, a.rdma_slots, a.rdma_slot_bytes, lane);  // remote: put + quiet
     __syncwarp();  // every lane's slot loads, stores and (completed) puts before the release below
-    if (lane == 0) st_release_cta(&done[warp], ++finished);
+    if (lane == 0) ptx::st_release_cta(&done[warp], ++finished);
   }
 }
 
@@ -489,7 +481,7 @@ __device__ void receive_worker(const CombineArgs& a, int ch, int warp, int lane,
       __syncwarp();  // srcs is rewritten for the next token
     }
     __syncwarp();  // every lane's slot loads before the release below
-    if (lane == 0) st_release_cta(&done[warp], ++finished);
+    if (lane == 0) ptx::st_release_cta(&done[warp], ++finished);
   }
 }
 

@@ -140,10 +140,7 @@ __device__ void send_channel(const CombineArgs& a, int c, int s, int group_warp,
   const int bar = 1 + s, threads = warps * 32;
   const int row_bytes = a.hidden * (a.dtype == kFp32 ? 4 : 2);
 
-  if (leader) *shared_ok = drain_previous<kMaxChannels>(&ctl->fifo_head[0][0], &ctl->tail_copy[0][0], kMaxRanks, s,
-                                                        dog, kPhaseDrain);
-  ptx::group_sync(bar, threads);
-  if (!*shared_ok) return;
+  if (!sender_group_ready(ctl, s, leader, threads, shared_ok, dog)) return;
 
   const int* offsets = a.recv_channel_offset + s * (a.num_channels + 1);
   for (int row = offsets[c], end = offsets[c + 1]; row < end;) {
@@ -343,12 +340,7 @@ __device__ void stream_send(const CombineArgs& a, int c, int s, int gw, int warp
   const uint64_t* head = &ctl->fifo_head[c][s];
   const int row_bytes = a.hidden * static_cast<int>(sizeof(T));
 
-  if (gw == 0 && lane == 0) {
-    *shared_ok = drain_previous<kMaxChannels>(&ctl->fifo_head[0][0], &ctl->tail_copy[0][0], kMaxRanks, s, dog,
-                                              kPhaseDrain);
-  }
-  ptx::group_sync(1 + s, warps * 32);  // no row of the group before the drain check
-  if (!*shared_ok) {
+  if (!sender_group_ready(ctl, s, gw == 0 && lane == 0, warps * 32, shared_ok, dog)) {
     board_leave(board, s, gw, -1, lane);
     return;
   }

@@ -150,10 +150,7 @@ __device__ void send_channel(const DispatchArgs& a, int c, int d, int group_warp
   const DispatchSlot layout{a.hidden_bytes, a.num_scales, a.num_topk};
   const int bar = 1 + d, threads = warps * 32;
 
-  if (leader) *shared_ok = drain_previous<kMaxChannels>(&ctl->fifo_head[0][0], &ctl->tail_copy[0][0], kMaxRanks, d,
-                                                        dog, kPhaseDrain);
-  ptx::group_sync(bar, threads);
-  if (!*shared_ok) return;
+  if (!sender_group_ready(ctl, d, leader, threads, shared_ok, dog)) return;
 
   int begin, end;
   channel_range(a.num_tokens, a.num_channels, c, begin, end);
@@ -381,12 +378,7 @@ __device__ void stream_send(const DispatchArgs& a, int c, int d, int gw, int war
   const DispatchSlot layout{a.hidden_bytes, a.num_scales, a.num_topk};
   const int lo = d * a.experts_per_rank, hi = lo + a.experts_per_rank;
 
-  if (gw == 0 && lane == 0) {
-    *shared_ok = drain_previous<kMaxChannels>(&ctl->fifo_head[0][0], &ctl->tail_copy[0][0], kMaxRanks, d, dog,
-                                              kPhaseDrain);
-  }
-  ptx::group_sync(1 + d, warps * 32);  // no row of the group before the drain check
-  if (!*shared_ok) {
+  if (!sender_group_ready(ctl, d, gw == 0 && lane == 0, warps * 32, shared_ok, dog)) {
     board_leave(board, d, gw, -1, lane);
     return;
   }

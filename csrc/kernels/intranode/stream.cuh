@@ -67,6 +67,20 @@ __device__ __forceinline__ void board_leave(StreamBoard& b, int ring, int warp, 
   }
 }
 
+// Both protocols, whole sender group of ring `ring` (the `threads` threads of named barrier 1 + ring): its first
+// thread waits until peer `ring` has drained what an earlier call sent into this ring (channel.cuh,
+// drain_previous: the slot layout may have changed since), then every thread of the group learns the outcome
+// through `shared_ok`. No row of the group may be written before this returns true.
+__device__ __forceinline__ bool sender_group_ready(const Control* ctl, int ring, bool first, int threads, int* shared_ok,
+                                                   const Watchdog& dog) {
+  if (first) {
+    *shared_ok = drain_previous<kMaxChannels>(&ctl->fifo_head[0][0], &ctl->tail_copy[0][0], kMaxRanks, ring, dog,
+                                              kPhaseDrain);
+  }
+  ptx::group_sync(1 + ring, threads);
+  return *shared_ok != 0;
+}
+
 // Lane 0 of a sender warp: wait until ring row `row` (counter value) has a free slot, i.e. the receiver
 // released row - slots. `seen` caches the last head read (acquired, so older acquires still order this
 // warp's later stores after the receiver's loads once the caller's __syncwarp extends them to every lane).
