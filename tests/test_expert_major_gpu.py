@@ -19,23 +19,11 @@ import torch.distributed as dist
 
 import dist as tdist
 from dist import assert_close, assert_equal, case, make_buffer, run_distributed
+from normal_cases import cached_input, case_inputs, combine_dtype
+from normal_cases import routing as _routing
 
 pytestmark = pytest.mark.gpu
 MAX_HIDDEN_BYTES = 7168 * 2
-
-
-def _routing(g: torch.Generator, t: int, num_experts: int, k: int, num_ranks: int, kind: str) -> torch.Tensor:
-    local = num_experts // num_ranks
-    scores = torch.rand(t, num_experts, generator=g)
-    if kind == "empty_last":
-        scores[:, (num_ranks - 1) * local:] = -1
-    if kind == "skewed":  # expert 0 of every rank is popular, rank 0 most of all
-        scores[:, ::local] += 0.8
-        scores[:, :local] += 0.5
-    idx = scores.topk(k, dim=1).indices
-    if kind in ("random", "empty_last", "skewed"):
-        idx[torch.rand(t, k, generator=g) < 0.2] = -1
-    return idx
 
 
 def _poison() -> None:
@@ -55,21 +43,8 @@ def _check_case(kb, rb, c: Dict, seed: int) -> None:
     from moe_dispatcher.expert_major import unpermute
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda", torch.cuda.current_device())
-    t = c["T"][rank % len(c["T"])]
-    h, local, k = c["H"], c["L"], c["K"]
-    e = local * num_ranks
-    g = torch.Generator().manual_seed(seed * 100 + rank)
-    idx = _routing(g, t, e, k, num_ranks, c.get("kind", "random")).to(dev)
-    w = torch.rand(t, k, generator=g).to(dev) if c.get("weights", True) else None
-    dtype = c.get("dtype", torch.bfloat16)
-    scales = None
-    if c.get("fp8"):
-        x = (torch.randn(t, h, generator=g) * 50).to(torch.float8_e4m3fn).to(dev)
-        scales = torch.rand(t, h // 128, generator=g).to(dev)
-        xin = (x, scales)
-    else:
-        x = torch.randn(t, h, generator=g).to(dtype).to(dev)
-        xin = x
+    inp = case_inputs(c, seed, rank, num_ranks, dev)
+    g, t, h, e, idx, w, scales, xin = inp.g, inp.t, inp.h, inp.num_experts, inp.idx, inp.w, inp.scales, inp.xin
     align = c.get("align", 1)
     worst = c.get("worst", 0)
     backend = kb._kernels
@@ -103,9 +78,7 @@ def _check_case(kb, rb, c: Dict, seed: int) -> None:
     assert int(hk.rows_needed) == int(ch.rows_needed), (int(hk.rows_needed), int(ch.rows_needed))
 
     # Cached dispatch of new data along the handle.
-    x2 = ((torch.randn(t, h, generator=g) * 3).to(x.dtype).to(dev) if scales is None
-          else x.view(torch.uint8).flip(0).view(x.dtype))
-    x2in = x2 if scales is None else (x2, scales.flip(0))
+    x2in = cached_input(inp, dev)
     _poison()
     got = kb.expert_major_dispatch(x2in, handle=hk)[0]
     want = rb.expert_major_dispatch(x2in, handle=rh)[0]
@@ -116,7 +89,7 @@ def _check_case(kb, rb, c: Dict, seed: int) -> None:
         assert_equal(got[1], want[1], "cached permuted scales", bitwise=True)
 
     # Combine: plain, weighted, with topk_weights and bias.
-    cdtype = c.get("combine_dtype", torch.bfloat16 if scales is not None else x.dtype)
+    cdtype = combine_dtype(c, inp)
     m = hk.pair_row.numel()
     y = torch.randn(m, h, generator=g).to(cdtype).to(dev)
     y[hk.pair_row < 0] = float("nan")  # padding rows are never read

@@ -15,6 +15,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist import GPU_WORLD_SIZES, assert_close, assert_equal, case, make_buffer, run_distributed
+from normal_cases import (CASES, check_back_to_back, check_case, check_dispatch_timeout, check_graph_replay,
+                          check_worst_overflow, one_hop_tol, timeout_inputs)
+from normal_cases import dispatch as _dispatch
+from normal_cases import routing as _routing
 
 pytestmark = pytest.mark.gpu
 WORLD_SIZES = GPU_WORLD_SIZES
@@ -32,125 +36,11 @@ def _plans(mixed: bool) -> List[tuple]:
 
 
 
-def _routing(g: torch.Generator, t: int, num_experts: int, k: int, num_ranks: int, kind: str) -> torch.Tensor:
-    """topk_idx [t, k] (CPU): 'random' (20% of slots -1), 'empty_last' (the last rank gets nothing),
-    'one_rank' (every token goes to rank 0 only), 'dense' (no -1)."""
-    local = num_experts // num_ranks
-    scores = torch.rand(t, num_experts, generator=g)
-    if kind == "empty_last":
-        scores[:, (num_ranks - 1) * local:] = -1
-    if kind == "one_rank":
-        scores[:, local:] = -1
-    idx = scores.topk(k, dim=1).indices
-    if kind in ("random", "empty_last"):
-        idx[torch.rand(t, k, generator=g) < 0.2] = -1
-    return idx
-
-
 def _buffers(**kwargs):
     from moe_dispatcher import Buffer
     kernels = make_buffer(hidden_bytes=MAX_HIDDEN_BYTES, backend="kernels", explicitly_destroy=True, **kwargs)
     reference = Buffer(backend="reference", explicitly_destroy=True)
     return kernels, reference
-
-
-def _dispatch(buf, x, idx, w, num_experts, align=1, num_worst=0, config=None):
-    layout = buf.get_dispatch_layout(idx, num_experts)
-    out = buf.dispatch(x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
-                       num_tokens_per_expert=layout[2], topk_idx=idx, topk_weights=w, expert_alignment=align,
-                       num_worst_tokens=num_worst, config=config)
-    return layout, out
-
-
-def _check_case(kb, rb, c: Dict, seed: int, stats: Dict, plan=("chunked",) * 3) -> None:
-    rank, num_ranks = dist.get_rank(), dist.get_world_size()
-    backend = kb._kernels
-    dev = torch.device("cuda", torch.cuda.current_device())
-    t = c["T"][rank % len(c["T"])]
-    h, local, k = c["H"], c["L"], c["K"]
-    num_experts = local * num_ranks
-    g = torch.Generator().manual_seed(seed * 100 + rank)
-    idx = _routing(g, t, num_experts, k, num_ranks, c.get("kind", "random")).to(dev)
-    w = torch.rand(t, k, generator=g).to(dev)
-    dtype = c.get("dtype", torch.bfloat16)
-    scales = None
-    if c.get("fp8"):
-        x = (torch.randn(t, h, generator=g) * 50).to(torch.float8_e4m3fn).to(dev)
-        scales = torch.rand(t, h // 128, generator=g).to(dev)
-        xin = (x, scales)
-    else:
-        x = torch.randn(t, h, generator=g).to(dtype).to(dev)
-        xin = x
-    num_worst = sum(c["T"][r % len(c["T"])] for r in range(num_ranks)) if c.get("worst") else 0
-    align = c.get("align", 1)
-    backend.nvl_variant = plan[0]
-    lk, ok = _dispatch(kb, xin, idx, w, num_experts, align, num_worst)
-    lr, ro = _dispatch(rb, xin, idx, w, num_experts, align, num_worst)
-    for i, name in ((0, "num_tokens_per_rank"), (2, "num_tokens_per_expert"), (3, "is_token_in_rank")):
-        assert_equal(lk[i], lr[i], f"layout {name}")
-    assert lk[1] is None, "num_tokens_per_rdma_rank must be None for one domain"
-    hk, hr = ok[4], ro[4]
-    n = int(hr.rank_prefix_matrix[-1, rank])
-    assert_equal(hk.rank_prefix_matrix, hr.rank_prefix_matrix, "rank_prefix_matrix")
-    assert_equal(hk.recv_src_idx, hr.recv_src_idx, "recv_src_idx")
-    rk, rr = (ok[0][0], ro[0][0]) if scales is not None else (ok[0], ro[0])
-    assert_equal(rk.shape, rr.shape, "recv_x shape")
-    assert_equal(rk[:n], rr[:n], "recv_x")
-    if scales is not None:
-        assert_equal(ok[0][1][:n], ro[0][1][:n], "recv_x scales")
-    assert_equal(ok[1], ro[1], "recv_topk_idx")
-    assert_equal(ok[2], ro[2], "recv_topk_weights")
-    assert_equal(ok[3], ro[3], "num_recv_tokens_per_expert_list")
-    if not num_worst:
-        assert_equal(hk.num_recv_tokens, hr.num_recv_tokens, "num_recv_tokens")
-
-    # Cached dispatch of fresh data along the same routing.
-    x2 = ((torch.randn(t, h, generator=g) * 3).to(x.dtype).to(dev) if scales is None
-          else x.view(torch.uint8).flip(0).view(x.dtype))
-    x2in = x2 if scales is None else (x2, scales.flip(0))
-    backend.nvl_variant = plan[1]
-    ck, cr = kb.dispatch(x2in, handle=hk), rb.dispatch(x2in, handle=hr)
-    if scales is None:
-        assert_equal(ck[0][:n], cr[0][:n], "cached recv_x")
-    else:
-        assert_equal(ck[0][0][:n], cr[0][0][:n], "cached recv_x (fp8)")
-        assert_equal(ck[0][1][:n], cr[0][1][:n], "cached recv_x scales")
-    assert all(v is None for v in ck[1:5]), "cached dispatch returns None for idx, weights, list, handle"
-
-    # Combine: rows of the combine dtype, top-k weights, optional bias.
-    cdtype = c.get("combine_dtype", torch.bfloat16 if scales is not None else x.dtype)
-    rows = rk.shape[0]
-    y = torch.randn(rows, h, generator=g).to(cdtype).to(dev)
-    bias = None
-    if c.get("bias") == 1:
-        bias = torch.randn(t, h, generator=g).to(cdtype).to(dev)
-    elif c.get("bias") == 2:
-        bias = (torch.randn(t, h, generator=g).to(cdtype).to(dev), torch.randn(t, h, generator=g).to(cdtype).to(dev))
-    backend.nvl_variant = plan[2]
-    yk = kb.combine(y, hk, topk_weights=ok[2], bias=bias)
-    yr = rb.combine(y, hr, topk_weights=ro[2], bias=bias)
-    stats["combine_total"] += 1
-    stats["combine_bit_exact"] += int(torch.equal(yk[0], yr[0]) and torch.equal(yk[1], yr[1]))
-    tol = 1e-2 if cdtype != torch.float32 else 1e-5
-    assert_close(yk[0], yr[0], "combined_x", rtol=tol, atol=tol)
-    assert_close(yk[1], yr[1], "combined_topk_weights", rtol=1e-5, atol=1e-5)
-
-
-CASES: List[Dict] = [
-    dict(name="random H2048", T=[300, 0, 129, 1], H=2048, L=8, K=6),
-    dict(name="random H4096 align128 2 biases", T=[512, 511, 1, 64], H=4096, L=4, K=8, align=128, bias=2),
-    dict(name="random H7168 bias", T=[1024, 700, 333, 0], H=7168, L=32, K=8, bias=1),
-    dict(name="odd hidden 2056", T=[100, 57, 3, 9], H=2056, L=2, K=3),
-    dict(name="empty last rank", T=[200, 150, 100, 50], H=2048, L=4, K=4, kind="empty_last"),
-    dict(name="all tokens to rank 0", T=[300, 300, 300, 300], H=2048, L=8, K=4, kind="one_rank"),
-    dict(name="T=0 everywhere", T=[0], H=2048, L=4, K=4),
-    dict(name="T=1 everywhere, K=1", T=[1], H=7168, L=1, K=1, kind="dense"),
-    dict(name="num_worst_tokens", T=[256, 77, 0, 300], H=2048, L=8, K=6, worst=True),
-    dict(name="num_worst_tokens fp8", T=[64, 1, 200, 3], H=7168, L=8, K=8, worst=True, fp8=True),
-    dict(name="fp8 tuple H7168", T=[500, 250, 0, 31], H=7168, L=16, K=8, fp8=True),
-    dict(name="float32 dispatch + combine", T=[100, 200, 3, 0], H=2048, L=4, K=4, dtype=torch.float32, bias=1),
-    dict(name="float16 combine", T=[100, 20, 3, 7], H=1024, L=4, K=4, dtype=torch.float16, bias=2),
-]
 
 
 def _world_matches_reference(rank: int, world_size: int) -> Dict:
@@ -159,7 +49,8 @@ def _world_matches_reference(rank: int, world_size: int) -> Dict:
     for i, c in enumerate(CASES):
         for plan in _plans(i % 3 == 0):
             with case(f"{c['name']} ({'/'.join(plan)})"):
-                _check_case(kb, rb, c, i, stats, plan)
+                check_case(kb, rb, c, i, stats, torch.device("cuda", torch.cuda.current_device()),
+                           combine_tol=one_hop_tol, plan=plan, cached_returns_none=True)
     # Config honoured: fewer channels and smaller rings (the senders wait for free slots), through the backend
     # directly (same stream rules).
     from moe_dispatcher import Config
@@ -215,78 +106,24 @@ def _world_graph_and_back_to_back(rank: int, world_size: int) -> None:
     for variant in NVL_VARIANTS:
         with case(f"cuda graph capture + replay ({variant})"):
             kb._kernels.nvl_variant = variant
-            g = torch.Generator().manual_seed(5 + rank)
-            x = torch.randn(t, h, generator=g).to(torch.bfloat16).to(dev)
-            idx = _routing(g, t, e, k, world_size, "random").to(dev)
-            w = torch.rand(t, k, generator=g).to(dev)
-
-            def step():
-                _, out = _dispatch(kb, x, idx, w, e, num_worst=worst)
-                comb = kb.combine(out[0], out[4], topk_weights=out[2])
-                return out, comb
-
-            step()  # eager warm-up
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out, comb = step()
-            for it in range(3):
-                x.copy_(torch.randn(t, h, generator=g).to(torch.bfloat16))
-                idx.copy_(_routing(g, t, e, k, world_size, "random"))
-                w.copy_(torch.rand(t, k, generator=g))
-                graph.replay()
-                torch.cuda.synchronize()
-                _, want = _dispatch(rb, x, idx, w, e, num_worst=worst)
-                n = int(want[4].rank_prefix_matrix[-1, rank])
-                assert_equal(out[4].rank_prefix_matrix, want[4].rank_prefix_matrix, f"replay {it}: prefix matrix")
-                assert_equal(out[0][:n], want[0][:n], f"replay {it}: recv_x")
-                assert_equal(out[1], want[1], f"replay {it}: recv_topk_idx")
-                assert_equal(out[2], want[2], f"replay {it}: recv_topk_weights")
-                assert_equal(out[4].recv_src_idx, want[4].recv_src_idx, f"replay {it}: recv_src_idx")
-                want_comb = rb.combine(want[0], want[4], topk_weights=want[2])
-                assert_close(comb[0], want_comb[0], f"replay {it}: combined_x", rtol=1e-2, atol=1e-2)
-                assert_close(comb[1], want_comb[1], f"replay {it}: combined weights", rtol=1e-5, atol=1e-5)
-            del graph
+            check_graph_replay(kb, rb, rank, world_size, dev, t, h, e, k, worst, combine_tol=one_hop_tol,
+                               check_src_idx=True)
 
     # ---- 1000 back-to-back dispatch + combine (fresh and cached alternating, the ring protocol switching
     # every two round trips) with fresh data; each round trip is checked on the device (x holds small
     # integers, so x * ranks is exact), the last one against the reference.
     with case(f"1000 back-to-back dispatch+combine ({'/'.join(NVL_VARIANTS)})"):
-        bad = torch.zeros((), dtype=torch.int64, device=dev)
-        handle = None
-        for i in range(1000):
+        def switch(i: int) -> None:
             kb._kernels.nvl_variant = NVL_VARIANTS[(i // 2) % len(NVL_VARIANTS)]
-            x = torch.randint(-8, 9, (t, h), device=dev).to(torch.bfloat16)
-            if handle is None or i % 2 == 0:
-                idx = torch.rand(t, e, device=dev).topk(k, dim=1).indices
-                idx[torch.rand(t, k, device=dev) < 0.2] = -1
-                _, out = _dispatch(kb, x, idx, None, e)
-                handle, recv_x = out[4], out[0]
-            else:
-                recv_x = kb.dispatch(x, handle=handle)[0]
-            comb, _, _ = kb.combine(recv_x, handle)
-            ranks = handle.is_token_in_rank.sum(1, dtype=torch.float32)[:, None]
-            bad += (comb.float() != x.float() * ranks).sum()
-        torch.cuda.synchronize()
-        assert int(bad) == 0, f"{int(bad)} wrong combined values over 1000 round trips"
-        _, want = _dispatch(rb, x, idx, None, e)
-        want_recv = rb.dispatch(x, handle=want[4])[0]
-        n = int(want[4].rank_prefix_matrix[-1, rank])
-        assert_equal(recv_x[:n], want_recv[:n], "last round trip: recv_x")
+
+        check_back_to_back(kb, rb, rank, dev, t, h, e, k, rounds=1000, switch=switch)
 
     # More rows than num_worst_tokens: no host sync at that call, so the extra rows are dropped and every
     # rank raises at its next synchronised dispatch; the group keeps working afterwards.
     for variant in NVL_VARIANTS:
         with case(f"num_worst_tokens overflow ({variant})"):
             kb._kernels.nvl_variant = variant
-            idx0 = torch.zeros(t, 1, dtype=torch.int64, device=dev)  # every token to expert 0 on rank 0
-            x0 = torch.randn(t, h, device=dev).to(torch.bfloat16)
-            _, dropped = _dispatch(kb, x0, idx0, None, e, num_worst=1)
-            kb.combine(dropped[0], dropped[4])  # the rows past num_worst_tokens are not sent back either
-            with pytest.raises(ValueError, match="num_worst_tokens"):
-                _dispatch(kb, x0, idx0, None, e)
-            _, out = _dispatch(kb, x0, idx0, None, e)
-            assert_equal(kb.combine(out[0], out[4])[0], x0, "round trip after the overflow")
+            check_worst_overflow(kb, dev, t, h, e, combine_dropped=True)
     torch.cuda.synchronize()
     kb.destroy()
     rb.destroy()
@@ -425,25 +262,10 @@ def test_fast_path_of_repeated_cached_calls(world_size: int) -> None:
 
 def _world_timeout(rank: int, world_size: int) -> None:
     dev = torch.device("cuda", torch.cuda.current_device())
-    t, h, e = 600, 2048, 4 * world_size
-    g = torch.Generator().manual_seed(rank)
-    idx = _routing(g, t, e, 4, world_size, "dense").to(dev)
-    x = torch.randn(t, h, generator=g).to(torch.bfloat16).to(dev)
+    t, h, e, idx, x = timeout_inputs(rank, world_size, dev)
 
     with case("rank 1 skips a dispatch"):
-        kb = make_buffer(hidden_bytes=h * 2, backend="kernels", explicitly_destroy=True)
-        layout = kb.get_dispatch_layout(idx, e)
-        if rank != 1:
-            with pytest.raises(RuntimeError) as err:
-                kb.dispatch(x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
-                            num_tokens_per_expert=layout[2], topk_idx=idx)
-            msg = str(err.value)
-            assert f"rank {rank} timed out" in msg and "notify" in msg and "waiting for rank 1" in msg, msg
-            with pytest.raises(RuntimeError, match="timed out"):  # the Buffer stays unusable
-                kb.get_dispatch_layout(idx, e)
-        torch.cuda.synchronize()
-        dist.barrier()
-        kb.destroy()
+        check_dispatch_timeout(rank, idx, x, e, phase="notify", waiting="waiting for rank 1", stays_unusable=True)
 
     # With each ring protocol; a ring of 36 slots, so the senders to rank 1 wait for slots as well.
     from moe_dispatcher import Config
