@@ -151,7 +151,7 @@ class Buffer:
         region (dispatch messages, or the [L, R*maxT, H] bf16 combine rows), a receive region (one slot per
         (expert, source token) for either direction; the dedup dispatch's [R, maxT] per-rank slots fit in it)
         and the signal words: per-expert counts, then the flags of the call (per-expert flags of a combine, or
-        per-rank message counts and per-(rank, token) flags: csrc/kernels/low_latency/low_latency.h,
+        per-rank token counts and per-(rank, token) flags: csrc/kernels/low_latency/low_latency.h,
         half_layout). Never above DeepEP V1's formula (tests/test_low_latency_layout.py)."""
         max_tokens = num_max_dispatch_tokens_per_rank
         dispatch_msg = 16 + max(hidden * 2, hidden + hidden // 128 * 4)  # header + bf16, or fp8 + scales

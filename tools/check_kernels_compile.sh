@@ -11,7 +11,8 @@
 # Needs: nvcc (CUDA 13; $CUDA_HOME, PATH or /usr/local/cuda), NVSHMEM headers from the
 # nvidia-nvshmem-cu13==3.4.5 wheel (or $NVSHMEM_HOME), setuptools, and torch for the files above.
 # Installs nothing. Env: MOE_CHECK_ARCH (default 90a), JOBS (parallel compiles, default nproc),
-# PYTHON (default python3), CXX (default c++). Arguments: check only these files (default: all of csrc/).
+# PYTHON (default python3), CXX (default c++), NVCC_EXTRA (more nvcc flags, e.g. "-Xptxas -v"; its
+# output is printed only for a failing file, or with VERBOSE=1). Arguments: check only these files (default: all of csrc/).
 # Prints one line per file; exits non-zero if any file fails (its compiler output follows).
 set -uo pipefail
 
@@ -71,7 +72,7 @@ check_one() {  # $1 = source file; prints the compiler output, returns its statu
     *.cu)
       "$NVCC" -c -rdc=true "${TORCH_NVCC_FLAGS[@]}" "${NVCC_FLAGS[@]}" \
         -gencode "arch=compute_$ARCH,code=sm_$ARCH" --compiler-options -fPIC \
-        "${DEFINES[@]}" "${INCLUDES[@]}" "${extra[@]}" "$src" -o /dev/null 2>&1 ;;
+        "${DEFINES[@]}" "${INCLUDES[@]}" "${extra[@]}" ${NVCC_EXTRA:-} "$src" -o /dev/null 2>&1 ;;
     *.cpp)
       "$CXX" -fsyntax-only -fPIC "${CXX_FLAGS[@]}" "${DEFINES[@]}" "${INCLUDES[@]}" \
         "-I$CUDA_ROOT/include" "-I$CUDA_ROOT/include/cccl" "${extra[@]}" "$src" 2>&1 ;;
@@ -102,6 +103,7 @@ for i in "${!files[@]}"; do
   read -r rc secs <"$tmp/$i.rc"
   if [[ "$rc" == 0 ]]; then
     printf 'ok    %-50s %3ss\n' "${files[$i]}" "$secs"
+    [[ "${VERBOSE:-0}" == 1 ]] && sed 's/^/      /' "$tmp/$i.log"
   else
     printf 'FAIL  %-50s %3ss\n' "${files[$i]}" "$secs"
     sed 's/^/      /' "$tmp/$i.log"

@@ -2,20 +2,21 @@
 // format are in dispatch_dedup_send.cuh): expand each source's per-rank messages into the per-expert
 // layout, the same bytes as the per-expert variant writes.
 //
-// 1. Placement. Every block waits for all the counts [l][s] and message counts [s] (published by the
-//    sources right after their counting pass, so usually long there) and computes begin[l][s] = rows
-//    of sources before s for expert l (sources ascending, then tokens: the reference's order). The
-//    block owning l (l % grid) writes layout_range[l][*], recv_count[l] and the stats.
-// 2. Messages. Units are the messages of all sources (source-major), handed out round-robin over the
-//    grid and unpacked kDedupBatch at a time per block: warp 0 waits for each message's flag (acquire;
-//    the flag carries the token), a CTA barrier hands the acquire to the block, then the picks are
-//    read, src_info written, and each 16-byte vector of a body is loaded once and
-//    stored into every row its picks name (kCopyUnroll loads in flight per thread); FP8 scales go to
-//    the token-minor layout (UE8M0: packed 4 per int32).
-// Resets: a message flag is read by one block only, which zeroes it right after reading it; the counts
-// and message counts are read by every block, and the last block to finish (workspace
-// kWsDispatchRecvDone) zeroes them. No source writes them again before this kernel ends: its next use
-// of this half comes two calls later, after it has received this PE's signals of the call in between.
+// 1. Placement. Every block waits for all the counts [l][s] and token counts [s] (published by the
+//    sources early, so usually long there) and computes begin[l][s] = rows of sources before s for
+//    expert l (sources ascending, then tokens: the reference's order). The block owning l (l % grid)
+//    writes layout_range[l][*], recv_count[l] and the stats.
+// 2. Messages. Units are the tokens (s, t < T_s) of all sources (source-major), handed out round-robin
+//    over the grid, kDedupBatch at a time per block: warp 0 waits for each unit's flag (acquire), which
+//    says either that (s, t) sends nothing here (kNoMessage) or that its message is in slot [s][t]
+//    (token t + 1); the messages are compacted, a CTA barrier hands the acquires to the block, then the
+//    picks are read, src_info written, and each 16-byte vector of a body is loaded once and stored into
+//    every row its picks name (kCopyUnroll loads in flight per thread); FP8 scales (one word per
+//    thread, loaded with the picks) go to the token-minor layout (UE8M0: packed 4 per int32).
+// Resets: a flag is read by one block only, which zeroes it right after reading it; the counts and
+// token counts are read by every block, and the last block to finish (workspace kWsDispatchRecvDone)
+// zeroes them. No source writes them again before this kernel ends: its next use of this half comes
+// two calls later, after it has received this PE's signals of the call in between.
 #pragma once
 
 #include "kernels/low_latency/common.cuh"
@@ -24,13 +25,14 @@
 namespace moe_dispatcher::low_latency {
 
 constexpr int kDedupBatch = 4;  // messages a block unpacks together (their loads in flight at once)
+static_assert(kDedupBatch * (kMaxHidden / 128) <= kThreads, "one FP8 scale word of a batch per thread");
 
 __device__ __forceinline__ void dispatch_dedup_recv_phase(const Common& c, const DispatchArgs& a,
                                                           const HalfLayout& lay) {
   __shared__ int s_begin[kMaxExperts];        // [l*R + s]: the count of (l, s), then its first row
-  __shared__ int s_first_msg[kMaxRanks + 1];  // exclusive prefix of the sources' message counts
+  __shared__ int s_first_unit[kMaxRanks + 1];  // exclusive prefix of the sources' token counts
   __shared__ unsigned long long s_slot[kDedupBatch];  // byte offset of the message's slot in the half
-  __shared__ int s_src[kDedupBatch], s_token[kDedupBatch];
+  __shared__ int s_src[kDedupBatch], s_token[kDedupBatch], s_messages;
   __shared__ int s_pick[kDedupBatch][1 + kMaxTopk];  // {n, picks} as sent
   __shared__ int s_row[kDedupBatch][kMaxTopk];       // flat row (l * R*maxT + row) of each pick
   __shared__ unsigned long long s_wait[kMaxRanks];
@@ -39,7 +41,7 @@ __device__ __forceinline__ void dispatch_dedup_recv_phase(const Common& c, const
   const int RT = R * maxT;
   int* signals = half_signals(c, lay);
   int* counts = signals + signal_dispatch_counts();      // [L][R]
-  int* msg_counts = signals + signal_message_counts(E);  // [R]
+  int* token_counts = signals + signal_token_counts(E);  // [R]
   int* flags = signals + signal_pair_flags(E, R);        // [R][maxT]
   const uint8_t* half = c.buffer + c.half_offset;
   const size_t used = message_used_bytes(H, a.fp8);
@@ -56,7 +58,7 @@ __device__ __forceinline__ void dispatch_dedup_recv_phase(const Common& c, const
     }
   }
   for (int s = tid; s < R; s += blockDim.x)
-    s_first_msg[s + 1] = wait_signal(c, msg_counts + s, "low_latency_dispatch (receive counts)", s) - 1;
+    s_first_unit[s + 1] = wait_signal(c, token_counts + s, "low_latency_dispatch (receive counts)", s) - 1;
   __syncthreads();
   for (int l = tid; l < L; l += blockDim.x) {
     const bool owner = l % gridDim.x == blockIdx.x;
@@ -73,37 +75,44 @@ __device__ __forceinline__ void dispatch_dedup_recv_phase(const Common& c, const
     }
   }
   if (tid == 0) {
-    s_first_msg[0] = 0;
-    for (int s = 0; s < R; ++s) s_first_msg[s + 1] += s_first_msg[s];
+    s_first_unit[0] = 0;
+    for (int s = 0; s < R; ++s) s_first_unit[s + 1] += s_first_unit[s];
   }
   __syncthreads();
 
   // 2. Messages.
-  const int total = s_first_msg[R];
+  const int total = s_first_unit[R];
   const int G = gridDim.x;
   const int data_vecs = a.fp8 ? H / 16 : H / 8;  // 16-byte vectors of one row of recv_x
   const size_t row_bytes = a.fp8 ? static_cast<size_t>(H) : static_cast<size_t>(H) * 2;
   uint8_t* out = static_cast<uint8_t*>(a.recv_x);
   for (int u0 = blockIdx.x; u0 < total; u0 += G * kDedupBatch) {
     const int remaining = (total - u0 + G - 1) / G;
-    const int nb = remaining < kDedupBatch ? remaining : kDedupBatch;
-    if (warp == 0 && lane < nb) {
-      const int u = u0 + lane * G;
-      int s = 0;
-      while (u >= s_first_msg[s + 1]) ++s;
-      const int i = u - s_first_msg[s];
-      int* flag = flags + static_cast<size_t>(s) * maxT + i;
-      const uint64_t start = now_ns();
-      const int token = wait_flag(c, flag, "low_latency_dispatch (receive)", s, 0) - 1;
-      if (a.wait_stats != nullptr) atomicAdd(&s_wait[s], static_cast<unsigned long long>(now_ns() - start));
-      *flag = 0;  // read by this block only; its next writer comes two calls later
-      s_src[lane] = s;
-      s_token[lane] = token;
-      s_slot[lane] = lay.recv_off + (static_cast<size_t>(s) * maxT + i) * lay.dedup_slot_bytes;
+    const int units = remaining < kDedupBatch ? remaining : kDedupBatch;
+    if (warp == 0) {
+      int s = 0, token = -1;
+      if (lane < units) {
+        const int u = u0 + lane * G;
+        while (u >= s_first_unit[s + 1]) ++s;
+        int* flag = flags + static_cast<size_t>(s) * maxT + (u - s_first_unit[s]);
+        const uint64_t start = now_ns();
+        token = wait_flag(c, flag, "low_latency_dispatch (receive)", s, 0) - 1;  // < 0: kNoMessage
+        if (a.wait_stats != nullptr) atomicAdd(&s_wait[s], static_cast<unsigned long long>(now_ns() - start));
+        *flag = 0;  // read by this block only; its next writer comes two calls later
+      }
+      const unsigned real = __ballot_sync(0xffffffffu, token >= 0);
+      if (token >= 0) {
+        const int b = __popc(real & ((1u << lane) - 1));  // compacted: the batch's messages first
+        s_src[b] = s;
+        s_token[b] = token;
+        s_slot[b] = lay.recv_off + (static_cast<size_t>(s) * maxT + token) * lay.dedup_slot_bytes;
+      }
+      if (lane == 0) s_messages = __popc(real);
     }
     __syncthreads();  // warp 0's acquires cover the block's reads of the messages below
     if (u0 == static_cast<int>(blockIdx.x)) trace_event(c, kTraceDFirstArrival);
     trace_event(c, kTraceDLastArrival);  // the last batch's stamp stays
+    const int nb = s_messages;
 
     // The picks, and the first round of body loads in flight with them (body offsets do not depend on
     // the picks); each body vector is loaded once and stored to every row its message's picks name.
@@ -135,6 +144,22 @@ __device__ __forceinline__ void dispatch_dedup_recv_phase(const Common& c, const
       s_pick[b][w] = ld_cg_s32(half + s_slot[b] + used + 4 * w);
     }
     load_round(0);
+    // FP8: one scale word of the batch per thread, loaded with the picks (token-minor stores below).
+    const int per_msg = a.ue8m0 ? H / 512 : H / 128;  // int32 words (UE8M0: 4 exponents) or floats per row
+    const int scale_b = a.fp8 && tid < nb * per_msg ? tid / per_msg : -1;
+    const int scale_g = scale_b >= 0 ? tid - scale_b * per_msg : 0;
+    int scale_value = 0;
+    if (scale_b >= 0) {
+      const float* sc = reinterpret_cast<const float*>(half + s_slot[scale_b] + 16 + H);
+      if (a.ue8m0) {
+        uint32_t word = 0;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) word |= ue8m0_byte(ld_cg_f32(sc + 4 * scale_g + k)) << (8 * k);
+        scale_value = static_cast<int>(word);
+      } else {
+        scale_value = __float_as_int(ld_cg_f32(sc + scale_g));
+      }
+    }
     __syncthreads();
     for (int idx = tid; idx < nb * kMaxTopk; idx += blockDim.x) {
       const int b = idx / kMaxTopk, q = idx - b * kMaxTopk;
@@ -153,28 +178,13 @@ __device__ __forceinline__ void dispatch_dedup_recv_phase(const Common& c, const
       load_round(base);
       store_round(base);
     }
-    if (a.fp8) {
+    if (scale_b >= 0) {
       // Scales, token-minor: element (l, row, g) lives at [l][g][row].
-      const int groups = H / 128;
-      const int per_msg = a.ue8m0 ? groups / 4 : groups;  // int32 words (UE8M0) or floats per row
-      for (int idx = tid; idx < nb * per_msg; idx += blockDim.x) {
-        const int b = idx / per_msg, g = idx - b * per_msg;
-        const float* sc = reinterpret_cast<const float*>(half + s_slot[b] + 16 + H);
-        int value;
-        if (a.ue8m0) {
-          uint32_t word = 0;
-#pragma unroll
-          for (int k = 0; k < 4; ++k) word |= ue8m0_byte(ld_cg_f32(sc + 4 * g + k)) << (8 * k);
-          value = static_cast<int>(word);
-        } else {
-          value = __float_as_int(ld_cg_f32(sc + g));
-        }
-        int* scales_out = static_cast<int*>(a.recv_scales);
-        const int n = s_pick[b][0];
-        for (int q = 0; q < n; ++q) {
-          const int flat = s_row[b][q], l = flat / RT, row = flat - l * RT;
-          scales_out[(static_cast<size_t>(l) * per_msg + g) * RT + row] = value;
-        }
+      int* scales_out = static_cast<int*>(a.recv_scales);
+      const int n = s_pick[scale_b][0];
+      for (int q = 0; q < n; ++q) {
+        const int flat = s_row[scale_b][q], l = flat / RT, row = flat - l * RT;
+        scales_out[(static_cast<size_t>(l) * per_msg + scale_g) * RT + row] = scale_value;
       }
     }
     __syncthreads();  // the batch's shared state is rewritten by the next one
@@ -188,7 +198,7 @@ __device__ __forceinline__ void dispatch_dedup_recv_phase(const Common& c, const
     int* done = c.workspace + kWsDispatchRecvDone;
     if (atomicAdd(done, 1) == static_cast<int>(gridDim.x) - 1) {
       for (int i = 0; i < E; ++i) counts[i] = 0;
-      for (int s = 0; s < R; ++s) msg_counts[s] = 0;
+      for (int s = 0; s < R; ++s) token_counts[s] = 0;
       *done = 0;
     }
   }

@@ -4,23 +4,31 @@
 // over NVLink). The receiver expands the messages into the per-expert layout
 // (dispatch_dedup_recv.cuh); the outputs are the per-expert variant's, byte for byte.
 //
-// Message i from this rank (`me`) to rank d sits in d's staging slot [me][i] of the receive region
-// (HalfLayout: [R][maxT] slots of dedup_slot_bytes), i = the number of this rank's earlier tokens
-// with a pick on d. A slot holds the body at offset 16 as in the per-expert messages (BF16 row, or
-// FP8 row + float32 scales; the 16-byte header is not sent), then at message_used_bytes the picks
-// {n, p_0, ..., p_{n-1}} with p = l * maxT + slot: local expert l of d, and slot = the number of this
-// rank's earlier tokens that chose that expert, so that row begin[l][me] + slot of expert l is where
-// the per-expert variant (and the reference) puts it.
+// Token t of this rank (`me`) goes to d's staging slot [me][t] of the receive region (HalfLayout:
+// [R][maxT] slots of dedup_slot_bytes) on every rank d it has a pick on. A slot holds the body at
+// offset 16 as in the per-expert messages (BF16 row, or FP8 row + float32 scales; the 16-byte header
+// is not sent), then at message_used_bytes the picks {n, p_0, ..., p_{n-1}} with p = l * maxT + slot:
+// local expert l of d, and slot = the number of this rank's earlier tokens that chose that expert, so
+// that row begin[l][me] + slot of expert l is where the per-expert variant (and the reference) puts it.
+//
+// Order of a block's work for its token, so that counting never delays the body: the token's own
+// top-k row gives its destinations and slot addresses at once, the body is cast and its stores to
+// every destination are issued, and only then the block counts the earlier tokens' selections (the
+// picks' slots; in the blocks that publish counts, every token's), while those stores drain over
+// NVLink. Then the picks, and the flag.
 //
 // Signals (words of the receiver's half, low_latency.h):
-//   counts [l][me] (value count + 1): this rank's tokens for each expert, and message counts [me]
-//     (value count + 1): its messages to that rank. Published right after the counting pass with
-//     relaxed stores: they order no data (the receiver needs them to place rows and to know which
-//     messages to wait for), so the receiver can lay out its rows while the data is in flight.
-//   flag [me][i] (value token + 1), one per message: the block's stores of the message, CTA barrier,
-//     then the thread of that destination: __threadfence_system (release: the block's stores, at
-//     system scope) and st.release.sys of the flag. No workspace counters: every message has its own
-//     flag, so the receiver unpacks messages as they land.
+//   token count [me] (value T + 1), at the message-count word: published by block 0 at entry; the
+//     receiver polls flags [me][0, T).
+//   counts [l][me] (value count + 1): this rank's tokens for each expert, published by the blocks that
+//     count every token (the first ceil(E / blockDim) blocks), right after their count.
+//   Both with relaxed stores: they order no data (the receiver needs them to place rows and to know
+//   which flags to poll), so it can lay out its rows while the data is in flight.
+//   flag [me][t], one per token and rank: kNoMessage (relaxed, no data) when t has no pick on that
+//     rank, else t + 1 after the block's stores of the message, a CTA barrier, then the thread of that
+//     destination's __threadfence_system (release: the block's stores, at system scope) and
+//     st.release.sys. No workspace counters: every message has its own flag, so the receiver unpacks
+//     messages as they land.
 // NVLink only (the backend clears the variant when some peer has no mapping).
 #pragma once
 
@@ -28,46 +36,54 @@
 
 namespace moe_dispatcher::low_latency {
 
+// Flag value of a token with no pick on the receiving rank (a message is flagged token + 1 >= 1).
+constexpr int kNoMessage = -1;
+
 // Shared memory of the dedup send phase (the message itself follows, 16-byte aligned).
 struct DedupSendShared {
-  int count[kMaxExperts];    // this rank's selections per expert (every block counts them all)
-  int messages[kMaxRanks];   // this rank's tokens with a pick on each rank: its messages to that rank
-  int stage[kMaxRanks];      // per rank: this rank's tokens before the one in flight with a pick on it
+  int count[kMaxExperts];    // this rank's selections per expert (blocks that publish counts only)
   int expert[kMaxTopk];      // the token in flight: its experts (-1: unused slot)
   int slot[kMaxTopk];        // this rank's earlier tokens that chose expert[k]
-  int pick[kMaxTopk];        // l * maxT + slot of its picks, grouped by destination
+  int pick_k[kMaxTopk];      // its picks grouped by destination: the top-k index k of each
   int dest_rank[kMaxTopk];   // its distinct destination ranks, in the order of their first pick
   int dest_n[kMaxTopk];      // picks on dest_rank[j]
-  int dest_first[kMaxTopk];  // first pick of destination j in `pick`
+  int dest_first[kMaxTopk];  // first pick of destination j in `pick_k`
   unsigned long long dest_slot[kMaxTopk];  // address of its message slot on dest_rank[j] (NVLink)
+  unsigned dest_mask;        // bit d: the token has a pick on rank d
   int num_dests;
 };
 
-// Whether topk_idx entry i (expert e >= 0) is its token's first pick on rank e / L (earlier picks of
-// the token on the same rank share one message).
-__device__ __forceinline__ bool first_pick_on_rank(const int64_t* topk_idx, int i, int e, int K, int L) {
-  const int d = e / L;
-  for (int j = i - i % K; j < i; ++j) {
-    const int64_t f = topk_idx[j];
-    if (f >= 0 && static_cast<int>(f) / L == d) return false;
+// Counting over topk_idx, a thread per token. For the token in flight, `upto` (its experts in
+// sh.expert, -1 for none): slot[k] += the tokens before it that chose expert[k] (count_slot). With
+// kTotals, also count[e] += every selection of e by all T tokens. A thread loads kLoads entries of
+// its token together (independent loads, one round trip each).
+template <bool kTotals>
+__device__ __forceinline__ void count_tokens(DedupSendShared& sh, const int64_t* topk_idx, int T, int upto,
+                                             int K) {
+  constexpr int kLoads = 8;
+  const int n = kTotals ? T : upto;
+  for (int t = threadIdx.x; t < n; t += blockDim.x) {
+    const int64_t* row = topk_idx + static_cast<size_t>(t) * K;
+    for (int k0 = 0; k0 < K; k0 += kLoads) {
+      int64_t e64[kLoads];
+#pragma unroll
+      for (int u = 0; u < kLoads; ++u) e64[u] = k0 + u < K ? row[k0 + u] : -1;
+#pragma unroll
+      for (int u = 0; u < kLoads; ++u) {
+        if (e64[u] < 0) continue;
+        const int e = static_cast<int>(e64[u]);
+        if (kTotals) atomicAdd(&sh.count[e], 1);
+        if (t < upto) count_slot(sh.expert, sh.slot, e, K);
+      }
+    }
   }
-  return true;
 }
 
-// topk_idx entry i (expert e >= 0) of a token before the one in flight: one more earlier selection of
-// e (the slot of the in-flight token's pick of e), and one more earlier message to rank e / L when it
-// is its token's first pick there.
-__device__ __forceinline__ void count_earlier(DedupSendShared& sh, const int64_t* topk_idx, int i, int e,
-                                              int K, int L) {
-  count_slot(sh.expert, sh.slot, e, K);
-  if (first_pick_on_rank(topk_idx, i, e, K, L)) atomicAdd(&sh.stage[e / L], 1);
-}
-
-// Warp 0, after the counting pass: the destinations of the token in flight (distinct ranks of its
-// picks, in the order of their first pick), its picks grouped by destination (k ascending inside a
-// group), and the address of its message slot on each destination.
+// One warp, from the token's experts alone: its destinations (distinct ranks of its picks, in the
+// order of their first pick), its picks grouped by destination (k ascending inside a group), and the
+// address of its message slot [me][t] on each destination.
 __device__ __forceinline__ void plan_destinations(const Common& c, DedupSendShared& sh, const HalfLayout& lay,
-                                                  int K, int L) {
+                                                  int t, int K, int L) {
   const int lane = threadIdx.x % 32;
   const int e = lane < K ? sh.expert[lane] : -1;
   const int d = e >= 0 ? e / L : -1;
@@ -91,18 +107,24 @@ __device__ __forceinline__ void plan_destinations(const Common& c, DedupSendShar
     const int dk = __shfl_sync(0xffffffffu, d, k), lk = __shfl_sync(0xffffffffu, lead, k);
     if (dk >= 0 && lk < lead) ++first;
   }
+  unsigned mask = d >= 0 ? 1u << d : 0u;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) mask |= __shfl_xor_sync(0xffffffffu, mask, off);
   if (d >= 0) {
-    sh.pick[first + before_me] = (e % L) * c.max_tokens + sh.slot[lane];
+    sh.pick_k[first + before_me] = lane;
     if (lead == lane) {
       sh.dest_rank[j] = d;
       sh.dest_n[j] = same;
       sh.dest_first[j] = first;
       uint8_t* local = c.buffer + c.half_offset + lay.recv_off +
-                       (static_cast<size_t>(c.rank) * c.max_tokens + sh.stage[d]) * lay.dedup_slot_bytes;
+                       (static_cast<size_t>(c.rank) * c.max_tokens + t) * lay.dedup_slot_bytes;
       sh.dest_slot[j] = reinterpret_cast<unsigned long long>(peer_address(c, d, local));
     }
   }
-  if (lane == 0) sh.num_dests = __popc(leads);
+  if (lane == 0) {
+    sh.num_dests = __popc(leads);
+    sh.dest_mask = mask;
+  }
 }
 
 __device__ __forceinline__ void dispatch_dedup_send_phase(const Common& c, const DispatchArgs& a,
@@ -113,99 +135,93 @@ __device__ __forceinline__ void dispatch_dedup_send_phase(const Common& c, const
   const int R = c.num_ranks, E = c.num_experts, L = E / R, K = a.num_topk, T = a.num_tokens;
   const int H = c.hidden, me = c.rank;
   int* signals = half_signals(c, lay);
-  int* counts = signals + signal_dispatch_counts();    // [L][R]
-  int* msg_counts = signals + signal_message_counts(E);  // [R]
-  int* flags = signals + signal_pair_flags(E, R);      // [R][maxT]
+  int* counts = signals + signal_dispatch_counts();       // [L][R]
+  int* token_counts = signals + signal_token_counts(E);  // [R]
+  int* flags = signals + signal_pair_flags(E, R);         // [R][maxT]
   const size_t used = message_used_bytes(H, a.fp8);
   const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(a.x);
+  // The blocks whose threads publish the counts [e][me], e = blockIdx.x * blockDim.x + tid, count
+  // every token's selections; the others only the earlier tokens of their own.
+  const bool totals = static_cast<int>(blockIdx.x * blockDim.x) < E;
 
-  // The block's first token: its row loads go out before the counting pass, which also counts that
-  // token's slots and message indices (one pass over topk_idx instead of two).
+  if (blockIdx.x == 0 && tid < R)
+    st_relaxed_sys(reinterpret_cast<int*>(peer_address(c, tid, token_counts + me)), T + 1);
+  if (totals)
+    for (int e = tid; e < E; e += blockDim.x) sh.count[e] = 0;
+
   int4 raw[kRowVectors];
-  const int first = blockIdx.x;
-  if (first < T) load_row(x, first, H, raw);
-  for (int e = tid; e < E; e += blockDim.x) sh.count[e] = 0;
-  if (tid < R) {
-    sh.messages[tid] = 0;
-    sh.stage[tid] = 0;
-  }
-  read_token_experts(a.topk_idx, first, T, K, sh.expert, sh.slot);
-  __syncthreads();
-  const int first_limit = first < T ? first * K : 0;
-  for (int i = tid; i < T * K; i += blockDim.x) {
-    const int64_t e64 = a.topk_idx[i];
-    if (e64 < 0) continue;
-    const int e = static_cast<int>(e64);
-    atomicAdd(&sh.count[e], 1);
-    if (first_pick_on_rank(a.topk_idx, i, e, K, L)) {
-      atomicAdd(&sh.messages[e / L], 1);
-      if (i < first_limit) atomicAdd(&sh.stage[e / L], 1);
-    }
-    if (i < first_limit) count_slot(sh.expert, sh.slot, e, K);
-  }
-  __syncthreads();
-  trace_event(c, kTraceDCounted);
-
-  // Counts of every expert (zeros too) and message counts, spread over the grid: relaxed stores
-  // (they publish no data; see the top of the file).
-  for (int i = blockIdx.x * blockDim.x + tid; i < E + R; i += gridDim.x * blockDim.x) {
-    if (i < E) {
-      int* word = counts + (i % L) * R + me;
-      st_relaxed_sys(reinterpret_cast<int*>(peer_address(c, i / L, word)), sh.count[i] + 1);
-      trace_pair_now(c, kTracePairSent, i);
-    } else {
-      const int d = i - E;
-      st_relaxed_sys(reinterpret_cast<int*>(peer_address(c, d, msg_counts + me)), sh.messages[d] + 1);
-    }
-  }
-
-  for (int t = first; t < T; t += gridDim.x) {
-    if (t != first) {
-      // Later tokens of this block (T > grid): row loads first, then the slot / message-index pass.
-      load_row(x, t, H, raw);
-      read_token_experts(a.topk_idx, t, T, K, sh.expert, sh.slot);
-      if (tid < R) sh.stage[tid] = 0;
-      __syncthreads();
-      for (int i = tid; i < t * K; i += blockDim.x) {
-        const int64_t e64 = a.topk_idx[i];
-        if (e64 >= 0) count_earlier(sh, a.topk_idx, i, static_cast<int>(e64), K, L);
-      }
-      __syncthreads();
-    }
-    if (warp == 0) plan_destinations(c, sh, lay, K, L);
-    write_message_body(a, raw, msg, H);
+  for (int t = blockIdx.x; t < T || (t == static_cast<int>(blockIdx.x) && totals); t += gridDim.x) {
+    // (A block without a token of its own still counts, when it publishes counts.)
+    const bool has_token = t < T;
+    if (has_token) load_row(x, t, H, raw);
+    read_token_experts(a.topk_idx, t, T, K, sh.expert, sh.slot);
     __syncthreads();
-    if (t == first) trace_event(c, kTraceDCastDone);
-
-    // The whole block streams the message to each destination: body vectors 1 .. used/16 - 1, then
-    // the picks {n, p...} at `used` (vector q holds words 4q .. 4q+3; sent while 4q <= n).
-    const int nd = sh.num_dests;
-    const int body_vecs = static_cast<int>(used / 16) - 1;
-    const int per_dest = body_vecs + (1 + K + 3) / 4;
-    for (int idx = tid; idx < nd * per_dest; idx += blockDim.x) {
-      const int j = idx / per_dest, v = idx - j * per_dest;
-      uint8_t* slot = reinterpret_cast<uint8_t*>(sh.dest_slot[j]);
-      if (v < body_vecs) {
-        st_v4(slot + 16 * (1 + v), reinterpret_cast<const int4*>(msg)[1 + v]);
-        continue;
+    if (has_token) {
+      // The last warp plans: it has the fewest row vectors to cast (write_message_body) when the row
+      // does not fill the block evenly.
+      if (warp == static_cast<int>(blockDim.x) / 32 - 1) plan_destinations(c, sh, lay, t, K, L);
+      write_message_body(a, raw, msg, H);
+      __syncthreads();
+      if (t == static_cast<int>(blockIdx.x)) trace_event(c, kTraceDCastDone);
+      if (tid < R && ((sh.dest_mask >> tid) & 1u) == 0) {
+        int* flag = flags + static_cast<size_t>(me) * c.max_tokens + t;
+        st_relaxed_sys(reinterpret_cast<int*>(peer_address(c, tid, flag)), kNoMessage);
       }
-      const int q = v - body_vecs, n = sh.dest_n[j];
+      // The whole block streams the body (vectors 1 .. used/16 - 1) to each destination.
+      const int body_vecs = static_cast<int>(used / 16) - 1;
+      for (int idx = tid; idx < sh.num_dests * body_vecs; idx += blockDim.x) {
+        const int j = idx / body_vecs, v = idx - j * body_vecs;
+        st_v4(reinterpret_cast<uint8_t*>(sh.dest_slot[j]) + 16 * (1 + v), reinterpret_cast<const int4*>(msg)[1 + v]);
+      }
+    }
+    // While those stores drain: the slots of the token's picks (and, once, every expert's count).
+    if (totals && t == static_cast<int>(blockIdx.x)) {
+      count_tokens<true>(sh, a.topk_idx, T, has_token ? t : 0, K);
+    } else {
+      count_tokens<false>(sh, a.topk_idx, T, t, K);
+    }
+    __syncthreads();
+    if (t == static_cast<int>(blockIdx.x)) {
+      trace_event(c, kTraceDCounted);
+      if (totals) {
+        // Counts of every expert (zeros too): relaxed stores (they publish no data; see the top).
+        const int e = blockIdx.x * blockDim.x + tid;
+        if (e < E) {
+          st_relaxed_sys(reinterpret_cast<int*>(peer_address(c, e / L, counts + (e % L) * R + me)), sh.count[e] + 1);
+          trace_pair_now(c, kTracePairSent, e);
+        }
+      }
+    }
+    if (!has_token) break;
+
+    // The picks {n, p...} at `used` of each destination's slot (vector q holds words 4q .. 4q+3; sent
+    // while 4q <= n), p = l * maxT + slot of pick k.
+    const int pick_vecs = (1 + K + 3) / 4;
+    for (int idx = tid; idx < sh.num_dests * pick_vecs; idx += blockDim.x) {
+      const int j = idx / pick_vecs, q = idx - j * pick_vecs, n = sh.dest_n[j];
       if (4 * q > n) continue;
       int w[4];
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
         const int word = 4 * q + u;
-        w[u] = word == 0 ? n : (word <= n ? sh.pick[sh.dest_first[j] + word - 1] : 0);
+        int value = 0;
+        if (word == 0) {
+          value = n;
+        } else if (word <= n) {
+          const int k = sh.pick_k[sh.dest_first[j] + word - 1];
+          value = (sh.expert[k] % L) * c.max_tokens + sh.slot[k];
+        }
+        w[u] = value;
       }
-      st_v4(slot + used + 16 * q, make_int4(w[0], w[1], w[2], w[3]));
+      st_v4(reinterpret_cast<uint8_t*>(sh.dest_slot[j]) + used + 16 * q, make_int4(w[0], w[1], w[2], w[3]));
     }
     __syncthreads();  // every store of this token's messages precedes the fences below
     trace_event(c, kTraceDStoresIssued);  // the last token's stamp stays
 
-    if (tid < nd) {
+    if (tid < sh.num_dests) {
       const int d = sh.dest_rank[tid];
       __threadfence_system();  // release: the block's stores of the message, at system scope
-      int* flag = flags + static_cast<size_t>(me) * c.max_tokens + sh.stage[d];
+      int* flag = flags + static_cast<size_t>(me) * c.max_tokens + t;
       st_release_sys(reinterpret_cast<int*>(peer_address(c, d, flag)), t + 1);
     }
     __syncthreads();  // the shared message and plan are rewritten by the next token

@@ -46,8 +46,8 @@ constexpr int kVariantMask = kVariantDispatchDedup;
 //       [0, E)            dispatch counts [L][R] (value count + 1), every dispatch
 //       [E, E + F)        the flags of the call, F = max(E, R + R*maxT) when L >= 2, else E:
 //                           combine: flags [E] (value 1);
-//                           dedup dispatch: message counts per source rank [R] (value count + 1), then
-//                             message flags [source][message index] (value token + 1) from E + R.
+//                           dedup dispatch: token counts per source rank [R] (value T + 1), then
+//                             flags [source][token] (value token + 1, or -1: no message) from E + R.
 //                         A half serves one call at a time and every call leaves them at 0, so the calls
 //                         share these words (which keeps the hint under DeepEP V1's formula).
 // The total (2 * half_bytes) equals Buffer.get_low_latency_rdma_size_hint.
@@ -86,7 +86,7 @@ __host__ __device__ inline HalfLayout half_layout(int max_tokens, int hidden, in
 // The signal words of a half (see above), as int32 indices from signal_off.
 __host__ __device__ inline size_t signal_dispatch_counts() { return 0; }
 __host__ __device__ inline size_t signal_combine_flags(int num_experts) { return static_cast<size_t>(num_experts); }
-__host__ __device__ inline size_t signal_message_counts(int num_experts) { return static_cast<size_t>(num_experts); }
+__host__ __device__ inline size_t signal_token_counts(int num_experts) { return static_cast<size_t>(num_experts); }
 __host__ __device__ inline size_t signal_pair_flags(int num_experts, int num_ranks) {
   return static_cast<size_t>(num_experts) + static_cast<size_t>(num_ranks);
 }
