@@ -45,28 +45,19 @@ import torch
 KINDS = ("dispatch", "combine")  # == moe_dispatcher.compiled.low_latency.TRACE_KINDS
 
 # Per-block phase durations worth reading: (label, from event, to event).
-_DISPATCH_RECEIVE = [
-    ("send phase (entry -> signaled)", "entry", "signaled"),
-    ("wait for counts, 1st unit (recv_entry -> first_arrival)", "recv_entry", "first_arrival"),
-    ("receive after 1st arrival (first_arrival -> copy_done)", "first_arrival", "copy_done"),
-    ("last unit's copy (last_arrival -> copy_done)", "last_arrival", "copy_done"),
-    ("tail: done counter + signal reset (copy_done -> exit)", "copy_done", "exit"),
-    ("block lifetime (entry -> exit)", "entry", "exit"),
-]
 DURATIONS = {
     "dispatch": [
         ("counting pass (entry -> counted)", "entry", "counted"),
         ("row loads + FP8 cast (counted -> cast_done)", "counted", "cast_done"),
         ("stores to peers issued (cast_done -> stores_issued)", "cast_done", "stores_issued"),
-        ("fence + atomic + count signal (stores_issued -> signaled)", "stores_issued", "signaled"),
-    ] + _DISPATCH_RECEIVE,
-    # The dedup send phase counts after issuing the body's stores (dispatch_dedup_send.cuh).
-    "dispatch_dedup": [
-        ("row loads + FP8 cast + plan (entry -> cast_done)", "entry", "cast_done"),
-        ("body stores issued + counting (cast_done -> counted)", "cast_done", "counted"),
-        ("picks stored (counted -> stores_issued)", "counted", "stores_issued"),
-        ("fences + flags (stores_issued -> signaled)", "stores_issued", "signaled"),
-    ] + _DISPATCH_RECEIVE,
+        ("fences + count signals / flags (stores_issued -> signaled)", "stores_issued", "signaled"),
+        ("send phase (entry -> signaled)", "entry", "signaled"),
+        ("wait for counts, 1st unit (recv_entry -> first_arrival)", "recv_entry", "first_arrival"),
+        ("receive after 1st arrival (first_arrival -> copy_done)", "first_arrival", "copy_done"),
+        ("last unit's copy (last_arrival -> copy_done)", "last_arrival", "copy_done"),
+        ("tail: done counter + signal reset (copy_done -> exit)", "copy_done", "exit"),
+        ("block lifetime (entry -> exit)", "entry", "exit"),
+    ],
     "combine": [
         ("row stores issued (entry -> sends_issued)", "entry", "sends_issued"),
         ("fence + atomic + flags (sends_issued -> flags_up)", "sends_issued", "flags_up"),
@@ -157,8 +148,7 @@ def summarize(mode: str, calls: Sequence[tuple[str, int]], data: torch.Tensor, m
         ev_names = list(meta["events"][kind])
         entry = "entry"
         timeline: dict[str, list[tuple[float, float, float]]] = {n: [] for n in ev_names}
-        dur_kind = "dispatch_dedup" if kind == "dispatch" and meta.get("dedup") else kind
-        durs: dict[str, list[tuple[float, float, float]]] = {d[0]: [] for d in DURATIONS[dur_kind]}
+        durs: dict[str, list[tuple[float, float, float]]] = {d[0]: [] for d in DURATIONS[kind]}
         first_entry = [[] for _ in range(R)]
         ramp = [[] for _ in range(R)]
         span = [[] for _ in range(R)]
@@ -171,7 +161,7 @@ def summarize(mode: str, calls: Sequence[tuple[str, int]], data: torch.Tensor, m
             t0 = min(starts)
             for n in ev_names:
                 timeline[n].append(_mmm([(t - t0) / 1e3 for r in range(R) for t in rr[r]["events"][n] if t > 0]))
-            for label, a, b in DURATIONS[dur_kind]:
+            for label, a, b in DURATIONS[kind]:
                 v = [(tb - ta) / 1e3 for r in range(R) for ta, tb in zip(rr[r]["events"][a], rr[r]["events"][b])
                      if ta > 0 and tb > 0]
                 durs[label].append(_mmm(v))
@@ -323,8 +313,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     dist.all_gather(all_counts, dest_counts)
     sel = torch.stack(all_counts).cpu().tolist()
     msg = (16 + (h + h // 128 * 4 if fp8 else 2 * h) + 15) // 16 * 16
-    meta["dedup"] = bool(be.variant & VARIANT_DISPATCH_DEDUP)
-    if meta["dedup"]:  # one message per (token, rank it picks): body + picks, ~msg bytes
+    if be.variant & VARIANT_DISPATCH_DEDUP:  # one message per (token, rank it picks): body + picks, ~msg bytes
         dest = torch.where(idx >= 0, idx // (e // world), world)
         hits = torch.zeros(t, world + 1, dtype=torch.int64, device=dev).scatter_(1, dest, 1)[:, :world].sum(0)
         all_hits = [torch.empty_like(hits) for _ in range(world)]

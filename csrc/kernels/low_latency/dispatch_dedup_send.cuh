@@ -11,11 +11,10 @@
 // local expert l of d, and slot = the number of this rank's earlier tokens that chose that expert, so
 // that row begin[l][me] + slot of expert l is where the per-expert variant (and the reference) puts it.
 //
-// Order of a block's work for its token, so that counting never delays the body: the token's own
-// top-k row gives its destinations and slot addresses at once, the body is cast and its stores to
-// every destination are issued, and only then the block counts the earlier tokens' selections (the
-// picks' slots; in the blocks that publish counts, every token's), while those stores drain over
-// NVLink. Then the picks, and the flag.
+// Order of a block's work for its token: the row's loads go out, the block counts the earlier tokens'
+// selections (the picks' slots: a shared lookup per selection; in the blocks that publish counts,
+// every token's) while they are in flight, casts, then streams the body and the picks to every
+// destination in one go, so that the flag's fence waits for one drain.
 //
 // Signals (words of the receiver's half, low_latency.h):
 //   token count [me] (value T + 1), at the message-count word: published by block 0 at entry; the
@@ -42,6 +41,7 @@ constexpr int kNoMessage = -1;
 // Shared memory of the dedup send phase (the message itself follows, 16-byte aligned).
 struct DedupSendShared {
   int count[kMaxExperts];    // this rank's selections per expert (blocks that publish counts only)
+  int8_t k_of[kMaxExperts];  // the token in flight: the top-k index of expert e (its first), -1 if none
   int expert[kMaxTopk];      // the token in flight: its experts (-1: unused slot)
   int slot[kMaxTopk];        // this rank's earlier tokens that chose expert[k]
   int pick_k[kMaxTopk];      // its picks grouped by destination: the top-k index k of each
@@ -53,30 +53,39 @@ struct DedupSendShared {
   int num_dests;
 };
 
-// Counting over topk_idx, a thread per token. For the token in flight, `upto` (its experts in
-// sh.expert, -1 for none): slot[k] += the tokens before it that chose expert[k] (count_slot). With
-// kTotals, also count[e] += every selection of e by all T tokens. A thread loads kLoads entries of
-// its token together (independent loads, one round trip each).
+// Counting over topk_idx, an entry per thread (coalesced loads, kLoads in flight per thread). For the
+// token in flight, `upto` (its experts in k_of): slot[k] += the tokens before it that chose expert k
+// (one shared lookup per entry). With kTotals, also count[e] += every selection of e by all T tokens.
 template <bool kTotals>
 __device__ __forceinline__ void count_tokens(DedupSendShared& sh, const int64_t* topk_idx, int T, int upto,
                                              int K) {
-  constexpr int kLoads = 8;
-  const int n = kTotals ? T : upto;
-  for (int t = threadIdx.x; t < n; t += blockDim.x) {
-    const int64_t* row = topk_idx + static_cast<size_t>(t) * K;
-    for (int k0 = 0; k0 < K; k0 += kLoads) {
-      int64_t e64[kLoads];
+  constexpr int kLoads = 4;
+  const int n = (kTotals ? T : upto) * K, earlier = upto * K;
+  for (int base = threadIdx.x; base < n; base += kLoads * blockDim.x) {
+    int64_t e64[kLoads];
 #pragma unroll
-      for (int u = 0; u < kLoads; ++u) e64[u] = k0 + u < K ? row[k0 + u] : -1;
+    for (int u = 0; u < kLoads; ++u) {
+      const int i = base + u * blockDim.x;
+      e64[u] = i < n ? topk_idx[i] : -1;
+    }
 #pragma unroll
-      for (int u = 0; u < kLoads; ++u) {
-        if (e64[u] < 0) continue;
-        const int e = static_cast<int>(e64[u]);
-        if (kTotals) atomicAdd(&sh.count[e], 1);
-        if (t < upto) count_slot(sh.expert, sh.slot, e, K);
+    for (int u = 0; u < kLoads; ++u) {
+      if (e64[u] < 0) continue;
+      const int e = static_cast<int>(e64[u]);
+      if (kTotals) atomicAdd(&sh.count[e], 1);
+      if (base + u * static_cast<int>(blockDim.x) < earlier) {
+        const int k = sh.k_of[e];
+        if (k >= 0) atomicAdd(&sh.slot[k], 1);
       }
     }
   }
+}
+
+// Thread 0: point k_of at the token in flight's experts (value k, the first k of a repeated expert), or
+// back to -1 (value < 0).
+__device__ __forceinline__ void mark_token_experts(DedupSendShared& sh, int K, bool mark) {
+  for (int k = K - 1; k >= 0; --k)
+    if (sh.expert[k] >= 0) sh.k_of[sh.expert[k]] = static_cast<int8_t>(mark ? k : -1);
 }
 
 // One warp, from the token's experts alone: its destinations (distinct ranks of its picks, in the
@@ -146,41 +155,27 @@ __device__ __forceinline__ void dispatch_dedup_send_phase(const Common& c, const
 
   if (blockIdx.x == 0 && tid < R)
     st_relaxed_sys(reinterpret_cast<int*>(peer_address(c, tid, token_counts + me)), T + 1);
-  if (totals)
-    for (int e = tid; e < E; e += blockDim.x) sh.count[e] = 0;
+  for (int e = tid; e < E; e += blockDim.x) {
+    if (totals) sh.count[e] = 0;
+    sh.k_of[e] = -1;
+  }
 
   int4 raw[kRowVectors];
   for (int t = blockIdx.x; t < T || (t == static_cast<int>(blockIdx.x) && totals); t += gridDim.x) {
     // (A block without a token of its own still counts, when it publishes counts.)
     const bool has_token = t < T;
-    if (has_token) load_row(x, t, H, raw);
+    if (has_token) load_row(x, t, H, raw);  // in flight during the counting
     read_token_experts(a.topk_idx, t, T, K, sh.expert, sh.slot);
     __syncthreads();
-    if (has_token) {
-      // The last warp plans: it has the fewest row vectors to cast (write_message_body) when the row
-      // does not fill the block evenly.
-      if (warp == static_cast<int>(blockDim.x) / 32 - 1) plan_destinations(c, sh, lay, t, K, L);
-      write_message_body(a, raw, msg, H);
-      __syncthreads();
-      if (t == static_cast<int>(blockIdx.x)) trace_event(c, kTraceDCastDone);
-      if (tid < R && ((sh.dest_mask >> tid) & 1u) == 0) {
-        int* flag = flags + static_cast<size_t>(me) * c.max_tokens + t;
-        st_relaxed_sys(reinterpret_cast<int*>(peer_address(c, tid, flag)), kNoMessage);
-      }
-      // The whole block streams the body (vectors 1 .. used/16 - 1) to each destination.
-      const int body_vecs = static_cast<int>(used / 16) - 1;
-      for (int idx = tid; idx < sh.num_dests * body_vecs; idx += blockDim.x) {
-        const int j = idx / body_vecs, v = idx - j * body_vecs;
-        st_v4(reinterpret_cast<uint8_t*>(sh.dest_slot[j]) + 16 * (1 + v), reinterpret_cast<const int4*>(msg)[1 + v]);
-      }
-    }
-    // While those stores drain: the slots of the token's picks (and, once, every expert's count).
+    if (tid == 0) mark_token_experts(sh, K, true);
+    __syncthreads();
     if (totals && t == static_cast<int>(blockIdx.x)) {
       count_tokens<true>(sh, a.topk_idx, T, has_token ? t : 0, K);
     } else {
       count_tokens<false>(sh, a.topk_idx, T, t, K);
     }
     __syncthreads();
+    if (tid == 0) mark_token_experts(sh, K, false);  // read again only after two more barriers
     if (t == static_cast<int>(blockIdx.x)) {
       trace_event(c, kTraceDCounted);
       if (totals) {
@@ -193,6 +188,23 @@ __device__ __forceinline__ void dispatch_dedup_send_phase(const Common& c, const
       }
     }
     if (!has_token) break;
+
+    // The last warp plans: it has the fewest row vectors to cast (write_message_body) when the row
+    // does not fill the block evenly.
+    if (warp == static_cast<int>(blockDim.x) / 32 - 1) plan_destinations(c, sh, lay, t, K, L);
+    write_message_body(a, raw, msg, H);
+    __syncthreads();
+    if (t == static_cast<int>(blockIdx.x)) trace_event(c, kTraceDCastDone);
+    if (tid < R && ((sh.dest_mask >> tid) & 1u) == 0) {
+      int* flag = flags + static_cast<size_t>(me) * c.max_tokens + t;
+      st_relaxed_sys(reinterpret_cast<int*>(peer_address(c, tid, flag)), kNoMessage);
+    }
+    // The whole block streams the body (vectors 1 .. used/16 - 1) to each destination, then the picks.
+    const int body_vecs = static_cast<int>(used / 16) - 1;
+    for (int idx = tid; idx < sh.num_dests * body_vecs; idx += blockDim.x) {
+      const int j = idx / body_vecs, v = idx - j * body_vecs;
+      st_v4(reinterpret_cast<uint8_t*>(sh.dest_slot[j]) + 16 * (1 + v), reinterpret_cast<const int4*>(msg)[1 + v]);
+    }
 
     // The picks {n, p...} at `used` of each destination's slot (vector q holds words 4q .. 4q+3; sent
     // while 4q <= n), p = l * maxT + slot of pick k.
