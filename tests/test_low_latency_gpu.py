@@ -29,6 +29,7 @@ WORLD_SIZES = GPU_WORLD_SIZES
 MAX_T, MAX_H, MAX_E = 128, 7168, 256
 VARIANTS = [int(v) for v in os.environ.get("MOE_LL_TEST_VARIANTS", "0,2").split(",")]
 SMALL_GRID = 24  # blocks: fewer than MAX_T tokens
+TINY_GRID = 1  # one block: it sends every token and publishes every expert's count (E > the block's threads)
 
 # T per rank cycles over the ranks; kind: random (20% of slots -1) or skewed (slot 0 = expert 5 everywhere).
 CASES = [
@@ -45,6 +46,7 @@ CASES = [
     {"name": "fp8 H7168 E256 T=1", "H": 7168, "E": 256, "T": [1, 0, 1, 1], "K": 8, "fp8": True, "mode": "plain"},
     {"name": "bf16 H2048 one expert per rank (no dedup)", "H": 2048, "E": 0, "T": [128, 90], "K": 2,
      "mode": "async"},
+    {"name": "bf16 H128 E1024", "H": 128, "E": 1024, "T": [128, 31, 128, 0], "K": 8, "mode": "plain"},
 ]
 
 
@@ -171,10 +173,10 @@ def _call(buf, mode: str, fn, **kw):
 
 def _configs(ll) -> list:
     """(variant, grid) pairs the cases run under: every variant on the full grid, the last dedup one also on a
-    small grid."""
+    small and a one-block grid."""
     full = ll.num_blocks
     dedup = [v for v in VARIANTS if v & VARIANT_DISPATCH_DEDUP]
-    return [(v, full) for v in VARIANTS] + [(v, SMALL_GRID) for v in dedup[-1:]]
+    return [(v, full) for v in VARIANTS] + [(v, g) for v in dedup[-1:] for g in (SMALL_GRID, TINY_GRID)]
 
 
 def _use(ll, variant: int, blocks: int) -> str:

@@ -3,7 +3,8 @@
 # stops before DEADLINE_S): build, every GPU test family (intranode, expert-major, low-latency at every world
 # size up to N, internode with domains of N/2 and N/4 GPUs (2 x 2 and 4 x 1 on 4; 2 x 4 and 4 x 2 on 8),
 # Megatron parity and the 200-step training curve), the benches beside NCCL (normal and low-latency at N and
-# 2, internode in domains of N/2), the NVLink ceilings, the host overhead of cached calls, the Megatron yardstick
+# 2, internode in domains of N/2), the NVLink ceilings, the host overhead of cached calls, the low-latency phase
+# trace (tools/ll_trace.py), the Megatron yardstick
 # ($LAYER_BENCH, default .out/megatron_layer_bench.py: copy shared/tools/megatron_layer_bench.py there) and
 # the round-trip profile. Logs in $OUT/logs, bench files in $OUT, the summary in $OUT/session_summary.txt;
 # everything is packed into $OUT/session.tgz at the end (the device tool brings back only a few files).
@@ -37,6 +38,7 @@ run bench_normal_2 40 python3 -m moe_dispatcher.bench --mode normal --backend ke
   --out-dir "$OUT"
 run bench_ll_$N 40 python3 -m moe_dispatcher.bench --mode low-latency --num-ranks "$N" --out-dir "$OUT"
 run bench_ll_2 40 python3 -m moe_dispatcher.bench --mode low-latency --num-ranks 2 --out-dir "$OUT"
+run ll_trace 40 torchrun --standalone --nproc_per_node "$N" tools/ll_trace.py --modes graph,graph_dd --out "$OUT"
 run bench_internode 60 python3 -m moe_dispatcher.bench --mode internode --nvl-size $((N / 2)) --backend kernels --num-ranks "$N" \
   --out-dir "$OUT"
 run nvlink_ceiling 40 python3 tools/nvlink_ceiling.py

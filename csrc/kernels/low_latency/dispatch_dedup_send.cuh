@@ -20,7 +20,7 @@
 //   token count [me] (value T + 1), at the message-count word: published by block 0 at entry; the
 //     receiver polls flags [me][0, T).
 //   counts [l][me] (value count + 1): this rank's tokens for each expert, published by the blocks that
-//     count every token (the first ceil(E / blockDim) blocks), right after their count.
+//     count every token (the first min(grid, ceil(E / blockDim)) blocks), right after their count.
 //   Both with relaxed stores: they order no data (the receiver needs them to place rows and to know
 //   which flags to poll), so it can lay out its rows while the data is in flight.
 //   flag [me][t], one per token and rank: kNoMessage (relaxed, no data) when t has no pick on that
@@ -149,7 +149,7 @@ __device__ __forceinline__ void dispatch_dedup_send_phase(const Common& c, const
   int* flags = signals + signal_pair_flags(E, R);         // [R][maxT]
   const size_t used = message_used_bytes(H, a.fp8);
   const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(a.x);
-  // The blocks whose threads publish the counts [e][me], e = blockIdx.x * blockDim.x + tid, count
+  // The blocks that publish counts [e][me] (e = blockIdx.x * blockDim.x + tid, grid-strided) count
   // every token's selections; the others only the earlier tokens of their own.
   const bool totals = static_cast<int>(blockIdx.x * blockDim.x) < E;
 
@@ -180,8 +180,7 @@ __device__ __forceinline__ void dispatch_dedup_send_phase(const Common& c, const
       trace_event(c, kTraceDCounted);
       if (totals) {
         // Counts of every expert (zeros too): relaxed stores (they publish no data; see the top).
-        const int e = blockIdx.x * blockDim.x + tid;
-        if (e < E) {
+        for (int e = blockIdx.x * blockDim.x + tid; e < E; e += gridDim.x * blockDim.x) {
           st_relaxed_sys(reinterpret_cast<int*>(peer_address(c, e / L, counts + (e % L) * R + me)), sh.count[e] + 1);
           trace_pair_now(c, kTracePairSent, e);
         }
