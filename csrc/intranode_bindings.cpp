@@ -168,6 +168,24 @@ CombineArgs ring_combine_args(const IpcBuffer& b, uint64_t timeout_ns, uintptr_t
   return a;
 }
 
+// The tensors every dispatch / combine launch takes, plain or through a plan.
+void set_dispatch_tensors(DispatchArgs& a, uintptr_t x, uintptr_t scales, uintptr_t recv_x, uintptr_t recv_scales) {
+  a.x = ptr<const uint8_t>(x);
+  a.scales = ptr<const int32_t>(scales);
+  a.recv_x = ptr<uint8_t>(recv_x);
+  a.recv_scales = ptr<int32_t>(recv_scales);
+}
+
+void set_combine_tensors(CombineArgs& a, uintptr_t x, uintptr_t topk_weights, uintptr_t bias0, uintptr_t bias1,
+                         uintptr_t out, uintptr_t out_topk_weights) {
+  a.x = ptr<const uint8_t>(x);
+  a.topk_weights = ptr<const float>(topk_weights);
+  a.bias0 = ptr<const uint8_t>(bias0);
+  a.bias1 = ptr<const uint8_t>(bias1);
+  a.out = ptr<uint8_t>(out);
+  a.out_topk_weights = ptr<float>(out_topk_weights);
+}
+
 void dispatch(const IpcBuffer& b, uint64_t timeout_ns, uintptr_t x, uintptr_t scales, uintptr_t topk_idx,
               uintptr_t topk_weights, uintptr_t is_token_in_rank, uintptr_t recv_channel_offset, uintptr_t recv_x,
               uintptr_t recv_scales, uintptr_t recv_topk_idx, uintptr_t recv_topk_weights, uintptr_t recv_src_idx,
@@ -195,12 +213,9 @@ void dispatch(const IpcBuffer& b, uint64_t timeout_ns, uintptr_t x, uintptr_t sc
   a.em_inverse = ptr<int>(em_inverse);
   a.em_topk = em_topk;
   a.em_rows = em_rows;
-  a.x = ptr<const uint8_t>(x);
-  a.scales = ptr<const int32_t>(scales);
+  set_dispatch_tensors(a, x, scales, recv_x, recv_scales);
   a.topk_idx = ptr<const int64_t>(topk_idx);
   a.topk_weights = ptr<const float>(topk_weights);
-  a.recv_x = ptr<uint8_t>(recv_x);
-  a.recv_scales = ptr<int32_t>(recv_scales);
   a.recv_topk_idx = ptr<int64_t>(recv_topk_idx);
   a.recv_topk_weights = ptr<float>(recv_topk_weights);
   a.recv_src_idx = ptr<int>(recv_src_idx);
@@ -224,12 +239,7 @@ void combine(const IpcBuffer& b, uint64_t timeout_ns, uintptr_t x, uintptr_t top
   a.em_weights = ptr<const float>(em_weights);
   a.em_topk_weights = ptr<const float>(em_topk_weights);
   a.em_topk = em_topk;
-  a.x = ptr<const uint8_t>(x);
-  a.topk_weights = ptr<const float>(topk_weights);
-  a.bias0 = ptr<const uint8_t>(bias0);
-  a.bias1 = ptr<const uint8_t>(bias1);
-  a.out = ptr<uint8_t>(out);
-  a.out_topk_weights = ptr<float>(out_topk_weights);
+  set_combine_tensors(a, x, topk_weights, bias0, bias1, out, out_topk_weights);
   launch_combine(a, stream_of(stream));
 }
 
@@ -384,62 +394,61 @@ class StreamJoin {
   cudaEvent_t before_ = nullptr, after_ = nullptr;
 };
 
+// What a plan holds: the buffer (checked before every launch), the stream join, and the kernel's arguments with
+// every field but the tensors' addresses filled in; `launch` of the derived plan sets those into a_ and calls run.
+template <class Args, void (*Launch)(const Args&, cudaStream_t)>
+class RingPlan {
+ protected:
+  RingPlan(const IpcBuffer& b, const StreamJoin& join, const Args& a) : a_(a), buffer_(&b), join_(&join) {}
+
+  bool ready() const { return usable(*buffer_); }  // false: launch nothing, the caller raises the reason
+  bool run(uintptr_t stream, uintptr_t caller, int join) {
+    join_->run(stream_of(stream), stream_of(caller), join, [&] { Launch(a_, stream_of(stream)); });
+    return true;
+  }
+
+  Args a_;
+
+ private:
+  const IpcBuffer* buffer_;
+  const StreamJoin* join_;
+};
+
 // Dispatch along a handle's routing (no top-k, no source indices: what cached dispatch sends).
-class DispatchPlan {
+class DispatchPlan : public RingPlan<DispatchArgs, launch_dispatch> {
  public:
   DispatchPlan(const IpcBuffer& b, const StreamJoin& join, uint64_t timeout_ns, uintptr_t is_token_in_rank,
                uintptr_t recv_channel_offset, int num_tokens, int hidden_bytes, int num_scales, int num_rows,
                int pad_rows, int num_channels, int chunk, int num_slots, int slot_bytes, int protocol)
-      : buffer_(&b),
-        join_(&join),
-        a_(ring_dispatch_args(b, timeout_ns, is_token_in_rank, recv_channel_offset, num_tokens, hidden_bytes,
-                              num_scales, num_rows, pad_rows, num_channels, chunk, num_slots, slot_bytes, protocol)) {}
+      : RingPlan(b, join,
+                 ring_dispatch_args(b, timeout_ns, is_token_in_rank, recv_channel_offset, num_tokens, hidden_bytes,
+                                    num_scales, num_rows, pad_rows, num_channels, chunk, num_slots, slot_bytes,
+                                    protocol)) {}
 
   bool launch(uintptr_t x, uintptr_t scales, uintptr_t recv_x, uintptr_t recv_scales, uintptr_t stream,
               uintptr_t caller, int join) {
-    if (!usable(*buffer_)) return false;
-    a_.x = ptr<const uint8_t>(x);
-    a_.scales = ptr<const int32_t>(scales);
-    a_.recv_x = ptr<uint8_t>(recv_x);
-    a_.recv_scales = ptr<int32_t>(recv_scales);
-    join_->run(stream_of(stream), stream_of(caller), join, [&] { launch_dispatch(a_, stream_of(stream)); });
-    return true;
+    if (!ready()) return false;
+    set_dispatch_tensors(a_, x, scales, recv_x, recv_scales);
+    return run(stream, caller, join);
   }
-
- private:
-  const IpcBuffer* buffer_;
-  const StreamJoin* join_;
-  DispatchArgs a_;
 };
 
 // Combine along a handle's routing.
-class CombinePlan {
+class CombinePlan : public RingPlan<CombineArgs, launch_combine> {
  public:
   CombinePlan(const IpcBuffer& b, const StreamJoin& join, uint64_t timeout_ns, uintptr_t is_token_in_rank,
               uintptr_t recv_channel_offset, int dtype, int num_tokens, int hidden, int num_topk, int num_x_rows,
               int num_channels, int chunk, int num_slots, int slot_bytes, int protocol)
-      : buffer_(&b),
-        join_(&join),
-        a_(ring_combine_args(b, timeout_ns, is_token_in_rank, recv_channel_offset, dtype, num_tokens, hidden, num_topk,
-                             num_x_rows, num_channels, chunk, num_slots, slot_bytes, protocol)) {}
+      : RingPlan(b, join,
+                 ring_combine_args(b, timeout_ns, is_token_in_rank, recv_channel_offset, dtype, num_tokens, hidden,
+                                   num_topk, num_x_rows, num_channels, chunk, num_slots, slot_bytes, protocol)) {}
 
   bool launch(uintptr_t x, uintptr_t topk_weights, uintptr_t bias0, uintptr_t bias1, uintptr_t out,
               uintptr_t out_topk_weights, uintptr_t stream, uintptr_t caller, int join) {
-    if (!usable(*buffer_)) return false;
-    a_.x = ptr<const uint8_t>(x);
-    a_.topk_weights = ptr<const float>(topk_weights);
-    a_.bias0 = ptr<const uint8_t>(bias0);
-    a_.bias1 = ptr<const uint8_t>(bias1);
-    a_.out = ptr<uint8_t>(out);
-    a_.out_topk_weights = ptr<float>(out_topk_weights);
-    join_->run(stream_of(stream), stream_of(caller), join, [&] { launch_combine(a_, stream_of(stream)); });
-    return true;
+    if (!ready()) return false;
+    set_combine_tensors(a_, x, topk_weights, bias0, bias1, out, out_topk_weights);
+    return run(stream, caller, join);
   }
-
- private:
-  const IpcBuffer* buffer_;
-  const StreamJoin* join_;
-  CombineArgs a_;
 };
 
 }  // namespace
