@@ -516,15 +516,10 @@ __global__ void __launch_bounds__(kStreamCombineThreads, 1) combine_stream_kerne
   const int warps = kStreamCombineWarps / num_ranks;  // sender warps per ring
   const bool extra = warp == kStreamCombineWarps;     // publisher (sender block) or release warp (receiver)
   auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
-  // Ring counters at kernel start, read before the barrier (the publisher rewrites tail_copy). Sender: of
-  // the warp's ring (lane p's for the publisher); receiver: lane d holds ring d's head.
+  // The ring whose counter this thread starts from. Sender: the warp's ring (lane p's for the publisher);
+  // receiver: lane d holds ring d's head.
   const int ring = sender && !extra ? warp / warps : lane;
-  uint64_t base = 0;
-  if (ring < num_ranks) {
-    base = *reinterpret_cast<volatile uint64_t*>(sender ? &ctl->tail_copy[c][ring] : &ctl->head_copy[c][ring]);
-  }
-  board_init(board);
-  __syncthreads();
+  const uint64_t base = stream_block_start(ctl, board, c, ring, num_ranks, sender);
   const Watchdog dog = make_watchdog(a.c.timeout_ns, me, &ctl->timeout_claim, &a.c.mailbox->timeout);
   if (!sender) {
     stream_receive<T, kRanks>(a, c, warp, lane, base, board, dog);

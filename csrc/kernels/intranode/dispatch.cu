@@ -442,14 +442,9 @@ __global__ void __launch_bounds__(kStreamThreads, 1) dispatch_stream_kernel(Disp
   const int warps = kStreamCopyWarps / num_ranks;  // copy warps per ring
   const bool publisher = warp == kStreamCopyWarps;
   auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
-  // Each ring's counter at kernel start, read before the barrier: the publisher rewrites tail_copy.
+  // The ring whose counter this thread starts from (the publisher's lane p: ring p).
   const int ring = publisher ? lane : warp / warps;
-  uint64_t base = 0;
-  if (ring < num_ranks) {
-    base = *reinterpret_cast<volatile uint64_t*>(sender ? &ctl->tail_copy[c][ring] : &ctl->head_copy[c][ring]);
-  }
-  board_init(board);
-  __syncthreads();
+  const uint64_t base = stream_block_start(ctl, board, c, ring, num_ranks, sender);
 
   if (!sender && a.pad_rows) pad_worst_rows(a, c);
   if (publisher) {

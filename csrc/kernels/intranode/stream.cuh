@@ -67,6 +67,20 @@ __device__ __forceinline__ void board_leave(StreamBoard& b, int ring, int warp, 
   }
 }
 
+// Every thread of a stream kernel's block (2c sends channel c, 2c + 1 receives it), at the start: the counter
+// of `ring` as this side last published it (sender: the tail; receiver: the head), read before the barrier
+// because the publisher rewrites the copies; then the board, and the barrier. 0 when ring >= num_ranks.
+__device__ __forceinline__ uint64_t stream_block_start(const Control* ctl, StreamBoard& board, int c, int ring,
+                                                       int num_ranks, bool sender) {
+  uint64_t base = 0;
+  if (ring < num_ranks) {
+    base = *reinterpret_cast<const volatile uint64_t*>(sender ? &ctl->tail_copy[c][ring] : &ctl->head_copy[c][ring]);
+  }
+  board_init(board);
+  __syncthreads();
+  return base;
+}
+
 // Both protocols, whole sender group of ring `ring` (the `threads` threads of named barrier 1 + ring): its first
 // thread waits until peer `ring` has drained what an earlier call sent into this ring (channel.cuh,
 // drain_previous: the slot layout may have changed since), then every thread of the group learns the outcome
