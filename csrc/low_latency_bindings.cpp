@@ -33,8 +33,8 @@ class Launcher {
     MOE_CHECK(hidden % 128 == 0 && hidden <= kMaxHidden, "low_latency: bad hidden size");
     MOE_CHECK(num_blocks >= 1, "low_latency: num_blocks must be positive");
     MOE_CHECK((variant & ~kVariantMask) == 0, "low_latency: unknown kernel variant bits");
-    MOE_CHECK(!(variant & kVariantDispatchDedup) || num_experts / num_ranks >= 2,
-              "low_latency: the dedup dispatch needs at least two experts per rank");
+    MOE_CHECK(!(variant & (kVariantDispatchDedup | kVariantCombinePerRank)) || num_experts / num_ranks >= 2,
+              "low_latency: the dedup dispatch and the per-rank combine need at least two experts per rank");
     MOE_CHECK((dispatch_trace == 0 && combine_trace == 0) || num_blocks <= kTraceMaxBlocks,
               "low_latency: the phase trace records at most TRACE_MAX_BLOCKS blocks");
     c_.buffer = ptr<uint8_t>(buffer);
@@ -54,7 +54,7 @@ class Launcher {
   }
 
   void dispatch(uintptr_t x, uintptr_t topk_idx, int num_tokens, int num_topk, bool fp8, bool round_scale,
-                bool ue8m0, uintptr_t recv_x, uintptr_t recv_scales, uintptr_t src_info,
+                bool ue8m0, uintptr_t recv_x, uintptr_t recv_scales, uintptr_t src_info, uintptr_t row_of,
                 uintptr_t layout_range, uintptr_t recv_count, uintptr_t cum_stats, uintptr_t wait_stats,
                 int phases, uintptr_t stream) const {
     const Common c = call_context("dispatch", num_tokens, num_topk, dispatch_trace_);
@@ -69,6 +69,7 @@ class Launcher {
     a.recv_x = ptr<void>(recv_x);
     a.recv_scales = ptr<void>(recv_scales);
     a.src_info = ptr<int>(src_info);
+    a.row_of = ptr<int>(row_of);
     a.layout_range = ptr<int64_t>(layout_range);
     a.recv_count = ptr<int>(recv_count);
     a.cumulative_recv_stats = ptr<int>(cum_stats);
@@ -76,19 +77,21 @@ class Launcher {
     launch_dispatch(c, a, phases, stream_of(stream));
   }
 
-  void combine(uintptr_t x, uintptr_t topk_idx, uintptr_t topk_weights, uintptr_t src_info,
-               uintptr_t layout_range, uintptr_t out, int num_tokens, int num_topk, uintptr_t wait_stats,
-               int phases, uintptr_t stream) const {
+  void combine(uintptr_t x, uintptr_t topk_idx, uintptr_t topk_weights, uintptr_t src_info, uintptr_t row_of,
+               uintptr_t layout_range, uintptr_t out, int num_tokens, int num_topk, bool rank_partials,
+               uintptr_t wait_stats, int phases, uintptr_t stream) const {
     const Common c = call_context("combine", num_tokens, num_topk, combine_trace_);
     CombineArgs a{};
     a.x = ptr<const void>(x);
     a.topk_idx = ptr<const int64_t>(topk_idx);
     a.topk_weights = ptr<const float>(topk_weights);
     a.src_info = ptr<const int>(src_info);
+    a.row_of = ptr<const int>(row_of);
     a.layout_range = ptr<const int64_t>(layout_range);
     a.out = ptr<void>(out);
     a.num_tokens = num_tokens;
     a.num_topk = num_topk;
+    a.rank_partials = rank_partials;
     a.wait_stats = ptr<int64_t>(wait_stats);
     launch_combine(c, a, phases, stream_of(stream));
   }
@@ -121,6 +124,7 @@ void register_low_latency(py::module_& parent) {
   m.attr("PHASE_SEND") = kPhaseSend;
   m.attr("PHASE_RECV") = kPhaseRecv;
   m.attr("VARIANT_DISPATCH_DEDUP") = kVariantDispatchDedup;
+  m.attr("VARIANT_COMBINE_PER_RANK") = kVariantCombinePerRank;
   m.attr("VARIANT_MASK") = kVariantMask;
   // Phase trace (low_latency.h, kTrace*): one record is TRACE_WORDS int64 words; events of block b at
   // [b * TRACE_EVENTS + index], the SM id at TRACE_SMID, per-pair words from TRACE_PAIR_{SENT,WAIT,SEEN}.
@@ -150,6 +154,7 @@ void register_low_latency(py::module_& parent) {
     c["wait_done"] = kTraceCWaitDone;
     c["reduce_done"] = kTraceCReduceDone;
     c["exit"] = kTraceCExit;
+    c["routed"] = kTraceCRouted;
     m.attr("TRACE_DISPATCH_EVENTS") = d;
     m.attr("TRACE_COMBINE_EVENTS") = c;
   }
@@ -182,12 +187,12 @@ void register_low_latency(py::module_& parent) {
            py::arg("dispatch_trace"), py::arg("combine_trace"))
       .def("dispatch", &Launcher::dispatch,
            "dispatch(x, topk_idx, num_tokens, num_topk, fp8, round_scale, ue8m0, recv_x, recv_scales, "
-           "src_info, layout_range, recv_count, cum_stats, wait_stats, phases, stream): enqueue the "
+           "src_info, row_of, layout_range, recv_count, cum_stats, wait_stats, phases, stream): enqueue the "
            "dispatch kernel (addresses as ints, 0 = none; phases: PHASE_SEND | PHASE_RECV).")
       .def("combine", &Launcher::combine,
-           "combine(x, topk_idx, topk_weights, src_info, layout_range, out, num_tokens, num_topk, "
-           "wait_stats, phases, stream): enqueue the combine kernel (x = 0: zero-copy, rows in the send "
-           "region).");
+           "combine(x, topk_idx, topk_weights, src_info, row_of, layout_range, out, num_tokens, num_topk, "
+           "rank_partials, wait_stats, phases, stream): enqueue the combine kernel (x = 0: zero-copy, rows "
+           "in the send region; rank_partials: the per-rank reduction order).");
 }
 
 }  // namespace moe_dispatcher

@@ -302,6 +302,38 @@ def low_latency_combine(topk_idx: torch.Tensor, topk_weights: torch.Tensor, slot
     return acc.to(torch.bfloat16)
 
 
+def low_latency_combine_per_rank(topk_idx: torch.Tensor, topk_weights: torch.Tensor, slot_rows: torch.Tensor,
+                                 num_local: int) -> torch.Tensor:
+    """The per-rank order: for each token, the ranks of its picks (rank = expert // num_local) in the order of
+    their first pick; rank d contributes part_d = sum over its picks k ascending of w[t, k] * float(row) (float32),
+    rounded to bf16 when it has two picks or more; out[t] = bf16(sum of the parts in that order, float32)."""
+    topk_idx, topk_weights, slot_rows = topk_idx.cpu(), topk_weights.cpu(), slot_rows.cpu()
+    t_count, k_count = topk_idx.shape
+    out = torch.zeros(t_count, slot_rows.shape[-1], dtype=torch.bfloat16)
+    for t in range(t_count):
+        ranks: list[int] = []  # in the order of their first pick
+        picks: dict[int, list[int]] = {}
+        for k in range(k_count):
+            e = int(topk_idx[t, k])
+            if e < 0:
+                continue
+            d = e // num_local
+            if d not in picks:
+                ranks.append(d)
+                picks[d] = []
+            picks[d].append(k)
+        acc = torch.zeros(slot_rows.shape[-1], dtype=torch.float32)
+        for d in ranks:
+            part = torch.zeros(slot_rows.shape[-1], dtype=torch.float32)
+            for k in picks[d]:
+                part = part + topk_weights[t, k].float() * slot_rows[t, k].float()
+            if len(picks[d]) >= 2:
+                part = part.to(torch.bfloat16).float()
+            acc = acc + part
+        out[t] = acc.to(torch.bfloat16)
+    return out
+
+
 # ------------------------------------------------------------------------------------------ test inputs
 def generator(*parts: int) -> torch.Generator:
     """A CPU generator seeded from integers: the same on every rank, independent of call order."""

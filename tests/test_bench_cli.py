@@ -74,12 +74,17 @@ def test_json_records(run):
     nccl = next(r for r in recs if r["op"] == "nccl-a2a dispatch-bf16" and r["section"] == "nccl")
     assert nccl["bytes_logical"] == bf16["bytes_logical"], "the NCCL baseline must move the same rows"
     # low-latency: valid selections x (H + H/128*4 + 16) for dispatch, x 2H for combine (all T*K slots valid)
-    ll = {r["op"]: r for r in recs if r["section"] == "low-latency" and r.get("path") == "events"}
-    assert set(ll) == {"dispatch", "combine", "dispatch+combine"}
-    sel = 8 * 4
-    assert ll["dispatch"]["bytes_logical"] == [sel * (h + h // 128 * 4 + 16)] * 2
-    assert ll["combine"]["bytes_logical"] == [sel * 2 * h] * 2
-    assert "nccl" in ll["dispatch"]
+    # Both combine orders are timed (--ll-reductions default); the baseline sits with the first.
+    for reduction in ("per_rank", "per_expert"):
+        ll = {r["op"]: r for r in recs if r["section"] == "low-latency" and r.get("path") == "events"
+              and r.get("reduction") == reduction}
+        assert set(ll) == {"dispatch", "combine", "dispatch+combine"}, reduction
+        sel = 8 * 4
+        assert ll["dispatch"]["bytes_logical"] == [sel * (h + h // 128 * 4 + 16)] * 2
+        assert ll["combine"]["bytes_logical"] == [sel * 2 * h] * 2
+        assert ("nccl" in ll["dispatch"]) == (reduction == "per_rank")
+        # physical: the per-rank order sends one row per (token, other rank) it picks, never more than per expert
+        assert all(0 < p <= sel * 2 * h for p in ll["combine"]["bytes_physical"]), ll["combine"]["bytes_physical"]
 
 
 def test_out_dir_files(run):

@@ -4,10 +4,13 @@ Each world holds a Buffer forced onto the compiled kernels and a reference Buffe
 Dispatch must deliver the same counts, layout and (source, token) rows as the reference (the kernels also
 place them in the reference's order), with payloads equal to the senders'
 rows (BF16) or to the CPU oracle's cast of them (FP8 bytes and scales); combine must be bit-identical (the
-kernels add float32 products in slot order, as the reference does). Longer runs (1000 alternating calls,
-CUDA graph replays) check combine(dispatch(x)) against the locally computed weighted sum.
-Every case runs under each kernel variant of MOE_LL_TEST_VARIANTS (default "0,2": per-expert or dedup
-dispatch), the last dedup one also on a grid smaller than the token count (the kernels' multi-token and multi-batch paths).
+kernels add float32 products in the reference's order, per-rank or per-expert). Longer runs (1000 alternating
+calls, CUDA graph replays) check combine(dispatch(x)) against the locally computed weighted sum.
+Every case runs under each kernel variant of MOE_LL_TEST_VARIANTS (default "0,2,4,6": per-expert or dedup
+dispatch, per-expert rows or per-rank partial rows in the combine) with the per-rank reduction, the last
+variant also on a grid smaller than the token count (the kernels' multi-token and multi-batch paths) and with
+the per-expert reduction. The loops run under MOE_LL_LOOP_CONFIGS (variant:reduction, default
+"6:per_rank,4:per_rank,2:per_expert").
 """
 from __future__ import annotations
 
@@ -22,12 +25,15 @@ import torch.distributed as dist
 from dist import GPU_WORLD_SIZES, assert_equal, case, device, make_buffer, run_distributed
 
 from moe_dispatcher import Buffer
-from moe_dispatcher.compiled.low_latency import VARIANT_DISPATCH_DEDUP, variant_name
+from moe_dispatcher.compiled.low_latency import variant_name
+from moe_dispatcher.reference.low_latency import weighted_sum_per_rank
 
 pytestmark = pytest.mark.gpu
 WORLD_SIZES = GPU_WORLD_SIZES
 MAX_T, MAX_H, MAX_E = 128, 7168, 256
-VARIANTS = [int(v) for v in os.environ.get("MOE_LL_TEST_VARIANTS", "0,2").split(",")]
+VARIANTS = [int(v) for v in os.environ.get("MOE_LL_TEST_VARIANTS", "0,2,4,6").split(",")]
+LOOP_CONFIGS = [(int(v), red) for v, red in (item.split(":") for item in
+                os.environ.get("MOE_LL_LOOP_CONFIGS", "6:per_rank,4:per_rank,2:per_expert").split(","))]
 SMALL_GRID = 24  # blocks: fewer than MAX_T tokens
 TINY_GRID = 1  # one block: it sends every token and publishes every expert's count (E > the block's threads)
 
@@ -148,8 +154,13 @@ def _expert_outputs(recv_x, recv_count, num_ranks: int, rank: int) -> torch.Tens
     return torch.where((rows[None] < recv_count[:, None])[:, :, None], y, torch.full_like(y, float("nan")))
 
 
-def _local_combine(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """What combine(dispatch(x)) returns when experts are the identity: bf16(sum_k w_k * x), k ascending."""
+def _local_combine(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, num_experts: int, num_ranks: int,
+                   reduction: str = "per_rank") -> torch.Tensor:
+    """What combine(dispatch(x)) returns when experts are the identity: per_expert: bf16(sum_k w_k * x), k
+    ascending; per_rank: the reference's per-rank order."""
+    if reduction == "per_rank":
+        vals = x.float().unsqueeze(1).expand(-1, idx.shape[1], -1)
+        return weighted_sum_per_rank(vals, idx, w, num_experts // num_ranks, num_ranks)
     acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     xf = x.float()
     for k in range(idx.shape[1]):
@@ -172,17 +183,21 @@ def _call(buf, mode: str, fn, **kw):
 
 
 def _configs(ll) -> list:
-    """(variant, grid) pairs the cases run under: every variant on the full grid, the last dedup one also on a
-    small and a one-block grid."""
-    full = ll.num_blocks
-    dedup = [v for v in VARIANTS if v & VARIANT_DISPATCH_DEDUP]
-    return [(v, full) for v in VARIANTS] + [(v, g) for v in dedup[-1:] for g in (SMALL_GRID, TINY_GRID)]
+    """(variant, grid, reduction) the cases run under: every variant on the full grid with the per-rank
+    reduction, the last one also on a small and a one-block grid, and with the per-expert reduction."""
+    full, last = ll.num_blocks, VARIANTS[-1]
+    return ([(v, full, "per_rank") for v in VARIANTS] + [(last, g, "per_rank") for g in (SMALL_GRID, TINY_GRID)]
+            + [(last, full, "per_expert")])
 
 
-def _use(ll, variant: int, blocks: int) -> str:
+def _use(buffers, variant: int, blocks: int, reduction: str = "per_rank") -> str:
+    """Put the kernels' Buffer (first) on `variant` and `blocks`, and every Buffer on `reduction`."""
+    ll = buffers[0]._kernels_ll
+    for buf in buffers:
+        buf.low_latency_combine_reduction = reduction
     ll.set_variant(variant)
     ll._num_blocks = blocks
-    return f"[{variant_name(variant)}, {blocks} blocks]"
+    return f"[{variant_name(variant)}, {blocks} blocks, {reduction}]"
 
 
 def _cases_worker(rank: int, num_ranks: int) -> None:
@@ -198,12 +213,12 @@ def _cases_worker(rank: int, num_ranks: int) -> None:
                 raise AssertionError(f"{shape}: compiled layout {got} != hint")
     full_grid = ll.num_blocks
     inputs = {}  # case index -> (every rank's x, their FP8 casts): the same under every variant
-    for variant, blocks in _configs(ll):
-        label = _use(ll, variant, blocks)
+    for variant, blocks, reduction in _configs(ll):
+        label = _use((kb, rb), variant, blocks, reduction)
         for ci, c in enumerate(CASES):
             _one_case(kb, rb, rank, num_ranks, ci, c, label, inputs)
     for variant in VARIANTS:
-        with case(f"{_use(ll, variant, full_grid)} garbage in the NVSHMEM buffer, clean_low_latency_buffer, "
+        with case(f"{_use((kb, rb), variant, full_grid)} garbage in the NVSHMEM buffer, clean_low_latency_buffer, "
                   "then calls work"):
             h, e = 2048, 32
             kb.get_local_buffer_tensor(torch.uint8, use_rdma_buffer=True).fill_(0x5A)
@@ -212,7 +227,7 @@ def _cases_worker(rank: int, num_ranks: int) -> None:
             idx = torch.rand(MAX_T, e, device=dev).topk(8, dim=1).indices
             w = torch.rand(MAX_T, 8, device=dev)
             recv, _, handle, _, _ = kb.low_latency_dispatch(x, idx, MAX_T, e, use_fp8=False)
-            assert_equal(kb.low_latency_combine(recv, idx, w, handle)[0], _local_combine(x, idx, w),
+            assert_equal(kb.low_latency_combine(recv, idx, w, handle)[0], _local_combine(x, idx, w, e, num_ranks),
                          "combine after clean", bitwise=True)
 
     with case("hidden above the kernels' maximum: a clear error before launch"):
@@ -282,8 +297,12 @@ def _loop_worker(rank: int, num_ranks: int, iterations: int, replays: int) -> No
         idx = torch.where(torch.rand(t, k, device=dev) < 0.2, torch.full_like(idx, -1), idx)
         return x, idx, torch.rand(t, k, device=dev)
 
-    for variant in VARIANTS:
-        label = _use(ll, variant, ll.num_blocks)
+    for variant, reduction in LOOP_CONFIGS:
+        label = _use((kb,), variant, ll.num_blocks, reduction)
+
+        def want(x, idx, w):
+            return _local_combine(x, idx, w, e, num_ranks, reduction)
+
         with case(f"{label} {iterations} alternating dispatch/combine calls, fresh data, checked at the end"):
             for it in range(iterations):
                 x, idx, w = fresh(rng.randint(0, MAX_T))
@@ -297,7 +316,7 @@ def _loop_worker(rank: int, num_ranks: int, iterations: int, replays: int) -> No
                 else:
                     out = _call(kb, mode, kb.low_latency_combine, x=recv, topk_idx=idx, topk_weights=w,
                                 handle=handle)[0]
-                bad += (out.view(torch.int16) != _local_combine(x, idx, w).view(torch.int16)).sum()
+                bad += (out.view(torch.int16) != want(x, idx, w).view(torch.int16)).sum()
             if int(bad):
                 raise AssertionError(f"{int(bad)} combined elements differ over {iterations} iterations")
 
@@ -317,13 +336,13 @@ def _loop_worker(rank: int, num_ranks: int, iterations: int, replays: int) -> No
                 idxs.copy_(idx)
                 ws.copy_(w)
                 graph.replay()
-                bad += (out_s.view(torch.int16) != _local_combine(x, idx, w).view(torch.int16)).sum()
+                bad += (out_s.view(torch.int16) != want(x, idx, w).view(torch.int16)).sum()
             if int(bad):
                 raise AssertionError(f"{int(bad)} combined elements differ over {replays} graph replays")
         with case(f"{label} calls after the graph"):
             x, idx, w = fresh(MAX_T)
             recv, _, handle, _, _ = kb.low_latency_dispatch(x, idx, MAX_T, e, use_fp8=False)
-            assert_equal(kb.low_latency_combine(recv, idx, w, handle)[0], _local_combine(x, idx, w), "after graph",
+            assert_equal(kb.low_latency_combine(recv, idx, w, handle)[0], want(x, idx, w), "after graph",
                          bitwise=True)
         dist.barrier()
         del graph
@@ -354,7 +373,7 @@ def _switch_worker(rank: int, num_ranks: int) -> str:
         with case(f"round {rnd}: clean_low_latency_buffer, then low-latency calls"):
             buf.clean_low_latency_buffer(MAX_T, h, e)
             recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, MAX_T, e, use_fp8=False)
-            assert_equal(buf.low_latency_combine(recv, idx, w, handle)[0], _local_combine(x, idx, w),
+            assert_equal(buf.low_latency_combine(recv, idx, w, handle)[0], _local_combine(x, idx, w, e, num_ranks),
                          "low-latency combine after normal use", bitwise=True)
     dist.barrier()
     buf.destroy()
@@ -407,8 +426,8 @@ def test_low_latency_cases(world_size: int) -> None:
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_low_latency_loop_and_graph(world_size: int) -> None:
-    """Per variant: 1000 alternating calls (plain/hook/async/zero-copy) and 100 CUDA-graph replays with fresh
-    inputs."""
+    """Per MOE_LL_LOOP_CONFIGS entry: 1000 alternating calls (plain/hook/async/zero-copy) and 100 CUDA-graph
+    replays with fresh inputs."""
     run_distributed(_loop_worker, world_size, 1000, 100, backend="nccl", timeout=600)
 
 

@@ -3,8 +3,9 @@
 The stub's Launcher takes exactly the positional arguments of csrc/low_latency_bindings.cpp (Launcher.dispatch /
 Launcher.combine) and records them, so a wrong count or order fails here instead of on a GPU. Checked: one launch
 per plain call with the outputs' addresses, plans made once per (maxT, hidden, experts, top-k, half) and dropped
-by set_variant, the dedup bit cleared for one local expert, the signal words cleaned when the shapes change, and
-hooks / async_finish still going through the stream path.
+by set_variant and set_rank_partials, the dedup and per-rank bits cleared for one local expert, the per-rank bit
+cleared for the per-expert reduction, the signal words cleaned when the shapes change, and hooks / async_finish
+still going through the stream path.
 """
 from __future__ import annotations
 
@@ -28,15 +29,16 @@ class _Launcher:
         _Launcher.made.append(self)
 
     def dispatch(self, x, topk_idx, num_tokens, num_topk, fp8, round_scale, ue8m0, recv_x, recv_scales, src_info,
-                 layout_range, recv_count, cum_stats, wait_stats, phases, stream):
-        assert all(isinstance(v, int) for v in (x, topk_idx, recv_x, recv_scales, src_info, layout_range, recv_count,
-                                                cum_stats, wait_stats, phases, stream))
+                 row_of, layout_range, recv_count, cum_stats, wait_stats, phases, stream):
+        assert all(isinstance(v, int) for v in (x, topk_idx, recv_x, recv_scales, src_info, row_of, layout_range,
+                                                recv_count, cum_stats, wait_stats, phases, stream))
         self.calls.append(("dispatch", dict(locals())))
 
-    def combine(self, x, topk_idx, topk_weights, src_info, layout_range, out, num_tokens, num_topk, wait_stats,
-                phases, stream):
-        assert all(isinstance(v, int) for v in (x, topk_idx, topk_weights, src_info, layout_range, out, wait_stats,
-                                                phases, stream))
+    def combine(self, x, topk_idx, topk_weights, src_info, row_of, layout_range, out, num_tokens, num_topk,
+                rank_partials, wait_stats, phases, stream):
+        assert all(isinstance(v, int) for v in (x, topk_idx, topk_weights, src_info, row_of, layout_range, out,
+                                                wait_stats, phases, stream))
+        assert isinstance(rank_partials, bool)
         self.calls.append(("combine", dict(locals())))
 
 
@@ -50,14 +52,14 @@ def backend(monkeypatch):
     stream = types.SimpleNamespace(cuda_stream=7, wait_stream=lambda other: None)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
     mod = types.SimpleNamespace(MAX_HIDDEN=16384, MAX_EXPERTS=1024, MAX_TOPK=32, PHASE_SEND=1, PHASE_RECV=2,
-                                VARIANT_MASK=2, Launcher=_Launcher, half_layout=_half_layout)
+                                VARIANT_MASK=6, Launcher=_Launcher, half_layout=_half_layout)
     b = object.__new__(LowLatencyBackend)
     b._mod, b.rank, b.num_ranks, b.num_bytes = mod, 0, 4, 1 << 30
     b._buffer_token, b.timeout_s, b._num_blocks, b._ptr = 1, 10.0, 132, 4096
     b._peer_bases = b._workspace = torch.zeros(4, dtype=torch.int64)
     b.nvlink_peers, b._trace, b._trace_last, b._alive = 4, None, {}, True
-    b._checked, b._layout_key, b._phase_both = set(), None, 3
-    b.set_variant(ll.VARIANT_DISPATCH_DEDUP)
+    b._checked, b._layout_key, b._phase_both, b.rank_partials = set(), None, 3, True
+    b.set_variant(ll.DEFAULT_VARIANT)
     cleaned = []
     b.clean_low_latency_buffer = lambda *shape: cleaned.append(shape)
     b.cleaned = cleaned
@@ -88,9 +90,11 @@ def test_plain_dispatch_one_launch_with_output_addresses(backend):
     assert a["recv_count"] == recv_count.data_ptr() and a["cum_stats"] == 0 and a["wait_stats"] == 0
     assert data.shape == (4, 32, 256) and data.dtype == torch.float8_e4m3fn
     assert scales.shape == (4, 32, 2) and scales.stride() == (64, 1, 32)
-    assert handle.num_tokens == 5 and handle.backend_state == LowLatencyState(0)
+    state = handle.backend_state
+    assert handle.num_tokens == 5 and isinstance(state, LowLatencyState) and state.half == 0
+    assert state.row_of.shape == handle.src_info.shape == (4, 32) and a["row_of"] == state.row_of.data_ptr()
     assert launcher.fields == dict(half_offset=0, num_experts=16, max_tokens=8, hidden=256,
-                                   variant=ll.VARIANT_DISPATCH_DEDUP)
+                                   variant=ll.VARIANT_DISPATCH_DEDUP | ll.VARIANT_COMBINE_PER_RANK)
 
 
 def test_plans_cached_per_half_and_dropped_by_set_variant(backend):
@@ -103,6 +107,10 @@ def test_plans_cached_per_half_and_dropped_by_set_variant(backend):
     assert len(_Launcher.made) == 3 and _Launcher.made[-1].fields["variant"] == 0
     with pytest.raises(ValueError, match="unknown low-latency kernel variant"):
         backend.set_variant(1)
+    backend.set_variant(ll.DEFAULT_VARIANT)
+    backend.set_rank_partials(False)  # the per-expert reduction: the per-rank combine kernel is not used
+    _dispatch(backend)
+    assert len(_Launcher.made) == 4 and _Launcher.made[-1].fields["variant"] == ll.VARIANT_DISPATCH_DEDUP
 
 
 def test_one_local_expert_clears_dedup_and_shape_change_cleans(backend):
@@ -124,6 +132,7 @@ def test_combine_plain_and_hook(backend):
     ((_, d), (kind, a)) = _Launcher.made[0].calls + _Launcher.made[1].calls
     assert kind == "combine" and hook is None and out.shape == (5, 256) and a["phases"] == 3
     assert a["x"] == y.data_ptr() and a["out"] == out.data_ptr() and a["src_info"] == handle.src_info.data_ptr()
+    assert a["row_of"] == handle.backend_state.row_of.data_ptr() and a["rank_partials"] is True
     assert (a["num_tokens"], a["num_topk"]) == (5, 4)
     out, _, hook = backend.low_latency_combine(y, idx, w, handle, True, False, True, out, None, 0,
                                                lambda receive: receive)

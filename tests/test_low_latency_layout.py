@@ -3,6 +3,7 @@
 * get_low_latency_rdma_size_hint never exceeds DeepEP V1's formula, and the dedup staging and flags fit the
   layout it sizes (a Python mirror of csrc/kernels/low_latency/low_latency.h half_layout; the GPU tests check
   that the compiled half_layout gives the same total).
+* The per-rank combine's partial rows, routing and flags fit the same layout.
 * The variant switches (MOE_DISPATCHER_LL_VARIANT / _DISPATCH).
 * A model of what the dedup kernels compute (dispatch_dedup_send.cuh: slots, message indices, picks grouped
   by destination; dispatch_dedup_recv.cuh: placement and expansion) lands every (source, token, expert)
@@ -18,6 +19,7 @@ import torch
 from moe_dispatcher.buffer import Buffer
 from moe_dispatcher.compiled.low_latency import (
     DISPATCH_ENV,
+    VARIANT_COMBINE_PER_RANK,
     VARIANT_DISPATCH_DEDUP,
     VARIANT_ENV,
     variant_from_env,
@@ -77,16 +79,29 @@ def test_dedup_staging_and_flags_fit():
         assert lay["msg"] + 4 * (1 + min(MAX_TOPK, e // r)) <= lay["dedup_slot"]
 
 
+def test_per_rank_combine_rows_and_routing_fit():
+    """The per-rank combine's partial rows [R][maxT][H] bf16 and the routing [R][maxT][K] int2 (K up to 32) fit
+    the receive region, and its flags [R] + [R][maxT] the signal words, whenever it is used (L >= 2)."""
+    for t, h, r, e in SHAPES:
+        if e // r < 2:
+            continue  # one expert per rank: the per-expert combine
+        lay = half_layout(t, h, r, e)
+        assert r * t * 2 * h + r * t * MAX_TOPK * 8 <= lay["recv"], (t, h, r, e)
+        assert lay["flags_words"] >= r + r * t, (t, h, r, e)
+
+
 def test_variant_env():
-    assert variant_from_env({}) == VARIANT_DISPATCH_DEDUP  # the default
+    assert variant_from_env({}) == VARIANT_DISPATCH_DEDUP | VARIANT_COMBINE_PER_RANK  # the default
     assert variant_from_env({VARIANT_ENV: "0"}) == 0
-    assert variant_from_env({DISPATCH_ENV: "dedup"}) == VARIANT_DISPATCH_DEDUP
+    assert variant_from_env({DISPATCH_ENV: "dedup"}) == VARIANT_DISPATCH_DEDUP | VARIANT_COMBINE_PER_RANK
     assert variant_from_env({VARIANT_ENV: "2", DISPATCH_ENV: "per_expert"}) == 0
+    assert variant_from_env({DISPATCH_ENV: "per_expert"}) == VARIANT_COMBINE_PER_RANK
     assert variant_from_env({VARIANT_ENV: "0", DISPATCH_ENV: "dedup"}) == VARIANT_DISPATCH_DEDUP
     with pytest.raises(ValueError):
         variant_from_env({DISPATCH_ENV: "per-expert"})
     assert variant_name(0) == "per_expert"
     assert variant_name(VARIANT_DISPATCH_DEDUP) == "dedup"
+    assert variant_name(VARIANT_DISPATCH_DEDUP | VARIANT_COMBINE_PER_RANK) == "dedup+rank_combine"
 
 
 # ------------------------------------------------------------------------------------ model of the dedup kernels

@@ -231,13 +231,16 @@ def expert_outputs(recv_x: torch.Tensor, rows: list[list[tuple]], rank: int, num
     return y
 
 
-def expected_combine(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def expected_combine(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, reduction: str = "per_expert",
+                     num_local: int = 1) -> torch.Tensor:
     k = idx.shape[1]
     slot_rows = torch.zeros(x.shape[0], k, x.shape[1], dtype=torch.bfloat16)
     for t in range(x.shape[0]):
         for j in range(k):
             if int(idx[t, j]) >= 0:
                 slot_rows[t, j] = (x[t].float() * FACTORS[int(idx[t, j]) % 4]).to(torch.bfloat16)
+    if reduction == "per_rank":
+        return oracle.low_latency_combine_per_rank(idx, w, slot_rows, num_local)
     return oracle.low_latency_combine(idx, w, slot_rows)
 
 
@@ -252,15 +255,16 @@ def _ll_combine_worker(rank: int, num_ranks: int) -> None:
     dev = device()
     reference = dev.type == "cpu"
     buf = make_low_latency_buffer(LL_COMBINE_CASES, num_ranks)
-    for ci, c in enumerate(LL_COMBINE_CASES):
+    for ci, c, reduction in [(ci, c, red) for red in ("per_rank", "per_expert") for ci, c in enumerate(LL_COMBINE_CASES)]:
+        buf.low_latency_combine_reduction = reduction
         num_local, max_tokens, hidden = c["L"], c["maxT"], c["H"]
         for x_kind in ("grid", "randn"):
             xs, idxs, ws, num_experts = _routing(c, 500 + ci, num_ranks, x_kind)
             x, idx, w = xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev)
-            want = expected_combine(xs[rank], idxs[rank], ws[rank])
+            want = expected_combine(xs[rank], idxs[rank], ws[rank], reduction, num_local)
             check = functools.partial(_check_combined, want=want, exact=x_kind == "grid" or reference)
 
-            with case(f"{c['name']} {x_kind}: dispatch + weighted combine"):
+            with case(f"{c['name']} {x_kind} ({reduction}): dispatch + weighted combine"):
                 recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(x, idx, max_tokens, num_experts,
                                                                             use_fp8=False)
                 rows = check_ll_layout(recv_count, handle, idxs, num_experts, max_tokens, hidden, rank, reference,
@@ -375,8 +379,10 @@ def _ll_halves_worker(rank: int, num_ranks: int, iterations: int) -> None:
             out_b = buf.low_latency_combine(torch.full_like(send_b, float("nan")), b_in[1][rank].to(dev),
                                             b_in[2][rank].to(dev), b[2], zero_copy=True,
                                             combine_wait_recv_cost_stats=combine_wait)[0]
-            assert_equal(out_a, expected_combine(a_in[0][rank], a_in[1][rank], a_in[2][rank]), "combine A")
-            assert_equal(out_b, expected_combine(b_in[0][rank], b_in[1][rank], b_in[2][rank]), "combine B")
+            assert_equal(out_a, expected_combine(a_in[0][rank], a_in[1][rank], a_in[2][rank], "per_rank", num_local),
+                         "combine A")
+            assert_equal(out_b, expected_combine(b_in[0][rank], b_in[1][rank], b_in[2][rank], "per_rank", num_local),
+                         "combine B")
             for name, stats in (("dispatch", dispatch_wait), ("combine", combine_wait)):
                 if bool((stats < 0).any()):
                     raise AssertionError(f"{name}_wait_recv_cost_stats went negative: {stats}")

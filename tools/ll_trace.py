@@ -59,6 +59,8 @@ DURATIONS = {
         ("block lifetime (entry -> exit)", "entry", "exit"),
     ],
     "combine": [
+        ("per-rank: routing of every source seen (entry -> routed)", "entry", "routed"),
+        ("per-rank: partial rows stored (routed -> sends_issued)", "routed", "sends_issued"),
         ("row stores issued (entry -> sends_issued)", "entry", "sends_issued"),
         ("fence + atomic + flags (sends_issued -> flags_up)", "sends_issued", "flags_up"),
         ("wait for all flags (recv_entry -> wait_done)", "recv_entry", "wait_done"),

@@ -77,6 +77,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--ll-variants", type=_ints, default=None,
                    help="low-latency kernel variants to time side by side (bits of MOE_DISPATCHER_LL_VARIANT; "
                         "default: the environment's)")
+    g.add_argument("--ll-reductions", type=_names, default=["per_rank", "per_expert"],
+                   help="low-latency combine reduction orders to time side by side (Buffer "
+                        "low_latency_combine_reduction; default: per_rank,per_expert)")
     g.add_argument("--nvl-variants", type=_names, default=None,
                    help="normal mode, intranode kernels: ring protocols to time side by side, e.g. chunked,stream "
                         "(MOE_DISPATCHER_NVL_VARIANT; default: the environment's)")

@@ -4,7 +4,8 @@ beside NCCL all_to_all_single of the same messages, the same way.
 
 Bytes (shared/notes/performance.md): valid top-k selections sent by this rank x (H + H/128*4 + 16) for the
 FP8 dispatch, x 2H for the BF16 combine; dispatch+combine counts both. Physical: selections whose expert
-lives on another rank.
+lives on another rank (the per-rank combine reduction: (token, rank) pairs with the rank another one, x 2H).
+The combine is timed under each reduction order of --ll-reductions (records carry "reduction").
 """
 from __future__ import annotations
 
@@ -43,16 +44,19 @@ def run(ctx: Context) -> None:
             ctx.note("--ll-variants ignored: the low-latency kernels are not in use")
         else:
             variants = list(o.ll_variants)
-    cases = [(e, v) for e in experts for v in variants]
+    reductions = list(getattr(o, "ll_reductions", None) or ["per_rank"])
+    cases = [(e, v, red) for e in experts for v in variants for red in reductions]
     try:
-        for e, v in cases:
+        for e, v, red in cases:
             try:
-                if v is not None:
+                if ctx.device.type == "cuda":
                     torch.cuda.synchronize()
+                if v is not None:
                     kernels.set_variant(v)
-                one(ctx, buffer, e, v, nccl=v is None or v == variants[0])
+                buffer.low_latency_combine_reduction = red
+                one(ctx, buffer, e, v, nccl=(v is None or v == variants[0]) and red == reductions[0], reduction=red)
             except (ValueError, RuntimeError, NotImplementedError) as exc:
-                failed.append(e if v is None else f"{e} (variant {v})")
+                failed.append(f"{e} ({red})" if v is None else f"{e} (variant {v}, {red})")
                 ctx.note(f"low-latency E={e} failed: {type(exc).__name__}: {exc}")
                 if o.backend == "kernels":
                     break
@@ -64,8 +68,10 @@ def run(ctx: Context) -> None:
         raise RuntimeError(f"low-latency cases failed for E={failed} (see the notes)")
 
 
-def one(ctx: Context, buffer: Buffer, num_experts: int, variant: Optional[int] = None, nccl: bool = True) -> None:
-    """One expert count; `variant`: the kernel variant timed (labels the records); `nccl`: time the baseline too."""
+def one(ctx: Context, buffer: Buffer, num_experts: int, variant: Optional[int] = None, nccl: bool = True,
+        reduction: str = "per_rank") -> None:
+    """One expert count; `variant`: the kernel variant timed (labels the records); `nccl`: time the baseline too;
+    `reduction`: the combine's order (the Buffer is set to it; labels the records)."""
     o, dev, g, me, r = ctx.opts, ctx.device, ctx.group, ctx.rank, ctx.num_ranks
     t, h, k = o.ll_tokens, o.hidden, o.topk
     local = num_experts // r
@@ -98,15 +104,22 @@ def one(ctx: Context, buffer: Buffer, num_experts: int, variant: Optional[int] =
     sel = int(valid.sum())
     to_peers = int((valid & (dest != me)).sum())
     msg = h + h // 128 * 4 + 16
-    nbytes = {"dispatch": (sel * msg, to_peers * msg), "combine": (sel * 2 * h, to_peers * 2 * h)}
+    if reduction == "per_rank":  # one row per (token, rank) it picks
+        pairs = torch.zeros(t, r + 1, dtype=torch.bool, device=dev)
+        pairs.scatter_(1, dest, True)
+        pairs[:, me] = False
+        combine_physical = int(pairs[:, :r].sum()) * 2 * h
+    else:
+        combine_physical = to_peers * 2 * h
+    nbytes = {"dispatch": (sel * msg, to_peers * msg), "combine": (sel * 2 * h, combine_physical)}
     nbytes["dispatch+combine"] = tuple(a + b for a, b in zip(nbytes["dispatch"], nbytes["combine"]))
 
     fields = {"section": "low-latency", "tokens": t, "hidden": h, "num_experts": num_experts, "topk": k,
-              "dtype": "fp8 dispatch / bf16 combine"}
-    tag = ""
+              "dtype": "fp8 dispatch / bf16 combine", "reduction": reduction}
+    tag = f" {reduction}"
     if variant is not None:
         fields["variant"] = variant
-        tag = f" v{variant}"
+        tag += f" v{variant}"
     ctx.say(f"  E={num_experts}{tag}: backend {backend}; rank {me} sends {sel} selections ({to_peers} to peers)")
 
     # NCCL: the same messages with all_to_all_single (dispatch rows of `msg` bytes, combine rows of 2H bytes)

@@ -116,13 +116,14 @@ def ll_table(records: List[Dict[str, Any]]) -> str:
         if r["section"] != "low-latency":
             continue
         ours = not r["op"].startswith("nccl")
-        rows.append([r["num_experts"], r["op"] if ours else f"(no graph of ours) {r['op']}", r.get("path", ""),
+        rows.append([r["num_experts"], r.get("reduction", "-"), r["op"] if ours else f"(no graph of ours) {r['op']}",
+                     r.get("path", ""),
                      _f(r["t_us"]["mean"]), _range(r["t_us"]), _f(r["t_us_median"]["mean"]),
                      _f(sum(r["bytes_logical"]) / len(r["bytes_logical"]) / 1e6, 2), _f(r["logical_gbps"]["mean"]),
                      *(_nccl_cells(r) if ours else ["-", "-", "-"]), _f(r.get("target_us"), 0)])
     if not rows:
         return ""
-    return _table(["E", "op", "timing", "t us", "t us ranks", "median us", "MB/rank", "GB/s", "NCCL us",
+    return _table(["E", "combine order", "op", "timing", "t us", "t us ranks", "median us", "MB/rank", "GB/s", "NCCL us",
                    "NCCL GB/s", "ours/NCCL", "target us"], rows)
 
 

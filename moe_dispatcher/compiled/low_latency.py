@@ -3,7 +3,9 @@
 One LowLatencyBackend belongs to one Buffer(low_latency_mode=True). It brings NVSHMEM up over the Buffer's
 group (moe_dispatcher.runtime.nvshmem), holds one symmetric allocation of num_rdma_bytes split into two
 halves (the Buffer picks the half of each call), and launches the kernels of csrc/kernels/low_latency.
-docs/low_latency.md describes the layout and the protocol.
+docs/low_latency.md describes the layout and the protocol. The combine's reduction order is the Buffer's
+low_latency_combine_reduction (set_rank_partials): "per_rank" uses the per-rank combine kernels (variant bit 4),
+which read the handle's row_of ([L, R*maxT] int32, written by the dispatch next to src_info).
 
 Streams (DeepEP V1's semantics): kernels run on the current stream; with async_finish on the Buffer's comm
 stream (after it waits for the current one), and an EventOverlap carries the event; with return_recv_hook
@@ -37,14 +39,18 @@ from . import buffer_view
 
 TIMEOUT_ENV = "MOE_DISPATCHER_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 10.0
-# Kernel variants (bits, csrc/kernels/low_latency/low_latency.h), read when the backend is created; every
-# variant gives the same bytes, and all of them need NVLink to every peer (cleared otherwise).
+# Kernel variants (bits, csrc/kernels/low_latency/low_latency.h), read when the backend is created; a variant
+# changes what crosses NVLink, never the results, and all of them need NVLink to every peer (cleared otherwise).
 #   2 = dedup dispatch: one message per (token, destination rank), expanded by the receiver (the default).
+#   4 = per-rank combine: one partial row per (token, rank), summed by the experts' rank (the default). Used
+#       only when the Buffer's combine reduction is "per_rank" (it computes that order); the per-expert
+#       combine kernel computes either order.
 # MOE_DISPATCHER_LL_DISPATCH=dedup|per_expert sets or clears bit 2, on top of MOE_DISPATCHER_LL_VARIANT.
 VARIANT_ENV = "MOE_DISPATCHER_LL_VARIANT"
 DISPATCH_ENV = "MOE_DISPATCHER_LL_DISPATCH"
 VARIANT_DISPATCH_DEDUP = 2  # == low_latency.h
-DEFAULT_VARIANT = VARIANT_DISPATCH_DEDUP
+VARIANT_COMBINE_PER_RANK = 4  # == low_latency.h
+DEFAULT_VARIANT = VARIANT_DISPATCH_DEDUP | VARIANT_COMBINE_PER_RANK
 # Grid size override (tuning only): at most the SM count.
 BLOCKS_ENV = "MOE_DISPATCHER_LL_BLOCKS"
 # Phase trace (diagnostics): "1" when the backend is created turns the kernels' timestamps on.
@@ -67,13 +73,18 @@ def variant_from_env(env=os.environ) -> int:
 
 
 def variant_name(variant: int) -> str:
-    """Readable name of variant bits: 'dedup' or 'per_expert'."""
-    return "dedup" if variant & VARIANT_DISPATCH_DEDUP else "per_expert"
+    """Readable name of variant bits: the dispatch's ('dedup' or 'per_expert'), then '+rank_combine' when the
+    combine sends per-rank partial rows."""
+    name = "dedup" if variant & VARIANT_DISPATCH_DEDUP else "per_expert"
+    return name + ("+rank_combine" if variant & VARIANT_COMBINE_PER_RANK else "")
 
 
 class LowLatencyState(NamedTuple):
-    """backend_state of this backend's LowLatencyHandle: the buffer half of the dispatch."""
+    """backend_state of this backend's LowLatencyHandle: the buffer half of the dispatch, and row_of int32
+    [L, R*maxT] ([l][s*maxT + t] = the row of source s's token t at local expert l, set for received pairs only:
+    the per-rank combine's map from a source's routing to the rows)."""
     half: int
+    row_of: torch.Tensor
 
 
 class _Plan(NamedTuple):
@@ -82,7 +93,7 @@ class _Plan(NamedTuple):
     launcher: object
     local: int
     rows: int
-    state: LowLatencyState
+    half: int
 
 
 class _DeviceMemory:
@@ -132,6 +143,8 @@ class LowLatencyBackend:
             if not 1 <= self._num_blocks <= sms:
                 raise ValueError(f"{BLOCKS_ENV} must be in [1, {sms}], got {self._num_blocks}")
         self._checked: set[tuple] = set()  # (maxT, hidden, experts, top-k) that passed check_shape
+        # The combine's reduction order (Buffer.low_latency_combine_reduction): per-rank partials or not.
+        self.rank_partials = getattr(buffer, "low_latency_combine_reduction", "per_rank") == "per_rank"
         self.variant = 0
         self.set_variant(variant_from_env())
         # Phase trace: int64 [kind, half, TRACE_WORDS] on the device, or None (off: the kernels get 0).
@@ -163,6 +176,12 @@ class LowLatencyBackend:
             variant = 0
         self.variant = variant
         self._plans: dict[tuple, _Plan] = {}  # (maxT, hidden, experts, top-k, half) -> plan of this variant
+
+    def set_rank_partials(self, rank_partials: bool) -> None:
+        """The combine's reduction order of later calls (the Buffer's low_latency_combine_reduction setter calls
+        this); every rank must switch between the same two calls."""
+        self.rank_partials = bool(rank_partials)
+        self._plans = {}
 
     # ------------------------------------------------------------------ phase trace
     @property
@@ -256,15 +275,17 @@ class LowLatencyBackend:
         r = self.num_ranks
         local = num_experts // r
         variant = self.variant
-        if local < 2:  # dedup needs two local experts or more (with one, messages are already one per rank)
-            variant &= ~VARIANT_DISPATCH_DEDUP
+        if local < 2:  # both need two local experts or more (with one, a message / row is already per rank)
+            variant &= ~(VARIANT_DISPATCH_DEDUP | VARIANT_COMBINE_PER_RANK)
+        if not self.rank_partials:  # the per-rank combine computes the per-rank order only
+            variant &= ~VARIANT_COMBINE_PER_RANK
         layout = self._mod.half_layout(max_tokens, hidden, r, num_experts)
         traces = [self._trace[TRACE_KINDS.index(kind), half].data_ptr() if self._trace is not None else 0
                   for kind in TRACE_KINDS]
         launcher = self._mod.Launcher(self._ptr, self._peer_bases.data_ptr(), self._workspace.data_ptr(),
                                       half * layout["half_bytes"], self.rank, r, num_experts, max_tokens, hidden,
                                       self._num_blocks, int(self.timeout_s * 1e9), variant, *traces)
-        return _Plan(launcher, local, r * max_tokens, LowLatencyState(half))
+        return _Plan(launcher, local, r * max_tokens, half)
 
     def _comm_stream(self) -> torch.cuda.Stream:
         buffer = self._buffer_ref()
@@ -316,15 +337,16 @@ class LowLatencyBackend:
             data = recv_x = torch.empty((local, rows, h), dtype=torch.bfloat16, device=dev)
             scales, scales_ptr = None, 0
         recv_count = torch.empty(local, dtype=torch.int32, device=dev)
-        src_info = torch.empty((local, rows), dtype=torch.int32, device=dev)
+        info = torch.empty((2, local, rows), dtype=torch.int32, device=dev)  # src_info, row_of: one allocation
+        src_info, row_of = info[0], info[1]
         layout_range = torch.empty((local, self.num_ranks), dtype=torch.int64, device=dev)
         handle = LowLatencyHandle(src_info, layout_range, max_tokens, h, num_experts, self.name, self._buffer_token,
-                                  plan.state, t)
+                                  LowLatencyState(plan.half, row_of), t)
         cum, wait = cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats
         if self._trace is not None:
             self._trace_last["dispatch"] = (half, num_experts)
         args = (x.data_ptr(), topk_idx.data_ptr(), t, k, use_fp8, round_scale, use_ue8m0, data.data_ptr(), scales_ptr,
-                src_info.data_ptr(), layout_range.data_ptr(), recv_count.data_ptr(),
+                src_info.data_ptr(), row_of.data_ptr(), layout_range.data_ptr(), recv_count.data_ptr(),
                 0 if cum is None else cum.data_ptr(), 0 if wait is None else wait.data_ptr())
         dispatch = plan.launcher.dispatch
 
@@ -335,7 +357,7 @@ class LowLatencyBackend:
         if not (async_finish or return_recv_hook):  # the common call: one launch on the current stream
             launch(self._phase_both, torch.cuda.current_stream().cuda_stream)
             return recv_x, recv_count, handle, EventOverlap(), None
-        keep = [v for v in (x, topk_idx, data, scales, recv_count, src_info, layout_range, cum, wait) if v is not None]
+        keep = [v for v in (x, topk_idx, data, scales, recv_count, info, layout_range, cum, wait) if v is not None]
         event, hook = self._run(launch, async_finish, return_recv_hook, make_hook, keep)
         return recv_x, recv_count, handle, event, hook
 
@@ -354,9 +376,10 @@ class LowLatencyBackend:
         wait = combine_wait_recv_cost_stats
         if self._trace is not None:
             self._trace_last["combine"] = (half, num_experts)
+        row_of = handle.backend_state.row_of
         args = (0 if zero_copy else x.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr(),
-                handle.src_info.data_ptr(), handle.layout_range.data_ptr(), result.data_ptr(), t, k,
-                0 if wait is None else wait.data_ptr())
+                handle.src_info.data_ptr(), row_of.data_ptr(), handle.layout_range.data_ptr(), result.data_ptr(), t,
+                k, self.rank_partials, 0 if wait is None else wait.data_ptr())
         combine = plan.launcher.combine
 
         def launch(phases: int, stream: int) -> None:
@@ -366,7 +389,7 @@ class LowLatencyBackend:
         if not (async_finish or return_recv_hook):
             launch(self._phase_both, torch.cuda.current_stream().cuda_stream)
             return result, EventOverlap(), None
-        keep = [v for v in (x, topk_idx, topk_weights, handle.src_info, handle.layout_range, result, wait)
+        keep = [v for v in (x, topk_idx, topk_weights, handle.src_info, row_of, handle.layout_range, result, wait)
                 if v is not None]
         event, hook = self._run(launch, async_finish, return_recv_hook, make_hook, keep)
         return result, event, hook

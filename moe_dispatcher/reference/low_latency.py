@@ -80,8 +80,9 @@ class ReferenceLowLatency:
         return recv_x, recv_count, handle, elapsed
 
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle,
-                out: Optional[torch.Tensor]) -> Tuple[torch.Tensor, int]:
-        """out[t] = bf16(sum_k w[t,k] * row(t, k)), products rounded to float32 before each addition."""
+                out: Optional[torch.Tensor], rank_partials: bool = False) -> Tuple[torch.Tensor, int]:
+        """out[t] = bf16(sum_k w[t,k] * row(t, k)), products rounded to float32 before each addition; with
+        rank_partials the per-rank order (weighted_sum_per_rank). Returns (out, nanoseconds exchanging)."""
         r, me = self.num_ranks, self.rank
         local = x.shape[0]
         dev = x.device
@@ -104,12 +105,46 @@ class ReferenceLowLatency:
         slot = (topk_idx[src_tok] == expert.unsqueeze(1)).int().argmax(1)
         vals = torch.zeros(t, k, x.shape[2], dtype=torch.float32, device=dev)
         vals[src_tok, slot] = rows.float()
-        acc = torch.zeros(t, x.shape[2], dtype=torch.float32, device=dev)
-        for j in range(k):
-            term = topk_weights[:, j:j + 1].float() * vals[:, j]
-            acc = acc + torch.where((topk_idx[:, j:j + 1] >= 0), term, torch.zeros_like(term))
-        result = acc.to(torch.bfloat16)
+        if rank_partials:
+            result = weighted_sum_per_rank(vals, topk_idx, topk_weights, local, r)
+        else:
+            acc = torch.zeros(t, x.shape[2], dtype=torch.float32, device=dev)
+            for j in range(k):
+                term = topk_weights[:, j:j + 1].float() * vals[:, j]
+                acc = acc + torch.where((topk_idx[:, j:j + 1] >= 0), term, torch.zeros_like(term))
+            result = acc.to(torch.bfloat16)
         if out is not None:
             out.copy_(result)
             result = out
         return result, elapsed
+
+
+def weighted_sum_per_rank(vals: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, local: int,
+                          num_ranks: int) -> torch.Tensor:
+    """The per-rank reduction order of low_latency_combine (docs/semantics.md, "Low-latency combine").
+
+    vals float32 [T, K, H]: the row expert topk_idx[t, k] returned for token t; topk_idx [T, K] (-1 = unused),
+    topk_weights float32 [T, K]; the expert e lives on rank e // local. For each token, rank d's picks (k
+    ascending) give part_d = sum of w_k * row_k in float32 (products rounded before each addition), rounded
+    to bf16 when it has two terms or more; out = bf16(sum of part_d over the ranks in the order of their
+    first pick). Returns bf16 [T, H].
+    """
+    t, k, h = vals.shape
+    dev = vals.device
+    valid = topk_idx >= 0
+    rank = torch.where(valid, topk_idx // local, torch.full_like(topk_idx, -1))
+    part = torch.zeros(t, num_ranks, h, dtype=torch.float32, device=dev)
+    picks = torch.zeros(t, num_ranks, dtype=torch.int64, device=dev)
+    tokens = torch.arange(t, device=dev)
+    for j in range(k):
+        m = valid[:, j]
+        ti, di = tokens[m], rank[m, j]
+        part[ti, di] = part[ti, di] + topk_weights[m, j:j + 1].float() * vals[m, j]
+        picks[ti, di] += 1
+    term = torch.where((picks >= 2).unsqueeze(-1), part.to(torch.bfloat16).float(), part)
+    acc = torch.zeros(t, h, dtype=torch.float32, device=dev)
+    for j in range(k):
+        first = valid[:, j] & (rank[:, :j] != rank[:, j:j + 1]).all(1)
+        ti = tokens[first]
+        acc[ti] = acc[ti] + term[ti, rank[first, j]]
+    return acc.to(torch.bfloat16)

@@ -1,7 +1,7 @@
 // Combine, receive phase: wait for the flags of all E experts, then
 // out[t] = bf16(sum over k ascending of w[t,k] * row(t, expert k)), each product rounded to
 // float32 and added in float32 (__fmul_rn/__fadd_rn: never fused), as the reference does; a -1
-// slot adds 0.
+// slot adds 0. With CombineArgs::rank_partials, the per-rank order instead (reduce_chunk_rank_partials).
 //
 // Flags: written once per call by the expert's PE (signal_peer), read by every block here with
 // ld_acquire_sys (then a CTA barrier hands the acquire to the block's other threads). The last
@@ -53,6 +53,76 @@ __device__ __forceinline__ void reduce_chunk(const Common& c, const CombineArgs&
         for (int j = 0; j < 8; ++j) acc[j] = __fadd_rn(acc[j], 0.0f);
       }
     }
+  }
+  if (col < H) {
+    int4 packed;
+    __nv_bfloat162* p = reinterpret_cast<__nv_bfloat162*>(&packed);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) p[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
+    st_v4(static_cast<uint8_t*>(a.out) + (static_cast<size_t>(t) * H + col) * 2, packed);
+  }
+}
+
+// reduce_chunk with CombineArgs::rank_partials: the token's ranks in the order of their first pick; a rank
+// with one pick adds w_k * row_k, a rank with several adds bf16(its picks' weighted sum, k ascending) as
+// float, all in float32. The bits of the per-rank variant (combine_rank_*.cuh), computed here from the
+// per-expert rows (for peers without NVLink, and for MOE_DISPATCHER_LL_VARIANT tuning).
+__device__ __forceinline__ void reduce_chunk_rank_partials(const Common& c, const CombineArgs& a, const uint8_t* recv,
+                                                           int t, int col, int64_t my_e, float my_w) {
+  const int H = c.hidden, K = a.num_topk, lane = threadIdx.x % 32;
+  const int L = c.num_experts / c.num_ranks;
+  const size_t row_bytes = static_cast<size_t>(H) * 2;
+  const int d = lane < K && my_e >= 0 ? static_cast<int>(my_e / L) : -1;
+  int lead = lane;  // the first lane with this lane's rank
+  for (int k = K - 1; k >= 0; --k) {
+    const int dk = __shfl_sync(0xffffffffu, d, k);
+    if (d >= 0 && dk == d) lead = k;
+  }
+  unsigned leads = __ballot_sync(0xffffffffu, d >= 0 && lead == lane);
+  float acc[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
+  while (leads != 0) {  // ranks in the order of their first pick (uniform over the warp)
+    const int k_lead = __ffs(leads) - 1;
+    leads &= leads - 1;
+    const int dr = __shfl_sync(0xffffffffu, d, k_lead);
+    unsigned picks = __ballot_sync(0xffffffffu, d == dr);
+    const bool single = __popc(picks) == 1;
+    float part[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) part[j] = 0.0f;
+    while (picks != 0) {  // the rank's picks, k ascending, 8 loads in flight
+      int ks[8];
+      int4 raw[8];
+      int m = 0;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        ks[i] = -1;
+        if (picks != 0) {
+          ks[i] = __ffs(picks) - 1;
+          picks &= picks - 1;
+          m = i + 1;
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        raw[i] = make_int4(0, 0, 0, 0);
+        const int64_t e = __shfl_sync(0xffffffffu, my_e, ks[i] < 0 ? 0 : ks[i]);
+        if (i < m && col < H)
+          raw[i] = ld_cg(recv + (static_cast<size_t>(e) * c.max_tokens + t) * row_bytes + static_cast<size_t>(col) * 2);
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float w = __shfl_sync(0xffffffffu, my_w, ks[i] < 0 ? 0 : ks[i]);
+        if (i >= m) continue;
+        const __nv_bfloat16* v = reinterpret_cast<const __nv_bfloat16*>(&raw[i]);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) part[j] = __fadd_rn(part[j], __fmul_rn(w, __bfloat162float(v[j])));
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      acc[j] = __fadd_rn(acc[j], single ? part[j] : __bfloat162float(__float2bfloat16_rn(part[j])));
   }
   if (col < H) {
     int4 packed;
@@ -118,7 +188,11 @@ __device__ __forceinline__ void combine_recv_phase(const Common& c, const Combin
     const int64_t my_e = next_e;
     const float my_w = next_w;
     load_slots(task + stride);
-    reduce_chunk(c, a, recv, t, col, my_e, my_w);
+    if (a.rank_partials) {
+      reduce_chunk_rank_partials(c, a, recv, t, col, my_e, my_w);
+    } else {
+      reduce_chunk(c, a, recv, t, col, my_e, my_w);
+    }
   }
 }
 

@@ -42,6 +42,11 @@ __device__ __forceinline__ float ld_cg_f32(const void* p) {
   asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
   return v;
 }
+__device__ __forceinline__ int2 ld_cg_v2(const int2* p) {
+  int2 v;
+  asm volatile("ld.global.cg.v2.s32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p) : "memory");
+  return v;
+}
 // Stores to a peer over NVLink (or local outputs): plain weak stores, published by a later
 // release on a signal.
 __device__ __forceinline__ void st_v4(void* p, int4 v) {

@@ -10,7 +10,7 @@
 //    over the grid, kDedupBatch at a time per block: warp 0 waits for each unit's flag (acquire), which
 //    says either that (s, t) sends nothing here (kNoMessage) or that its message is in slot [s][t]
 //    (token t + 1); the messages are compacted, a CTA barrier hands the acquires to the block, then the
-//    picks are read, src_info written, and each 16-byte vector of a body is loaded once and stored into
+//    picks are read, src_info (and row_of, the per-rank combine's map) written, and each 16-byte vector of a body is loaded once and stored into
 //    every row its picks name (kCopyUnroll loads in flight per thread); FP8 scales (one word per
 //    thread, loaded with the picks) go to the token-minor layout (UE8M0: packed 4 per int32).
 // Resets: a flag is read by one block only, which zeroes it right after reading it; the counts and
@@ -167,9 +167,10 @@ __device__ __forceinline__ void dispatch_dedup_recv_phase(const Common& c, const
       if (q < n) {
         const int p = s_pick[b][1 + q];
         const int l = p / maxT, slot = p - l * maxT;
-        const int flat = l * RT + s_begin[l * R + s_src[b]] + slot;
+        const int row = s_begin[l * R + s_src[b]] + slot, flat = l * RT + row;
         s_row[b][q] = flat;
         a.src_info[flat] = s_token[b];
+        if (a.row_of != nullptr) a.row_of[l * RT + s_src[b] * maxT + s_token[b]] = row;
       }
     }
     __syncthreads();

@@ -102,8 +102,11 @@ __device__ __forceinline__ void dispatch_recv_phase(const Common& c, const Dispa
         }
       }
     }
-    for (int i = tid; i < n; i += blockDim.x)
-      a.src_info[out_row0 + i] = ld_cg_s32(msgs + static_cast<size_t>(i) * lay.msg_bytes);
+    for (int i = tid; i < n; i += blockDim.x) {
+      const int token = ld_cg_s32(msgs + static_cast<size_t>(i) * lay.msg_bytes);
+      a.src_info[out_row0 + i] = token;
+      if (a.row_of != nullptr) a.row_of[static_cast<size_t>(l) * RT + s * c.max_tokens + token] = begin + lo + i;
+    }
     if (a.fp8) {
       // Token-minor scales: element (l, row, g) lives at [l][g][row]; consecutive threads take
       // consecutive rows of one group (coalesced stores).

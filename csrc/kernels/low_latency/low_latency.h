@@ -32,7 +32,13 @@ constexpr int kPhaseRecv = 2;
 //   Needs at least two local experts (with one, per-expert messages are already one per rank): the
 //   backend clears it for such calls.
 constexpr int kVariantDispatchDedup = 2;
-constexpr int kVariantMask = kVariantDispatchDedup;
+//   kVariantCombinePerRank (the default with CombineArgs::rank_partials): the combine sums the rows of a
+//   token's picks on this rank here (weighted, float32, k ascending) and sends that partial sum back once
+//   per (token, rank) instead of every (token, expert) row (combine_rank_send.cuh / _recv.cuh). Needs at
+//   least two local experts (with one there is nothing to sum: the backend clears it) and rank_partials
+//   (it computes that reduction order; the per-expert combine computes it at the receiver otherwise).
+constexpr int kVariantCombinePerRank = 4;
+constexpr int kVariantMask = kVariantDispatchDedup | kVariantCombinePerRank;
 
 // Byte layout of ONE half of the symmetric buffer for a given (max_tokens, hidden, ranks, experts).
 // The halves sit at 0 and half_bytes. Inside a half:
@@ -41,13 +47,17 @@ constexpr int kVariantMask = kVariantDispatchDedup;
 //   [recv_off, +recv_bytes)   receive region, one of (a half serves one call at a time):
 //                               per-expert dispatch messages [L][R][maxT][msg],
 //                               dedup dispatch messages [R][maxT][dedup_slot] (fits when L >= 2),
-//                               combine rows [E][maxT][H] bf16
+//                               combine rows [E][maxT][H] bf16,
+//                               per-rank combine: partial rows [R][maxT][H] bf16, then at
+//                                 rank_routing_offset the sources' routing [R][maxT][K] int2 {expert, weight}
 //   [signal_off, +signal_bytes)  int32 words:
 //       [0, E)            dispatch counts [L][R] (value count + 1), every dispatch
 //       [E, E + F)        the flags of the call, F = max(E, R + R*maxT) when L >= 2, else E:
 //                           combine: flags [E] (value 1);
 //                           dedup dispatch: token counts per source rank [R] (value T + 1), then
-//                             flags [source][token] (value token + 1, or -1: no message) from E + R.
+//                             flags [source][token] (value token + 1, or -1: no message) from E + R;
+//                           per-rank combine: the same words: routing pushed [R] (value T + 1), then
+//                             flags [expert rank][token] (value token + 1) from E + R.
 //                         A half serves one call at a time and every call leaves them at 0, so the calls
 //                         share these words (which keeps the hint under DeepEP V1's formula).
 // The total (2 * half_bytes) equals Buffer.get_low_latency_rdma_size_hint.
@@ -91,6 +101,14 @@ __host__ __device__ inline size_t signal_pair_flags(int num_experts, int num_ran
   return static_cast<size_t>(num_experts) + static_cast<size_t>(num_ranks);
 }
 
+// Per-rank combine: byte offset (from recv_off) of the routing the sources push, [R][maxT][K] of int2
+// {expert (int32, -1 = unused slot), weight (float32 bits)}, after the partial rows [R][maxT][H] bf16.
+// Both fit the receive region whenever L >= 2: it holds E*maxT*2H >= 2*R*maxT*2H bytes, and
+// R*maxT*K*8 <= R*maxT*2H for H >= 128 >= 4K.
+__host__ __device__ inline size_t rank_routing_offset(int max_tokens, int hidden, int num_ranks) {
+  return static_cast<size_t>(num_ranks) * max_tokens * hidden * 2;
+}
+
 // Bytes of a dispatch message actually used (16-byte multiple): header + payload (+ scales).
 __host__ __device__ inline size_t message_used_bytes(int hidden, bool fp8) {
   const size_t h = static_cast<size_t>(hidden);
@@ -104,7 +122,8 @@ constexpr int kWsDispatchFinished = 0;                              // [E] messa
 constexpr int kWsCombineFinished = kWsDispatchFinished + kMaxExperts;  // [L*R] parts done
 constexpr int kWsDispatchRecvDone = kWsCombineFinished + kMaxExperts;  // blocks done polling
 constexpr int kWsCombineRecvDone = kWsDispatchRecvDone + 1;
-constexpr int kWorkspaceInts = kWsCombineRecvDone + 1;
+constexpr int kWsCombineRoutingDone = kWsCombineRecvDone + 1;  // per-rank combine: blocks past the routing wait
+constexpr int kWorkspaceInts = kWsCombineRoutingDone + 1;
 
 // Opt-in phase trace (docs/low_latency.md, "Phase trace"). Common::trace null: off, and every trace
 // point is one uniform branch on it. Otherwise it points at one record of kTraceWords uint64 words (the
@@ -133,9 +152,11 @@ constexpr int kTraceDEntry = 0, kTraceDCounted = 1, kTraceDCastDone = 2, kTraceD
 // Combine events: entry -> sends_issued (all rows of the block's units stored / put + quiet, CTA
 // barrier) -> flags_up (fences, workspace atomics and flags done, CTA barrier) -> recv_entry ->
 // wait_done (every flag seen, CTA barrier) -> reduce_done (CTA barrier after the block's reductions)
-// -> exit.
+// -> exit. The per-rank variant (combine_rank_*.cuh) stamps routed (every source's routing seen) after
+// entry; sends_issued / flags_up / wait_done are then those of the block's last batch / token.
 constexpr int kTraceCEntry = 0, kTraceCSendsIssued = 1, kTraceCFlagsUp = 2, kTraceCRecvEntry = 3,
-              kTraceCWaitDone = 4, kTraceCReduceDone = 5, kTraceCExit = 6, kTraceCCount = 7;
+              kTraceCWaitDone = 4, kTraceCReduceDone = 5, kTraceCExit = 6, kTraceCRouted = 7,
+              kTraceCCount = 8;
 constexpr int kTracePairSent = kTraceMaxBlocks * kTraceEvents;
 constexpr int kTracePairWait = kTracePairSent + kMaxExperts;
 constexpr int kTracePairSeen = kTracePairWait + kMaxExperts;
@@ -162,6 +183,8 @@ struct DispatchArgs {
   void* recv_x;                // fp8 or bf16 [L, R*maxT, H]
   void* recv_scales;           // float32 [L, H/128, R*maxT] or int32 [L, H/512, R*maxT]; fp8 only
   int* src_info;               // [L, R*maxT]
+  int* row_of;                 // [L, R*maxT] or null: [l][s*maxT + t] = the row of (source s, token t) at
+                               // local expert l (written for received pairs only; the per-rank combine's map)
   int64_t* layout_range;       // [L, R]
   int* recv_count;             // [L]
   int* cumulative_recv_stats;  // [L] or null
@@ -173,9 +196,15 @@ struct CombineArgs {
   const int64_t* topk_idx;     // [T, K]
   const float* topk_weights;   // [T, K]
   const int* src_info;         // the dispatch handle's [L, R*maxT]
+  const int* row_of;           // the dispatch handle's [L, R*maxT] (DispatchArgs::row_of); per-rank variant
   const int64_t* layout_range; // the dispatch handle's [L, R]
   void* out;                   // bf16 [T, H]
   int num_tokens, num_topk;
+  // Reduction order (docs/semantics.md, "Low-latency combine"). false: out = bf16(sum over k ascending of
+  // w_k * row_k). true (per-rank partials): the picks of a token on one rank are summed first (k ascending,
+  // float32) and, when there are two or more, rounded to bf16 (what travels back); the terms of its ranks
+  // are then added in the order of each rank's first pick. A single pick on a rank is w_k * row_k as before.
+  bool rank_partials;
   int64_t* wait_stats;         // [R] or null
 };
 
