@@ -92,11 +92,7 @@ __device__ __forceinline__ void combine_rank_recv_phase(const Common& c, const C
           }
         }
       }
-      int4 packed;
-      __nv_bfloat162* p = reinterpret_cast<__nv_bfloat162*>(&packed);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) p[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
-      st_v4(static_cast<uint8_t*>(a.out) + (static_cast<size_t>(t) * H) * 2 + 16 * v, packed);
+      st_v4(static_cast<uint8_t*>(a.out) + (static_cast<size_t>(t) * H) * 2 + 16 * v, pack_bf16x8(acc));
     }
     __syncthreads();  // the token's shared state is rewritten by the next one
   }

@@ -77,11 +77,7 @@ __device__ __forceinline__ int4 rank_finish_vector(const uint8_t* rows, const Ra
       for (int j = 0; j < 8; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(w, __bfloat162float(x[j])));
     }
   }
-  int4 packed;
-  __nv_bfloat162* p = reinterpret_cast<__nv_bfloat162*>(&packed);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) p[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
-  return packed;
+  return pack_bf16x8(acc);
 }
 
 __device__ __forceinline__ void combine_rank_send_phase(const Common& c, const CombineArgs& a,

@@ -54,13 +54,7 @@ __device__ __forceinline__ void reduce_chunk(const Common& c, const CombineArgs&
       }
     }
   }
-  if (col < H) {
-    int4 packed;
-    __nv_bfloat162* p = reinterpret_cast<__nv_bfloat162*>(&packed);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) p[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
-    st_v4(static_cast<uint8_t*>(a.out) + (static_cast<size_t>(t) * H + col) * 2, packed);
-  }
+  if (col < H) st_v4(static_cast<uint8_t*>(a.out) + (static_cast<size_t>(t) * H + col) * 2, pack_bf16x8(acc));
 }
 
 // reduce_chunk with CombineArgs::rank_partials: the token's ranks in the order of their first pick; a rank
@@ -124,13 +118,7 @@ __device__ __forceinline__ void reduce_chunk_rank_partials(const Common& c, cons
     for (int j = 0; j < 8; ++j)
       acc[j] = __fadd_rn(acc[j], single ? part[j] : __bfloat162float(__float2bfloat16_rn(part[j])));
   }
-  if (col < H) {
-    int4 packed;
-    __nv_bfloat162* p = reinterpret_cast<__nv_bfloat162*>(&packed);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) p[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
-    st_v4(static_cast<uint8_t*>(a.out) + (static_cast<size_t>(t) * H + col) * 2, packed);
-  }
+  if (col < H) st_v4(static_cast<uint8_t*>(a.out) + (static_cast<size_t>(t) * H + col) * 2, pack_bf16x8(acc));
 }
 
 __device__ __forceinline__ void combine_recv_phase(const Common& c, const CombineArgs& a,

@@ -6,6 +6,7 @@
 // both sides because writer and reader are different GPUs.
 #pragma once
 
+#include <cuda_bf16.h>
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
@@ -46,6 +47,14 @@ __device__ __forceinline__ int2 ld_cg_v2(const int2* p) {
   int2 v;
   asm volatile("ld.global.cg.v2.s32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p) : "memory");
   return v;
+}
+// 8 float32 values rounded to bf16 (round to nearest even), packed into one 16-byte vector.
+__device__ __forceinline__ int4 pack_bf16x8(const float (&v)[8]) {
+  int4 packed;
+  __nv_bfloat162* p = reinterpret_cast<__nv_bfloat162*>(&packed);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) p[j] = __floats2bfloat162_rn(v[2 * j], v[2 * j + 1]);
+  return packed;
 }
 // Stores to a peer over NVLink (or local outputs): plain weak stores, published by a later
 // release on a signal.
