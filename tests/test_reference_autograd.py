@@ -174,13 +174,16 @@ def _ll_worker(rank: int, num_ranks: int) -> None:
             grad = fill(rows_of)  # NaN in the invalid rows: they must not be read
             recv_x.backward(grad.to(dev))
             ones = (idxs[rank] >= 0).float()
-            assert_close(x.grad, oracle.low_latency_combine(idxs[rank], ones, slot_rows(rank)), "x.grad", **bf16)
+            # The Buffer's default combine order (per_rank): the backward of dispatch is that combine.
+            assert_close(x.grad, oracle.low_latency_combine_per_rank(idxs[rank], ones, slot_rows(rank), num_local),
+                         "x.grad", **bf16)
 
         with case(f"{c['name']} low_latency_combine backward"):
             y = fill(rows_of).to(dev).requires_grad_()
             w = ws[rank].clone().to(dev).requires_grad_()
             out = autograd.low_latency_combine(buf, y, idxs[rank].to(dev), w, handle)
-            assert_close(out.detach(), oracle.low_latency_combine(idxs[rank], ws[rank], slot_rows(rank)),
+            assert_close(out.detach(),
+                         oracle.low_latency_combine_per_rank(idxs[rank], ws[rank], slot_rows(rank), num_local),
                          "combined_x", **bf16)
             out.backward(gouts[rank].to(dev))
             # d/dy at the row of (e, s, t) = w_s[t, k(e)] * gout_s[t]

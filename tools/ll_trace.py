@@ -164,6 +164,9 @@ def summarize(mode: str, calls: Sequence[tuple[str, int]], data: torch.Tensor, m
             for n in ev_names:
                 timeline[n].append(_mmm([(t - t0) / 1e3 for r in range(R) for t in rr[r]["events"][n] if t > 0]))
             for label, a, b in DURATIONS[kind]:
+                if a not in rr[0]["events"] or b not in rr[0]["events"]:  # an extension without these events
+                    durs[label].append(_mmm([]))
+                    continue
                 v = [(tb - ta) / 1e3 for r in range(R) for ta, tb in zip(rr[r]["events"][a], rr[r]["events"][b])
                      if ta > 0 and tb > 0]
                 durs[label].append(_mmm(v))
