@@ -21,9 +21,10 @@ import torch.distributed as dist
 from . import _ext
 from . import config as _config
 from .compiled import JOIN_BEFORE, JOIN_BOTH, HandleState, buffer_view, current_stream_ptr
+from .backend import Backend, Capabilities
 from .config import Config
 from .event import EventOverlap
-from .expert_major import ExpertMajorHandle, compose_expert_major_dispatch, gather_rows, unpermute
+from .expert_major import ExpertMajorHandle
 from .handle import DispatchHandle, LowLatencyHandle
 from .reference import ReferenceLowLatency, ReferenceNormal
 from .reference.comm import all_gather_rows
@@ -132,7 +133,7 @@ class Buffer:
         self._ll_pending_hooks: set = set()
         self._ll_last_shape: Optional[Tuple[int, int, int]] = None
         self._ll_checked: set = set()  # (maxT, hidden, experts) that passed _check_low_latency
-        self._warned_fallback = False
+        self._resolved: dict = {}  # (mode, device type, call facts) -> Backend: _resolve's decisions
         self._pending_row_checks: List[Tuple[Tensor, int]] = []
         self.fast_cached_calls = os.environ.get(FAST_CACHED_ENV, "1").strip() != "0"
 
@@ -337,27 +338,38 @@ class Buffer:
         return out, aux_out, EventOverlap(event, extra_tensors=tensors)
 
     # ------------------------------------------------------------------ backend choice
-    def _normal_backend(self, device: torch.device):
-        if device.type == "cuda" and self._kernels is not None and self._kernels.serves_normal(self.topology):
-            return self._kernels
-        return self._fallback(device, self._reference_normal)
+    def _resolve(self, mode: str, device: torch.device, local_experts: Optional[int] = None,
+                 combine_dtype: Optional[torch.dtype] = None) -> Backend:
+        """The backend that serves a call: the one place that decides between the compiled kernels and the
+        reference backend. mode: "normal" or "low_latency"; device: where the call's tensors live;
+        local_experts (fresh normal dispatch) and combine_dtype (combine input) are the call facts that
+        the compiled backends' Capabilities may not cover. A CUDA call the kernels cannot serve raises with
+        Buffer(backend='kernels') and falls back to the reference otherwise, warning once per process and
+        reason."""
+        key = (mode, device.type, local_experts, combine_dtype)
+        backend = self._resolved.get(key)
+        if backend is not None:
+            return backend
+        kernels, why = (self._kernels, self._kernels_why) if mode == "normal" else (self._kernels_ll,
+                                                                                       self._kernels_ll_why)
+        reference = self._reference_normal if mode == "normal" else self._reference_ll
+        backend = reference
+        if kernels is not None:
+            why = _refusal(kernels.capabilities, mode, device, local_experts, combine_dtype)
+            if not why:
+                backend = kernels
+        if backend is reference and device.type == "cuda":
+            if self.backend == "kernels":
+                raise RuntimeError(f"Buffer(backend='kernels'): the compiled kernels cannot serve this call: {why}")
+            if self.backend == "auto" and why not in _warned_fallbacks:
+                _warned_fallbacks.add(why)
+                warnings.warn(f"moe_dispatcher: using the reference backend (torch.distributed) for CUDA tensors: "
+                              f"{why}", stacklevel=3)
+        self._resolved[key] = backend
+        return backend
 
-    def _ll_backend(self, device: torch.device):
-        if device.type == "cuda" and self._kernels_ll is not None:
-            return self._kernels_ll
-        return self._fallback(device, self._reference_ll, self._kernels_ll_why)
-
-    def _fallback(self, device: torch.device, reference, why: Optional[str] = None):
-        why = why or self._kernels_why
-        if device.type == "cuda" and self.backend == "kernels":
-            raise RuntimeError(f"Buffer(backend='kernels'): the compiled kernels cannot serve this call: {why}")
-        if device.type == "cuda" and self.backend == "auto" and not self._warned_fallback:
-            warnings.warn(f"moe_dispatcher: using the reference backend (torch.distributed) for CUDA tensors: "
-                          f"{why}", stacklevel=3)
-            self._warned_fallback = True
-        return reference
-
-    def _backend_of(self, handle, kinds: tuple):
+    def _backend_of(self, handle, kinds: tuple) -> Backend:
+        """The backend that made `handle` (checked to be one of `kinds` and of this Buffer)."""
         if not isinstance(handle, kinds):
             raise TypeError(f"handle must be a {' or '.join(k.__name__ for k in kinds)} returned by this Buffer, "
                             f"got {type(handle).__name__}")
@@ -371,6 +383,14 @@ class Buffer:
             raise RuntimeError("handle was made by the compiled kernels, which this Buffer no longer holds")
         return kernels
 
+    def _combine_backend(self, handle: DispatchHandle, dtype: torch.dtype) -> Backend:
+        """The backend that reduces combine input of `dtype` along `handle`: its maker, or the reference
+        when the maker does not reduce that dtype (every handle carries the fields the reference reads)."""
+        backend = self._backend_of(handle, (DispatchHandle,))
+        if dtype in backend.capabilities.combine_dtypes:
+            return backend
+        return self._resolve("normal", handle.is_token_in_rank.device, combine_dtype=dtype)
+
     # ------------------------------------------------------------------ normal mode
     def get_dispatch_layout(self, topk_idx: Tensor, num_experts: int, previous_event: Optional[EventOverlap] = None,
                             async_finish: bool = False, allocate_on_comm_stream: bool = False):
@@ -382,7 +402,7 @@ class Buffer:
         """
         self._check_alive()
         check_num_experts(num_experts, self.group_size)
-        backend = self._normal_backend(topk_idx.device)
+        backend = self._resolve("normal", topk_idx.device)
         check_topk_idx(topk_idx, num_experts, values=topk_idx.device.type == "cpu" or backend is self._reference_normal)
         results, event = self._stream_scope(topk_idx.device, previous_event, async_finish, allocate_on_comm_stream,
                                             lambda: backend.get_dispatch_layout(topk_idx, num_experts), [topk_idx])
@@ -462,9 +482,9 @@ class Buffer:
         if topk_idx is not None and num_tokens_per_expert is None:
             raise ValueError("dispatch with topk_idx but no num_tokens_per_expert: pass the layout from "
                              "get_dispatch_layout (it also tells how many experts there are)")
-        backend = self._normal_backend(dev)
-        self._check_routing(data, backend, topk_idx, topk_weights,
-                            num_tokens_per_expert.numel() if num_tokens_per_expert is not None else 0)
+        num_experts = num_tokens_per_expert.numel() if num_tokens_per_expert is not None else 0
+        backend = self._resolve("normal", dev, local_experts=num_experts // self.group_size)
+        self._check_routing(data, backend, topk_idx, topk_weights, num_experts)
         if not num_worst_tokens:
             self._check_pending_rows()
         r = self.group_size
@@ -502,10 +522,11 @@ class Buffer:
             if plan is not None and plan.matches(self._kernels, handle, x, topk_weights, config):
                 return self._planned(plan, x, topk_weights, async_finish)
         self._check_alive()
-        backend = self._backend_of(handle, (DispatchHandle,))
+        self._backend_of(handle, (DispatchHandle,))
         rows = handle.recv_src_idx.shape[0]
         check_tensor("x", x, dtypes=(torch.bfloat16, torch.float16, torch.float32, torch.float64),
                      shape=(rows, None), device=handle.is_token_in_rank.device)
+        backend = self._combine_backend(handle, x.dtype)
         if config is not None and not isinstance(config, Config):
             raise TypeError(f"config must be a moe_dispatcher.Config, got {type(config).__name__}")
         if topk_weights is not None:
@@ -567,31 +588,21 @@ class Buffer:
             backend = self._backend_of(handle.dispatch, (DispatchHandle,))
             check_tensor("x", data, shape=(handle.dispatch.num_tokens, None), device=handle.pair_row.device)
 
-            def run_cached():
-                if hasattr(backend, "expert_major_cached_dispatch"):
-                    return backend.expert_major_cached_dispatch(data, scales, handle)
-                rows, row_scales = backend.cached_dispatch(data, scales, handle.dispatch, config)
-                return gather_rows(rows, handle), (gather_rows(row_scales, handle) if scales is not None else None)
-
-            (px, ps), event = self._stream_scope(dev, previous_event, async_finish, allocate_on_comm_stream,
-                                                 run_cached, [data, scales])
+            (px, ps), event = self._stream_scope(
+                dev, previous_event, async_finish, allocate_on_comm_stream,
+                lambda: backend.expert_major_cached_dispatch(data, scales, handle, config), [data, scales])
             return (px if scales is None else (px, ps)), None, None, None, None, event
         if topk_idx is None or num_experts is None:
             raise ValueError("expert_major_dispatch needs topk_idx and num_experts (or a handle for cached mode)")
-        backend = self._normal_backend(dev)
+        backend = self._resolve("normal", dev, local_experts=num_experts // self.group_size
+                                if isinstance(num_experts, int) else None)
         self._check_routing(data, backend, topk_idx, topk_weights, num_experts)
         if not num_worst_tokens:
             self._check_pending_rows()
-        local = num_experts // self.group_size
 
         def run():
-            if hasattr(backend, "expert_major_dispatch"):  # fused into the backend's kernels
-                px, ps, pw, tpe, counts, h = backend.expert_major_dispatch(
-                    data, scales, topk_idx, topk_weights, num_experts, expert_alignment, num_worst_tokens, config)
-            else:
-                px, ps, pw, tpe, counts, h = compose_expert_major_dispatch(
-                    backend, data, scales, topk_idx, topk_weights, num_experts, local, expert_alignment,
-                    num_worst_tokens, config)
+            px, ps, pw, tpe, counts, h = backend.expert_major_dispatch(
+                data, scales, topk_idx, topk_weights, num_experts, expert_alignment, num_worst_tokens, config)
             if num_worst_tokens:
                 self._note_pending_rows(h.rows_needed, num_worst_tokens)
                 if backend is self._reference_normal:  # it synchronises anyway: report at once
@@ -615,10 +626,11 @@ class Buffer:
         self._check_alive()
         if not isinstance(handle, ExpertMajorHandle):
             raise TypeError(f"handle must be an ExpertMajorHandle, got {type(handle).__name__}")
-        backend = self._backend_of(handle.dispatch, (DispatchHandle,))
+        self._backend_of(handle.dispatch, (DispatchHandle,))
         m = handle.pair_row.numel()
         check_tensor("x", x, dtypes=(torch.bfloat16, torch.float16, torch.float32, torch.float64), shape=(m, None),
                      device=handle.pair_row.device)
+        backend = self._combine_backend(handle.dispatch, x.dtype)
         if config is not None and not isinstance(config, Config):
             raise TypeError(f"config must be a moe_dispatcher.Config, got {type(config).__name__}")
         for name, t in (("weights", weights), ("topk_weights", topk_weights)):
@@ -626,14 +638,10 @@ class Buffer:
                 check_tensor(name, t, dtypes=(torch.float32,), shape=(m,), device=x.device)
         biases = normalise_bias(bias, handle.dispatch.num_tokens, x.shape[1], x.dtype, x.device)
 
-        def run():
-            if hasattr(backend, "expert_major_combine"):
-                return backend.expert_major_combine(x, handle, weights, topk_weights, biases, config)
-            rows, w_rows = unpermute(x, handle, weights, topk_weights)
-            return backend.combine(rows, handle.dispatch, w_rows, biases, config)
-
-        results, event = self._stream_scope(x.device, previous_event, async_finish, allocate_on_comm_stream, run,
-                                            [x, weights, topk_weights, *biases])
+        results, event = self._stream_scope(
+            x.device, previous_event, async_finish, allocate_on_comm_stream,
+            lambda: backend.expert_major_combine(x, handle, weights, topk_weights, biases, config),
+            [x, weights, topk_weights, *biases])
         return (*results, event)
 
     # ------------------------------------------------------------------ low-latency mode
@@ -714,7 +722,7 @@ class Buffer:
             raise ValueError(f"x has {t} tokens, more than num_max_dispatch_tokens_per_rank="
                              f"{num_max_dispatch_tokens_per_rank}")
         dev = x.device
-        backend = self._ll_backend(dev)
+        backend = self._resolve("low_latency", dev)
         check_topk_idx(topk_idx, num_experts, num_tokens=t, device=dev, values=backend is self._reference_ll,
                        distinct=True)
         local = num_experts // self.group_size
@@ -853,6 +861,25 @@ class Buffer:
         self._check_low_latency(num_max_dispatch_tokens_per_rank, hidden, num_experts)
         if self._kernels_ll is not None:
             self._kernels_ll.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+
+
+# Reasons the reference backend served CUDA calls, warned about once per process.
+_warned_fallbacks: set = set()
+
+
+def _refusal(caps: Capabilities, mode: str, device: torch.device, local_experts: Optional[int],
+             combine_dtype: Optional[torch.dtype]) -> str:
+    """Why a backend with these capabilities cannot serve the call ("" when it can)."""
+    if not (caps.normal if mode == "normal" else caps.low_latency):
+        return f"the compiled backend has no {mode.replace('_', '-')} mode"
+    if device.type not in caps.devices:
+        return f"the compiled kernels take no {device.type} tensors"
+    if local_experts is not None and caps.max_local_experts is not None and local_experts > caps.max_local_experts:
+        return (f"the compiled kernels serve at most {caps.max_local_experts} experts per rank, this call has "
+                f"{local_experts}")
+    if combine_dtype is not None and combine_dtype not in caps.combine_dtypes:
+        return f"the compiled kernels do not reduce {combine_dtype}"
+    return ""
 
 
 def _flatten(obj) -> list:

@@ -1,7 +1,7 @@
 """The compiled (CUDA) backends. `create(buffer)` returns the object that serves a Buffer's CUDA calls, or
 None with the reason it cannot (no extension, CPU group, kernels not built for this case).
 
-A backend object offers: serves_normal(topology), serves_low_latency(), get_dispatch_layout, dispatch,
+A backend is a moe_dispatcher.backend.Backend (its capabilities say what it serves): get_dispatch_layout, dispatch,
 cached_dispatch, combine (the signatures of reference.ReferenceNormal), low_latency_dispatch,
 low_latency_combine, next_combine_buffer, clean_low_latency_buffer, local_buffer_tensor, destroy.
 

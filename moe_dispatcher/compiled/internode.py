@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from .. import _ext
 from .. import config as _cfg
+from ..backend import Backend, Capabilities
 from ..config import Config, align_slot
 from ..handle import DispatchHandle
 from . import (buffer_view, check_topk, combine_row_bytes, current_stream_ptr, dispatch_inputs, recv_tensors,
@@ -40,7 +41,7 @@ def dispatch_slot_bytes(hidden_bytes: int, num_scales: int, num_topk: int) -> in
     return align_slot(hidden_bytes + num_scales * 4 + num_topk * 8 + 8)
 
 
-class InternodeBackend:
+class InternodeBackend(Backend):
     """Compiled internode normal-mode backend for one Buffer (see the module docstring)."""
 
     name = "internode"
@@ -55,7 +56,8 @@ class InternodeBackend:
         self.num_nvl_bytes, self.num_rdma_bytes = buffer.num_nvl_bytes, buffer.num_rdma_bytes
         self._buffer_token = buffer._token
         self._buffer_cls = type(buffer)
-        self._reference = buffer._reference_normal
+        self.capabilities = Capabilities(normal=True, combine_dtypes=frozenset(_COMBINE_DTYPES),
+                                         max_local_experts=self._mod.MAX_LOCAL_EXPERTS, devices=frozenset({"cuda"}))
         if self._mod.RDMA_CONTROL_BYTES != _cfg.RDMA_CONTROL_BYTES or self._mod.NVL_CONTROL_BYTES != _cfg.NVL_CONTROL_BYTES:
             raise RuntimeError("moe_dispatcher._C and moe_dispatcher.config disagree on the internode control sizes "
                                "(rebuild the extension)")
@@ -106,13 +108,6 @@ class InternodeBackend:
         self._seq = 0
         self._broken: Optional[str] = None
         self._alive = True
-
-    # ------------------------------------------------------------------ what this backend serves
-    def serves_normal(self, topology) -> bool:
-        return bool(not topology.is_single_domain and topology.num_ranks <= self._mod.MAX_RANKS)
-
-    def serves_low_latency(self) -> bool:
-        return False
 
     # ------------------------------------------------------------------ errors
     def _check(self) -> None:
@@ -186,10 +181,6 @@ class InternodeBackend:
             x, x_scales, topk_idx, topk_weights, "internode", self._mod.MAX_TOPK)
         num_experts = num_tokens_per_expert.numel()
         local = num_experts // r
-        if local > self._mod.MAX_LOCAL_EXPERTS:  # beyond the kernels' tables: the reference, as intranode does
-            return self._reference.dispatch(x, x_scales, topk_idx, topk_weights, num_tokens_per_rank,
-                                            is_token_in_rank, num_tokens_per_expert, expert_alignment,
-                                            num_worst_tokens)
         geo = self._geometry(config, False, dispatch_slot_bytes(hidden_bytes, num_scales, num_topk))
         channels = geo[0]
         is_token_in_rank = is_token_in_rank.contiguous()
@@ -263,10 +254,6 @@ class InternodeBackend:
         partial is the float32 sum of that domain's rows (ranks ascending) rounded to x.dtype, whatever
         combine_chunk is (the same bits)."""
         self._check()
-        if x.dtype not in _COMBINE_DTYPES:  # float64: the reference reduces it (in float64)
-            if handle.num_recv_tokens is None:
-                handle = handle._replace(num_recv_tokens=int(handle.rank_prefix_matrix[-1, self.rank]))
-            return self._reference.combine(x, handle, topk_weights, bias)
         x = x.contiguous()
         row_bytes = combine_row_bytes(x)
         num_topk = check_topk(topk_weights, self._mod.MAX_TOPK, "combine:", "top-k weights per row")

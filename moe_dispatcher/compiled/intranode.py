@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _ext
+from ..backend import Backend, Capabilities
 from ..config import Config, align_slot
 from ..expert_major import ExpertMajorHandle, compose_expert_major_dispatch, gather_rows, unpermute
 from ..handle import DispatchHandle
@@ -180,8 +181,9 @@ class _DeviceMemory:
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2}
 
 
-class IntranodeBackend:
-    """Compiled normal-mode backend for one Buffer (see the module docstring)."""
+class IntranodeBackend(Backend):
+    """Compiled normal-mode backend for one Buffer (see the module docstring). Float64 combines and more than
+    MAX_LOCAL_EXPERTS experts per rank are not its (capabilities): the Buffer sends those to the reference."""
 
     name = "intranode"
 
@@ -194,9 +196,8 @@ class IntranodeBackend:
         self.num_rdma_bytes = buffer.num_rdma_bytes
         self._buffer_token = buffer._token
         self._buffer_cls = type(buffer)
-        # Cases the kernels do not cover (float64 combine, > MAX_LOCAL_EXPERTS experts per rank) go to the
-        # reference backend transparently.
-        self._reference = buffer._reference_normal
+        self.capabilities = Capabilities(normal=True, expert_major=True, combine_dtypes=frozenset(_COMBINE_DTYPES),
+                                         max_local_experts=self._mod.MAX_LOCAL_EXPERTS, devices=frozenset({"cuda"}))
         self.timeout_s = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
         if self.timeout_s <= 0:
             raise ValueError(f"{TIMEOUT_ENV} must be positive, got {self.timeout_s}")
@@ -230,13 +231,6 @@ class IntranodeBackend:
         if value not in NVL_VARIANTS:
             raise ValueError(f"{NVL_VARIANT_ENV} / nvl_variant must be one of {NVL_VARIANTS}, got {value!r}")
         self._protocol = NVL_VARIANTS.index(value)
-
-    # ------------------------------------------------------------------ what this backend serves
-    def serves_normal(self, topology) -> bool:
-        return bool(topology.is_single_domain and 2 <= topology.num_ranks <= self._mod.MAX_RANKS)
-
-    def serves_low_latency(self) -> bool:
-        return False
 
     # ------------------------------------------------------------------ errors
     def _check(self) -> None:
@@ -328,10 +322,6 @@ class IntranodeBackend:
             x, x_scales, topk_idx, topk_weights, "intranode", self._mod.MAX_TOPK)
         num_experts = num_tokens_per_expert.numel()
         local = num_experts // r
-        if local > self._mod.MAX_LOCAL_EXPERTS:
-            return self._reference.dispatch(x, x_scales, topk_idx, topk_weights, num_tokens_per_rank,
-                                            is_token_in_rank, num_tokens_per_expert, expert_alignment,
-                                            num_worst_tokens)
         channels, chunk, slots = self._config(config, combine=False)
         slot_bytes = dispatch_slot_bytes(hidden_bytes, num_scales, num_topk)
         self._check_fits(channels, slots, slot_bytes, "dispatch")
@@ -404,11 +394,6 @@ class IntranodeBackend:
         """Reduce the rows of each source token on the current stream; returns (combined_x, combined_topk_weights
         or None)."""
         self._check()
-        if x.dtype not in _COMBINE_DTYPES:  # float64: the reference reduces it (in float64)
-            if handle.num_recv_tokens is None:
-                n = int(handle.rank_prefix_matrix[-1, self.rank])
-                handle = handle._replace(num_recv_tokens=n)
-            return self._reference.combine(x, handle, topk_weights, bias)
         x = x.contiguous()
         topk_weights = topk_weights.contiguous() if topk_weights is not None else None
         plans, kind = handle.backend_state.combine_plans, topk_weights is not None
@@ -569,7 +554,7 @@ class IntranodeBackend:
         return wait_counts(self, seq, self._mod.FLAG_LAYOUT_MISMATCH)
 
     def expert_major_cached_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor],
-                                     handle: ExpertMajorHandle):
+                                     handle: ExpertMajorHandle, config: Optional[Config] = None):
         """x [T, H] -> expert-major rows [M, H] along the handle's routing (no count exchange, no host sync);
         em_dispatch_mode "split": rank-major cached dispatch, then em_permute along the handle's inverse table;
         "fused": the dispatch kernel's receivers write the expert-major rows."""

@@ -32,6 +32,7 @@ from typing import NamedTuple
 import torch
 
 from .. import _ext
+from ..backend import Backend, Capabilities
 from ..event import EventOverlap
 from ..handle import LowLatencyHandle
 from ..runtime import nvshmem
@@ -103,10 +104,11 @@ class _DeviceMemory:
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2}
 
 
-class LowLatencyBackend:
+class LowLatencyBackend(Backend):
     """Compiled low-latency backend of one Buffer (see the module docstring)."""
 
     name = "low_latency"
+    capabilities = Capabilities(low_latency=True, devices=frozenset({"cuda"}))
 
     def __init__(self, buffer) -> None:
         mod = _ext.require("the low-latency kernels")
@@ -218,13 +220,6 @@ class LowLatencyBackend:
             out[kind] = parse_trace_record(self.trace_record(kind, half).cpu(), kind, self.trace_meta(num_experts))
             out[kind]["half"] = half
         return out
-
-    # ------------------------------------------------------------------ what this backend serves
-    def serves_normal(self, topology) -> bool:
-        return False
-
-    def serves_low_latency(self) -> bool:
-        return True
 
     # ------------------------------------------------------------------ lifetime
     def destroy(self) -> None:

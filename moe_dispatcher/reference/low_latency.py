@@ -12,6 +12,7 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from ..backend import Backend, Capabilities
 from .comm import exchange_rows, pack_rows, unpack_rows
 from .fp8 import per_token_cast_to_fp8
 
@@ -21,8 +22,11 @@ def _token_minor(shape_l: int, rows: int, cols: int, dtype: torch.dtype, device:
     return torch.zeros(shape_l, cols, rows, dtype=dtype, device=device).transpose(1, 2)
 
 
-class ReferenceLowLatency:
+class ReferenceLowLatency(Backend):
+    """Low-latency backend over `group`: the executable form of the low-latency semantics, any device."""
+
     name = "reference"
+    capabilities = Capabilities(low_latency=True)
 
     def __init__(self, group: dist.ProcessGroup, rank: int, num_ranks: int, buffer_token: int):
         self.group, self.rank, self.num_ranks, self.buffer_token = group, rank, num_ranks, buffer_token

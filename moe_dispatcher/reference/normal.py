@@ -10,6 +10,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ..backend import Backend, Capabilities
 from .comm import all_gather_rows, exchange_rows, pack_rows, unpack_rows
 
 
@@ -43,10 +44,11 @@ def _send_matrix(rank_prefix_matrix: torch.Tensor) -> torch.Tensor:
     return torch.cat([m[:1], m[1:] - m[:-1]], dim=0)
 
 
-class ReferenceNormal:
-    """Normal-mode backend over `group` (rank `rank` of `num_ranks`)."""
+class ReferenceNormal(Backend):
+    """Normal-mode backend over `group` (rank `rank` of `num_ranks`): any device, any dtype, any expert count."""
 
     name = "reference"
+    capabilities = Capabilities(normal=True)
 
     def __init__(self, group: dist.ProcessGroup, rank: int, num_ranks: int, nvl_size: int, buffer_token: int):
         self.group, self.rank, self.num_ranks, self.nvl_size = group, rank, num_ranks, nvl_size
@@ -136,8 +138,10 @@ class ReferenceNormal:
                 bias: Sequence[torch.Tensor], config=None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Sum the rows of each source token over the ranks that received it (ascending rank order)."""
         me = self.rank
-        send_matrix = _send_matrix(handle.rank_prefix_matrix.cpu())
-        n = handle.num_recv_tokens
+        prefix = handle.rank_prefix_matrix.cpu()
+        send_matrix = _send_matrix(prefix)
+        # Rows received (a compiled backend's handle may leave it on the device: then the prefix matrix says).
+        n = handle.num_recv_tokens if handle.num_recv_tokens is not None else int(prefix[-1, me])
         pieces = [x[:n]] + ([topk_weights[:n]] if topk_weights is not None else [])
         # Received rows are grouped by source rank already: send each group home.
         back = exchange_rows(self.group, pack_rows(pieces), send_matrix[:, me].tolist(), send_matrix[me].tolist())

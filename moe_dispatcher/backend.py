@@ -1,0 +1,141 @@
+"""The Backend protocol: what every backend of a Buffer implements, and what it declares it serves.
+
+A Buffer holds at most one backend per mode: a normal-mode backend (the compiled intranode or internode kernels,
+or the reference) and a low-latency one (the compiled NVSHMEM kernels, or the reference). Each backend states
+its reach in `capabilities` (data, never probed with hasattr); `Buffer` reads them in one place
+(`Buffer._resolve`) to decide, per call shape, which backend serves a call and when to fall back to the reference
+backend. Methods a backend does not serve raise NotImplementedError (the resolver never sends it such calls).
+
+Expert-major calls have a default here: the backend's rank-major dispatch / combine composed with the local
+permutation of moe_dispatcher.expert_major. A backend with fused expert-major kernels overrides the three
+methods and sets `capabilities.expert_major`.
+
+Shapes and dtypes are those of docs/semantics.md: T tokens, H hidden, K top-k slots, R ranks, E experts,
+L = E / R local experts, N received rows, M expert-major rows.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, FrozenSet, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+
+from .expert_major import ExpertMajorHandle, compose_expert_major_dispatch, gather_rows, unpermute
+
+if TYPE_CHECKING:
+    from .config import Config
+    from .handle import DispatchHandle, LowLatencyHandle
+
+Tensor = torch.Tensor
+ALL_DTYPES: FrozenSet[torch.dtype] = frozenset({torch.bfloat16, torch.float16, torch.float32, torch.float64})
+
+
+class Capabilities(NamedTuple):
+    """What a backend serves, declared once when it is made.
+
+    normal:            get_dispatch_layout, dispatch, cached_dispatch, combine.
+    low_latency:       low_latency_dispatch / low_latency_combine and their buffer helpers.
+    expert_major:      native expert-major calls (False: the composition of this class serves them).
+    combine_dtypes:    dtypes of combine input the backend reduces (others go to the reference backend).
+    max_local_experts: fresh dispatches with more experts per rank than this go to the reference (None: any).
+    devices:           device types whose tensors the backend takes ("cpu", "cuda").
+    """
+
+    normal: bool = False
+    low_latency: bool = False
+    expert_major: bool = False
+    combine_dtypes: FrozenSet[torch.dtype] = ALL_DTYPES
+    max_local_experts: Optional[int] = None
+    devices: FrozenSet[str] = frozenset({"cpu", "cuda"})
+
+
+class Backend:
+    """Base class of every backend (reference, intranode, internode, low-latency).
+
+    Subclasses set `name` (the tag their handles carry) and `capabilities`, and implement the methods of the
+    modes they declare. Inputs reach them validated (moe_dispatcher.validation, on the first call of a shape)
+    and on the stream the Buffer chose; they allocate outputs on the current stream and return them.
+    """
+
+    name: str = "backend"
+    capabilities: Capabilities = Capabilities()
+    num_ranks: int  # ranks of the Buffer's group
+
+    # ------------------------------------------------------------------ normal mode
+    def get_dispatch_layout(self, topk_idx: Tensor, num_experts: int):
+        """topk_idx int64 [T, K] -> (num_tokens_per_rank int32 [R], num_tokens_per_rdma_rank int32 [D] or None,
+        num_tokens_per_expert int32 [E], is_token_in_rank bool [T, R])."""
+        raise NotImplementedError(f"the {self.name} backend has no normal mode")
+
+    def dispatch(self, x: Tensor, x_scales: Optional[Tensor], topk_idx: Optional[Tensor],
+                 topk_weights: Optional[Tensor], num_tokens_per_rank: Tensor, is_token_in_rank: Tensor,
+                 num_tokens_per_expert: Tensor, expert_alignment: int, num_worst_tokens: int,
+                 config: Optional["Config"] = None):
+        """Fresh dispatch: -> (recv_x [N, H], recv_scales [N, S] or None, recv_topk_idx int64 [N, K] or None,
+        recv_topk_weights float32 [N, K] or None, counts (python ints [L]), DispatchHandle)."""
+        raise NotImplementedError(f"the {self.name} backend has no normal mode")
+
+    def cached_dispatch(self, x: Tensor, x_scales: Optional[Tensor], handle: "DispatchHandle",
+                        config: Optional["Config"] = None) -> Tuple[Tensor, Optional[Tensor]]:
+        """Dispatch along a handle's routing: -> (recv_x [N, H], recv_scales or None)."""
+        raise NotImplementedError(f"the {self.name} backend has no normal mode")
+
+    def combine(self, x: Tensor, handle: "DispatchHandle", topk_weights: Optional[Tensor], bias: Sequence[Tensor],
+                config: Optional["Config"] = None) -> Tuple[Tensor, Optional[Tensor]]:
+        """x [N, H] -> (combined_x [T, H] x.dtype, combined_topk_weights float32 [T, K] or None)."""
+        raise NotImplementedError(f"the {self.name} backend has no normal mode")
+
+    # ------------------------------------------------------------------ expert-major (default: composition)
+    def expert_major_dispatch(self, x: Tensor, x_scales: Optional[Tensor], topk_idx: Tensor,
+                              topk_weights: Optional[Tensor], num_experts: int, expert_alignment: int,
+                              num_worst_tokens: int, config: Optional["Config"] = None):
+        """-> (permuted_x [M, H], permuted_scales or None, permuted_weights float32 [M] or None,
+        tokens_per_expert int32 [L], counts (python ints), ExpertMajorHandle)."""
+        return compose_expert_major_dispatch(self, x, x_scales, topk_idx, topk_weights, num_experts,
+                                             num_experts // self.num_ranks, expert_alignment, num_worst_tokens,
+                                             config)
+
+    def expert_major_cached_dispatch(self, x: Tensor, x_scales: Optional[Tensor], handle: ExpertMajorHandle,
+                                     config: Optional["Config"] = None) -> Tuple[Tensor, Optional[Tensor]]:
+        """x [T, H] -> (expert-major rows [M, H], scales or None) along the handle's routing."""
+        rows, row_scales = self.cached_dispatch(x, x_scales, handle.dispatch, config)
+        return gather_rows(rows, handle), (gather_rows(row_scales, handle) if x_scales is not None else None)
+
+    def expert_major_combine(self, x: Tensor, handle: ExpertMajorHandle, weights: Optional[Tensor],
+                             topk_weights: Optional[Tensor], bias: Sequence[Tensor],
+                             config: Optional["Config"] = None) -> Tuple[Tensor, Optional[Tensor]]:
+        """Expert-major rows x [M, H] -> (combined_x [T, H], combined_topk_weights [T, K] or None)."""
+        rows, w_rows = unpermute(x, handle, weights, topk_weights)
+        return self.combine(rows, handle.dispatch, w_rows, bias, config)
+
+    # ------------------------------------------------------------------ low-latency mode
+    def low_latency_dispatch(self, x: Tensor, topk_idx: Tensor, max_tokens: int, num_experts: int,
+                             cumulative_local_expert_recv_stats: Optional[Tensor],
+                             dispatch_wait_recv_cost_stats: Optional[Tensor], use_fp8: bool, round_scale: bool,
+                             use_ue8m0: bool, async_finish: bool, return_recv_hook: bool, half: int,
+                             make_hook: Callable):
+        """-> (recv_x [L, R*maxT, H] (or (fp8, scales)), recv_count int32 [L], LowLatencyHandle, EventOverlap,
+        hook or None)."""
+        raise NotImplementedError(f"the {self.name} backend has no low-latency mode")
+
+    def low_latency_combine(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, handle: "LowLatencyHandle",
+                            zero_copy: bool, async_finish: bool, return_recv_hook: bool, out: Optional[Tensor],
+                            combine_wait_recv_cost_stats: Optional[Tensor], half: int, make_hook: Callable):
+        """-> (combined_x bf16 [T, H], EventOverlap, hook or None)."""
+        raise NotImplementedError(f"the {self.name} backend has no low-latency mode")
+
+    def next_combine_buffer(self, handle: "LowLatencyHandle", half: int) -> Tensor:
+        """bf16 [L, R*maxT, H]: the rows a zero-copy low-latency combine of buffer half `half` sends."""
+        raise NotImplementedError(f"the {self.name} backend has no low-latency mode")
+
+    def clean_low_latency_buffer(self, max_tokens: int, hidden: int, num_experts: int) -> None:
+        """Reset the low-latency signal words (collective)."""
+        raise NotImplementedError(f"the {self.name} backend has no low-latency mode")
+
+    # ------------------------------------------------------------------ buffer access and lifetime
+    def local_buffer_tensor(self, dtype: torch.dtype, size: Optional[Sequence[int]], offset: int,
+                            use_rdma_buffer: bool) -> Tensor:
+        """A typed view of this rank's NVLink (or NVSHMEM) buffer from byte `offset`."""
+        raise NotImplementedError(f"the {self.name} backend has no communication buffer")
+
+    def destroy(self) -> None:
+        """Release what the backend holds (collective for backends with symmetric memory)."""
