@@ -43,6 +43,8 @@ start=$(date +%s)
 # Multicast off on shared machines; one host without InfiniBand: no remote NVSHMEM transport.
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export NVSHMEM_REMOTE_TRANSPORT=${NVSHMEM_REMOTE_TRANSPORT:-none} PYTHONUNBUFFERED=1
+# Our side runs the compiled kernels or fails: no silent fallback to the reference backend.
+export MOE_DISPATCHER_BACKEND=${MOE_DISPATCHER_BACKEND:-kernels}
 
 [[ -f "$DEEPEP_SRC/tests/test_intranode.py" && -f "$DEEPEP_SRC/tests/test_low_latency.py" ]] || {
   echo "deepep_side_by_side: no DeepEP tests under DEEPEP_SRC=$DEEPEP_SRC" >&2; exit 2; }

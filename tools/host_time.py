@@ -29,7 +29,8 @@ Each library runs in its own child process group, one after the other, while the
 group that never touches a GPU) wait: both libraries bring up NVSHMEM (one state per process) and must not
 share a process. The children use the same GPUs, shapes and seeds, so the two columns compare like for like.
 Environment: NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 are set in every
-child unless already set. One node only.
+child unless already set, and MOE_DISPATCHER_BACKEND=kernels (a call the kernels cannot serve fails instead of
+falling back to the reference backend). One node only.
 
 Output: a table on rank 0 (moe_dispatcher us, DeepEP V1 us, ratio, target) and OUT/host_time.md plus
 OUT/host_time.json. Targets: LL pair <= 0.4x DeepEP V1's; cached dispatch / combine at T=128 <= half of
@@ -212,6 +213,7 @@ def run_child(lib: str, port: int, args, result_dir: str) -> int:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
     for k, v in MULTICAST_OFF.items():
         env.setdefault(k, v)
+    env.setdefault("MOE_DISPATCHER_BACKEND", "kernels")  # time the kernels' path, never a silent fallback
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", lib, "--result-dir", result_dir,
            "--calls", str(args.calls), "--warmup", str(args.warmup), "--normal-tokens", args.normal_tokens]
