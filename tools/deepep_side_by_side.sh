@@ -89,7 +89,8 @@ if ! "$PYTHON" -c "import moe_dispatcher._C" 2>/dev/null; then
 fi
 
 # Which module each side's `import deep_ep` gives (and whether it will run the FP8 cases).
-preflight='import deep_ep; print(f"deep_ep={deep_ep.__name__} from {deep_ep.__file__}, is_sm90_compiled={deep_ep.Buffer.is_sm90_compiled()}")'
+preflight='import deep_ep; print(f"deep_ep={deep_ep.__name__} from {deep_ep.__file__}, "
+                                f"is_sm90_compiled={deep_ep.Buffer.is_sm90_compiled()}")'
 have_deepep=0
 if [[ -n "$DEEPEP_PATH" ]]; then
   PYTHONPATH=$DEEPEP_PATH "$PYTHON" -c "$preflight" > "$LOG/preflight_deepep.log" 2>&1 &&

@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import re
 import sys
-from typing import Dict, List, Optional
 
 RUNS = ("deepep", "ours")
 TITLE = {"deepep": "DeepEP V1", "ours": "moe_dispatcher"}
@@ -39,7 +38,7 @@ _LL_HOOK = re.compile(r"\[rank (\d+)\] Dispatch send/recv time: ([\d.]+) \+ ([\d
 _ERROR = re.compile(r"(Error|Exception|error:|Traceback|AssertionError|NotImplementedError|timed out)")
 
 
-def read(path: str) -> Optional[str]:
+def read(path: str) -> str | None:
     if not os.path.exists(path):
         return None
     with open(path, errors="replace") as f:
@@ -56,7 +55,7 @@ def status(log_dir: str, name: str) -> str:
     return f"{verdict} ({secs} s)"
 
 
-def first_error(text: Optional[str]) -> Optional[str]:
+def first_error(text: str | None) -> str | None:
     """The last line that names an error (the exception a traceback ends with), shortened."""
     if not text:
         return None
@@ -64,11 +63,11 @@ def first_error(text: Optional[str]) -> Optional[str]:
     return hits[-1][:200] if hits else None
 
 
-def parse_intranode(text: Optional[str]) -> dict:
+def parse_intranode(text: str | None) -> dict:
     out = {"passed": 0, "passed_fp8": 0, "layout_ms": None, "sweeps": {}, "best": {}}
     if not text:
         return out
-    pending: List[tuple] = []
+    pending: list[tuple] = []
     for line in text.splitlines():
         m = _PASSED.search(line)
         if m:
@@ -89,7 +88,7 @@ def parse_intranode(text: Optional[str]) -> dict:
     return out
 
 
-def parse_low_latency(text: Optional[str]) -> dict:
+def parse_low_latency(text: str | None) -> dict:
     """Largest value over ranks of each figure (us), or None when absent."""
     out = {"pair_us": None, "pair_gbps": None, "dispatch_us": None, "combine_us": None, "hook": None}
     if not text:
@@ -128,7 +127,7 @@ def fmt(v, spec: str = ".2f") -> str:
     return "-" if v is None else format(v, spec)
 
 
-def ratio(a: Optional[float], b: Optional[float]) -> str:
+def ratio(a: float | None, b: float | None) -> str:
     return "-" if a is None or not b else f"{a / b:.2f}"
 
 
@@ -137,8 +136,8 @@ def render(log_dir: str, num_gpus: str = "?") -> str:
             for test in ("intranode", "low_latency") for run in RUNS}
     intra = {run: parse_intranode(logs["intranode", run]) for run in RUNS}
     ll = {run: parse_low_latency(logs["low_latency", run]) for run in RUNS}
-    lines = [f"# DeepEP V1's tests, unmodified: DeepEP V1 vs moe_dispatcher (`import deep_ep` -> moe_dispatcher), "
-             f"{num_gpus} GPUs", "",
+    lines = [(f"# DeepEP V1's tests, unmodified: DeepEP V1 vs moe_dispatcher (`import deep_ep` -> moe_dispatcher), "
+              f"{num_gpus} GPUs"), "",
              "| | DeepEP V1 | moe_dispatcher | ours / DeepEP |", "|---|---|---|---|"]
 
     def row(name: str, a: str, b: str, r: str = "") -> None:
@@ -178,10 +177,11 @@ def render(log_dir: str, num_gpus: str = "?") -> str:
     sweeps = [label for label in ("dispatch FP8", "dispatch BF16", "combine")
               if any(intra[r]["sweeps"].get(label) for r in RUNS)]
     if sweeps:
-        lines += ["", "Intranode sweeps (GB/s by DeepEP's byte count, NVL chunk = num_max_nvl_chunked_send_tokens):", ""]
+        lines += ["", "Intranode sweeps (GB/s by DeepEP's byte count; NVL chunk = num_max_nvl_chunked_send_tokens):",
+                  ""]
         for label in sweeps:
             lines += [f"| {label}: chunk | DeepEP V1 GB/s | moe_dispatcher GB/s |", "|---|---|---|"]
-            by_chunk: Dict[str, Dict[str, float]] = {}
+            by_chunk: dict[str, dict[str, float]] = {}
             for r in RUNS:
                 for _, chunk, gbps, _ in intra[r]["sweeps"].get(label, []):
                     by_chunk.setdefault(chunk, {})[r] = gbps
@@ -191,7 +191,7 @@ def render(log_dir: str, num_gpus: str = "?") -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def main(argv: List[str]) -> int:
+def main(argv: list[str]) -> int:
     if not argv:
         print(__doc__, file=sys.stderr)
         return 2

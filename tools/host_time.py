@@ -46,7 +46,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Callable, Dict, List
+from collections.abc import Callable
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIBS = ("moe_dispatcher", "deep_ep")
@@ -72,7 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # ---------------------------------------------------------------------------------------------- timing
-def time_calls(steps: Dict[str, Callable[[], object]], calls: int, warmup: int) -> Dict[str, float]:
+def time_calls(steps: dict[str, Callable[[], object]], calls: int, warmup: int) -> dict[str, float]:
     """Median host us of each step, the steps run in order as one iteration (a step may use what an earlier
     step of the same iteration returned, through the closures). Synchronises only outside the timed spans."""
     import torch
@@ -83,8 +83,8 @@ def time_calls(steps: Dict[str, Callable[[], object]], calls: int, warmup: int) 
             fn()
     torch.cuda.synchronize()
     dist.barrier()
-    spans: Dict[str, List[float]] = {name: [] for name in steps}
-    total: List[float] = []
+    spans: dict[str, list[float]] = {name: [] for name in steps}
+    total: list[float] = []
     for i in range(calls):
         if i % SYNC_EVERY == 0:
             torch.cuda.synchronize()  # outside the timed spans: keeps the launch queue short
@@ -115,7 +115,7 @@ def import_library(name: str, deepep_path: str | None):
     return deep_ep
 
 
-def measure_normal(lib, group, rank: int, world: int, tokens: int, args) -> Dict[str, float]:
+def measure_normal(lib, group, rank: int, world: int, tokens: int, args) -> dict[str, float]:
     """Cached dispatch, combine and fresh dispatch of [tokens, H] bf16, top-8 of 256 experts."""
     import torch
 
@@ -129,8 +129,8 @@ def measure_normal(lib, group, rank: int, world: int, tokens: int, args) -> Dict
         idx = scores.topk(TOPK, dim=1).indices.to(getattr(lib, "topk_idx_t", torch.int64))
         w = torch.rand(tokens, TOPK, device="cuda", generator=gen)
         per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, EXPERTS)
-        fresh = dict(num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
-                     num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+        fresh = {"num_tokens_per_rank": per_rank, "num_tokens_per_rdma_rank": per_rdma, "is_token_in_rank": in_rank,
+                 "num_tokens_per_expert": per_expert, "topk_idx": idx, "topk_weights": w}
         recv_x, _, _, _, handle, _ = buf.dispatch(x, **fresh)
         y = recv_x.clone()
         calls = args.calls if tokens <= 1024 else max(100, args.calls // 4)
@@ -146,7 +146,7 @@ def measure_normal(lib, group, rank: int, world: int, tokens: int, args) -> Dict
         buf.destroy()
 
 
-def measure_low_latency(lib, group, rank: int, world: int, args) -> Dict[str, float]:
+def measure_low_latency(lib, group, rank: int, world: int, args) -> dict[str, float]:
     """The eager LL pair: FP8 dispatch of [128, 7168] bf16, top-8 of 256 experts, then the bf16 combine."""
     import torch
 
@@ -187,7 +187,7 @@ def worker(args) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.new_group(list(range(world)))
     lib = import_library(args.worker, args.deepep_path)
-    rows: Dict[str, float] = {}
+    rows: dict[str, float] = {}
     for tokens in (int(t) for t in args.normal_tokens.split(",") if t):
         rows.update(measure_normal(lib, group, rank, world, tokens, args))
     dist.barrier()
@@ -220,13 +220,13 @@ def run_child(lib: str, port: int, args, result_dir: str) -> int:
     if args.deepep_path:
         cmd += ["--deepep-path", args.deepep_path]
     try:
-        return subprocess.run(cmd, env=env, timeout=args.child_timeout).returncode
+        return subprocess.run(cmd, check=False, env=env, timeout=args.child_timeout).returncode
     except subprocess.TimeoutExpired:
         print(f"[host_time] rank {env.get('RANK')}: {lib} timed out after {args.child_timeout} s", flush=True)
         return 124
 
 
-def collect(result_dir: str, world: int) -> Dict[str, dict]:
+def collect(result_dir: str, world: int) -> dict[str, dict]:
     """{lib: {"device": str, "rows": {name: max over ranks of the median us}, "per_rank": {name: [us...]}}}."""
     found = {}
     for lib in LIBS:
@@ -255,13 +255,17 @@ def target_of(name: str, today_cached_us: float):
     return None
 
 
-def render(found: Dict[str, dict], world: int, today_cached_us: float) -> str:
+def _us(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def render(found: dict[str, dict], world: int, today_cached_us: float) -> str:
     ours, theirs = found.get("moe_dispatcher"), found.get("deep_ep")
     device = (ours or theirs or {}).get("device", "?")
     lines = [f"# Host time per call, {world} x {device}, {time.strftime('%Y-%m-%d %H:%M')}",
              "",
-             "Median us of the Python call per rank (device never awaited inside the timed span; "
-             f"synchronise every {SYNC_EVERY} calls), largest median over ranks.",
+             ("Median us of the Python call per rank (device never awaited inside the timed span; "
+              f"synchronise every {SYNC_EVERY} calls), largest median over ranks."),
              "",
              "| call | moe_dispatcher us | DeepEP V1 us | ratio | target |",
              "|---|---|---|---|---|"]
@@ -275,8 +279,7 @@ def render(found: Dict[str, dict], world: int, today_cached_us: float) -> str:
         if target is not None and a is not None:
             met = target[1](a, ratio)
             verdict = f"{target[0]}: {'met' if met else 'NOT met'}"
-        fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
-        lines.append(f"| {name} | {fmt(a)} | {fmt(b)} | {fmt(ratio)} | {verdict} |")
+        lines.append(f"| {name} | {_us(a)} | {_us(b)} | {_us(ratio)} | {verdict} |")
     if theirs is None:
         lines += ["", "DeepEP V1 not measured (no --deepep-path, or its run failed: see the log)."]
     return "\n".join(lines) + "\n"
