@@ -17,6 +17,8 @@
 #                is skipped, and every run's limit is cut to what is left
 #   SKIP         space-separated run names to leave out (e.g. "host_time intranode_deepep")
 #   PYTHON       default python
+#   MOE_DISPATCHER_BACKEND   default kernels for our side (a call the kernels cannot serve fails, no fallback)
+#   NVSHMEM_REMOTE_TRANSPORT default none (one host, no InfiniBand); multicast is off (NVLS, symmetric memory)
 #
 # moe_dispatcher comes from this checkout; if its extension does not import, it is built first
 # (MOE_DISPATCHER_BUILD_EXT=1 pip install --no-deps --no-build-isolation -e ., log in $OUT/deepep).
