@@ -45,6 +45,23 @@ NVCC_FLAGS = [
 # Host compiler flags for every .cpp.
 CXX_FLAGS = ["-O3", "-std=c++20"]
 DEFAULT_ARCH_LIST = "9.0"
+# torch's names for whole architecture families in TORCH_CUDA_ARCH_LIST, with the versions they stand for.
+_NAMED_ARCHS = {"hopper": ("9.0",)}
+
+
+def compiled_for_sm90(arch_list: str) -> bool:
+    """True when a TORCH_CUDA_ARCH_LIST value makes torch emit sm_90 device code.
+
+    The value's grammar is torch's: entries separated by ';' or spaces, each "major.minor" with an optional
+    arch-specific "a" suffix and/or "+PTX" ("9.0", "9.0a", "8.0;9.0+PTX"), or a family name ("Hopper").
+    bindings.cpp reports the answer as is_sm90_compiled() (DeepEP V1's Buffer.is_sm90_compiled: its tests
+    run their FP8 cases only when it is true).
+    """
+    versions = []
+    for entry in re.split(r"[;\s]+", arch_list.strip()):
+        entry = entry.lower().removesuffix("+ptx")
+        versions += _NAMED_ARCHS.get(entry, (entry.removesuffix("a"),))
+    return "9.0" in versions
 
 
 def _project_version() -> str:
@@ -167,7 +184,8 @@ def _cuda_extension():
         sources=extension_sources(),
         include_dirs=[os.path.join(ROOT, "csrc"), os.path.join(nvshmem, "include")],
         # Stringified in bindings.cpp (a quoted -D value would not survive ninja's shell).
-        define_macros=[("MOE_DISPATCHER_VERSION", version)],
+        define_macros=[("MOE_DISPATCHER_VERSION", version),
+                       ("MOE_DISPATCHER_SM90", "1" if compiled_for_sm90(os.environ["TORCH_CUDA_ARCH_LIST"]) else "0")],
         extra_compile_args={
             # CUDA 13 moved cuda/std/* (used by nvshmem.h) under include/cccl; nvcc finds it alone.
             "cxx": CXX_FLAGS + [f"-I{os.path.join(cuda_home, 'include', 'cccl')}"],

@@ -21,6 +21,12 @@
 #define MOE_DISPATCHER_VERSION_STR "unknown"
 #endif
 
+// setup.py passes -DMOE_DISPATCHER_SM90=1 when TORCH_CUDA_ARCH_LIST (the -gencode list torch compiles
+// every .cu for) includes sm_90; a build that does not say counts as not compiled for it.
+#ifndef MOE_DISPATCHER_SM90
+#define MOE_DISPATCHER_SM90 0
+#endif
+
 namespace py = pybind11;
 
 namespace {
@@ -64,6 +70,8 @@ PYBIND11_MODULE(_C, m) {
         "CUDA versions as {'compiled', 'runtime', 'driver'} -> 'major.minor' ('none' if absent).");
   m.def("nvshmem_version", &nvshmem_versions,
         "NVSHMEM versions as {'headers': built against, 'library': libnvshmem_host loaded}.");
+  m.def("is_sm90_compiled", []() { return MOE_DISPATCHER_SM90 != 0; },
+        "True when the device code was compiled for sm_90 (Hopper): Buffer.is_sm90_compiled().");
 
   moe_dispatcher::register_nvshmem(m);
   moe_dispatcher::register_intranode(m);

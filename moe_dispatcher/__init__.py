@@ -1,6 +1,6 @@
 """moe_dispatcher: expert-parallel token dispatch and combine for MoE training and inference.
 
-`import moe_dispatcher as deep_ep` works for DeepEP V1 code: Buffer, Config, EventOverlap, topk_idx_t.
+`import moe_dispatcher as deep_ep` works for DeepEP V1 code: Buffer, Config, EventOverlap, EventHandle, topk_idx_t.
 Ours beside it: Topology, the autograd functions (moe_dispatcher.autograd), the reference backend
 (moe_dispatcher.reference) and the Megatron-Core integration (moe_dispatcher.integrations.megatron).
 Importing never needs the compiled extension: without it every call runs on the reference backend.
@@ -9,7 +9,7 @@ import torch
 
 from .buffer import Buffer
 from .config import Config
-from .event import EventOverlap
+from .event import EventHandle, EventOverlap
 from .expert_major import ExpertMajorHandle
 from .handle import DispatchHandle, LowLatencyHandle
 from .topology import Topology
@@ -18,5 +18,5 @@ topk_idx_t = torch.int64
 
 __version__ = "0.1.0"
 
-__all__ = ["Buffer", "Config", "EventOverlap", "Topology", "DispatchHandle", "LowLatencyHandle", "ExpertMajorHandle",
-           "topk_idx_t", "__version__"]
+__all__ = ["Buffer", "Config", "EventOverlap", "EventHandle", "Topology", "DispatchHandle", "LowLatencyHandle",
+           "ExpertMajorHandle", "topk_idx_t", "__version__"]

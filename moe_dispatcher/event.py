@@ -1,9 +1,26 @@
-"""EventOverlap: a CUDA event (or nothing, on CPU) plus the tensors that must stay alive until it fires."""
+"""EventOverlap: a CUDA event (or nothing, on CPU) plus the tensors that must stay alive until it fires; EventHandle:
+an event recorded where it is made (DeepEP V1's, for `EventOverlap(EventHandle())` as a previous_event)."""
 from __future__ import annotations
 
 from typing import Any, Iterable, Optional
 
 import torch
+
+
+class EventHandle(torch.cuda.Event):
+    """A CUDA event recorded on the current stream when it is made: it marks the work queued there so far.
+
+    DeepEP V1-compatible (code passes `previous_event=EventOverlap(EventHandle())`, the same as Buffer.capture()).
+    Being a torch.cuda.Event, it goes wherever one does (EventOverlap.event, Stream.wait_event).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.record(torch.cuda.current_stream())
+
+    def current_stream_wait(self) -> None:
+        """Make the current stream wait for this event (no host blocking)."""
+        torch.cuda.current_stream().wait_event(self)
 
 
 class EventOverlap:
