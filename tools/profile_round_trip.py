@@ -2,7 +2,7 @@
 
   torchrun --standalone --nproc_per_node 4 tools/profile_round_trip.py      (env H, E, K, T, OUT)
 
-The round trip is the yardstick's (shared/tools/megatron_layer_bench.py): router + dispatch_preprocess +
+The round trip of one Megatron-Core MoELayer (bench/results/h200x4.md): router + dispatch_preprocess +
 token_dispatch + dispatch_postprocess + (h * probs) + combine_preprocess + token_combine +
 combine_postprocess, forward and backward, identity experts. Rank 0 writes to $OUT:
   round_trip_profile.txt   the event-timed round trip, host syncs seen in steady state (CUDA sync debug
