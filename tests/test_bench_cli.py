@@ -1,7 +1,7 @@
 """The benchmark CLI end to end on the CPU: 2 gloo ranks it spawns itself, the reference backend, tiny shapes.
 
 Checks that the tables are printed, that the JSON / markdown files are written with the expected records,
-and that the byte counts follow shared/notes/performance.md (they do not depend on the timing)."""
+and that the byte counts follow DeepEP V1's convention (bench/README.md) (they do not depend on the timing)."""
 from __future__ import annotations
 
 import json

@@ -2,7 +2,7 @@
 back to back, timed per call with CUDA events and (when every rank can capture them) as CUDA graph replays;
 beside NCCL all_to_all_single of the same messages, the same way.
 
-Bytes (shared/notes/performance.md): valid top-k selections sent by this rank x (H + H/128*4 + 16) for the
+Bytes (bench/README.md): valid top-k selections sent by this rank x (H + H/128*4 + 16) for the
 FP8 dispatch, x 2H for the BF16 combine; dispatch+combine counts both. Physical: selections whose expert
 lives on another rank (the per-rank combine reduction: (token, rank) pairs with the rank another one, x 2H).
 The combine is timed under each reduction order of --ll-reductions (records carry "reduction").
@@ -19,7 +19,7 @@ from .common import Context, attach_baseline, fmt_rec, make_record
 from .timing import gather, rotation, time_calls, time_graph_replays, try_capture
 
 # (num_ranks, num_experts) -> (dispatch, combine, both) us targets at 128 tokens, H 7168, top-8
-# (shared/notes/performance.md; on 2 GPUs: "below DeepEP V1's figures").
+# (the project's targets; on 2 GPUs: "below DeepEP V1's figures").
 TARGETS_US = {(4, 256): (28.0, 45.0, 70.0), (2, 256): (29.0, 40.0, 72.0)}
 
 
@@ -98,7 +98,7 @@ def one(ctx: Context, buffer: Buffer, num_experts: int, variant: Optional[int] =
         _, _, hd, _, _ = dispatch(i)
         return combine(i, hd)
 
-    # bytes of this rank (performance.md)
+    # bytes of this rank (bench/README.md)
     valid = topk_idx >= 0
     dest = torch.where(valid, topk_idx // local, r)
     sel = int(valid.sum())

@@ -2,7 +2,7 @@
 Configs, each beside NCCL's all_to_all_single of exactly the same rows; plus the naive NCCL MoE dispatch,
 fresh (non-cached) dispatch, the layout, the host cost of a cached call, and a tokens-per-rank sweep.
 
-Bytes (shared/notes/performance.md, DeepEP V1's convention): dispatch BF16 = recv_x.numel() * 2 per rank
+Bytes (DeepEP V1's convention, bench/README.md): dispatch BF16 = recv_x.numel() * 2 per rank
 (rows this rank receives, its own included); FP8 = that * (1 + 4/128) / 2; combine = the BF16 count.
 Physical = the same per-row bytes for rows from (dispatch) or to (combine) peers only.
 """
@@ -23,7 +23,7 @@ FULL_SMS = (8, 16, 24, 32)
 FULL_SEND = (4, 8, 12, 16, 24, 32)
 FULL_RECV = (128, 256, 512)
 
-# Logical GB/s at the standard shape (4096 tokens, H 7168, top-8 of 256), from shared/notes/performance.md:
+# Logical GB/s at the standard shape (4096 tokens, H 7168, top-8 of 256), the project's targets:
 # DeepEP V1 measured on the same machines (24 SMs) and our targets (2 GPUs: 1.2x DeepEP V1).
 DEEPEP_GBPS = {4: {"dispatch-bf16": 262, "dispatch-fp8": 255, "combine-bf16": 357},
                2: {"dispatch-bf16": 341, "dispatch-fp8": 246, "combine-bf16": 287}}
@@ -145,7 +145,7 @@ class Workload:
         self.ys = [torch.randn(self.recv_rows, h, device=dev, generator=self._gen).to(torch.bfloat16)
                    for _ in range(n)]
 
-    # byte counts of this rank (performance.md)
+    # byte counts of this rank (bench/README.md)
     def bytes_bf16(self) -> Tuple[float, float]:
         row = self.hidden * 2
         return self.recv_rows * row, (self.recv_rows - self.self_rows) * row
