@@ -121,8 +121,8 @@ class MoEDispatcherTokenDispatcher(MoETokenDispatcher):
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor, async_finish: bool = True,
                        allocate_on_comm_stream: bool = True):
-        """Send each token to the ranks of its experts, straight into expert-major layout (the Buffer's fused
-        permutation): returns (rows [M, H], one per (token, local expert) pair, each expert's rows contiguous
+        """Send each token to the ranks of its experts, straight into expert-major layout (the Buffer's expert-major
+        dispatch): returns (rows [M, H], one per (token, local expert) pair, each expert's rows contiguous
         and padded to the quantization multiple; their probs [M]). async_finish / allocate_on_comm_stream are
         accepted for the flex call signature; the results are ready on the current stream."""
         self._shared_experts_before_dispatch()

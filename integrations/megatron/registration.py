@@ -133,7 +133,7 @@ def register(backend: str | None = None) -> None:
     MoEFlexTokenDispatcher.__module__ = megatron_flex.__module__
     moe_layer.MoEFlexTokenDispatcher = MoEFlexTokenDispatcher
 
-    # When dispatch_postprocess stops copying (a fused expert-major dispatch), the "mlp" node's input
+    # When dispatch_postprocess stops copying (an expert-major dispatch), the "mlp" node's input
     # becomes the experts' saved input and must be kept too, as Megatron does for hybridep / ncclep.
     megatron_should_free_input = schedule_utils.should_free_input
 

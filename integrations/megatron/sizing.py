@@ -1,6 +1,6 @@
 """How many expert-major rows the normal-mode dispatcher asks for, without a host sync in steady state.
 
-The fused dispatch writes a fixed number M of expert-major rows (num_worst_tokens) when told M up front;
+The expert-major dispatch writes a fixed number M of expert-major rows (num_worst_tokens) when told M up front;
 then nothing waits for the token counts on the host and the whole round trip is asynchronous. M must cover
 the rows this rank needs (pairs plus alignment padding), and every row past the need costs memory traffic in
 everything that touches the tensor (the experts, the probs multiply, their backward), so M should be tight:

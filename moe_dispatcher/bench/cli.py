@@ -59,7 +59,8 @@ def parser() -> argparse.ArgumentParser:
     a("--quick", action="store_true", help="few iterations, small shapes (smoke test)")
     a("--sweep", action="store_true", help="normal mode: the full num_sms x send x recv chunk grid")
     a("--plot-sweep", action="store_true", help="normal mode: tokens-per-rank sweep and the PNG plot")
-    g = p.add_argument_group("shapes and timing (defaults: the standard shapes of bench/README.md; --quick shrinks them)")
+    g = p.add_argument_group("shapes and timing (defaults: the standard shapes of bench/README.md; --quick shrinks "
+                             "them)")
     g.add_argument("--tokens", type=int, default=None, help="normal-mode tokens per rank (4096)")
     g.add_argument("--hidden", type=int, default=None, help="hidden size (7168)")
     g.add_argument("--num-experts", type=int, default=None, help="normal-mode experts (256)")

@@ -60,7 +60,8 @@ def run(ctx: Context) -> None:
 
 
 def one(ctx: Context, buffer: Buffer, num_experts: int, nccl: bool = True, reduction: str = "per_rank") -> None:
-    """One expert count; `nccl`: time the baseline too; `reduction`: the combine's order (the Buffer is set to it; labels the records)."""
+    """One expert count; `nccl`: time the baseline too; `reduction`: the combine's order (the Buffer is set to it;
+    labels the records)."""
     o, dev, g, me, r = ctx.opts, ctx.device, ctx.group, ctx.rank, ctx.num_ranks
     t, h, k = o.ll_tokens, o.hidden, o.topk
     local = num_experts // r
