@@ -189,6 +189,7 @@ def render(meta: Dict[str, Any], records: List[Dict[str, Any]], notes: List[str]
     if meta.get("process_group") != "nccl":
         parts.append(f"- {CPU_NOTE}")
     parts.append("")
+    header, parts = parts, []  # the tables below are written with NCCL as the baseline's name
     for title, text in (("Normal mode (cached-handle calls)", normal_table(records)),
                         ("Normal mode: best chunks per op and SM count", best_table(records)),
                         ("Normal mode: baselines, fresh dispatch, host overhead", extras_table(records)),
@@ -200,7 +201,7 @@ def render(meta: Dict[str, Any], records: List[Dict[str, Any]], notes: List[str]
             parts += [f"## {title}", "", text, ""]
     if notes:
         parts += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
-    return baseline_named("\n".join(parts), label)
+    return "\n".join(header + [baseline_named("\n".join(parts), label)])
 
 
 def plot(records: List[Dict[str, Any]], path: str, title: str, baseline: str = "NCCL") -> Optional[str]:
