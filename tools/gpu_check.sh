@@ -125,7 +125,11 @@ fi
 run host_profile 40 torchrun --standalone --nproc_per_node 2 tools/host_profile.py "$RUN_DIR/host_profile"
 
 # 5. Extras.
-run nvlink_ceiling 40 python3 tools/nvlink_ceiling.py
+if [[ "$DRY" == 1 ]] || python3 -c "import cupy" > /dev/null 2>&1; then
+  run nvlink_ceiling 40 python3 tools/nvlink_ceiling.py
+else
+  say "SKIP nvlink_ceiling (needs CuPy)"
+fi
 run ll_trace 40 torchrun --standalone --nproc_per_node "$N" tools/ll_trace.py --modes graph,graph_dd --out "$RUN_DIR/ll_trace"
 run round_trip_profile 80 env OUT="$RUN_DIR/round_trip" torchrun --standalone --nproc_per_node "$N" tools/profile_round_trip.py
 
