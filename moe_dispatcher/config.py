@@ -142,10 +142,10 @@ def internode_nvl_layout(num_ranks: int, nvl_size: int, num_nvl_bytes: int) -> d
 
 # Tuned tables: (num_max_nvl_chunked_send_tokens, num_max_nvl_chunked_recv_tokens) per rank count, from
 # chunk sweeps of the intranode kernels' stream protocol (the default) on H200s (2026-11-21, 4096 tokens,
-# H=7168, 8-24 SMs; bench/results/*20261121-092*); 8 ranks untuned. The internode path takes the same tables:
+# H=7168, 8-24 SMs; bench/results/*-092* in 62f8696); 8 ranks untuned. The internode path takes the same tables:
 # 64-slot combine rings help the intranode combine at 24 SMs (386 vs 354 GB/s, equal at 20;
-# bench/results/nvl_knobs_h200x4_20261121-0950.txt) but slow internode's NVLink forwarding 1.4x (1424 vs 1011
-# us, bench/results/bench_internode_h200x4_20261121-1012.md), so 4 ranks keep 256.
+# bench/results/nvl_knobs_h200x4_20261121-0950.txt in 62f8696) but slow internode's NVLink forwarding 1.4x (1424 vs 1011
+# us, bench/results/bench_internode_h200x4_20261121-1012.md in 62f8696), so 4 ranks keep 256.
 _DISPATCH_TABLE = {2: (8, 256), 4: (12, 256), 8: (6, 256)}
 _COMBINE_TABLE = {2: (8, 256), 4: (16, 256), 8: (4, 256)}
 

@@ -381,7 +381,7 @@ def _world_speed(rank: int, world_size: int, num_sms: int) -> Dict:
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("num_sms", [24])
 def test_speed_report(world_size: int, num_sms: int) -> None:
-    """Not a pass/fail target: prints GB/s (DeepEP's formula, performance.md) for the standard shape."""
+    """Not a pass/fail target: prints GB/s (DeepEP's formula, bench/README.md) for the standard shape."""
     res = run_distributed(_world_speed, world_size, num_sms, backend="nccl")
     r0 = res[0]
     print(f"\n[intranode R={world_size} num_sms={num_sms}] T=4096 H=7168 E=256 K=8, rank 0 receives "

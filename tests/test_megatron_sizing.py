@@ -95,7 +95,7 @@ def test_guarded_forward_backward_replays_microbatches(monkeypatch):
     the config selects our dispatcher; a re-run sees the same microbatches and cleared gradients."""
     from types import SimpleNamespace
 
-    from moe_dispatcher.integrations.megatron import guard
+    from moe_dispatcher.integrations.megatron import guard, registration
 
     monkeypatch.delenv(sizing.ROWS_ENV, raising=False)
     seen, cleared = [], []
@@ -115,8 +115,8 @@ def test_guarded_forward_backward_replays_microbatches(monkeypatch):
         seen.append([next(data_iterator) for _ in range(num_microbatches)])
         return seen[-1]
 
-    wrapped = guard.guard_forward_backward(forward_backward)
-    assert guard.guard_forward_backward(wrapped) is wrapped
+    wrapped = registration.guard_forward_backward(forward_backward)
+    assert registration.guard_forward_backward(wrapped) is wrapped
     data = iter(range(100))
     out = wrapped(data_iterator=data, model=[Chunk("moe_dispatcher")], num_microbatches=3)
     assert out == [0, 1, 2] and seen == [[0, 1, 2], [0, 1, 2]] and cleared == [1]  # re-run on the same data

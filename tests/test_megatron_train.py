@@ -60,7 +60,7 @@ def test_tiny_gpu_loss_curve_matches_alltoall(tmp_path):
     assert b[-20:].mean() < b[:5].mean() - 1.0, "the reference run did not learn"
     # bf16 runs drift apart slowly (different summation orders): compare averages over windows of 10 steps.
     # The bound is the alltoall run's own noise: two runs of it with the same seed differed by up to 11.8%
-    # (0.0275 absolute, in the steep part near loss 0.1-0.3) on 4 x H200 (2026-11-21, docs/gpu_runs.md session 6),
+    # (0.0275 absolute, in the steep part near loss 0.1-0.3) on 4 x H200 (2026-11-21),
     # while ours repeats bit for bit; ours stayed within 5.6% of either run.
     wa, wb = a.view(20, 10).mean(1), b.view(20, 10).mean(1)
     assert bool(((wa - wb).abs() <= 0.1 * wb + 0.01).all()), \

@@ -12,7 +12,7 @@ machine does not count), the lowest average over blocks of calls after a warm-up
 function calls one call makes (sys.setprofile), which does not depend on the machine.
 
 Rows: buffer.dispatch(x, handle=h) and buffer.combine(y, h) on the fast path (the handle's plan matches) and
-on the full path (Buffer.fast_cached_calls = False, as MOE_DISPATCHER_FAST_CACHED=0 sets it), the backend's
+on the full path (Buffer.fast_cached_calls = False), the backend's
 cached_dispatch alone, and the two stub launchers.
 """
 from __future__ import annotations

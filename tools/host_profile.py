@@ -6,7 +6,7 @@ Times (perf_counter, steady state, the device kept busy but never more than a fe
   buffer.dispatch(x, handle=h)          the public call (the fast path of a repeated call: its plan matches)
   buffer.combine(y, h)                  the public call, likewise
   ... full path                         the same with Buffer.fast_cached_calls = False (every check, then
-                                        _stream_scope and the backend; MOE_DISPATCHER_FAST_CACHED=0 sets it)
+                                        _stream_scope and the backend)
   backend.cached_dispatch(...)          the backend alone, inside the comm stream (no Buffer stream semantics)
   the bare extension launch             the 25-argument launcher, every argument precomputed
   the bare plan launch                  the handle's native plan: addresses and streams only, with the stream

@@ -2,7 +2,7 @@
 
   torchrun --standalone --nproc_per_node 4 tools/profile_round_trip.py      (env H, E, K, T, OUT)
 
-The round trip is the yardstick's (shared/tools/megatron_layer_bench.py): router + dispatch_preprocess +
+The round trip of one Megatron-Core MoELayer (bench/results/h200x4.md): router + dispatch_preprocess +
 token_dispatch + dispatch_postprocess + (h * probs) + combine_preprocess + token_combine +
 combine_postprocess, forward and backward, identity experts. Rank 0 writes to $OUT:
   round_trip_profile.txt   the event-timed round trip, host syncs seen in steady state (CUDA sync debug
@@ -146,12 +146,12 @@ for variant in VARIANTS:
     results[variant[0]] = (gpu_ms, host_ms, syncs, notify_waits, msgs, rows)
 
 
-# The yardstick's own work, with no exchange at all: router forward/backward, and the float32 probs multiply
+# The round trip's own work, with no exchange at all: router forward/backward, and the float32 probs multiply
 # with its cast to bf16 on as many expert rows as the dispatch hands the experts (the same for every
 # dispatcher with exact rows: one per (token, expert) pair; M >= that with fixed rows), forward and backward
 # (the permuted probs are an index of the router's probs; the gradient arriving at the multiply is a ready
 # bf16 tensor, as combine's backward would hand it over). Every dispatcher's round trip contains this work;
-# what is left is the dispatcher's own (exchange, permutation, reduction, bookkeeping) plus the yardstick's
+# what is left is the dispatcher's own (exchange, permutation, reduction, bookkeeping) plus the round trip's
 # loss on [T, H].
 def floor_ms(rows, iters=20):
     h_rows = torch.randn(rows, H, device="cuda", dtype=torch.bfloat16)
@@ -191,7 +191,7 @@ if rank == 0:
     os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(OUT, "round_trip_profile.txt"), "w") as f:
         f.write(f"EP={world} T={T} H={H} E={E} top{K} bf16: our dispatcher round trip (fwd+bwd, identity experts)\n")
-        f.write("  floor: the yardstick's own work on the M expert rows (router + float32 probs multiply, fwd+bwd, "
+        f.write("  floor: the round trip's own work on the M expert rows (router + float32 probs multiply, fwd+bwd, "
                 "no exchange); own share = round trip - floor\n")
         for name, (gpu_ms, host_ms, syncs, notify_waits, msgs, rows) in results.items():
             f.write(f"  {name:16s} M {rows:6d} | round trip GPU {gpu_ms:.3f} ms/iter (events), floor {floors[name]:.3f}, "

@@ -8,12 +8,36 @@ re-create together (creating a Buffer is collective).
 """
 from __future__ import annotations
 
+import os
+
 import torch.distributed as dist
 
 from moe_dispatcher import Buffer, Topology
+from moe_dispatcher.buffer import BACKEND_ENV
+from moe_dispatcher.buffer import BACKENDS as BUFFER_BACKENDS
 
+_backend = {"chosen": None}  # register(backend=...)'s choice; None: $MOE_DISPATCHER_BACKEND, else auto
 _topologies: dict[int, tuple[dist.ProcessGroup, Topology]] = {}
 _buffers: dict[tuple[int, bool], tuple[dist.ProcessGroup, Buffer]] = {}
+
+
+def buffer_backend() -> str | None:
+    """The Buffer backend our dispatchers ask for: register(backend=...), else $MOE_DISPATCHER_BACKEND,
+    else None (auto: the compiled kernels on CUDA tensors when built, the reference backend otherwise)."""
+    name = _backend["chosen"] or os.environ.get(BACKEND_ENV) or None
+    return None if name in (None, "auto") else check_buffer_backend(name, BACKEND_ENV)
+
+
+def choose_buffer_backend(name: str) -> None:
+    """register(backend=...): the Buffer backend every dispatcher built afterwards asks for."""
+    _backend["chosen"] = check_buffer_backend(name, "register(backend=...)")
+
+
+def check_buffer_backend(name: str, where: str) -> str:
+    if name not in BUFFER_BACKENDS:
+        raise ValueError(f"moe_dispatcher: unknown Buffer backend {name!r} (from {where}); "
+                         f"choose one of {', '.join(BUFFER_BACKENDS)}")
+    return name
 
 
 def dispatch_group(pg_collection=None) -> dist.ProcessGroup:

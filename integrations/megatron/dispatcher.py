@@ -30,8 +30,8 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from moe_dispatcher import Buffer
 from moe_dispatcher import autograd as md_autograd
 
-from . import guard, registration
-from .buffers import get_buffer
+from . import guard
+from .buffers import buffer_backend, get_buffer
 from .permutation import LowLatencyPacking, routing_to_topk
 from .sizing import ExpertRowBudget, rows_mode, tokens_per_expert_covering
 from .timing import comm_timer
@@ -74,7 +74,7 @@ class MoEDispatcherTokenDispatcher(MoETokenDispatcher):
         num_sms = getattr(config, "moe_flex_dispatcher_num_sms", None)
         if num_sms is not None:
             Buffer.set_num_sms(num_sms)
-        self.buffer_backend = registration.buffer_backend()  # an unknown name fails here, not mid-step
+        self.buffer_backend = buffer_backend()  # an unknown name fails here, not mid-step
         self.cudagraph_attrs = []
         self._buffer: Buffer | None = None
         self._topk_idx: torch.Tensor | None = None
@@ -121,8 +121,8 @@ class MoEDispatcherTokenDispatcher(MoETokenDispatcher):
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor, async_finish: bool = True,
                        allocate_on_comm_stream: bool = True):
-        """Send each token to the ranks of its experts, straight into expert-major layout (the Buffer's fused
-        permutation): returns (rows [M, H], one per (token, local expert) pair, each expert's rows contiguous
+        """Send each token to the ranks of its experts, straight into expert-major layout (the Buffer's expert-major
+        dispatch): returns (rows [M, H], one per (token, local expert) pair, each expert's rows contiguous
         and padded to the quantization multiple; their probs [M]). async_finish / allocate_on_comm_stream are
         accepted for the flex call signature; the results are ready on the current stream."""
         self._shared_experts_before_dispatch()

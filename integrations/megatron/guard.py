@@ -22,7 +22,6 @@ Megatron accumulates during the forward) counts the first attempt too.
 """
 from __future__ import annotations
 
-import functools
 import itertools
 import os
 import weakref
@@ -32,18 +31,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .sizing import ROWS_ENV
+from .buffers import _buffers
+from .sizing import ROWS_ENV, fixed_rows_allowed, guard_phase  # noqa: F401  (fixed_rows_allowed: API)
 
-_active = 0  # nesting depth of run_step
-_exact_rerun = False  # inside the exact second attempt
 _dispatchers: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()  # serial -> dispatcher
 _serials = itertools.count()
 stats = {"steps": 0, "reruns": 0}
-
-
-def fixed_rows_allowed() -> bool:
-    """Whether a dispatch may use a fixed row count now (inside run_step, not in its exact re-run)."""
-    return _active > 0 and not _exact_rerun
 
 
 def track(dispatcher) -> None:
@@ -87,7 +80,6 @@ def _check_step() -> bool:
 def _discard_buffer_row_checks() -> None:
     """The Buffer also remembers guarded calls' excess, to raise at its next synchronised dispatch; an
     overflow the guard undoes must not raise there."""
-    from .buffers import _buffers
     for _, buffer in list(_buffers.values()):
         if hasattr(buffer, "_pending_row_checks"):
             buffer._pending_row_checks = []
@@ -97,10 +89,9 @@ def run_step(step: Callable[[], Any], zero_grad: Callable[[], None]) -> Any:
     """Run one training step (forward and backward; not the optimizer update) with sync-free expert-row
     sizing, re-running it with exact sizing if any dispatch overflowed (module docstring). ``zero_grad``
     clears the gradients the first attempt accumulated. Returns what the successful attempt returned."""
-    global _active, _exact_rerun
-    if _active or os.environ.get(ROWS_ENV, "auto").lower() != "auto":  # nested, or fixed sizing chosen
+    if guard_phase.depth or os.environ.get(ROWS_ENV, "auto").lower() != "auto":  # nested, or fixed sizing chosen
         return step()
-    _active += 1
+    guard_phase.depth += 1
     try:
         result = step()
         stats["steps"] += 1
@@ -109,59 +100,11 @@ def run_step(step: Callable[[], Any], zero_grad: Callable[[], None]) -> Any:
         stats["reruns"] += 1
         _discard_buffer_row_checks()
         zero_grad()
-        _exact_rerun = True
+        guard_phase.exact_rerun = True
         try:
             result = step()
         finally:
-            _exact_rerun = False
+            guard_phase.exact_rerun = False
         return result
     finally:
-        _active -= 1
-
-
-def _model_chunks(model) -> list:
-    return list(model) if isinstance(model, (list, tuple)) else [model]
-
-
-def _uses_normal_dispatcher(model) -> bool:
-    """Whether the model's config selects our normal-mode dispatcher (a config field, the same on every rank,
-    so every rank decides alike whether to guard; a pipeline stage without MoE layers still takes part)."""
-    from .registration import NORMAL
-    config = getattr(_model_chunks(model)[0], "config", None)
-    return (getattr(config, "moe_token_dispatcher_type", None) == "flex"
-            and getattr(config, "moe_flex_dispatcher_backend", None) == NORMAL)
-
-
-def guard_forward_backward(forward_backward_func: Callable) -> Callable:
-    """Wrap one of Megatron-Core's forward_backward functions (what get_forward_backward_func returns) in
-    run_step when the model uses our normal-mode dispatcher. The microbatches are read from the data
-    iterator(s) first and replayed if the step re-runs (as Megatron's PagedStashRunner does); a re-run clears
-    the model chunks' gradient buffers (zero_grad_buffer, else zero_grad) first. Registration wraps
-    get_forward_backward_func with this, so Megatron-LM training loops are guarded as they are."""
-    if getattr(forward_backward_func, "_moe_dispatcher_guarded", False):
-        return forward_backward_func
-
-    @functools.wraps(forward_backward_func)
-    def guarded(*args, **kwargs):
-        model = kwargs.get("model")
-        if args or model is None or not _uses_normal_dispatcher(model):
-            return forward_backward_func(*args, **kwargs)
-        data, n = kwargs.get("data_iterator"), kwargs.get("num_microbatches", 1)
-        iterators = data if isinstance(data, list) else [data]
-        batches = [None if it is None else [next(it) for _ in range(n)] for it in iterators]
-
-        def step():
-            fresh = [None if b is None else iter(b) for b in batches]
-            return forward_backward_func(**{**kwargs, "data_iterator": fresh if isinstance(data, list) else fresh[0]})
-
-        def zero_grad():
-            for chunk in _model_chunks(model):
-                if hasattr(chunk, "zero_grad_buffer"):
-                    chunk.zero_grad_buffer()
-                else:
-                    chunk.zero_grad(set_to_none=True)
-
-        return run_step(step, zero_grad)
-
-    guarded._moe_dispatcher_guarded = True
-    return guarded
+        guard_phase.depth -= 1

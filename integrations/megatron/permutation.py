@@ -5,8 +5,8 @@ received tokens in expert-major order ([sum(tokens_per_expert), H], experts in l
 expert in arrival order) with their probs. The Buffer takes top-k indices / weights [T, K] and returns rows
 ordered by source rank then source token, each with its top-k slots rebased to local expert ids.
 
-The normal-mode dispatcher gets expert-major rows straight from the Buffer (expert_major_dispatch, the fused
-permutation); the low-latency one packs the per-expert slots here.
+The normal-mode dispatcher gets expert-major rows straight from the Buffer (expert_major_dispatch: the exchange
+and the permutation); the low-latency one packs the per-expert slots here.
 """
 from __future__ import annotations
 

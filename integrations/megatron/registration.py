@@ -24,31 +24,17 @@ from __future__ import annotations
 
 import difflib
 import functools
-import os
 import typing
+from collections.abc import Callable
 
-from moe_dispatcher.buffer import BACKEND_ENV
-from moe_dispatcher.buffer import BACKENDS as BUFFER_BACKENDS
+from .buffers import buffer_backend, choose_buffer_backend  # noqa: F401  (buffer_backend: part of this API)
+from .guard import run_step
 
 NORMAL = "moe_dispatcher"
 LOW_LATENCY = "moe_dispatcher_ll"
 DISPATCHER_NAMES = (NORMAL, LOW_LATENCY)
 
-_state = {"registered": False, "buffer_backend": None, "megatron_types": (), "megatron_backends": ()}
-
-
-def buffer_backend() -> str | None:
-    """The Buffer backend our dispatchers ask for: register(backend=...), else $MOE_DISPATCHER_BACKEND,
-    else None (auto: the compiled kernels on CUDA tensors when built, the reference backend otherwise)."""
-    name = _state["buffer_backend"] or os.environ.get(BACKEND_ENV) or None
-    return None if name in (None, "auto") else _check_buffer_backend(name, BACKEND_ENV)
-
-
-def _check_buffer_backend(name: str, where: str) -> str:
-    if name not in BUFFER_BACKENDS:
-        raise ValueError(f"moe_dispatcher: unknown Buffer backend {name!r} (from {where}); "
-                         f"choose one of {', '.join(BUFFER_BACKENDS)}")
-    return name
+_state = {"registered": False, "megatron_types": (), "megatron_backends": ()}
 
 
 def _unknown(kind: str, name: object, choices: tuple) -> ValueError:
@@ -108,7 +94,7 @@ def register(backend: str | None = None) -> None:
     ("auto", "kernels" or "reference"; default: $MOE_DISPATCHER_BACKEND, else "auto").
     """
     if backend is not None:
-        _state["buffer_backend"] = _check_buffer_backend(backend, "register(backend=...)")
+        choose_buffer_backend(backend)
     if _state["registered"]:
         return
     from megatron.core.models.common import utils as schedule_utils
@@ -147,7 +133,7 @@ def register(backend: str | None = None) -> None:
     MoEFlexTokenDispatcher.__module__ = megatron_flex.__module__
     moe_layer.MoEFlexTokenDispatcher = MoEFlexTokenDispatcher
 
-    # When dispatch_postprocess stops copying (a fused expert-major dispatch), the "mlp" node's input
+    # When dispatch_postprocess stops copying (an expert-major dispatch), the "mlp" node's input
     # becomes the experts' saved input and must be kept too, as Megatron does for hybridep / ncclep.
     megatron_should_free_input = schedule_utils.should_free_input
 
@@ -164,7 +150,6 @@ def register(backend: str | None = None) -> None:
     from megatron.core import pipeline_parallel
     from megatron.core.pipeline_parallel import schedules
 
-    from .guard import guard_forward_backward
     megatron_get_fb = schedules.get_forward_backward_func
 
     @functools.wraps(megatron_get_fb)
@@ -174,6 +159,53 @@ def register(backend: str | None = None) -> None:
     schedules.get_forward_backward_func = get_forward_backward_func
     pipeline_parallel.get_forward_backward_func = get_forward_backward_func
     _state["registered"] = True
+
+
+def _model_chunks(model) -> list:
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+def _uses_normal_dispatcher(model) -> bool:
+    """Whether the model's config selects our normal-mode dispatcher (a config field, the same on every rank,
+    so every rank decides alike whether to guard; a pipeline stage without MoE layers still takes part)."""
+    config = getattr(_model_chunks(model)[0], "config", None)
+    return (getattr(config, "moe_token_dispatcher_type", None) == "flex"
+            and getattr(config, "moe_flex_dispatcher_backend", None) == NORMAL)
+
+
+def guard_forward_backward(forward_backward_func: Callable) -> Callable:
+    """Wrap one of Megatron-Core's forward_backward functions (what get_forward_backward_func returns) in
+    run_step when the model uses our normal-mode dispatcher. The microbatches are read from the data
+    iterator(s) first and replayed if the step re-runs (as Megatron's PagedStashRunner does); a re-run clears
+    the model chunks' gradient buffers (zero_grad_buffer, else zero_grad) first. Registration wraps
+    get_forward_backward_func with this, so Megatron-LM training loops are guarded as they are."""
+    if getattr(forward_backward_func, "_moe_dispatcher_guarded", False):
+        return forward_backward_func
+
+    @functools.wraps(forward_backward_func)
+    def guarded(*args, **kwargs):
+        model = kwargs.get("model")
+        if args or model is None or not _uses_normal_dispatcher(model):
+            return forward_backward_func(*args, **kwargs)
+        data, n = kwargs.get("data_iterator"), kwargs.get("num_microbatches", 1)
+        iterators = data if isinstance(data, list) else [data]
+        batches = [None if it is None else [next(it) for _ in range(n)] for it in iterators]
+
+        def step():
+            fresh = [None if b is None else iter(b) for b in batches]
+            return forward_backward_func(**{**kwargs, "data_iterator": fresh if isinstance(data, list) else fresh[0]})
+
+        def zero_grad():
+            for chunk in _model_chunks(model):
+                if hasattr(chunk, "zero_grad_buffer"):
+                    chunk.zero_grad_buffer()
+                else:
+                    chunk.zero_grad(set_to_none=True)
+
+        return run_step(step, zero_grad)
+
+    guarded._moe_dispatcher_guarded = True
+    return guarded
 
 
 def is_registered() -> bool:

@@ -1,6 +1,6 @@
 """How many expert-major rows the normal-mode dispatcher asks for, without a host sync in steady state.
 
-The fused dispatch writes a fixed number M of expert-major rows (num_worst_tokens) when told M up front;
+The expert-major dispatch writes a fixed number M of expert-major rows (num_worst_tokens) when told M up front;
 then nothing waits for the token counts on the host and the whole round trip is asynchronous. M must cover
 the rows this rank needs (pairs plus alignment padding), and every row past the need costs memory traffic in
 everything that touches the tensor (the experts, the probs multiply, their backward), so M should be tight:
@@ -47,6 +47,21 @@ ROW_QUANTUM = 128  # M is a multiple of this (and of the alignment), so M change
 _PINNED_SLOTS = 64
 
 
+class GuardPhase:
+    """Where the rerun guard is (guard.run_step writes it, rows_mode reads it): `depth` nested run_step calls,
+    `exact_rerun` while the exact second attempt of a step that overflowed runs."""
+    depth = 0
+    exact_rerun = False
+
+
+guard_phase = GuardPhase()
+
+
+def fixed_rows_allowed() -> bool:
+    """Whether a dispatch may use a fixed row count now (inside guard.run_step, not in its exact re-run)."""
+    return guard_phase.depth > 0 and not guard_phase.exact_rerun
+
+
 def rows_mode(device: torch.device) -> str:
     """How this call sizes its expert rows: 'exact' (host-synchronised counts), 'bound' (fixed M, overflow
     raises LAG calls later) or 'guarded' (fixed M, overflow re-runs the step: guard.py).
@@ -62,8 +77,7 @@ def rows_mode(device: torch.device) -> str:
         raise ValueError(f"{ROWS_ENV} must be auto, exact or bound, got {mode!r}")
     if mode != "auto":
         return mode
-    from . import guard  # (guard imports this module)
-    return "guarded" if device.type == "cuda" and guard.fixed_rows_allowed() else "exact"
+    return "guarded" if device.type == "cuda" and fixed_rows_allowed() else "exact"
 
 
 class ExpertRowBudget:

@@ -48,7 +48,7 @@ def parser() -> argparse.ArgumentParser:
                     "itself unless run under torchrun). Without CUDA: gloo ranks on the CPU, reference backend.")
     a = p.add_argument
     a("--mode", choices=("normal", "low-latency", "internode", "expert-major", "all"), default="normal",
-      help="expert-major: fused permutation vs rank-major on one routing (not part of 'all')")
+      help="expert-major: expert-major calls vs rank-major on one routing (not part of 'all')")
     a("--nvl-size", type=int, default=None, help="internode mode: GPUs per emulated NVLink domain (default R/2)")
     a("--backend", choices=("auto", "kernels", "reference"), default="auto",
       help="Buffer(backend=...): kernels = error instead of falling back to the reference backend")
@@ -59,7 +59,8 @@ def parser() -> argparse.ArgumentParser:
     a("--quick", action="store_true", help="few iterations, small shapes (smoke test)")
     a("--sweep", action="store_true", help="normal mode: the full num_sms x send x recv chunk grid")
     a("--plot-sweep", action="store_true", help="normal mode: tokens-per-rank sweep and the PNG plot")
-    g = p.add_argument_group("shapes and timing (defaults: shared/notes/performance.md; --quick shrinks them)")
+    g = p.add_argument_group("shapes and timing (defaults: the standard shapes of bench/README.md; --quick shrinks "
+                             "them)")
     g.add_argument("--tokens", type=int, default=None, help="normal-mode tokens per rank (4096)")
     g.add_argument("--hidden", type=int, default=None, help="hidden size (7168)")
     g.add_argument("--num-experts", type=int, default=None, help="normal-mode experts (256)")
@@ -74,15 +75,9 @@ def parser() -> argparse.ArgumentParser:
                    "(512,1024,2048,4096,8192)")
     g.add_argument("--ll-tokens", type=int, default=None, help="low-latency tokens per rank (128)")
     g.add_argument("--ll-experts", type=_ints, default=None, help="low-latency expert counts (256,32)")
-    g.add_argument("--ll-variants", type=_ints, default=None,
-                   help="low-latency kernel variants to time side by side (bits of MOE_DISPATCHER_LL_VARIANT; "
-                        "default: the environment's)")
     g.add_argument("--ll-reductions", type=_names, default=["per_rank", "per_expert"],
                    help="low-latency combine reduction orders to time side by side (Buffer "
                         "low_latency_combine_reduction; default: per_rank,per_expert)")
-    g.add_argument("--nvl-variants", type=_names, default=None,
-                   help="normal mode, intranode kernels: ring protocols to time side by side, e.g. chunked,stream "
-                        "(MOE_DISPATCHER_NVL_VARIANT; default: the environment's)")
     g.add_argument("--iters", type=int, default=None, help="timed calls per case (50)")
     g.add_argument("--warmup", type=int, default=None, help="warm-up calls per case (10)")
     g.add_argument("--no-graph", action="store_true", help="low-latency: skip the CUDA-graph timings")
@@ -139,14 +134,17 @@ def _commit() -> Optional[str]:
 def rank_main(opts: argparse.Namespace) -> None:
     """The benchmark on one rank (the process group is up)."""
     from . import expert_major, internode, low_latency, normal, report
-    from .common import Context, env_info, quiet_fallback_warnings
+    from .common import Context, baseline_label, env_info, quiet_fallback_warnings
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if opts.use_cuda else torch.device("cpu")
-    ctx = Context(opts=opts, rank=rank, num_ranks=world, device=device)
+    ctx = Context(opts=opts, rank=rank, num_ranks=world, device=device,
+                  baseline=baseline_label(str(dist.get_backend())))
     quiet_fallback_warnings(rank)
     info = env_info(ctx)
     ctx.say(f"moe_dispatcher bench: {info['device']} x{world} ({info['process_group']}), backend={opts.backend}, "
             f"mode={opts.mode}{' (quick)' if opts.quick else ''}")
+    if ctx.baseline != "NCCL":
+        ctx.say(f"note: {report.CPU_NOTE}")
     failed = []
     sections = {"normal": normal.run, "low-latency": low_latency.run, "internode": internode.run,
                 "expert-major": expert_major.run}
@@ -166,8 +164,7 @@ def rank_main(opts: argparse.Namespace) -> None:
                 "backends_used": sorted({r["backend"] for r in ctx.records if r.get("backend") not in (None, "nccl")}),
                 "env": {k: os.environ.get(k) for k in ("NVSHMEM_DISABLE_NVLS", "NCCL_NVLS_ENABLE",
                                                        "TORCH_SYMM_MEM_DISABLE_MULTICAST", "MOE_DISPATCHER_BACKEND",
-                                                       "MOE_DISPATCHER_EM_DISPATCH", "MOE_DISPATCHER_EM_COMBINE",
-                                                       "MOE_DISPATCHER_NVL_VARIANT")},
+                                                       "MOE_DISPATCHER_NVL_SIZE", "MOE_DISPATCHER_LL_COMBINE")},
                 "options": {k: v for k, v in vars(opts).items() if k not in ("command",)},
                 "failed_sections": failed}
         report.write(meta, ctx.records, ctx.notes, opts.json, opts.out_dir, opts.mode)

@@ -23,17 +23,29 @@ class Context:
     group: Any = None
     records: List[Dict[str, Any]] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
+    baseline: str = "NCCL"  # what the all_to_all baselines ran on: "NCCL", or the CPU process group ("gloo")
 
     def say(self, text: str) -> None:
-        """Progress line (rank 0 prints, flushed)."""
+        """Progress line (rank 0 prints, flushed). The baselines are named after the backend that ran them."""
         if self.rank == 0:
-            print(text, flush=True)
+            print(baseline_named(text, self.baseline), flush=True)
 
     def note(self, text: str) -> None:
         """A remark kept for the report (and printed)."""
         self.say(f"  note: {text}")
         if text not in self.notes:
             self.notes.append(text)
+
+
+def baseline_label(process_group: str) -> str:
+    """The name the tables give the torch.distributed all_to_all baselines: NCCL on GPUs, else the process
+    group's backend (gloo on CPUs)."""
+    return "NCCL" if process_group == "nccl" else process_group
+
+
+def baseline_named(text: str, label: str) -> str:
+    """`text` (written with NCCL as the baseline) with the baseline's real name."""
+    return text if label == "NCCL" else text.replace("[nccl]", f"[{label}]").replace("NCCL", label)
 
 
 def quiet_fallback_warnings(rank: int) -> None:

@@ -1,17 +1,12 @@
-"""Expert-major mode: the fused permutation beside the rank-major kernels on ONE routing (diagnosis of the
-fused combine's cost; `python -m moe_dispatcher.bench --mode expert-major --num-ranks 4`).
+"""Expert-major mode: the expert-major calls beside the rank-major ones on ONE routing
+(`python -m moe_dispatcher.bench --mode expert-major --num-ranks 4`).
 
 On the standard shape (4096 tokens/rank, H 7168, top-8 of 256, routing `topk(randn.abs() + 1)`) and the
 Buffer's default Config (Buffer.num_sms SMs, the tuned chunks: what Megatron uses), it times:
   rank-major dispatch (cached handle) and combine;
   expert_major_dispatch fresh with num_worst_tokens (no host sync), fresh exact (host waits for the counts),
-  cached, for every dispatch variant the backend has (compiled intranode: "split" = the rank-major dispatch,
-  then a whole-GPU pass copies each received row to its expert-major rows, "fused" = the dispatch kernel's
-  receivers write them; MOE_DISPATCHER_EM_DISPATCH picks the default, the bench runs both);
-  expert_major_combine without weights, with weights [M], with topk_weights [M], for every combine variant
-  the backend has ("split" = a whole-GPU pass sums each received row's expert rows, then the rank-major
-  combine; "fused" = the combine kernel's senders gather and sum; MOE_DISPATCHER_EM_COMBINE);
-  the split variants' local passes alone (em_permute, em_unpermute: their HBM bytes / time in the notes);
+  cached;
+  expert_major_combine without weights, with weights [M], with topk_weights [M];
   the torch composition (expert_major.unpermute + rank-major combine) and unpermute alone;
   NCCL all_to_all_single of the same rows (dispatch and combine direction).
 Each case twice: "b2b" = per-call CUDA events with calls back to back (what a training loop sees: includes
@@ -22,7 +17,7 @@ the launch; the difference b2b - sync is skew between ranks). Bytes as normal mo
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, List
 
 import torch
 import torch.distributed as dist
@@ -57,15 +52,6 @@ def time_calls_synced(fn: Callable[[int], Any], iters: int, warmup: int, device:
             out.append(time.perf_counter() - t0)
     sync(device)
     return out
-
-
-def _em_backend(buffer: Buffer, handle):
-    """The backend object serving the handle, and its (dispatch, combine) variants (() when it has none)."""
-    backend = buffer._backend_of(handle.dispatch, (type(handle.dispatch),))
-    if not hasattr(backend, "em_combine_mode"):
-        return backend, (), ()
-    from ..compiled.intranode import EM_COMBINE_MODES, EM_DISPATCH_MODES
-    return backend, tuple(EM_DISPATCH_MODES), tuple(EM_COMBINE_MODES)
 
 
 def run(ctx: Context) -> None:
@@ -106,13 +92,8 @@ def _run(ctx: Context, buffer: Buffer, dcfg, ccfg) -> None:
     dist.all_reduce(need, op=dist.ReduceOp.MAX, group=g)
     worst = (int(int(need.item()) * 1.1) + 127) // 128 * 128
     n_rows = int(em_handle.dispatch.recv_src_idx.shape[0])
-    pairs = int((em_handle.pair_row >= 0).sum())
-    backend, dmodes, modes = _em_backend(buffer, em_handle)
-    default_mode = getattr(backend, "em_combine_mode", None)
-    default_dmode = getattr(backend, "em_dispatch_mode", None)
     ctx.say(f"  backend {em_handle.dispatch.backend}: rank {ctx.rank}: receives {w.recv_rows} rows, {m} expert rows "
-            f"(pairs + padding); num_worst_tokens bound {worst}; dispatch variants {list(dmodes) or '-'} (default "
-            f"{default_dmode}), combine variants {list(modes) or '-'} (default {default_mode})")
+            f"(pairs + padding); num_worst_tokens bound {worst}")
     counts = [None] * ctx.num_ranks
     dist.all_gather_object(counts, (w.recv_rows, m), group=g)
     ctx.note(f"rows per rank (received, expert-major): {counts}; num_worst_tokens bound {worst}")
@@ -130,46 +111,25 @@ def _run(ctx: Context, buffer: Buffer, dcfg, ccfg) -> None:
     cases.append(("rank-major combine", lambda i: buffer.combine(w.ys[i % len(w.ys)], handle, config=ccfg)))
     em_kw = dict(topk_idx=w.topk_idx, topk_weights=w.topk_weights, num_experts=w.num_experts, config=dcfg)
 
-    def em_dispatch(mode: Optional[str], **kw):
-        def fn(i):
-            if mode is not None:
-                backend.em_dispatch_mode = mode
-            return buffer.expert_major_dispatch(w.xs[i % len(w.xs)], **kw)
-        return fn
+    def em_dispatch(**kw):
+        return lambda i: buffer.expert_major_dispatch(w.xs[i % len(w.xs)], **kw)
 
-    for mode in (dmodes or (None,)):
-        tag = f" [{mode}]" if mode else ""
-        cases.append((f"em dispatch fresh num_worst_tokens{tag}", em_dispatch(mode, num_worst_tokens=worst, **em_kw)))
-        cases.append((f"em dispatch fresh exact (host sync){tag}", em_dispatch(mode, **em_kw)))
-        cases.append((f"em dispatch cached{tag}", em_dispatch(mode, handle=em_handle, config=dcfg)))
+    cases.append(("em dispatch fresh num_worst_tokens", em_dispatch(num_worst_tokens=worst, **em_kw)))
+    cases.append(("em dispatch fresh exact (host sync)", em_dispatch(**em_kw)))
+    cases.append(("em dispatch cached", em_dispatch(handle=em_handle, config=dcfg)))
 
-    def em_combine(mode: Optional[str], weights, topk_weights):
-        def fn(i):
-            if mode is not None:
-                backend.em_combine_mode = mode
-            return buffer.expert_major_combine(ems[i % len(ems)], em_handle, weights=weights,
-                                               topk_weights=topk_weights, config=ccfg)
-        return fn
+    def em_combine(weights, topk_weights):
+        return lambda i: buffer.expert_major_combine(ems[i % len(ems)], em_handle, weights=weights,
+                                                     topk_weights=topk_weights, config=ccfg)
 
-    for mode in (modes or (None,)):
-        tag = f" [{mode}]" if mode else ""
-        cases.append((f"em combine{tag}", em_combine(mode, None, None)))
-        cases.append((f"em combine +weights{tag}", em_combine(mode, em_w, None)))
-        cases.append((f"em combine +topk_weights{tag}", em_combine(mode, None, em_tw)))
+    cases.append(("em combine", em_combine(None, None)))
+    cases.append(("em combine +weights", em_combine(em_w, None)))
+    cases.append(("em combine +topk_weights", em_combine(None, em_tw)))
 
     def composition(i):
         rows, w_rows = unpermute(ems[i % len(ems)], em_handle, None, None)
         return buffer.combine(rows, em_handle.dispatch, topk_weights=w_rows, config=ccfg)
 
-    # The split variants' local passes alone; HBM bytes: every received row and every pair's expert row once.
-    local_bytes = (n_rows + pairs) * o.hidden * 2
-    if dmodes:
-        rank_rows = [torch.randn(n_rows, o.hidden, device=dev, generator=gen).to(torch.bfloat16) for _ in range(2)]
-        cases.append(("em_permute alone (local, split dispatch)",
-                      lambda i: backend.em_permute(rank_rows[i % 2], None, em_handle)))
-    if modes:
-        cases.append(("em_unpermute alone (local, split combine)",
-                      lambda i: backend.em_unpermute(ems[i % len(ems)], em_handle, None, None)))
     cases.append(("torch composition (unpermute + combine)", composition))
     cases.append(("torch unpermute alone (local)", lambda i: unpermute(ems[i % len(ems)], em_handle, None, None)))
 
@@ -198,93 +158,23 @@ def _run(ctx: Context, buffer: Buffer, dcfg, ccfg) -> None:
             ctx.records.append(rec)
             t = rec["t_us"]
             ctx.say(f"[{SECTION}] {op:42s} {timing:4s}: {t['mean']:9.1f} us (ranks {t['min']:.1f}..{t['max']:.1f})")
-            if op.startswith("em_") and timing == "sync":
-                ctx.note(f"{op}: {t['mean']:.1f} us for {local_bytes / 1e6:.0f} MB read + written (rank "
-                         f"{ctx.rank}: {n_rows} received rows, {pairs} pairs) = "
-                         f"{local_bytes / (t['mean'] * 1e-6) / 1e9:.0f} GB/s")
-    if default_mode is not None:
-        backend.em_combine_mode = default_mode
-        backend.em_dispatch_mode = default_dmode
-    _check_equal(ctx, buffer, backend, modes, ems[0], em_w, em_tw, em_handle, ccfg)
-    _check_dispatch_equal(ctx, buffer, backend, dmodes, w, worst, em_handle, dcfg)
+    _check_equal(ctx, buffer, ems[0], em_w, em_tw, em_handle, ccfg)
 
 
-def _check_equal(ctx: Context, buffer: Buffer, backend, modes, x, em_w, em_tw, em_handle, ccfg) -> None:
-    """Every combine variant against the torch composition, bit for bit (a note, and a RuntimeError if not)."""
+def _check_equal(ctx: Context, buffer: Buffer, x, em_w, em_tw, em_handle, ccfg) -> None:
+    """expert_major_combine against the torch composition, bit for bit (a note, and a RuntimeError if not)."""
     bad = []
-    default_mode = getattr(backend, "em_combine_mode", None)
     for weights, tw, what in ((None, None, "plain"), (em_w, None, "weights"), (None, em_tw, "topk_weights")):
         rows, w_rows = unpermute(x, em_handle, weights, tw)
         ref, ref_w, _ = buffer.combine(rows, em_handle.dispatch, topk_weights=w_rows, config=ccfg)
-        for mode in (modes or (None,)):
-            if mode is not None:
-                backend.em_combine_mode = mode
-            out, out_w, _ = buffer.expert_major_combine(x, em_handle, weights=weights, topk_weights=tw, config=ccfg)
-            same = torch.equal(out, ref) and (tw is None or torch.equal(out_w, ref_w))
-            if not same:
-                bad.append(f"{mode or 'default'}/{what}")
-    if default_mode is not None:
-        backend.em_combine_mode = default_mode
+        out, out_w, _ = buffer.expert_major_combine(x, em_handle, weights=weights, topk_weights=tw, config=ccfg)
+        if not (torch.equal(out, ref) and (tw is None or torch.equal(out_w, ref_w))):
+            bad.append(what)
     verdicts = [None] * ctx.num_ranks
     dist.all_gather_object(verdicts, bad, group=ctx.group)
     failed = {r: v for r, v in enumerate(verdicts) if v}
     if failed:
         ctx.note(f"expert-major combine differs from the torch composition: {failed}")
         raise RuntimeError(f"expert-major combine is not bit-identical to the composition: {failed}")
-    ctx.note(f"every expert-major combine variant ({', '.join(modes) or 'default'}) x (plain, weights, "
-             f"topk_weights) equals the torch composition bit for bit on every rank")
-
-
-def _check_dispatch_equal(ctx: Context, buffer: Buffer, backend, dmodes, w, worst: int, em_handle, dcfg) -> None:
-    """Every dispatch variant against the first, bit for bit: fresh exact, fresh num_worst_tokens (outputs and
-    handle tables) and cached (a note, and a RuntimeError if not)."""
-    if len(dmodes) < 2:
-        return
-    default = backend.em_dispatch_mode
-    kw = dict(topk_idx=w.topk_idx, topk_weights=w.topk_weights, num_experts=w.num_experts, config=dcfg)
-    results = {}
-    for mode in dmodes:
-        backend.em_dispatch_mode = mode
-        got = []
-        for extra in ({}, {"num_worst_tokens": worst}):
-            px, pw, _, tpe, h, _ = buffer.expert_major_dispatch(w.xs[0], **kw, **extra)
-            got += [px, pw, tpe, h.pair_row, h.pair_slot, h.backend_state[0], h.dispatch.recv_src_idx]
-        got.append(buffer.expert_major_dispatch(w.xs[1 % len(w.xs)], handle=em_handle, config=dcfg)[0])
-        results[mode] = got
-    backend.em_dispatch_mode = default
-    first = results[dmodes[0]]
-    bad = []
-    for mode in dmodes[1:]:
-        for i, (a, b) in enumerate(zip(first, results[mode])):
-            if a.shape != b.shape or not torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)):
-                bad.append(f"{mode}/output {i}")
-    verdicts = [None] * ctx.num_ranks
-    dist.all_gather_object(verdicts, bad, group=ctx.group)
-    failed = {r: v for r, v in enumerate(verdicts) if v}
-    if failed:
-        ctx.note(f"expert-major dispatch variants differ: {failed}")
-        raise RuntimeError(f"expert-major dispatch variants are not bit-identical: {failed}")
-    ctx.note(f"every expert-major dispatch variant ({', '.join(dmodes)}) x (fresh exact, fresh num_worst_tokens, "
-             f"cached) gives the same rows, weights, counts and tables bit for bit on every rank")
-
-
-def table(records: List[Dict[str, Any]]) -> str:
-    """One row per case: back-to-back and synced times side by side."""
-    from .report import _f, _range, _table
-    recs = [r for r in records if r.get("section") == SECTION]
-    if not recs:
-        return ""
-    by_op: Dict[str, Dict[str, Dict[str, Any]]] = {}
-    for r in recs:
-        by_op.setdefault(r["op"], {})[r["timing"]] = r
-    base = by_op.get("rank-major combine", {}).get("sync")
-    rows = []
-    for op, t in by_op.items():
-        b, s = t.get("b2b"), t.get("sync")
-        ratio = (s["t_us"]["mean"] / base["t_us"]["mean"]) if (s and base and base["t_us"]["mean"] > 0) else None
-        rows.append([op, _f(b["t_us"]["mean"]) if b else "-", _range(b["t_us"]) if b else "-",
-                     _f(s["t_us"]["mean"]) if s else "-", _range(s["t_us"]) if s else "-",
-                     _f(b["t_us"]["mean"] - s["t_us"]["mean"]) if (b and s) else "-",
-                     _f(s["logical_gbps"]["mean"]) if s else "-", _f(ratio, 2)])
-    return _table(["case", "b2b us", "b2b ranks", "synced us", "synced ranks", "b2b - synced", "GB/s logical (synced)",
-                   "synced / rank-major combine"], rows)
+    ctx.note("expert_major_combine x (plain, weights, topk_weights) equals the torch composition bit for bit on "
+             "every rank")

@@ -1,7 +1,7 @@
 """Internode (two-hop) normal mode beside the intranode kernels and NCCL, on the same GPUs and routing.
 
 `python -m moe_dispatcher.bench --mode internode --nvl-size 2 --backend kernels` on 4 GPUs: emulated 2 domains
-x 2 GPUs (MOE_DISPATCHER_NVL_SIZE semantics, given here as a Topology). Byte counts (shared/notes/performance.md):
+x 2 GPUs (MOE_DISPATCHER_NVL_SIZE semantics, given here as a Topology). Byte counts (bench/README.md):
 NVL bytes = recv_x rows x H x 2 (logical; physical = rows from other ranks); RDMA bytes = (token, destination
 domain) pairs x H x 2 sent by this rank (physical = pairs to other domains). On one host the "RDMA" hop is an
 NVSHMEM put over NVLink (P2P transport): real cross-node figures cannot be measured here.

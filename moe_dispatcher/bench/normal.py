@@ -2,7 +2,7 @@
 Configs, each beside NCCL's all_to_all_single of exactly the same rows; plus the naive NCCL MoE dispatch,
 fresh (non-cached) dispatch, the layout, the host cost of a cached call, and a tokens-per-rank sweep.
 
-Bytes (shared/notes/performance.md, DeepEP V1's convention): dispatch BF16 = recv_x.numel() * 2 per rank
+Bytes (DeepEP V1's convention, bench/README.md): dispatch BF16 = recv_x.numel() * 2 per rank
 (rows this rank receives, its own included); FP8 = that * (1 + 4/128) / 2; combine = the BF16 count.
 Physical = the same per-row bytes for rows from (dispatch) or to (combine) peers only.
 """
@@ -23,7 +23,7 @@ FULL_SMS = (8, 16, 24, 32)
 FULL_SEND = (4, 8, 12, 16, 24, 32)
 FULL_RECV = (128, 256, 512)
 
-# Logical GB/s at the standard shape (4096 tokens, H 7168, top-8 of 256), from shared/notes/performance.md:
+# Logical GB/s at the standard shape (4096 tokens, H 7168, top-8 of 256), the project's targets:
 # DeepEP V1 measured on the same machines (24 SMs) and our targets (2 GPUs: 1.2x DeepEP V1).
 DEEPEP_GBPS = {4: {"dispatch-bf16": 262, "dispatch-fp8": 255, "combine-bf16": 357},
                2: {"dispatch-bf16": 341, "dispatch-fp8": 246, "combine-bf16": 287}}
@@ -145,7 +145,7 @@ class Workload:
         self.ys = [torch.randn(self.recv_rows, h, device=dev, generator=self._gen).to(torch.bfloat16)
                    for _ in range(n)]
 
-    # byte counts of this rank (performance.md)
+    # byte counts of this rank (bench/README.md)
     def bytes_bf16(self) -> Tuple[float, float]:
         row = self.hidden * 2
         return self.recv_rows * row, (self.recv_rows - self.self_rows) * row
@@ -221,10 +221,8 @@ def naive_dispatch(ctx: Context, w: Workload, iters: int, warmup: int) -> Dict[s
 
 # ------------------------------------------------------------------------------------------------ run
 def cached_cases(ctx: Context, w: Workload, handle, dcfg: Config, ccfg: Optional[Config], iters: int, warmup: int,
-                 nccl: Optional[Dict[str, Dict[str, Any]]], section: str, tag: str,
-                 variant: Optional[str] = None) -> List[Dict[str, Any]]:
+                 nccl: Optional[Dict[str, Dict[str, Any]]], section: str, tag: str) -> List[Dict[str, Any]]:
     dev, g, buf = ctx.device, ctx.group, w.buffer
-    extra = {"nvl_variant": variant} if variant else {}
     recs = []
     cases = [("dispatch", "bf16", dcfg, lambda i: buf.dispatch(w.xs[i % len(w.xs)], handle=handle, config=dcfg),
               w.bytes_bf16(), "dispatch-bf16"),
@@ -236,14 +234,14 @@ def cached_cases(ctx: Context, w: Workload, handle, dcfg: Config, ccfg: Optional
     for op, dtype, cfg, fn, (logical, physical), key in cases:
         times = time_calls(fn, iters, warmup, dev, g)
         rec = make_record(ctx, {"section": section, "op": op, "dtype": dtype, **w.fields(), **_cfg_fields(cfg),
-                                "config": tag, "backend": handle.backend, **extra}, times, logical, physical)
+                                "config": tag, "backend": handle.backend}, times, logical, physical)
         attach_baseline(rec, (nccl or {}).get(key))
         if (w.tokens, w.hidden, w.num_experts, w.topk) == (4096, 7168, 256, 8) and ctx.num_ranks in TARGET_GBPS:
             rec["target_gbps"] = TARGET_GBPS[ctx.num_ranks][key]
             rec["deepep_v1_gbps"] = DEEPEP_GBPS[ctx.num_ranks][key]
         ctx.say(f"[{section}] {op:8s} {dtype:4s} T={w.tokens:<5d} sms={cfg.num_sms:<2d} chunks="
-                f"{cfg.num_max_nvl_chunked_send_tokens}/{cfg.num_max_nvl_chunked_recv_tokens} ({tag}"
-                f"{' ' + variant if variant else ''}): {fmt_rec(rec)}")
+                f"{cfg.num_max_nvl_chunked_send_tokens}/{cfg.num_max_nvl_chunked_recv_tokens} ({tag}): "
+                f"{fmt_rec(rec)}")
         recs.append(rec)
     return recs
 
@@ -279,24 +277,14 @@ def run(ctx: Context) -> None:
             ctx.say(f"[nccl] all_to_all_single {key:13s} T={w.tokens}: {fmt_rec(rec)}")
         ctx.records.extend(nccl.values())
         del handle0
-        variants = nvl_variants(ctx, buffer, o.nvl_variants)
-        default_variant = buffer._kernels.nvl_variant if variants != [None] else None
-        # Variant by variant (a variant that breaks the Buffer, e.g. by a timeout, costs only the rows after it).
-        for variant in variants:
-            if variant:
-                buffer._kernels.nvl_variant = variant
-            for tag, dcfg, ccfg in rows:
-                try:
-                    _, handle = w.fresh(dcfg)
-                    ctx.records.extend(cached_cases(ctx, w, handle, dcfg, ccfg, o.iters, o.warmup, nccl, "normal", tag,
-                                                    variant))
-                    del handle
-                except (ValueError, RuntimeError, NotImplementedError) as exc:
-                    ctx.note(f"config sms={dcfg.num_sms} chunks={dcfg.num_max_nvl_chunked_send_tokens}/"
-                             f"{dcfg.num_max_nvl_chunked_recv_tokens}{' ' + variant if variant else ''} failed: "
-                             f"{type(exc).__name__}: {exc}")
-        if default_variant:
-            buffer._kernels.nvl_variant = default_variant  # the later sections run with the environment's
+        for tag, dcfg, ccfg in rows:
+            try:
+                _, handle = w.fresh(dcfg)
+                ctx.records.extend(cached_cases(ctx, w, handle, dcfg, ccfg, o.iters, o.warmup, nccl, "normal", tag))
+                del handle
+            except (ValueError, RuntimeError, NotImplementedError) as exc:
+                ctx.note(f"config sms={dcfg.num_sms} chunks={dcfg.num_max_nvl_chunked_send_tokens}/"
+                         f"{dcfg.num_max_nvl_chunked_recv_tokens} failed: {type(exc).__name__}: {exc}")
         extras(ctx, w, pd, pc)
         del w
         _release(ctx.device)
@@ -305,17 +293,6 @@ def run(ctx: Context) -> None:
     finally:
         _release(ctx.device)
         buffer.destroy()
-
-
-def nvl_variants(ctx: Context, buffer: Buffer, names: Optional[List[str]]) -> List[Optional[str]]:
-    """The intranode ring protocols to time one after the other (--nvl-variants), or [None]: the backend's own,
-    without a variant column."""
-    if not names:
-        return [None]
-    if not hasattr(getattr(buffer, "_kernels", None), "nvl_variant"):
-        ctx.note(f"--nvl-variants {','.join(names)} ignored: the intranode kernels do not serve this run")
-        return [None]
-    return list(names)
 
 
 def extras(ctx: Context, w: Workload, dcfg: Config, ccfg: Config) -> None:

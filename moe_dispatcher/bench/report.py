@@ -6,6 +6,8 @@ import math
 import os
 from typing import Any, Dict, List, Optional, Sequence
 
+from .common import baseline_label, baseline_named
+
 
 def _f(v: Optional[float], nd: int = 1) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
@@ -36,7 +38,7 @@ def normal_table(records: List[Dict[str, Any]]) -> str:
     for r in records:
         if r["section"] != "normal":
             continue
-        config = r["config"] + (f" {r['nvl_variant']}" if r.get("nvl_variant") else "")
+        config = r["config"]
         rows.append([f"{r['op']} {r['dtype']}", r["num_sms"], f"{r['send_chunk']}/{r['recv_chunk']}", config,
                      _f(r["t_us"]["mean"]), _range(r["t_us"]), _f(r["logical_gbps"]["mean"]),
                      _f(r["logical_gbps"]["min"]), _f(r.get("physical_gbps", {}).get("mean")),
@@ -53,7 +55,7 @@ def best_table(records: List[Dict[str, Any]]) -> str:
     for r in records:
         if r["section"] != "normal":
             continue
-        key = (f"{r['op']} {r['dtype']}" + (f" {r['nvl_variant']}" if r.get("nvl_variant") else ""), r["num_sms"])
+        key = (f"{r['op']} {r['dtype']}", r["num_sms"])
         if key not in best or r["logical_gbps"]["mean"] > best[key]["logical_gbps"]["mean"]:
             best[key] = r
     if len(best) == sum(1 for r in records if r["section"] == "normal"):
@@ -146,12 +148,33 @@ def internode_table(records: List[Dict[str, Any]]) -> str:
                    "NCCL a2a t us"], rows)
 
 
-def _em_table(records: List[Dict[str, Any]]) -> str:
-    from .expert_major import table
-    return table(records)
+def expert_major_table(records: List[Dict[str, Any]]) -> str:
+    """Expert-major mode: one row per case, back-to-back and synced times side by side."""
+    recs = [r for r in records if r.get("section") == "expert-major"]
+    if not recs:
+        return ""
+    by_op: Dict[str, Dict[str, Dict[str, Any]]] = {}
+    for r in recs:
+        by_op.setdefault(r["op"], {})[r["timing"]] = r
+    base = by_op.get("rank-major combine", {}).get("sync")
+    rows = []
+    for op, t in by_op.items():
+        b, s = t.get("b2b"), t.get("sync")
+        ratio = (s["t_us"]["mean"] / base["t_us"]["mean"]) if (s and base and base["t_us"]["mean"] > 0) else None
+        rows.append([op, _f(b["t_us"]["mean"]) if b else "-", _range(b["t_us"]) if b else "-",
+                     _f(s["t_us"]["mean"]) if s else "-", _range(s["t_us"]) if s else "-",
+                     _f(b["t_us"]["mean"] - s["t_us"]["mean"]) if (b and s) else "-",
+                     _f(s["logical_gbps"]["mean"]) if s else "-", _f(ratio, 2)])
+    return _table(["case", "b2b us", "b2b ranks", "synced us", "synced ranks", "b2b - synced", "GB/s logical (synced)",
+                   "synced / rank-major combine"], rows)
+
+
+CPU_NOTE = ("not a GPU run: the ranks and the baseline ran on CPUs, so these figures are a smoke test of the bench, "
+            "not performance figures")
 
 
 def render(meta: Dict[str, Any], records: List[Dict[str, Any]], notes: List[str]) -> str:
+    label = baseline_label(str(meta.get("process_group")))
     parts = [f"# moe_dispatcher bench: {meta.get('device')} x{meta.get('num_ranks')}, {meta.get('date')}",
              "",
              f"- command: `{meta.get('command')}`",
@@ -161,44 +184,52 @@ def render(meta: Dict[str, Any], records: List[Dict[str, Any]], notes: List[str]
              f"process group {meta.get('process_group')}",
              "- GB/s logical: DeepEP V1's byte count (rows received incl. self x 2H; FP8 x (1+4/128)/2) / mean "
              "time; phys: rows to/from peers only. Times: mean over ranks of each rank's mean call time.",
-             ""]
+             f"- baseline: torch.distributed all_to_all_single over {meta.get('process_group')} "
+             f"(columns {label})"]
+    if meta.get("process_group") != "nccl":
+        parts.append(f"- {CPU_NOTE}")
+    parts.append("")
+    header, parts = parts, []  # the tables below are written with NCCL as the baseline's name
     for title, text in (("Normal mode (cached-handle calls)", normal_table(records)),
                         ("Normal mode: best chunks per op and SM count", best_table(records)),
                         ("Normal mode: baselines, fresh dispatch, host overhead", extras_table(records)),
                         ("Tokens per rank sweep (logical GB/s)", tokens_table(records)),
                         ("Low-latency mode", ll_table(records)),
                         ("Internode (two-hop) beside intranode", internode_table(records)),
-                        ("Expert-major (fused permutation) vs rank-major, one routing", _em_table(records))):
+                        ("Expert-major vs rank-major, one routing", expert_major_table(records))):
         if text:
             parts += [f"## {title}", "", text, ""]
     if notes:
         parts += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
-    return "\n".join(parts)
+    return "\n".join(header + [baseline_named("\n".join(parts), label)])
 
 
-def plot(records: List[Dict[str, Any]], path: str, title: str) -> Optional[str]:
-    """PNG of logical GB/s vs tokens per rank, ours (solid) vs NCCL (dashed). Returns a note when skipped."""
+def plot(records: List[Dict[str, Any]], path: str, title: str, baseline: str = "NCCL") -> Optional[str]:
+    """PNG of logical GB/s vs tokens per rank, ours (solid) vs the all_to_all baseline (dashed, named `baseline`).
+    Returns a note when skipped."""
     series: Dict[str, Dict[int, float]] = {}
     for r in records:
         if r["section"] == "tokens":
             key = f"{r['op']} {r['dtype']}"
             series.setdefault(key, {})[r["tokens"]] = r["logical_gbps"]["mean"]
             if "nccl" in r:
-                series.setdefault(f"NCCL a2a ({key})", {})[r["tokens"]] = r["nccl"]["gbps"]["mean"]
+                series.setdefault(f"{baseline} a2a ({key})", {})[r["tokens"]] = r["nccl"]["gbps"]["mean"]
     if not series:
         return None
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except Exception as exc:  # noqa: BLE001
-        return f"plot skipped: matplotlib is not importable ({type(exc).__name__})"
+    except ImportError as exc:
+        return (f"plot skipped: matplotlib is not importable ({type(exc).__name__}); for plots install the extra: "
+                f"pip install -e \".[plot]\" (or pip install matplotlib)")
     fig, ax = plt.subplots(figsize=(8, 5))
     colors = {"dispatch bf16": "tab:blue", "dispatch fp8": "tab:orange", "combine bf16": "tab:green"}
     for key, pts in series.items():
         xs = sorted(pts)
-        base = key[len("NCCL a2a ("):-1] if key.startswith("NCCL") else key
-        ax.plot(xs, [pts[x] for x in xs], marker="o", linestyle="--" if key.startswith("NCCL") else "-",
+        theirs = key.startswith(f"{baseline} a2a (")
+        base = key[len(f"{baseline} a2a ("):-1] if theirs else key
+        ax.plot(xs, [pts[x] for x in xs], marker="o", linestyle="--" if theirs else "-",
                 color=colors.get(base), label=key)
     ax.set_xscale("log", base=2)
     ticks = sorted({t for pts in series.values() for t in pts})
@@ -230,8 +261,9 @@ def write(meta: Dict[str, Any], records: List[Dict[str, Any]], notes: List[str],
     png_note = None
     if stem is not None:
         png = stem + ".png"
-        png_note = plot(records, png, f"moe_dispatcher vs NCCL, {meta.get('device')} x{meta.get('num_ranks')} "
-                                      f"({', '.join(meta.get('backends_used', []))})")
+        label = baseline_label(str(meta.get("process_group")))
+        png_note = plot(records, png, f"moe_dispatcher vs {label}, {meta.get('device')} x{meta.get('num_ranks')} "
+                                      f"({', '.join(meta.get('backends_used', []))})", label)
         if png_note is None and os.path.exists(png):
             written.append(png)
         if png_note:

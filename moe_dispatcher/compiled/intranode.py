@@ -48,7 +48,7 @@ EM_COMBINE_MODES = ("split", "fused")
 # is created; the attribute nvl_variant changes it later (bench, tests). All give the same bytes and use the
 # same rings, so calls of any may follow each other on one Buffer. "chunked": warp groups in lock-step
 # chunks, each ending with a system-scope release by the group leader; "stream" (default: the fastest on
-# 2 and 4 x H200, bench/results/*20261121-092*): every warp moves its own rows and one publisher warp per
+# 2 and 4 x H200, bench/results/*-092* in 62f8696): every warp moves its own rows and one publisher warp per
 # block updates the ring counters (Config's send chunk is then the least rows per tail update).
 NVL_VARIANT_ENV = "MOE_DISPATCHER_NVL_VARIANT"
 NVL_VARIANTS = ("chunked", "stream")  # index = the kernels' RingProtocol

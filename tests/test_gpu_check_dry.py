@@ -1,0 +1,39 @@
+"""tools/gpu_check.sh's control flow without a GPU (DRY=1: every step is listed with its command, none runs):
+the steps for N GPUs, $SKIP, the deadline, and the two files it leaves in $OUT."""
+import os
+import pathlib
+import subprocess
+import tarfile
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _check(tmp_path, n, **env):
+    out = tmp_path / f"out{n}"
+    proc = subprocess.run(["bash", str(ROOT / "tools" / "gpu_check.sh"), str(n)], capture_output=True, text=True,
+                          env={**os.environ, "DRY": "1", "OUT": str(out), **env}, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["gpu-check.tgz", "summary.txt"]
+    with tarfile.open(out / "gpu-check.tgz") as tar:
+        assert "gpu-check/summary.txt" in tar.getnames()
+    return (out / "summary.txt").read_text()
+
+
+def test_four_gpus_run_every_family(tmp_path):
+    text = _check(tmp_path, 4)
+    for step in ("build", "test_intranode", "test_expert_major", "test_low_latency", "test_internode",
+                 "test_megatron_layer", "test_megatron_train", "bench_normal_4", "bench_normal_2", "bench_ll_4",
+                 "bench_ll_2", "bench_internode", "host_profile"):
+        assert f"DRY  {step} " in text, step
+    assert "-k 4-nvl2 or 4-nvl1" in text and "--nvl-size 2" in text
+
+
+def test_two_gpus_skip_internode_and_honour_skip(tmp_path):
+    text = _check(tmp_path, 2, SKIP="bench_ll_2 host_profile")
+    assert "SKIP test_internode (needs 4 GPUs or more)" in text
+    assert "SKIP host_profile ($SKIP)" in text and "bench_internode" not in text
+
+
+def test_deadline_skips_the_rest(tmp_path):
+    text = _check(tmp_path, 8, DEADLINE_S="5")
+    assert "SKIP build (deadline)" in text and "SKIP round_trip_profile (deadline)" in text
