@@ -119,9 +119,7 @@ DispatchArgs ring_dispatch_args(const IpcBuffer& b, uint64_t timeout_ns, uintptr
                                 uintptr_t recv_channel_offset, int num_tokens, int hidden_bytes, int num_scales,
                                 int num_rows, int pad_rows, int num_channels, int chunk, int num_slots,
                                 int slot_bytes, int protocol) {
-  MOE_CHECK(protocol == kChunked || protocol == kStream, "unknown ring protocol");
   DispatchArgs a{};
-  a.protocol = protocol;
   a.c = b.common(timeout_ns);
   MOE_CHECK(static_cast<size_t>(num_channels) * num_slots * slot_bytes <= a.c.src_block_bytes,
             "NVLink buffer too small for this config");
@@ -145,12 +143,8 @@ CombineArgs ring_combine_args(const IpcBuffer& b, uint64_t timeout_ns, uintptr_t
                               uintptr_t recv_channel_offset, int dtype, int num_tokens, int hidden, int num_topk,
                               int num_x_rows, int num_channels, int chunk, int num_slots, int slot_bytes,
                               int protocol) {
-  MOE_CHECK(protocol == kChunked || protocol == kStream, "unknown ring protocol");
   CombineArgs a{};
-  a.protocol = protocol;
-  // Tokens per receiver batch: as many 32-token windows as fit beside a sender chunk in the ring.
-  a.batch_windows = std::min(kMaxWindows, (num_slots - chunk) / 32);
-  MOE_CHECK(a.batch_windows >= 1, "combine needs num_max_nvl_chunked_recv_tokens >= send tokens + 32");
+  MOE_CHECK(num_slots - chunk >= 32, "combine needs num_max_nvl_chunked_recv_tokens >= send tokens + 32");
   a.c = b.common(timeout_ns);
   MOE_CHECK(static_cast<size_t>(num_channels) * num_slots * slot_bytes <= a.c.src_block_bytes,
             "NVLink buffer too small for this config");
@@ -460,12 +454,9 @@ void register_intranode(py::module_& m) {
   sub.attr("MAX_LOCAL_EXPERTS") = kMaxLocalExperts;
   sub.attr("MAX_TOPK") = kMaxTopk;
   sub.attr("MAX_CHUNK") = kMaxChunk;
-  sub.attr("MAX_COMBINE_WINDOWS") = kMaxWindows;
   sub.attr("RINGS_OFFSET") = kRingsOffset;
   sub.attr("FLAG_LAYOUT_MISMATCH") = kFlagLayoutMismatch;
   sub.attr("PAIR_RANK_TOKENS") = kPairRankTokens;
-  sub.attr("PROTOCOL_CHUNKED") = static_cast<int>(kChunked);
-  sub.attr("PROTOCOL_STREAM") = static_cast<int>(kStream);
   sub.def("em_layout_words", [](int r, int l) { return ExpertMajorLayout::words(r, l); });
   sub.def("pair_rank", &pair_rank, py::arg("topk_idx"), py::arg("num_tokens"), py::arg("num_topk"),
           py::arg("num_experts"), py::arg("out"), py::arg("workspace"), py::arg("stream"), py::arg("row_limit") = 0);

@@ -4,14 +4,10 @@
 // the token: out = cast(bias_0 + bias_1 + sum over ranks ascending), accumulated in float32 in that
 // order, exactly like the reference; the returned top-k weights are summed the same way.
 //
-// Two kernels move the rows (args.protocol); they share the per-row code (send_row, reduce_token), so they
-// give the same bits:
-// - combine_kernel (chunked, channel.cuh): a receiver takes a batch of 32 x batch_windows tokens at a time:
-//   it learns from is_token_in_rank how many rows each ring must deliver, waits for them (thread 0 acquires
-//   each tail), reduces (one warp per token), then releases the consumed slots of every ring.
-// - combine_stream_kernel (stream.cuh): senders as in dispatch; a receiver warp takes tokens round robin
-//   and waits only for its own token's rows, and a release warp returns the slots of every token below the
-//   smallest one still in progress. No block-wide barrier, so reducing overlaps the arrival of later rows.
+// Rows move as in dispatch (stream.cuh): sender warps at their own pace behind a publisher warp; a receiver
+// warp takes tokens round robin and waits only for its own token's rows, and a release warp returns the
+// slots of every token below the smallest one still in progress. No block-wide barrier, so reducing overlaps
+// the arrival of later rows.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -25,10 +21,6 @@
 
 namespace moe_dispatcher::intranode {
 namespace {
-
-// Fewer threads than dispatch: the receiver keeps 8 rows in flight per lane and needs the registers.
-constexpr int kCombineThreads = 512;
-constexpr int kCombineWarps = kCombineThreads / 32;
 
 // Expert-major combine, sender side: the partial sum of received row r over its pairs here (slot order,
 // float32, each term x[pos] * em_weights[pos] rounded to float32 when weighted; explicit _rn intrinsics
@@ -127,38 +119,6 @@ __device__ __forceinline__ void send_row(const CombineArgs& a, int64_t r, uint8_
   }
 }
 
-template <typename T>
-__device__ void send_channel(const CombineArgs& a, int c, int s, int group_warp, int warps, int lane, bool leader,
-                             int* shared_ok, const Watchdog& dog) {
-  const int me = a.c.rank;
-  auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
-  auto* dst_ctl = reinterpret_cast<Control*>(a.c.peers[s]);
-  ChannelSender ch{ring_slots(a.c.peers[s], a.c.src_block_bytes, me, c, a.num_slots, a.slot_bytes),
-                   &dst_ctl->fifo_tail[c][me], &ctl->fifo_head[c][s], &ctl->tail_copy[c][s],
-                   a.num_slots, a.slot_bytes,
-                   *reinterpret_cast<volatile uint64_t*>(&ctl->tail_copy[c][s])};
-  const int bar = 1 + s, threads = warps * 32;
-  const int row_bytes = a.hidden * (a.dtype == kFp32 ? 4 : 2);
-
-  if (!sender_group_ready(ctl, s, leader, threads, shared_ok, dog)) return;
-
-  const int* offsets = a.recv_channel_offset + s * (a.num_channels + 1);
-  for (int row = offsets[c], end = offsets[c + 1]; row < end;) {
-    const int n = min(a.chunk, end - row);
-    if (leader) *shared_ok = ch.reserve(n, dog, kPhaseCombineSend, s);
-    ptx::group_sync(bar, threads);
-    if (!*shared_ok) return;
-    for (int i = group_warp; i < n; i += warps) {
-      const int64_t r = row + i;
-      if (r >= a.num_x_rows) continue;  // dropped by a num_worst_tokens overflow (reported by notify)
-      send_row<T>(a, r, ch.slot(i), row_bytes, lane);
-    }
-    ptx::group_sync(bar, threads);
-    ch.advance(n, leader);
-    row += n;
-  }
-}
-
 // Whole warp: output row `token` = cast(bias0 + bias1 + rows of ranks ascending), accumulated in float32 in
 // that order (the reference's order), and the top-k weights summed likewise. src[d]: the token's slot in the
 // ring from rank d, or null. kRanks: the rank count rounded up to 2, 4 or 8, so the per-rank arrays stay in
@@ -220,109 +180,6 @@ __device__ __forceinline__ void reduce_token(const CombineArgs& a, int64_t token
   }
 }
 
-template <typename T, int kRanks>
-__device__ void receive_channel(const CombineArgs& a, int c, int warp, int lane, const Watchdog& dog) {
-  __shared__ uint64_t head[kMaxRanks];                 // rows consumed from ring (c, d); thread 0 changes it
-  __shared__ unsigned window_mask[kMaxWindows][kMaxRanks];  // is_token_in_rank bits of each 32-token window
-  __shared__ int window_offset[kMaxWindows][kMaxRanks];     // rows of ring d before the window, in the batch
-  __shared__ int batch_rows[kMaxRanks];
-  __shared__ int ok;
-  const int me = a.c.rank, num_ranks = a.c.num_ranks;
-  auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
-  const int row_bytes = a.hidden * static_cast<int>(sizeof(T));
-  const int windows = a.batch_windows;
-  if (threadIdx.x < num_ranks) head[threadIdx.x] = *reinterpret_cast<volatile uint64_t*>(&ctl->head_copy[c][threadIdx.x]);
-  const uint8_t* ring0 = ring_slots(a.c.peers[me], a.c.src_block_bytes, 0, c, a.num_slots, a.slot_bytes);
-  int begin, end;
-  channel_range(a.num_tokens, a.num_channels, c, begin, end);
-
-  for (int base = begin; base < end; base += 32 * windows) {
-    if (warp < windows) {
-      const int t = base + warp * 32 + lane;
-#pragma unroll
-      for (int d = 0; d < kRanks; ++d) {
-        const bool hit = d < num_ranks && t < end && a.is_token_in_rank[static_cast<int64_t>(t) * num_ranks + d];
-        const unsigned m = __ballot_sync(0xffffffffu, hit);
-        if (lane == 0) window_mask[warp][d] = m;
-      }
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      int good = 1;
-      for (int d = 0; d < num_ranks; ++d) {
-        int rows = 0;
-        for (int w = 0; w < windows; ++w) {
-          window_offset[w][d] = rows;
-          rows += __popc(window_mask[w][d]);
-        }
-        batch_rows[d] = rows;
-        while (good && ptx::ld_acquire_sys(&ctl->fifo_tail[c][d]) < head[d] + rows) {
-          if (dog.expired(kPhaseCombineRecv, d)) good = 0;
-        }
-      }
-      ok = good;
-    }
-    __syncthreads();  // the tails acquired by thread 0 cover every slot read below
-    if (!ok) return;
-
-    const int count = min(32 * windows, end - base);
-    for (int j = warp; j < count; j += kCombineWarps) {
-      const int64_t token = base + j;
-      const int w = j >> 5;
-      const unsigned below = (1u << (j & 31)) - 1u;
-      const uint8_t* src[kRanks];  // row of ring d for this token, or null; ascending d = sum order
-#pragma unroll
-      for (int d = 0; d < kRanks; ++d) {
-        src[d] = nullptr;
-        if (d < num_ranks) {
-          const unsigned m = window_mask[w][d];
-          if ((m >> (j & 31)) & 1u) {
-            const uint64_t index = head[d] + window_offset[w][d] + __popc(m & below);
-            src[d] = ring0 + d * a.c.src_block_bytes + static_cast<size_t>(index % a.num_slots) * a.slot_bytes;
-          }
-        }
-      }
-      reduce_token<T, kRanks>(a, token, src, row_bytes, lane);
-    }
-    __syncthreads();  // every load of this batch's slots precedes the releases below
-    if (threadIdx.x == 0) {
-      for (int d = 0; d < num_ranks; ++d) {
-        if (batch_rows[d] == 0) continue;
-        head[d] += batch_rows[d];
-        // Peer d may now overwrite these slots of its ring to me.
-        ptx::st_release_sys(&reinterpret_cast<Control*>(a.c.peers[d])->fifo_head[c][me], head[d]);
-      }
-    }
-  }
-  __syncthreads();
-  if (threadIdx.x < num_ranks) ctl->head_copy[c][threadIdx.x] = head[threadIdx.x];
-}
-
-template <typename T>
-__global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs a) {
-  __shared__ int shared_ok[kMaxRanks];
-  const int num_ranks = a.c.num_ranks;
-  const int c = blockIdx.x >> 1;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  auto* ctl = reinterpret_cast<Control*>(a.c.peers[a.c.rank]);
-  const Watchdog dog = make_watchdog(a.c.timeout_ns, a.c.rank, &ctl->timeout_claim, &a.c.mailbox->timeout);
-  if (blockIdx.x & 1) {
-    if (num_ranks <= 2) {
-      receive_channel<T, 2>(a, c, warp, lane, dog);
-    } else if (num_ranks <= 4) {
-      receive_channel<T, 4>(a, c, warp, lane, dog);
-    } else {
-      receive_channel<T, 8>(a, c, warp, lane, dog);
-    }
-    return;
-  }
-  const int warps = kCombineWarps / num_ranks;
-  const int group = warp / warps, group_warp = warp % warps;
-  if (group >= num_ranks) return;
-  send_channel<T>(a, c, group, group_warp, warps, lane, group_warp == 0 && lane == 0, &shared_ok[group], dog);
-}
-
-// ------------------------------------------------------------------ stream protocol (stream.cuh)
 // Sender blocks: 19 copy warps (19 / R per ring) and the publisher warp. Receiver blocks: 19 reduce warps and
 // the release warp. 20 warps are 5 per SM sub-partition, which leaves 96 registers per thread (17 would too).
 constexpr int kStreamCombineWarps = 19;
@@ -506,7 +363,7 @@ __device__ void stream_receive(const CombineArgs& a, int c, int warp, int lane, 
 // One instantiation per dtype, rank count (rounded up to 2, 4, 8) and expert-major or not (em_inverse set),
 // so that each compiles only its own paths within the 96 registers (together they would spill).
 template <typename T, int kRanks, bool kEm>
-__global__ void __launch_bounds__(kStreamCombineThreads, 1) combine_stream_kernel(CombineArgs a) {
+__global__ void __launch_bounds__(kStreamCombineThreads, 1) combine_kernel(CombineArgs a) {
   __shared__ StreamBoard board;
   __shared__ int shared_ok[kMaxRanks];
   const int num_ranks = a.c.num_ranks, me = a.c.rank;
@@ -538,9 +395,9 @@ __global__ void __launch_bounds__(kStreamCombineThreads, 1) combine_stream_kerne
 template <typename T, int kRanks>
 void launch_stream(const CombineArgs& args, dim3 grid, cudaStream_t stream) {
   if (args.em_inverse != nullptr) {
-    combine_stream_kernel<T, kRanks, true><<<grid, kStreamCombineThreads, 0, stream>>>(args);
+    combine_kernel<T, kRanks, true><<<grid, kStreamCombineThreads, 0, stream>>>(args);
   } else {
-    combine_stream_kernel<T, kRanks, false><<<grid, kStreamCombineThreads, 0, stream>>>(args);
+    combine_kernel<T, kRanks, false><<<grid, kStreamCombineThreads, 0, stream>>>(args);
   }
 }
 
@@ -559,19 +416,10 @@ void launch_stream(const CombineArgs& args, dim3 grid, cudaStream_t stream) {
 
 void launch_combine(const CombineArgs& args, cudaStream_t stream) {
   const dim3 grid(2 * args.num_channels);
-  if (args.protocol == kStream) {
-    switch (args.dtype) {
-      case kBf16: launch_stream<__nv_bfloat16>(args, grid, stream); break;
-      case kFp16: launch_stream<__half>(args, grid, stream); break;
-      default: launch_stream<float>(args, grid, stream); break;
-    }
-    check_launch("combine_stream_kernel");
-    return;
-  }
   switch (args.dtype) {
-    case kBf16: combine_kernel<__nv_bfloat16><<<grid, kCombineThreads, 0, stream>>>(args); break;
-    case kFp16: combine_kernel<__half><<<grid, kCombineThreads, 0, stream>>>(args); break;
-    default: combine_kernel<float><<<grid, kCombineThreads, 0, stream>>>(args); break;
+    case kBf16: launch_stream<__nv_bfloat16>(args, grid, stream); break;
+    case kFp16: launch_stream<__half>(args, grid, stream); break;
+    default: launch_stream<float>(args, grid, stream); break;
   }
   check_launch("combine_kernel");
 }

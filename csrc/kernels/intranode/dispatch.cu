@@ -1,16 +1,13 @@
 // Dispatch (fresh and cached): block 2c sends channel c's tokens to every rank, block 2c+1 receives
-// channel c's rows from every rank. Inside a block, warp group g (24 / R warps) serves peer g.
+// channel c's rows from every rank. Inside a block, the 24 / R copy warps of group g serve peer g, each
+// at its own pace, and one more warp publishes the rings' counters in order (stream.cuh).
 //
-// Sender group for destination d: scans its channel's tokens for is_token_in_rank[t][d], takes up
-// to `chunk` of them, reserves that many slots of ring (c, me -> d), copies each row (payload,
-// scales, top-k rebased to d's local experts with weights zeroed elsewhere, source index) into the
-// slots, and commits the tail. Rows therefore arrive in token order.
-// Receiver group for source s: the k-th row of channel c from s goes to row
+// Sender warps for destination d: walk their channel's tokens with is_token_in_rank[t][d] set; the k-th
+// such token is row k of ring (c, me -> d), taken by warp k % W: payload, scales, top-k rebased to d's
+// local experts with weights zeroed elsewhere, source index. Rows therefore sit in token order.
+// Receiver warps for source s: the k-th row of channel c from s goes to row
 // recv_channel_offset[s][c] + k (computed by notify, or kept in the handle for cached dispatch),
 // which gives exactly the (source rank, token) order of the contract.
-// Two kernels move the rows (args.protocol): dispatch_kernel, in lock-step chunks per warp group
-// (channel.cuh), and dispatch_stream_kernel, every warp at its own pace behind one publisher warp per
-// block (stream.cuh). They share the per-row code (send_row / receive_row), so they give the same bytes.
 #include "kernels/common/channel.cuh"
 #include "kernels/intranode/copy.cuh"
 #include "kernels/intranode/launch_check.cuh"
@@ -138,55 +135,6 @@ __device__ __forceinline__ void send_row(const DispatchArgs& a, const DispatchSl
   write_meta(a, layout, slot, t, lo, hi, lane);
 }
 
-__device__ void send_channel(const DispatchArgs& a, int c, int d, int group_warp, int warps, int lane, bool leader,
-                             int* chunk_tokens, int* shared_ok, const Watchdog& dog) {
-  const int me = a.c.rank, num_ranks = a.c.num_ranks;
-  auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
-  auto* dst_ctl = reinterpret_cast<Control*>(a.c.peers[d]);
-  ChannelSender ch{ring_slots(a.c.peers[d], a.c.src_block_bytes, me, c, a.num_slots, a.slot_bytes),
-                   &dst_ctl->fifo_tail[c][me], &ctl->fifo_head[c][d], &ctl->tail_copy[c][d],
-                   a.num_slots, a.slot_bytes,
-                   *reinterpret_cast<volatile uint64_t*>(&ctl->tail_copy[c][d])};
-  const DispatchSlot layout{a.hidden_bytes, a.num_scales, a.num_topk};
-  const int bar = 1 + d, threads = warps * 32;
-
-  if (!sender_group_ready(ctl, d, leader, threads, shared_ok, dog)) return;
-
-  int begin, end;
-  channel_range(a.num_tokens, a.num_channels, c, begin, end);
-  const int lo = d * a.experts_per_rank, hi = lo + a.experts_per_rank;
-  int cursor = begin;
-  while (true) {
-    // Next chunk: up to `chunk` tokens for d, found 32 at a time (every warp of the group computes
-    // the same chunk into its own row of chunk_tokens).
-    int n = 0;
-    while (n < a.chunk && cursor < end) {
-      const int t = cursor + lane;
-      const bool hit = t < end && a.is_token_in_rank[static_cast<int64_t>(t) * num_ranks + d];
-      const unsigned mask = __ballot_sync(0xffffffffu, hit);
-      const int pos = n + __popc(mask & ((1u << lane) - 1u));
-      if (hit && pos < a.chunk) chunk_tokens[pos] = t;
-      const int found = __popc(mask);
-      if (n + found <= a.chunk) {
-        n += found;
-        cursor = min(cursor + 32, end);
-      } else {
-        const unsigned last = __ballot_sync(0xffffffffu, hit && pos == a.chunk - 1);
-        cursor += __ffs(last);  // one past the last token taken
-        n = a.chunk;
-      }
-    }
-    __syncwarp();
-    if (n == 0) break;
-    if (leader) *shared_ok = ch.reserve(n, dog, kPhaseDispatchSend, d);
-    ptx::group_sync(bar, threads);
-    if (!*shared_ok) return;
-    for (int i = group_warp; i < n; i += warps) send_row(a, layout, ch.slot(i), chunk_tokens[i], lo, hi, lane);
-    ptx::group_sync(bar, threads);  // every slot store of the chunk precedes the leader's release
-    ch.advance(n, leader);
-  }
-}
-
 // Expert-major receive of one ring row (received row `row` from source s); see the file comment.
 __device__ __forceinline__ void receive_em_row(const DispatchArgs& a, int s, int64_t row, uint8_t* slot,
                                                const DispatchSlot& layout, int lane) {
@@ -245,39 +193,6 @@ __device__ __forceinline__ void receive_row(const DispatchArgs& a, const Dispatc
   if (a.recv_src_idx != nullptr && lane == 0) a.recv_src_idx[row] = ptx::ld_cg(layout.source(slot));
 }
 
-__device__ void receive_channel(const DispatchArgs& a, int c, int s, int group_warp, int warps, int lane,
-                                bool leader, uint64_t* shared_tail, const Watchdog& dog) {
-  const int me = a.c.rank;
-  auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
-  auto* src_ctl = reinterpret_cast<Control*>(a.c.peers[s]);
-  ChannelReceiver ch{ring_slots(a.c.peers[me], a.c.src_block_bytes, s, c, a.num_slots, a.slot_bytes),
-                     &ctl->fifo_tail[c][s], &src_ctl->fifo_head[c][me], &ctl->head_copy[c][s],
-                     a.num_slots, a.slot_bytes,
-                     *reinterpret_cast<volatile uint64_t*>(&ctl->head_copy[c][s])};
-  const DispatchSlot layout{a.hidden_bytes, a.num_scales, a.num_topk};
-  const int bar = 1 + s, threads = warps * 32;
-  const int* offsets = a.recv_channel_offset + s * (a.num_channels + 1);
-  const int row0 = offsets[c];
-  const uint64_t first = ch.head, last = first + (offsets[c + 1] - row0);
-
-  while (ch.head < last) {
-    if (leader) *shared_tail = ch.wait(ch.head + 1, dog, kPhaseDispatchRecv, s);
-    ptx::group_sync(bar, threads);
-    const uint64_t seen = *shared_tail;
-    if (seen == 0) return;
-    const int n = static_cast<int>(min(seen, last) - ch.head);
-    for (int i = group_warp; i < n; i += warps) {
-      const uint64_t index = ch.head + i;
-      const int64_t row = row0 + static_cast<int64_t>(index - first);
-      if (row >= a.num_rows) continue;  // more rows than num_worst_tokens: reported by notify
-      receive_row(a, layout, s, row, const_cast<uint8_t*>(ch.slot(index)), lane);
-    }
-    ptx::group_sync(bar, threads);  // every load of these slots precedes the leader's release of them
-    ch.release(n, leader);
-  }
-  ch.finish(leader);
-}
-
 // num_worst_tokens: rows past the received count get zero payload and scales (as the reference pads),
 // top-k -1, weight 0, source -1. Every thread of the receiver blocks takes its share (block c of C).
 __device__ void pad_worst_rows(const DispatchArgs& a, int c) {
@@ -299,39 +214,7 @@ __device__ void pad_worst_rows(const DispatchArgs& a, int c) {
   for (int64_t i = start; a.recv_src_idx != nullptr && i < extra; i += stride) a.recv_src_idx[first + i] = -1;
 }
 
-__global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a) {
-  __shared__ int chunk_tokens[kWarps][kMaxChunk];
-  __shared__ int shared_ok[kMaxRanks];
-  __shared__ uint64_t shared_tail[kMaxRanks];
-  const int num_ranks = a.c.num_ranks;
-  const int c = blockIdx.x >> 1;
-  const bool sender = (blockIdx.x & 1) == 0;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-
-  if (!sender && a.pad_rows) pad_worst_rows(a, c);
-
-  // Expert-major padding rows: every warp of the receiver blocks takes its share once it is done with
-  // the rings (so the transfer starts first); disjoint from the pair rows, so no ordering is needed.
-  const bool em_pad = !sender && a.em_mode != 0;
-  const int warps = kWarps / num_ranks;
-  const int group = warp / warps, group_warp = warp % warps;
-  if (group >= num_ranks) {  // idle warps when 24 % R != 0; they join no barrier
-    if (em_pad) zero_em_padding(a, c * kWarps + warp, a.num_channels * kWarps, lane);
-    return;
-  }
-  const bool leader = group_warp == 0 && lane == 0;
-  auto* ctl = reinterpret_cast<Control*>(a.c.peers[a.c.rank]);
-  const Watchdog dog = make_watchdog(a.c.timeout_ns, a.c.rank, &ctl->timeout_claim, &a.c.mailbox->timeout);
-  if (sender) {
-    send_channel(a, c, group, group_warp, warps, lane, leader, chunk_tokens[warp], &shared_ok[group], dog);
-  } else {
-    receive_channel(a, c, group, group_warp, warps, lane, leader, &shared_tail[group], dog);
-    if (em_pad) zero_em_padding(a, c * kWarps + warp, a.num_channels * kWarps, lane);
-  }
-}
-
-// ------------------------------------------------------------------ stream protocol (stream.cuh)
-// 24 copy warps (24 / R per ring, as the chunked kernel) and the publisher warp.
+// 24 copy warps (24 / R per ring) and the publisher warp.
 constexpr int kStreamCopyWarps = kWarps;
 constexpr int kStreamThreads = (kStreamCopyWarps + 1) * 32;
 
@@ -430,9 +313,9 @@ __device__ void stream_receive(const DispatchArgs& a, int c, int s, int gw, int 
   board_leave(board, s, gw, k, lane);
 }
 
-// Blocks as dispatch_kernel (2c sends channel c, 2c + 1 receives it); warp 24 is the publisher: tails of
+// Block 2c sends channel c, 2c + 1 receives it; warp 24 is the publisher: tails of
 // the rings to every destination (sender block), heads of the rings from every source (receiver block).
-__global__ void __launch_bounds__(kStreamThreads, 1) dispatch_stream_kernel(DispatchArgs a) {
+__global__ void __launch_bounds__(kStreamThreads, 1) dispatch_kernel(DispatchArgs a) {
   __shared__ StreamBoard board;
   __shared__ int shared_ok[kMaxRanks];
   const int num_ranks = a.c.num_ranks, me = a.c.rank;
@@ -479,12 +362,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) dispatch_stream_kernel(Disp
 }  // namespace
 
 void launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
-  if (args.protocol == kStream) {
-    dispatch_stream_kernel<<<2 * args.num_channels, kStreamThreads, 0, stream>>>(args);
-    check_launch("dispatch_stream_kernel");
-    return;
-  }
-  dispatch_kernel<<<2 * args.num_channels, kThreads, 0, stream>>>(args);
+  dispatch_kernel<<<2 * args.num_channels, kStreamThreads, 0, stream>>>(args);
   check_launch("dispatch_kernel");
 }
 

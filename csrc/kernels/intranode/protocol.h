@@ -17,7 +17,6 @@ constexpr int kMaxChannels = 32;        // num_sms <= 64
 constexpr int kMaxLocalExperts = 1024;  // experts per rank
 constexpr int kMaxTopk = 16;
 constexpr int kMaxChunk = 32;           // num_max_nvl_chunked_send_tokens
-constexpr int kMaxWindows = 4;          // a combine receiver reduces up to 32 x kMaxWindows tokens per batch
 constexpr int kThreads = 768;           // threads per block of dispatch / combine (24 warps)
 constexpr int kWarps = kThreads / 32;
 
@@ -117,11 +116,6 @@ struct PairRankArgs {
 constexpr int kPairRankTokens = 64;  // rows per block of the pair-rank kernels
 inline int pair_rank_blocks(int num_tokens) { return (num_tokens + kPairRankTokens - 1) / kPairRankTokens; }
 
-// How a kernel moves rows through the rings (MOE_DISPATCHER_NVL_VARIANT); all use the same rings and
-// counters, so calls of any may follow each other. kChunked: lock-step chunks per warp group
-// (channel.cuh); kStream: every warp at its own pace, one publisher warp per block (stream.cuh).
-enum RingProtocol : int { kChunked = 0, kStream = 1 };
-
 struct DispatchArgs {
   Common c;
   const uint8_t* x;          // [T, hidden_bytes]
@@ -138,8 +132,9 @@ struct DispatchArgs {
   int num_tokens, hidden_bytes, num_scales, num_topk, experts_per_rank;
   int num_rows;              // rows of the outputs (num_worst_tokens, or the received count)
   int pad_rows;              // 1: fill rows past the received count (num_worst_tokens): zeros, -1
-  int num_channels, chunk, num_slots, slot_bytes;
-  int protocol;              // RingProtocol (stream: `chunk` is the sender's least rows per tail update)
+  int num_channels;
+  int chunk;                 // the sender publishes its tail every `chunk` rows at least (at most half a ring)
+  int num_slots, slot_bytes;
   // Expert-major dispatch (em_mode 1: fresh, 2: cached; 0: rank-major, every pointer below null).
   // Fresh: the sender also carries pair_rank[t][k] in the slot (after the source index), and the
   // receiver writes each row straight to its expert-major positions (no rank-major payload: recv_x,
@@ -171,9 +166,9 @@ struct CombineArgs {
   float* out_topk_weights;         // [T, K] or null
   int dtype, num_tokens, hidden, num_topk;
   int num_x_rows;                  // rows of x (num_worst_tokens may truncate what a channel lists)
-  int num_channels, chunk, num_slots, slot_bytes;
-  int batch_windows;               // 1..kMaxWindows; 32 x batch_windows + chunk <= num_slots (chunked only)
-  int protocol;                    // RingProtocol (stream: `chunk` is the sender's least rows per tail update)
+  int num_channels;
+  int chunk;                       // the sender publishes its tail every `chunk` rows at least (at most half a ring)
+  int num_slots, slot_bytes;
   // Expert-major combine (em_inverse non-null): x is [M, hidden] expert-major rows. For received row r
   // the sender sends sum over slots k ascending of x[em_inverse[r][k]] (times em_weights[pos], the
   // product rounded to float32) accumulated in float32 and rounded to the dtype; the slot's top-k

@@ -1,13 +1,8 @@
-// The "stream" protocol of the intranode rings (MOE_DISPATCHER_NVL_VARIANT=stream; torch-free). Same rings,
-// slots and counters as the chunked protocol of channel.cuh, so calls of either protocol may follow each
-// other on one Buffer (a dispatch of one and a combine of the other included).
+// How the intranode kernels move rows through the rings of channel.cuh (torch-free): every warp at its own
+// pace, one publisher warp per block. (This replaced a lock-step protocol in which a warp group took `chunk`
+// rows, copied them, met at a group barrier and waited for the leader's tail release before the next chunk.)
 //
-// Chunked (channel.cuh): a group of warps takes `chunk` rows, every warp copies its share, a group barrier,
-// then the leader's st.release.sys of the tail; the next chunk starts after that release. Every chunk ends
-// with the group idle: waiting for its slowest warp, for the system-scope fence (a round trip over NVLink),
-// and for the scan of the next chunk's tokens.
-//
-// Stream: the W warps that serve one ring take its rows round robin (warp w: rows w, w + W, ...), each at its
+// The W warps that serve one ring take its rows round robin (warp w: rows w, w + W, ...), each at its
 // own pace. A sender warp waits (lane 0, ld.acquire.sys of the head, cached) only for the slot of its own next
 // row; a receiver warp waits only until the tail passes its own next row. After a row the warp stores the
 // index of its next row in a shared board (__syncwarp, then st.release.cta). One more warp per block, the
@@ -81,7 +76,7 @@ __device__ __forceinline__ uint64_t stream_block_start(const Control* ctl, Strea
   return base;
 }
 
-// Both protocols, whole sender group of ring `ring` (the `threads` threads of named barrier 1 + ring): its first
+// Whole sender group of ring `ring` (the `threads` threads of named barrier 1 + ring): its first
 // thread waits until peer `ring` has drained what an earlier call sent into this ring (channel.cuh,
 // drain_previous: the slot layout may have changed since), then every thread of the group learns the outcome
 // through `shared_ok`. No row of the group may be written before this returns true.
