@@ -13,7 +13,6 @@
 
 #include "kernels/common/channel.cuh"
 #include "kernels/common/vec.cuh"
-#include "kernels/intranode/em_pairs.cuh"
 #include "kernels/intranode/copy.cuh"
 #include "kernels/intranode/launch_check.cuh"
 #include "kernels/intranode/protocol.h"
@@ -22,96 +21,8 @@
 namespace moe_dispatcher::intranode {
 namespace {
 
-// Expert-major combine, sender side: the partial sum of received row r over its pairs here (slot order,
-// float32, each term x[pos] * em_weights[pos] rounded to float32 when weighted; explicit _rn intrinsics
-// so no FMA contraction changes the rounding), rounded to T, into the ring slot; then the per-slot
-// top-k weights. Bit-identical to unpermute() in moe_dispatcher/expert_major.py followed by the rank-major
-// send.
-//
-// Speed: a row's pairs are compacted first (lane i holds the i-th valid pair in slot order, n of them), then
-// the loads of a group of kGroup pairs x kUnroll vectors per lane (8 independent 16-byte loads) are all issued
-// before any accumulation, instead of 2 loads at a time per pair, one pair after the other. x is a
-// read-only input for the whole kernel, so the loads are plain __ldg (ld.global.nc) that the compiler may
-// batch, unlike the volatile asm loads that the ring protocol needs. kGroup = 2 suits E=256 top-8 on 4-8
-// ranks, where a received row holds 1-3 pairs; 8 loads per lane is what fits beside the receiver's
-// registers (the kernel is capped at 128: more, or a second variant per pair count, spills).
-constexpr int kEmLoadsInFlight = 8;
-
-// The float32 sums of kUnroll vectors per lane are carried from group to group (slot order kept). kLoads: the
-// loads in flight per lane (the stream kernel, with fewer registers, takes 4; the order of the sums is the same).
-template <typename T, int kLoads>
-__device__ __forceinline__ void em_sum_many(const CombineArgs& a, int n, int cpos, float cw, uint8_t* slot,
-                                            int row_bytes, int lane) {
-  constexpr int kGroup = 2, kUnroll = kLoads / kGroup;
-  const int vecs = row_bytes / 16;
-  const bool weighted = a.em_weights != nullptr;
-#pragma unroll 1
-  for (int base = lane; base - lane < vecs; base += 32 * kUnroll) {  // same iterations on every lane
-    float acc[kUnroll][Vec<T>::kElems];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-#pragma unroll
-      for (int e = 0; e < Vec<T>::kElems; ++e) acc[u][e] = 0.f;
-    }
-#pragma unroll 1
-    for (int g = 0; g < n; g += kGroup) {
-      Vec<T> x[kGroup][kUnroll];
-      float wt[kGroup];
-#pragma unroll
-      for (int i = 0; i < kGroup; ++i) {
-        const int p = __shfl_sync(0xffffffffu, cpos, (g + i) & 31);
-        wt[i] = __shfl_sync(0xffffffffu, cw, (g + i) & 31);
-        const int4* src = reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(g + i < n ? p : 0) * row_bytes);
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          if (g + i < n && base + u * 32 < vecs) x[i][u].raw = __ldg(src + base + u * 32);
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < kGroup; ++i) {
-        if (g + i >= n) break;
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-#pragma unroll
-          for (int e = 0; e < Vec<T>::kElems; ++e) {
-            const float term = weighted ? __fmul_rn(to_float(x[i][u].elems[e]), wt[i]) : to_float(x[i][u].elems[e]);
-            acc[u][e] = __fadd_rn(acc[u][e], term);
-          }
-        }
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int v = base + u * 32;
-      if (v >= vecs) break;
-      Vec<T> out;
-#pragma unroll
-      for (int e = 0; e < Vec<T>::kElems; ++e) out.elems[e] = from_float<T>(acc[u][e]);
-      reinterpret_cast<int4*>(slot)[v] = out.raw;
-    }
-  }
-}
-
-// Writes the row's partial sum to `slot` and, when em_topk_weights is given, its K per-slot weights to
-// `slot_w` (the ring slot's tail). em_unpermute.cu computes the same numbers for the split variant.
-template <typename T, int kLoads = kEmLoadsInFlight>
-__device__ __forceinline__ void send_em_row(const CombineArgs& a, int64_t r, uint8_t* slot, float* slot_w,
-                                            int row_bytes, int lane) {
-  const EmRowPairs p = em_row_pairs(a.em_inverse, a.em_weights, r, a.em_topk, lane);
-  em_sum_many<T, kLoads>(a, p.n, p.cpos, p.cw, slot, row_bytes, lane);  // n == 0 (pairs dropped): zeros
-  if (a.em_topk_weights != nullptr && slot_w != nullptr && lane < a.em_topk) {
-    slot_w[lane] = p.pos >= 0 ? a.em_topk_weights[p.pos] : 0.f;
-  }
-}
-
-// Whole warp: received row r (or, expert-major, its partial sum) and its top-k weights into a ring slot.
-// kEm: whether a.em_inverse may be set (false compiles the rank-major path alone).
-template <typename T, bool kEm = true, int kEmLoads = kEmLoadsInFlight>
+// Whole warp: received row r and its top-k weights into a ring slot.
 __device__ __forceinline__ void send_row(const CombineArgs& a, int64_t r, uint8_t* slot, int row_bytes, int lane) {
-  if (kEm && a.em_inverse != nullptr) {
-    send_em_row<T, kEmLoads>(a, r, slot, reinterpret_cast<float*>(slot + row_bytes), row_bytes, lane);
-    return;
-  }
   warp_copy<false, 8>(reinterpret_cast<int4*>(slot), reinterpret_cast<const int4*>(a.x + r * row_bytes),
                       row_bytes / 16, lane);
   if (a.topk_weights != nullptr && lane < a.num_topk) {
@@ -183,12 +94,11 @@ __device__ __forceinline__ void reduce_token(const CombineArgs& a, int64_t token
 // Sender blocks: 19 copy warps (19 / R per ring) and the publisher warp. Receiver blocks: 19 reduce warps and
 // the release warp. 20 warps are 5 per SM sub-partition, which leaves 96 registers per thread (17 would too).
 constexpr int kStreamCombineWarps = 19;
-constexpr int kStreamEmLoads = 4;  // expert-major partial sums: loads in flight per lane (8 spill at 96 registers)
 constexpr int kStreamCombineThreads = (kStreamCombineWarps + 1) * 32;
 
 // Sender warp `gw` of the `warps` serving source rank s: received rows gw, gw + warps, ... of channel c
 // (those that came from s) into ring (c, me -> s).
-template <typename T, bool kEm>
+template <typename T>
 __device__ void stream_send(const CombineArgs& a, int c, int s, int gw, int warps, int lane, uint64_t tail0,
                             StreamBoard& board, int* shared_ok, const Watchdog& dog) {
   const int me = a.c.rank;
@@ -214,7 +124,7 @@ __device__ void stream_send(const CombineArgs& a, int c, int s, int gw, int warp
     const int64_t r = row0 + static_cast<int64_t>(k);
     if (r < a.num_x_rows) {  // else dropped by a num_worst_tokens overflow (reported by notify)
       uint8_t* slot = ring + static_cast<size_t>(row % a.num_slots) * a.slot_bytes;
-      send_row<T, kEm, kStreamEmLoads>(a, r, slot, row_bytes, lane);
+      send_row(a, r, slot, row_bytes, lane);
     }
     board_advance(board, s, gw, k + warps, lane);
   }
@@ -360,9 +270,9 @@ __device__ void stream_receive(const CombineArgs& a, int c, int warp, int lane, 
   }
 }
 
-// One instantiation per dtype, rank count (rounded up to 2, 4, 8) and expert-major or not (em_inverse set),
-// so that each compiles only its own paths within the 96 registers (together they would spill).
-template <typename T, int kRanks, bool kEm>
+// One instantiation per dtype and rank count (rounded up to 2, 4, 8), so that each compiles only its own
+// paths within the 96 registers.
+template <typename T, int kRanks>
 __global__ void __launch_bounds__(kStreamCombineThreads, 1) combine_kernel(CombineArgs a) {
   __shared__ StreamBoard board;
   __shared__ int shared_ok[kMaxRanks];
@@ -389,26 +299,17 @@ __global__ void __launch_bounds__(kStreamCombineThreads, 1) combine_kernel(Combi
     return;
   }
   if (ring >= num_ranks) return;  // idle warps when 19 % R != 0
-  stream_send<T, kEm>(a, c, ring, warp % warps, warps, lane, base, board, &shared_ok[ring], dog);
-}
-
-template <typename T, int kRanks>
-void launch_stream(const CombineArgs& args, dim3 grid, cudaStream_t stream) {
-  if (args.em_inverse != nullptr) {
-    combine_kernel<T, kRanks, true><<<grid, kStreamCombineThreads, 0, stream>>>(args);
-  } else {
-    combine_kernel<T, kRanks, false><<<grid, kStreamCombineThreads, 0, stream>>>(args);
-  }
+  stream_send<T>(a, c, ring, warp % warps, warps, lane, base, board, &shared_ok[ring], dog);
 }
 
 template <typename T>
-void launch_stream(const CombineArgs& args, dim3 grid, cudaStream_t stream) {
+void launch_typed(const CombineArgs& args, dim3 grid, cudaStream_t stream) {
   if (args.c.num_ranks <= 2) {
-    launch_stream<T, 2>(args, grid, stream);
+    combine_kernel<T, 2><<<grid, kStreamCombineThreads, 0, stream>>>(args);
   } else if (args.c.num_ranks <= 4) {
-    launch_stream<T, 4>(args, grid, stream);
+    combine_kernel<T, 4><<<grid, kStreamCombineThreads, 0, stream>>>(args);
   } else {
-    launch_stream<T, 8>(args, grid, stream);
+    combine_kernel<T, 8><<<grid, kStreamCombineThreads, 0, stream>>>(args);
   }
 }
 
@@ -417,9 +318,9 @@ void launch_stream(const CombineArgs& args, dim3 grid, cudaStream_t stream) {
 void launch_combine(const CombineArgs& args, cudaStream_t stream) {
   const dim3 grid(2 * args.num_channels);
   switch (args.dtype) {
-    case kBf16: launch_stream<__nv_bfloat16>(args, grid, stream); break;
-    case kFp16: launch_stream<__half>(args, grid, stream); break;
-    default: launch_stream<float>(args, grid, stream); break;
+    case kBf16: launch_typed<__nv_bfloat16>(args, grid, stream); break;
+    case kFp16: launch_typed<__half>(args, grid, stream); break;
+    default: launch_typed<float>(args, grid, stream); break;
   }
   check_launch("combine_kernel");
 }

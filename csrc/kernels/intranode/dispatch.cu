@@ -19,94 +19,18 @@ namespace {
 
 // 16-byte loads in flight per lane while copying a row (6 and 8 measured no faster than 4).
 constexpr int kDispatchUnroll = 4;
-// Expert-major receive: ring vectors per lane read once and written to each of the row's positions.
-constexpr int kFanoutUnroll = 4;  // 6 or 8 spill (the kernel is capped at 80 registers)
 
-// Expert-major dispatch (em_mode != 0) changes only what the two ends do with a slot: the fresh sender
-// appends each slot's pair rank (expert_major.cu), and the receiver, instead of writing the row once at
-// its rank-major row n, writes it at every expert-major position it owns:
-//   position of (n, k) = em_layout.base[source][local expert of slot k] + pair rank of slot k,
-// which is exactly the (expert, received row, slot) order of the contract, so no sort is needed. It
-// records position -> (n, k) (pair_row / pair_slot) and (n, k) -> position (em_inverse, read by the
-// expert-major combine and the cached dispatch). Positions are disjoint, so the plain stores need no
-// ordering among themselves; the outputs are read only by later kernels on the stream.
-
-// Slot layout: [payload hidden_bytes][scales S x 4][top-k idx K x int32][weights K x f32][source int32]
-// [pair rank K x int32, expert-major fresh dispatch only].
+// Slot layout: [payload hidden_bytes][scales S x 4][top-k idx K x int32][weights K x f32][source int32].
 struct DispatchSlot {
   int hidden_bytes, num_scales, num_topk;
   __device__ int32_t* scales(uint8_t* s) const { return reinterpret_cast<int32_t*>(s + hidden_bytes); }
   __device__ int32_t* idx(uint8_t* s) const { return scales(s) + num_scales; }
   __device__ float* weights(uint8_t* s) const { return reinterpret_cast<float*>(idx(s) + num_topk); }
   __device__ int32_t* source(uint8_t* s) const { return reinterpret_cast<int32_t*>(weights(s) + num_topk); }
-  __device__ int32_t* rank(uint8_t* s) const { return source(s) + 1; }
 };
 
-// Copies one ring row to the expert-major rows of the warp's slots: lane j < num_topk holds position
-// `pos` of slot j (-1: none). The positions are compacted first (lane i: the i-th valid one), so the store
-// loop runs over the row's pairs only; each lane reads kUnroll vectors of the ring row once (__ldcg: L2
-// only, like ld.cg, but a plain load the compiler may batch; the tail's acquire and the group barrier
-// before the release are compiler barriers too, so the loads stay inside the window the protocol
-// allows), then stores them to every position, so kUnroll x pairs 16-byte stores are in flight.
-// Every lane runs the same iterations (the shuffles need the full warp).
-template <int kUnroll>
-__device__ __forceinline__ void warp_fanout(uint8_t* dst_rows, int row_bytes, const int4* src, int pos, int lane) {
-  const unsigned valid = __ballot_sync(0xffffffffu, pos >= 0);
-  const int n = __popc(valid);
-  int cpos = -1;
-  for (unsigned rest = valid, i = 0; rest != 0; rest &= rest - 1, ++i) {
-    const int p = __shfl_sync(0xffffffffu, pos, __ffs(rest) - 1);
-    if (lane == static_cast<int>(i)) cpos = p;
-  }
-  if (n == 0) return;
-  const int vecs = row_bytes / 16;
-#pragma unroll 1
-  for (int base = lane; base - lane < vecs; base += 32 * kUnroll) {
-    int4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      if (base + u * 32 < vecs) v[u] = __ldcg(src + base + u * 32);
-    }
-#pragma unroll 1
-    for (int j = 0; j < n; ++j) {
-      const int p = __shfl_sync(0xffffffffu, cpos, j);
-      int4* dst = reinterpret_cast<int4*>(dst_rows + static_cast<int64_t>(p) * row_bytes);
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (base + u * 32 < vecs) dst[base + u * 32] = v[u];
-      }
-    }
-  }
-}
-
-// Expert-major padding rows (each expert's alignment rows and the rows past the last expert up to
-// em_rows): zero payload, scales and weight, pair_row / pair_slot -1. One warp per row.
-__device__ void zero_em_padding(const DispatchArgs& a, int global_warp, int num_warps, int lane) {
-  const ExpertMajorLayout lay{a.c.num_ranks, a.experts_per_rank};
-  const int vecs = a.hidden_bytes / 16;
-  auto zero_row = [&](int64_t m) {
-    auto* x = reinterpret_cast<int4*>(a.em_x + m * a.hidden_bytes);
-    for (int v = lane; v < vecs; v += 32) x[v] = make_int4(0, 0, 0, 0);
-    for (int j = lane; a.em_scales != nullptr && j < a.num_scales; j += 32) a.em_scales[m * a.num_scales + j] = 0;
-    if (lane == 0 && a.em_weights != nullptr) a.em_weights[m] = 0.f;
-    if (lane == 0 && a.em_pair_row != nullptr) {
-      a.em_pair_row[m] = -1;
-      a.em_pair_slot[m] = -1;
-    }
-  };
-  for (int l = global_warp; l < a.experts_per_rank; l += num_warps) {
-    const int end = min(a.em_layout[lay.start(l + 1)], a.em_rows);
-    for (int64_t m = a.em_layout[lay.start(l)] + a.em_layout[lay.count(l)]; m < end; ++m) zero_row(m);
-  }
-  for (int64_t m = static_cast<int64_t>(a.em_layout[lay.start(a.experts_per_rank)]) + global_warp; m < a.em_rows;
-       m += num_warps) {
-    zero_row(m);
-  }
-}
-
 // Whole warp: the slot fields after the payload of token t's row bound for the rank whose experts are
-// [lo, hi): scales, top-k rebased to that rank's local experts (weights zeroed elsewhere), source index, and
-// (expert-major fresh dispatch) the pair ranks.
+// [lo, hi): scales, top-k rebased to that rank's local experts (weights zeroed elsewhere), source index.
 __device__ __forceinline__ void write_meta(const DispatchArgs& a, const DispatchSlot& layout, uint8_t* slot, int t,
                                            int lo, int hi, int lane) {
   for (int j = lane; j < a.num_scales; j += 32) {
@@ -118,10 +42,6 @@ __device__ __forceinline__ void write_meta(const DispatchArgs& a, const Dispatch
     layout.idx(slot)[lane] = local;
     layout.weights(slot)[lane] =
         (local >= 0 && a.topk_weights != nullptr) ? a.topk_weights[static_cast<int64_t>(t) * a.num_topk + lane] : 0.f;
-    // Expert-major: the pair's rank among my pairs for e (-1 where e is not on d; the receiver skips it).
-    if (a.pair_rank != nullptr) {
-      layout.rank(slot)[lane] = local >= 0 ? a.pair_rank[static_cast<int64_t>(t) * a.num_topk + lane] : -1;
-    }
   }
   if (lane == 0) *layout.source(slot) = t;
 }
@@ -135,50 +55,9 @@ __device__ __forceinline__ void send_row(const DispatchArgs& a, const DispatchSl
   write_meta(a, layout, slot, t, lo, hi, lane);
 }
 
-// Expert-major receive of one ring row (received row `row` from source s); see the file comment.
-__device__ __forceinline__ void receive_em_row(const DispatchArgs& a, int s, int64_t row, uint8_t* slot,
-                                               const DispatchSlot& layout, int lane) {
-  const int k = a.em_topk;
-  int pos = -1;
-  if (a.em_mode == 1) {
-    if (lane < k) {
-      const int l = ptx::ld_cg(layout.idx(slot) + lane);
-      if (l >= 0) {
-        const ExpertMajorLayout lay{a.c.num_ranks, a.experts_per_rank};
-        pos = a.em_layout[lay.base(s, l)] + ptx::ld_cg(layout.rank(slot) + lane);
-        if (pos >= a.em_rows) pos = -1;  // past num_worst_tokens: dropped, reported through rows_needed
-      }
-      a.em_inverse[row * k + lane] = pos;
-      if (pos >= 0) {
-        a.em_pair_row[pos] = static_cast<int>(row);
-        a.em_pair_slot[pos] = lane;
-        if (a.em_weights != nullptr) {
-          a.em_weights[pos] = __int_as_float(ptx::ld_cg(reinterpret_cast<const int*>(layout.weights(slot)) + lane));
-        }
-      }
-    }
-    if (lane == 0 && a.recv_src_idx != nullptr) a.recv_src_idx[row] = ptx::ld_cg(layout.source(slot));
-  } else if (lane < k) {
-    pos = a.em_inverse[row * k + lane];
-  }
-  warp_fanout<kFanoutUnroll>(a.em_x, a.hidden_bytes, reinterpret_cast<const int4*>(slot), pos, lane);
-  for (int j = 0; j < k && a.em_scales != nullptr; ++j) {
-    const int p = __shfl_sync(0xffffffffu, pos, j);
-    if (p < 0) continue;
-    for (int i = lane; i < a.num_scales; i += 32) {
-      a.em_scales[static_cast<int64_t>(p) * a.num_scales + i] = ptx::ld_cg(layout.scales(slot) + i);
-    }
-  }
-}
-
-// Whole warp: the ring slot of received row `row` from source s into the outputs (rank-major row, or the
-// row's expert-major positions).
-__device__ __forceinline__ void receive_row(const DispatchArgs& a, const DispatchSlot& layout, int s, int64_t row,
+// Whole warp: the ring slot of received row `row` into the outputs.
+__device__ __forceinline__ void receive_row(const DispatchArgs& a, const DispatchSlot& layout, int64_t row,
                                             uint8_t* slot, int lane) {
-  if (a.em_mode != 0) {
-    receive_em_row(a, s, row, slot, layout, lane);
-    return;
-  }
   const int k = a.num_topk;
   warp_copy<true, kDispatchUnroll>(reinterpret_cast<int4*>(a.recv_x + row * a.hidden_bytes),
                                    reinterpret_cast<const int4*>(slot), a.hidden_bytes / 16, lane);
@@ -206,7 +85,6 @@ __device__ void pad_worst_rows(const DispatchArgs& a, int c) {
   for (int64_t i = start; a.recv_scales != nullptr && i < extra * a.num_scales; i += stride) {
     a.recv_scales[first * a.num_scales + i] = 0;
   }
-  for (int64_t i = start; a.em_mode == 1 && i < extra * a.em_topk; i += stride) a.em_inverse[first * a.em_topk + i] = -1;
   for (int64_t i = start; a.recv_topk_idx != nullptr && i < extra * a.num_topk; i += stride) {
     a.recv_topk_idx[first * a.num_topk + i] = -1;
     a.recv_topk_weights[first * a.num_topk + i] = 0.f;
@@ -306,7 +184,7 @@ __device__ void stream_receive(const DispatchArgs& a, int c, int s, int gw, int 
     }
     const int64_t row = row0 + static_cast<int64_t>(k);
     if (row < a.num_rows) {  // more rows than num_worst_tokens: dropped, reported by notify
-      receive_row(a, layout, s, row, ring + static_cast<size_t>(index % a.num_slots) * a.slot_bytes, lane);
+      receive_row(a, layout, row, ring + static_cast<size_t>(index % a.num_slots) * a.slot_bytes, lane);
     }
     board_advance(board, s, gw, k + warps, lane);
   }
@@ -344,18 +222,13 @@ __global__ void __launch_bounds__(kStreamThreads, 1) dispatch_kernel(DispatchArg
     if (!sender && lane < num_ranks) ctl->head_copy[c][lane] = base + n;  // read by the next kernel
     return;
   }
-  const bool em_pad = !sender && a.em_mode != 0;
   const int gw = warp % warps;
-  if (ring >= num_ranks) {  // idle warps when 24 % R != 0
-    if (em_pad) zero_em_padding(a, c * kWarps + warp, a.num_channels * kWarps, lane);
-    return;
-  }
+  if (ring >= num_ranks) return;  // idle warps when 24 % R != 0
   const Watchdog dog = make_watchdog(a.c.timeout_ns, me, &ctl->timeout_claim, &a.c.mailbox->timeout);
   if (sender) {
     stream_send(a, c, ring, gw, warps, lane, base, board, &shared_ok[ring], dog);
   } else {
     stream_receive(a, c, ring, gw, warps, lane, base, board, dog);
-    if (em_pad) zero_em_padding(a, c * kWarps + warp, a.num_channels * kWarps, lane);
   }
 }
 

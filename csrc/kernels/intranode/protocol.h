@@ -102,10 +102,9 @@ struct ExpertMajorLayout {
 };
 
 // For each (row t, slot k) of an int64 [T, K] expert table routed to expert e, its rank among the table's
-// pairs routed to e, in (t, k) order; -1 for unused slots (e outside [0, E)). Two users: the sender of a
-// fused expert-major dispatch (its topk_idx, E = all experts) and the split one's receiver (the rank-major
-// received top-k, E = local experts, row_limit = the received count on the device: rows at or past it are
-// neither counted nor written). workspace: int32 [blocks, E].
+// pairs routed to e, in (t, k) order; -1 for unused slots (e outside [0, E)). The user: the expert-major
+// dispatch's receiver, over the rank-major received top-k (E = local experts, row_limit = the received count
+// on the device: rows at or past it are neither counted nor written). workspace: int32 [blocks, E].
 struct PairRankArgs {
   const int64_t* topk_idx;  // [T, K]
   int num_tokens, num_topk, num_experts;
@@ -135,21 +134,6 @@ struct DispatchArgs {
   int num_channels;
   int chunk;                 // the sender publishes its tail every `chunk` rows at least (at most half a ring)
   int num_slots, slot_bytes;
-  // Expert-major dispatch (em_mode 1: fresh, 2: cached; 0: rank-major, every pointer below null).
-  // Fresh: the sender also carries pair_rank[t][k] in the slot (after the source index), and the
-  // receiver writes each row straight to its expert-major positions (no rank-major payload: recv_x,
-  // recv_topk_* are null). Cached: positions come from em_inverse, written by the fresh call.
-  int em_mode;
-  const int* pair_rank;      // [T, K] (fresh)
-  const int* em_layout;      // ExpertMajorLayout table of the fresh call
-  uint8_t* em_x;             // [em_rows, hidden_bytes]
-  int32_t* em_scales;        // [em_rows, S] or null
-  float* em_weights;         // [em_rows] or null (fresh)
-  int* em_pair_row;          // [em_rows] received row of each pair, -1 on padding (fresh)
-  int* em_pair_slot;         // [em_rows] slot of each pair, -1 on padding (fresh)
-  int* em_inverse;           // [num_rows, K]: position of (row, slot), -1 if none (fresh: out; cached: in)
-  int em_topk;               // K of the routing (cached mode reads em_inverse with it)
-  int em_rows;               // M
 };
 
 enum CombineDtype : int { kBf16 = 0, kFp16 = 1, kFp32 = 2 };
@@ -169,15 +153,6 @@ struct CombineArgs {
   int num_channels;
   int chunk;                       // the sender publishes its tail every `chunk` rows at least (at most half a ring)
   int num_slots, slot_bytes;
-  // Expert-major combine (em_inverse non-null): x is [M, hidden] expert-major rows. For received row r
-  // the sender sends sum over slots k ascending of x[em_inverse[r][k]] (times em_weights[pos], the
-  // product rounded to float32) accumulated in float32 and rounded to the dtype; the slot's top-k
-  // weights are em_topk_weights[pos] (0 where the slot has no pair here). num_topk is em_topk when
-  // em_topk_weights is given, else 0.
-  const int* em_inverse;           // [num_x_rows, em_topk] or null
-  const float* em_weights;         // [M] or null
-  const float* em_topk_weights;    // [M] or null
-  int em_topk;
 };
 
 // Launchers (csrc/kernels/intranode/*.cu). They check the launch and throw std::runtime_error.
@@ -186,7 +161,7 @@ void launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
 void launch_combine(const CombineArgs& args, cudaStream_t stream);
 void launch_pair_rank(const PairRankArgs& args, cudaStream_t stream);
 
-// Split expert-major dispatch, local pass after the rank-major dispatch kernel (em_permute.cu): received row
+// Expert-major dispatch, local pass after the rank-major dispatch kernel (em_permute.cu): received row
 // n (n < min(num_rows, *received)) goes to each of its expert-major positions. Fresh (fresh = 1): the
 // position of slot k is layout.start[recv_topk_idx[n][k]] + pair_rank[n][k] (dropped at or past em_rows),
 // written to em_inverse with em_pair_row / em_pair_slot / em_weights; em_inverse and recv_src_idx are -1 for
@@ -215,11 +190,10 @@ struct EmPermuteArgs {
 constexpr int kEmRowsPerBlock = 8;  // em_permute / em_unpermute: one warp per received row
 void launch_em_permute(const EmPermuteArgs& args, int pad_blocks, cudaStream_t stream);
 
-// Split expert-major combine, local pass before the rank-major combine kernel (em_unpermute.cu): for received
+// Expert-major combine, local pass before the rank-major combine kernel (em_unpermute.cu): for received
 // row r < min(num_rows, *received), out[r] = sum over slots k ascending with p = inverse[r][k] >= 0 of x[p]
 // (times weights[p], the product rounded to float32), accumulated in float32 from 0 with no FMA contraction,
-// rounded to the dtype: the same numbers, in the same order, as unpermute() in moe_dispatcher/expert_major.py
-// and as the fused combine's senders. out_topk_weights[r][k] = topk_weights[p], 0 where no pair.
+// rounded to the dtype: the same numbers, in the same order, as unpermute() in moe_dispatcher/expert_major.py. out_topk_weights[r][k] = topk_weights[p], 0 where no pair.
 struct EmUnpermuteArgs {
   const uint8_t* x;                 // [M, hidden] expert-major rows
   const int* inverse;               // [num_rows, K]
