@@ -25,6 +25,7 @@
 #include <cstdint>
 
 #include "kernels/common/ptx.cuh"
+#include "kernels/common/ring_layout.cuh"
 #include "kernels/common/timeout_record.h"
 
 namespace moe_dispatcher {
@@ -70,7 +71,7 @@ struct ChannelSender {
     return true;
   }
   __device__ uint8_t* slot(int i) const {
-    return slots + static_cast<size_t>((tail + i) % num_slots) * slot_bytes;
+    return ring_slot(slots, tail + i, num_slots, slot_bytes);
   }
   // Every thread of the group, after a group barrier that follows all slot stores of these rows.
   __device__ void advance(int n, bool leader) {
@@ -100,7 +101,7 @@ struct ChannelReceiver {
     return t;
   }
   __device__ const uint8_t* slot(uint64_t index) const {
-    return slots + static_cast<size_t>(index % num_slots) * slot_bytes;
+    return ring_slot(slots, index, num_slots, slot_bytes);
   }
   // Every thread of the group, after a group barrier that follows all loads of these rows.
   __device__ void release(int n, bool leader) {

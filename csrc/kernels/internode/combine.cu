@@ -56,14 +56,13 @@
 #include <cuda_fp16.h>
 
 #include "kernels/common/vec.cuh"
-#include "kernels/intranode/copy.cuh"
-#include "kernels/intranode/launch_check.cuh"
+#include "kernels/common/copy.cuh"
+#include "kernels/common/launch_check.cuh"
+#include "kernels/common/ring_layout.cuh"
 #include "kernels/internode/common.cuh"
 
 namespace moe_dispatcher::internode {
 namespace {
-
-using intranode::warp_copy;
 
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
@@ -311,13 +310,13 @@ __device__ void forward_worker(const CombineArgs& a, int ch, int warp, int lane,
         if ((mi >> j) & 1) {  // uniform
           const uint64_t index = nhead0[j] + base + __popc(b & below);
           if (lane == 0) {
-            srcs[nsrc] = ring0 + j * c.layout.nvl_src_block_bytes + static_cast<size_t>(index % a.nvl_slots) * a.nvl_slot_bytes;
+            srcs[nsrc] = ring_slot(ring0 + j * c.layout.nvl_src_block_bytes, index, a.nvl_slots, a.nvl_slot_bytes);
           }
           ++nsrc;
         }
       }
       __syncwarp();
-      uint8_t* dst = out_ring + static_cast<size_t>((first_slot + i) % a.rdma_slots) * a.rdma_slot_bytes;
+      uint8_t* dst = ring_slot(out_ring, first_slot + i, a.rdma_slots, a.rdma_slot_bytes);
       reduce_row<T>(dst, has_weights ? reinterpret_cast<float*>(dst + row_bytes) : nullptr, srcs, nsrc, nullptr, nullptr,
                     row_bytes, a.num_topk, lane);
       __syncwarp();  // srcs is rewritten for the next token
@@ -469,8 +468,8 @@ __device__ void receive_worker(const CombineArgs& a, int ch, int warp, int lane,
         const unsigned b = __ballot_sync(0xffffffffu, (bits >> x) & 1u);
         const uint64_t index = rhead0[x] + count_of(lo, hi, x) + __popc(b & below);
         if (lane == 0) {
-          srcs[nsrc] = rdma_recv_ring(c, x, ch, a.rdma_slots, a.rdma_slot_bytes) +
-                       static_cast<size_t>(index % a.rdma_slots) * a.rdma_slot_bytes;
+          srcs[nsrc] = ring_slot(rdma_recv_ring(c, x, ch, a.rdma_slots, a.rdma_slot_bytes), index, a.rdma_slots,
+                                 a.rdma_slot_bytes);
         }
         ++nsrc;
       }
@@ -570,7 +569,7 @@ void launch_combine(const CombineArgs& args, cudaStream_t stream) {
     case kFp16: combine_kernel<__half><<<grid, kThreads, 0, stream>>>(args); break;
     default: combine_kernel<float><<<grid, kThreads, 0, stream>>>(args); break;
   }
-  intranode::check_launch("internode combine_kernel");
+  check_launch("internode combine_kernel");
 }
 
 }  // namespace moe_dispatcher::internode

@@ -1,7 +1,7 @@
 // Device helpers of the internode kernels: buffer addressing and the RDMA ring (torch-free).
 //
 // RDMA ring (channel c, from the team member of domain x, to me): slots in MY symmetric buffer at
-// rdma_recv_offset + x * rdma_domain_bytes + c * slots * slot_bytes; tail word RdmaControl::tail[c][x]
+// rdma_recv_offset + x * rdma_domain_bytes + c * slots * slot_bytes (ring_layout.cuh); tail word RdmaControl::tail[c][x]
 // in my buffer (written by x), head word RdmaControl::head[c][my domain] in x's buffer (written by me).
 // Counters are monotonic u64 and never reset, as for the NVLink FIFOs (channel.cuh).
 //
@@ -22,6 +22,7 @@
 
 #include "kernels/common/channel.cuh"
 #include "kernels/common/ptx.cuh"
+#include "kernels/common/ring_layout.cuh"
 #include "kernels/internode/protocol.h"
 
 namespace moe_dispatcher::internode {
@@ -35,12 +36,10 @@ __device__ __forceinline__ int team_pe(const Common& c, int domain) { return dom
 // Ring (c, from domain x) in this rank's symmetric buffer (receive side), or the same ring's
 // staging area for sends to domain x (send side; slot i stages the row put into slot i of x's ring).
 __device__ __forceinline__ uint8_t* rdma_recv_ring(const Common& c, int x, int ch, int slots, int slot_bytes) {
-  return c.rdma + c.layout.rdma_recv_offset + x * c.layout.rdma_domain_bytes +
-         static_cast<size_t>(ch) * slots * slot_bytes;
+  return ring_at(c.rdma + c.layout.rdma_recv_offset, c.layout.rdma_domain_bytes, x, ch, slots, slot_bytes);
 }
 __device__ __forceinline__ uint8_t* rdma_send_ring(const Common& c, int x, int ch, int slots, int slot_bytes) {
-  return c.rdma + c.layout.rdma_send_offset + x * c.layout.rdma_domain_bytes +
-         static_cast<size_t>(ch) * slots * slot_bytes;
+  return ring_at(c.rdma + c.layout.rdma_send_offset, c.layout.rdma_domain_bytes, x, ch, slots, slot_bytes);
 }
 // The slot array that this rank writes for rows going to domain x: its own receive ring when x is
 // its domain (no NVSHMEM), else its staging ring for x.
@@ -50,7 +49,7 @@ __device__ __forceinline__ uint8_t* rdma_write_ring(const Common& c, int x, int 
 
 // NVL ring (channel ch, from local rank src) inside the NVLink buffer `base` of its receiver.
 __device__ __forceinline__ uint8_t* nvl_ring(const Common& c, uint8_t* base, int src, int ch, int slots, int slot_bytes) {
-  return base + c.layout.nvl_rings_offset + src * c.layout.nvl_src_block_bytes + static_cast<size_t>(ch) * slots * slot_bytes;
+  return ring_at(base + c.layout.nvl_rings_offset, c.layout.nvl_src_block_bytes, src, ch, slots, slot_bytes);
 }
 
 // One warp: copy rows [first, first + n) of my staging ring for domain x into the same slots of x's
@@ -166,13 +165,6 @@ __device__ __forceinline__ bool drain_previous_calls(const Common& c, const Watc
   }
   grid_sync(ctl, dog, c.rank);
   return *reinterpret_cast<const volatile int32_t*>(&nctl->timeout_claim) == 0;
-}
-
-// Tokens [begin, end) of channel ch when T tokens are split over C channels (as intranode).
-__device__ __forceinline__ void channel_range(int num_tokens, int num_channels, int ch, int& begin, int& end) {
-  const int per = (num_tokens + num_channels - 1) / num_channels;
-  begin = min(ch * per, num_tokens);
-  end = min(begin + per, num_tokens);
 }
 
 }  // namespace moe_dispatcher::internode

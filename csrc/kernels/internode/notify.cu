@@ -22,7 +22,7 @@
 // each member sent after finishing notify e (including reading the parity-p slot); the domain
 // messages follow the intranode argument (two barriers). The staging area is double-buffered by
 // parity too, and each put is completed (quiet) inside the kernel.
-#include "kernels/intranode/launch_check.cuh"
+#include "kernels/common/launch_check.cuh"
 #include "kernels/internode/common.cuh"
 
 namespace moe_dispatcher::internode {
@@ -212,7 +212,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a)
 
 void launch_notify(const NotifyArgs& args, cudaStream_t stream) {
   notify_kernel<<<1, kNotifyThreads, 0, stream>>>(args);
-  intranode::check_launch("internode notify_kernel");
+  check_launch("internode notify_kernel");
 }
 
 }  // namespace moe_dispatcher::internode

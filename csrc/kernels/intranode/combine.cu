@@ -13,8 +13,9 @@
 
 #include "kernels/common/channel.cuh"
 #include "kernels/common/vec.cuh"
-#include "kernels/intranode/copy.cuh"
-#include "kernels/intranode/launch_check.cuh"
+#include "kernels/common/copy.cuh"
+#include "kernels/common/launch_check.cuh"
+#include "kernels/common/ring_layout.cuh"
 #include "kernels/intranode/protocol.h"
 #include "kernels/intranode/stream.cuh"
 
@@ -103,7 +104,7 @@ __device__ void stream_send(const CombineArgs& a, int c, int s, int gw, int warp
                             StreamBoard& board, int* shared_ok, const Watchdog& dog) {
   const int me = a.c.rank;
   auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
-  uint8_t* ring = ring_slots(a.c.peers[s], a.c.src_block_bytes, me, c, a.num_slots, a.slot_bytes);
+  uint8_t* ring = ring_at(a.c.peers[s] + kRingsOffset, a.c.src_block_bytes, me, c, a.num_slots, a.slot_bytes);
   const uint64_t* head = &ctl->fifo_head[c][s];
   const int row_bytes = a.hidden * static_cast<int>(sizeof(T));
 
@@ -123,7 +124,7 @@ __device__ void stream_send(const CombineArgs& a, int c, int s, int gw, int warp
     }
     const int64_t r = row0 + static_cast<int64_t>(k);
     if (r < a.num_x_rows) {  // else dropped by a num_worst_tokens overflow (reported by notify)
-      uint8_t* slot = ring + static_cast<size_t>(row % a.num_slots) * a.slot_bytes;
+      uint8_t* slot = ring_slot(ring, row, a.num_slots, a.slot_bytes);
       send_row(a, r, slot, row_bytes, lane);
     }
     board_advance(board, s, gw, k + warps, lane);
@@ -193,7 +194,7 @@ __device__ void stream_reduce(const CombineArgs& a, int c, int warp, int lane, u
   channel_range(a.num_tokens, a.num_channels, c, begin, end);
   const bool ring_lane = lane < num_ranks;
   const uint8_t* ring =
-      ring_lane ? ring_slots(a.c.peers[me], a.c.src_block_bytes, lane, c, a.num_slots, a.slot_bytes) : nullptr;
+      ring_lane ? ring_at(a.c.peers[me] + kRingsOffset, a.c.src_block_bytes, lane, c, a.num_slots, a.slot_bytes) : nullptr;
   const uint64_t* tail = ring_lane ? &ctl->fifo_tail[c][lane] : nullptr;
   uint64_t seen = 0;
   RingScan<kRanks> scan{a.is_token_in_rank, num_ranks, end};
@@ -210,7 +211,7 @@ __device__ void stream_reduce(const CombineArgs& a, int c, int warp, int lane, u
       return;
     }
     __syncwarp();  // every lane's tail acquire before every lane's slot loads
-    const uint8_t* mine = has ? ring + static_cast<size_t>(index % a.num_slots) * a.slot_bytes : nullptr;
+    const uint8_t* mine = has ? ring_slot(ring, index, a.num_slots, a.slot_bytes) : nullptr;
     const uint8_t* src[kRanks];  // ascending d = sum order
 #pragma unroll
     for (int d = 0; d < kRanks; ++d) {

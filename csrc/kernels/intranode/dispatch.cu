@@ -9,8 +9,9 @@
 // recv_channel_offset[s][c] + k (computed by notify, or kept in the handle for cached dispatch),
 // which gives exactly the (source rank, token) order of the contract.
 #include "kernels/common/channel.cuh"
-#include "kernels/intranode/copy.cuh"
-#include "kernels/intranode/launch_check.cuh"
+#include "kernels/common/copy.cuh"
+#include "kernels/common/launch_check.cuh"
+#include "kernels/common/ring_layout.cuh"
 #include "kernels/intranode/protocol.h"
 #include "kernels/intranode/stream.cuh"
 
@@ -19,15 +20,6 @@ namespace {
 
 // 16-byte loads in flight per lane while copying a row (6 and 8 measured no faster than 4).
 constexpr int kDispatchUnroll = 4;
-
-// Slot layout: [payload hidden_bytes][scales S x 4][top-k idx K x int32][weights K x f32][source int32].
-struct DispatchSlot {
-  int hidden_bytes, num_scales, num_topk;
-  __device__ int32_t* scales(uint8_t* s) const { return reinterpret_cast<int32_t*>(s + hidden_bytes); }
-  __device__ int32_t* idx(uint8_t* s) const { return scales(s) + num_scales; }
-  __device__ float* weights(uint8_t* s) const { return reinterpret_cast<float*>(idx(s) + num_topk); }
-  __device__ int32_t* source(uint8_t* s) const { return reinterpret_cast<int32_t*>(weights(s) + num_topk); }
-};
 
 // Whole warp: the slot fields after the payload of token t's row bound for the rank whose experts are
 // [lo, hi): scales, top-k rebased to that rank's local experts (weights zeroed elsewhere), source index.
@@ -134,7 +126,7 @@ __device__ void stream_send(const DispatchArgs& a, int c, int d, int gw, int war
                             StreamBoard& board, int* shared_ok, const Watchdog& dog) {
   const int me = a.c.rank;
   auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
-  uint8_t* ring = ring_slots(a.c.peers[d], a.c.src_block_bytes, me, c, a.num_slots, a.slot_bytes);
+  uint8_t* ring = ring_at(a.c.peers[d] + kRingsOffset, a.c.src_block_bytes, me, c, a.num_slots, a.slot_bytes);
   const uint64_t* head = &ctl->fifo_head[c][d];
   const DispatchSlot layout{a.hidden_bytes, a.num_scales, a.num_topk};
   const int lo = d * a.experts_per_rank, hi = lo + a.experts_per_rank;
@@ -157,7 +149,7 @@ __device__ void stream_send(const DispatchArgs& a, int c, int d, int gw, int war
       board_leave(board, d, gw, -1, lane);
       return;
     }
-    send_row(a, layout, ring + static_cast<size_t>(row % a.num_slots) * a.slot_bytes, t, lo, hi, lane);
+    send_row(a, layout, ring_slot(ring, row, a.num_slots, a.slot_bytes), t, lo, hi, lane);
     board_advance(board, d, gw, k + warps, lane);
   }
   board_leave(board, d, gw, k, lane);
@@ -169,7 +161,7 @@ __device__ void stream_receive(const DispatchArgs& a, int c, int s, int gw, int 
                                StreamBoard& board, const Watchdog& dog) {
   const int me = a.c.rank;
   auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
-  uint8_t* ring = ring_slots(a.c.peers[me], a.c.src_block_bytes, s, c, a.num_slots, a.slot_bytes);
+  uint8_t* ring = ring_at(a.c.peers[me] + kRingsOffset, a.c.src_block_bytes, s, c, a.num_slots, a.slot_bytes);
   const uint64_t* tail = &ctl->fifo_tail[c][s];
   const DispatchSlot layout{a.hidden_bytes, a.num_scales, a.num_topk};
   const int* offsets = a.recv_channel_offset + s * (a.num_channels + 1);
@@ -184,7 +176,7 @@ __device__ void stream_receive(const DispatchArgs& a, int c, int s, int gw, int 
     }
     const int64_t row = row0 + static_cast<int64_t>(k);
     if (row < a.num_rows) {  // more rows than num_worst_tokens: dropped, reported by notify
-      receive_row(a, layout, row, ring + static_cast<size_t>(index % a.num_slots) * a.slot_bytes, lane);
+      receive_row(a, layout, row, ring_slot(ring, index, a.num_slots, a.slot_bytes), lane);
     }
     board_advance(board, s, gw, k + warps, lane);
   }

@@ -16,7 +16,7 @@
 // nothing here reads what this kernel writes: plain loads and stores, no ordering needed; the outputs are read
 // by later kernels on the stream.
 #include "kernels/common/ptx.cuh"
-#include "kernels/intranode/launch_check.cuh"
+#include "kernels/common/launch_check.cuh"
 #include "kernels/intranode/protocol.h"
 
 namespace moe_dispatcher::intranode {

@@ -18,7 +18,7 @@
 #include "kernels/common/ptx.cuh"
 #include "kernels/common/vec.cuh"
 #include "kernels/intranode/em_pairs.cuh"
-#include "kernels/intranode/launch_check.cuh"
+#include "kernels/common/launch_check.cuh"
 #include "kernels/intranode/protocol.h"
 
 namespace moe_dispatcher::intranode {

@@ -11,7 +11,7 @@
 // Rows at or past *row_limit (when given) are not counted and their ranks are not written.
 #include <algorithm>
 
-#include "kernels/intranode/launch_check.cuh"
+#include "kernels/common/launch_check.cuh"
 #include "kernels/intranode/protocol.h"
 
 namespace moe_dispatcher::intranode {

@@ -10,7 +10,7 @@
 // A message slot of parity p is rewritten two barriers later, after its reader passed the barrier
 // in between, so no cleaning is needed.
 #include "kernels/common/channel.cuh"
-#include "kernels/intranode/launch_check.cuh"
+#include "kernels/common/launch_check.cuh"
 #include "kernels/intranode/protocol.h"
 
 namespace moe_dispatcher::intranode {
