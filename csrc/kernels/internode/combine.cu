@@ -195,16 +195,6 @@ __device__ __forceinline__ uint32_t count_of(uint32_t lo, uint32_t hi, int b) {
   return __shfl_sync(0xffffffffu, b < 32 ? lo : hi, b & 31);
 }
 
-// One lane: wait until `word` (local) reaches `until`; false on timeout (recorded) or when another
-// warp of the block gave up (stop, not recorded: that warp recorded its own wait).
-__device__ __forceinline__ bool wait_or_abort(const uint64_t* word, uint64_t until, const Watchdog& dog, int phase,
-                                              int peer, const volatile int* stop) {
-  while (ptx::ld_acquire_sys(word) < until) {
-    if (*stop || dog.expired(phase, peer)) return false;
-  }
-  return true;
-}
-
 // Commit warp, nothing new to publish: false (in every lane: lane 0 decides) when the block must stop
 // (a worker gave up, or, as a backstop that should never fire, a second past the deadline).
 __device__ __forceinline__ bool commit_idle_ok(const Watchdog& dog, int phase, int rank, const volatile int* stop,
@@ -283,16 +273,15 @@ __device__ void forward_worker(const CombineArgs& a, int ch, int warp, int lane,
     const uint64_t first_slot = rtail0[x] + k0;
     bool good = true;
     if (lane < nvl && mine > 0) {
-      good = wait_or_abort(&nctl->fifo_tail[ch][lane], nhead0[lane] + cnt + mine, dog, kPhaseCombineForward,
-                           c.domain * nvl + lane, stop);
+      // FIFO tail: written by local rank `lane`'s NVL sender (st.release.sys after a group barrier).
+      good = wait_at_least(&nctl->fifo_tail[ch][lane], nhead0[lane] + cnt + mine, dog, kPhaseCombineForward,
+                           c.domain * nvl + lane, AbortFlag{stop});
     } else if (lane == 31) {  // credit for slots [first_slot, first_slot + n) of the source's ring
-      const uint64_t* head = &rctl->head[ch][x];
-      while (first_slot + n - ptx::ld_acquire_sys(head) > static_cast<uint64_t>(a.rdma_slots)) {
-        if (*stop || dog.expired(kPhaseCombineRdmaSend, team_pe(c, x))) {
-          good = false;
-          break;
-        }
-      }
+      // head: written by the source's receive commit warp (rdma_credit) after its loads of the slots.
+      uint64_t consumed;
+      good = wait_until(&rctl->head[ch][x], consumed,
+                        [&](uint64_t h) { return first_slot + n - h <= static_cast<uint64_t>(a.rdma_slots); }, dog,
+                        kPhaseCombineRdmaSend, team_pe(c, x), AbortFlag{stop});
     }
     if (!__all_sync(0xffffffffu, good)) {
       if (lane == 0) *stop = 1;
@@ -445,12 +434,14 @@ __device__ void receive_worker(const CombineArgs& a, int ch, int warp, int lane,
     uint32_t mlo = 0, mhi = 0;
     count_bits(bits, D, lane, mlo, mhi);
     bool good = true;
+    // RDMA tails: written by the team member of domain `lane` (its forward commit warp, rdma_signal_tail).
     if (lane < D && mlo > 0) {
-      good = wait_or_abort(&rctl->tail[ch][lane], rhead0[lane] + lo + mlo, dog, kPhaseCombineRecv, team_pe(c, lane), stop);
+      good = wait_at_least(&rctl->tail[ch][lane], rhead0[lane] + lo + mlo, dog, kPhaseCombineRecv, team_pe(c, lane),
+                           AbortFlag{stop});
     }
     if (good && lane + 32 < D && mhi > 0) {
-      good = wait_or_abort(&rctl->tail[ch][lane + 32], rhead0[lane + 32] + hi + mhi, dog, kPhaseCombineRecv,
-                           team_pe(c, lane + 32), stop);
+      good = wait_at_least(&rctl->tail[ch][lane + 32], rhead0[lane + 32] + hi + mhi, dog, kPhaseCombineRecv,
+                           team_pe(c, lane + 32), AbortFlag{stop});
     }
     if (!__all_sync(0xffffffffu, good)) {
       if (lane == 0) *stop = 1;

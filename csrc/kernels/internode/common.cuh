@@ -22,6 +22,7 @@
 
 #include "kernels/common/channel.cuh"
 #include "kernels/common/ptx.cuh"
+#include "kernels/common/wait.cuh"
 #include "kernels/common/ring_layout.cuh"
 #include "kernels/internode/protocol.h"
 
@@ -104,15 +105,6 @@ __device__ __forceinline__ void rdma_credit(const Common& c, int x, int ch, uint
   }
 }
 
-// One thread: wait until `word` (local) reaches `until`; false on timeout (recorded).
-__device__ __forceinline__ bool wait_at_least(const uint64_t* word, uint64_t until, const Watchdog& dog, int phase,
-                                              int peer) {
-  while (ptx::ld_acquire_sys(word) < until) {
-    if (dog.expired(phase, peer)) return false;
-  }
-  return true;
-}
-
 // Every block of a dispatch / combine kernel, first thing: the previous calls' drain, then a grid
 // barrier. Returns false (in every thread) when some wait of this rank timed out (now or in an
 // earlier call: the claim word is sticky), and the kernel must exit.
@@ -129,17 +121,18 @@ __device__ __forceinline__ bool wait_at_least(const uint64_t* word, uint64_t unt
 __device__ __forceinline__ void grid_sync(RdmaControl* ctl, const Watchdog& dog, int rank) {
   __syncthreads();
   if (threadIdx.x == 0) {
-    volatile uint32_t* gen = &ctl->grid_gen;
-    const uint32_t g = *gen;  // read before arriving: it cannot change until every block arrived
+    const uint32_t g = *reinterpret_cast<volatile uint32_t*>(&ctl->grid_gen);  // read before arriving: it
+                                                                                // cannot change until every block arrived
     __threadfence();
     if (atomicAdd(&ctl->grid_arrived, 1u) == gridDim.x - 1) {
       atomicExch(&ctl->grid_arrived, 0u);  // before the bump: nobody arrives again before it
       __threadfence();
       atomicAdd(&ctl->grid_gen, 1u);
     } else {
-      while (*gen == g) {
-        if (dog.expired(kPhaseRdmaDrain, rank)) break;
-      }
+      // grid_gen: written by the last block to arrive (fence, then the atomic bump); a timeout is recorded
+      // and the sticky claim word makes every block leave after the barrier.
+      uint32_t now;
+      wait_until(&ctl->grid_gen, now, [&](uint32_t v) { return v != g; }, dog, kPhaseRdmaDrain, rank);
     }
     __threadfence();
   }

@@ -78,12 +78,11 @@ __device__ void rdma_send(const DispatchArgs& a, int ch, int group, int groups, 
       }
       __syncwarp();
       if (n == 0) break;
-      if (leader) {
-        bool ok = true;
-        while (ok && tail + n - ptx::ld_acquire_sys(head) > static_cast<uint64_t>(a.rdma_slots)) {
-          if (dog.expired(kPhaseRdmaSend, team_pe(c, x))) ok = false;
-        }
-        *shared_ok = ok;
+      if (leader) {  // head: written by x's forwarder (rdma_credit) after its loads of the slots
+        uint64_t consumed;
+        *shared_ok = wait_until(head, consumed,
+                                [&](uint64_t h) { return tail + n - h <= static_cast<uint64_t>(a.rdma_slots); }, dog,
+                                kPhaseRdmaSend, team_pe(c, x));
       }
       ptx::group_sync(bar, threads);  // the credit acquired by the leader covers the slots below
       if (!*shared_ok) return;
@@ -211,15 +210,13 @@ __device__ void forward(const DispatchArgs& a, int ch, int warp, int lane, const
           if (lane == j) my_cnt = __popc(b);
         }
         int good = 1;
-        if (lane < nvl) {
+        if (lane < nvl) {  // FIFO head: written by local rank `lane`'s receiver after its slot loads
           s_cnt[lane] = my_cnt;
-          const uint64_t* head = &nctl->fifo_head[ch][lane];
-          while (my_cnt > 0 && s_tail[lane] + my_cnt - ptx::ld_acquire_sys(head) > static_cast<uint64_t>(a.nvl_slots)) {
-            if (dog.expired(kPhaseForwardSend, c.domain * nvl + lane)) {
-              good = 0;
-              break;
-            }
-          }
+          uint64_t consumed;
+          good = my_cnt == 0 ||
+                 wait_until(&nctl->fifo_head[ch][lane], consumed,
+                            [&](uint64_t h) { return s_tail[lane] + my_cnt - h <= static_cast<uint64_t>(a.nvl_slots); },
+                            dog, kPhaseForwardSend, c.domain * nvl + lane);
         }
         ok = __all_sync(0xffffffffu, good);
       }
