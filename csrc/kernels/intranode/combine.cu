@@ -4,7 +4,7 @@
 // the token: out = cast(bias_0 + bias_1 + sum over ranks ascending), accumulated in float32 in that
 // order, exactly like the reference; the returned top-k weights are summed the same way.
 //
-// Rows move as in dispatch (stream.cuh): sender warps at their own pace behind a publisher warp; a receiver
+// Rows move as in dispatch (rings.cuh): sender warps at their own pace behind a publisher warp; a receiver
 // warp takes tokens round robin and waits only for its own token's rows, and a release warp returns the
 // slots of every token below the smallest one still in progress. No block-wide barrier, so reducing overlaps
 // the arrival of later rows.
@@ -17,7 +17,7 @@
 #include "kernels/common/launch_check.cuh"
 #include "kernels/common/ring_layout.cuh"
 #include "kernels/intranode/protocol.h"
-#include "kernels/intranode/stream.cuh"
+#include "kernels/intranode/rings.cuh"
 
 namespace moe_dispatcher::intranode {
 namespace {
@@ -94,14 +94,14 @@ __device__ __forceinline__ void reduce_token(const CombineArgs& a, int64_t token
 
 // Sender blocks: 19 copy warps (19 / R per ring) and the publisher warp. Receiver blocks: 19 reduce warps and
 // the release warp. 20 warps are 5 per SM sub-partition, which leaves 96 registers per thread (17 would too).
-constexpr int kStreamCombineWarps = 19;
-constexpr int kStreamCombineThreads = (kStreamCombineWarps + 1) * 32;
+constexpr int kCombineWarps = 19;
+constexpr int kCombineThreads = (kCombineWarps + 1) * 32;
 
 // Sender warp `gw` of the `warps` serving source rank s: received rows gw, gw + warps, ... of channel c
 // (those that came from s) into ring (c, me -> s).
 template <typename T>
-__device__ void stream_send(const CombineArgs& a, int c, int s, int gw, int warps, int lane, uint64_t tail0,
-                            StreamBoard& board, int* shared_ok, const Watchdog& dog) {
+__device__ void send_ring(const CombineArgs& a, int c, int s, int gw, int warps, int lane, uint64_t tail0,
+                            RingBoard& board, int* shared_ok, const Watchdog& dog) {
   const int me = a.c.rank;
   auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
   uint8_t* ring = ring_at(a.c.peers[s] + kRingsOffset, a.c.src_block_bytes, me, c, a.num_slots, a.slot_bytes);
@@ -109,7 +109,7 @@ __device__ void stream_send(const CombineArgs& a, int c, int s, int gw, int warp
   const int row_bytes = a.hidden * static_cast<int>(sizeof(T));
 
   if (!sender_group_ready(ctl, s, gw == 0 && lane == 0, warps * 32, shared_ok, dog)) {
-    board_leave(board, s, gw, -1, lane);
+    board.leave(s, gw, -1, lane);
     return;
   }
   const int* offsets = a.recv_channel_offset + s * (a.num_channels + 1);
@@ -119,7 +119,7 @@ __device__ void stream_send(const CombineArgs& a, int c, int s, int gw, int warp
   for (; k < count; k += warps) {
     const uint64_t row = tail0 + static_cast<uint64_t>(k);
     if (!warp_outcome(lane != 0 || wait_free_slot(head, head_seen, row, a.num_slots, dog, kPhaseCombineSend, s))) {
-      board_leave(board, s, gw, -1, lane);
+      board.leave(s, gw, -1, lane);
       return;
     }
     const int64_t r = row0 + static_cast<int64_t>(k);
@@ -127,9 +127,9 @@ __device__ void stream_send(const CombineArgs& a, int c, int s, int gw, int warp
       uint8_t* slot = ring_slot(ring, row, a.num_slots, a.slot_bytes);
       send_row(a, r, slot, row_bytes, lane);
     }
-    board_advance(board, s, gw, k + warps, lane);
+    board.advance(s, gw, k + warps, lane);
   }
-  board_leave(board, s, gw, k, lane);
+  board.leave(s, gw, k, lane);
 }
 
 // A warp's walk over its channel's tokens for every ring at once, 32 tokens at a time: lane d (< R) holds
@@ -185,7 +185,7 @@ struct RingScan {
 // ld.acquire.sys of ring d's tail) only for this token's row of ring d; then the warp reduces the token.
 // Board entry next[0][warp]: the warp's next token (relative to begin); tokens below it are done.
 template <typename T, int kRanks>
-__device__ void stream_reduce(const CombineArgs& a, int c, int warp, int lane, uint64_t head0, StreamBoard& board,
+__device__ void reduce_tokens(const CombineArgs& a, int c, int warp, int lane, uint64_t head0, RingBoard& board,
                               const Watchdog& dog) {
   const int me = a.c.rank, num_ranks = a.c.num_ranks;
   auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
@@ -200,14 +200,14 @@ __device__ void stream_reduce(const CombineArgs& a, int c, int warp, int lane, u
   RingScan<kRanks> scan{a.is_token_in_rank, num_ranks, end};
   scan.start(begin, lane);
   int j = warp;
-  for (; begin + j < end; j += kStreamCombineWarps) {
+  for (; begin + j < end; j += kCombineWarps) {
     const int t = begin + j;
     scan.seek(t, lane);
     const bool has = ring_lane && scan.has(t);
     const uint64_t index = head0 + static_cast<uint64_t>(scan.rows_before(t));
     const bool ok = !has || wait_published(tail, seen, index, dog, kPhaseCombineRecv, lane);
     if (!__all_sync(0xffffffffu, ok)) {
-      board_leave(board, 0, warp, -1, lane);
+      board.leave(0, warp, -1, lane);
       return;
     }
     __syncwarp();  // every lane's tail acquire before every lane's slot loads
@@ -219,16 +219,16 @@ __device__ void stream_reduce(const CombineArgs& a, int c, int warp, int lane, u
           __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(mine), d));
     }
     reduce_token<T, kRanks>(a, t, src, row_bytes, lane);
-    board_advance(board, 0, warp, j + kStreamCombineWarps, lane);
+    board.advance(0, warp, j + kCombineWarps, lane);
   }
-  board_leave(board, 0, warp, j, lane);
+  board.leave(0, warp, j, lane);
 }
 
 // The release warp of a receiver block: lane d returns to rank d the slots of ring d that hold the rows of
 // every token below the smallest board entry (all reduced), st.release.sys of the head in d's buffer, as soon
 // as it moves; at the end, head_copy for the next kernel.
 template <int kRanks>
-__device__ void stream_release(const CombineArgs& a, int c, int lane, uint64_t head0, const StreamBoard& board) {
+__device__ void release_rings(const CombineArgs& a, int c, int lane, uint64_t head0, const RingBoard& board) {
   const int me = a.c.rank, num_ranks = a.c.num_ranks;
   auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
   int begin, end;
@@ -239,13 +239,11 @@ __device__ void stream_release(const CombineArgs& a, int c, int lane, uint64_t h
   int released = 0;
   while (true) {
     // `left` first (lane 0, then a warp barrier): when every warp has left, the entries read after are final.
-    int left = lane == 0 ? ptx::ld_acquire_cta(&board.left[0]) : 0;
+    int left = lane == 0 ? board.left_count(0) : 0;
     left = __shfl_sync(0xffffffffu, left, 0);
     __syncwarp();
-    int j = lane < kStreamCombineWarps ? ptx::ld_acquire_cta(&board.next[0][lane]) : INT_MAX;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) j = min(j, __shfl_xor_sync(0xffffffffu, j, o));
-    __syncwarp();  // every lane's acquire of the board before any lane's release below
+    // Tokens all reduced (the barrier inside orders every lane's acquire before any lane's release below).
+    const int j = board.lowest_in_warp(0, kCombineWarps, lane);
     const int t = begin + min(j, end - begin);
     scan.seek(t, lane);
     const int rows = scan.rows_before(t);
@@ -255,62 +253,62 @@ __device__ void stream_release(const CombineArgs& a, int c, int lane, uint64_t h
       released = rows;
       moved = true;
     }
-    if (left == kStreamCombineWarps) break;
+    if (left == kCombineWarps) break;
     if (!__any_sync(0xffffffffu, moved)) __nanosleep(64);
   }
   if (lane < num_ranks) ctl->head_copy[c][lane] = head0 + static_cast<uint64_t>(released);
 }
 
 template <typename T, int kRanks>
-__device__ void stream_receive(const CombineArgs& a, int c, int warp, int lane, uint64_t head0, StreamBoard& board,
+__device__ void receive_channel(const CombineArgs& a, int c, int warp, int lane, uint64_t head0, RingBoard& board,
                                const Watchdog& dog) {
-  if (warp == kStreamCombineWarps) {
-    stream_release<kRanks>(a, c, lane, head0, board);
+  if (warp == kCombineWarps) {
+    release_rings<kRanks>(a, c, lane, head0, board);
   } else {
-    stream_reduce<T, kRanks>(a, c, warp, lane, head0, board, dog);
+    reduce_tokens<T, kRanks>(a, c, warp, lane, head0, board, dog);
   }
 }
 
 // One instantiation per dtype and rank count (rounded up to 2, 4, 8), so that each compiles only its own
 // paths within the 96 registers.
 template <typename T, int kRanks>
-__global__ void __launch_bounds__(kStreamCombineThreads, 1) combine_kernel(CombineArgs a) {
-  __shared__ StreamBoard board;
+__global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs a) {
+  __shared__ RingBoard board;
   __shared__ int shared_ok[kMaxRanks];
   const int num_ranks = a.c.num_ranks, me = a.c.rank;
   const int c = blockIdx.x >> 1;
   const bool sender = (blockIdx.x & 1) == 0;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int warps = kStreamCombineWarps / num_ranks;  // sender warps per ring
-  const bool extra = warp == kStreamCombineWarps;     // publisher (sender block) or release warp (receiver)
+  const int warps = kCombineWarps / num_ranks;  // sender warps per ring
+  const bool extra = warp == kCombineWarps;     // publisher (sender block) or release warp (receiver)
   auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
   // The ring whose counter this thread starts from. Sender: the warp's ring (lane p's for the publisher);
   // receiver: lane d holds ring d's head.
   const int ring = sender && !extra ? warp / warps : lane;
-  const uint64_t base = stream_block_start(ctl, board, c, ring, num_ranks, sender);
+  const uint64_t base = ring_block_start(ctl, board, c, ring, num_ranks, sender);
   const Watchdog dog = make_watchdog(a.c.timeout_ns, me, &ctl->timeout_claim, &a.c.mailbox->timeout);
   if (!sender) {
-    stream_receive<T, kRanks>(a, c, warp, lane, base, board, dog);
+    receive_channel<T, kRanks>(a, c, warp, lane, base, board, dog);
     return;
   }
   if (extra) {
     uint64_t* word = lane < num_ranks ? &reinterpret_cast<Control*>(a.c.peers[lane])->fifo_tail[c][me] : nullptr;
     uint64_t* mirror = lane < num_ranks ? &ctl->tail_copy[c][lane] : nullptr;
-    publish_rings(board, num_ranks, warps, max(1, min(a.chunk, a.num_slots / 2)), word, base, mirror, lane);
+    publish_in_order(board, num_ranks, warps, max(1, min(a.chunk, a.num_slots / 2)), word, base, mirror, lane);
     return;
   }
   if (ring >= num_ranks) return;  // idle warps when 19 % R != 0
-  stream_send<T>(a, c, ring, warp % warps, warps, lane, base, board, &shared_ok[ring], dog);
+  send_ring<T>(a, c, ring, warp % warps, warps, lane, base, board, &shared_ok[ring], dog);
 }
 
 template <typename T>
 void launch_typed(const CombineArgs& args, dim3 grid, cudaStream_t stream) {
   if (args.c.num_ranks <= 2) {
-    combine_kernel<T, 2><<<grid, kStreamCombineThreads, 0, stream>>>(args);
+    combine_kernel<T, 2><<<grid, kCombineThreads, 0, stream>>>(args);
   } else if (args.c.num_ranks <= 4) {
-    combine_kernel<T, 4><<<grid, kStreamCombineThreads, 0, stream>>>(args);
+    combine_kernel<T, 4><<<grid, kCombineThreads, 0, stream>>>(args);
   } else {
-    combine_kernel<T, 8><<<grid, kStreamCombineThreads, 0, stream>>>(args);
+    combine_kernel<T, 8><<<grid, kCombineThreads, 0, stream>>>(args);
   }
 }
 

@@ -1,6 +1,6 @@
 // Dispatch (fresh and cached): block 2c sends channel c's tokens to every rank, block 2c+1 receives
 // channel c's rows from every rank. Inside a block, the 24 / R copy warps of group g serve peer g, each
-// at its own pace, and one more warp publishes the rings' counters in order (stream.cuh).
+// at its own pace, and one more warp publishes the rings' counters in order (rings.cuh).
 //
 // Sender warps for destination d: walk their channel's tokens with is_token_in_rank[t][d] set; the k-th
 // such token is row k of ring (c, me -> d), taken by warp k % W: payload, scales, top-k rebased to d's
@@ -13,7 +13,7 @@
 #include "kernels/common/launch_check.cuh"
 #include "kernels/common/ring_layout.cuh"
 #include "kernels/intranode/protocol.h"
-#include "kernels/intranode/stream.cuh"
+#include "kernels/intranode/rings.cuh"
 
 namespace moe_dispatcher::intranode {
 namespace {
@@ -85,8 +85,8 @@ __device__ void pad_worst_rows(const DispatchArgs& a, int c) {
 }
 
 // 24 copy warps (24 / R per ring) and the publisher warp.
-constexpr int kStreamCopyWarps = kWarps;
-constexpr int kStreamThreads = (kStreamCopyWarps + 1) * 32;
+constexpr int kCopyWarps = kWarps;
+constexpr int kDispatchThreads = (kCopyWarps + 1) * 32;
 
 // A sender warp's walk over its channel's tokens bound for one destination, 32 at a time (every lane
 // holds the same state): the window [base, base + 32), its hits `mask`, and `before`, the hits of the
@@ -122,8 +122,8 @@ struct TokenScan {
 };
 
 // Sender warp `gw` of the `warps` serving destination d: rows gw, gw + warps, ... of ring (c, me -> d).
-__device__ void stream_send(const DispatchArgs& a, int c, int d, int gw, int warps, int lane, uint64_t tail0,
-                            StreamBoard& board, int* shared_ok, const Watchdog& dog) {
+__device__ void send_ring(const DispatchArgs& a, int c, int d, int gw, int warps, int lane, uint64_t tail0,
+                            RingBoard& board, int* shared_ok, const Watchdog& dog) {
   const int me = a.c.rank;
   auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
   uint8_t* ring = ring_at(a.c.peers[d] + kRingsOffset, a.c.src_block_bytes, me, c, a.num_slots, a.slot_bytes);
@@ -132,7 +132,7 @@ __device__ void stream_send(const DispatchArgs& a, int c, int d, int gw, int war
   const int lo = d * a.experts_per_rank, hi = lo + a.experts_per_rank;
 
   if (!sender_group_ready(ctl, d, gw == 0 && lane == 0, warps * 32, shared_ok, dog)) {
-    board_leave(board, d, gw, -1, lane);
+    board.leave(d, gw, -1, lane);
     return;
   }
   int begin, end;
@@ -146,19 +146,19 @@ __device__ void stream_send(const DispatchArgs& a, int c, int d, int gw, int war
     if (t < 0) break;
     const uint64_t row = tail0 + static_cast<uint64_t>(k);
     if (!warp_outcome(lane != 0 || wait_free_slot(head, head_seen, row, a.num_slots, dog, kPhaseDispatchSend, d))) {
-      board_leave(board, d, gw, -1, lane);
+      board.leave(d, gw, -1, lane);
       return;
     }
     send_row(a, layout, ring_slot(ring, row, a.num_slots, a.slot_bytes), t, lo, hi, lane);
-    board_advance(board, d, gw, k + warps, lane);
+    board.advance(d, gw, k + warps, lane);
   }
-  board_leave(board, d, gw, k, lane);
+  board.leave(d, gw, k, lane);
 }
 
 // Receiver warp `gw` of the `warps` serving source s: rows gw, gw + warps, ... of ring (c, s -> me); the k-th
 // goes to row recv_channel_offset[s][c] + k.
-__device__ void stream_receive(const DispatchArgs& a, int c, int s, int gw, int warps, int lane, uint64_t head0,
-                               StreamBoard& board, const Watchdog& dog) {
+__device__ void receive_ring(const DispatchArgs& a, int c, int s, int gw, int warps, int lane, uint64_t head0,
+                               RingBoard& board, const Watchdog& dog) {
   const int me = a.c.rank;
   auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
   uint8_t* ring = ring_at(a.c.peers[me] + kRingsOffset, a.c.src_block_bytes, s, c, a.num_slots, a.slot_bytes);
@@ -171,33 +171,33 @@ __device__ void stream_receive(const DispatchArgs& a, int c, int s, int gw, int 
   for (; k < count; k += warps) {
     const uint64_t index = head0 + static_cast<uint64_t>(k);
     if (!warp_outcome(lane != 0 || wait_published(tail, tail_seen, index, dog, kPhaseDispatchRecv, s))) {
-      board_leave(board, s, gw, -1, lane);
+      board.leave(s, gw, -1, lane);
       return;
     }
     const int64_t row = row0 + static_cast<int64_t>(k);
     if (row < a.num_rows) {  // more rows than num_worst_tokens: dropped, reported by notify
       receive_row(a, layout, row, ring_slot(ring, index, a.num_slots, a.slot_bytes), lane);
     }
-    board_advance(board, s, gw, k + warps, lane);
+    board.advance(s, gw, k + warps, lane);
   }
-  board_leave(board, s, gw, k, lane);
+  board.leave(s, gw, k, lane);
 }
 
 // Block 2c sends channel c, 2c + 1 receives it; warp 24 is the publisher: tails of
 // the rings to every destination (sender block), heads of the rings from every source (receiver block).
-__global__ void __launch_bounds__(kStreamThreads, 1) dispatch_kernel(DispatchArgs a) {
-  __shared__ StreamBoard board;
+__global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchArgs a) {
+  __shared__ RingBoard board;
   __shared__ int shared_ok[kMaxRanks];
   const int num_ranks = a.c.num_ranks, me = a.c.rank;
   const int c = blockIdx.x >> 1;
   const bool sender = (blockIdx.x & 1) == 0;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int warps = kStreamCopyWarps / num_ranks;  // copy warps per ring
-  const bool publisher = warp == kStreamCopyWarps;
+  const int warps = kCopyWarps / num_ranks;  // copy warps per ring
+  const bool publisher = warp == kCopyWarps;
   auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
   // The ring whose counter this thread starts from (the publisher's lane p: ring p).
   const int ring = publisher ? lane : warp / warps;
-  const uint64_t base = stream_block_start(ctl, board, c, ring, num_ranks, sender);
+  const uint64_t base = ring_block_start(ctl, board, c, ring, num_ranks, sender);
 
   if (!sender && a.pad_rows) pad_worst_rows(a, c);
   if (publisher) {
@@ -206,11 +206,11 @@ __global__ void __launch_bounds__(kStreamThreads, 1) dispatch_kernel(DispatchArg
       auto* peer = reinterpret_cast<Control*>(a.c.peers[lane]);
       word = sender ? &peer->fifo_tail[c][me] : &peer->fifo_head[c][me];
     }
-    // Sender: a tail update per `chunk` rows at least (at most half a ring, see stream.cuh); receiver: every
+    // Sender: a tail update per `chunk` rows at least (at most half a ring, see rings.cuh); receiver: every
     // consumed row is released at once.
     const int batch = sender ? max(1, min(a.chunk, a.num_slots / 2)) : 1;
     uint64_t* mirror = sender && lane < num_ranks ? &ctl->tail_copy[c][lane] : nullptr;
-    const int n = publish_rings(board, num_ranks, warps, batch, word, base, mirror, lane);
+    const int n = publish_in_order(board, num_ranks, warps, batch, word, base, mirror, lane);
     if (!sender && lane < num_ranks) ctl->head_copy[c][lane] = base + n;  // read by the next kernel
     return;
   }
@@ -218,16 +218,16 @@ __global__ void __launch_bounds__(kStreamThreads, 1) dispatch_kernel(DispatchArg
   if (ring >= num_ranks) return;  // idle warps when 24 % R != 0
   const Watchdog dog = make_watchdog(a.c.timeout_ns, me, &ctl->timeout_claim, &a.c.mailbox->timeout);
   if (sender) {
-    stream_send(a, c, ring, gw, warps, lane, base, board, &shared_ok[ring], dog);
+    send_ring(a, c, ring, gw, warps, lane, base, board, &shared_ok[ring], dog);
   } else {
-    stream_receive(a, c, ring, gw, warps, lane, base, board, dog);
+    receive_ring(a, c, ring, gw, warps, lane, base, board, dog);
   }
 }
 
 }  // namespace
 
 void launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
-  dispatch_kernel<<<2 * args.num_channels, kStreamThreads, 0, stream>>>(args);
+  dispatch_kernel<<<2 * args.num_channels, kDispatchThreads, 0, stream>>>(args);
   check_launch("dispatch_kernel");
 }
 
