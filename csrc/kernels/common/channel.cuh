@@ -48,7 +48,7 @@ struct ChannelSender {
   // written by dst (st.release.sys after its loads of the slots), so the rows written after this may reuse them.
   __device__ bool reserve(int n, const Watchdog& dog, int phase, int peer) const {
     uint64_t consumed;
-    return wait_until(head, consumed, [&](uint64_t h) { return tail + n - h <= static_cast<uint64_t>(num_slots); },
+    return wait_while(head, consumed, [&](uint64_t h) { return tail + n - h > static_cast<uint64_t>(num_slots); },
                       dog, phase, peer);
   }
   __device__ uint8_t* slot(int i) const {
@@ -77,7 +77,7 @@ struct ChannelReceiver {
   // is written by src (st.release.sys after a group barrier over its slot stores): the rows below it are in.
   __device__ uint64_t wait(uint64_t until, const Watchdog& dog, int phase, int peer) const {
     uint64_t published;
-    return wait_until(tail, published, [&](uint64_t t) { return t >= until; }, dog, phase, peer) ? published : 0;
+    return wait_while(tail, published, [&](uint64_t t) { return t < until; }, dog, phase, peer) ? published : 0;
   }
   __device__ const uint8_t* slot(uint64_t index) const {
     return ring_slot(slots, index, num_slots, slot_bytes);

@@ -1,6 +1,6 @@
 // The one spin-wait of the device communication library (torch-free): a thread polls a word that another
 // GPU (or another block of this GPU) writes, until a condition holds, under a watchdog that turns a hang into
-// a reported timeout. Every wait of the intranode and internode kernels goes through wait_until /
+// a reported timeout. Every wait of the intranode and internode kernels goes through wait_while /
 // wait_cached / wait_at_least (and it is meant for the low-latency kernels' waits too).
 //
 // Memory ordering. The word is loaded with ld.acquire.sys (ptx.cuh): system scope, because the writer may be
@@ -68,23 +68,25 @@ struct AbortFlag {
   __device__ bool operator()() const { return *flag != 0; }
 };
 
-// One thread: load `word` (ld.acquire.sys; Word = uint64_t, uint32_t or int) until done(value); `seen` is the
-// last value loaded. False on timeout (recorded as (phase, this rank, peer)) or abort.
-template <typename Word, typename Done, typename Abort = NoAbort>
-__device__ __forceinline__ bool wait_until(const Word* word, Word& seen, Done done, const Watchdog& dog, int phase,
-                                           int peer, Abort abort = {}) {
-  while (!done(seen = ptx::ld_acquire_sys(word))) {
+// One thread: load `word` (ld.acquire.sys; Word = uint64_t, uint32_t or int) while pending(value), i.e. until
+// the condition the caller waits for holds; `seen` is the last value loaded. False on timeout (recorded as
+// (phase, this rank, peer)) or abort. `pending` is the loop condition (what is still missing), so a call site
+// reads as the loop it is.
+template <typename Word, typename Pending, typename Abort = NoAbort>
+__device__ __forceinline__ bool wait_while(const Word* word, Word& seen, Pending pending, const Watchdog& dog,
+                                           int phase, int peer, Abort abort = {}) {
+  while (pending(seen = ptx::ld_acquire_sys(word))) {
     if (abort() || dog.expired(phase, peer)) return false;
   }
   return true;
 }
 
-// The same with a cached value: `seen` holds a value this thread acquired earlier (or a lower bound), and no
-// load is issued while it already satisfies done (its acquire still orders what follows).
-template <typename Word, typename Done, typename Abort = NoAbort>
-__device__ __forceinline__ bool wait_cached(const Word* word, Word& seen, Done done, const Watchdog& dog, int phase,
-                                            int peer, Abort abort = {}) {
-  return done(seen) || wait_until(word, seen, done, dog, phase, peer, abort);
+// The same with a cached value: `seen` holds a value this thread acquired earlier (or a lower bound of the
+// word), and no load is issued while it already suffices (its acquire still orders what follows).
+template <typename Word, typename Pending, typename Abort = NoAbort>
+__device__ __forceinline__ bool wait_cached(const Word* word, Word& seen, Pending pending, const Watchdog& dog,
+                                            int phase, int peer, Abort abort = {}) {
+  return !pending(seen) || wait_while(word, seen, pending, dog, phase, peer, abort);
 }
 
 // A monotonic counter or epoch reaching `target`.
@@ -92,7 +94,7 @@ template <typename Word, typename Abort = NoAbort>
 __device__ __forceinline__ bool wait_at_least(const Word* word, Word target, const Watchdog& dog, int phase, int peer,
                                               Abort abort = {}) {
   Word seen;
-  return wait_until(word, seen, [&](Word v) { return v >= target; }, dog, phase, peer, abort);
+  return wait_while(word, seen, [&](Word v) { return v < target; }, dog, phase, peer, abort);
 }
 
 }  // namespace moe_dispatcher

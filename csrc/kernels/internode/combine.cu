@@ -278,8 +278,8 @@ __device__ void forward_worker(const CombineArgs& a, int ch, int warp, int lane,
     } else if (lane == 31) {  // credit for slots [first_slot, first_slot + n) of the source's ring
       // head: written by the source's receive commit warp (rdma_credit) after its loads of the slots.
       uint64_t consumed;
-      good = wait_until(&rctl->head[ch][x], consumed,
-                        [&](uint64_t h) { return first_slot + n - h <= static_cast<uint64_t>(a.rdma_slots); }, dog,
+      good = wait_while(&rctl->head[ch][x], consumed,
+                        [&](uint64_t h) { return first_slot + n - h > static_cast<uint64_t>(a.rdma_slots); }, dog,
                         kPhaseCombineRdmaSend, team_pe(c, x), AbortFlag{stop});
     }
     if (!__all_sync(0xffffffffu, good)) {

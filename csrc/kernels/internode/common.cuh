@@ -132,7 +132,7 @@ __device__ __forceinline__ void grid_sync(RdmaControl* ctl, const Watchdog& dog,
       // grid_gen: written by the last block to arrive (fence, then the atomic bump); a timeout is recorded
       // and the sticky claim word makes every block leave after the barrier.
       uint32_t now;
-      wait_until(&ctl->grid_gen, now, [&](uint32_t v) { return v != g; }, dog, kPhaseRdmaDrain, rank);
+      wait_while(&ctl->grid_gen, now, [&](uint32_t v) { return v == g; }, dog, kPhaseRdmaDrain, rank);
     }
     __threadfence();
   }

@@ -80,8 +80,8 @@ __device__ void rdma_send(const DispatchArgs& a, int ch, int group, int groups, 
       if (n == 0) break;
       if (leader) {  // head: written by x's forwarder (rdma_credit) after its loads of the slots
         uint64_t consumed;
-        *shared_ok = wait_until(head, consumed,
-                                [&](uint64_t h) { return tail + n - h <= static_cast<uint64_t>(a.rdma_slots); }, dog,
+        *shared_ok = wait_while(head, consumed,
+                                [&](uint64_t h) { return tail + n - h > static_cast<uint64_t>(a.rdma_slots); }, dog,
                                 kPhaseRdmaSend, team_pe(c, x));
       }
       ptx::group_sync(bar, threads);  // the credit acquired by the leader covers the slots below
@@ -214,8 +214,8 @@ __device__ void forward(const DispatchArgs& a, int ch, int warp, int lane, const
           s_cnt[lane] = my_cnt;
           uint64_t consumed;
           good = my_cnt == 0 ||
-                 wait_until(&nctl->fifo_head[ch][lane], consumed,
-                            [&](uint64_t h) { return s_tail[lane] + my_cnt - h <= static_cast<uint64_t>(a.nvl_slots); },
+                 wait_while(&nctl->fifo_head[ch][lane], consumed,
+                            [&](uint64_t h) { return s_tail[lane] + my_cnt - h > static_cast<uint64_t>(a.nvl_slots); },
                             dog, kPhaseForwardSend, c.domain * nvl + lane);
         }
         ok = __all_sync(0xffffffffu, good);

@@ -68,14 +68,14 @@ __device__ __forceinline__ bool sender_group_ready(const Control* ctl, int ring,
 // stores after the receiver's loads once the caller's __syncwarp extends them to every lane).
 __device__ __forceinline__ bool wait_free_slot(const uint64_t* head, uint64_t& seen, uint64_t row, int slots,
                                                const Watchdog& dog, int phase, int peer) {
-  return wait_cached(head, seen, [&](uint64_t h) { return row < h + static_cast<uint64_t>(slots); }, dog, phase, peer);
+  return wait_cached(head, seen, [&](uint64_t h) { return row >= h + static_cast<uint64_t>(slots); }, dog, phase, peer);
 }
 
 // Lane 0 of a receiver warp: wait until the tail passed ring row `row` (tail: written by the sender's
 // publisher, st.release.sys after its warps' slot stores); `seen` caches the last tail read.
 __device__ __forceinline__ bool wait_published(const uint64_t* tail, uint64_t& seen, uint64_t row,
                                                const Watchdog& dog, int phase, int peer) {
-  return wait_cached(tail, seen, [&](uint64_t t) { return row < t; }, dog, phase, peer);
+  return wait_cached(tail, seen, [&](uint64_t t) { return row >= t; }, dog, phase, peer);
 }
 
 // Whole warp: lane 0's wait outcome in every lane, then a warp barrier that orders lane 0's acquire
