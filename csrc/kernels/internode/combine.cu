@@ -73,7 +73,7 @@ __device__ void nvl_send(const CombineArgs& a, int ch, int l, int group_warp, in
                          const Watchdog& dog, int row_bytes) {
   const Common& c = a.c;
   const int nvl = c.nvl_size, C = a.num_channels;
-  intranode::Control* nctl = nvl_ctl(c, c.local);
+  nvlink::Control* nctl = nvl_ctl(c, c.local);
   ChannelSender tx{nvl_ring(c, c.nvl[l], c.local, ch, a.nvl_slots, a.nvl_slot_bytes), &nvl_ctl(c, l)->fifo_tail[ch][c.local],
                    &nctl->fifo_head[ch][l], &nctl->tail_copy[ch][l], a.nvl_slots, a.nvl_slot_bytes,
                    *reinterpret_cast<volatile uint64_t*>(&nctl->tail_copy[ch][l])};
@@ -257,7 +257,7 @@ __device__ void forward_worker(const CombineArgs& a, int ch, int warp, int lane,
   const Common& c = a.c;
   const int nvl = c.nvl_size, K = a.chunk_tokens, total = seq.cstart[c.num_domains];
   RdmaControl* rctl = rdma_ctl(c);
-  intranode::Control* nctl = nvl_ctl(c, c.local);
+  nvlink::Control* nctl = nvl_ctl(c, c.local);
   const uint8_t* ring0 = nvl_ring(c, c.nvl[c.local], 0, ch, a.nvl_slots, a.nvl_slot_bytes);
   const bool has_weights = a.num_topk > 0;  // the slot layout of every rank (not this rank's pointer)
   uint32_t cnt = 0, unused = 0;
@@ -359,7 +359,7 @@ __device__ void forward(const CombineArgs& a, int ch, int warp, int lane, const 
   const Common& c = a.c;
   const int D = c.num_domains, nvl = c.nvl_size, C = a.num_channels, K = a.chunk_tokens;
   RdmaControl* rctl = rdma_ctl(c);
-  intranode::Control* nctl = nvl_ctl(c, c.local);
+  nvlink::Control* nctl = nvl_ctl(c, c.local);
   __shared__ int s_first[kMaxDomains], s_count[kMaxDomains], s_cstart[kMaxDomains + 1];
   __shared__ uint64_t s_rtail0[kMaxDomains];  // tail of ring (ch, my domain) at source x, at kernel start
   __shared__ uint64_t s_nhead0[kMaxNvl];      // head of FIFO (ch, j -> me), at kernel start

@@ -29,8 +29,8 @@
 namespace moe_dispatcher::internode {
 
 __device__ __forceinline__ RdmaControl* rdma_ctl(const Common& c) { return reinterpret_cast<RdmaControl*>(c.rdma); }
-__device__ __forceinline__ intranode::Control* nvl_ctl(const Common& c, int local) {
-  return reinterpret_cast<intranode::Control*>(c.nvl[local]);
+__device__ __forceinline__ nvlink::Control* nvl_ctl(const Common& c, int local) {
+  return reinterpret_cast<nvlink::Control*>(c.nvl[local]);
 }
 __device__ __forceinline__ int team_pe(const Common& c, int domain) { return domain * c.nvl_size + c.local; }
 
@@ -141,7 +141,7 @@ __device__ __forceinline__ void grid_sync(RdmaControl* ctl, const Watchdog& dog,
 
 __device__ __forceinline__ bool drain_previous_calls(const Common& c, const Watchdog& dog) {
   RdmaControl* ctl = rdma_ctl(c);
-  intranode::Control* nctl = nvl_ctl(c, c.local);
+  nvlink::Control* nctl = nvl_ctl(c, c.local);
   const int D = c.num_domains, nvl = c.nvl_size;
   const int rdma_pairs = kMaxChannels * D, total = rdma_pairs + kMaxChannels * nvl;
   bool ok = true;

@@ -130,7 +130,7 @@ __device__ void forward(const DispatchArgs& a, int ch, int warp, int lane, const
   const Common& c = a.c;
   const int D = c.num_domains, nvl = c.nvl_size, C = a.num_channels;
   RdmaControl* rctl = rdma_ctl(c);
-  intranode::Control* nctl = nvl_ctl(c, c.local);
+  nvlink::Control* nctl = nvl_ctl(c, c.local);
   const DispatchSlot rlayout{a.hidden_bytes, a.num_scales, a.num_topk};
   const DispatchSlot nlayout = rlayout;
   const int L = a.experts_per_rank;
@@ -284,7 +284,7 @@ __device__ void nvl_receive(const DispatchArgs& a, int ch, int l, int group_warp
                             uint64_t* shared_tail, int* rows, int* next, const Watchdog& dog) {
   const Common& c = a.c;
   const int nvl = c.nvl_size, C = a.num_channels;
-  intranode::Control* nctl = nvl_ctl(c, c.local);
+  nvlink::Control* nctl = nvl_ctl(c, c.local);
   ChannelReceiver rx{nvl_ring(c, c.nvl[c.local], l, ch, a.nvl_slots, a.nvl_slot_bytes), &nctl->fifo_tail[ch][l],
                      &nvl_ctl(c, l)->fifo_head[ch][c.local], &nctl->head_copy[ch][l], a.nvl_slots, a.nvl_slot_bytes,
                      *reinterpret_cast<volatile uint64_t*>(&nctl->head_copy[ch][l])};
