@@ -12,10 +12,10 @@
 #include <cuda_fp16.h>
 
 #include "kernels/common/channel.cuh"
-#include "kernels/common/vec.cuh"
 #include "kernels/common/copy.cuh"
 #include "kernels/common/launch_check.cuh"
 #include "kernels/common/ring_layout.cuh"
+#include "kernels/common/vec.cuh"
 #include "kernels/intranode/protocol.h"
 #include "kernels/intranode/rings.cuh"
 

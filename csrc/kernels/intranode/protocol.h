@@ -28,8 +28,7 @@ using nvlink::kNotifyStride;
 using nvlink::kRingsOffset;
 using nvlink::Mailbox;
 
-constexpr int kThreads = 768;           // threads per block of dispatch / combine (24 warps)
-constexpr int kWarps = kThreads / 32;
+constexpr int kWarps = 24;              // copy warps of a dispatch block (the publisher warp comes on top)
 
 // Phases named in timeout errors.
 enum Phase : int32_t {

@@ -38,7 +38,7 @@ using RingBoard = ProgressBoard<kMaxRanks, kBoardWarps>;
 // of `ring` as this side last published it (sender: the tail; receiver: the head), read before the barrier
 // because the publisher rewrites the copies; then the board, and the barrier. 0 when ring >= num_ranks.
 __device__ __forceinline__ uint64_t ring_block_start(const Control* ctl, RingBoard& board, int c, int ring,
-                                                       int num_ranks, bool sender) {
+                                                     int num_ranks, bool sender) {
   uint64_t base = 0;
   if (ring < num_ranks) {
     base = *reinterpret_cast<const volatile uint64_t*>(sender ? &ctl->tail_copy[c][ring] : &ctl->head_copy[c][ring]);
