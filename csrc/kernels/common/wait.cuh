@@ -5,8 +5,8 @@
 //
 // Memory ordering. The word is loaded with ld.acquire.sys (ptx.cuh): system scope, because the writer may be
 // another GPU over NVLink (peer-mapped CUDA IPC memory) or an NVSHMEM signal from a remote PE. Every waited
-// word has exactly one writer, which publishes with a release: st.release.sys, or a fence.sys (or a completed
-// nvshmem_quiet) before an NVSHMEM signal SET. Once the condition holds, loads the waiting thread issues
+// word has one writer at a time, which publishes with a release: st.release.sys, a fence.sys (or a completed
+// nvshmem_quiet) before an NVSHMEM signal SET, or a fence before an atomic (the internode grid barrier). Once the condition holds, loads the waiting thread issues
 // after the wait see everything the writer did before that release (slot rows before a tail, consumer loads
 // before a head). The acquire orders only the waiting thread: a caller that waits for its group shares the
 // outcome and extends the ordering to the group with a barrier (__syncwarp, bar.sync, __syncthreads), which
@@ -16,8 +16,8 @@
 // whose wait passes it wins the rank's claim word (atomicCAS, gpu scope, in the rank's own buffer) and fills
 // the host-mapped TimeoutRecord: phase, rank, peer, a system fence, then status, so the host reads
 // consistent fields once it sees status != 0. Every timed-out wait returns false, and the caller leaves its
-// loop without publishing anything it did not finish. The claim word is sticky (never reset), so later
-// calls of a Buffer that timed out fail fast.
+// loop without publishing anything it did not finish. The claim word is sticky (never reset): the internode
+// kernels and the host check it, so later calls of a Buffer that timed out fail fast.
 //
 // Abort: a wait may also end early, unrecorded, when abort() returns true (AbortFlag: another warp of the
 // block gave up and recorded its own wait).
