@@ -119,9 +119,7 @@ DispatchArgs ring_dispatch_args(const IpcBuffer& b, uint64_t timeout_ns, uintptr
                                 uintptr_t recv_channel_offset, int num_tokens, int hidden_bytes, int num_scales,
                                 int num_rows, int pad_rows, int num_channels, int chunk, int num_slots,
                                 int slot_bytes, int protocol) {
-  MOE_CHECK(protocol == kChunked || protocol == kStream, "unknown ring protocol");
   DispatchArgs a{};
-  a.protocol = protocol;
   a.c = b.common(timeout_ns);
   MOE_CHECK(static_cast<size_t>(num_channels) * num_slots * slot_bytes <= a.c.src_block_bytes,
             "NVLink buffer too small for this config");
@@ -145,12 +143,8 @@ CombineArgs ring_combine_args(const IpcBuffer& b, uint64_t timeout_ns, uintptr_t
                               uintptr_t recv_channel_offset, int dtype, int num_tokens, int hidden, int num_topk,
                               int num_x_rows, int num_channels, int chunk, int num_slots, int slot_bytes,
                               int protocol) {
-  MOE_CHECK(protocol == kChunked || protocol == kStream, "unknown ring protocol");
   CombineArgs a{};
-  a.protocol = protocol;
-  // Tokens per receiver batch: as many 32-token windows as fit beside a sender chunk in the ring.
-  a.batch_windows = std::min(kMaxWindows, (num_slots - chunk) / 32);
-  MOE_CHECK(a.batch_windows >= 1, "combine needs num_max_nvl_chunked_recv_tokens >= send tokens + 32");
+  MOE_CHECK(num_slots - chunk >= 32, "combine needs num_max_nvl_chunked_recv_tokens >= send tokens + 32");
   a.c = b.common(timeout_ns);
   MOE_CHECK(static_cast<size_t>(num_channels) * num_slots * slot_bytes <= a.c.src_block_bytes,
             "NVLink buffer too small for this config");
@@ -197,22 +191,7 @@ void dispatch(const IpcBuffer& b, uint64_t timeout_ns, uintptr_t x, uintptr_t sc
   DispatchArgs a = ring_dispatch_args(b, timeout_ns, is_token_in_rank, recv_channel_offset, num_tokens, hidden_bytes,
                                       num_scales, num_rows, pad_rows, num_channels, chunk, num_slots, slot_bytes,
                                       protocol);
-  MOE_CHECK(em_mode >= 0 && em_mode <= 2, "bad em_mode");
-  MOE_CHECK(em_mode == 0 || (em_layout != 0 && em_inverse != 0 && em_topk > 0 && em_topk <= kMaxTopk),
-            "expert-major dispatch needs the layout table and the inverse table");
-  MOE_CHECK(em_mode != 1 || (pair_rank != 0 && em_pair_row != 0 && em_pair_slot != 0 && em_topk == num_topk),
-            "fresh expert-major dispatch needs pair ranks and pair_row/pair_slot");
-  a.em_mode = em_mode;
-  a.pair_rank = ptr<const int>(pair_rank);
-  a.em_layout = ptr<const int>(em_layout);
-  a.em_x = ptr<uint8_t>(em_x);
-  a.em_scales = ptr<int32_t>(em_scales);
-  a.em_weights = ptr<float>(em_weights);
-  a.em_pair_row = ptr<int>(em_pair_row);
-  a.em_pair_slot = ptr<int>(em_pair_slot);
-  a.em_inverse = ptr<int>(em_inverse);
-  a.em_topk = em_topk;
-  a.em_rows = em_rows;
+  MOE_CHECK(em_mode == 0, "the dispatch kernel is rank-major only (expert-major: em_permute after it)");
   set_dispatch_tensors(a, x, scales, recv_x, recv_scales);
   a.topk_idx = ptr<const int64_t>(topk_idx);
   a.topk_weights = ptr<const float>(topk_weights);
@@ -232,13 +211,7 @@ void combine(const IpcBuffer& b, uint64_t timeout_ns, uintptr_t x, uintptr_t top
              uintptr_t em_topk_weights, int em_topk, int protocol) {
   CombineArgs a = ring_combine_args(b, timeout_ns, is_token_in_rank, recv_channel_offset, dtype, num_tokens, hidden,
                                     num_topk, num_x_rows, num_channels, chunk, num_slots, slot_bytes, protocol);
-  MOE_CHECK(em_inverse == 0 || (em_topk > 0 && em_topk <= kMaxTopk), "expert-major combine: bad top-k");
-  MOE_CHECK(em_inverse == 0 || num_topk == (em_topk_weights != 0 ? em_topk : 0),
-            "expert-major combine: num_topk must be em_topk with topk_weights, else 0");
-  a.em_inverse = ptr<const int>(em_inverse);
-  a.em_weights = ptr<const float>(em_weights);
-  a.em_topk_weights = ptr<const float>(em_topk_weights);
-  a.em_topk = em_topk;
+  MOE_CHECK(em_inverse == 0, "the combine kernel is rank-major only (expert-major: em_unpermute before it)");
   set_combine_tensors(a, x, topk_weights, bias0, bias1, out, out_topk_weights);
   launch_combine(a, stream_of(stream));
 }
@@ -460,12 +433,9 @@ void register_intranode(py::module_& m) {
   sub.attr("MAX_LOCAL_EXPERTS") = kMaxLocalExperts;
   sub.attr("MAX_TOPK") = kMaxTopk;
   sub.attr("MAX_CHUNK") = kMaxChunk;
-  sub.attr("MAX_COMBINE_WINDOWS") = kMaxWindows;
   sub.attr("RINGS_OFFSET") = kRingsOffset;
   sub.attr("FLAG_LAYOUT_MISMATCH") = kFlagLayoutMismatch;
   sub.attr("PAIR_RANK_TOKENS") = kPairRankTokens;
-  sub.attr("PROTOCOL_CHUNKED") = static_cast<int>(kChunked);
-  sub.attr("PROTOCOL_STREAM") = static_cast<int>(kStream);
   sub.def("em_layout_words", [](int r, int l) { return ExpertMajorLayout::words(r, l); });
   sub.def("pair_rank", &pair_rank, py::arg("topk_idx"), py::arg("num_tokens"), py::arg("num_topk"),
           py::arg("num_experts"), py::arg("out"), py::arg("workspace"), py::arg("stream"), py::arg("row_limit") = 0);

@@ -5,7 +5,7 @@
 #include <algorithm>
 
 #include "kernels/common/layout.h"
-#include "kernels/intranode/launch_check.cuh"
+#include "kernels/common/launch_check.cuh"
 
 namespace moe_dispatcher {
 namespace {
@@ -60,7 +60,7 @@ void launch_dispatch_layout(const DispatchLayoutArgs& args, cudaStream_t stream)
   if (args.num_tokens == 0) return;
   const int blocks = std::min(132, (args.num_tokens + kLayoutThreads - 1) / kLayoutThreads);
   layout_kernel<<<blocks, kLayoutThreads, 0, stream>>>(args);
-  intranode::check_launch("layout_kernel");
+  check_launch("layout_kernel");
 }
 
 }  // namespace moe_dispatcher

@@ -26,6 +26,13 @@ __device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
+// A 32-bit word of this GPU written by another block (the internode grid barrier's generation).
+__device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
 // The same for 32-bit signal words (values, not counters: the low-latency kernels' counts and flags).
 __device__ __forceinline__ int ld_acquire_sys(const int* p) {
   int v;

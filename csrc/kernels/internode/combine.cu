@@ -18,7 +18,7 @@
 //   worker warps (0 .. kWorkers-1) take chunks k = warp, warp + kWorkers, ... of chunk_tokens tokens
 //     each; a worker waits only for its own chunk's rows (lane j polls tail j), reduces its tokens,
 //     and (forwarder) puts its chunk's partials to the source at once and completes them (quiet);
-//     then it counts the chunk as done (st.release.cta of its shared counter);
+//     then it raises its entry of the block's ChunkBoard to its next chunk (progress_board.cuh);
 //   the commit warp (kCommitWarp) publishes in order: once chunks [kc, upto) are all done it
 //     advances the FIFO heads (forwarder) / RDMA credits (receiver) and the RDMA tails (forwarder)
 //     past them, so a consumer never sees a hole and a producer never reuses a slot still read.
@@ -31,13 +31,13 @@
 // b >= 32 in a second register) by scanning the masks of the tokens it skips; the commit warp keeps
 // the same count for what it committed.
 //
-// Memory ordering (a CTA-scope release/acquire on the done counters carries each worker's accesses
+// Memory ordering (a CTA-scope release/acquire on the board entries carries each worker's accesses
 // to the commit warp, which publishes them at system scope):
 //   worker:  lane j ld.acquire.sys its tail (FIFO or RDMA) >= what the chunk needs; __syncwarp;
 //            every lane loads the slots (ld.cg) and writes the outputs / staging / own-ring slots;
 //            remote: nvshmemx_putmem_nbi_warp + nvshmem_quiet (rdma_put_rows); __syncwarp;
-//            lane 0: st.release.cta done[warp].
-//   commit:  lane 0 ld.acquire.cta done[w]; __syncwarp; then the publishing lanes: FIFO head
+//            lane 0: st.release.cta of its board entry.
+//   commit:  lane w ld.acquire.cta of worker w's entry; __syncwarp; then the publishing lanes: FIFO head
 //            st.release.sys, RDMA tail rdma_signal_tail (fence.sys + signal SET, or st.release.sys
 //            for my own domain), credit rdma_credit (same). Causality order runs from every lane's
 //            loads / stores / completed puts through the warp barrier, the CTA release/acquire pair
@@ -56,14 +56,14 @@
 #include <cuda_fp16.h>
 
 #include "kernels/common/vec.cuh"
-#include "kernels/intranode/copy.cuh"
-#include "kernels/intranode/launch_check.cuh"
+#include "kernels/common/copy.cuh"
+#include "kernels/common/launch_check.cuh"
+#include "kernels/common/progress_board.cuh"
+#include "kernels/common/ring_layout.cuh"
 #include "kernels/internode/common.cuh"
 
 namespace moe_dispatcher::internode {
 namespace {
-
-using intranode::warp_copy;
 
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
@@ -73,7 +73,7 @@ __device__ void nvl_send(const CombineArgs& a, int ch, int l, int group_warp, in
                          const Watchdog& dog, int row_bytes) {
   const Common& c = a.c;
   const int nvl = c.nvl_size, C = a.num_channels;
-  intranode::Control* nctl = nvl_ctl(c, c.local);
+  nvlink::Control* nctl = nvl_ctl(c, c.local);
   ChannelSender tx{nvl_ring(c, c.nvl[l], c.local, ch, a.nvl_slots, a.nvl_slot_bytes), &nvl_ctl(c, l)->fifo_tail[ch][c.local],
                    &nctl->fifo_head[ch][l], &nctl->tail_copy[ch][l], a.nvl_slots, a.nvl_slot_bytes,
                    *reinterpret_cast<volatile uint64_t*>(&nctl->tail_copy[ch][l])};
@@ -196,16 +196,6 @@ __device__ __forceinline__ uint32_t count_of(uint32_t lo, uint32_t hi, int b) {
   return __shfl_sync(0xffffffffu, b < 32 ? lo : hi, b & 31);
 }
 
-// One lane: wait until `word` (local) reaches `until`; false on timeout (recorded) or when another
-// warp of the block gave up (stop, not recorded: that warp recorded its own wait).
-__device__ __forceinline__ bool wait_or_abort(const uint64_t* word, uint64_t until, const Watchdog& dog, int phase,
-                                              int peer, const volatile int* stop) {
-  while (ptx::ld_acquire_sys(word) < until) {
-    if (*stop || dog.expired(phase, peer)) return false;
-  }
-  return true;
-}
-
 // Commit warp, nothing new to publish: false (in every lane: lane 0 decides) when the block must stop
 // (a worker gave up, or, as a backstop that should never fire, a second past the deadline).
 __device__ __forceinline__ bool commit_idle_ok(const Watchdog& dog, int phase, int rank, const volatile int* stop,
@@ -217,16 +207,14 @@ __device__ __forceinline__ bool commit_idle_ok(const Watchdog& dog, int phase, i
   return __shfl_sync(0xffffffffu, ok, 0) != 0;
 }
 
-// Commit warp: the chunks from kc on that are done, contiguously (lane 0 acquires, every lane gets
-// the answer after a warp barrier that orders the acquires before the lanes' releases).
-__device__ __forceinline__ int done_upto(const int* done, int kc, int total, int lane) {
-  int upto = kc;
-  if (lane == 0) {
-    while (upto < total && ptx::ld_acquire_cta(&done[upto % kWorkers]) > upto / kWorkers) ++upto;
-  }
-  upto = __shfl_sync(0xffffffffu, upto, 0);
-  __syncwarp();
-  return upto;
+// The worker warps' progress (progress_board.cuh): one stream, the block's chunks; worker w takes chunks
+// w, w + kWorkers, ... and its entry is its next chunk.
+using ChunkBoard = ProgressBoard<1, kWorkers>;
+
+// Commit warp: the chunks below the returned one are all done (every lane gets the answer after a warp
+// barrier that orders the lanes' acquires of the board before the lanes' releases).
+__device__ __forceinline__ int done_upto(const ChunkBoard& board, int total, int lane) {
+  return min(board.lowest_in_warp(0, kWorkers, lane), total);
 }
 
 // ------------------------------------------------------------------ forwarder (reduce in the domain, put back)
@@ -264,16 +252,16 @@ struct FwdSeq {
 
 template <typename T>
 __device__ void forward_worker(const CombineArgs& a, int ch, int warp, int lane, const Watchdog& dog, int row_bytes,
-                               const FwdSeq& seq, const uint64_t* rtail0, const uint64_t* nhead0, int* done,
-                               volatile int* stop, const uint8_t** srcs) {
+                               const FwdSeq& seq, const uint64_t* rtail0, const uint64_t* nhead0,
+                               ChunkBoard& board, volatile int* stop, const uint8_t** srcs) {
   const Common& c = a.c;
   const int nvl = c.nvl_size, K = a.chunk_tokens, total = seq.cstart[c.num_domains];
   RdmaControl* rctl = rdma_ctl(c);
-  intranode::Control* nctl = nvl_ctl(c, c.local);
+  nvlink::Control* nctl = nvl_ctl(c, c.local);
   const uint8_t* ring0 = nvl_ring(c, c.nvl[c.local], 0, ch, a.nvl_slots, a.nvl_slot_bytes);
   const bool has_weights = a.num_topk > 0;  // the slot layout of every rank (not this rank's pointer)
   uint32_t cnt = 0, unused = 0;
-  int sx = 0, sk = 0, cx = 0, finished = 0;
+  int sx = 0, sk = 0, cx = 0;
   for (int k = warp; k < total; k += kWorkers) {
     while (k >= seq.cstart[cx + 1]) ++cx;
     const int x = cx, k0 = (k - seq.cstart[x]) * K, n = min(K, seq.count[x] - k0);
@@ -284,16 +272,15 @@ __device__ void forward_worker(const CombineArgs& a, int ch, int warp, int lane,
     const uint64_t first_slot = rtail0[x] + k0;
     bool good = true;
     if (lane < nvl && mine > 0) {
-      good = wait_or_abort(&nctl->fifo_tail[ch][lane], nhead0[lane] + cnt + mine, dog, kPhaseCombineForward,
-                           c.domain * nvl + lane, stop);
+      // FIFO tail: written by local rank `lane`'s NVL sender (st.release.sys after a group barrier).
+      good = wait_at_least(&nctl->fifo_tail[ch][lane], nhead0[lane] + cnt + mine, dog, kPhaseCombineForward,
+                           c.domain * nvl + lane, AbortFlag{stop});
     } else if (lane == 31) {  // credit for slots [first_slot, first_slot + n) of the source's ring
-      const uint64_t* head = &rctl->head[ch][x];
-      while (first_slot + n - ptx::ld_acquire_sys(head) > static_cast<uint64_t>(a.rdma_slots)) {
-        if (*stop || dog.expired(kPhaseCombineRdmaSend, team_pe(c, x))) {
-          good = false;
-          break;
-        }
-      }
+      // head: written by the source's receive commit warp (rdma_credit) after its loads of the slots.
+      uint64_t consumed;
+      good = wait_while(&rctl->head[ch][x], consumed,
+                        [&](uint64_t h) { return first_slot + n - h > static_cast<uint64_t>(a.rdma_slots); }, dog,
+                        kPhaseCombineRdmaSend, team_pe(c, x), AbortFlag{stop});
     }
     if (!__all_sync(0xffffffffu, good)) {
       if (lane == 0) *stop = 1;
@@ -311,25 +298,25 @@ __device__ void forward_worker(const CombineArgs& a, int ch, int warp, int lane,
         if ((mi >> j) & 1) {  // uniform
           const uint64_t index = nhead0[j] + base + __popc(b & below);
           if (lane == 0) {
-            srcs[nsrc] = ring0 + j * c.layout.nvl_src_block_bytes + static_cast<size_t>(index % a.nvl_slots) * a.nvl_slot_bytes;
+            srcs[nsrc] = ring_slot(ring0 + j * c.layout.nvl_src_block_bytes, index, a.nvl_slots, a.nvl_slot_bytes);
           }
           ++nsrc;
         }
       }
       __syncwarp();
-      uint8_t* dst = out_ring + static_cast<size_t>((first_slot + i) % a.rdma_slots) * a.rdma_slot_bytes;
+      uint8_t* dst = ring_slot(out_ring, first_slot + i, a.rdma_slots, a.rdma_slot_bytes);
       reduce_row<T>(dst, has_weights ? reinterpret_cast<float*>(dst + row_bytes) : nullptr, srcs, nsrc, nullptr, nullptr,
                     row_bytes, a.num_topk, lane);
       __syncwarp();  // srcs is rewritten for the next token
     }
     rdma_put_rows(c, x, ch, first_slot, n, a.rdma_slots, a.rdma_slot_bytes, lane);  // remote: put + quiet
-    __syncwarp();  // every lane's slot loads, stores and (completed) puts before the release below
-    if (lane == 0) ptx::st_release_cta(&done[warp], ++finished);
+    // Every lane's slot loads, stores and (completed) puts before the board's release (warp barrier inside).
+    board.advance(0, warp, k + kWorkers, lane);
   }
 }
 
 __device__ void forward_commit(const CombineArgs& a, int ch, int lane, const Watchdog& dog, const FwdSeq& seq,
-                               const uint64_t* rtail0, const uint64_t* nhead0, const int* done,
+                               const uint64_t* rtail0, const uint64_t* nhead0, const ChunkBoard& board,
                                const volatile int* stop) {
   const Common& c = a.c;
   const int nvl = c.nvl_size, K = a.chunk_tokens, D = c.num_domains, total = seq.cstart[D];
@@ -338,7 +325,7 @@ __device__ void forward_commit(const CombineArgs& a, int ch, int lane, const Wat
   int sx = 0, sk = 0, kc = 0, cx = 0;
   bool any_remote = false;
   while (kc < total) {
-    const int upto = done_upto(done, kc, total, lane);
+    const int upto = done_upto(board, total, lane);
     if (upto == kc) {
       if (!commit_idle_ok(dog, kPhaseCombineForward, c.rank, stop, lane)) return;
       continue;
@@ -372,11 +359,11 @@ __device__ void forward(const CombineArgs& a, int ch, int warp, int lane, const 
   const Common& c = a.c;
   const int D = c.num_domains, nvl = c.nvl_size, C = a.num_channels, K = a.chunk_tokens;
   RdmaControl* rctl = rdma_ctl(c);
-  intranode::Control* nctl = nvl_ctl(c, c.local);
+  nvlink::Control* nctl = nvl_ctl(c, c.local);
   __shared__ int s_first[kMaxDomains], s_count[kMaxDomains], s_cstart[kMaxDomains + 1];
   __shared__ uint64_t s_rtail0[kMaxDomains];  // tail of ring (ch, my domain) at source x, at kernel start
   __shared__ uint64_t s_nhead0[kMaxNvl];      // head of FIFO (ch, j -> me), at kernel start
-  __shared__ int s_done[kWorkers];            // chunks finished by each worker warp in this call
+  __shared__ ChunkBoard s_board;              // the worker warps' progress in this call
   __shared__ int s_abort;
   __shared__ const uint8_t* s_srcs[kWorkers][kMaxNvl];
   for (int x = threadIdx.x; x < D; x += blockDim.x) {
@@ -385,7 +372,7 @@ __device__ void forward(const CombineArgs& a, int ch, int warp, int lane, const 
     s_rtail0[x] = *reinterpret_cast<volatile uint64_t*>(&rctl->tail_copy[ch][x]);
   }
   if (threadIdx.x < nvl) s_nhead0[threadIdx.x] = *reinterpret_cast<volatile uint64_t*>(&nctl->head_copy[ch][threadIdx.x]);
-  if (threadIdx.x < kWorkers) s_done[threadIdx.x] = 0;
+  s_board.init();
   if (threadIdx.x == 0) s_abort = 0;
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -399,9 +386,9 @@ __device__ void forward(const CombineArgs& a, int ch, int warp, int lane, const 
   __syncthreads();  // the last block-wide barrier: from here on warps wait only on their own words
   const FwdSeq seq{s_first, s_count, s_cstart, a.fwd_mask, a.fwd_capacity, nvl};
   if (warp == kCommitWarp) {
-    forward_commit(a, ch, lane, dog, seq, s_rtail0, s_nhead0, s_done, &s_abort);
+    forward_commit(a, ch, lane, dog, seq, s_rtail0, s_nhead0, s_board, &s_abort);
   } else {
-    forward_worker<T>(a, ch, warp, lane, dog, row_bytes, seq, s_rtail0, s_nhead0, s_done, &s_abort, s_srcs[warp]);
+    forward_worker<T>(a, ch, warp, lane, dog, row_bytes, seq, s_rtail0, s_nhead0, s_board, &s_abort, s_srcs[warp]);
   }
 }
 
@@ -432,13 +419,13 @@ __device__ __forceinline__ void recv_scan_to(const CombineArgs& a, int& st, int 
 
 template <typename T>
 __device__ void receive_worker(const CombineArgs& a, int ch, int warp, int lane, const Watchdog& dog, int row_bytes,
-                               int begin, int end, const uint64_t* rhead0, int* done, volatile int* stop,
+                               int begin, int end, const uint64_t* rhead0, ChunkBoard& board, volatile int* stop,
                                const uint8_t** srcs) {
   const Common& c = a.c;
   const int D = c.num_domains, K = a.chunk_tokens, total = (end - begin + K - 1) / K;
   RdmaControl* rctl = rdma_ctl(c);
   uint32_t lo = 0, hi = 0;  // lane x (& 31): partials of domain x (lo: x < 32, hi: x >= 32) before st
-  int st = begin, finished = 0;
+  int st = begin;
   for (int k = warp; k < total; k += kWorkers) {
     const int t0 = begin + k * K, n = min(K, end - t0);
     recv_scan_to(a, st, t0, lo, hi, lane);
@@ -446,12 +433,14 @@ __device__ void receive_worker(const CombineArgs& a, int ch, int warp, int lane,
     uint32_t mlo = 0, mhi = 0;
     count_bits(bits, D, lane, mlo, mhi);
     bool good = true;
+    // RDMA tails: written by the team member of domain `lane` (its forward commit warp, rdma_signal_tail).
     if (lane < D && mlo > 0) {
-      good = wait_or_abort(&rctl->tail[ch][lane], rhead0[lane] + lo + mlo, dog, kPhaseCombineRecv, team_pe(c, lane), stop);
+      good = wait_at_least(&rctl->tail[ch][lane], rhead0[lane] + lo + mlo, dog, kPhaseCombineRecv, team_pe(c, lane),
+                           AbortFlag{stop});
     }
     if (good && lane + 32 < D && mhi > 0) {
-      good = wait_or_abort(&rctl->tail[ch][lane + 32], rhead0[lane + 32] + hi + mhi, dog, kPhaseCombineRecv,
-                           team_pe(c, lane + 32), stop);
+      good = wait_at_least(&rctl->tail[ch][lane + 32], rhead0[lane + 32] + hi + mhi, dog, kPhaseCombineRecv,
+                           team_pe(c, lane + 32), AbortFlag{stop});
     }
     if (!__all_sync(0xffffffffu, good)) {
       if (lane == 0) *stop = 1;
@@ -469,8 +458,8 @@ __device__ void receive_worker(const CombineArgs& a, int ch, int warp, int lane,
         const unsigned b = __ballot_sync(0xffffffffu, (bits >> x) & 1u);
         const uint64_t index = rhead0[x] + count_of(lo, hi, x) + __popc(b & below);
         if (lane == 0) {
-          srcs[nsrc] = rdma_recv_ring(c, x, ch, a.rdma_slots, a.rdma_slot_bytes) +
-                       static_cast<size_t>(index % a.rdma_slots) * a.rdma_slot_bytes;
+          srcs[nsrc] = ring_slot(rdma_recv_ring(c, x, ch, a.rdma_slots, a.rdma_slot_bytes), index, a.rdma_slots,
+                                 a.rdma_slot_bytes);
         }
         ++nsrc;
       }
@@ -480,13 +469,12 @@ __device__ void receive_worker(const CombineArgs& a, int ch, int warp, int lane,
                     a.bias1 != nullptr ? a.bias1 + token * row_bytes : nullptr, row_bytes, a.num_topk, lane);
       __syncwarp();  // srcs is rewritten for the next token
     }
-    __syncwarp();  // every lane's slot loads before the release below
-    if (lane == 0) ptx::st_release_cta(&done[warp], ++finished);
+    board.advance(0, warp, k + kWorkers, lane);  // every lane's slot loads before the board's release
   }
 }
 
 __device__ void receive_commit(const CombineArgs& a, int ch, int lane, const Watchdog& dog, int begin, int end,
-                               const uint64_t* rhead0, const int* done, const volatile int* stop) {
+                               const uint64_t* rhead0, const ChunkBoard& board, const volatile int* stop) {
   const Common& c = a.c;
   const int D = c.num_domains, K = a.chunk_tokens, total = (end - begin + K - 1) / K;
   RdmaControl* rctl = rdma_ctl(c);
@@ -494,7 +482,7 @@ __device__ void receive_commit(const CombineArgs& a, int ch, int lane, const Wat
   int st = begin, kc = 0;
   bool any_remote = false;
   while (kc < total) {
-    const int upto = done_upto(done, kc, total, lane);
+    const int upto = done_upto(board, total, lane);
     if (upto == kc) {
       if (!commit_idle_ok(dog, kPhaseCombineRecv, c.rank, stop, lane)) return;
       continue;
@@ -522,21 +510,21 @@ __device__ void receive(const CombineArgs& a, int ch, int warp, int lane, const 
   const Common& c = a.c;
   RdmaControl* rctl = rdma_ctl(c);
   __shared__ uint64_t s_rhead0[kMaxDomains];  // head of my ring (ch, from x), at kernel start
-  __shared__ int s_done[kWorkers];
+  __shared__ ChunkBoard s_board;
   __shared__ int s_abort;
   __shared__ const uint8_t* s_srcs[kWorkers][kMaxDomains];
   for (int x = threadIdx.x; x < c.num_domains; x += blockDim.x) {
     s_rhead0[x] = *reinterpret_cast<volatile uint64_t*>(&rctl->head_copy[ch][x]);
   }
-  if (threadIdx.x < kWorkers) s_done[threadIdx.x] = 0;
+  s_board.init();
   if (threadIdx.x == 0) s_abort = 0;
   __syncthreads();  // the last block-wide barrier
   int begin, end;
   channel_range(a.num_tokens, a.num_channels, ch, begin, end);
   if (warp == kCommitWarp) {
-    receive_commit(a, ch, lane, dog, begin, end, s_rhead0, s_done, &s_abort);
+    receive_commit(a, ch, lane, dog, begin, end, s_rhead0, s_board, &s_abort);
   } else {
-    receive_worker<T>(a, ch, warp, lane, dog, row_bytes, begin, end, s_rhead0, s_done, &s_abort, s_srcs[warp]);
+    receive_worker<T>(a, ch, warp, lane, dog, row_bytes, begin, end, s_rhead0, s_board, &s_abort, s_srcs[warp]);
   }
 }
 
@@ -570,7 +558,7 @@ void launch_combine(const CombineArgs& args, cudaStream_t stream) {
     case kFp16: combine_kernel<__half><<<grid, kThreads, 0, stream>>>(args); break;
     default: combine_kernel<float><<<grid, kThreads, 0, stream>>>(args); break;
   }
-  intranode::check_launch("internode combine_kernel");
+  check_launch("internode combine_kernel");
 }
 
 }  // namespace moe_dispatcher::internode

@@ -1,7 +1,7 @@
 // Device helpers of the internode kernels: buffer addressing and the RDMA ring (torch-free).
 //
 // RDMA ring (channel c, from the team member of domain x, to me): slots in MY symmetric buffer at
-// rdma_recv_offset + x * rdma_domain_bytes + c * slots * slot_bytes; tail word RdmaControl::tail[c][x]
+// rdma_recv_offset + x * rdma_domain_bytes + c * slots * slot_bytes (ring_layout.cuh); tail word RdmaControl::tail[c][x]
 // in my buffer (written by x), head word RdmaControl::head[c][my domain] in x's buffer (written by me).
 // Counters are monotonic u64 and never reset, as for the NVLink FIFOs (channel.cuh).
 //
@@ -22,25 +22,25 @@
 
 #include "kernels/common/channel.cuh"
 #include "kernels/common/ptx.cuh"
+#include "kernels/common/wait.cuh"
+#include "kernels/common/ring_layout.cuh"
 #include "kernels/internode/protocol.h"
 
 namespace moe_dispatcher::internode {
 
 __device__ __forceinline__ RdmaControl* rdma_ctl(const Common& c) { return reinterpret_cast<RdmaControl*>(c.rdma); }
-__device__ __forceinline__ intranode::Control* nvl_ctl(const Common& c, int local) {
-  return reinterpret_cast<intranode::Control*>(c.nvl[local]);
+__device__ __forceinline__ nvlink::Control* nvl_ctl(const Common& c, int local) {
+  return reinterpret_cast<nvlink::Control*>(c.nvl[local]);
 }
 __device__ __forceinline__ int team_pe(const Common& c, int domain) { return domain * c.nvl_size + c.local; }
 
 // Ring (c, from domain x) in this rank's symmetric buffer (receive side), or the same ring's
 // staging area for sends to domain x (send side; slot i stages the row put into slot i of x's ring).
 __device__ __forceinline__ uint8_t* rdma_recv_ring(const Common& c, int x, int ch, int slots, int slot_bytes) {
-  return c.rdma + c.layout.rdma_recv_offset + x * c.layout.rdma_domain_bytes +
-         static_cast<size_t>(ch) * slots * slot_bytes;
+  return ring_at(c.rdma + c.layout.rdma_recv_offset, c.layout.rdma_domain_bytes, x, ch, slots, slot_bytes);
 }
 __device__ __forceinline__ uint8_t* rdma_send_ring(const Common& c, int x, int ch, int slots, int slot_bytes) {
-  return c.rdma + c.layout.rdma_send_offset + x * c.layout.rdma_domain_bytes +
-         static_cast<size_t>(ch) * slots * slot_bytes;
+  return ring_at(c.rdma + c.layout.rdma_send_offset, c.layout.rdma_domain_bytes, x, ch, slots, slot_bytes);
 }
 // The slot array that this rank writes for rows going to domain x: its own receive ring when x is
 // its domain (no NVSHMEM), else its staging ring for x.
@@ -50,7 +50,7 @@ __device__ __forceinline__ uint8_t* rdma_write_ring(const Common& c, int x, int 
 
 // NVL ring (channel ch, from local rank src) inside the NVLink buffer `base` of its receiver.
 __device__ __forceinline__ uint8_t* nvl_ring(const Common& c, uint8_t* base, int src, int ch, int slots, int slot_bytes) {
-  return base + c.layout.nvl_rings_offset + src * c.layout.nvl_src_block_bytes + static_cast<size_t>(ch) * slots * slot_bytes;
+  return ring_at(base + c.layout.nvl_rings_offset, c.layout.nvl_src_block_bytes, src, ch, slots, slot_bytes);
 }
 
 // One warp: copy rows [first, first + n) of my staging ring for domain x into the same slots of x's
@@ -105,15 +105,6 @@ __device__ __forceinline__ void rdma_credit(const Common& c, int x, int ch, uint
   }
 }
 
-// One thread: wait until `word` (local) reaches `until`; false on timeout (recorded).
-__device__ __forceinline__ bool wait_at_least(const uint64_t* word, uint64_t until, const Watchdog& dog, int phase,
-                                              int peer) {
-  while (ptx::ld_acquire_sys(word) < until) {
-    if (dog.expired(phase, peer)) return false;
-  }
-  return true;
-}
-
 // Every block of a dispatch / combine kernel, first thing: the previous calls' drain, then a grid
 // barrier. Returns false (in every thread) when some wait of this rank timed out (now or in an
 // earlier call: the claim word is sticky), and the kernel must exit.
@@ -130,17 +121,18 @@ __device__ __forceinline__ bool wait_at_least(const uint64_t* word, uint64_t unt
 __device__ __forceinline__ void grid_sync(RdmaControl* ctl, const Watchdog& dog, int rank) {
   __syncthreads();
   if (threadIdx.x == 0) {
-    volatile uint32_t* gen = &ctl->grid_gen;
-    const uint32_t g = *gen;  // read before arriving: it cannot change until every block arrived
+    const uint32_t g = *reinterpret_cast<volatile uint32_t*>(&ctl->grid_gen);  // read before arriving: it
+                                                                                // cannot change until every block arrived
     __threadfence();
     if (atomicAdd(&ctl->grid_arrived, 1u) == gridDim.x - 1) {
       atomicExch(&ctl->grid_arrived, 0u);  // before the bump: nobody arrives again before it
       __threadfence();
       atomicAdd(&ctl->grid_gen, 1u);
     } else {
-      while (*gen == g) {
-        if (dog.expired(kPhaseRdmaDrain, rank)) break;
-      }
+      // grid_gen: written by the last block to arrive (fence, then the atomic bump); a timeout is recorded
+      // and the sticky claim word makes every block leave after the barrier.
+      uint32_t now;
+      wait_while(&ctl->grid_gen, now, [&](uint32_t v) { return v == g; }, dog, kPhaseRdmaDrain, rank);
     }
     __threadfence();
   }
@@ -149,7 +141,7 @@ __device__ __forceinline__ void grid_sync(RdmaControl* ctl, const Watchdog& dog,
 
 __device__ __forceinline__ bool drain_previous_calls(const Common& c, const Watchdog& dog) {
   RdmaControl* ctl = rdma_ctl(c);
-  intranode::Control* nctl = nvl_ctl(c, c.local);
+  nvlink::Control* nctl = nvl_ctl(c, c.local);
   const int D = c.num_domains, nvl = c.nvl_size;
   const int rdma_pairs = kMaxChannels * D, total = rdma_pairs + kMaxChannels * nvl;
   bool ok = true;
@@ -166,13 +158,6 @@ __device__ __forceinline__ bool drain_previous_calls(const Common& c, const Watc
   }
   grid_sync(ctl, dog, c.rank);
   return *reinterpret_cast<const volatile int32_t*>(&nctl->timeout_claim) == 0;
-}
-
-// Tokens [begin, end) of channel ch when T tokens are split over C channels (as intranode).
-__device__ __forceinline__ void channel_range(int num_tokens, int num_channels, int ch, int& begin, int& end) {
-  const int per = (num_tokens + num_channels - 1) / num_channels;
-  begin = min(ch * per, num_tokens);
-  end = min(begin + per, num_tokens);
 }
 
 }  // namespace moe_dispatcher::internode

@@ -16,29 +16,20 @@
 // drained of earlier calls' rows, then a grid barrier, before any block writes a ring.
 // Progress: receivers depend on nothing, forwarders only on receivers (NVL credits) and senders
 // only on forwarders (RDMA credits), so no cycle; each wait has a timeout naming rank and peer.
-#include "kernels/intranode/copy.cuh"
-#include "kernels/intranode/launch_check.cuh"
+#include "kernels/common/copy.cuh"
+#include "kernels/common/launch_check.cuh"
+#include "kernels/common/ring_layout.cuh"
 #include "kernels/internode/common.cuh"
 
 namespace moe_dispatcher::internode {
 namespace {
 
-using intranode::warp_copy;
-
 constexpr int kThreads = 768;
 constexpr int kWarps = kThreads / 32;
 constexpr int kUnroll = 4;
 
-// [payload][scales S x 4][top-k K x int32][weights K x f32][source token int32][extra int32]
-// extra: the local-rank mask in RDMA slots, the source domain in NVLink slots.
-struct Slot {
-  int hidden_bytes, num_scales, num_topk;
-  __device__ int32_t* scales(uint8_t* s) const { return reinterpret_cast<int32_t*>(s + hidden_bytes); }
-  __device__ int32_t* idx(uint8_t* s) const { return scales(s) + num_scales; }
-  __device__ float* weights(uint8_t* s) const { return reinterpret_cast<float*>(idx(s) + num_topk); }
-  __device__ int32_t* source(uint8_t* s) const { return reinterpret_cast<int32_t*>(weights(s) + num_topk); }
-  __device__ int32_t* extra(uint8_t* s) const { return source(s) + 1; }
-};
+// Slots: DispatchSlot (ring_layout.cuh) with its tag: the local-rank mask in RDMA slots, the source domain in
+// NVLink slots.
 
 // ------------------------------------------------------------------ RDMA sender
 __device__ void rdma_send(const DispatchArgs& a, int ch, int group, int groups, int group_warp, int warps, int lane,
@@ -46,7 +37,7 @@ __device__ void rdma_send(const DispatchArgs& a, int ch, int group, int groups, 
   const Common& c = a.c;
   const int R = c.num_ranks, nvl = c.nvl_size;
   RdmaControl* ctl = rdma_ctl(c);
-  const Slot layout{a.hidden_bytes, a.num_scales, a.num_topk};
+  const DispatchSlot layout{a.hidden_bytes, a.num_scales, a.num_topk};
   const int bar = 1 + group, threads = warps * 32;
   const bool leader = group_warp == 0 && lane == 0;
   int begin, end;
@@ -87,12 +78,11 @@ __device__ void rdma_send(const DispatchArgs& a, int ch, int group, int groups, 
       }
       __syncwarp();
       if (n == 0) break;
-      if (leader) {
-        bool ok = true;
-        while (ok && tail + n - ptx::ld_acquire_sys(head) > static_cast<uint64_t>(a.rdma_slots)) {
-          if (dog.expired(kPhaseRdmaSend, team_pe(c, x))) ok = false;
-        }
-        *shared_ok = ok;
+      if (leader) {  // head: written by x's forwarder (rdma_credit) after its loads of the slots
+        uint64_t consumed;
+        *shared_ok = wait_while(head, consumed,
+                                [&](uint64_t h) { return tail + n - h > static_cast<uint64_t>(a.rdma_slots); }, dog,
+                                kPhaseRdmaSend, team_pe(c, x));
       }
       ptx::group_sync(bar, threads);  // the credit acquired by the leader covers the slots below
       if (!*shared_ok) return;
@@ -101,7 +91,7 @@ __device__ void rdma_send(const DispatchArgs& a, int ch, int group, int groups, 
       const int lo = min(n, group_warp * per), hi = min(n, lo + per);
       for (int i = lo; i < hi; ++i) {
         const int t = chunk_tokens[i];
-        uint8_t* slot = ring + static_cast<size_t>((tail + i) % a.rdma_slots) * a.rdma_slot_bytes;
+        uint8_t* slot = ring_slot(ring, tail + i, a.rdma_slots, a.rdma_slot_bytes);
         warp_copy<false, kUnroll>(reinterpret_cast<int4*>(slot),
                                   reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(t) * a.hidden_bytes),
                                   a.hidden_bytes / 16, lane);
@@ -112,7 +102,7 @@ __device__ void rdma_send(const DispatchArgs& a, int ch, int group, int groups, 
         }
         if (lane == 0) {
           *layout.source(slot) = t;
-          *layout.extra(slot) = chunk_masks[i];
+          *layout.tag(slot) = chunk_masks[i];
         }
       }
       rdma_put_rows(c, x, ch, tail + lo, hi - lo, a.rdma_slots, a.rdma_slot_bytes, lane);
@@ -140,9 +130,9 @@ __device__ void forward(const DispatchArgs& a, int ch, int warp, int lane, const
   const Common& c = a.c;
   const int D = c.num_domains, nvl = c.nvl_size, C = a.num_channels;
   RdmaControl* rctl = rdma_ctl(c);
-  intranode::Control* nctl = nvl_ctl(c, c.local);
-  const Slot rlayout{a.hidden_bytes, a.num_scales, a.num_topk};
-  const Slot nlayout = rlayout;
+  nvlink::Control* nctl = nvl_ctl(c, c.local);
+  const DispatchSlot rlayout{a.hidden_bytes, a.num_scales, a.num_topk};
+  const DispatchSlot nlayout = rlayout;
   const int L = a.experts_per_rank;
   const int step_max = min(kFwdStep, a.nvl_slots);
 
@@ -208,9 +198,9 @@ __device__ void forward(const DispatchArgs& a, int ch, int warp, int lane, const
         n = min(avail, step_max);
         int mask = 0;
         if (lane < n) {
-          const uint8_t* slot = rdma_recv_ring(c, pick, ch, a.rdma_slots, a.rdma_slot_bytes) +
-                                static_cast<size_t>((rhead[pick] + lane) % a.rdma_slots) * a.rdma_slot_bytes;
-          mask = ptx::ld_cg(rlayout.extra(const_cast<uint8_t*>(slot)));
+          const uint8_t* slot = ring_slot(rdma_recv_ring(c, pick, ch, a.rdma_slots, a.rdma_slot_bytes), rhead[pick] + lane,
+                                          a.rdma_slots, a.rdma_slot_bytes);
+          mask = ptx::ld_cg(rlayout.tag(const_cast<uint8_t*>(slot)));
           s_mask[lane] = mask;
         }
         int my_cnt = 0;
@@ -220,15 +210,13 @@ __device__ void forward(const DispatchArgs& a, int ch, int warp, int lane, const
           if (lane == j) my_cnt = __popc(b);
         }
         int good = 1;
-        if (lane < nvl) {
+        if (lane < nvl) {  // FIFO head: written by local rank `lane`'s receiver after its slot loads
           s_cnt[lane] = my_cnt;
-          const uint64_t* head = &nctl->fifo_head[ch][lane];
-          while (my_cnt > 0 && s_tail[lane] + my_cnt - ptx::ld_acquire_sys(head) > static_cast<uint64_t>(a.nvl_slots)) {
-            if (dog.expired(kPhaseForwardSend, c.domain * nvl + lane)) {
-              good = 0;
-              break;
-            }
-          }
+          uint64_t consumed;
+          good = my_cnt == 0 ||
+                 wait_while(&nctl->fifo_head[ch][lane], consumed,
+                            [&](uint64_t h) { return s_tail[lane] + my_cnt - h > static_cast<uint64_t>(a.nvl_slots); },
+                            dog, kPhaseForwardSend, c.domain * nvl + lane);
         }
         ok = __all_sync(0xffffffffu, good);
       }
@@ -247,9 +235,9 @@ __device__ void forward(const DispatchArgs& a, int ch, int warp, int lane, const
       const int i = item / nvl, j = item % nvl;
       const int pos = s_pos[i][j];
       if (pos < 0) continue;
-      uint8_t* src = const_cast<uint8_t*>(ring) + static_cast<size_t>((rhead[x] + i) % a.rdma_slots) * a.rdma_slot_bytes;
-      uint8_t* dst = nvl_ring(c, c.nvl[j], c.local, ch, a.nvl_slots, a.nvl_slot_bytes) +
-                     static_cast<size_t>((s_tail[j] + pos) % a.nvl_slots) * a.nvl_slot_bytes;
+      uint8_t* src = ring_slot(const_cast<uint8_t*>(ring), rhead[x] + i, a.rdma_slots, a.rdma_slot_bytes);
+      uint8_t* dst = ring_slot(nvl_ring(c, c.nvl[j], c.local, ch, a.nvl_slots, a.nvl_slot_bytes), s_tail[j] + pos,
+                               a.nvl_slots, a.nvl_slot_bytes);
       warp_copy<true, kUnroll>(reinterpret_cast<int4*>(dst), reinterpret_cast<const int4*>(src), a.hidden_bytes / 16, lane);
       for (int k = lane; k < a.num_scales; k += 32) nlayout.scales(dst)[k] = ptx::ld_cg(rlayout.scales(src) + k);
       if (lane < a.num_topk) {
@@ -262,7 +250,7 @@ __device__ void forward(const DispatchArgs& a, int ch, int warp, int lane, const
       }
       if (lane == 0) {
         *nlayout.source(dst) = ptx::ld_cg(rlayout.source(src));
-        *nlayout.extra(dst) = x;
+        *nlayout.tag(dst) = x;
       }
     }
     if (a.fwd_mask != nullptr && static_cast<int>(threadIdx.x) < n) {
@@ -296,11 +284,11 @@ __device__ void nvl_receive(const DispatchArgs& a, int ch, int l, int group_warp
                             uint64_t* shared_tail, int* rows, int* next, const Watchdog& dog) {
   const Common& c = a.c;
   const int nvl = c.nvl_size, C = a.num_channels;
-  intranode::Control* nctl = nvl_ctl(c, c.local);
+  nvlink::Control* nctl = nvl_ctl(c, c.local);
   ChannelReceiver rx{nvl_ring(c, c.nvl[c.local], l, ch, a.nvl_slots, a.nvl_slot_bytes), &nctl->fifo_tail[ch][l],
                      &nvl_ctl(c, l)->fifo_head[ch][c.local], &nctl->head_copy[ch][l], a.nvl_slots, a.nvl_slot_bytes,
                      *reinterpret_cast<volatile uint64_t*>(&nctl->head_copy[ch][l])};
-  const Slot layout{a.hidden_bytes, a.num_scales, a.num_topk};
+  const DispatchSlot layout{a.hidden_bytes, a.num_scales, a.num_topk};
   const int bar = 1 + l, threads = warps * 32;
   const bool leader = group_warp == 0 && lane == 0;
   int total = 0;
@@ -324,7 +312,7 @@ __device__ void nvl_receive(const DispatchArgs& a, int ch, int l, int group_warp
       __syncwarp();  // lane 0's tail acquire before every lane's slot loads
       if (seen != 0) {
         const int n = static_cast<int>(min(min(seen, last) - rx.head, static_cast<uint64_t>(kMaxChunk)));
-        const int x = lane < n ? ptx::ld_cg(layout.extra(const_cast<uint8_t*>(rx.slot(rx.head + lane)))) : -1;
+        const int x = lane < n ? ptx::ld_cg(layout.tag(const_cast<uint8_t*>(rx.slot(rx.head + lane)))) : -1;
         const unsigned same = __match_any_sync(0xffffffffu, x);
         const int base = lane < n ? next[x] : 0;
         __syncwarp();
@@ -408,7 +396,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a) {
 
 void launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
   dispatch_kernel<<<3 * args.num_channels, kThreads, 0, stream>>>(args);
-  intranode::check_launch("internode dispatch_kernel");
+  check_launch("internode dispatch_kernel");
 }
 
 }  // namespace moe_dispatcher::internode

@@ -22,7 +22,7 @@
 // each member sent after finishing notify e (including reading the parity-p slot); the domain
 // messages follow the intranode argument (two barriers). The staging area is double-buffered by
 // parity too, and each put is completed (quiet) inside the kernel.
-#include "kernels/intranode/launch_check.cuh"
+#include "kernels/common/launch_check.cuh"
 #include "kernels/internode/common.cuh"
 
 namespace moe_dispatcher::internode {
@@ -35,8 +35,8 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a)
   const int R = c.num_ranks, D = c.num_domains, nvl = c.nvl_size, me = c.rank;
   const int C = a.num_channels, L = a.num_experts / R;
   RdmaControl* rctl = rdma_ctl(c);
-  intranode::Control* nctl = nvl_ctl(c, c.local);
-  intranode::Mailbox* box = c.mailbox;
+  nvlink::Control* nctl = nvl_ctl(c, c.local);
+  nvlink::Mailbox* box = c.mailbox;
 
   __shared__ int count[kMaxChannels][kMaxRanks];     // my rows per (channel, destination rank)
   __shared__ int dcount[kMaxChannels][kMaxDomains];  // my tokens per (channel, destination domain)
@@ -73,7 +73,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a)
       sum += v;
       v = sum;
     }
-    if (col < R && sum != a.num_tokens_per_rank[col]) atomicOr(&flags, intranode::kFlagLayoutMismatch);
+    if (col < R && sum != a.num_tokens_per_rank[col]) atomicOr(&flags, nvlink::kFlagLayoutMismatch);
   }
   __syncthreads();
 
@@ -212,7 +212,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a)
 
 void launch_notify(const NotifyArgs& args, cudaStream_t stream) {
   notify_kernel<<<1, kNotifyThreads, 0, stream>>>(args);
-  intranode::check_launch("internode notify_kernel");
+  check_launch("internode notify_kernel");
 }
 
 }  // namespace moe_dispatcher::internode

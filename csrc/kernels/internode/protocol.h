@@ -3,7 +3,7 @@
 //
 // Ranks: r = domain * nvl_size + local. The "team" of a rank is the set of ranks with its local
 // index, one per domain; tokens cross domains only inside a team, over NVSHMEM (public API, any
-// transport). Inside a domain, rows move over CUDA IPC through the intranode channel FIFOs
+// transport). Inside a domain, rows move over CUDA IPC through the channel FIFOs
 // (kernels/common/channel.cuh), in the NVLink buffer of intranode::IpcBuffer opened over the domain.
 //
 // Every byte offset below is computed by the Python backend (moe_dispatcher/compiled/internode.py,
@@ -16,17 +16,17 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "kernels/intranode/protocol.h"
+#include "kernels/common/nvlink_buffer.h"
 
 namespace moe_dispatcher::internode {
 
 constexpr int kMaxRanks = 64;
 constexpr int kMaxDomains = 64;
-constexpr int kMaxNvl = intranode::kMaxRanks;  // 8
-constexpr int kMaxChannels = intranode::kMaxChannels;
-constexpr int kMaxLocalExperts = intranode::kMaxLocalExperts;
-constexpr int kMaxTopk = intranode::kMaxTopk;
-constexpr int kMaxChunk = intranode::kMaxChunk;
+constexpr int kMaxNvl = nvlink::kMaxRanks;  // 8
+constexpr int kMaxChannels = nvlink::kMaxChannels;
+constexpr int kMaxLocalExperts = nvlink::kMaxLocalExperts;
+constexpr int kMaxTopk = nvlink::kMaxTopk;
+constexpr int kMaxChunk = nvlink::kMaxChunk;
 
 // Phases named in timeout errors (distinct from the intranode ones; same TimeoutRecord).
 enum Phase : int32_t {
@@ -63,8 +63,8 @@ constexpr size_t kRdmaControlBytes = (sizeof(RdmaControl) + 4095) / 4096 * 4096;
 // Byte offsets (computed in Python). RDMA buffer:
 //   [RdmaControl][team messages [2][D][msg_ints]][team message staging [2][D][msg_ints]]
 //   [receive rings [D][C][slots][slot_bytes]][send staging [D][C][slots][slot_bytes]]
-// NVLink buffer (intranode::IpcBuffer over the domain):
-//   [intranode::Control (barrier, FIFO words)][domain messages [2][R][nvl_msg_ints]][rings [nvl][C][slots][slot]]
+// NVLink buffer (intranode::IpcBuffer over the domain; common/nvlink_buffer.h):
+//   [nvlink::Control (barrier, FIFO words)][domain messages [2][R][nvl_msg_ints]][rings [nvl][C][slots][slot]]
 struct Layout {
   size_t rdma_msg_offset, rdma_msg_staging_offset, rdma_recv_offset, rdma_send_offset;
   size_t rdma_domain_bytes;   // bytes of one domain's block of rings (C x slots x slot_bytes, rounded)
@@ -79,7 +79,7 @@ struct Common {
   uint8_t* nvl[kMaxNvl];      // the domain's NVLink buffers as mapped here (index = local rank)
   uint8_t* rdma;              // this rank's symmetric buffer (a symmetric address for NVSHMEM calls)
   int rank, num_ranks, nvl_size, num_domains, local, domain;
-  intranode::Mailbox* mailbox;
+  nvlink::Mailbox* mailbox;
   uint64_t timeout_ns;
   Layout layout;
 };

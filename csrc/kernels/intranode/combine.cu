@@ -4,158 +4,30 @@
 // the token: out = cast(bias_0 + bias_1 + sum over ranks ascending), accumulated in float32 in that
 // order, exactly like the reference; the returned top-k weights are summed the same way.
 //
-// Two kernels move the rows (args.protocol); they share the per-row code (send_row, reduce_token), so they
-// give the same bits:
-// - combine_kernel (chunked, channel.cuh): a receiver takes a batch of 32 x batch_windows tokens at a time:
-//   it learns from is_token_in_rank how many rows each ring must deliver, waits for them (thread 0 acquires
-//   each tail), reduces (one warp per token), then releases the consumed slots of every ring.
-// - combine_stream_kernel (stream.cuh): senders as in dispatch; a receiver warp takes tokens round robin
-//   and waits only for its own token's rows, and a release warp returns the slots of every token below the
-//   smallest one still in progress. No block-wide barrier, so reducing overlaps the arrival of later rows.
+// Rows move as in dispatch (rings.cuh): sender warps at their own pace behind a publisher warp; a receiver
+// warp takes tokens round robin and waits only for its own token's rows, and a release warp returns the
+// slots of every token below the smallest one still in progress. No block-wide barrier, so reducing overlaps
+// the arrival of later rows.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include "kernels/common/channel.cuh"
+#include "kernels/common/copy.cuh"
+#include "kernels/common/launch_check.cuh"
+#include "kernels/common/ring_layout.cuh"
 #include "kernels/common/vec.cuh"
-#include "kernels/intranode/em_pairs.cuh"
-#include "kernels/intranode/copy.cuh"
-#include "kernels/intranode/launch_check.cuh"
 #include "kernels/intranode/protocol.h"
-#include "kernels/intranode/stream.cuh"
+#include "kernels/intranode/rings.cuh"
 
 namespace moe_dispatcher::intranode {
 namespace {
 
-// Fewer threads than dispatch: the receiver keeps 8 rows in flight per lane and needs the registers.
-constexpr int kCombineThreads = 512;
-constexpr int kCombineWarps = kCombineThreads / 32;
-
-// Expert-major combine, sender side: the partial sum of received row r over its pairs here (slot order,
-// float32, each term x[pos] * em_weights[pos] rounded to float32 when weighted; explicit _rn intrinsics
-// so no FMA contraction changes the rounding), rounded to T, into the ring slot; then the per-slot
-// top-k weights. Bit-identical to unpermute() in moe_dispatcher/expert_major.py followed by the rank-major
-// send.
-//
-// Speed: a row's pairs are compacted first (lane i holds the i-th valid pair in slot order, n of them), then
-// the loads of a group of kGroup pairs x kUnroll vectors per lane (8 independent 16-byte loads) are all issued
-// before any accumulation, instead of 2 loads at a time per pair, one pair after the other. x is a
-// read-only input for the whole kernel, so the loads are plain __ldg (ld.global.nc) that the compiler may
-// batch, unlike the volatile asm loads that the ring protocol needs. kGroup = 2 suits E=256 top-8 on 4-8
-// ranks, where a received row holds 1-3 pairs; 8 loads per lane is what fits beside the receiver's
-// registers (the kernel is capped at 128: more, or a second variant per pair count, spills).
-constexpr int kEmLoadsInFlight = 8;
-
-// The float32 sums of kUnroll vectors per lane are carried from group to group (slot order kept). kLoads: the
-// loads in flight per lane (the stream kernel, with fewer registers, takes 4; the order of the sums is the same).
-template <typename T, int kLoads>
-__device__ __forceinline__ void em_sum_many(const CombineArgs& a, int n, int cpos, float cw, uint8_t* slot,
-                                            int row_bytes, int lane) {
-  constexpr int kGroup = 2, kUnroll = kLoads / kGroup;
-  const int vecs = row_bytes / 16;
-  const bool weighted = a.em_weights != nullptr;
-#pragma unroll 1
-  for (int base = lane; base - lane < vecs; base += 32 * kUnroll) {  // same iterations on every lane
-    float acc[kUnroll][Vec<T>::kElems];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-#pragma unroll
-      for (int e = 0; e < Vec<T>::kElems; ++e) acc[u][e] = 0.f;
-    }
-#pragma unroll 1
-    for (int g = 0; g < n; g += kGroup) {
-      Vec<T> x[kGroup][kUnroll];
-      float wt[kGroup];
-#pragma unroll
-      for (int i = 0; i < kGroup; ++i) {
-        const int p = __shfl_sync(0xffffffffu, cpos, (g + i) & 31);
-        wt[i] = __shfl_sync(0xffffffffu, cw, (g + i) & 31);
-        const int4* src = reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(g + i < n ? p : 0) * row_bytes);
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          if (g + i < n && base + u * 32 < vecs) x[i][u].raw = __ldg(src + base + u * 32);
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < kGroup; ++i) {
-        if (g + i >= n) break;
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-#pragma unroll
-          for (int e = 0; e < Vec<T>::kElems; ++e) {
-            const float term = weighted ? __fmul_rn(to_float(x[i][u].elems[e]), wt[i]) : to_float(x[i][u].elems[e]);
-            acc[u][e] = __fadd_rn(acc[u][e], term);
-          }
-        }
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int v = base + u * 32;
-      if (v >= vecs) break;
-      Vec<T> out;
-#pragma unroll
-      for (int e = 0; e < Vec<T>::kElems; ++e) out.elems[e] = from_float<T>(acc[u][e]);
-      reinterpret_cast<int4*>(slot)[v] = out.raw;
-    }
-  }
-}
-
-// Writes the row's partial sum to `slot` and, when em_topk_weights is given, its K per-slot weights to
-// `slot_w` (the ring slot's tail). em_unpermute.cu computes the same numbers for the split variant.
-template <typename T, int kLoads = kEmLoadsInFlight>
-__device__ __forceinline__ void send_em_row(const CombineArgs& a, int64_t r, uint8_t* slot, float* slot_w,
-                                            int row_bytes, int lane) {
-  const EmRowPairs p = em_row_pairs(a.em_inverse, a.em_weights, r, a.em_topk, lane);
-  em_sum_many<T, kLoads>(a, p.n, p.cpos, p.cw, slot, row_bytes, lane);  // n == 0 (pairs dropped): zeros
-  if (a.em_topk_weights != nullptr && slot_w != nullptr && lane < a.em_topk) {
-    slot_w[lane] = p.pos >= 0 ? a.em_topk_weights[p.pos] : 0.f;
-  }
-}
-
-// Whole warp: received row r (or, expert-major, its partial sum) and its top-k weights into a ring slot.
-// kEm: whether a.em_inverse may be set (false compiles the rank-major path alone).
-template <typename T, bool kEm = true, int kEmLoads = kEmLoadsInFlight>
+// Whole warp: received row r and its top-k weights into a ring slot.
 __device__ __forceinline__ void send_row(const CombineArgs& a, int64_t r, uint8_t* slot, int row_bytes, int lane) {
-  if (kEm && a.em_inverse != nullptr) {
-    send_em_row<T, kEmLoads>(a, r, slot, reinterpret_cast<float*>(slot + row_bytes), row_bytes, lane);
-    return;
-  }
   warp_copy<false, 8>(reinterpret_cast<int4*>(slot), reinterpret_cast<const int4*>(a.x + r * row_bytes),
                       row_bytes / 16, lane);
   if (a.topk_weights != nullptr && lane < a.num_topk) {
     reinterpret_cast<float*>(slot + row_bytes)[lane] = a.topk_weights[r * a.num_topk + lane];
-  }
-}
-
-template <typename T>
-__device__ void send_channel(const CombineArgs& a, int c, int s, int group_warp, int warps, int lane, bool leader,
-                             int* shared_ok, const Watchdog& dog) {
-  const int me = a.c.rank;
-  auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
-  auto* dst_ctl = reinterpret_cast<Control*>(a.c.peers[s]);
-  ChannelSender ch{ring_slots(a.c.peers[s], a.c.src_block_bytes, me, c, a.num_slots, a.slot_bytes),
-                   &dst_ctl->fifo_tail[c][me], &ctl->fifo_head[c][s], &ctl->tail_copy[c][s],
-                   a.num_slots, a.slot_bytes,
-                   *reinterpret_cast<volatile uint64_t*>(&ctl->tail_copy[c][s])};
-  const int bar = 1 + s, threads = warps * 32;
-  const int row_bytes = a.hidden * (a.dtype == kFp32 ? 4 : 2);
-
-  if (!sender_group_ready(ctl, s, leader, threads, shared_ok, dog)) return;
-
-  const int* offsets = a.recv_channel_offset + s * (a.num_channels + 1);
-  for (int row = offsets[c], end = offsets[c + 1]; row < end;) {
-    const int n = min(a.chunk, end - row);
-    if (leader) *shared_ok = ch.reserve(n, dog, kPhaseCombineSend, s);
-    ptx::group_sync(bar, threads);
-    if (!*shared_ok) return;
-    for (int i = group_warp; i < n; i += warps) {
-      const int64_t r = row + i;
-      if (r >= a.num_x_rows) continue;  // dropped by a num_worst_tokens overflow (reported by notify)
-      send_row<T>(a, r, ch.slot(i), row_bytes, lane);
-    }
-    ptx::group_sync(bar, threads);
-    ch.advance(n, leader);
-    row += n;
   }
 }
 
@@ -220,128 +92,24 @@ __device__ __forceinline__ void reduce_token(const CombineArgs& a, int64_t token
   }
 }
 
-template <typename T, int kRanks>
-__device__ void receive_channel(const CombineArgs& a, int c, int warp, int lane, const Watchdog& dog) {
-  __shared__ uint64_t head[kMaxRanks];                 // rows consumed from ring (c, d); thread 0 changes it
-  __shared__ unsigned window_mask[kMaxWindows][kMaxRanks];  // is_token_in_rank bits of each 32-token window
-  __shared__ int window_offset[kMaxWindows][kMaxRanks];     // rows of ring d before the window, in the batch
-  __shared__ int batch_rows[kMaxRanks];
-  __shared__ int ok;
-  const int me = a.c.rank, num_ranks = a.c.num_ranks;
-  auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
-  const int row_bytes = a.hidden * static_cast<int>(sizeof(T));
-  const int windows = a.batch_windows;
-  if (threadIdx.x < num_ranks) head[threadIdx.x] = *reinterpret_cast<volatile uint64_t*>(&ctl->head_copy[c][threadIdx.x]);
-  const uint8_t* ring0 = ring_slots(a.c.peers[me], a.c.src_block_bytes, 0, c, a.num_slots, a.slot_bytes);
-  int begin, end;
-  channel_range(a.num_tokens, a.num_channels, c, begin, end);
-
-  for (int base = begin; base < end; base += 32 * windows) {
-    if (warp < windows) {
-      const int t = base + warp * 32 + lane;
-#pragma unroll
-      for (int d = 0; d < kRanks; ++d) {
-        const bool hit = d < num_ranks && t < end && a.is_token_in_rank[static_cast<int64_t>(t) * num_ranks + d];
-        const unsigned m = __ballot_sync(0xffffffffu, hit);
-        if (lane == 0) window_mask[warp][d] = m;
-      }
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      int good = 1;
-      for (int d = 0; d < num_ranks; ++d) {
-        int rows = 0;
-        for (int w = 0; w < windows; ++w) {
-          window_offset[w][d] = rows;
-          rows += __popc(window_mask[w][d]);
-        }
-        batch_rows[d] = rows;
-        while (good && ptx::ld_acquire_sys(&ctl->fifo_tail[c][d]) < head[d] + rows) {
-          if (dog.expired(kPhaseCombineRecv, d)) good = 0;
-        }
-      }
-      ok = good;
-    }
-    __syncthreads();  // the tails acquired by thread 0 cover every slot read below
-    if (!ok) return;
-
-    const int count = min(32 * windows, end - base);
-    for (int j = warp; j < count; j += kCombineWarps) {
-      const int64_t token = base + j;
-      const int w = j >> 5;
-      const unsigned below = (1u << (j & 31)) - 1u;
-      const uint8_t* src[kRanks];  // row of ring d for this token, or null; ascending d = sum order
-#pragma unroll
-      for (int d = 0; d < kRanks; ++d) {
-        src[d] = nullptr;
-        if (d < num_ranks) {
-          const unsigned m = window_mask[w][d];
-          if ((m >> (j & 31)) & 1u) {
-            const uint64_t index = head[d] + window_offset[w][d] + __popc(m & below);
-            src[d] = ring0 + d * a.c.src_block_bytes + static_cast<size_t>(index % a.num_slots) * a.slot_bytes;
-          }
-        }
-      }
-      reduce_token<T, kRanks>(a, token, src, row_bytes, lane);
-    }
-    __syncthreads();  // every load of this batch's slots precedes the releases below
-    if (threadIdx.x == 0) {
-      for (int d = 0; d < num_ranks; ++d) {
-        if (batch_rows[d] == 0) continue;
-        head[d] += batch_rows[d];
-        // Peer d may now overwrite these slots of its ring to me.
-        ptx::st_release_sys(&reinterpret_cast<Control*>(a.c.peers[d])->fifo_head[c][me], head[d]);
-      }
-    }
-  }
-  __syncthreads();
-  if (threadIdx.x < num_ranks) ctl->head_copy[c][threadIdx.x] = head[threadIdx.x];
-}
-
-template <typename T>
-__global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs a) {
-  __shared__ int shared_ok[kMaxRanks];
-  const int num_ranks = a.c.num_ranks;
-  const int c = blockIdx.x >> 1;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  auto* ctl = reinterpret_cast<Control*>(a.c.peers[a.c.rank]);
-  const Watchdog dog = make_watchdog(a.c.timeout_ns, a.c.rank, &ctl->timeout_claim, &a.c.mailbox->timeout);
-  if (blockIdx.x & 1) {
-    if (num_ranks <= 2) {
-      receive_channel<T, 2>(a, c, warp, lane, dog);
-    } else if (num_ranks <= 4) {
-      receive_channel<T, 4>(a, c, warp, lane, dog);
-    } else {
-      receive_channel<T, 8>(a, c, warp, lane, dog);
-    }
-    return;
-  }
-  const int warps = kCombineWarps / num_ranks;
-  const int group = warp / warps, group_warp = warp % warps;
-  if (group >= num_ranks) return;
-  send_channel<T>(a, c, group, group_warp, warps, lane, group_warp == 0 && lane == 0, &shared_ok[group], dog);
-}
-
-// ------------------------------------------------------------------ stream protocol (stream.cuh)
 // Sender blocks: 19 copy warps (19 / R per ring) and the publisher warp. Receiver blocks: 19 reduce warps and
 // the release warp. 20 warps are 5 per SM sub-partition, which leaves 96 registers per thread (17 would too).
-constexpr int kStreamCombineWarps = 19;
-constexpr int kStreamEmLoads = 4;  // expert-major partial sums: loads in flight per lane (8 spill at 96 registers)
-constexpr int kStreamCombineThreads = (kStreamCombineWarps + 1) * 32;
+constexpr int kCombineWarps = 19;
+constexpr int kCombineThreads = (kCombineWarps + 1) * 32;
 
 // Sender warp `gw` of the `warps` serving source rank s: received rows gw, gw + warps, ... of channel c
 // (those that came from s) into ring (c, me -> s).
-template <typename T, bool kEm>
-__device__ void stream_send(const CombineArgs& a, int c, int s, int gw, int warps, int lane, uint64_t tail0,
-                            StreamBoard& board, int* shared_ok, const Watchdog& dog) {
+template <typename T>
+__device__ void send_ring(const CombineArgs& a, int c, int s, int gw, int warps, int lane, uint64_t tail0,
+                            RingBoard& board, int* shared_ok, const Watchdog& dog) {
   const int me = a.c.rank;
   auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
-  uint8_t* ring = ring_slots(a.c.peers[s], a.c.src_block_bytes, me, c, a.num_slots, a.slot_bytes);
+  uint8_t* ring = ring_at(a.c.peers[s] + kRingsOffset, a.c.src_block_bytes, me, c, a.num_slots, a.slot_bytes);
   const uint64_t* head = &ctl->fifo_head[c][s];
   const int row_bytes = a.hidden * static_cast<int>(sizeof(T));
 
   if (!sender_group_ready(ctl, s, gw == 0 && lane == 0, warps * 32, shared_ok, dog)) {
-    board_leave(board, s, gw, -1, lane);
+    board.leave(s, gw, -1, lane);
     return;
   }
   const int* offsets = a.recv_channel_offset + s * (a.num_channels + 1);
@@ -351,17 +119,17 @@ __device__ void stream_send(const CombineArgs& a, int c, int s, int gw, int warp
   for (; k < count; k += warps) {
     const uint64_t row = tail0 + static_cast<uint64_t>(k);
     if (!warp_outcome(lane != 0 || wait_free_slot(head, head_seen, row, a.num_slots, dog, kPhaseCombineSend, s))) {
-      board_leave(board, s, gw, -1, lane);
+      board.leave(s, gw, -1, lane);
       return;
     }
     const int64_t r = row0 + static_cast<int64_t>(k);
     if (r < a.num_x_rows) {  // else dropped by a num_worst_tokens overflow (reported by notify)
-      uint8_t* slot = ring + static_cast<size_t>(row % a.num_slots) * a.slot_bytes;
-      send_row<T, kEm, kStreamEmLoads>(a, r, slot, row_bytes, lane);
+      uint8_t* slot = ring_slot(ring, row, a.num_slots, a.slot_bytes);
+      send_row(a, r, slot, row_bytes, lane);
     }
-    board_advance(board, s, gw, k + warps, lane);
+    board.advance(s, gw, k + warps, lane);
   }
-  board_leave(board, s, gw, k, lane);
+  board.leave(s, gw, k, lane);
 }
 
 // A warp's walk over its channel's tokens for every ring at once, 32 tokens at a time: lane d (< R) holds
@@ -417,7 +185,7 @@ struct RingScan {
 // ld.acquire.sys of ring d's tail) only for this token's row of ring d; then the warp reduces the token.
 // Board entry next[0][warp]: the warp's next token (relative to begin); tokens below it are done.
 template <typename T, int kRanks>
-__device__ void stream_reduce(const CombineArgs& a, int c, int warp, int lane, uint64_t head0, StreamBoard& board,
+__device__ void reduce_tokens(const CombineArgs& a, int c, int warp, int lane, uint64_t head0, RingBoard& board,
                               const Watchdog& dog) {
   const int me = a.c.rank, num_ranks = a.c.num_ranks;
   auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
@@ -426,24 +194,24 @@ __device__ void stream_reduce(const CombineArgs& a, int c, int warp, int lane, u
   channel_range(a.num_tokens, a.num_channels, c, begin, end);
   const bool ring_lane = lane < num_ranks;
   const uint8_t* ring =
-      ring_lane ? ring_slots(a.c.peers[me], a.c.src_block_bytes, lane, c, a.num_slots, a.slot_bytes) : nullptr;
+      ring_lane ? ring_at(a.c.peers[me] + kRingsOffset, a.c.src_block_bytes, lane, c, a.num_slots, a.slot_bytes) : nullptr;
   const uint64_t* tail = ring_lane ? &ctl->fifo_tail[c][lane] : nullptr;
   uint64_t seen = 0;
   RingScan<kRanks> scan{a.is_token_in_rank, num_ranks, end};
   scan.start(begin, lane);
   int j = warp;
-  for (; begin + j < end; j += kStreamCombineWarps) {
+  for (; begin + j < end; j += kCombineWarps) {
     const int t = begin + j;
     scan.seek(t, lane);
     const bool has = ring_lane && scan.has(t);
     const uint64_t index = head0 + static_cast<uint64_t>(scan.rows_before(t));
     const bool ok = !has || wait_published(tail, seen, index, dog, kPhaseCombineRecv, lane);
     if (!__all_sync(0xffffffffu, ok)) {
-      board_leave(board, 0, warp, -1, lane);
+      board.leave(0, warp, -1, lane);
       return;
     }
     __syncwarp();  // every lane's tail acquire before every lane's slot loads
-    const uint8_t* mine = has ? ring + static_cast<size_t>(index % a.num_slots) * a.slot_bytes : nullptr;
+    const uint8_t* mine = has ? ring_slot(ring, index, a.num_slots, a.slot_bytes) : nullptr;
     const uint8_t* src[kRanks];  // ascending d = sum order
 #pragma unroll
     for (int d = 0; d < kRanks; ++d) {
@@ -451,16 +219,16 @@ __device__ void stream_reduce(const CombineArgs& a, int c, int warp, int lane, u
           __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(mine), d));
     }
     reduce_token<T, kRanks>(a, t, src, row_bytes, lane);
-    board_advance(board, 0, warp, j + kStreamCombineWarps, lane);
+    board.advance(0, warp, j + kCombineWarps, lane);
   }
-  board_leave(board, 0, warp, j, lane);
+  board.leave(0, warp, j, lane);
 }
 
 // The release warp of a receiver block: lane d returns to rank d the slots of ring d that hold the rows of
 // every token below the smallest board entry (all reduced), st.release.sys of the head in d's buffer, as soon
 // as it moves; at the end, head_copy for the next kernel.
 template <int kRanks>
-__device__ void stream_release(const CombineArgs& a, int c, int lane, uint64_t head0, const StreamBoard& board) {
+__device__ void release_rings(const CombineArgs& a, int c, int lane, uint64_t head0, const RingBoard& board) {
   const int me = a.c.rank, num_ranks = a.c.num_ranks;
   auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
   int begin, end;
@@ -471,13 +239,11 @@ __device__ void stream_release(const CombineArgs& a, int c, int lane, uint64_t h
   int released = 0;
   while (true) {
     // `left` first (lane 0, then a warp barrier): when every warp has left, the entries read after are final.
-    int left = lane == 0 ? ptx::ld_acquire_cta(&board.left[0]) : 0;
+    int left = lane == 0 ? board.left_count(0) : 0;
     left = __shfl_sync(0xffffffffu, left, 0);
     __syncwarp();
-    int j = lane < kStreamCombineWarps ? ptx::ld_acquire_cta(&board.next[0][lane]) : INT_MAX;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) j = min(j, __shfl_xor_sync(0xffffffffu, j, o));
-    __syncwarp();  // every lane's acquire of the board before any lane's release below
+    // Tokens all reduced (the barrier inside orders every lane's acquire before any lane's release below).
+    const int j = board.lowest_in_warp(0, kCombineWarps, lane);
     const int t = begin + min(j, end - begin);
     scan.seek(t, lane);
     const int rows = scan.rows_before(t);
@@ -487,71 +253,62 @@ __device__ void stream_release(const CombineArgs& a, int c, int lane, uint64_t h
       released = rows;
       moved = true;
     }
-    if (left == kStreamCombineWarps) break;
+    if (left == kCombineWarps) break;
     if (!__any_sync(0xffffffffu, moved)) __nanosleep(64);
   }
   if (lane < num_ranks) ctl->head_copy[c][lane] = head0 + static_cast<uint64_t>(released);
 }
 
 template <typename T, int kRanks>
-__device__ void stream_receive(const CombineArgs& a, int c, int warp, int lane, uint64_t head0, StreamBoard& board,
+__device__ void receive_channel(const CombineArgs& a, int c, int warp, int lane, uint64_t head0, RingBoard& board,
                                const Watchdog& dog) {
-  if (warp == kStreamCombineWarps) {
-    stream_release<kRanks>(a, c, lane, head0, board);
+  if (warp == kCombineWarps) {
+    release_rings<kRanks>(a, c, lane, head0, board);
   } else {
-    stream_reduce<T, kRanks>(a, c, warp, lane, head0, board, dog);
+    reduce_tokens<T, kRanks>(a, c, warp, lane, head0, board, dog);
   }
 }
 
-// One instantiation per dtype, rank count (rounded up to 2, 4, 8) and expert-major or not (em_inverse set),
-// so that each compiles only its own paths within the 96 registers (together they would spill).
-template <typename T, int kRanks, bool kEm>
-__global__ void __launch_bounds__(kStreamCombineThreads, 1) combine_stream_kernel(CombineArgs a) {
-  __shared__ StreamBoard board;
+// One instantiation per dtype and rank count (rounded up to 2, 4, 8), so that each compiles only its own
+// paths within the 96 registers.
+template <typename T, int kRanks>
+__global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs a) {
+  __shared__ RingBoard board;
   __shared__ int shared_ok[kMaxRanks];
   const int num_ranks = a.c.num_ranks, me = a.c.rank;
   const int c = blockIdx.x >> 1;
   const bool sender = (blockIdx.x & 1) == 0;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int warps = kStreamCombineWarps / num_ranks;  // sender warps per ring
-  const bool extra = warp == kStreamCombineWarps;     // publisher (sender block) or release warp (receiver)
+  const int warps = kCombineWarps / num_ranks;  // sender warps per ring
+  const bool extra = warp == kCombineWarps;     // publisher (sender block) or release warp (receiver)
   auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
   // The ring whose counter this thread starts from. Sender: the warp's ring (lane p's for the publisher);
   // receiver: lane d holds ring d's head.
   const int ring = sender && !extra ? warp / warps : lane;
-  const uint64_t base = stream_block_start(ctl, board, c, ring, num_ranks, sender);
+  const uint64_t base = ring_block_start(ctl, board, c, ring, num_ranks, sender);
   const Watchdog dog = make_watchdog(a.c.timeout_ns, me, &ctl->timeout_claim, &a.c.mailbox->timeout);
   if (!sender) {
-    stream_receive<T, kRanks>(a, c, warp, lane, base, board, dog);
+    receive_channel<T, kRanks>(a, c, warp, lane, base, board, dog);
     return;
   }
   if (extra) {
     uint64_t* word = lane < num_ranks ? &reinterpret_cast<Control*>(a.c.peers[lane])->fifo_tail[c][me] : nullptr;
     uint64_t* mirror = lane < num_ranks ? &ctl->tail_copy[c][lane] : nullptr;
-    publish_rings(board, num_ranks, warps, max(1, min(a.chunk, a.num_slots / 2)), word, base, mirror, lane);
+    publish_in_order(board, num_ranks, warps, max(1, min(a.chunk, a.num_slots / 2)), word, base, mirror, lane);
     return;
   }
   if (ring >= num_ranks) return;  // idle warps when 19 % R != 0
-  stream_send<T, kEm>(a, c, ring, warp % warps, warps, lane, base, board, &shared_ok[ring], dog);
-}
-
-template <typename T, int kRanks>
-void launch_stream(const CombineArgs& args, dim3 grid, cudaStream_t stream) {
-  if (args.em_inverse != nullptr) {
-    combine_stream_kernel<T, kRanks, true><<<grid, kStreamCombineThreads, 0, stream>>>(args);
-  } else {
-    combine_stream_kernel<T, kRanks, false><<<grid, kStreamCombineThreads, 0, stream>>>(args);
-  }
+  send_ring<T>(a, c, ring, warp % warps, warps, lane, base, board, &shared_ok[ring], dog);
 }
 
 template <typename T>
-void launch_stream(const CombineArgs& args, dim3 grid, cudaStream_t stream) {
+void launch_typed(const CombineArgs& args, dim3 grid, cudaStream_t stream) {
   if (args.c.num_ranks <= 2) {
-    launch_stream<T, 2>(args, grid, stream);
+    combine_kernel<T, 2><<<grid, kCombineThreads, 0, stream>>>(args);
   } else if (args.c.num_ranks <= 4) {
-    launch_stream<T, 4>(args, grid, stream);
+    combine_kernel<T, 4><<<grid, kCombineThreads, 0, stream>>>(args);
   } else {
-    launch_stream<T, 8>(args, grid, stream);
+    combine_kernel<T, 8><<<grid, kCombineThreads, 0, stream>>>(args);
   }
 }
 
@@ -559,19 +316,10 @@ void launch_stream(const CombineArgs& args, dim3 grid, cudaStream_t stream) {
 
 void launch_combine(const CombineArgs& args, cudaStream_t stream) {
   const dim3 grid(2 * args.num_channels);
-  if (args.protocol == kStream) {
-    switch (args.dtype) {
-      case kBf16: launch_stream<__nv_bfloat16>(args, grid, stream); break;
-      case kFp16: launch_stream<__half>(args, grid, stream); break;
-      default: launch_stream<float>(args, grid, stream); break;
-    }
-    check_launch("combine_stream_kernel");
-    return;
-  }
   switch (args.dtype) {
-    case kBf16: combine_kernel<__nv_bfloat16><<<grid, kCombineThreads, 0, stream>>>(args); break;
-    case kFp16: combine_kernel<__half><<<grid, kCombineThreads, 0, stream>>>(args); break;
-    default: combine_kernel<float><<<grid, kCombineThreads, 0, stream>>>(args); break;
+    case kBf16: launch_typed<__nv_bfloat16>(args, grid, stream); break;
+    case kFp16: launch_typed<__half>(args, grid, stream); break;
+    default: launch_typed<float>(args, grid, stream); break;
   }
   check_launch("combine_kernel");
 }

@@ -1,115 +1,28 @@
 // Dispatch (fresh and cached): block 2c sends channel c's tokens to every rank, block 2c+1 receives
-// channel c's rows from every rank. Inside a block, warp group g (24 / R warps) serves peer g.
+// channel c's rows from every rank. Inside a block, the 24 / R copy warps of group g serve peer g, each
+// at its own pace, and one more warp publishes the rings' counters in order (rings.cuh).
 //
-// Sender group for destination d: scans its channel's tokens for is_token_in_rank[t][d], takes up
-// to `chunk` of them, reserves that many slots of ring (c, me -> d), copies each row (payload,
-// scales, top-k rebased to d's local experts with weights zeroed elsewhere, source index) into the
-// slots, and commits the tail. Rows therefore arrive in token order.
-// Receiver group for source s: the k-th row of channel c from s goes to row
+// Sender warps for destination d: walk their channel's tokens with is_token_in_rank[t][d] set; the k-th
+// such token is row k of ring (c, me -> d), taken by warp k % W: payload, scales, top-k rebased to d's
+// local experts with weights zeroed elsewhere, source index. Rows therefore sit in token order.
+// Receiver warps for source s: the k-th row of channel c from s goes to row
 // recv_channel_offset[s][c] + k (computed by notify, or kept in the handle for cached dispatch),
 // which gives exactly the (source rank, token) order of the contract.
-// Two kernels move the rows (args.protocol): dispatch_kernel, in lock-step chunks per warp group
-// (channel.cuh), and dispatch_stream_kernel, every warp at its own pace behind one publisher warp per
-// block (stream.cuh). They share the per-row code (send_row / receive_row), so they give the same bytes.
 #include "kernels/common/channel.cuh"
-#include "kernels/intranode/copy.cuh"
-#include "kernels/intranode/launch_check.cuh"
+#include "kernels/common/copy.cuh"
+#include "kernels/common/launch_check.cuh"
+#include "kernels/common/ring_layout.cuh"
 #include "kernels/intranode/protocol.h"
-#include "kernels/intranode/stream.cuh"
+#include "kernels/intranode/rings.cuh"
 
 namespace moe_dispatcher::intranode {
 namespace {
 
 // 16-byte loads in flight per lane while copying a row (6 and 8 measured no faster than 4).
 constexpr int kDispatchUnroll = 4;
-// Expert-major receive: ring vectors per lane read once and written to each of the row's positions.
-constexpr int kFanoutUnroll = 4;  // 6 or 8 spill (the kernel is capped at 80 registers)
-
-// Expert-major dispatch (em_mode != 0) changes only what the two ends do with a slot: the fresh sender
-// appends each slot's pair rank (expert_major.cu), and the receiver, instead of writing the row once at
-// its rank-major row n, writes it at every expert-major position it owns:
-//   position of (n, k) = em_layout.base[source][local expert of slot k] + pair rank of slot k,
-// which is exactly the (expert, received row, slot) order of the contract, so no sort is needed. It
-// records position -> (n, k) (pair_row / pair_slot) and (n, k) -> position (em_inverse, read by the
-// expert-major combine and the cached dispatch). Positions are disjoint, so the plain stores need no
-// ordering among themselves; the outputs are read only by later kernels on the stream.
-
-// Slot layout: [payload hidden_bytes][scales S x 4][top-k idx K x int32][weights K x f32][source int32]
-// [pair rank K x int32, expert-major fresh dispatch only].
-struct DispatchSlot {
-  int hidden_bytes, num_scales, num_topk;
-  __device__ int32_t* scales(uint8_t* s) const { return reinterpret_cast<int32_t*>(s + hidden_bytes); }
-  __device__ int32_t* idx(uint8_t* s) const { return scales(s) + num_scales; }
-  __device__ float* weights(uint8_t* s) const { return reinterpret_cast<float*>(idx(s) + num_topk); }
-  __device__ int32_t* source(uint8_t* s) const { return reinterpret_cast<int32_t*>(weights(s) + num_topk); }
-  __device__ int32_t* rank(uint8_t* s) const { return source(s) + 1; }
-};
-
-// Copies one ring row to the expert-major rows of the warp's slots: lane j < num_topk holds position
-// `pos` of slot j (-1: none). The positions are compacted first (lane i: the i-th valid one), so the store
-// loop runs over the row's pairs only; each lane reads kUnroll vectors of the ring row once (__ldcg: L2
-// only, like ld.cg, but a plain load the compiler may batch; the tail's acquire and the group barrier
-// before the release are compiler barriers too, so the loads stay inside the window the protocol
-// allows), then stores them to every position, so kUnroll x pairs 16-byte stores are in flight.
-// Every lane runs the same iterations (the shuffles need the full warp).
-template <int kUnroll>
-__device__ __forceinline__ void warp_fanout(uint8_t* dst_rows, int row_bytes, const int4* src, int pos, int lane) {
-  const unsigned valid = __ballot_sync(0xffffffffu, pos >= 0);
-  const int n = __popc(valid);
-  int cpos = -1;
-  for (unsigned rest = valid, i = 0; rest != 0; rest &= rest - 1, ++i) {
-    const int p = __shfl_sync(0xffffffffu, pos, __ffs(rest) - 1);
-    if (lane == static_cast<int>(i)) cpos = p;
-  }
-  if (n == 0) return;
-  const int vecs = row_bytes / 16;
-#pragma unroll 1
-  for (int base = lane; base - lane < vecs; base += 32 * kUnroll) {
-    int4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      if (base + u * 32 < vecs) v[u] = __ldcg(src + base + u * 32);
-    }
-#pragma unroll 1
-    for (int j = 0; j < n; ++j) {
-      const int p = __shfl_sync(0xffffffffu, cpos, j);
-      int4* dst = reinterpret_cast<int4*>(dst_rows + static_cast<int64_t>(p) * row_bytes);
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (base + u * 32 < vecs) dst[base + u * 32] = v[u];
-      }
-    }
-  }
-}
-
-// Expert-major padding rows (each expert's alignment rows and the rows past the last expert up to
-// em_rows): zero payload, scales and weight, pair_row / pair_slot -1. One warp per row.
-__device__ void zero_em_padding(const DispatchArgs& a, int global_warp, int num_warps, int lane) {
-  const ExpertMajorLayout lay{a.c.num_ranks, a.experts_per_rank};
-  const int vecs = a.hidden_bytes / 16;
-  auto zero_row = [&](int64_t m) {
-    auto* x = reinterpret_cast<int4*>(a.em_x + m * a.hidden_bytes);
-    for (int v = lane; v < vecs; v += 32) x[v] = make_int4(0, 0, 0, 0);
-    for (int j = lane; a.em_scales != nullptr && j < a.num_scales; j += 32) a.em_scales[m * a.num_scales + j] = 0;
-    if (lane == 0 && a.em_weights != nullptr) a.em_weights[m] = 0.f;
-    if (lane == 0 && a.em_pair_row != nullptr) {
-      a.em_pair_row[m] = -1;
-      a.em_pair_slot[m] = -1;
-    }
-  };
-  for (int l = global_warp; l < a.experts_per_rank; l += num_warps) {
-    const int end = min(a.em_layout[lay.start(l + 1)], a.em_rows);
-    for (int64_t m = a.em_layout[lay.start(l)] + a.em_layout[lay.count(l)]; m < end; ++m) zero_row(m);
-  }
-  for (int64_t m = static_cast<int64_t>(a.em_layout[lay.start(a.experts_per_rank)]) + global_warp; m < a.em_rows;
-       m += num_warps) {
-    zero_row(m);
-  }
-}
 
 // Whole warp: the slot fields after the payload of token t's row bound for the rank whose experts are
-// [lo, hi): scales, top-k rebased to that rank's local experts (weights zeroed elsewhere), source index, and
-// (expert-major fresh dispatch) the pair ranks.
+// [lo, hi): scales, top-k rebased to that rank's local experts (weights zeroed elsewhere), source index.
 __device__ __forceinline__ void write_meta(const DispatchArgs& a, const DispatchSlot& layout, uint8_t* slot, int t,
                                            int lo, int hi, int lane) {
   for (int j = lane; j < a.num_scales; j += 32) {
@@ -121,10 +34,6 @@ __device__ __forceinline__ void write_meta(const DispatchArgs& a, const Dispatch
     layout.idx(slot)[lane] = local;
     layout.weights(slot)[lane] =
         (local >= 0 && a.topk_weights != nullptr) ? a.topk_weights[static_cast<int64_t>(t) * a.num_topk + lane] : 0.f;
-    // Expert-major: the pair's rank among my pairs for e (-1 where e is not on d; the receiver skips it).
-    if (a.pair_rank != nullptr) {
-      layout.rank(slot)[lane] = local >= 0 ? a.pair_rank[static_cast<int64_t>(t) * a.num_topk + lane] : -1;
-    }
   }
   if (lane == 0) *layout.source(slot) = t;
 }
@@ -138,99 +47,9 @@ __device__ __forceinline__ void send_row(const DispatchArgs& a, const DispatchSl
   write_meta(a, layout, slot, t, lo, hi, lane);
 }
 
-__device__ void send_channel(const DispatchArgs& a, int c, int d, int group_warp, int warps, int lane, bool leader,
-                             int* chunk_tokens, int* shared_ok, const Watchdog& dog) {
-  const int me = a.c.rank, num_ranks = a.c.num_ranks;
-  auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
-  auto* dst_ctl = reinterpret_cast<Control*>(a.c.peers[d]);
-  ChannelSender ch{ring_slots(a.c.peers[d], a.c.src_block_bytes, me, c, a.num_slots, a.slot_bytes),
-                   &dst_ctl->fifo_tail[c][me], &ctl->fifo_head[c][d], &ctl->tail_copy[c][d],
-                   a.num_slots, a.slot_bytes,
-                   *reinterpret_cast<volatile uint64_t*>(&ctl->tail_copy[c][d])};
-  const DispatchSlot layout{a.hidden_bytes, a.num_scales, a.num_topk};
-  const int bar = 1 + d, threads = warps * 32;
-
-  if (!sender_group_ready(ctl, d, leader, threads, shared_ok, dog)) return;
-
-  int begin, end;
-  channel_range(a.num_tokens, a.num_channels, c, begin, end);
-  const int lo = d * a.experts_per_rank, hi = lo + a.experts_per_rank;
-  int cursor = begin;
-  while (true) {
-    // Next chunk: up to `chunk` tokens for d, found 32 at a time (every warp of the group computes
-    // the same chunk into its own row of chunk_tokens).
-    int n = 0;
-    while (n < a.chunk && cursor < end) {
-      const int t = cursor + lane;
-      const bool hit = t < end && a.is_token_in_rank[static_cast<int64_t>(t) * num_ranks + d];
-      const unsigned mask = __ballot_sync(0xffffffffu, hit);
-      const int pos = n + __popc(mask & ((1u << lane) - 1u));
-      if (hit && pos < a.chunk) chunk_tokens[pos] = t;
-      const int found = __popc(mask);
-      if (n + found <= a.chunk) {
-        n += found;
-        cursor = min(cursor + 32, end);
-      } else {
-        const unsigned last = __ballot_sync(0xffffffffu, hit && pos == a.chunk - 1);
-        cursor += __ffs(last);  // one past the last token taken
-        n = a.chunk;
-      }
-    }
-    __syncwarp();
-    if (n == 0) break;
-    if (leader) *shared_ok = ch.reserve(n, dog, kPhaseDispatchSend, d);
-    ptx::group_sync(bar, threads);
-    if (!*shared_ok) return;
-    for (int i = group_warp; i < n; i += warps) send_row(a, layout, ch.slot(i), chunk_tokens[i], lo, hi, lane);
-    ptx::group_sync(bar, threads);  // every slot store of the chunk precedes the leader's release
-    ch.advance(n, leader);
-  }
-}
-
-// Expert-major receive of one ring row (received row `row` from source s); see the file comment.
-__device__ __forceinline__ void receive_em_row(const DispatchArgs& a, int s, int64_t row, uint8_t* slot,
-                                               const DispatchSlot& layout, int lane) {
-  const int k = a.em_topk;
-  int pos = -1;
-  if (a.em_mode == 1) {
-    if (lane < k) {
-      const int l = ptx::ld_cg(layout.idx(slot) + lane);
-      if (l >= 0) {
-        const ExpertMajorLayout lay{a.c.num_ranks, a.experts_per_rank};
-        pos = a.em_layout[lay.base(s, l)] + ptx::ld_cg(layout.rank(slot) + lane);
-        if (pos >= a.em_rows) pos = -1;  // past num_worst_tokens: dropped, reported through rows_needed
-      }
-      a.em_inverse[row * k + lane] = pos;
-      if (pos >= 0) {
-        a.em_pair_row[pos] = static_cast<int>(row);
-        a.em_pair_slot[pos] = lane;
-        if (a.em_weights != nullptr) {
-          a.em_weights[pos] = __int_as_float(ptx::ld_cg(reinterpret_cast<const int*>(layout.weights(slot)) + lane));
-        }
-      }
-    }
-    if (lane == 0 && a.recv_src_idx != nullptr) a.recv_src_idx[row] = ptx::ld_cg(layout.source(slot));
-  } else if (lane < k) {
-    pos = a.em_inverse[row * k + lane];
-  }
-  warp_fanout<kFanoutUnroll>(a.em_x, a.hidden_bytes, reinterpret_cast<const int4*>(slot), pos, lane);
-  for (int j = 0; j < k && a.em_scales != nullptr; ++j) {
-    const int p = __shfl_sync(0xffffffffu, pos, j);
-    if (p < 0) continue;
-    for (int i = lane; i < a.num_scales; i += 32) {
-      a.em_scales[static_cast<int64_t>(p) * a.num_scales + i] = ptx::ld_cg(layout.scales(slot) + i);
-    }
-  }
-}
-
-// Whole warp: the ring slot of received row `row` from source s into the outputs (rank-major row, or the
-// row's expert-major positions).
-__device__ __forceinline__ void receive_row(const DispatchArgs& a, const DispatchSlot& layout, int s, int64_t row,
+// Whole warp: the ring slot of received row `row` into the outputs.
+__device__ __forceinline__ void receive_row(const DispatchArgs& a, const DispatchSlot& layout, int64_t row,
                                             uint8_t* slot, int lane) {
-  if (a.em_mode != 0) {
-    receive_em_row(a, s, row, slot, layout, lane);
-    return;
-  }
   const int k = a.num_topk;
   warp_copy<true, kDispatchUnroll>(reinterpret_cast<int4*>(a.recv_x + row * a.hidden_bytes),
                                    reinterpret_cast<const int4*>(slot), a.hidden_bytes / 16, lane);
@@ -243,39 +62,6 @@ __device__ __forceinline__ void receive_row(const DispatchArgs& a, const Dispatc
         __int_as_float(ptx::ld_cg(reinterpret_cast<const int*>(layout.weights(slot)) + lane));
   }
   if (a.recv_src_idx != nullptr && lane == 0) a.recv_src_idx[row] = ptx::ld_cg(layout.source(slot));
-}
-
-__device__ void receive_channel(const DispatchArgs& a, int c, int s, int group_warp, int warps, int lane,
-                                bool leader, uint64_t* shared_tail, const Watchdog& dog) {
-  const int me = a.c.rank;
-  auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
-  auto* src_ctl = reinterpret_cast<Control*>(a.c.peers[s]);
-  ChannelReceiver ch{ring_slots(a.c.peers[me], a.c.src_block_bytes, s, c, a.num_slots, a.slot_bytes),
-                     &ctl->fifo_tail[c][s], &src_ctl->fifo_head[c][me], &ctl->head_copy[c][s],
-                     a.num_slots, a.slot_bytes,
-                     *reinterpret_cast<volatile uint64_t*>(&ctl->head_copy[c][s])};
-  const DispatchSlot layout{a.hidden_bytes, a.num_scales, a.num_topk};
-  const int bar = 1 + s, threads = warps * 32;
-  const int* offsets = a.recv_channel_offset + s * (a.num_channels + 1);
-  const int row0 = offsets[c];
-  const uint64_t first = ch.head, last = first + (offsets[c + 1] - row0);
-
-  while (ch.head < last) {
-    if (leader) *shared_tail = ch.wait(ch.head + 1, dog, kPhaseDispatchRecv, s);
-    ptx::group_sync(bar, threads);
-    const uint64_t seen = *shared_tail;
-    if (seen == 0) return;
-    const int n = static_cast<int>(min(seen, last) - ch.head);
-    for (int i = group_warp; i < n; i += warps) {
-      const uint64_t index = ch.head + i;
-      const int64_t row = row0 + static_cast<int64_t>(index - first);
-      if (row >= a.num_rows) continue;  // more rows than num_worst_tokens: reported by notify
-      receive_row(a, layout, s, row, const_cast<uint8_t*>(ch.slot(index)), lane);
-    }
-    ptx::group_sync(bar, threads);  // every load of these slots precedes the leader's release of them
-    ch.release(n, leader);
-  }
-  ch.finish(leader);
 }
 
 // num_worst_tokens: rows past the received count get zero payload and scales (as the reference pads),
@@ -291,7 +77,6 @@ __device__ void pad_worst_rows(const DispatchArgs& a, int c) {
   for (int64_t i = start; a.recv_scales != nullptr && i < extra * a.num_scales; i += stride) {
     a.recv_scales[first * a.num_scales + i] = 0;
   }
-  for (int64_t i = start; a.em_mode == 1 && i < extra * a.em_topk; i += stride) a.em_inverse[first * a.em_topk + i] = -1;
   for (int64_t i = start; a.recv_topk_idx != nullptr && i < extra * a.num_topk; i += stride) {
     a.recv_topk_idx[first * a.num_topk + i] = -1;
     a.recv_topk_weights[first * a.num_topk + i] = 0.f;
@@ -299,41 +84,9 @@ __device__ void pad_worst_rows(const DispatchArgs& a, int c) {
   for (int64_t i = start; a.recv_src_idx != nullptr && i < extra; i += stride) a.recv_src_idx[first + i] = -1;
 }
 
-__global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a) {
-  __shared__ int chunk_tokens[kWarps][kMaxChunk];
-  __shared__ int shared_ok[kMaxRanks];
-  __shared__ uint64_t shared_tail[kMaxRanks];
-  const int num_ranks = a.c.num_ranks;
-  const int c = blockIdx.x >> 1;
-  const bool sender = (blockIdx.x & 1) == 0;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-
-  if (!sender && a.pad_rows) pad_worst_rows(a, c);
-
-  // Expert-major padding rows: every warp of the receiver blocks takes its share once it is done with
-  // the rings (so the transfer starts first); disjoint from the pair rows, so no ordering is needed.
-  const bool em_pad = !sender && a.em_mode != 0;
-  const int warps = kWarps / num_ranks;
-  const int group = warp / warps, group_warp = warp % warps;
-  if (group >= num_ranks) {  // idle warps when 24 % R != 0; they join no barrier
-    if (em_pad) zero_em_padding(a, c * kWarps + warp, a.num_channels * kWarps, lane);
-    return;
-  }
-  const bool leader = group_warp == 0 && lane == 0;
-  auto* ctl = reinterpret_cast<Control*>(a.c.peers[a.c.rank]);
-  const Watchdog dog = make_watchdog(a.c.timeout_ns, a.c.rank, &ctl->timeout_claim, &a.c.mailbox->timeout);
-  if (sender) {
-    send_channel(a, c, group, group_warp, warps, lane, leader, chunk_tokens[warp], &shared_ok[group], dog);
-  } else {
-    receive_channel(a, c, group, group_warp, warps, lane, leader, &shared_tail[group], dog);
-    if (em_pad) zero_em_padding(a, c * kWarps + warp, a.num_channels * kWarps, lane);
-  }
-}
-
-// ------------------------------------------------------------------ stream protocol (stream.cuh)
-// 24 copy warps (24 / R per ring, as the chunked kernel) and the publisher warp.
-constexpr int kStreamCopyWarps = kWarps;
-constexpr int kStreamThreads = (kStreamCopyWarps + 1) * 32;
+// 24 copy warps (24 / R per ring) and the publisher warp.
+constexpr int kCopyWarps = kWarps;
+constexpr int kDispatchThreads = (kCopyWarps + 1) * 32;
 
 // A sender warp's walk over its channel's tokens bound for one destination, 32 at a time (every lane
 // holds the same state): the window [base, base + 32), its hits `mask`, and `before`, the hits of the
@@ -369,17 +122,17 @@ struct TokenScan {
 };
 
 // Sender warp `gw` of the `warps` serving destination d: rows gw, gw + warps, ... of ring (c, me -> d).
-__device__ void stream_send(const DispatchArgs& a, int c, int d, int gw, int warps, int lane, uint64_t tail0,
-                            StreamBoard& board, int* shared_ok, const Watchdog& dog) {
+__device__ void send_ring(const DispatchArgs& a, int c, int d, int gw, int warps, int lane, uint64_t tail0,
+                            RingBoard& board, int* shared_ok, const Watchdog& dog) {
   const int me = a.c.rank;
   auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
-  uint8_t* ring = ring_slots(a.c.peers[d], a.c.src_block_bytes, me, c, a.num_slots, a.slot_bytes);
+  uint8_t* ring = ring_at(a.c.peers[d] + kRingsOffset, a.c.src_block_bytes, me, c, a.num_slots, a.slot_bytes);
   const uint64_t* head = &ctl->fifo_head[c][d];
   const DispatchSlot layout{a.hidden_bytes, a.num_scales, a.num_topk};
   const int lo = d * a.experts_per_rank, hi = lo + a.experts_per_rank;
 
   if (!sender_group_ready(ctl, d, gw == 0 && lane == 0, warps * 32, shared_ok, dog)) {
-    board_leave(board, d, gw, -1, lane);
+    board.leave(d, gw, -1, lane);
     return;
   }
   int begin, end;
@@ -393,22 +146,22 @@ __device__ void stream_send(const DispatchArgs& a, int c, int d, int gw, int war
     if (t < 0) break;
     const uint64_t row = tail0 + static_cast<uint64_t>(k);
     if (!warp_outcome(lane != 0 || wait_free_slot(head, head_seen, row, a.num_slots, dog, kPhaseDispatchSend, d))) {
-      board_leave(board, d, gw, -1, lane);
+      board.leave(d, gw, -1, lane);
       return;
     }
-    send_row(a, layout, ring + static_cast<size_t>(row % a.num_slots) * a.slot_bytes, t, lo, hi, lane);
-    board_advance(board, d, gw, k + warps, lane);
+    send_row(a, layout, ring_slot(ring, row, a.num_slots, a.slot_bytes), t, lo, hi, lane);
+    board.advance(d, gw, k + warps, lane);
   }
-  board_leave(board, d, gw, k, lane);
+  board.leave(d, gw, k, lane);
 }
 
 // Receiver warp `gw` of the `warps` serving source s: rows gw, gw + warps, ... of ring (c, s -> me); the k-th
 // goes to row recv_channel_offset[s][c] + k.
-__device__ void stream_receive(const DispatchArgs& a, int c, int s, int gw, int warps, int lane, uint64_t head0,
-                               StreamBoard& board, const Watchdog& dog) {
+__device__ void receive_ring(const DispatchArgs& a, int c, int s, int gw, int warps, int lane, uint64_t head0,
+                               RingBoard& board, const Watchdog& dog) {
   const int me = a.c.rank;
   auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
-  uint8_t* ring = ring_slots(a.c.peers[me], a.c.src_block_bytes, s, c, a.num_slots, a.slot_bytes);
+  uint8_t* ring = ring_at(a.c.peers[me] + kRingsOffset, a.c.src_block_bytes, s, c, a.num_slots, a.slot_bytes);
   const uint64_t* tail = &ctl->fifo_tail[c][s];
   const DispatchSlot layout{a.hidden_bytes, a.num_scales, a.num_topk};
   const int* offsets = a.recv_channel_offset + s * (a.num_channels + 1);
@@ -418,33 +171,33 @@ __device__ void stream_receive(const DispatchArgs& a, int c, int s, int gw, int 
   for (; k < count; k += warps) {
     const uint64_t index = head0 + static_cast<uint64_t>(k);
     if (!warp_outcome(lane != 0 || wait_published(tail, tail_seen, index, dog, kPhaseDispatchRecv, s))) {
-      board_leave(board, s, gw, -1, lane);
+      board.leave(s, gw, -1, lane);
       return;
     }
     const int64_t row = row0 + static_cast<int64_t>(k);
     if (row < a.num_rows) {  // more rows than num_worst_tokens: dropped, reported by notify
-      receive_row(a, layout, s, row, ring + static_cast<size_t>(index % a.num_slots) * a.slot_bytes, lane);
+      receive_row(a, layout, row, ring_slot(ring, index, a.num_slots, a.slot_bytes), lane);
     }
-    board_advance(board, s, gw, k + warps, lane);
+    board.advance(s, gw, k + warps, lane);
   }
-  board_leave(board, s, gw, k, lane);
+  board.leave(s, gw, k, lane);
 }
 
-// Blocks as dispatch_kernel (2c sends channel c, 2c + 1 receives it); warp 24 is the publisher: tails of
+// Block 2c sends channel c, 2c + 1 receives it; warp 24 is the publisher: tails of
 // the rings to every destination (sender block), heads of the rings from every source (receiver block).
-__global__ void __launch_bounds__(kStreamThreads, 1) dispatch_stream_kernel(DispatchArgs a) {
-  __shared__ StreamBoard board;
+__global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchArgs a) {
+  __shared__ RingBoard board;
   __shared__ int shared_ok[kMaxRanks];
   const int num_ranks = a.c.num_ranks, me = a.c.rank;
   const int c = blockIdx.x >> 1;
   const bool sender = (blockIdx.x & 1) == 0;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int warps = kStreamCopyWarps / num_ranks;  // copy warps per ring
-  const bool publisher = warp == kStreamCopyWarps;
+  const int warps = kCopyWarps / num_ranks;  // copy warps per ring
+  const bool publisher = warp == kCopyWarps;
   auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
   // The ring whose counter this thread starts from (the publisher's lane p: ring p).
   const int ring = publisher ? lane : warp / warps;
-  const uint64_t base = stream_block_start(ctl, board, c, ring, num_ranks, sender);
+  const uint64_t base = ring_block_start(ctl, board, c, ring, num_ranks, sender);
 
   if (!sender && a.pad_rows) pad_worst_rows(a, c);
   if (publisher) {
@@ -453,38 +206,28 @@ __global__ void __launch_bounds__(kStreamThreads, 1) dispatch_stream_kernel(Disp
       auto* peer = reinterpret_cast<Control*>(a.c.peers[lane]);
       word = sender ? &peer->fifo_tail[c][me] : &peer->fifo_head[c][me];
     }
-    // Sender: a tail update per `chunk` rows at least (at most half a ring, see stream.cuh); receiver: every
+    // Sender: a tail update per `chunk` rows at least (at most half a ring, see rings.cuh); receiver: every
     // consumed row is released at once.
     const int batch = sender ? max(1, min(a.chunk, a.num_slots / 2)) : 1;
     uint64_t* mirror = sender && lane < num_ranks ? &ctl->tail_copy[c][lane] : nullptr;
-    const int n = publish_rings(board, num_ranks, warps, batch, word, base, mirror, lane);
+    const int n = publish_in_order(board, num_ranks, warps, batch, word, base, mirror, lane);
     if (!sender && lane < num_ranks) ctl->head_copy[c][lane] = base + n;  // read by the next kernel
     return;
   }
-  const bool em_pad = !sender && a.em_mode != 0;
   const int gw = warp % warps;
-  if (ring >= num_ranks) {  // idle warps when 24 % R != 0
-    if (em_pad) zero_em_padding(a, c * kWarps + warp, a.num_channels * kWarps, lane);
-    return;
-  }
+  if (ring >= num_ranks) return;  // idle warps when 24 % R != 0
   const Watchdog dog = make_watchdog(a.c.timeout_ns, me, &ctl->timeout_claim, &a.c.mailbox->timeout);
   if (sender) {
-    stream_send(a, c, ring, gw, warps, lane, base, board, &shared_ok[ring], dog);
+    send_ring(a, c, ring, gw, warps, lane, base, board, &shared_ok[ring], dog);
   } else {
-    stream_receive(a, c, ring, gw, warps, lane, base, board, dog);
-    if (em_pad) zero_em_padding(a, c * kWarps + warp, a.num_channels * kWarps, lane);
+    receive_ring(a, c, ring, gw, warps, lane, base, board, dog);
   }
 }
 
 }  // namespace
 
 void launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
-  if (args.protocol == kStream) {
-    dispatch_stream_kernel<<<2 * args.num_channels, kStreamThreads, 0, stream>>>(args);
-    check_launch("dispatch_stream_kernel");
-    return;
-  }
-  dispatch_kernel<<<2 * args.num_channels, kThreads, 0, stream>>>(args);
+  dispatch_kernel<<<2 * args.num_channels, kDispatchThreads, 0, stream>>>(args);
   check_launch("dispatch_kernel");
 }
 

@@ -1,6 +1,5 @@
-// The pairs of one received row in the expert-major layout, as the two un-permuting senders read them (the
-// fused one in combine.cu, send_em_row; the split pass in em_unpermute.cu), so both sum the same terms in the
-// same order.
+// The pairs of one received row in the expert-major layout, as the un-permuting pass (em_unpermute.cu) reads
+// them: compacted in slot order, the order of the sum.
 #pragma once
 
 #include <cstdint>

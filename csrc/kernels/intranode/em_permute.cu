@@ -1,14 +1,13 @@
-// Split expert-major dispatch, local pass (MOE_DISPATCHER_EM_DISPATCH=split; docs/intranode.md): the rank-major
-// dispatch kernel has put the received rows in (source rank, token) order; this kernel copies each of them to
-// its expert-major rows, over the whole GPU (the fused variant does the same fan-out inside the dispatch
-// kernel's receiver blocks, on num_channels SMs, as the rows arrive).
+// Expert-major dispatch, local pass (docs/intranode.md): the rank-major dispatch kernel has put the received
+// rows in (source rank, token) order; this kernel copies each of them to its expert-major rows, over the
+// whole GPU.
 //
 // Fresh call: the position of received row n's slot k, routed to local expert l, is
 //   start[l] + (rank of (n, k) among the received pairs for l in (row, slot) order)
 // with start from notify's layout table and the rank from launch_pair_rank over the received top-k. The rows
-// are in (source rank, token) order, so this is the contract's order (expert, source rank, token, slot) and
-// the same row the fused dispatch computes as base[source][l] + the sender's pair rank. Positions at or past
-// em_rows (a num_worst_tokens overflow) are dropped, as there. Cached call: positions from the fresh call's
+// are in (source rank, token) order, so this is the contract's order (expert, source rank, token, slot), i.e.
+// base[source][l] + the pair's rank among that source's pairs for l. Positions at or past em_rows (a
+// num_worst_tokens overflow) are dropped. Cached call: positions from the fresh call's
 // em_inverse.
 //
 // One warp per received row: lanes hold the row's K positions (compacted, so the store loop runs over its
@@ -17,7 +16,7 @@
 // nothing here reads what this kernel writes: plain loads and stores, no ordering needed; the outputs are read
 // by later kernels on the stream.
 #include "kernels/common/ptx.cuh"
-#include "kernels/intranode/launch_check.cuh"
+#include "kernels/common/launch_check.cuh"
 #include "kernels/intranode/protocol.h"
 
 namespace moe_dispatcher::intranode {

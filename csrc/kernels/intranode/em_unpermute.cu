@@ -1,7 +1,6 @@
-// Split expert-major combine, local pass (MOE_DISPATCHER_EM_COMBINE=split; docs/intranode.md): each received
-// row's partial sum over its expert-major rows, written as a rank-major row that the rank-major combine kernel
-// then sends. Over the whole GPU, one warp per received row; the fused variant computes the same sums inside
-// the combine kernel's sender blocks (combine.cu, send_em_row), bit for bit.
+// Expert-major combine, local pass (docs/intranode.md): each received row's partial sum over its expert-major
+// rows, written as a rank-major row that the rank-major combine kernel then sends. Over the whole GPU, one
+// warp per received row.
 //
 // Arithmetic (protocol.h, EmUnpermuteArgs): float32, from 0, pairs in slot order, each term x (or x * weight
 // rounded to float32) added with __fadd_rn / __fmul_rn so no FMA contraction changes a rounding.
@@ -19,7 +18,7 @@
 #include "kernels/common/ptx.cuh"
 #include "kernels/common/vec.cuh"
 #include "kernels/intranode/em_pairs.cuh"
-#include "kernels/intranode/launch_check.cuh"
+#include "kernels/common/launch_check.cuh"
 #include "kernels/intranode/protocol.h"
 
 namespace moe_dispatcher::intranode {
@@ -134,7 +133,7 @@ __global__ void __launch_bounds__(kUnpermuteThreads, kUnpermuteBlocksPerSm) em_u
   const int row_bytes = a.hidden * static_cast<int>(sizeof(T));
   const int vecs = row_bytes / 16;
   int4* out = reinterpret_cast<int4*>(a.out + r * row_bytes);
-  if (n <= 1) {  // n == 0 (every pair dropped): zeros, as the fused sender sends
+  if (n <= 1) {  // n == 0 (every pair dropped): zeros
     reduce_one_group<T, 1, kLoadsInFlight>(a, n, cpos, cw, out, vecs, row_bytes, lane);
   } else if (n == 2) {
     reduce_one_group<T, 2, kLoadsInFlight / 2>(a, n, cpos, cw, out, vecs, row_bytes, lane);

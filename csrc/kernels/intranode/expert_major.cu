@@ -1,10 +1,7 @@
 // Pair ranks of an expert table: for each (row t, slot k) routed to expert e, its rank among the table's
-// pairs for e, in (t, k) order. Two users (protocol.h, PairRankArgs):
-//   fused expert-major dispatch, sender side: over its topk_idx; the receiver of e's rank adds the rank to the
-//     base notify computed for (this source, e), which places the pair at its final expert-major row;
-//   split expert-major dispatch, receiver side: over the rank-major received top-k (local experts, rows in
-//     (source rank, token) order), so start[e] + rank is the pair's expert-major row (em_permute.cu).
-// Either way no sorting (docs/intranode.md, "Expert-major dispatch").
+// pairs for e, in (t, k) order (protocol.h, PairRankArgs). The expert-major dispatch runs it on the receiver
+// side, over the rank-major received top-k (local experts, rows in (source rank, token) order), so
+// start[e] + rank is the pair's expert-major row (em_permute.cu). No sorting (docs/intranode.md, "Expert-major dispatch").
 //
 // Three small local kernels, no communication; integer counts only, so the result is exact:
 //   count: per block of kPairRankTokens rows, pairs per expert           -> workspace[b][e]
@@ -14,7 +11,7 @@
 // Rows at or past *row_limit (when given) are not counted and their ranks are not written.
 #include <algorithm>
 
-#include "kernels/intranode/launch_check.cuh"
+#include "kernels/common/launch_check.cuh"
 #include "kernels/intranode/protocol.h"
 
 namespace moe_dispatcher::intranode {

@@ -9,8 +9,8 @@
 // peer's signal (ld.acquire.sys) before the block barrier that precedes its volatile reads.
 // A message slot of parity p is rewritten two barriers later, after its reader passed the barrier
 // in between, so no cleaning is needed.
-#include "kernels/common/channel.cuh"
-#include "kernels/intranode/launch_check.cuh"
+#include "kernels/common/launch_check.cuh"
+#include "kernels/common/wait.cuh"
 #include "kernels/intranode/protocol.h"
 
 namespace moe_dispatcher::intranode {
@@ -92,13 +92,8 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a)
       ptx::st_release_sys(&reinterpret_cast<Control*>(a.c.peers[d])->barrier_signal[me], epoch);
     }
     int ok = 1;
-    for (int s = 0; s < num_ranks && ok; ++s) {
-      while (ptx::ld_acquire_sys(&ctl->barrier_signal[s]) < epoch) {
-        if (dog.expired(kPhaseNotify, s)) {
-          ok = 0;
-          break;
-        }
-      }
+    for (int s = 0; s < num_ranks && ok; ++s) {  // barrier_signal[s]: written by s only
+      ok = wait_at_least(&ctl->barrier_signal[s], epoch, dog, kPhaseNotify, s);
     }
     arrived = ok;
   }

@@ -1,5 +1,5 @@
-// Intranode (NVLink, CUDA IPC) protocol: the layout of each rank's NVLink buffer, the host-mapped
-// mailbox, and the kernel arguments. Plain C++ (no device code, no torch): included by the kernels,
+// Intranode (NVLink, CUDA IPC) protocol: the kernel arguments and limits, on the NVLink buffer and mailbox of
+// common/nvlink_buffer.h. Plain C++ (no device code, no torch): included by the kernels,
 // the runtime and the bindings. docs/intranode.md describes the protocol.
 #pragma once
 
@@ -8,18 +8,27 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "kernels/common/timeout_record.h"
+#include "kernels/common/nvlink_buffer.h"
 
 namespace moe_dispatcher::intranode {
 
-constexpr int kMaxRanks = 8;
-constexpr int kMaxChannels = 32;        // num_sms <= 64
-constexpr int kMaxLocalExperts = 1024;  // experts per rank
-constexpr int kMaxTopk = 16;
-constexpr int kMaxChunk = 32;           // num_max_nvl_chunked_send_tokens
-constexpr int kMaxWindows = 4;          // a combine receiver reduces up to 32 x kMaxWindows tokens per batch
-constexpr int kThreads = 768;           // threads per block of dispatch / combine (24 warps)
-constexpr int kWarps = kThreads / 32;
+// The NVLink buffer's layout and the mailbox are shared with the internode kernels (common/nvlink_buffer.h).
+using nvlink::Control;
+using nvlink::kFlagLayoutMismatch;
+using nvlink::kMaxChannels;
+using nvlink::kMaxChunk;
+using nvlink::kMaxLocalExperts;
+using nvlink::kMaxRanks;
+using nvlink::kMaxTopk;
+using nvlink::kNotifyChannels;
+using nvlink::kNotifyCounts;
+using nvlink::kNotifyExperts;
+using nvlink::kNotifyFlags;
+using nvlink::kNotifyStride;
+using nvlink::kRingsOffset;
+using nvlink::Mailbox;
+
+constexpr int kWarps = 24;              // copy warps of a dispatch block (the publisher warp comes on top)
 
 // Phases named in timeout errors.
 enum Phase : int32_t {
@@ -30,44 +39,6 @@ enum Phase : int32_t {
   kPhaseCombineRecv = 5,
   kPhaseDrain = 6,         // sender: waiting for a peer to drain what an earlier call sent
 };
-
-// One source's notify message, in the receiver's buffer (int32 words).
-constexpr int kNotifyFlags = 0;                               // bit 0: the source's num_tokens_per_rank mismatched
-constexpr int kNotifyCounts = 1;                              // [R] rows the source sends to each rank
-constexpr int kNotifyChannels = kNotifyCounts + kMaxRanks;    // [C] inclusive prefix over channels of rows to me
-constexpr int kNotifyExperts = kNotifyChannels + kMaxChannels;  // [L] the source's count for each of my experts
-constexpr int kNotifyStride = (kNotifyExperts + kMaxLocalExperts + 15) / 16 * 16;
-
-// Control words at the start of every rank's NVLink buffer; the rings follow at kRingsOffset.
-// Writers/readers and scopes (see channel.cuh for the FIFO words):
-struct Control {
-  uint64_t barrier_signal[kMaxRanks];  // [s]: epoch of rank s's latest barrier; written by s (st.release.sys), read here (ld.acquire.sys)
-  uint64_t barrier_epoch;              // this rank's barrier count; notify's thread 0 only
-  int32_t timeout_claim;               // first timed-out thread of this rank (atomicCAS, gpu scope)
-  int32_t pad0;
-  uint64_t fifo_tail[kMaxChannels][kMaxRanks];   // [c][s]: rows s published into my ring (c, s)
-  uint64_t fifo_head[kMaxChannels][kMaxRanks];   // [c][d]: rows d consumed from its ring (c, me)
-  uint64_t tail_copy[kMaxChannels][kMaxRanks];   // [c][d]: rows I published into d's ring (c, me)
-  uint64_t head_copy[kMaxChannels][kMaxRanks];   // [c][s]: rows I consumed from my ring (c, s)
-  int32_t notify[2][kMaxRanks][kNotifyStride];   // [epoch parity][source]: notify messages, plain stores
-                                                 // published by the barrier's release
-};
-constexpr size_t kRingsOffset = (sizeof(Control) + 4095) / 4096 * 4096;
-
-// Host-mapped mailbox (cudaHostAlloc mapped): notify's results for the host's only synchronisation.
-struct Mailbox {
-  TimeoutRecord timeout;
-  int32_t seq;        // written last (after a system fence) by notify: the host-chosen call number
-  int32_t num_recv;   // rows this rank receives
-  int32_t flags;      // bit 0: some rank's num_tokens_per_rank mismatched is_token_in_rank
-  // Sticky, set by every rank alike when some rank received more rows than num_worst_tokens (its extra
-  // rows were dropped); the host reports and clears it at its next synchronised dispatch.
-  int32_t overflow_rank, overflow_rows, overflow_worst;
-  int32_t num_forward;  // internode notify only: rows this rank forwards as the team's forwarder (else 0)
-  int32_t pad;
-  int32_t expert_counts[kMaxLocalExperts];  // per local expert, rounded up to expert_alignment
-};
-constexpr int32_t kFlagLayoutMismatch = 1;
 
 struct Common {
   uint8_t* peers[kMaxRanks];  // every rank's NVLink buffer as mapped in this process (own = local)
@@ -103,10 +74,9 @@ struct ExpertMajorLayout {
 };
 
 // For each (row t, slot k) of an int64 [T, K] expert table routed to expert e, its rank among the table's
-// pairs routed to e, in (t, k) order; -1 for unused slots (e outside [0, E)). Two users: the sender of a
-// fused expert-major dispatch (its topk_idx, E = all experts) and the split one's receiver (the rank-major
-// received top-k, E = local experts, row_limit = the received count on the device: rows at or past it are
-// neither counted nor written). workspace: int32 [blocks, E].
+// pairs routed to e, in (t, k) order; -1 for unused slots (e outside [0, E)). The user: the expert-major
+// dispatch's receiver, over the rank-major received top-k (E = local experts, row_limit = the received count
+// on the device: rows at or past it are neither counted nor written). workspace: int32 [blocks, E].
 struct PairRankArgs {
   const int64_t* topk_idx;  // [T, K]
   int num_tokens, num_topk, num_experts;
@@ -116,11 +86,6 @@ struct PairRankArgs {
 };
 constexpr int kPairRankTokens = 64;  // rows per block of the pair-rank kernels
 inline int pair_rank_blocks(int num_tokens) { return (num_tokens + kPairRankTokens - 1) / kPairRankTokens; }
-
-// How a kernel moves rows through the rings (MOE_DISPATCHER_NVL_VARIANT); all use the same rings and
-// counters, so calls of any may follow each other. kChunked: lock-step chunks per warp group
-// (channel.cuh); kStream: every warp at its own pace, one publisher warp per block (stream.cuh).
-enum RingProtocol : int { kChunked = 0, kStream = 1 };
 
 struct DispatchArgs {
   Common c;
@@ -138,23 +103,9 @@ struct DispatchArgs {
   int num_tokens, hidden_bytes, num_scales, num_topk, experts_per_rank;
   int num_rows;              // rows of the outputs (num_worst_tokens, or the received count)
   int pad_rows;              // 1: fill rows past the received count (num_worst_tokens): zeros, -1
-  int num_channels, chunk, num_slots, slot_bytes;
-  int protocol;              // RingProtocol (stream: `chunk` is the sender's least rows per tail update)
-  // Expert-major dispatch (em_mode 1: fresh, 2: cached; 0: rank-major, every pointer below null).
-  // Fresh: the sender also carries pair_rank[t][k] in the slot (after the source index), and the
-  // receiver writes each row straight to its expert-major positions (no rank-major payload: recv_x,
-  // recv_topk_* are null). Cached: positions come from em_inverse, written by the fresh call.
-  int em_mode;
-  const int* pair_rank;      // [T, K] (fresh)
-  const int* em_layout;      // ExpertMajorLayout table of the fresh call
-  uint8_t* em_x;             // [em_rows, hidden_bytes]
-  int32_t* em_scales;        // [em_rows, S] or null
-  float* em_weights;         // [em_rows] or null (fresh)
-  int* em_pair_row;          // [em_rows] received row of each pair, -1 on padding (fresh)
-  int* em_pair_slot;         // [em_rows] slot of each pair, -1 on padding (fresh)
-  int* em_inverse;           // [num_rows, K]: position of (row, slot), -1 if none (fresh: out; cached: in)
-  int em_topk;               // K of the routing (cached mode reads em_inverse with it)
-  int em_rows;               // M
+  int num_channels;
+  int chunk;                 // the sender publishes its tail every `chunk` rows at least (at most half a ring)
+  int num_slots, slot_bytes;
 };
 
 enum CombineDtype : int { kBf16 = 0, kFp16 = 1, kFp32 = 2 };
@@ -171,18 +122,9 @@ struct CombineArgs {
   float* out_topk_weights;         // [T, K] or null
   int dtype, num_tokens, hidden, num_topk;
   int num_x_rows;                  // rows of x (num_worst_tokens may truncate what a channel lists)
-  int num_channels, chunk, num_slots, slot_bytes;
-  int batch_windows;               // 1..kMaxWindows; 32 x batch_windows + chunk <= num_slots (chunked only)
-  int protocol;                    // RingProtocol (stream: `chunk` is the sender's least rows per tail update)
-  // Expert-major combine (em_inverse non-null): x is [M, hidden] expert-major rows. For received row r
-  // the sender sends sum over slots k ascending of x[em_inverse[r][k]] (times em_weights[pos], the
-  // product rounded to float32) accumulated in float32 and rounded to the dtype; the slot's top-k
-  // weights are em_topk_weights[pos] (0 where the slot has no pair here). num_topk is em_topk when
-  // em_topk_weights is given, else 0.
-  const int* em_inverse;           // [num_x_rows, em_topk] or null
-  const float* em_weights;         // [M] or null
-  const float* em_topk_weights;    // [M] or null
-  int em_topk;
+  int num_channels;
+  int chunk;                       // the sender publishes its tail every `chunk` rows at least (at most half a ring)
+  int num_slots, slot_bytes;
 };
 
 // Launchers (csrc/kernels/intranode/*.cu). They check the launch and throw std::runtime_error.
@@ -191,7 +133,7 @@ void launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
 void launch_combine(const CombineArgs& args, cudaStream_t stream);
 void launch_pair_rank(const PairRankArgs& args, cudaStream_t stream);
 
-// Split expert-major dispatch, local pass after the rank-major dispatch kernel (em_permute.cu): received row
+// Expert-major dispatch, local pass after the rank-major dispatch kernel (em_permute.cu): received row
 // n (n < min(num_rows, *received)) goes to each of its expert-major positions. Fresh (fresh = 1): the
 // position of slot k is layout.start[recv_topk_idx[n][k]] + pair_rank[n][k] (dropped at or past em_rows),
 // written to em_inverse with em_pair_row / em_pair_slot / em_weights; em_inverse and recv_src_idx are -1 for
@@ -220,11 +162,10 @@ struct EmPermuteArgs {
 constexpr int kEmRowsPerBlock = 8;  // em_permute / em_unpermute: one warp per received row
 void launch_em_permute(const EmPermuteArgs& args, int pad_blocks, cudaStream_t stream);
 
-// Split expert-major combine, local pass before the rank-major combine kernel (em_unpermute.cu): for received
+// Expert-major combine, local pass before the rank-major combine kernel (em_unpermute.cu): for received
 // row r < min(num_rows, *received), out[r] = sum over slots k ascending with p = inverse[r][k] >= 0 of x[p]
 // (times weights[p], the product rounded to float32), accumulated in float32 from 0 with no FMA contraction,
-// rounded to the dtype: the same numbers, in the same order, as unpermute() in moe_dispatcher/expert_major.py
-// and as the fused combine's senders. out_topk_weights[r][k] = topk_weights[p], 0 where no pair.
+// rounded to the dtype: the same numbers, in the same order, as unpermute() in moe_dispatcher/expert_major.py. out_topk_weights[r][k] = topk_weights[p], 0 where no pair.
 struct EmUnpermuteArgs {
   const uint8_t* x;                 // [M, hidden] expert-major rows
   const int* inverse;               // [num_rows, K]

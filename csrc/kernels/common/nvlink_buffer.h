@@ -1,0 +1,58 @@
+// The NVLink buffer of every rank (CUDA IPC, intranode::IpcBuffer) and its host-mapped mailbox: the layout
+// shared by the intranode kernels (the whole domain is the group) and the internode kernels' NVLink hop (the
+// buffer is opened over one domain; internode's own messages follow the Control words). Plain C++ (no device
+// code, no torch): included by the kernels, the runtime and the bindings. docs/intranode.md describes it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/common/timeout_record.h"
+
+namespace moe_dispatcher::nvlink {
+
+constexpr int kMaxRanks = 8;
+constexpr int kMaxChannels = 32;        // num_sms <= 64
+constexpr int kMaxLocalExperts = 1024;  // experts per rank
+constexpr int kMaxTopk = 16;
+constexpr int kMaxChunk = 32;           // num_max_nvl_chunked_send_tokens
+
+// One source's notify message, in the receiver's buffer (int32 words).
+constexpr int kNotifyFlags = 0;                               // bit 0: the source's num_tokens_per_rank mismatched
+constexpr int kNotifyCounts = 1;                              // [R] rows the source sends to each rank
+constexpr int kNotifyChannels = kNotifyCounts + kMaxRanks;    // [C] inclusive prefix over channels of rows to me
+constexpr int kNotifyExperts = kNotifyChannels + kMaxChannels;  // [L] the source's count for each of my experts
+constexpr int kNotifyStride = (kNotifyExperts + kMaxLocalExperts + 15) / 16 * 16;
+
+// Control words at the start of every rank's NVLink buffer; the rings follow at kRingsOffset.
+// Writers/readers and scopes (channel.cuh describes the FIFO words):
+struct Control {
+  uint64_t barrier_signal[kMaxRanks];  // [s]: epoch of rank s's latest barrier; written by s (st.release.sys), read here (ld.acquire.sys)
+  uint64_t barrier_epoch;              // this rank's barrier count; notify's thread 0 only
+  int32_t timeout_claim;               // first timed-out thread of this rank (atomicCAS, gpu scope)
+  int32_t pad0;
+  uint64_t fifo_tail[kMaxChannels][kMaxRanks];   // [c][s]: rows s published into my ring (c, s)
+  uint64_t fifo_head[kMaxChannels][kMaxRanks];   // [c][d]: rows d consumed from its ring (c, me)
+  uint64_t tail_copy[kMaxChannels][kMaxRanks];   // [c][d]: rows I published into d's ring (c, me)
+  uint64_t head_copy[kMaxChannels][kMaxRanks];   // [c][s]: rows I consumed from my ring (c, s)
+  int32_t notify[2][kMaxRanks][kNotifyStride];   // [epoch parity][source]: notify messages, plain stores
+                                                 // published by the barrier's release
+};
+constexpr size_t kRingsOffset = (sizeof(Control) + 4095) / 4096 * 4096;
+
+// Host-mapped mailbox (cudaHostAlloc mapped): notify's results for the host's only synchronisation.
+struct Mailbox {
+  TimeoutRecord timeout;
+  int32_t seq;        // written last (after a system fence) by notify: the host-chosen call number
+  int32_t num_recv;   // rows this rank receives
+  int32_t flags;      // bit 0: some rank's num_tokens_per_rank mismatched is_token_in_rank
+  // Sticky, set by every rank alike when some rank received more rows than num_worst_tokens (its extra
+  // rows were dropped); the host reports and clears it at its next synchronised dispatch.
+  int32_t overflow_rank, overflow_rows, overflow_worst;
+  int32_t num_forward;  // internode notify only: rows this rank forwards as the team's forwarder (else 0)
+  int32_t pad;
+  int32_t expert_counts[kMaxLocalExperts];  // per local expert, rounded up to expert_alignment
+};
+constexpr int32_t kFlagLayoutMismatch = 1;
+
+}  // namespace moe_dispatcher::nvlink
