@@ -178,8 +178,7 @@ void dispatch(const Context& ctx, uint64_t timeout_ns, uintptr_t x, uintptr_t sc
 void combine(const Context& ctx, uint64_t timeout_ns, uintptr_t x, uintptr_t topk_weights, uintptr_t bias0,
              uintptr_t bias1, uintptr_t is_token_in_rank, uintptr_t recv_channel_offset, uintptr_t fwd_offset,
              uintptr_t fwd_mask, int fwd_capacity, uintptr_t out, uintptr_t out_topk_weights, int dtype, int num_tokens,
-             int hidden, int num_topk, int num_x_rows, const std::vector<int>& geometry, int chunk_tokens,
-             uintptr_t stream) {
+             int hidden, int num_topk, int num_x_rows, const std::vector<int>& geometry, uintptr_t stream) {
   CombineArgs a{};
   a.c = with_timeout(ctx, timeout_ns);
   set_geometry(a, geometry);
@@ -189,14 +188,11 @@ void combine(const Context& ctx, uint64_t timeout_ns, uintptr_t x, uintptr_t top
   MOE_CHECK(a.nvl_slots >= a.nvl_chunk + kMaxCombineChunk,
             "combine needs num_max_nvl_chunked_recv_tokens >= send tokens + 32");
   MOE_CHECK(a.rdma_slots >= 2 * kMaxCombineChunk, "combine needs num_max_rdma_chunked_recv_tokens >= 64");
-  // Tokens per warp chunk; 0: pick from the tokens per channel, so that small calls still spread over
-  // the worker warps (15 per block).
-  if (chunk_tokens <= 0) {
-    const int per_channel = (num_tokens + a.num_channels - 1) / a.num_channels;
-    chunk_tokens = std::clamp((per_channel + 14) / 15, 1, 8);
-  }
-  MOE_CHECK(chunk_tokens >= 1 && chunk_tokens <= kMaxCombineChunk, "combine chunk tokens must be in [1, 32]");
-  a.chunk_tokens = chunk_tokens;
+  // Tokens per warp chunk of the forwarder and the receiver, from the tokens per channel, so that small calls
+  // still spread over the worker warps (15 per block). Every chunk size drains the same rings and sums in the
+  // same order (the same bits).
+  const int per_channel = (num_tokens + a.num_channels - 1) / a.num_channels;
+  a.chunk_tokens = std::clamp((per_channel + 14) / 15, 1, 8);
   a.x = ptr<const uint8_t>(x);
   a.topk_weights = ptr<const float>(topk_weights);
   a.bias0 = ptr<const uint8_t>(bias0);

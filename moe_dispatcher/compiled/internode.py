@@ -24,14 +24,12 @@ from .. import config as _cfg
 from ..backend import Backend, Capabilities
 from ..config import Config, align_slot
 from ..handle import DispatchHandle
-from . import (buffer_view, check_topk, combine_row_bytes, current_stream_ptr, dispatch_inputs, recv_tensors,
-               row_geometry, timeout_message, wait_counts)
-from .intranode import (DEFAULT_TIMEOUT_S, TIMEOUT_ENV, _COMBINE_DTYPES, _DeviceMemory, combine_slot_bytes)
+from . import buffer_view, current_stream_ptr, recv_tensors, timeout_message, wait_counts
+from .intranode import (COMBINE_DTYPES, DEFAULT_TIMEOUT_S, TIMEOUT_ENV, _columns, _contiguous, _DeviceMemory,
+                        _row_bytes, combine_slot_bytes)
 
-# Tokens per warp chunk of the combine's forwarder and receiver (docs/internode.md), 1..32; unset or 0: from
-# the tokens per channel (<= 8). Read at backend creation; InternodeBackend.combine_chunk may be changed
-# between calls (tests): every chunk size drains the same rings and sums in the same order.
-COMBINE_CHUNK_ENV = "MOE_DISPATCHER_INTERNODE_COMBINE_CHUNK"
+# The kernels' dtype codes of combine input (CombineDtype in csrc/kernels/intranode/protocol.h).
+_COMBINE_DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
 def dispatch_slot_bytes(hidden_bytes: int, num_scales: int, num_topk: int) -> int:
@@ -56,7 +54,7 @@ class InternodeBackend(Backend):
         self.num_nvl_bytes, self.num_rdma_bytes = buffer.num_nvl_bytes, buffer.num_rdma_bytes
         self._buffer_token = buffer._token
         self._buffer_cls = type(buffer)
-        self.capabilities = Capabilities(normal=True, combine_dtypes=frozenset(_COMBINE_DTYPES),
+        self.capabilities = Capabilities(normal=True, combine_dtypes=COMBINE_DTYPES,
                                          max_local_experts=self._mod.MAX_LOCAL_EXPERTS, devices=frozenset({"cuda"}))
         if self._mod.RDMA_CONTROL_BYTES != _cfg.RDMA_CONTROL_BYTES or self._mod.NVL_CONTROL_BYTES != _cfg.NVL_CONTROL_BYTES:
             raise RuntimeError("moe_dispatcher._C and moe_dispatcher.config disagree on the internode control sizes "
@@ -67,9 +65,6 @@ class InternodeBackend(Backend):
         if self.timeout_s <= 0:
             raise ValueError(f"{TIMEOUT_ENV} must be positive, got {self.timeout_s}")
         self._timeout_ns = int(self.timeout_s * 1e9)
-        self.combine_chunk = int(os.environ.get(COMBINE_CHUNK_ENV, "") or 0)
-        if not 0 <= self.combine_chunk <= 32:
-            raise ValueError(f"{COMBINE_CHUNK_ENV} must be in [0, 32] (0: automatic), got {self.combine_chunk}")
         self._rdma_layout = _cfg.internode_rdma_layout(self.num_ranks, self.nvl_size, self.num_rdma_bytes)
         self._nvl_layout = _cfg.internode_nvl_layout(self.num_ranks, self.nvl_size, self.num_nvl_bytes)
         need = self._rdma_layout["rdma_recv_offset"] + 2 * self.num_domains * 128
@@ -177,8 +172,9 @@ class InternodeBackend(Backend):
         """Fresh dispatch; returns what ReferenceNormal.dispatch returns."""
         self._check()
         r = self.num_ranks
-        x, x_scales, topk_idx, topk_weights, hidden_bytes, num_scales, num_topk = dispatch_inputs(
-            x, x_scales, topk_idx, topk_weights, "internode", self._mod.MAX_TOPK)
+        x, x_scales, topk_idx, topk_weights = x.contiguous(), _contiguous(x_scales), _contiguous(topk_idx), \
+            _contiguous(topk_weights)
+        hidden_bytes, num_scales, num_topk = _row_bytes(x), _columns(x_scales), _columns(topk_idx)
         num_experts = num_tokens_per_expert.numel()
         local = num_experts // r
         geo = self._geometry(config, False, dispatch_slot_bytes(hidden_bytes, num_scales, num_topk))
@@ -228,9 +224,8 @@ class InternodeBackend(Backend):
                         config: Optional[Config] = None):
         """Dispatch along the routing of `handle` with no count exchange and no host sync."""
         self._check()
-        x = x.contiguous()
-        x_scales = x_scales.contiguous() if x_scales is not None else None
-        hidden_bytes, num_scales = row_geometry(x, x_scales, "internode")
+        x, x_scales = x.contiguous(), _contiguous(x_scales)
+        hidden_bytes, num_scales = _row_bytes(x), _columns(x_scales)
         channels, offsets, fwd_offset, _, _ = handle.backend_state
         geo = self._geometry(config, False, dispatch_slot_bytes(hidden_bytes, num_scales, 0), channels,
                              "cached dispatch")
@@ -251,14 +246,10 @@ class InternodeBackend(Backend):
         """Reduce the rows of each source token in two hops; returns (combined_x, combined_topk_weights or None).
 
         Order: out = cast(bias0 + bias1 + sum over domains ascending of partial_domain), float32, where a
-        partial is the float32 sum of that domain's rows (ranks ascending) rounded to x.dtype, whatever
-        combine_chunk is (the same bits)."""
+        partial is the float32 sum of that domain's rows (ranks ascending) rounded to x.dtype."""
         self._check()
-        x = x.contiguous()
-        row_bytes = combine_row_bytes(x)
-        num_topk = check_topk(topk_weights, self._mod.MAX_TOPK, "combine:", "top-k weights per row")
-        if topk_weights is not None:
-            topk_weights = topk_weights.contiguous()
+        x, topk_weights = x.contiguous(), _contiguous(topk_weights)
+        row_bytes, num_topk = _row_bytes(x), _columns(topk_weights)
         channels, offsets, fwd_offset, fwd_mask, fwd_capacity = handle.backend_state
         geo = self._geometry(config, True, combine_slot_bytes(row_bytes, num_topk), channels, "combine")
         biases = [b.contiguous() for b in bias]
@@ -269,8 +260,8 @@ class InternodeBackend(Backend):
                           self._ptr(biases[0] if len(biases) > 0 else None),
                           self._ptr(biases[1] if len(biases) > 1 else None), handle.is_token_in_rank.data_ptr(),
                           offsets.data_ptr(), fwd_offset.data_ptr(), fwd_mask.data_ptr(), fwd_capacity,
-                          out.data_ptr(), self._ptr(out_w), _COMBINE_DTYPES[x.dtype], t, x.shape[1], num_topk,
-                          x.shape[0], geo, self.combine_chunk, self._stream())
+                          out.data_ptr(), self._ptr(out_w), _COMBINE_DTYPE_CODES[x.dtype], t, x.shape[1],
+                          num_topk, x.shape[0], geo, self._stream())
         return out, out_w
 
     # ------------------------------------------------------------------ buffer access and lifetime
