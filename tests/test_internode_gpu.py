@@ -115,3 +115,28 @@ def _world_timeout(rank: int, world_size: int) -> None:
 def test_timeout_names_rank_and_phase(world_size: int, nvl: int) -> None:
     env = {"MOE_DISPATCHER_TIMEOUT_S": "2", **dist_helpers.nvl_env(nvl)}
     run_distributed(_world_timeout, world_size, backend="nccl", env=env)
+
+
+@pytest.mark.parametrize("num_ranks,nvl", [(4, 2), (4, 1), (8, 4), (8, 2), (16, 8), (64, 1)])
+def test_size_hints_cover_the_extension_layout(num_ranks: int, nvl: int) -> None:
+    """Config's size hints repeat the headers' arithmetic of the extension's buffer layout (so that they work
+    without it): the layout the kernels get from a hinted buffer holds the config's rings. Needs the extension
+    only (no GPU)."""
+    from moe_dispatcher import _ext
+    from moe_dispatcher.config import (Config, get_combine_config, get_dispatch_config, internode_nvl_header_bytes,
+                                       internode_rdma_header_bytes)
+    mod = _ext.load()
+    if mod is None or not hasattr(mod, "internode"):
+        pytest.skip("the extension with the internode kernels is not built")
+    hidden_bytes = 7168 * 2
+    for cfg in (get_dispatch_config(num_ranks, 24), get_combine_config(num_ranks, 24), Config(64, 32, 256, 32, 256)):
+        rdma = cfg.get_rdma_buffer_size_hint(hidden_bytes, num_ranks, nvl)
+        nvl_bytes = cfg.get_nvl_buffer_size_hint(hidden_bytes, num_ranks)
+        lay = mod.internode.buffer_layout(num_ranks, nvl, rdma, nvl_bytes)
+        assert lay["rdma_recv_offset"] == internode_rdma_header_bytes(num_ranks, nvl)
+        assert lay["nvl_rings_offset"] == internode_nvl_header_bytes(num_ranks)
+        slot = Config.slot_bytes(hidden_bytes)
+        assert lay["rdma_domain_bytes"] >= cfg.num_channels * cfg.num_max_rdma_chunked_recv_tokens * slot
+        assert lay["rdma_send_offset"] + num_ranks // nvl * lay["rdma_domain_bytes"] <= rdma
+        assert lay["nvl_src_block_bytes"] >= cfg.num_channels * cfg.num_max_nvl_chunked_recv_tokens * slot
+        assert lay["rdma_msg_ints"] >= 1 + num_ranks + 32 + nvl * (32 + 1024)

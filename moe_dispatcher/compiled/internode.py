@@ -20,16 +20,12 @@ import torch
 import torch.distributed as dist
 
 from .. import _ext
-from .. import config as _cfg
 from ..backend import Backend, Capabilities
 from ..config import Config, align_slot
 from ..handle import DispatchHandle
-from . import buffer_view, current_stream_ptr, recv_tensors, timeout_message, wait_counts
+from . import buffer_view, recv_tensors, timeout_message, wait_counts
 from .intranode import (COMBINE_DTYPES, DEFAULT_TIMEOUT_S, TIMEOUT_ENV, _columns, _contiguous, _DeviceMemory,
                         _row_bytes, combine_slot_bytes)
-
-# The kernels' dtype codes of combine input (CombineDtype in csrc/kernels/intranode/protocol.h).
-_COMBINE_DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
 def dispatch_slot_bytes(hidden_bytes: int, num_scales: int, num_topk: int) -> int:
@@ -56,23 +52,20 @@ class InternodeBackend(Backend):
         self._buffer_cls = type(buffer)
         self.capabilities = Capabilities(normal=True, combine_dtypes=COMBINE_DTYPES,
                                          max_local_experts=self._mod.MAX_LOCAL_EXPERTS, devices=frozenset({"cuda"}))
-        if self._mod.RDMA_CONTROL_BYTES != _cfg.RDMA_CONTROL_BYTES or self._mod.NVL_CONTROL_BYTES != _cfg.NVL_CONTROL_BYTES:
-            raise RuntimeError("moe_dispatcher._C and moe_dispatcher.config disagree on the internode control sizes "
-                               "(rebuild the extension)")
         if self.num_ranks > self._mod.MAX_RANKS:
             raise ValueError(f"the internode kernels serve at most {self._mod.MAX_RANKS} ranks, got {self.num_ranks}")
         self.timeout_s = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
         if self.timeout_s <= 0:
             raise ValueError(f"{TIMEOUT_ENV} must be positive, got {self.timeout_s}")
         self._timeout_ns = int(self.timeout_s * 1e9)
-        self._rdma_layout = _cfg.internode_rdma_layout(self.num_ranks, self.nvl_size, self.num_rdma_bytes)
-        self._nvl_layout = _cfg.internode_nvl_layout(self.num_ranks, self.nvl_size, self.num_nvl_bytes)
-        need = self._rdma_layout["rdma_recv_offset"] + 2 * self.num_domains * 128
+        # The buffers' layout, computed by the extension from the sizes (the kernels read the same one).
+        self._layout = self._mod.buffer_layout(self.num_ranks, self.nvl_size, self.num_rdma_bytes, self.num_nvl_bytes)
+        need = self._layout["rdma_recv_offset"] + 2 * self.num_domains * 128
         if self.num_rdma_bytes < need:
             raise ValueError(f"num_rdma_bytes={self.num_rdma_bytes} is too small for the internode kernels ({self.num_domains} "
                              f"NVLink domains need far more than {need}); size it with "
                              f"Config.get_rdma_buffer_size_hint(hidden_bytes, num_ranks, nvl_size)")
-        if self.num_nvl_bytes < self._nvl_layout["nvl_rings_offset"] + self.nvl_size * 128:
+        if self.num_nvl_bytes < self._layout["nvl_rings_offset"] + self.nvl_size * 128:
             raise ValueError(f"num_nvl_bytes={self.num_nvl_bytes} is too small for the internode kernels; size it with "
                              f"Config.get_nvl_buffer_size_hint")
         self.device = torch.device("cuda", torch.cuda.current_device())
@@ -92,12 +85,8 @@ class InternodeBackend(Backend):
             raise
         self._rdma_raw = torch.as_tensor(_DeviceMemory(self._rdma_ptr, self.num_rdma_bytes), device=self.device)
         self._rdma_raw.zero_()  # every counter starts at 0 on every PE
-        layout = self._rdma_layout | self._nvl_layout
-        keys = ("rdma_msg_offset", "rdma_msg_staging_offset", "rdma_recv_offset", "rdma_send_offset",
-                "rdma_domain_bytes", "rdma_msg_ints", "nvl_msg_offset", "nvl_msg_ints", "nvl_rings_offset",
-                "nvl_src_block_bytes")
         self._ctx = self._mod.make_context(self._ipc, self._rdma_ptr, self.rank, self.num_ranks, self.nvl_size,
-                                           [int(layout[k]) for k in keys])
+                                           self.num_rdma_bytes)
         self._state.barrier()  # nobody sends before every PE zeroed its buffer
         torch.cuda.current_stream().synchronize()
         self._seq = 0
@@ -114,14 +103,6 @@ class InternodeBackend(Backend):
         if info is not None:
             self._broken = timeout_message(self.name, info, self.timeout_s, TIMEOUT_ENV)
             raise RuntimeError(self._broken)
-
-    @staticmethod
-    def _stream() -> int:
-        return current_stream_ptr()
-
-    @staticmethod
-    def _ptr(t: Optional[torch.Tensor]) -> int:
-        return 0 if t is None else t.data_ptr()
 
     def _geometry(self, config: Optional[Config], combine: bool, slot_bytes: int, channels: Optional[int] = None,
                   what: str = "dispatch") -> List[int]:
@@ -140,7 +121,7 @@ class InternodeBackend(Backend):
         if combine and (nvl_slots < nvl_chunk + 32 or rdma_slots < 64):
             raise ValueError("combine needs num_max_nvl_chunked_recv_tokens >= num_max_nvl_chunked_send_tokens + 32 "
                              "and num_max_rdma_chunked_recv_tokens >= 64")
-        nvl_block, rdma_block = self._nvl_layout["nvl_src_block_bytes"], self._rdma_layout["rdma_domain_bytes"]
+        nvl_block, rdma_block = self._layout["nvl_src_block_bytes"], self._layout["rdma_domain_bytes"]
         if c * nvl_slots * slot_bytes > nvl_block:
             raise ValueError(f"{what}: num_nvl_bytes={self.num_nvl_bytes} is too small for {c} channels x {nvl_slots} "
                              f"slots of {slot_bytes} bytes per local rank; size it with Config.get_nvl_buffer_size_hint")
@@ -160,8 +141,7 @@ class InternodeBackend(Backend):
         per_domain = torch.zeros(self.num_domains, dtype=torch.int32, device=dev)
         per_expert = torch.zeros(num_experts, dtype=torch.int32, device=dev)
         in_rank = torch.empty(t, r, dtype=torch.bool, device=dev)
-        self._mod.layout(topk_idx.data_ptr(), t, k, num_experts, r, self.nvl_size, per_rank.data_ptr(),
-                         per_domain.data_ptr(), per_expert.data_ptr(), in_rank.data_ptr(), self._stream())
+        self._mod.layout(topk_idx, num_experts, r, self.nvl_size, per_rank, per_domain, per_expert, in_rank)
         return per_rank, per_domain, per_expert, in_rank
 
     # ------------------------------------------------------------------ dispatch
@@ -189,10 +169,8 @@ class InternodeBackend(Backend):
         fwd_offset = torch.empty(self.num_domains, channels + 1, dtype=torch.int32, device=dev)
         self._seq = self._seq % 2_000_000_000 + 1
         seq = self._seq
-        self._mod.notify(self._ctx, self._timeout_ns, is_token_in_rank.data_ptr(), num_tokens_per_rank.data_ptr(),
-                         num_tokens_per_expert.data_ptr(), t, num_experts, channels, expert_alignment,
-                         num_worst_tokens, seq, prefix.data_ptr(), offsets.data_ptr(), fwd_offset.data_ptr(),
-                         self._stream())
+        self._mod.notify(self._ctx, self._timeout_ns, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert,
+                         channels, expert_alignment, num_worst_tokens, seq, prefix, offsets, fwd_offset)
         counts: List[int] = []
         num_recv: Optional[int] = None
         if num_worst_tokens:
@@ -208,12 +186,9 @@ class InternodeBackend(Backend):
         recv_x, recv_scales, recv_idx, recv_w, recv_src = recv_tensors(
             rows, x, x_scales, num_scales, num_topk if topk_idx is not None else None)
         fwd_mask = torch.zeros(max(fwd_capacity, 1), dtype=torch.int32, device=dev)
-        self._mod.dispatch(self._ctx, self._timeout_ns, x.data_ptr(), self._ptr(x_scales), self._ptr(topk_idx),
-                           self._ptr(topk_weights), is_token_in_rank.data_ptr(), offsets.data_ptr(),
-                           fwd_offset.data_ptr(), fwd_mask.data_ptr(), fwd_capacity, recv_x.data_ptr(),
-                           self._ptr(recv_scales), self._ptr(recv_idx), self._ptr(recv_w), recv_src.data_ptr(), t,
-                           hidden_bytes, num_scales, num_topk, local, rows, 1 if num_worst_tokens else 0, geo,
-                           self._stream())
+        self._mod.dispatch(self._ctx, self._timeout_ns, x, x_scales, topk_idx, topk_weights, is_token_in_rank, offsets,
+                           fwd_offset, fwd_mask, fwd_capacity, recv_x, recv_scales, recv_idx, recv_w, recv_src, local,
+                           bool(num_worst_tokens), geo)
         if topk_weights is None:
             recv_w = None
         handle = DispatchHandle(prefix, is_token_in_rank, recv_src, num_recv, t, num_worst_tokens, self.name,
@@ -234,10 +209,9 @@ class InternodeBackend(Backend):
         recv_x = torch.empty(rows, x.shape[1], dtype=x.dtype, device=dev)
         recv_scales = (torch.empty(rows, num_scales, dtype=x_scales.dtype, device=dev)
                        if x_scales is not None else None)
-        self._mod.dispatch(self._ctx, self._timeout_ns, x.data_ptr(), self._ptr(x_scales), 0, 0,
-                           handle.is_token_in_rank.data_ptr(), offsets.data_ptr(), fwd_offset.data_ptr(), 0, 0,
-                           recv_x.data_ptr(), self._ptr(recv_scales), 0, 0, 0, x.shape[0], hidden_bytes, num_scales,
-                           0, 1, rows, 1 if handle.num_worst_tokens else 0, geo, self._stream())
+        self._mod.dispatch(self._ctx, self._timeout_ns, x, x_scales, None, None, handle.is_token_in_rank, offsets,
+                           fwd_offset, None, 0, recv_x, recv_scales, None, None, None, 1,
+                           bool(handle.num_worst_tokens), geo)
         return recv_x, recv_scales
 
     # ------------------------------------------------------------------ combine
@@ -256,12 +230,9 @@ class InternodeBackend(Backend):
         t, dev = handle.num_tokens, x.device
         out = torch.empty(t, x.shape[1], dtype=x.dtype, device=dev)
         out_w = torch.empty(t, num_topk, dtype=torch.float32, device=dev) if topk_weights is not None else None
-        self._mod.combine(self._ctx, self._timeout_ns, x.data_ptr(), self._ptr(topk_weights),
-                          self._ptr(biases[0] if len(biases) > 0 else None),
-                          self._ptr(biases[1] if len(biases) > 1 else None), handle.is_token_in_rank.data_ptr(),
-                          offsets.data_ptr(), fwd_offset.data_ptr(), fwd_mask.data_ptr(), fwd_capacity,
-                          out.data_ptr(), self._ptr(out_w), _COMBINE_DTYPE_CODES[x.dtype], t, x.shape[1],
-                          num_topk, x.shape[0], geo, self._stream())
+        self._mod.combine(self._ctx, self._timeout_ns, x, topk_weights, biases[0] if len(biases) > 0 else None,
+                          biases[1] if len(biases) > 1 else None, handle.is_token_in_rank, offsets, fwd_offset,
+                          fwd_mask, fwd_capacity, out, out_w, geo)
         return out, out_w
 
     # ------------------------------------------------------------------ buffer access and lifetime
