@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "bindings.h"
+#include "bindings/cached_call.h"
 #include "bindings/stream_join.h"
 #include "ipc_bindings.h"
 #include "kernels/common/layout.h"
@@ -207,6 +208,50 @@ void set_routing(Args& a, const at::Tensor& is_token_in_rank, const at::Tensor& 
   a.num_tokens = static_cast<int>(is_token_in_rank.size(0));
 }
 
+// The dispatch arguments of a geometry, checked (the call's tensors and sizes are the caller's to set).
+DispatchArgs dispatch_args(const Context& ctx, uint64_t timeout_ns, const std::vector<int>& geometry) {
+  DispatchArgs a{};
+  a.c = with_timeout(ctx, timeout_ns);
+  set_geometry(a, geometry);
+  a.rdma_chunk = geometry[4];
+  MOE_CHECK(a.nvl_chunk >= 1 && a.nvl_chunk <= kMaxChunk && a.nvl_chunk <= a.nvl_slots, "bad NVLink chunk");
+  MOE_CHECK(a.rdma_chunk >= 1 && a.rdma_chunk <= kMaxChunk && a.rdma_chunk <= a.rdma_slots, "bad RDMA chunk");
+  return a;
+}
+
+// The combine arguments of a geometry and a handle's routing, for rows x [rows, H] (bf16/fp16/fp32) and top-k
+// weights [rows, K] or None: everything but the tensors' addresses.
+CombineArgs combine_args(const Context& ctx, uint64_t timeout_ns, const std::vector<int>& geometry,
+                         const at::Tensor& is_token_in_rank, const at::Tensor& recv_channel_offset,
+                         const at::Tensor& fwd_offset, const at::Tensor& fwd_mask, int fwd_capacity, const at::Tensor& x,
+                         const c10::optional<at::Tensor>& topk_weights) {
+  CombineArgs a{};
+  a.c = with_timeout(ctx, timeout_ns);
+  set_geometry(a, geometry);
+  // Progress (docs/internode.md): a forwarder chunk's rows must fit beside a sender chunk in the NVLink
+  // ring, and two chunks in the RDMA ring. Checked for the largest chunk, so that every chunk_tokens
+  // fits whatever the call's size.
+  MOE_CHECK(a.nvl_slots >= a.nvl_chunk + kMaxCombineChunk,
+            "combine needs num_max_nvl_chunked_recv_tokens >= send tokens + 32");
+  MOE_CHECK(a.rdma_slots >= 2 * kMaxCombineChunk, "combine needs num_max_rdma_chunked_recv_tokens >= 64");
+  set_routing(a, is_token_in_rank, recv_channel_offset, fwd_offset, fwd_mask, fwd_capacity);
+  // Tokens per warp chunk of the forwarder and the receiver, from the tokens per channel, so that small calls
+  // still spread over the worker warps (15 per block). Every chunk size drains the same rings and sums in the
+  // same order (the same bits).
+  const int per_channel = (a.num_tokens + a.num_channels - 1) / a.num_channels;
+  a.chunk_tokens = std::clamp((per_channel + 14) / 15, 1, 8);
+  switch (x.scalar_type()) {
+    case at::kBFloat16: a.dtype = intranode::kBf16; break;
+    case at::kHalf: a.dtype = intranode::kFp16; break;
+    case at::kFloat: a.dtype = intranode::kFp32; break;
+    default: MOE_CHECK(false, "combine: the internode kernels reduce bf16, fp16 and fp32 only");
+  }
+  a.hidden = static_cast<int>(x.size(1));
+  a.num_topk = topk_weights.has_value() ? static_cast<int>(topk_weights->size(1)) : 0;
+  a.num_x_rows = static_cast<int>(x.size(0));
+  return a;
+}
+
 // Dispatch (fresh, or along a handle without topk_idx): x [T, H] (bytes per row a multiple of 16), scales [T, S]
 // 4-byte or None, topk_idx int64 [T, K] / topk_weights float32 [T, K] or None; outputs recv_x [rows, H],
 // recv_scales [rows, S], recv_topk_idx / recv_topk_weights [rows, K] (with topk_idx), recv_src_idx int32 [rows]
@@ -230,12 +275,7 @@ void dispatch(const Context& ctx, uint64_t timeout_ns, const at::Tensor& x, cons
   MOE_CHECK(!topk_weights.has_value() || topk_idx.has_value(), "dispatch: topk_weights without topk_idx");
   MOE_CHECK(fwd_mask.has_value() || fwd_capacity == 0, "dispatch: a forward capacity needs fwd_mask");
   const c10::cuda::CUDAGuard guard(device);
-  DispatchArgs a{};
-  a.c = with_timeout(ctx, timeout_ns);
-  set_geometry(a, geometry);
-  a.rdma_chunk = geometry[4];
-  MOE_CHECK(a.nvl_chunk >= 1 && a.nvl_chunk <= kMaxChunk && a.nvl_chunk <= a.nvl_slots, "bad NVLink chunk");
-  MOE_CHECK(a.rdma_chunk >= 1 && a.rdma_chunk <= kMaxChunk && a.rdma_chunk <= a.rdma_slots, "bad RDMA chunk");
+  DispatchArgs a = dispatch_args(ctx, timeout_ns, geometry);
   set_routing(a, is_token_in_rank, recv_channel_offset, fwd_offset, fwd_mask, fwd_capacity);
   MOE_CHECK(x.size(0) == a.num_tokens, "dispatch: x and is_token_in_rank differ in tokens");
   a.x = data_of<const uint8_t>(x);
@@ -272,38 +312,71 @@ void combine(const Context& ctx, uint64_t timeout_ns, const at::Tensor& x, const
   MOE_CHECK(topk_weights.has_value() == out_topk_weights.has_value(),
             "combine: topk_weights and out_topk_weights go together");
   const c10::cuda::CUDAGuard guard(device);
-  CombineArgs a{};
-  a.c = with_timeout(ctx, timeout_ns);
-  set_geometry(a, geometry);
-  // Progress (docs/internode.md): a forwarder chunk's rows must fit beside a sender chunk in the NVLink
-  // ring, and two chunks in the RDMA ring. Checked for the largest chunk, so that every chunk_tokens
-  // fits whatever the call's size.
-  MOE_CHECK(a.nvl_slots >= a.nvl_chunk + kMaxCombineChunk,
-            "combine needs num_max_nvl_chunked_recv_tokens >= send tokens + 32");
-  MOE_CHECK(a.rdma_slots >= 2 * kMaxCombineChunk, "combine needs num_max_rdma_chunked_recv_tokens >= 64");
-  set_routing(a, is_token_in_rank, recv_channel_offset, fwd_offset, fwd_mask, fwd_capacity);
+  CombineArgs a = combine_args(ctx, timeout_ns, geometry, is_token_in_rank, recv_channel_offset, fwd_offset, fwd_mask,
+                               fwd_capacity, x, topk_weights);
   MOE_CHECK(out.size(0) == a.num_tokens, "combine: out and is_token_in_rank differ in tokens");
-  // Tokens per warp chunk of the forwarder and the receiver, from the tokens per channel, so that small calls
-  // still spread over the worker warps (15 per block). Every chunk size drains the same rings and sums in the
-  // same order (the same bits).
-  const int per_channel = (a.num_tokens + a.num_channels - 1) / a.num_channels;
-  a.chunk_tokens = std::clamp((per_channel + 14) / 15, 1, 8);
   a.x = data_of<const uint8_t>(x);
   a.topk_weights = data_of<const float>(topk_weights);
   a.bias0 = data_of<const uint8_t>(bias0);
   a.bias1 = data_of<const uint8_t>(bias1);
   a.out = data_of<uint8_t>(out);
   a.out_topk_weights = data_of<float>(out_topk_weights);
-  switch (x.scalar_type()) {
-    case at::kBFloat16: a.dtype = intranode::kBf16; break;
-    case at::kHalf: a.dtype = intranode::kFp16; break;
-    case at::kFloat: a.dtype = intranode::kFp32; break;
-    default: MOE_CHECK(false, "combine: the internode kernels reduce bf16, fp16 and fp32 only");
-  }
-  a.hidden = static_cast<int>(x.size(1));
-  a.num_topk = topk_weights.has_value() ? static_cast<int>(topk_weights->size(1)) : 0;
-  a.num_x_rows = static_cast<int>(x.size(0));
   launch_combine(a, current_stream(device).stream());
+}
+
+// Cached calls (csrc/bindings/cached_call.h): plans made by the backend's full path after its checks. `ipc`: the
+// domain's IpcBuffer (its mailbox records the backend's timeouts).
+using CachedDispatch = CachedCall<DispatchArgs, launch_dispatch, CallKind::kDispatch>;
+using CachedCombine = CachedCall<CombineArgs, launch_combine, CallKind::kCombine>;
+
+// Dispatch along a handle (no top-k, no source indices, the handle's forward mask untouched): x [T, H], scales
+// [T, S] (FP8) or None -> recv_x [rows, H], recv_scales [rows, S]; rows = the handle's recv_src_idx rows.
+std::unique_ptr<CachedDispatch> make_cached_dispatch(const Context& ctx, const IpcBuffer& ipc, const CommStream& comm,
+                                                     uint64_t timeout_ns, const py::tuple& handle,
+                                                     const at::Tensor& recv_channel_offset, const at::Tensor& fwd_offset,
+                                                     const at::Tensor& x, const c10::optional<at::Tensor>& scales,
+                                                     const std::vector<int>& geometry, py::object config, int num_sms) {
+  DispatchArgs a = dispatch_args(ctx, timeout_ns, geometry);
+  const at::Tensor is_token_in_rank = py::cast<at::Tensor>(handle[kIsTokenInRank]);
+  set_routing(a, is_token_in_rank, recv_channel_offset, fwd_offset, c10::nullopt, 0);
+  const int64_t rows = py::cast<at::Tensor>(handle[kRecvSrcIdx]).size(0);
+  a.hidden_bytes = static_cast<int>(x.size(1) * x.element_size());
+  a.num_scales = scales.has_value() ? static_cast<int>(scales->size(1)) : 0;
+  a.experts_per_rank = 1;
+  a.num_rows = static_cast<int>(rows);
+  a.pad_rows = py::cast<int64_t>(handle[kNumWorstTokens]) != 0 ? 1 : 0;
+  c10::optional<TensorSpec> aux, aux_out;
+  if (scales.has_value()) {
+    aux = TensorSpec{scales->scalar_type(), x.size(0), scales->size(1)};
+    aux_out = TensorSpec{scales->scalar_type(), rows, scales->size(1)};
+  }
+  return std::make_unique<CachedDispatch>(
+      ipc, comm, handle, std::vector<at::Tensor>{is_token_in_rank, recv_channel_offset, fwd_offset}, a,
+      TensorSpec{x.scalar_type(), x.size(0), x.size(1)}, aux, TensorSpec{x.scalar_type(), rows, x.size(1)}, aux_out,
+      std::move(config), num_sms);
+}
+
+// Combine along a handle: x [rows, H] bf16/fp16/fp32, topk_weights float32 [rows, K] when given -> out [T, H],
+// out_topk_weights float32 [T, K].
+std::unique_ptr<CachedCombine> make_cached_combine(const Context& ctx, const IpcBuffer& ipc, const CommStream& comm,
+                                                   uint64_t timeout_ns, const py::tuple& handle,
+                                                   const at::Tensor& recv_channel_offset, const at::Tensor& fwd_offset,
+                                                   const at::Tensor& fwd_mask, int fwd_capacity, const at::Tensor& x,
+                                                   const c10::optional<at::Tensor>& topk_weights,
+                                                   const std::vector<int>& geometry, py::object config, int num_sms) {
+  const at::Tensor is_token_in_rank = py::cast<at::Tensor>(handle[kIsTokenInRank]);
+  const CombineArgs a = combine_args(ctx, timeout_ns, geometry, is_token_in_rank, recv_channel_offset, fwd_offset,
+                                     fwd_mask, fwd_capacity, x, topk_weights);
+  const int64_t tokens = a.num_tokens;
+  c10::optional<TensorSpec> aux, aux_out;
+  if (topk_weights.has_value()) {
+    aux = TensorSpec{at::kFloat, x.size(0), topk_weights->size(1)};
+    aux_out = TensorSpec{at::kFloat, tokens, topk_weights->size(1)};
+  }
+  return std::make_unique<CachedCombine>(
+      ipc, comm, handle, std::vector<at::Tensor>{is_token_in_rank, recv_channel_offset, fwd_offset, fwd_mask}, a,
+      TensorSpec{x.scalar_type(), x.size(0), x.size(1)}, aux, TensorSpec{x.scalar_type(), tokens, x.size(1)}, aux_out,
+      std::move(config), num_sms);
 }
 
 }  // namespace
@@ -341,6 +414,21 @@ void register_internode(py::module_& m) {
           py::arg("fwd_offset"), py::arg("fwd_mask"), py::arg("fwd_capacity"), py::arg("recv_x"),
           py::arg("recv_scales"), py::arg("recv_topk_idx"), py::arg("recv_topk_weights"), py::arg("recv_src_idx"),
           py::arg("experts_per_rank"), py::arg("pad_rows"), py::arg("geometry"));
+  // keep_alive: a plan holds raw pointers to the IpcBuffer and the comm stream (the Context is copied into it).
+  py::class_<CachedDispatch>(sub, "CachedDispatch")
+      .def("run", &CachedDispatch::run, py::arg("handle"), py::arg("x"), py::arg("scales"), py::arg("config"),
+           py::arg("num_sms"), py::arg("join"));
+  py::class_<CachedCombine>(sub, "CachedCombine")
+      .def("run", &CachedCombine::run, py::arg("handle"), py::arg("x"), py::arg("topk_weights"), py::arg("config"),
+           py::arg("num_sms"), py::arg("join"));
+  sub.def("cached_dispatch", &make_cached_dispatch, py::arg("ctx"), py::arg("ipc"), py::arg("comm"),
+          py::arg("timeout_ns"), py::arg("handle"), py::arg("recv_channel_offset"), py::arg("fwd_offset"), py::arg("x"),
+          py::arg("scales"), py::arg("geometry"), py::arg("config"), py::arg("num_sms"), py::keep_alive<0, 2>(),
+          py::keep_alive<0, 3>());
+  sub.def("cached_combine", &make_cached_combine, py::arg("ctx"), py::arg("ipc"), py::arg("comm"),
+          py::arg("timeout_ns"), py::arg("handle"), py::arg("recv_channel_offset"), py::arg("fwd_offset"),
+          py::arg("fwd_mask"), py::arg("fwd_capacity"), py::arg("x"), py::arg("topk_weights"), py::arg("geometry"),
+          py::arg("config"), py::arg("num_sms"), py::keep_alive<0, 2>(), py::keep_alive<0, 3>());
   sub.def("combine", &combine, py::arg("ctx"), py::arg("timeout_ns"), py::arg("x"), py::arg("topk_weights"),
           py::arg("bias0"), py::arg("bias1"), py::arg("is_token_in_rank"), py::arg("recv_channel_offset"),
           py::arg("fwd_offset"), py::arg("fwd_mask"), py::arg("fwd_capacity"), py::arg("out"),

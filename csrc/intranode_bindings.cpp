@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "bindings.h"
+#include "bindings/cached_call.h"
 #include "bindings/stream_join.h"
 #include "ipc_bindings.h"
 #include "kernels/common/layout.h"
@@ -372,171 +373,20 @@ void pair_rank(const at::Tensor& topk_idx, int num_experts, const at::Tensor& ou
   launch_pair_rank(a, current_stream(device).stream());
 }
 
-// ---------------------------------------------------------------------------------------------------------
-// Cached calls (dispatch along a handle, combine): one Python call each. A plan is made by the full path after
-// the call's checks passed (moe_dispatcher/compiled/intranode.py) and kept in the handle's state; it holds the
-// kernel's arguments with every field but the tensors' addresses filled in, the handle's routing tensors, and
-// what a later call must look like to pass the same checks. run() checks that at the boundary (the handle's
-// fields, the tensors' dtype / shape / device / contiguity, the config): anything else is "not mine" (None),
-// and the Buffer takes the full path, which validates, raises or makes a new plan. (That the handle is the
-// calling Buffer's, the Buffer checks before it calls.)
+// Cached calls (csrc/bindings/cached_call.h): plans made by the backend's full path after its checks.
+using CachedDispatch = CachedCall<DispatchArgs, launch_dispatch, CallKind::kDispatch>;
+using CachedCombine = CachedCall<CombineArgs, launch_combine, CallKind::kCombine>;
 
-// May the backend still launch? Not once the buffer is destroyed or a kernel recorded a timeout (sticky: the
-// Buffer is unusable from then on); the plans answer None and the full path raises the reason. (The device
-// writes the mailbox: read it through volatile, as timeout_info does.)
-bool usable(const IpcBuffer& b) {
-  if (!b.alive()) return false;
-  const volatile Mailbox* box = b.host_mailbox();
-  return box->timeout.status == 0;
-}
-
-// What a tensor argument of a plan must look like (and its output's shape): dtype and shape, on the plan's device,
-// contiguous.
-struct TensorSpec {
-  at::ScalarType dtype;
-  int64_t rows, cols;
-  bool matches(const at::Tensor& t, c10::DeviceIndex device) const {
-    return t.scalar_type() == dtype && t.dim() == 2 && t.size(0) == rows && t.size(1) == cols && t.is_cuda() &&
-           t.get_device() == device && t.is_contiguous();
-  }
-};
-
-// The fields of a DispatchHandle (moe_dispatcher/handle.py) a plan depends on, by position.
-enum HandleField : int {
-  kIsTokenInRank = 1,
-  kRecvSrcIdx = 2,
-  kNumTokens = 4,
-  kNumWorstTokens = 5,
-  kHandleFields = 9
-};
-
-// The plan of one cached call. Args: DispatchArgs or CombineArgs; `input` / `aux` (FP8 scales of a dispatch, top-k
-// weights of a combine; aux_present false: the call has none) describe the arguments; `output` / `aux_output`
-// the outputs.
-template <class Args, void (*Launch)(const Args&, cudaStream_t)>
-class CachedCall {
- public:
-  CachedCall(const IpcBuffer& b, const CommStream& comm, const py::tuple& handle, const at::Tensor& recv_channel_offset,
-             const Args& a, TensorSpec input, c10::optional<TensorSpec> aux, TensorSpec output,
-             c10::optional<TensorSpec> aux_output, py::object config, int num_sms)
-      : a_(a), buffer_(&b), comm_(&comm), input_(input), aux_(aux), output_(output), aux_output_(aux_output),
-        config_(std::move(config)), num_sms_(num_sms) {
-    MOE_CHECK(handle.size() == kHandleFields, "a cached call needs a DispatchHandle");
-    is_token_in_rank_ = handle[kIsTokenInRank];
-    recv_src_idx_ = handle[kRecvSrcIdx];
-    num_tokens_ = handle[kNumTokens].cast<int64_t>();
-    num_worst_tokens_ = handle[kNumWorstTokens].cast<int64_t>();
-    routing_ = {is_token_in_rank_.cast<at::Tensor>(), recv_channel_offset};
-    set_routing(a_, routing_[0], routing_[1]);
-  }
-
-  // The call: (output, aux output or None, CommEvent or None), or None when the arguments are not those the plan
-  // was made for, or the backend may no longer launch. join (Join): kJoinNone launches on the current stream
-  // (the full path, inside the Buffer's stream scope); kJoinBoth / kJoinBefore launch on the comm stream, joined
-  // to the caller's (a synchronous call / async_finish). Outputs are allocated on the current stream: the
-  // caller's (fast path) or the comm stream the Buffer made current (full path, which records them on the
-  // caller's stream afterwards).
-  py::object run(const py::handle& handle, const at::Tensor& x, const c10::optional<at::Tensor>& aux,
-                 const py::handle& config, int num_sms, int join) {
-    if (!matches(handle, x, aux, config, num_sms) || !usable(*buffer_)) return py::none();
-    MOE_CHECK(join >= kJoinNone && join <= kJoinBoth, "bad stream join");
-    const c10::DeviceIndex device = comm_->device();
-    const c10::cuda::CUDAGuard guard(device);
-    const c10::cuda::CUDAStream caller = current_stream(device);
-    if (join != kJoinNone) comm_->wait_for(caller);
-    at::Tensor out = at::empty({output_.rows, output_.cols}, x.options().dtype(output_.dtype));
-    c10::optional<at::Tensor> aux_out;
-    if (aux_output_.has_value()) {
-      aux_out = at::empty({aux_output_->rows, aux_output_->cols}, x.options().dtype(aux_output_->dtype));
-    }
-    set_tensors(a_, x, aux, out, aux_out);
-    const c10::cuda::CUDAStream& stream = join == kJoinNone ? caller : comm_->stream();
-    Launch(a_, stream.stream());
-    py::object event = py::none();
-    if (join == kJoinBoth) {
-      comm_->then(caller);
-    } else if (join == kJoinBefore) {
-      // The comm stream uses the inputs and outputs until the event: a free before it must not hand their
-      // blocks to other work (the EventOverlap also keeps them referenced).
-      record_on(x, stream);
-      record_on(out, stream);
-      if (aux.has_value()) record_on(*aux, stream);
-      if (aux_out.has_value()) record_on(*aux_out, stream);
-      event = py::cast(CommEvent(stream));
-    }
-    return py::make_tuple(std::move(out), aux_out.has_value() ? py::cast(std::move(*aux_out)) : py::none(),
-                          std::move(event));
-  }
-
- private:
-  bool matches(const py::handle& handle, const at::Tensor& x, const c10::optional<at::Tensor>& aux,
-               const py::handle& config, int num_sms) const {
-    if (!PyTuple_Check(handle.ptr()) || PyTuple_GET_SIZE(handle.ptr()) != kHandleFields) return false;
-    PyObject* h = handle.ptr();
-    if (PyTuple_GET_ITEM(h, kIsTokenInRank) != is_token_in_rank_.ptr() ||
-        PyTuple_GET_ITEM(h, kRecvSrcIdx) != recv_src_idx_.ptr() ||
-        PyLong_AsLongLong(PyTuple_GET_ITEM(h, kNumTokens)) != num_tokens_ ||
-        PyLong_AsLongLong(PyTuple_GET_ITEM(h, kNumWorstTokens)) != num_worst_tokens_) {
-      PyErr_Clear();  // a field that is no int reads as -1 with an error set: not this plan's
-      return false;
-    }
-    // The config: the same object (None: the Buffer's default for num_sms, so num_sms as well), or an equal one.
-    if (config.is_none() != config_.is_none()) return false;
-    if (config.is_none()) {
-      if (num_sms != num_sms_) return false;
-    } else if (config.ptr() != config_.ptr()) {
-      const int equal = PyObject_RichCompareBool(config.ptr(), config_.ptr(), Py_EQ);
-      if (equal != 1) {
-        PyErr_Clear();
-        return false;
-      }
-    }
-    const c10::DeviceIndex device = comm_->device();
-    if (!input_.matches(x, device) || aux.has_value() != aux_.has_value()) return false;
-    return !aux.has_value() || aux_->matches(*aux, device);
-  }
-
-  static void set_tensors(DispatchArgs& a, const at::Tensor& x, const c10::optional<at::Tensor>& scales,
-                          const at::Tensor& recv_x, const c10::optional<at::Tensor>& recv_scales) {
-    a.x = data_of<const uint8_t>(x);
-    a.scales = data_of<const int32_t>(scales);
-    a.recv_x = data_of<uint8_t>(recv_x);
-    a.recv_scales = data_of<int32_t>(recv_scales);
-  }
-  static void set_tensors(CombineArgs& a, const at::Tensor& x, const c10::optional<at::Tensor>& topk_weights,
-                          const at::Tensor& out, const c10::optional<at::Tensor>& out_topk_weights) {
-    a.x = data_of<const uint8_t>(x);
-    a.topk_weights = data_of<const float>(topk_weights);
-    a.out = data_of<uint8_t>(out);
-    a.out_topk_weights = data_of<float>(out_topk_weights);
-  }
-
-  Args a_;
-  const IpcBuffer* buffer_;
-  const CommStream* comm_;
-  TensorSpec input_;
-  c10::optional<TensorSpec> aux_;
-  TensorSpec output_;
-  c10::optional<TensorSpec> aux_output_;
-  py::object config_;
-  int num_sms_;
-  py::object is_token_in_rank_, recv_src_idx_;  // compared by identity: a handle with other routing is not mine
-  int64_t num_tokens_ = 0, num_worst_tokens_ = 0;
-  std::vector<at::Tensor> routing_;  // is_token_in_rank, recv_channel_offset: kept alive with their addresses
-};
-
-using CachedDispatch = CachedCall<DispatchArgs, launch_dispatch>;
-using CachedCombine = CachedCall<CombineArgs, launch_combine>;
-
-// Dispatch along a handle (no top-k, no source indices: what a cached dispatch sends): x [T, H] of `dtype`,
-// scales [T, S] of `scales_dtype` when num_scales > 0 (FP8) -> recv_x [rows, H], recv_scales [rows, S]; rows =
-// the handle's recv_src_idx rows.
+// Dispatch along a handle (no top-k, no source indices: what a cached dispatch sends): x [T, H], scales [T, S]
+// (FP8) or None -> recv_x [rows, H], recv_scales [rows, S]; rows = the handle's recv_src_idx rows.
 std::unique_ptr<CachedDispatch> make_cached_dispatch(const IpcBuffer& b, const CommStream& comm, uint64_t timeout_ns,
                                                      const py::tuple& handle, const at::Tensor& recv_channel_offset,
                                                      const at::Tensor& x, const c10::optional<at::Tensor>& scales,
                                                      int num_channels, int chunk, int num_slots, int slot_bytes,
                                                      py::object config, int num_sms) {
   DispatchArgs a = ring_dispatch_args(b, timeout_ns, Ring{num_channels, chunk, num_slots, slot_bytes});
+  const at::Tensor is_token_in_rank = py::cast<at::Tensor>(handle[kIsTokenInRank]);
+  set_routing(a, is_token_in_rank, recv_channel_offset);
   const at::Tensor recv_src_idx = py::cast<at::Tensor>(handle[kRecvSrcIdx]);
   const int64_t rows = recv_src_idx.size(0);
   a.hidden_bytes = row_bytes(x);
@@ -549,7 +399,8 @@ std::unique_ptr<CachedDispatch> make_cached_dispatch(const IpcBuffer& b, const C
     aux = TensorSpec{scales->scalar_type(), x.size(0), scales->size(1)};
     aux_out = TensorSpec{scales->scalar_type(), rows, scales->size(1)};
   }
-  return std::make_unique<CachedDispatch>(b, comm, handle, recv_channel_offset, a, input, aux,
+  return std::make_unique<CachedDispatch>(b, comm, handle, std::vector<at::Tensor>{is_token_in_rank, recv_channel_offset},
+                                          a, input, aux,
                                           TensorSpec{x.scalar_type(), rows, x.size(1)}, aux_out, std::move(config),
                                           num_sms);
 }
@@ -562,6 +413,8 @@ std::unique_ptr<CachedCombine> make_cached_combine(const IpcBuffer& b, const Com
                                                    int num_channels, int chunk, int num_slots, int slot_bytes,
                                                    py::object config, int num_sms) {
   CombineArgs a = ring_combine_args(b, timeout_ns, Ring{num_channels, chunk, num_slots, slot_bytes});
+  const at::Tensor is_token_in_rank = py::cast<at::Tensor>(handle[kIsTokenInRank]);
+  set_routing(a, is_token_in_rank, recv_channel_offset);
   const int64_t tokens = py::cast<int64_t>(handle[kNumTokens]);
   a.dtype = combine_dtype(x);
   a.hidden = static_cast<int>(x.size(1));
@@ -573,7 +426,8 @@ std::unique_ptr<CachedCombine> make_cached_combine(const IpcBuffer& b, const Com
     aux = TensorSpec{at::kFloat, x.size(0), topk_weights->size(1)};
     aux_out = TensorSpec{at::kFloat, tokens, topk_weights->size(1)};
   }
-  return std::make_unique<CachedCombine>(b, comm, handle, recv_channel_offset, a, input, aux,
+  return std::make_unique<CachedCombine>(b, comm, handle, std::vector<at::Tensor>{is_token_in_rank, recv_channel_offset},
+                                         a, input, aux,
                                          TensorSpec{x.scalar_type(), tokens, x.size(1)}, aux_out, std::move(config),
                                          num_sms);
 }

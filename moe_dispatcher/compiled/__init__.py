@@ -39,10 +39,12 @@ JOIN_NONE, JOIN_BEFORE, JOIN_BOTH = 0, 1, 2
 
 
 class HandleState:
-    """backend_state of a DispatchHandle from a backend whose cached calls run from launch plans (intranode).
+    """backend_state of a DispatchHandle from a backend whose cached calls run from native plans (intranode,
+    internode).
 
-    routing:        the backend's tables of the handle (intranode: (num_channels, recv_channel_offset)).
-    dispatch_plans: [the native plan (CachedDispatch of csrc/intranode_bindings.cpp) of the latest cached
+    routing:        the backend's tables of the handle (intranode: (num_channels, recv_channel_offset); internode:
+                    (num_channels, recv_channel_offset, fwd_offset, fwd_mask, fwd_capacity)).
+    dispatch_plans: [the native plan (CachedDispatch of csrc/bindings/cached_call.h) of the latest cached
                     dispatch of plain rows, that of FP8 rows with scales], None before the first such call;
                     combine_plans likewise (CachedCombine), [without, with top-k weights]. One slot per kind, so
                     that a model alternating the kinds on a handle (combine, then combine with weights in the
@@ -56,6 +58,24 @@ class HandleState:
         self.routing = routing
         self.dispatch_plans: list = [None, None]
         self.combine_plans: list = [None, None]
+
+
+def run_cached(backend, plans: list, kind: int, make: Callable, handle, x: torch.Tensor, aux: Optional[torch.Tensor],
+               config) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The full path of a cached call (dispatch along a handle, or combine) of a backend with native plans, on the
+    current stream: the handle's plan of this kind (plans[kind], a slot of its HandleState) when it takes these
+    arguments, else a new one (make(x, aux, handle, config): the backend's checks, then the plan, kept for the
+    Buffer's fast path); a plan that will not launch (buffer destroyed, timeout recorded) raises through
+    backend.refused(). -> (output, aux output or None)."""
+    num_sms = backend._buffer_cls.num_sms
+    plan = plans[kind]
+    result = plan.run(handle, x, aux, config, num_sms, JOIN_NONE) if plan is not None else None
+    if result is None:
+        plan = plans[kind] = make(x, aux, handle, config)
+        result = plan.run(handle, x, aux, config, num_sms, JOIN_NONE)
+        if result is None:
+            backend.refused()
+    return result[0], result[1]
 
 
 def wait_counts(backend, seq: int, flag_layout_mismatch: int) -> int:

@@ -8,7 +8,8 @@ One InternodeBackend belongs to one Buffer whose topology has more than one NVLi
 
 Same methods and host-synchronisation rules as IntranodeBackend: only a fresh dispatch without
 num_worst_tokens waits (mapped mailbox) for the receive counts; cached dispatch, num_worst_tokens dispatch
-(CUDA-graph capturable), layout and combine never do. Timeouts name rank, phase and peer.
+(CUDA-graph capturable), layout and combine never do. Timeouts name rank, phase and peer. Cached calls run from
+native plans kept in the handle's HandleState, as the intranode backend's (the Buffer's fast path calls them).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from .. import _ext
 from ..backend import Backend, Capabilities
 from ..config import Config, align_slot
 from ..handle import DispatchHandle
-from . import buffer_view, recv_tensors, timeout_message, wait_counts
+from . import HandleState, buffer_view, recv_tensors, run_cached, timeout_message, wait_counts
 from .intranode import (COMBINE_DTYPES, DEFAULT_TIMEOUT_S, TIMEOUT_ENV, _columns, _contiguous, _DeviceMemory,
                         _row_bytes, combine_slot_bytes)
 
@@ -74,6 +75,8 @@ class InternodeBackend(Backend):
         gathered: List[Optional[tuple]] = [None] * self.num_ranks
         dist.all_gather_object(gathered, (self._ipc.ipc_handle(), socket.gethostname()), group=self.group)
         self._ipc.open_peers([gathered[r][0] for r in topo.domain_ranks()])
+        # The Buffer's comm stream, with the events that join it to the caller's stream in cached calls.
+        self._comm = self._intra.CommStream(buffer.get_comm_stream())
         single_host = len({g[1] for g in gathered}) == 1  # only chooses NVSHMEM's transports (P2P here)
         from ..runtime import nvshmem
         self._state = nvshmem.bootstrap(self.group, self.device.index, single_host=single_host)
@@ -103,6 +106,11 @@ class InternodeBackend(Backend):
         if info is not None:
             self._broken = timeout_message(self.name, info, self.timeout_s, TIMEOUT_ENV)
             raise RuntimeError(self._broken)
+
+    def refused(self) -> None:
+        """A plan did not launch: raise why (destroyed, or a timeout recorded)."""
+        self._check()
+        raise RuntimeError("moe_dispatcher internode: the launch was refused")
 
     def _geometry(self, config: Optional[Config], combine: bool, slot_bytes: int, channels: Optional[int] = None,
                   what: str = "dispatch") -> List[int]:
@@ -192,27 +200,26 @@ class InternodeBackend(Backend):
         if topk_weights is None:
             recv_w = None
         handle = DispatchHandle(prefix, is_token_in_rank, recv_src, num_recv, t, num_worst_tokens, self.name,
-                                self._buffer_token, backend_state=(channels, offsets, fwd_offset, fwd_mask, fwd_capacity))
+                                self._buffer_token,
+                                backend_state=HandleState((channels, offsets, fwd_offset, fwd_mask, fwd_capacity)))
         return recv_x, recv_scales, recv_idx, recv_w, counts, handle
 
     def cached_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], handle: DispatchHandle,
                         config: Optional[Config] = None):
-        """Dispatch along the routing of `handle` with no count exchange and no host sync."""
+        """Dispatch along the routing of `handle` with no count exchange and no host sync, on the current stream."""
         self._check()
         x, x_scales = x.contiguous(), _contiguous(x_scales)
-        hidden_bytes, num_scales = _row_bytes(x), _columns(x_scales)
-        channels, offsets, fwd_offset, _, _ = handle.backend_state
-        geo = self._geometry(config, False, dispatch_slot_bytes(hidden_bytes, num_scales, 0), channels,
+        return run_cached(self, handle.backend_state.dispatch_plans, x_scales is not None, self._dispatch_plan, handle,
+                          x, x_scales, config)
+
+    def _dispatch_plan(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], handle: DispatchHandle,
+                       config: Optional[Config]):
+        """The checks of a cached dispatch, then its native plan."""
+        channels, offsets, fwd_offset, _, _ = handle.backend_state.routing
+        geo = self._geometry(config, False, dispatch_slot_bytes(_row_bytes(x), _columns(x_scales), 0), channels,
                              "cached dispatch")
-        rows = handle.recv_src_idx.shape[0]
-        dev = x.device
-        recv_x = torch.empty(rows, x.shape[1], dtype=x.dtype, device=dev)
-        recv_scales = (torch.empty(rows, num_scales, dtype=x_scales.dtype, device=dev)
-                       if x_scales is not None else None)
-        self._mod.dispatch(self._ctx, self._timeout_ns, x, x_scales, None, None, handle.is_token_in_rank, offsets,
-                           fwd_offset, None, 0, recv_x, recv_scales, None, None, None, 1,
-                           bool(handle.num_worst_tokens), geo)
-        return recv_x, recv_scales
+        return self._mod.cached_dispatch(self._ctx, self._ipc, self._comm, self._timeout_ns, handle, offsets,
+                                         fwd_offset, x, x_scales, geo, config, self._buffer_cls.num_sms)
 
     # ------------------------------------------------------------------ combine
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
@@ -223,17 +230,31 @@ class InternodeBackend(Backend):
         partial is the float32 sum of that domain's rows (ranks ascending) rounded to x.dtype."""
         self._check()
         x, topk_weights = x.contiguous(), _contiguous(topk_weights)
-        row_bytes, num_topk = _row_bytes(x), _columns(topk_weights)
-        channels, offsets, fwd_offset, fwd_mask, fwd_capacity = handle.backend_state
-        geo = self._geometry(config, True, combine_slot_bytes(row_bytes, num_topk), channels, "combine")
+        if not bias:
+            return run_cached(self, handle.backend_state.combine_plans, topk_weights is not None, self._combine_plan,
+                              handle, x, topk_weights, config)
+        # With a bias (rare: no plan, and the Buffer's fast path does not take it).
+        channels, offsets, fwd_offset, fwd_mask, fwd_capacity = handle.backend_state.routing
+        geo = self._geometry(config, True, combine_slot_bytes(_row_bytes(x), _columns(topk_weights)), channels,
+                             "combine")
         biases = [b.contiguous() for b in bias]
         t, dev = handle.num_tokens, x.device
         out = torch.empty(t, x.shape[1], dtype=x.dtype, device=dev)
-        out_w = torch.empty(t, num_topk, dtype=torch.float32, device=dev) if topk_weights is not None else None
-        self._mod.combine(self._ctx, self._timeout_ns, x, topk_weights, biases[0] if len(biases) > 0 else None,
-                          biases[1] if len(biases) > 1 else None, handle.is_token_in_rank, offsets, fwd_offset,
-                          fwd_mask, fwd_capacity, out, out_w, geo)
+        out_w = torch.empty(t, topk_weights.shape[1], dtype=torch.float32, device=dev) if topk_weights is not None \
+            else None
+        self._mod.combine(self._ctx, self._timeout_ns, x, topk_weights, biases[0], biases[1] if len(biases) > 1 else None,
+                          handle.is_token_in_rank, offsets, fwd_offset, fwd_mask, fwd_capacity, out, out_w, geo)
         return out, out_w
+
+    def _combine_plan(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor], handle: DispatchHandle,
+                      config: Optional[Config]):
+        """The checks of a combine (x of a kernel dtype), then its native plan."""
+        channels, offsets, fwd_offset, fwd_mask, fwd_capacity = handle.backend_state.routing
+        geo = self._geometry(config, True, combine_slot_bytes(_row_bytes(x), _columns(topk_weights)), channels,
+                             "combine")
+        return self._mod.cached_combine(self._ctx, self._ipc, self._comm, self._timeout_ns, handle, offsets, fwd_offset,
+                                        fwd_mask, fwd_capacity, x, topk_weights, geo, config,
+                                        self._buffer_cls.num_sms)
 
     # ------------------------------------------------------------------ buffer access and lifetime
     def local_buffer_tensor(self, dtype: torch.dtype, size: Optional[Sequence[int]] = None, offset: int = 0,

@@ -30,7 +30,7 @@ from ..backend import Backend, Capabilities
 from ..config import Config, align_slot
 from ..expert_major import ExpertMajorHandle, compose_expert_major_dispatch, gather_rows, unpermute
 from ..handle import DispatchHandle
-from . import JOIN_NONE, HandleState, buffer_view, recv_tensors, timeout_message, wait_counts
+from . import HandleState, buffer_view, recv_tensors, run_cached, timeout_message, wait_counts
 
 TIMEOUT_ENV = "MOE_DISPATCHER_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 10.0
@@ -233,28 +233,13 @@ class IntranodeBackend(Backend):
         return wait_counts(self, seq, self._mod.FLAG_LAYOUT_MISMATCH)
 
     # ------------------------------------------------------------------ cached calls
-    def _cached(self, plans: list, kind: int, make, handle: DispatchHandle, x: torch.Tensor,
-                aux: Optional[torch.Tensor], config: Optional[Config]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """The full path of a cached call, on the current stream: the handle's plan of this kind (plans[kind]) when
-        it takes these arguments, else a new one (make(x, aux, handle, config): the checks, then the plan, kept for
-        the Buffer's fast path). -> (output, aux output or None)."""
-        num_sms = self._buffer_cls.num_sms
-        plan = plans[kind]
-        result = plan.run(handle, x, aux, config, num_sms, JOIN_NONE) if plan is not None else None
-        if result is None:
-            plan = plans[kind] = make(x, aux, handle, config)
-            result = plan.run(handle, x, aux, config, num_sms, JOIN_NONE)
-            if result is None:
-                self.refused()
-        return result[0], result[1]
-
     def cached_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], handle: DispatchHandle,
                         config: Optional[Config] = None):
         """Dispatch along the routing of `handle` with no count exchange and no host sync, on the current stream."""
         self._check()
         x, x_scales = x.contiguous(), _contiguous(x_scales)
-        return self._cached(handle.backend_state.dispatch_plans, x_scales is not None, self._dispatch_plan, handle,
-                            x, x_scales, config)
+        return run_cached(self, handle.backend_state.dispatch_plans, x_scales is not None, self._dispatch_plan, handle,
+                          x, x_scales, config)
 
     def _dispatch_plan(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], handle: DispatchHandle,
                        config: Optional[Config]):
@@ -272,8 +257,8 @@ class IntranodeBackend(Backend):
         self._check()
         x, topk_weights = x.contiguous(), _contiguous(topk_weights)
         if not bias:
-            return self._cached(handle.backend_state.combine_plans, topk_weights is not None, self._combine_plan,
-                                handle, x, topk_weights, config)
+            return run_cached(self, handle.backend_state.combine_plans, topk_weights is not None, self._combine_plan,
+                              handle, x, topk_weights, config)
         # With a bias (rare: no plan, and the Buffer's fast path does not take it).
         channels, offsets = handle.backend_state.routing
         ring = self._ring(config, True, combine_slot_bytes(_row_bytes(x), _columns(topk_weights)), "combine", channels)
