@@ -17,20 +17,6 @@ import torch.distributed as dist
 
 from .. import _ext
 
-# The raw cudaStream_t of the current stream, cheaply: torch.cuda.current_stream() resolves the device through
-# several Python layers (it was a third of a cached dispatch's host time). CUDA builds of torch expose the
-# direct lookups that torch's own generated code uses; CPU builds (never launching) fall back.
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-_get_device = getattr(torch._C, "_cuda_getDevice", None)
-
-
-def current_stream_ptr(device: Optional[int] = None) -> int:
-    """The current CUDA stream of `device` (default: the current device), as the integer the bindings take."""
-    if _raw_stream is not None and _get_device is not None:
-        return _raw_stream(_get_device() if device is None else device)
-    return torch.cuda.current_stream(device).cuda_stream
-
-
 # How a cached call's plan orders its launch against the caller's stream (Join in csrc/bindings/stream_join.h):
 # not at all, launching on the current stream (the full path: the Buffer made the comm stream current after
 # ordering it), the comm stream waits for the caller's stream first (async_finish), or also the caller's stream
