@@ -199,6 +199,12 @@ def _world_fast_path(rank: int, world_size: int) -> None:
         torch.cuda.current_stream().wait_stream(side)
         check_dispatch(recv, x2, "cached dispatch on a side stream")
         check_combine(comb, y, None, "combine on a side stream")
+        # The fast path's native event (async_finish) as another call's previous_event, and its host methods.
+        _, *_, ev = kb.dispatch(x2, handle=hk, async_finish=True)
+        got = kb.dispatch(x2, handle=hk, previous_event=ev)
+        check_dispatch(got[0], x2, "cached dispatch after a native event")
+        ev.event.synchronize()
+        assert ev.event.query(), "a synchronised event has fired"
 
     with case("repeated cached calls in a CUDA graph"):
         x_in, y_in = fresh_x(), fresh_y()
