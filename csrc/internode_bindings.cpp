@@ -80,7 +80,8 @@ py::dict layout_dict(const Layout& l) {
   return d;
 }
 
-Context make_context(const IpcBuffer& b, uintptr_t rdma, int rank, int num_ranks, int nvl_size, int64_t num_rdma_bytes) {
+Context make_context(const IpcBuffer& b, uintptr_t rdma, int rank, int num_ranks, int nvl_size,
+                     int64_t num_rdma_bytes) {
   MOE_CHECK(nvl_size >= 1 && nvl_size <= kMaxNvl && num_ranks % nvl_size == 0, "bad NVLink domain size");
   MOE_CHECK(num_ranks <= kMaxRanks && num_ranks / nvl_size <= kMaxDomains, "too many ranks for the internode kernels");
   MOE_CHECK(b.num_ranks() == nvl_size && b.rank() == rank % nvl_size, "the IpcBuffer must span this rank's domain");
@@ -223,8 +224,8 @@ DispatchArgs dispatch_args(const Context& ctx, uint64_t timeout_ns, const std::v
 // weights [rows, K] or None: everything but the tensors' addresses.
 CombineArgs combine_args(const Context& ctx, uint64_t timeout_ns, const std::vector<int>& geometry,
                          const at::Tensor& is_token_in_rank, const at::Tensor& recv_channel_offset,
-                         const at::Tensor& fwd_offset, const at::Tensor& fwd_mask, int fwd_capacity, const at::Tensor& x,
-                         const c10::optional<at::Tensor>& topk_weights) {
+                         const at::Tensor& fwd_offset, const at::Tensor& fwd_mask, int fwd_capacity,
+                         const at::Tensor& x, const c10::optional<at::Tensor>& topk_weights) {
   CombineArgs a{};
   a.c = with_timeout(ctx, timeout_ns);
   set_geometry(a, geometry);
@@ -270,7 +271,8 @@ void dispatch(const Context& ctx, uint64_t timeout_ns, const at::Tensor& x, cons
   expect_cuda(topk_weights, device, "dispatch: topk_weights");
   expect_cuda(recv_x, device, "dispatch: recv_x");
   MOE_CHECK(scales.has_value() == recv_scales.has_value(), "dispatch: scales and recv_scales go together");
-  MOE_CHECK(topk_idx.has_value() == recv_topk_idx.has_value() && recv_topk_idx.has_value() == recv_topk_weights.has_value(),
+  MOE_CHECK(topk_idx.has_value() == recv_topk_idx.has_value() &&
+                recv_topk_idx.has_value() == recv_topk_weights.has_value(),
             "dispatch: topk_idx, recv_topk_idx and recv_topk_weights go together");
   MOE_CHECK(!topk_weights.has_value() || topk_idx.has_value(), "dispatch: topk_weights without topk_idx");
   MOE_CHECK(fwd_mask.has_value() || fwd_capacity == 0, "dispatch: a forward capacity needs fwd_mask");
@@ -298,7 +300,8 @@ void dispatch(const Context& ctx, uint64_t timeout_ns, const at::Tensor& x, cons
 
 // Combine: x [rows, H] bf16/fp16/fp32, topk_weights float32 [rows, K] or None, bias0 / bias1 [T, H] of x's dtype or
 // None -> out [T, H], out_topk_weights float32 [T, K] (with topk_weights).
-void combine(const Context& ctx, uint64_t timeout_ns, const at::Tensor& x, const c10::optional<at::Tensor>& topk_weights,
+void combine(const Context& ctx, uint64_t timeout_ns, const at::Tensor& x,
+             const c10::optional<at::Tensor>& topk_weights,
              const c10::optional<at::Tensor>& bias0, const c10::optional<at::Tensor>& bias1,
              const at::Tensor& is_token_in_rank, const at::Tensor& recv_channel_offset, const at::Tensor& fwd_offset,
              const at::Tensor& fwd_mask, int fwd_capacity, const at::Tensor& out,
@@ -333,8 +336,9 @@ using CachedCombine = CachedCall<CombineArgs, launch_combine, CallKind::kCombine
 // [T, S] (FP8) or None -> recv_x [rows, H], recv_scales [rows, S]; rows = the handle's recv_src_idx rows.
 std::unique_ptr<CachedDispatch> make_cached_dispatch(const Context& ctx, const IpcBuffer& ipc, const CommStream& comm,
                                                      uint64_t timeout_ns, const py::tuple& handle,
-                                                     const at::Tensor& recv_channel_offset, const at::Tensor& fwd_offset,
-                                                     const at::Tensor& x, const c10::optional<at::Tensor>& scales,
+                                                     const at::Tensor& recv_channel_offset,
+                                                     const at::Tensor& fwd_offset, const at::Tensor& x,
+                                                     const c10::optional<at::Tensor>& scales,
                                                      const std::vector<int>& geometry, py::object config, int num_sms) {
   DispatchArgs a = dispatch_args(ctx, timeout_ns, geometry);
   const at::Tensor is_token_in_rank = py::cast<at::Tensor>(handle[kIsTokenInRank]);

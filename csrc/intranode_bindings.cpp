@@ -211,7 +211,8 @@ void dispatch(const IpcBuffer& b, uint64_t timeout_ns, const at::Tensor& x, cons
   expect_cuda(topk_weights, device, "dispatch: topk_weights");
   expect_cuda(recv_x, device, "dispatch: recv_x");
   MOE_CHECK(scales.has_value() == recv_scales.has_value(), "dispatch: scales and recv_scales go together");
-  MOE_CHECK(topk_idx.has_value() == recv_topk_idx.has_value() && recv_topk_idx.has_value() == recv_topk_weights.has_value(),
+  MOE_CHECK(topk_idx.has_value() == recv_topk_idx.has_value() &&
+                recv_topk_idx.has_value() == recv_topk_weights.has_value(),
             "dispatch: topk_idx, recv_topk_idx and recv_topk_weights go together");
   MOE_CHECK(!topk_weights.has_value() || topk_idx.has_value(), "dispatch: topk_weights without topk_idx");
   const c10::cuda::CUDAGuard guard(device);
@@ -238,7 +239,8 @@ void dispatch(const IpcBuffer& b, uint64_t timeout_ns, const at::Tensor& x, cons
 
 // Combine (rank-major): x [rows, H] bf16/fp16/fp32, topk_weights float32 [rows, K] or None, bias0 / bias1 [T, H]
 // of x's dtype or None -> out [T, H], out_topk_weights float32 [T, K] (with topk_weights).
-void combine(const IpcBuffer& b, uint64_t timeout_ns, const at::Tensor& x, const c10::optional<at::Tensor>& topk_weights,
+void combine(const IpcBuffer& b, uint64_t timeout_ns, const at::Tensor& x,
+             const c10::optional<at::Tensor>& topk_weights,
              const c10::optional<at::Tensor>& bias0, const c10::optional<at::Tensor>& bias1,
              const at::Tensor& is_token_in_rank, const at::Tensor& recv_channel_offset, const at::Tensor& out,
              const c10::optional<at::Tensor>& out_topk_weights, int num_channels, int chunk, int num_slots,
@@ -399,8 +401,9 @@ std::unique_ptr<CachedDispatch> make_cached_dispatch(const IpcBuffer& b, const C
     aux = TensorSpec{scales->scalar_type(), x.size(0), scales->size(1)};
     aux_out = TensorSpec{scales->scalar_type(), rows, scales->size(1)};
   }
-  return std::make_unique<CachedDispatch>(b, comm, handle, std::vector<at::Tensor>{is_token_in_rank, recv_channel_offset},
-                                          a, input, aux,
+  return std::make_unique<CachedDispatch>(b, comm, handle,
+                                          std::vector<at::Tensor>{is_token_in_rank, recv_channel_offset}, a,
+                                          input, aux,
                                           TensorSpec{x.scalar_type(), rows, x.size(1)}, aux_out, std::move(config),
                                           num_sms);
 }
@@ -426,8 +429,9 @@ std::unique_ptr<CachedCombine> make_cached_combine(const IpcBuffer& b, const Com
     aux = TensorSpec{at::kFloat, x.size(0), topk_weights->size(1)};
     aux_out = TensorSpec{at::kFloat, tokens, topk_weights->size(1)};
   }
-  return std::make_unique<CachedCombine>(b, comm, handle, std::vector<at::Tensor>{is_token_in_rank, recv_channel_offset},
-                                         a, input, aux,
+  return std::make_unique<CachedCombine>(b, comm, handle,
+                                         std::vector<at::Tensor>{is_token_in_rank, recv_channel_offset}, a,
+                                         input, aux,
                                          TensorSpec{x.scalar_type(), tokens, x.size(1)}, aux_out, std::move(config),
                                          num_sms);
 }

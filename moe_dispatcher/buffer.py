@@ -420,8 +420,8 @@ class Buffer:
         # None for arguments unlike those it was made for, and the full path below checks them.
         if (handle is not None and previous_event is None and not allocate_on_comm_stream and topk_idx is None
                 and topk_weights is None and type(handle) is DispatchHandle and handle.buffer_token == self._token
-                and type(handle.backend_state) is HandleState and type(expert_alignment) is int and expert_alignment == 1 and type(num_worst_tokens) is int
-                and num_worst_tokens == 0):
+                and type(handle.backend_state) is HandleState and type(expert_alignment) is int
+                and expert_alignment == 1 and type(num_worst_tokens) is int and num_worst_tokens == 0):
             join = JOIN_BEFORE if async_finish else JOIN_BOTH
             if type(x) is Tensor:
                 plan = handle.backend_state.dispatch_plans[0]
@@ -491,11 +491,12 @@ class Buffer:
         """
         # Fast path: as dispatch's (a combine with a bias takes the full path).
         if (bias is None and previous_event is None and not allocate_on_comm_stream and type(handle) is DispatchHandle
-                and handle.buffer_token == self._token and type(handle.backend_state) is HandleState and type(x) is Tensor
-                and (topk_weights is None or type(topk_weights) is Tensor)):
+                and handle.buffer_token == self._token and type(handle.backend_state) is HandleState
+                and type(x) is Tensor and (topk_weights is None or type(topk_weights) is Tensor)):
             plan = handle.backend_state.combine_plans[topk_weights is not None]
             if plan is not None:
-                out = plan.run(handle, x, topk_weights, config, self.num_sms, JOIN_BEFORE if async_finish else JOIN_BOTH)
+                join = JOIN_BEFORE if async_finish else JOIN_BOTH
+                out = plan.run(handle, x, topk_weights, config, self.num_sms, join)
                 if out is not None:
                     if not async_finish:
                         return out[0], out[1], EventOverlap()

@@ -314,9 +314,9 @@ def check_back_to_back(kb, rb, rank: int, dev: torch.device, t: int, h: int, e: 
                        switch: Optional[Callable[[int], None]] = None,
                        after_loop: Optional[Callable[[], None]] = None) -> None:
     """`rounds` dispatch + combine round trips on fresh data, fresh and cached dispatch alternating, switch(i)
-    (when given) called before round trip i. x holds small integers, so every combined row must be exactly x * (number of
-    ranks the token went to): counted on the device, checked once after the loop (after after_loop()); the
-    last round trip is also checked against the reference."""
+    (when given) called before round trip i. x holds small integers, so every combined row must be exactly
+    x * (number of ranks the token went to): counted on the device, checked once after the loop (after
+    after_loop()); the last round trip is also checked against the reference."""
     bad = torch.zeros((), dtype=torch.int64, device=dev)
     handle = None
     for i in range(rounds):

@@ -62,9 +62,9 @@ enum class CallKind { kDispatch, kCombine };
 template <class Args, void (*Launch)(const Args&, cudaStream_t), CallKind kKind>
 class CachedCall {
  public:
-  CachedCall(const IpcBuffer& b, const CommStream& comm, const pybind11::tuple& handle, std::vector<at::Tensor> routing,
-             const Args& a, TensorSpec input, c10::optional<TensorSpec> aux, TensorSpec output,
-             c10::optional<TensorSpec> aux_output, pybind11::object config, int num_sms)
+  CachedCall(const IpcBuffer& b, const CommStream& comm, const pybind11::tuple& handle,
+             std::vector<at::Tensor> routing, const Args& a, TensorSpec input, c10::optional<TensorSpec> aux,
+             TensorSpec output, c10::optional<TensorSpec> aux_output, pybind11::object config, int num_sms)
       : a_(a), buffer_(&b), comm_(&comm), input_(input), aux_(aux), output_(output), aux_output_(aux_output),
         config_(std::move(config)), num_sms_(num_sms), routing_(std::move(routing)) {
     MOE_CHECK(handle.size() == kHandleFields, "a cached call needs a DispatchHandle");
@@ -81,7 +81,7 @@ class CachedCall {
   // caller's (fast path) or the comm stream the Buffer made current (full path, which records them on the
   // caller's stream afterwards).
   pybind11::object run(const pybind11::handle& handle, const at::Tensor& x, const c10::optional<at::Tensor>& aux,
-                 const pybind11::handle& config, int num_sms, int join) {
+                       const pybind11::handle& config, int num_sms, int join) {
     if (!matches(handle, x, aux, config, num_sms) || !usable(*buffer_)) return pybind11::none();
     MOE_CHECK(join >= kJoinNone && join <= kJoinBoth, "bad stream join");
     const c10::DeviceIndex device = comm_->device();
@@ -108,8 +108,8 @@ class CachedCall {
       if (aux_out.has_value()) record_on(*aux_out, stream);
       event = pybind11::cast(CommEvent(stream));
     }
-    return pybind11::make_tuple(std::move(out), aux_out.has_value() ? pybind11::cast(std::move(*aux_out)) : pybind11::none(),
-                          std::move(event));
+    pybind11::object aux_result = aux_out.has_value() ? pybind11::cast(std::move(*aux_out)) : pybind11::none();
+    return pybind11::make_tuple(std::move(out), std::move(aux_result), std::move(event));
   }
 
  private:
@@ -167,6 +167,5 @@ class CachedCall {
   int64_t num_tokens_ = 0, num_worst_tokens_ = 0;
   std::vector<at::Tensor> routing_;  // the handle's tensors whose addresses a_ holds: kept alive with the plan
 };
-
 
 }  // namespace moe_dispatcher

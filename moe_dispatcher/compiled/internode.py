@@ -242,7 +242,8 @@ class InternodeBackend(Backend):
         out = torch.empty(t, x.shape[1], dtype=x.dtype, device=dev)
         out_w = torch.empty(t, topk_weights.shape[1], dtype=torch.float32, device=dev) if topk_weights is not None \
             else None
-        self._mod.combine(self._ctx, self._timeout_ns, x, topk_weights, biases[0], biases[1] if len(biases) > 1 else None,
+        bias1 = biases[1] if len(biases) > 1 else None
+        self._mod.combine(self._ctx, self._timeout_ns, x, topk_weights, biases[0], bias1,
                           handle.is_token_in_rank, offsets, fwd_offset, fwd_mask, fwd_capacity, out, out_w, geo)
         return out, out_w
 

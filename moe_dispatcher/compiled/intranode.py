@@ -267,7 +267,8 @@ class IntranodeBackend(Backend):
         out = torch.empty(t, x.shape[1], dtype=x.dtype, device=dev)
         out_w = torch.empty(t, topk_weights.shape[1], dtype=torch.float32, device=dev) if topk_weights is not None \
             else None
-        self._mod.combine(self._ipc, self._timeout_ns, x, topk_weights, biases[0], biases[1] if len(biases) > 1 else None,
+        bias1 = biases[1] if len(biases) > 1 else None
+        self._mod.combine(self._ipc, self._timeout_ns, x, topk_weights, biases[0], bias1,
                           handle.is_token_in_rank, offsets, out, out_w, *ring)
         return out, out_w
 
@@ -279,7 +280,7 @@ class IntranodeBackend(Backend):
         return self._mod.cached_combine(self._ipc, self._comm, self._timeout_ns, handle, offsets, x, topk_weights,
                                         *ring, config, self._buffer_cls.num_sms)
 
-    # ------------------------------------------------------------------ expert-major (rank-major kernels + local passes)
+    # ------------------------------------------------------------------ expert-major (local passes)
     def expert_major_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: torch.Tensor,
                               topk_weights: Optional[torch.Tensor], num_experts: int, expert_alignment: int,
                               num_worst_tokens: int, config: Optional[Config] = None):
