@@ -1,8 +1,11 @@
-// Python bindings of the internode (several NVLink domains) normal-mode backend. Glue only: tensors
-// cross as raw device addresses, streams as cudaStream_t ints; moe_dispatcher/compiled/internode.py
-// validates and allocates everything. The domain's NVLink buffer is an intranode.IpcBuffer (its
-// mailbox, wait_notify, expert_counts and take_worst_overflow are reused as they are); the NVSHMEM
-// buffer is allocated by the Python side through moe_dispatcher.runtime.nvshmem.
+// Python bindings of the internode (several NVLink domains) normal-mode backend. Glue only: launchers take
+// tensors (optional ones as None) and launch on the current stream of their device; moe_dispatcher/
+// compiled/internode.py validates the user's inputs and allocates the outputs; here only invariants are
+// checked. The two buffers' layout is computed here from their sizes (buffer_layout: the one formula).
+// The domain's NVLink buffer is an intranode.IpcBuffer (its mailbox, wait_notify, expert_counts and
+// take_worst_overflow are reused as they are); the NVSHMEM buffer is allocated by the Python side through
+// moe_dispatcher.runtime.nvshmem.
+#include <torch/extension.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -11,6 +14,8 @@
 #include <vector>
 
 #include "bindings.h"
+#include "bindings/cached_call.h"
+#include "bindings/stream_join.h"
 #include "ipc_bindings.h"
 #include "kernels/common/layout.h"
 #include "kernels/internode/protocol.h"
@@ -29,9 +34,54 @@ struct Context {
   Common c{};
 };
 
+constexpr int64_t round_up(int64_t n, int64_t a) { return (n + a - 1) / a * a; }
+
+// Byte offsets of this rank's two buffers (protocol.h describes the regions), from their sizes. NVSHMEM buffer:
+// control, team messages [2][D][rdma_msg_ints] and their staging copy, then D receive blocks and D send-staging
+// blocks of rdma_domain_bytes each (fixed for the buffer's life, so a ring of one domain never moves onto
+// another's between calls). NVLink buffer: the intranode control words, domain messages [2][R][nvl_msg_ints],
+// then one ring block per source local rank. (Config's size hints, moe_dispatcher/config.py, repeat the
+// headers' arithmetic so that they work without the extension; tests/test_internode_gpu.py compares them.)
+Layout buffer_layout(int num_ranks, int nvl_size, int64_t num_rdma_bytes, int64_t num_nvl_bytes) {
+  MOE_CHECK(nvl_size >= 1 && nvl_size <= kMaxNvl && num_ranks % nvl_size == 0, "bad NVLink domain size");
+  const int64_t d = num_ranks / nvl_size;
+  Layout l{};
+  l.rdma_msg_ints =
+      static_cast<int>(round_up(1 + num_ranks + kMaxChannels + nvl_size * (kMaxChannels + kMaxLocalExperts), 16));
+  const int64_t msg_bytes = round_up(2 * d * l.rdma_msg_ints * 4, 4096);
+  const int64_t recv = static_cast<int64_t>(kRdmaControlBytes) + 2 * msg_bytes;
+  const int64_t rdma_block = std::max<int64_t>(0, (num_rdma_bytes - recv) / (2 * d) / 128 * 128);
+  l.rdma_msg_offset = kRdmaControlBytes;
+  l.rdma_msg_staging_offset = kRdmaControlBytes + msg_bytes;
+  l.rdma_recv_offset = recv;
+  l.rdma_send_offset = recv + d * rdma_block;
+  l.rdma_domain_bytes = rdma_block;
+  l.nvl_msg_ints = static_cast<int>(round_up(1 + num_ranks + kMaxChannels + kMaxLocalExperts, 16));
+  const int64_t rings = round_up(static_cast<int64_t>(intranode::kRingsOffset) + 2 * num_ranks * l.nvl_msg_ints * 4,
+                                 4096);
+  l.nvl_msg_offset = intranode::kRingsOffset;
+  l.nvl_rings_offset = rings;
+  l.nvl_src_block_bytes = std::max<int64_t>(0, (num_nvl_bytes - rings) / nvl_size / 128 * 128);
+  return l;
+}
+
+py::dict layout_dict(const Layout& l) {
+  py::dict d;
+  d["rdma_msg_offset"] = l.rdma_msg_offset;
+  d["rdma_msg_staging_offset"] = l.rdma_msg_staging_offset;
+  d["rdma_recv_offset"] = l.rdma_recv_offset;
+  d["rdma_send_offset"] = l.rdma_send_offset;
+  d["rdma_domain_bytes"] = l.rdma_domain_bytes;
+  d["rdma_msg_ints"] = l.rdma_msg_ints;
+  d["nvl_msg_offset"] = l.nvl_msg_offset;
+  d["nvl_msg_ints"] = l.nvl_msg_ints;
+  d["nvl_rings_offset"] = l.nvl_rings_offset;
+  d["nvl_src_block_bytes"] = l.nvl_src_block_bytes;
+  return d;
+}
+
 Context make_context(const IpcBuffer& b, uintptr_t rdma, int rank, int num_ranks, int nvl_size,
-                     const std::vector<int64_t>& layout) {
-  MOE_CHECK(layout.size() == 10, "internode layout: 10 values expected");
+                     int64_t num_rdma_bytes) {
   MOE_CHECK(nvl_size >= 1 && nvl_size <= kMaxNvl && num_ranks % nvl_size == 0, "bad NVLink domain size");
   MOE_CHECK(num_ranks <= kMaxRanks && num_ranks / nvl_size <= kMaxDomains, "too many ranks for the internode kernels");
   MOE_CHECK(b.num_ranks() == nvl_size && b.rank() == rank % nvl_size, "the IpcBuffer must span this rank's domain");
@@ -47,17 +97,7 @@ Context make_context(const IpcBuffer& b, uintptr_t rdma, int rank, int num_ranks
   c.local = rank % nvl_size;
   c.domain = rank / nvl_size;
   c.mailbox = ic.mailbox;
-  Layout& l = c.layout;
-  l.rdma_msg_offset = layout[0];
-  l.rdma_msg_staging_offset = layout[1];
-  l.rdma_recv_offset = layout[2];
-  l.rdma_send_offset = layout[3];
-  l.rdma_domain_bytes = layout[4];
-  l.rdma_msg_ints = static_cast<int>(layout[5]);
-  l.nvl_msg_offset = layout[6];
-  l.nvl_msg_ints = static_cast<int>(layout[7]);
-  l.nvl_rings_offset = layout[8];
-  l.nvl_src_block_bytes = layout[9];
+  c.layout = buffer_layout(num_ranks, nvl_size, num_rdma_bytes, static_cast<int64_t>(b.num_bytes()));
   return ctx;
 }
 
@@ -89,19 +129,31 @@ py::object timeout_info(const IpcBuffer& b) { return mailbox_timeout_info(b, pha
 
 int num_forward(const IpcBuffer& b) { return b.host_mailbox()->num_forward; }
 
-void layout(uintptr_t topk_idx, int num_tokens, int num_topk, int num_experts, int num_ranks, int nvl_size,
-            uintptr_t num_tokens_per_rank, uintptr_t num_tokens_per_domain, uintptr_t num_tokens_per_expert,
-            uintptr_t is_token_in_rank, uintptr_t stream) {
-  DispatchLayoutArgs a{ptr<const int64_t>(topk_idx), num_tokens, num_topk, num_experts, num_ranks, nvl_size,
-                       ptr<int>(num_tokens_per_rank), ptr<int>(num_tokens_per_domain),
-                       ptr<int>(num_tokens_per_expert), ptr<bool>(is_token_in_rank)};
-  launch_dispatch_layout(a, stream_of(stream));
+void layout(const at::Tensor& topk_idx, int num_experts, int num_ranks, int nvl_size,
+            const at::Tensor& num_tokens_per_rank, const at::Tensor& num_tokens_per_domain,
+            const at::Tensor& num_tokens_per_expert, const at::Tensor& is_token_in_rank) {
+  const auto device = topk_idx.get_device();
+  expect_cuda(topk_idx, device, "layout: topk_idx");
+  const c10::cuda::CUDAGuard guard(device);
+  DispatchLayoutArgs a{data_of<const int64_t>(topk_idx), static_cast<int>(topk_idx.size(0)),
+                       static_cast<int>(topk_idx.size(1)), num_experts, num_ranks, nvl_size,
+                       data_of<int>(num_tokens_per_rank), data_of<int>(num_tokens_per_domain),
+                       data_of<int>(num_tokens_per_expert), data_of<bool>(is_token_in_rank)};
+  launch_dispatch_layout(a, current_stream(device).stream());
 }
 
-void notify(const Context& ctx, uint64_t timeout_ns, uintptr_t is_token_in_rank, uintptr_t num_tokens_per_rank,
-            uintptr_t num_tokens_per_expert, int num_tokens, int num_experts, int num_channels, int expert_alignment,
-            int num_worst_tokens, int seq, uintptr_t rank_prefix_matrix, uintptr_t recv_channel_offset,
-            uintptr_t fwd_offset, uintptr_t stream) {
+// notify of a fresh dispatch: T = rows of is_token_in_rank, E = elements of num_tokens_per_expert.
+void notify(const Context& ctx, uint64_t timeout_ns, const at::Tensor& is_token_in_rank,
+            const at::Tensor& num_tokens_per_rank, const at::Tensor& num_tokens_per_expert, int num_channels,
+            int expert_alignment, int num_worst_tokens, int seq, const at::Tensor& rank_prefix_matrix,
+            const at::Tensor& recv_channel_offset, const at::Tensor& fwd_offset) {
+  const auto device = is_token_in_rank.get_device();
+  for (const at::Tensor* t : {&is_token_in_rank, &num_tokens_per_rank, &num_tokens_per_expert, &rank_prefix_matrix,
+                              &recv_channel_offset, &fwd_offset}) {
+    expect_cuda(*t, device, "internode notify");
+  }
+  const int num_experts = static_cast<int>(num_tokens_per_expert.numel());
+  const c10::cuda::CUDAGuard guard(device);
   NotifyArgs a{};
   a.c = with_timeout(ctx, timeout_ns);
   MOE_CHECK(num_channels >= 1 && num_channels <= kMaxChannels, "bad channel count");
@@ -109,10 +161,14 @@ void notify(const Context& ctx, uint64_t timeout_ns, uintptr_t is_token_in_rank,
   MOE_CHECK(1 + a.c.num_ranks + num_channels + a.c.nvl_size * (num_channels + num_experts / a.c.num_ranks) <=
                 a.c.layout.rdma_msg_ints,
             "internode notify message larger than its slot");
-  set_notify_counts(a, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert, num_tokens, num_experts,
-                    num_channels, expert_alignment, num_worst_tokens, seq, rank_prefix_matrix, recv_channel_offset);
-  a.fwd_offset = ptr<int>(fwd_offset);
-  launch_notify(a, stream_of(stream));
+  set_notify_counts(a, reinterpret_cast<uintptr_t>(is_token_in_rank.data_ptr()),
+                    reinterpret_cast<uintptr_t>(num_tokens_per_rank.data_ptr()),
+                    reinterpret_cast<uintptr_t>(num_tokens_per_expert.data_ptr()),
+                    static_cast<int>(is_token_in_rank.size(0)), num_experts, num_channels, expert_alignment,
+                    num_worst_tokens, seq, reinterpret_cast<uintptr_t>(rank_prefix_matrix.data_ptr()),
+                    reinterpret_cast<uintptr_t>(recv_channel_offset.data_ptr()));
+  a.fwd_offset = data_of<int>(fwd_offset);
+  launch_notify(a, current_stream(device).stream());
 }
 
 // Geometry: (num_channels, nvl_chunk, nvl_slots, nvl_slot_bytes, rdma_chunk, rdma_slots, rdma_slot_bytes).
@@ -139,47 +195,37 @@ void set_geometry(Args& a, const std::vector<int>& geometry) {
   check_geometry(a.c, a.num_channels, a.nvl_slots, a.nvl_slot_bytes, a.rdma_slots, a.rdma_slot_bytes);
 }
 
-void dispatch(const Context& ctx, uint64_t timeout_ns, uintptr_t x, uintptr_t scales, uintptr_t topk_idx,
-              uintptr_t topk_weights, uintptr_t is_token_in_rank, uintptr_t recv_channel_offset, uintptr_t fwd_offset,
-              uintptr_t fwd_mask, int fwd_capacity, uintptr_t recv_x, uintptr_t recv_scales, uintptr_t recv_topk_idx,
-              uintptr_t recv_topk_weights, uintptr_t recv_src_idx, int num_tokens, int hidden_bytes, int num_scales,
-              int num_topk, int experts_per_rank, int num_rows, int pad_rows, const std::vector<int>& geometry,
-              uintptr_t stream) {
+// The routing a handle holds: is_token_in_rank bool [T, R], recv_channel_offset int32 [R, C + 1], fwd_offset
+// int32 [D, C + 1], fwd_mask int32 [max(fwd_capacity, 1)]: written by a fresh dispatch, read by combine; a
+// dispatch along a handle passes None (and capacity 0), so that it cannot touch the handle's.
+template <typename Args>
+void set_routing(Args& a, const at::Tensor& is_token_in_rank, const at::Tensor& recv_channel_offset,
+                 const at::Tensor& fwd_offset, const c10::optional<at::Tensor>& fwd_mask, int fwd_capacity) {
+  a.is_token_in_rank = data_of<const bool>(is_token_in_rank);
+  a.recv_channel_offset = data_of<const int>(recv_channel_offset);
+  a.fwd_offset = data_of<const int>(fwd_offset);
+  a.fwd_mask = data_of<int>(fwd_mask);
+  a.fwd_capacity = fwd_capacity;
+  a.num_tokens = static_cast<int>(is_token_in_rank.size(0));
+}
+
+// The dispatch arguments of a geometry, checked (the call's tensors and sizes are the caller's to set).
+DispatchArgs dispatch_args(const Context& ctx, uint64_t timeout_ns, const std::vector<int>& geometry) {
   DispatchArgs a{};
   a.c = with_timeout(ctx, timeout_ns);
   set_geometry(a, geometry);
   a.rdma_chunk = geometry[4];
   MOE_CHECK(a.nvl_chunk >= 1 && a.nvl_chunk <= kMaxChunk && a.nvl_chunk <= a.nvl_slots, "bad NVLink chunk");
   MOE_CHECK(a.rdma_chunk >= 1 && a.rdma_chunk <= kMaxChunk && a.rdma_chunk <= a.rdma_slots, "bad RDMA chunk");
-  a.x = ptr<const uint8_t>(x);
-  a.scales = ptr<const int32_t>(scales);
-  a.topk_idx = ptr<const int64_t>(topk_idx);
-  a.topk_weights = ptr<const float>(topk_weights);
-  a.is_token_in_rank = ptr<const bool>(is_token_in_rank);
-  a.recv_channel_offset = ptr<const int>(recv_channel_offset);
-  a.fwd_offset = ptr<const int>(fwd_offset);
-  a.fwd_mask = ptr<int>(fwd_mask);
-  a.fwd_capacity = fwd_capacity;
-  a.recv_x = ptr<uint8_t>(recv_x);
-  a.recv_scales = ptr<int32_t>(recv_scales);
-  a.recv_topk_idx = ptr<int64_t>(recv_topk_idx);
-  a.recv_topk_weights = ptr<float>(recv_topk_weights);
-  a.recv_src_idx = ptr<int>(recv_src_idx);
-  a.num_tokens = num_tokens;
-  a.hidden_bytes = hidden_bytes;
-  a.num_scales = num_scales;
-  a.num_topk = num_topk;
-  a.experts_per_rank = experts_per_rank;
-  a.num_rows = num_rows;
-  a.pad_rows = pad_rows;
-  launch_dispatch(a, stream_of(stream));
+  return a;
 }
 
-void combine(const Context& ctx, uint64_t timeout_ns, uintptr_t x, uintptr_t topk_weights, uintptr_t bias0,
-             uintptr_t bias1, uintptr_t is_token_in_rank, uintptr_t recv_channel_offset, uintptr_t fwd_offset,
-             uintptr_t fwd_mask, int fwd_capacity, uintptr_t out, uintptr_t out_topk_weights, int dtype, int num_tokens,
-             int hidden, int num_topk, int num_x_rows, const std::vector<int>& geometry, int chunk_tokens,
-             uintptr_t stream) {
+// The combine arguments of a geometry and a handle's routing, for rows x [rows, H] (bf16/fp16/fp32) and top-k
+// weights [rows, K] or None: everything but the tensors' addresses.
+CombineArgs combine_args(const Context& ctx, uint64_t timeout_ns, const std::vector<int>& geometry,
+                         const at::Tensor& is_token_in_rank, const at::Tensor& recv_channel_offset,
+                         const at::Tensor& fwd_offset, const at::Tensor& fwd_mask, int fwd_capacity,
+                         const at::Tensor& x, const c10::optional<at::Tensor>& topk_weights) {
   CombineArgs a{};
   a.c = with_timeout(ctx, timeout_ns);
   set_geometry(a, geometry);
@@ -189,31 +235,152 @@ void combine(const Context& ctx, uint64_t timeout_ns, uintptr_t x, uintptr_t top
   MOE_CHECK(a.nvl_slots >= a.nvl_chunk + kMaxCombineChunk,
             "combine needs num_max_nvl_chunked_recv_tokens >= send tokens + 32");
   MOE_CHECK(a.rdma_slots >= 2 * kMaxCombineChunk, "combine needs num_max_rdma_chunked_recv_tokens >= 64");
-  // Tokens per warp chunk; 0: pick from the tokens per channel, so that small calls still spread over
-  // the worker warps (15 per block).
-  if (chunk_tokens <= 0) {
-    const int per_channel = (num_tokens + a.num_channels - 1) / a.num_channels;
-    chunk_tokens = std::clamp((per_channel + 14) / 15, 1, 8);
+  set_routing(a, is_token_in_rank, recv_channel_offset, fwd_offset, fwd_mask, fwd_capacity);
+  // Tokens per warp chunk of the forwarder and the receiver, from the tokens per channel, so that small calls
+  // still spread over the worker warps (15 per block). Every chunk size drains the same rings and sums in the
+  // same order (the same bits).
+  const int per_channel = (a.num_tokens + a.num_channels - 1) / a.num_channels;
+  a.chunk_tokens = std::clamp((per_channel + 14) / 15, 1, 8);
+  switch (x.scalar_type()) {
+    case at::kBFloat16: a.dtype = intranode::kBf16; break;
+    case at::kHalf: a.dtype = intranode::kFp16; break;
+    case at::kFloat: a.dtype = intranode::kFp32; break;
+    default: MOE_CHECK(false, "combine: the internode kernels reduce bf16, fp16 and fp32 only");
   }
-  MOE_CHECK(chunk_tokens >= 1 && chunk_tokens <= kMaxCombineChunk, "combine chunk tokens must be in [1, 32]");
-  a.chunk_tokens = chunk_tokens;
-  a.x = ptr<const uint8_t>(x);
-  a.topk_weights = ptr<const float>(topk_weights);
-  a.bias0 = ptr<const uint8_t>(bias0);
-  a.bias1 = ptr<const uint8_t>(bias1);
-  a.is_token_in_rank = ptr<const bool>(is_token_in_rank);
-  a.recv_channel_offset = ptr<const int>(recv_channel_offset);
-  a.fwd_offset = ptr<const int>(fwd_offset);
-  a.fwd_mask = ptr<const int>(fwd_mask);
-  a.fwd_capacity = fwd_capacity;
-  a.out = ptr<uint8_t>(out);
-  a.out_topk_weights = ptr<float>(out_topk_weights);
-  a.dtype = dtype;
-  a.num_tokens = num_tokens;
-  a.hidden = hidden;
-  a.num_topk = num_topk;
-  a.num_x_rows = num_x_rows;
-  launch_combine(a, stream_of(stream));
+  a.hidden = static_cast<int>(x.size(1));
+  a.num_topk = topk_weights.has_value() ? static_cast<int>(topk_weights->size(1)) : 0;
+  a.num_x_rows = static_cast<int>(x.size(0));
+  return a;
+}
+
+// Dispatch (fresh, or along a handle without topk_idx): x [T, H] (bytes per row a multiple of 16), scales [T, S]
+// 4-byte or None, topk_idx int64 [T, K] / topk_weights float32 [T, K] or None; outputs recv_x [rows, H],
+// recv_scales [rows, S], recv_topk_idx / recv_topk_weights [rows, K] (with topk_idx), recv_src_idx int32 [rows]
+// (fresh) or None. pad_rows: fill the rows past the received count (num_worst_tokens).
+void dispatch(const Context& ctx, uint64_t timeout_ns, const at::Tensor& x, const c10::optional<at::Tensor>& scales,
+              const c10::optional<at::Tensor>& topk_idx, const c10::optional<at::Tensor>& topk_weights,
+              const at::Tensor& is_token_in_rank, const at::Tensor& recv_channel_offset, const at::Tensor& fwd_offset,
+              const c10::optional<at::Tensor>& fwd_mask, int fwd_capacity, const at::Tensor& recv_x,
+              const c10::optional<at::Tensor>& recv_scales, const c10::optional<at::Tensor>& recv_topk_idx,
+              const c10::optional<at::Tensor>& recv_topk_weights, const c10::optional<at::Tensor>& recv_src_idx,
+              int experts_per_rank, bool pad_rows, const std::vector<int>& geometry) {
+  const auto device = x.get_device();
+  expect_cuda(x, device, "dispatch: x");
+  expect_cuda(scales, device, "dispatch: scales");
+  expect_cuda(topk_idx, device, "dispatch: topk_idx");
+  expect_cuda(topk_weights, device, "dispatch: topk_weights");
+  expect_cuda(recv_x, device, "dispatch: recv_x");
+  MOE_CHECK(scales.has_value() == recv_scales.has_value(), "dispatch: scales and recv_scales go together");
+  MOE_CHECK(topk_idx.has_value() == recv_topk_idx.has_value() &&
+                recv_topk_idx.has_value() == recv_topk_weights.has_value(),
+            "dispatch: topk_idx, recv_topk_idx and recv_topk_weights go together");
+  MOE_CHECK(!topk_weights.has_value() || topk_idx.has_value(), "dispatch: topk_weights without topk_idx");
+  MOE_CHECK(fwd_mask.has_value() || fwd_capacity == 0, "dispatch: a forward capacity needs fwd_mask");
+  const c10::cuda::CUDAGuard guard(device);
+  DispatchArgs a = dispatch_args(ctx, timeout_ns, geometry);
+  set_routing(a, is_token_in_rank, recv_channel_offset, fwd_offset, fwd_mask, fwd_capacity);
+  MOE_CHECK(x.size(0) == a.num_tokens, "dispatch: x and is_token_in_rank differ in tokens");
+  a.x = data_of<const uint8_t>(x);
+  a.scales = data_of<const int32_t>(scales);
+  a.topk_idx = data_of<const int64_t>(topk_idx);
+  a.topk_weights = data_of<const float>(topk_weights);
+  a.recv_x = data_of<uint8_t>(recv_x);
+  a.recv_scales = data_of<int32_t>(recv_scales);
+  a.recv_topk_idx = data_of<int64_t>(recv_topk_idx);
+  a.recv_topk_weights = data_of<float>(recv_topk_weights);
+  a.recv_src_idx = data_of<int>(recv_src_idx);
+  a.hidden_bytes = static_cast<int>(x.size(1) * x.element_size());
+  a.num_scales = scales.has_value() ? static_cast<int>(scales->size(1)) : 0;
+  a.num_topk = topk_idx.has_value() ? static_cast<int>(topk_idx->size(1)) : 0;
+  a.experts_per_rank = experts_per_rank;
+  a.num_rows = static_cast<int>(recv_x.size(0));
+  a.pad_rows = pad_rows ? 1 : 0;
+  launch_dispatch(a, current_stream(device).stream());
+}
+
+// Combine: x [rows, H] bf16/fp16/fp32, topk_weights float32 [rows, K] or None, bias0 / bias1 [T, H] of x's dtype or
+// None -> out [T, H], out_topk_weights float32 [T, K] (with topk_weights).
+void combine(const Context& ctx, uint64_t timeout_ns, const at::Tensor& x,
+             const c10::optional<at::Tensor>& topk_weights,
+             const c10::optional<at::Tensor>& bias0, const c10::optional<at::Tensor>& bias1,
+             const at::Tensor& is_token_in_rank, const at::Tensor& recv_channel_offset, const at::Tensor& fwd_offset,
+             const at::Tensor& fwd_mask, int fwd_capacity, const at::Tensor& out,
+             const c10::optional<at::Tensor>& out_topk_weights, const std::vector<int>& geometry) {
+  const auto device = x.get_device();
+  expect_cuda(x, device, "combine: x");
+  expect_cuda(topk_weights, device, "combine: topk_weights");
+  expect_cuda(bias0, device, "combine: bias0");
+  expect_cuda(bias1, device, "combine: bias1");
+  expect_cuda(out, device, "combine: out");
+  MOE_CHECK(topk_weights.has_value() == out_topk_weights.has_value(),
+            "combine: topk_weights and out_topk_weights go together");
+  const c10::cuda::CUDAGuard guard(device);
+  CombineArgs a = combine_args(ctx, timeout_ns, geometry, is_token_in_rank, recv_channel_offset, fwd_offset, fwd_mask,
+                               fwd_capacity, x, topk_weights);
+  MOE_CHECK(out.size(0) == a.num_tokens, "combine: out and is_token_in_rank differ in tokens");
+  a.x = data_of<const uint8_t>(x);
+  a.topk_weights = data_of<const float>(topk_weights);
+  a.bias0 = data_of<const uint8_t>(bias0);
+  a.bias1 = data_of<const uint8_t>(bias1);
+  a.out = data_of<uint8_t>(out);
+  a.out_topk_weights = data_of<float>(out_topk_weights);
+  launch_combine(a, current_stream(device).stream());
+}
+
+// Cached calls (csrc/bindings/cached_call.h): plans made by the backend's full path after its checks. `ipc`: the
+// domain's IpcBuffer (its mailbox records the backend's timeouts).
+using CachedDispatch = CachedCall<DispatchArgs, launch_dispatch, CallKind::kDispatch>;
+using CachedCombine = CachedCall<CombineArgs, launch_combine, CallKind::kCombine>;
+
+// Dispatch along a handle (no top-k, no source indices, the handle's forward mask untouched): x [T, H], scales
+// [T, S] (FP8) or None -> recv_x [rows, H], recv_scales [rows, S]; rows = the handle's recv_src_idx rows.
+std::unique_ptr<CachedDispatch> make_cached_dispatch(const Context& ctx, const IpcBuffer& ipc, const CommStream& comm,
+                                                     uint64_t timeout_ns, const py::tuple& handle,
+                                                     const at::Tensor& recv_channel_offset,
+                                                     const at::Tensor& fwd_offset, const at::Tensor& x,
+                                                     const c10::optional<at::Tensor>& scales,
+                                                     const std::vector<int>& geometry, py::object config, int num_sms) {
+  DispatchArgs a = dispatch_args(ctx, timeout_ns, geometry);
+  const at::Tensor is_token_in_rank = py::cast<at::Tensor>(handle[kIsTokenInRank]);
+  set_routing(a, is_token_in_rank, recv_channel_offset, fwd_offset, c10::nullopt, 0);
+  const int64_t rows = py::cast<at::Tensor>(handle[kRecvSrcIdx]).size(0);
+  a.hidden_bytes = static_cast<int>(x.size(1) * x.element_size());
+  a.num_scales = scales.has_value() ? static_cast<int>(scales->size(1)) : 0;
+  a.experts_per_rank = 1;
+  a.num_rows = static_cast<int>(rows);
+  a.pad_rows = py::cast<int64_t>(handle[kNumWorstTokens]) != 0 ? 1 : 0;
+  c10::optional<TensorSpec> aux, aux_out;
+  if (scales.has_value()) {
+    aux = TensorSpec{scales->scalar_type(), x.size(0), scales->size(1)};
+    aux_out = TensorSpec{scales->scalar_type(), rows, scales->size(1)};
+  }
+  return std::make_unique<CachedDispatch>(
+      ipc, comm, handle, std::vector<at::Tensor>{is_token_in_rank, recv_channel_offset, fwd_offset}, a,
+      TensorSpec{x.scalar_type(), x.size(0), x.size(1)}, aux, TensorSpec{x.scalar_type(), rows, x.size(1)}, aux_out,
+      std::move(config), num_sms);
+}
+
+// Combine along a handle: x [rows, H] bf16/fp16/fp32, topk_weights float32 [rows, K] when given -> out [T, H],
+// out_topk_weights float32 [T, K].
+std::unique_ptr<CachedCombine> make_cached_combine(const Context& ctx, const IpcBuffer& ipc, const CommStream& comm,
+                                                   uint64_t timeout_ns, const py::tuple& handle,
+                                                   const at::Tensor& recv_channel_offset, const at::Tensor& fwd_offset,
+                                                   const at::Tensor& fwd_mask, int fwd_capacity, const at::Tensor& x,
+                                                   const c10::optional<at::Tensor>& topk_weights,
+                                                   const std::vector<int>& geometry, py::object config, int num_sms) {
+  const at::Tensor is_token_in_rank = py::cast<at::Tensor>(handle[kIsTokenInRank]);
+  const CombineArgs a = combine_args(ctx, timeout_ns, geometry, is_token_in_rank, recv_channel_offset, fwd_offset,
+                                     fwd_mask, fwd_capacity, x, topk_weights);
+  const int64_t tokens = a.num_tokens;
+  c10::optional<TensorSpec> aux, aux_out;
+  if (topk_weights.has_value()) {
+    aux = TensorSpec{at::kFloat, x.size(0), topk_weights->size(1)};
+    aux_out = TensorSpec{at::kFloat, tokens, topk_weights->size(1)};
+  }
+  return std::make_unique<CachedCombine>(
+      ipc, comm, handle, std::vector<at::Tensor>{is_token_in_rank, recv_channel_offset, fwd_offset, fwd_mask}, a,
+      TensorSpec{x.scalar_type(), x.size(0), x.size(1)}, aux, TensorSpec{x.scalar_type(), tokens, x.size(1)}, aux_out,
+      std::move(config), num_sms);
 }
 
 }  // namespace
@@ -227,24 +394,49 @@ void register_internode(py::module_& m) {
   sub.attr("MAX_LOCAL_EXPERTS") = kMaxLocalExperts;
   sub.attr("MAX_TOPK") = kMaxTopk;
   sub.attr("MAX_CHUNK") = kMaxChunk;
-  sub.attr("RDMA_CONTROL_BYTES") = kRdmaControlBytes;
-  sub.attr("NVL_CONTROL_BYTES") = intranode::kRingsOffset;
 
   py::class_<Context>(sub, "Context");
   sub.def("make_context", &make_context, py::arg("ipc"), py::arg("rdma"), py::arg("rank"), py::arg("num_ranks"),
-          py::arg("nvl_size"), py::arg("layout"));
+          py::arg("nvl_size"), py::arg("num_rdma_bytes"));
+  sub.def(
+      "buffer_layout",
+      [](int num_ranks, int nvl_size, int64_t num_rdma_bytes, int64_t num_nvl_bytes) {
+        return layout_dict(buffer_layout(num_ranks, nvl_size, num_rdma_bytes, num_nvl_bytes));
+      },
+      py::arg("num_ranks"), py::arg("nvl_size"), py::arg("num_rdma_bytes"), py::arg("num_nvl_bytes"));
   sub.def("timeout_info", &timeout_info, py::arg("ipc"));
   sub.def("num_forward", &num_forward, py::arg("ipc"));
-  sub.def("layout", &layout, py::arg("topk_idx"), py::arg("num_tokens"), py::arg("num_topk"), py::arg("num_experts"),
-          py::arg("num_ranks"), py::arg("nvl_size"), py::arg("num_tokens_per_rank"), py::arg("num_tokens_per_domain"),
-          py::arg("num_tokens_per_expert"), py::arg("is_token_in_rank"), py::arg("stream"));
+  sub.def("layout", &layout, py::arg("topk_idx"), py::arg("num_experts"), py::arg("num_ranks"), py::arg("nvl_size"),
+          py::arg("num_tokens_per_rank"), py::arg("num_tokens_per_domain"), py::arg("num_tokens_per_expert"),
+          py::arg("is_token_in_rank"));
   sub.def("notify", &notify, py::arg("ctx"), py::arg("timeout_ns"), py::arg("is_token_in_rank"),
-          py::arg("num_tokens_per_rank"), py::arg("num_tokens_per_expert"), py::arg("num_tokens"),
-          py::arg("num_experts"), py::arg("num_channels"), py::arg("expert_alignment"), py::arg("num_worst_tokens"),
-          py::arg("seq"), py::arg("rank_prefix_matrix"), py::arg("recv_channel_offset"), py::arg("fwd_offset"),
-          py::arg("stream"));
-  sub.def("dispatch", &dispatch);
-  sub.def("combine", &combine);
+          py::arg("num_tokens_per_rank"), py::arg("num_tokens_per_expert"), py::arg("num_channels"),
+          py::arg("expert_alignment"), py::arg("num_worst_tokens"), py::arg("seq"), py::arg("rank_prefix_matrix"),
+          py::arg("recv_channel_offset"), py::arg("fwd_offset"));
+  sub.def("dispatch", &dispatch, py::arg("ctx"), py::arg("timeout_ns"), py::arg("x"), py::arg("scales"),
+          py::arg("topk_idx"), py::arg("topk_weights"), py::arg("is_token_in_rank"), py::arg("recv_channel_offset"),
+          py::arg("fwd_offset"), py::arg("fwd_mask"), py::arg("fwd_capacity"), py::arg("recv_x"),
+          py::arg("recv_scales"), py::arg("recv_topk_idx"), py::arg("recv_topk_weights"), py::arg("recv_src_idx"),
+          py::arg("experts_per_rank"), py::arg("pad_rows"), py::arg("geometry"));
+  // keep_alive: a plan holds raw pointers to the IpcBuffer and the comm stream (the Context is copied into it).
+  py::class_<CachedDispatch>(sub, "CachedDispatch")
+      .def("run", &CachedDispatch::run, py::arg("handle"), py::arg("x"), py::arg("scales"), py::arg("config"),
+           py::arg("num_sms"), py::arg("join"));
+  py::class_<CachedCombine>(sub, "CachedCombine")
+      .def("run", &CachedCombine::run, py::arg("handle"), py::arg("x"), py::arg("topk_weights"), py::arg("config"),
+           py::arg("num_sms"), py::arg("join"));
+  sub.def("cached_dispatch", &make_cached_dispatch, py::arg("ctx"), py::arg("ipc"), py::arg("comm"),
+          py::arg("timeout_ns"), py::arg("handle"), py::arg("recv_channel_offset"), py::arg("fwd_offset"), py::arg("x"),
+          py::arg("scales"), py::arg("geometry"), py::arg("config"), py::arg("num_sms"), py::keep_alive<0, 2>(),
+          py::keep_alive<0, 3>());
+  sub.def("cached_combine", &make_cached_combine, py::arg("ctx"), py::arg("ipc"), py::arg("comm"),
+          py::arg("timeout_ns"), py::arg("handle"), py::arg("recv_channel_offset"), py::arg("fwd_offset"),
+          py::arg("fwd_mask"), py::arg("fwd_capacity"), py::arg("x"), py::arg("topk_weights"), py::arg("geometry"),
+          py::arg("config"), py::arg("num_sms"), py::keep_alive<0, 2>(), py::keep_alive<0, 3>());
+  sub.def("combine", &combine, py::arg("ctx"), py::arg("timeout_ns"), py::arg("x"), py::arg("topk_weights"),
+          py::arg("bias0"), py::arg("bias1"), py::arg("is_token_in_rank"), py::arg("recv_channel_offset"),
+          py::arg("fwd_offset"), py::arg("fwd_mask"), py::arg("fwd_capacity"), py::arg("out"),
+          py::arg("out_topk_weights"), py::arg("geometry"));
 }
 
 }  // namespace moe_dispatcher

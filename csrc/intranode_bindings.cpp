@@ -1,7 +1,9 @@
-// Python bindings of the intranode (NVLink, CUDA IPC) backend: the IpcBuffer and the kernel
-// launchers. Glue only. Tensors cross as raw device addresses (ints) and streams as cudaStream_t
-// ints, so this file needs no torch headers; moe_dispatcher/compiled/intranode.py allocates and
-// validates every tensor before it calls in here.
+// Python bindings of the intranode (NVLink, CUDA IPC) backend: the IpcBuffer, the kernel launchers and the
+// plans of cached calls. Glue only: launchers take tensors (optional ones as None) and launch on the current
+// stream of their device; moe_dispatcher/compiled/intranode.py validates the user's inputs (first call of a
+// shape) and allocates the outputs of fresh calls. Here only invariants are checked (MOE_CHECK: a failure is
+// a caller's bug), and the kernels' Args structs (csrc/kernels/intranode/protocol.h) are filled.
+#include <torch/extension.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -13,6 +15,8 @@
 #include <vector>
 
 #include "bindings.h"
+#include "bindings/cached_call.h"
+#include "bindings/stream_join.h"
 #include "ipc_bindings.h"
 #include "kernels/common/layout.h"
 #include "kernels/intranode/protocol.h"
@@ -92,337 +96,338 @@ std::vector<int> expert_counts(const IpcBuffer& b, int n) {
   return out;
 }
 
-void layout(uintptr_t topk_idx, int num_tokens, int num_topk, int num_experts, int num_ranks,
-            uintptr_t num_tokens_per_rank, uintptr_t num_tokens_per_expert, uintptr_t is_token_in_rank,
-            uintptr_t stream) {
+// The kernels' dtype code of combine input (bf16, fp16, fp32: what the backend's capabilities declare).
+int combine_dtype(const at::Tensor& x) {
+  switch (x.scalar_type()) {
+    case at::kBFloat16: return kBf16;
+    case at::kHalf: return kFp16;
+    case at::kFloat: return kFp32;
+    default: MOE_CHECK(false, "combine: the intranode kernels reduce bf16, fp16 and fp32 only");
+  }
+  return -1;
+}
+
+int row_bytes(const at::Tensor& t) { return static_cast<int>(t.size(1) * t.element_size()); }
+int columns(const c10::optional<at::Tensor>& t) { return t.has_value() ? static_cast<int>(t->size(1)) : 0; }
+
+void layout(const at::Tensor& topk_idx, int num_experts, int num_ranks, const at::Tensor& num_tokens_per_rank,
+            const at::Tensor& num_tokens_per_expert, const at::Tensor& is_token_in_rank) {
+  const auto device = topk_idx.get_device();
+  expect_cuda(topk_idx, device, "topk_idx");
+  const c10::cuda::CUDAGuard guard(device);
   // One NVLink domain: no per-domain counts.
-  DispatchLayoutArgs a{ptr<const int64_t>(topk_idx), num_tokens, num_topk, num_experts, num_ranks, num_ranks,
-                       ptr<int>(num_tokens_per_rank), nullptr, ptr<int>(num_tokens_per_expert),
-                       ptr<bool>(is_token_in_rank)};
-  launch_dispatch_layout(a, stream_of(stream));
+  DispatchLayoutArgs a{data_of<const int64_t>(topk_idx), static_cast<int>(topk_idx.size(0)),
+                       static_cast<int>(topk_idx.size(1)), num_experts, num_ranks, num_ranks,
+                       data_of<int>(num_tokens_per_rank), nullptr, data_of<int>(num_tokens_per_expert),
+                       data_of<bool>(is_token_in_rank)};
+  launch_dispatch_layout(a, current_stream(device).stream());
 }
 
-void notify(const IpcBuffer& b, uint64_t timeout_ns, uintptr_t is_token_in_rank, uintptr_t num_tokens_per_rank,
-            uintptr_t num_tokens_per_expert, int num_tokens, int num_experts, int num_channels,
-            int expert_alignment, int num_worst_tokens, int seq, uintptr_t rank_prefix_matrix,
-            uintptr_t recv_channel_offset, uintptr_t stream, uintptr_t em_layout) {
+// notify of a fresh dispatch: T = rows of is_token_in_rank, E = elements of num_tokens_per_expert; em_layout
+// (expert-major dispatch) receives the layout table.
+void notify(const IpcBuffer& b, uint64_t timeout_ns, const at::Tensor& is_token_in_rank,
+            const at::Tensor& num_tokens_per_rank, const at::Tensor& num_tokens_per_expert, int num_channels,
+            int expert_alignment, int num_worst_tokens, int seq, const at::Tensor& rank_prefix_matrix,
+            const at::Tensor& recv_channel_offset, const c10::optional<at::Tensor>& em_layout) {
+  const auto device = is_token_in_rank.get_device();
+  for (const at::Tensor* t : {&is_token_in_rank, &num_tokens_per_rank, &num_tokens_per_expert, &rank_prefix_matrix,
+                              &recv_channel_offset}) {
+    expect_cuda(*t, device, "notify");
+  }
+  expect_cuda(em_layout, device, "notify: em_layout");
+  const c10::cuda::CUDAGuard guard(device);
   NotifyArgs a{};
-  a.em_layout = ptr<int>(em_layout);
+  a.em_layout = data_of<int>(em_layout);
   a.c = b.common(timeout_ns);
-  set_notify_counts(a, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert, num_tokens, num_experts,
-                    num_channels, expert_alignment, num_worst_tokens, seq, rank_prefix_matrix, recv_channel_offset);
-  launch_notify(a, stream_of(stream));
+  set_notify_counts(a, reinterpret_cast<uintptr_t>(is_token_in_rank.data_ptr()),
+                    reinterpret_cast<uintptr_t>(num_tokens_per_rank.data_ptr()),
+                    reinterpret_cast<uintptr_t>(num_tokens_per_expert.data_ptr()),
+                    static_cast<int>(is_token_in_rank.size(0)), static_cast<int>(num_tokens_per_expert.numel()),
+                    num_channels, expert_alignment, num_worst_tokens, seq,
+                    reinterpret_cast<uintptr_t>(rank_prefix_matrix.data_ptr()),
+                    reinterpret_cast<uintptr_t>(recv_channel_offset.data_ptr()));
+  launch_notify(a, current_stream(device).stream());
 }
 
-// The ring arguments that direct calls and plans (below) share: checked and filled in one place.
-DispatchArgs ring_dispatch_args(const IpcBuffer& b, uint64_t timeout_ns, uintptr_t is_token_in_rank,
-                                uintptr_t recv_channel_offset, int num_tokens, int hidden_bytes, int num_scales,
-                                int num_rows, int pad_rows, int num_channels, int chunk, int num_slots,
-                                int slot_bytes, int protocol) {
-  DispatchArgs a{};
+// The ring geometry of one call: a Config's channels, send chunk and ring slots, and the slot size.
+struct Ring {
+  int num_channels, chunk, num_slots, slot_bytes;
+};
+
+// The ring arguments that fresh calls and plans (below) share (Args: DispatchArgs or CombineArgs), checked and
+// filled in one place.
+template <typename Args>
+Args ring_args(const IpcBuffer& b, uint64_t timeout_ns, const Ring& ring) {
+  Args a{};
   a.c = b.common(timeout_ns);
-  MOE_CHECK(static_cast<size_t>(num_channels) * num_slots * slot_bytes <= a.c.src_block_bytes,
+  MOE_CHECK(static_cast<size_t>(ring.num_channels) * ring.num_slots * ring.slot_bytes <= a.c.src_block_bytes,
             "NVLink buffer too small for this config");
-  a.is_token_in_rank = ptr<const bool>(is_token_in_rank);
-  a.recv_channel_offset = ptr<const int>(recv_channel_offset);
-  a.num_tokens = num_tokens;
-  a.hidden_bytes = hidden_bytes;
-  a.num_scales = num_scales;
-  a.num_topk = 0;
+  a.num_channels = ring.num_channels;
+  a.chunk = ring.chunk;
+  a.num_slots = ring.num_slots;
+  a.slot_bytes = ring.slot_bytes;
+  return a;
+}
+
+DispatchArgs ring_dispatch_args(const IpcBuffer& b, uint64_t timeout_ns, const Ring& ring) {
+  DispatchArgs a = ring_args<DispatchArgs>(b, timeout_ns, ring);
   a.experts_per_rank = 1;
-  a.num_rows = num_rows;
-  a.pad_rows = pad_rows;
-  a.num_channels = num_channels;
-  a.chunk = chunk;
-  a.num_slots = num_slots;
-  a.slot_bytes = slot_bytes;
   return a;
 }
 
-CombineArgs ring_combine_args(const IpcBuffer& b, uint64_t timeout_ns, uintptr_t is_token_in_rank,
-                              uintptr_t recv_channel_offset, int dtype, int num_tokens, int hidden, int num_topk,
-                              int num_x_rows, int num_channels, int chunk, int num_slots, int slot_bytes,
-                              int protocol) {
-  CombineArgs a{};
-  MOE_CHECK(num_slots - chunk >= 32, "combine needs num_max_nvl_chunked_recv_tokens >= send tokens + 32");
-  a.c = b.common(timeout_ns);
-  MOE_CHECK(static_cast<size_t>(num_channels) * num_slots * slot_bytes <= a.c.src_block_bytes,
-            "NVLink buffer too small for this config");
-  a.is_token_in_rank = ptr<const bool>(is_token_in_rank);
-  a.recv_channel_offset = ptr<const int>(recv_channel_offset);
-  a.dtype = dtype;
-  a.num_tokens = num_tokens;
-  a.hidden = hidden;
-  a.num_topk = num_topk;
-  a.num_x_rows = num_x_rows;
-  a.num_channels = num_channels;
-  a.chunk = chunk;
-  a.num_slots = num_slots;
-  a.slot_bytes = slot_bytes;
-  return a;
+CombineArgs ring_combine_args(const IpcBuffer& b, uint64_t timeout_ns, const Ring& ring) {
+  return ring_args<CombineArgs>(b, timeout_ns, ring);
 }
 
-// The tensors every dispatch / combine launch takes, plain or through a plan.
-void set_dispatch_tensors(DispatchArgs& a, uintptr_t x, uintptr_t scales, uintptr_t recv_x, uintptr_t recv_scales) {
-  a.x = ptr<const uint8_t>(x);
-  a.scales = ptr<const int32_t>(scales);
-  a.recv_x = ptr<uint8_t>(recv_x);
-  a.recv_scales = ptr<int32_t>(recv_scales);
+// The routing tensors of a handle (is_token_in_rank bool [T, R], recv_channel_offset int32 [R, C + 1]).
+template <typename Args>
+void set_routing(Args& a, const at::Tensor& is_token_in_rank, const at::Tensor& recv_channel_offset) {
+  a.is_token_in_rank = data_of<const bool>(is_token_in_rank);
+  a.recv_channel_offset = data_of<const int>(recv_channel_offset);
+  a.num_tokens = static_cast<int>(is_token_in_rank.size(0));
 }
 
-void set_combine_tensors(CombineArgs& a, uintptr_t x, uintptr_t topk_weights, uintptr_t bias0, uintptr_t bias1,
-                         uintptr_t out, uintptr_t out_topk_weights) {
-  a.x = ptr<const uint8_t>(x);
-  a.topk_weights = ptr<const float>(topk_weights);
-  a.bias0 = ptr<const uint8_t>(bias0);
-  a.bias1 = ptr<const uint8_t>(bias1);
-  a.out = ptr<uint8_t>(out);
-  a.out_topk_weights = ptr<float>(out_topk_weights);
-}
-
-void dispatch(const IpcBuffer& b, uint64_t timeout_ns, uintptr_t x, uintptr_t scales, uintptr_t topk_idx,
-              uintptr_t topk_weights, uintptr_t is_token_in_rank, uintptr_t recv_channel_offset, uintptr_t recv_x,
-              uintptr_t recv_scales, uintptr_t recv_topk_idx, uintptr_t recv_topk_weights, uintptr_t recv_src_idx,
-              int num_tokens, int hidden_bytes, int num_scales, int num_topk, int experts_per_rank, int num_rows,
-              int pad_rows, int num_channels, int chunk, int num_slots, int slot_bytes, uintptr_t stream, int em_mode,
-              uintptr_t pair_rank, uintptr_t em_layout, uintptr_t em_x, uintptr_t em_scales, uintptr_t em_weights,
-              uintptr_t em_pair_row, uintptr_t em_pair_slot, uintptr_t em_inverse, int em_topk, int em_rows,
-              int protocol) {
-  DispatchArgs a = ring_dispatch_args(b, timeout_ns, is_token_in_rank, recv_channel_offset, num_tokens, hidden_bytes,
-                                      num_scales, num_rows, pad_rows, num_channels, chunk, num_slots, slot_bytes,
-                                      protocol);
-  MOE_CHECK(em_mode == 0, "the dispatch kernel is rank-major only (expert-major: em_permute after it)");
-  set_dispatch_tensors(a, x, scales, recv_x, recv_scales);
-  a.topk_idx = ptr<const int64_t>(topk_idx);
-  a.topk_weights = ptr<const float>(topk_weights);
-  a.recv_topk_idx = ptr<int64_t>(recv_topk_idx);
-  a.recv_topk_weights = ptr<float>(recv_topk_weights);
-  a.recv_src_idx = ptr<int>(recv_src_idx);
-  a.num_topk = num_topk;
+// Fresh dispatch (rank-major): x [T, H] (bytes per row a multiple of 16), scales [T, S] 4-byte or None,
+// topk_idx int64 [T, K] / topk_weights float32 [T, K] or None; outputs recv_x [rows, H], recv_scales [rows, S],
+// recv_topk_idx / recv_topk_weights [rows, K] (with topk_idx), recv_src_idx int32 [rows]. pad_rows: fill the
+// rows past the received count (num_worst_tokens).
+void dispatch(const IpcBuffer& b, uint64_t timeout_ns, const at::Tensor& x, const c10::optional<at::Tensor>& scales,
+              const c10::optional<at::Tensor>& topk_idx, const c10::optional<at::Tensor>& topk_weights,
+              const at::Tensor& is_token_in_rank, const at::Tensor& recv_channel_offset, const at::Tensor& recv_x,
+              const c10::optional<at::Tensor>& recv_scales, const c10::optional<at::Tensor>& recv_topk_idx,
+              const c10::optional<at::Tensor>& recv_topk_weights, const at::Tensor& recv_src_idx,
+              int experts_per_rank, bool pad_rows, int num_channels, int chunk, int num_slots, int slot_bytes) {
+  const auto device = x.get_device();
+  expect_cuda(x, device, "dispatch: x");
+  expect_cuda(scales, device, "dispatch: scales");
+  expect_cuda(topk_idx, device, "dispatch: topk_idx");
+  expect_cuda(topk_weights, device, "dispatch: topk_weights");
+  expect_cuda(recv_x, device, "dispatch: recv_x");
+  MOE_CHECK(scales.has_value() == recv_scales.has_value(), "dispatch: scales and recv_scales go together");
+  MOE_CHECK(topk_idx.has_value() == recv_topk_idx.has_value() &&
+                recv_topk_idx.has_value() == recv_topk_weights.has_value(),
+            "dispatch: topk_idx, recv_topk_idx and recv_topk_weights go together");
+  MOE_CHECK(!topk_weights.has_value() || topk_idx.has_value(), "dispatch: topk_weights without topk_idx");
+  const c10::cuda::CUDAGuard guard(device);
+  DispatchArgs a = ring_dispatch_args(b, timeout_ns, Ring{num_channels, chunk, num_slots, slot_bytes});
+  set_routing(a, is_token_in_rank, recv_channel_offset);
+  MOE_CHECK(x.size(0) == a.num_tokens, "dispatch: x and is_token_in_rank differ in tokens");
+  a.x = data_of<const uint8_t>(x);
+  a.scales = data_of<const int32_t>(scales);
+  a.topk_idx = data_of<const int64_t>(topk_idx);
+  a.topk_weights = data_of<const float>(topk_weights);
+  a.recv_x = data_of<uint8_t>(recv_x);
+  a.recv_scales = data_of<int32_t>(recv_scales);
+  a.recv_topk_idx = data_of<int64_t>(recv_topk_idx);
+  a.recv_topk_weights = data_of<float>(recv_topk_weights);
+  a.recv_src_idx = data_of<int>(recv_src_idx);
+  a.hidden_bytes = row_bytes(x);
+  a.num_scales = columns(scales);
+  a.num_topk = columns(topk_idx);
   a.experts_per_rank = experts_per_rank;
-  launch_dispatch(a, stream_of(stream));
+  a.num_rows = static_cast<int>(recv_x.size(0));
+  a.pad_rows = pad_rows ? 1 : 0;
+  launch_dispatch(a, current_stream(device).stream());
 }
 
-void combine(const IpcBuffer& b, uint64_t timeout_ns, uintptr_t x, uintptr_t topk_weights, uintptr_t bias0,
-             uintptr_t bias1, uintptr_t is_token_in_rank, uintptr_t recv_channel_offset, uintptr_t out,
-             uintptr_t out_topk_weights, int dtype, int num_tokens, int hidden, int num_topk, int num_x_rows,
-             int num_channels,
-             int chunk, int num_slots, int slot_bytes, uintptr_t stream, uintptr_t em_inverse, uintptr_t em_weights,
-             uintptr_t em_topk_weights, int em_topk, int protocol) {
-  CombineArgs a = ring_combine_args(b, timeout_ns, is_token_in_rank, recv_channel_offset, dtype, num_tokens, hidden,
-                                    num_topk, num_x_rows, num_channels, chunk, num_slots, slot_bytes, protocol);
-  MOE_CHECK(em_inverse == 0, "the combine kernel is rank-major only (expert-major: em_unpermute before it)");
-  set_combine_tensors(a, x, topk_weights, bias0, bias1, out, out_topk_weights);
-  launch_combine(a, stream_of(stream));
+// Combine (rank-major): x [rows, H] bf16/fp16/fp32, topk_weights float32 [rows, K] or None, bias0 / bias1 [T, H]
+// of x's dtype or None -> out [T, H], out_topk_weights float32 [T, K] (with topk_weights).
+void combine(const IpcBuffer& b, uint64_t timeout_ns, const at::Tensor& x,
+             const c10::optional<at::Tensor>& topk_weights,
+             const c10::optional<at::Tensor>& bias0, const c10::optional<at::Tensor>& bias1,
+             const at::Tensor& is_token_in_rank, const at::Tensor& recv_channel_offset, const at::Tensor& out,
+             const c10::optional<at::Tensor>& out_topk_weights, int num_channels, int chunk, int num_slots,
+             int slot_bytes) {
+  const auto device = x.get_device();
+  expect_cuda(x, device, "combine: x");
+  expect_cuda(topk_weights, device, "combine: topk_weights");
+  expect_cuda(bias0, device, "combine: bias0");
+  expect_cuda(bias1, device, "combine: bias1");
+  expect_cuda(out, device, "combine: out");
+  MOE_CHECK(topk_weights.has_value() == out_topk_weights.has_value(),
+            "combine: topk_weights and out_topk_weights go together");
+  const c10::cuda::CUDAGuard guard(device);
+  CombineArgs a = ring_combine_args(b, timeout_ns, Ring{num_channels, chunk, num_slots, slot_bytes});
+  set_routing(a, is_token_in_rank, recv_channel_offset);
+  MOE_CHECK(out.size(0) == a.num_tokens, "combine: out and is_token_in_rank differ in tokens");
+  a.x = data_of<const uint8_t>(x);
+  a.topk_weights = data_of<const float>(topk_weights);
+  a.bias0 = data_of<const uint8_t>(bias0);
+  a.bias1 = data_of<const uint8_t>(bias1);
+  a.out = data_of<uint8_t>(out);
+  a.out_topk_weights = data_of<float>(out_topk_weights);
+  a.dtype = combine_dtype(x);
+  a.hidden = static_cast<int>(x.size(1));
+  a.num_topk = columns(topk_weights);
+  a.num_x_rows = static_cast<int>(x.size(0));
+  launch_combine(a, current_stream(device).stream());
 }
 
-// Split expert-major dispatch, local pass (em_permute.cu): received rows x -> expert-major rows em_x along the
-// fresh call's positions (fresh = 1: from recv_topk_idx + pair_rank + layout, recording the tables) or the
-// handle's em_inverse (fresh = 0); pad_blocks blocks zero the padding rows.
-void em_permute(uintptr_t x, uintptr_t scales, uintptr_t recv_topk_idx, uintptr_t recv_topk_weights,
-                uintptr_t pair_rank, uintptr_t layout, uintptr_t received, uintptr_t em_x, uintptr_t em_scales,
-                uintptr_t em_weights, uintptr_t em_pair_row, uintptr_t em_pair_slot, uintptr_t em_inverse,
-                uintptr_t recv_src_idx, int fresh,
-                int num_rows, int hidden_bytes, int num_scales, int num_topk, int num_ranks, int num_local,
-                int expert_alignment, int em_rows, int pad_blocks, uintptr_t stream) {
-  MOE_CHECK(layout != 0 && received != 0 && em_inverse != 0 && num_topk > 0 && num_topk <= kMaxTopk,
-            "em_permute: needs the layout, the received count, the inverse table and 1..MAX_TOPK slots");
-  MOE_CHECK(!fresh || (recv_topk_idx != 0 && pair_rank != 0 && em_pair_row != 0 && em_pair_slot != 0 &&
-                       recv_src_idx != 0 && (em_weights == 0 || recv_topk_weights != 0)),
+// Expert-major dispatch, local pass after the rank-major dispatch (em_permute.cu): received rows x [N, H] (scales
+// [N, S] or None) -> expert-major rows em_x [M, H] (em_scales [M, S]). Fresh (recv_topk_idx given): positions from
+// recv_topk_idx [N, K] + pair_rank [N, K] + layout, recording em_inverse [N, K], em_pair_row / em_pair_slot [M],
+// em_weights [M] (from recv_topk_weights, when given) and recv_src_idx [N] (-1 past the received count); cached:
+// positions from em_inverse. received: int32 [1], the rows that arrived (device). pad_blocks blocks zero the
+// padding rows.
+void em_permute(const at::Tensor& x, const c10::optional<at::Tensor>& scales,
+                const c10::optional<at::Tensor>& recv_topk_idx, const c10::optional<at::Tensor>& recv_topk_weights,
+                const c10::optional<at::Tensor>& pair_rank, const at::Tensor& layout, const at::Tensor& received,
+                const at::Tensor& em_x, const c10::optional<at::Tensor>& em_scales,
+                const c10::optional<at::Tensor>& em_weights, const c10::optional<at::Tensor>& em_pair_row,
+                const c10::optional<at::Tensor>& em_pair_slot, const at::Tensor& em_inverse,
+                const c10::optional<at::Tensor>& recv_src_idx, int num_ranks, int num_local, int expert_alignment,
+                int pad_blocks) {
+  const auto device = em_inverse.get_device();
+  expect_cuda(x, device, "em_permute: x");
+  expect_cuda(em_x, device, "em_permute: em_x");
+  const bool fresh = recv_topk_idx.has_value();
+  MOE_CHECK(!fresh || (pair_rank.has_value() && em_pair_row.has_value() && em_pair_slot.has_value() &&
+                       recv_src_idx.has_value() && (!em_weights.has_value() || recv_topk_weights.has_value())),
             "em_permute: a fresh call needs the received top-k, the pair ranks, pair_row/pair_slot and the "
             "source indices");
-  MOE_CHECK((scales != 0) == (em_scales != 0), "em_permute: scales and em_scales go together");
-  MOE_CHECK(hidden_bytes % 16 == 0 && expert_alignment >= 1 && num_rows >= 0 && em_rows >= 0 && pad_blocks >= 0,
-            "em_permute: bad geometry");
+  MOE_CHECK(scales.has_value() == em_scales.has_value(), "em_permute: scales and em_scales go together");
+  const int num_topk = static_cast<int>(em_inverse.size(1));
+  MOE_CHECK(num_topk > 0 && num_topk <= kMaxTopk, "em_permute: 1..MAX_TOPK slots");
+  MOE_CHECK(row_bytes(x) % 16 == 0 && expert_alignment >= 1 && pad_blocks >= 0, "em_permute: bad geometry");
   MOE_CHECK(num_ranks >= 1 && num_ranks <= kMaxRanks && num_local >= 1 && num_local <= kMaxLocalExperts,
             "em_permute: bad ranks or local experts");
+  const c10::cuda::CUDAGuard guard(device);
   EmPermuteArgs a{};
-  a.x = ptr<const uint8_t>(x);
-  a.scales = ptr<const int32_t>(scales);
-  a.recv_topk_idx = ptr<const int64_t>(recv_topk_idx);
-  a.recv_topk_weights = ptr<const float>(recv_topk_weights);
-  a.pair_rank = ptr<const int>(pair_rank);
-  a.layout = ptr<const int>(layout);
-  a.received = ptr<const int>(received);
+  a.x = data_of<const uint8_t>(x);
+  a.scales = data_of<const int32_t>(scales);
+  a.recv_topk_idx = data_of<const int64_t>(recv_topk_idx);
+  a.recv_topk_weights = data_of<const float>(recv_topk_weights);
+  a.pair_rank = data_of<const int>(pair_rank);
+  a.layout = data_of<const int>(layout);
+  a.received = data_of<const int>(received);
   a.fresh = fresh ? 1 : 0;
-  a.num_rows = num_rows;
-  a.hidden_bytes = hidden_bytes;
-  a.num_scales = num_scales;
+  a.num_rows = static_cast<int>(em_inverse.size(0));
+  a.hidden_bytes = row_bytes(x);
+  a.num_scales = columns(scales);
   a.num_topk = num_topk;
   a.num_ranks = num_ranks;
   a.num_local = num_local;
   a.expert_alignment = expert_alignment;
-  a.em_rows = em_rows;
-  a.row_blocks = (num_rows + kEmRowsPerBlock - 1) / kEmRowsPerBlock;
-  a.em_x = ptr<uint8_t>(em_x);
-  a.em_scales = ptr<int32_t>(em_scales);
-  a.em_weights = ptr<float>(em_weights);
-  a.em_pair_row = ptr<int>(em_pair_row);
-  a.em_pair_slot = ptr<int>(em_pair_slot);
-  a.em_inverse = ptr<int>(em_inverse);
-  a.recv_src_idx = ptr<int>(recv_src_idx);
-  launch_em_permute(a, pad_blocks, stream_of(stream));
+  a.em_rows = static_cast<int>(em_x.size(0));
+  a.row_blocks = (a.num_rows + kEmRowsPerBlock - 1) / kEmRowsPerBlock;
+  a.em_x = data_of<uint8_t>(em_x);
+  a.em_scales = data_of<int32_t>(em_scales);
+  a.em_weights = data_of<float>(em_weights);
+  a.em_pair_row = data_of<int>(em_pair_row);
+  a.em_pair_slot = data_of<int>(em_pair_slot);
+  a.em_inverse = data_of<int>(em_inverse);
+  a.recv_src_idx = data_of<int>(recv_src_idx);
+  launch_em_permute(a, pad_blocks, current_stream(device).stream());
 }
 
-// Split expert-major combine, local pass (em_unpermute.cu): rank-major rows out [num_rows, hidden] (and
-// out_topk_weights [num_rows, num_topk] when topk_weights is given) from expert-major rows x through inverse.
-void em_unpermute(uintptr_t x, uintptr_t inverse, uintptr_t weights, uintptr_t topk_weights, uintptr_t received,
-                  uintptr_t out, uintptr_t out_topk_weights, int dtype, int hidden, int num_rows, int num_topk,
-                  uintptr_t stream) {
-  MOE_CHECK(inverse != 0 && received != 0 && num_topk > 0 && num_topk <= kMaxTopk,
-            "em_unpermute: needs the inverse table, the received count and 1..MAX_TOPK slots");
-  MOE_CHECK((topk_weights != 0) == (out_topk_weights != 0),
+// Expert-major combine, local pass before the rank-major combine (em_unpermute.cu): expert-major rows x [M, H]
+// (bf16/fp16/fp32) -> out [N, H], each received row's pairs through inverse [N, K] (weighted by weights [M] when
+// given), and out_topk_weights [N, K] from topk_weights [M] (when given). received: int32 [1] on the device.
+void em_unpermute(const at::Tensor& x, const at::Tensor& inverse, const c10::optional<at::Tensor>& weights,
+                  const c10::optional<at::Tensor>& topk_weights, const at::Tensor& received, const at::Tensor& out,
+                  const c10::optional<at::Tensor>& out_topk_weights) {
+  const auto device = inverse.get_device();
+  expect_cuda(x, device, "em_unpermute: x");
+  expect_cuda(out, device, "em_unpermute: out");
+  MOE_CHECK(topk_weights.has_value() == out_topk_weights.has_value(),
             "em_unpermute: topk_weights and out_topk_weights go together");
-  MOE_CHECK(dtype == kBf16 || dtype == kFp16 || dtype == kFp32, "em_unpermute: bad dtype");
-  MOE_CHECK((hidden * (dtype == kFp32 ? 4 : 2)) % 16 == 0, "em_unpermute: rows must be a multiple of 16 bytes");
+  const int num_topk = static_cast<int>(inverse.size(1));
+  MOE_CHECK(num_topk > 0 && num_topk <= kMaxTopk, "em_unpermute: 1..MAX_TOPK slots");
+  MOE_CHECK(row_bytes(x) % 16 == 0, "em_unpermute: rows must be a multiple of 16 bytes");
+  const c10::cuda::CUDAGuard guard(device);
   EmUnpermuteArgs a{};
-  a.x = ptr<const uint8_t>(x);
-  a.inverse = ptr<const int>(inverse);
-  a.weights = ptr<const float>(weights);
-  a.topk_weights = ptr<const float>(topk_weights);
-  a.received = ptr<const int>(received);
-  a.out = ptr<uint8_t>(out);
-  a.out_topk_weights = ptr<float>(out_topk_weights);
-  a.dtype = dtype;
-  a.hidden = hidden;
-  a.num_rows = num_rows;
+  a.x = data_of<const uint8_t>(x);
+  a.inverse = data_of<const int>(inverse);
+  a.weights = data_of<const float>(weights);
+  a.topk_weights = data_of<const float>(topk_weights);
+  a.received = data_of<const int>(received);
+  a.out = data_of<uint8_t>(out);
+  a.out_topk_weights = data_of<float>(out_topk_weights);
+  a.dtype = combine_dtype(x);
+  a.hidden = static_cast<int>(x.size(1));
+  a.num_rows = static_cast<int>(inverse.size(0));
   a.num_topk = num_topk;
-  launch_em_unpermute(a, stream_of(stream));
+  launch_em_unpermute(a, current_stream(device).stream());
 }
 
-void pair_rank(uintptr_t topk_idx, int num_tokens, int num_topk, int num_experts, uintptr_t out,
-               uintptr_t workspace, uintptr_t stream, uintptr_t row_limit) {
+// out[t][k] (int32 [T, K]) = rank of pair (t, k) among the pairs of topk_idx [T, K] for the same expert, in (t, k)
+// order; rows at or past the device count row_limit (int32 [1], optional) are left out.
+void pair_rank(const at::Tensor& topk_idx, int num_experts, const at::Tensor& out,
+               const c10::optional<at::Tensor>& row_limit) {
   MOE_CHECK(num_experts > 0 && num_experts <= kMaxLocalExperts * kMaxRanks, "pair_rank: too many experts");
-  PairRankArgs a{ptr<const int64_t>(topk_idx), num_tokens, num_topk, num_experts, ptr<int>(out), ptr<int>(workspace),
-                 ptr<const int>(row_limit)};
-  launch_pair_rank(a, stream_of(stream));
+  const auto device = topk_idx.get_device();
+  expect_cuda(topk_idx, device, "pair_rank: topk_idx");
+  expect_cuda(out, device, "pair_rank: out");
+  const c10::cuda::CUDAGuard guard(device);
+  const int num_tokens = static_cast<int>(topk_idx.size(0));
+  const int blocks = std::max((num_tokens + kPairRankTokens - 1) / kPairRankTokens, 1);
+  // Allocated on the launch stream (the current one): freed when this returns, reused after the kernel only.
+  const at::Tensor workspace = at::empty({static_cast<int64_t>(blocks) * num_experts}, out.options());
+  PairRankArgs a{data_of<const int64_t>(topk_idx), num_tokens, static_cast<int>(topk_idx.size(1)), num_experts,
+                 data_of<int>(out), data_of<int>(workspace), data_of<const int>(row_limit)};
+  launch_pair_rank(a, current_stream(device).stream());
 }
 
-// ---------------------------------------------------------------------------------------------------------
-// Cached calls (dispatch along a handle, combine): their arguments are the same from call to call except the
-// tensors' addresses, so a plan fills them in once (DispatchPlan, CombinePlan) and each call passes only the
-// addresses and the streams. moe_dispatcher/compiled/intranode.py builds a plan after the call's checks
-// passed and keeps it with the handle; buffer.py reuses it while the call's inputs look the same.
+// Cached calls (csrc/bindings/cached_call.h): plans made by the backend's full path after its checks.
+using CachedDispatch = CachedCall<DispatchArgs, launch_dispatch, CallKind::kDispatch>;
+using CachedCombine = CachedCall<CombineArgs, launch_combine, CallKind::kCombine>;
 
-// May the backend still launch? Not once the buffer is destroyed or a kernel recorded a timeout (sticky: the
-// Buffer is unusable from then on). Plans return false instead of launching; the caller raises the reason.
-// (The device writes the mailbox: read it through volatile, as timeout_info does.)
-bool usable(const IpcBuffer& b) {
-  if (!b.alive()) return false;
-  const volatile Mailbox* box = b.host_mailbox();
-  return box->timeout.status == 0;
+// Dispatch along a handle (no top-k, no source indices: what a cached dispatch sends): x [T, H], scales [T, S]
+// (FP8) or None -> recv_x [rows, H], recv_scales [rows, S]; rows = the handle's recv_src_idx rows.
+std::unique_ptr<CachedDispatch> make_cached_dispatch(const IpcBuffer& b, const CommStream& comm, uint64_t timeout_ns,
+                                                     const py::tuple& handle, const at::Tensor& recv_channel_offset,
+                                                     const at::Tensor& x, const c10::optional<at::Tensor>& scales,
+                                                     int num_channels, int chunk, int num_slots, int slot_bytes,
+                                                     py::object config, int num_sms) {
+  DispatchArgs a = ring_dispatch_args(b, timeout_ns, Ring{num_channels, chunk, num_slots, slot_bytes});
+  const at::Tensor is_token_in_rank = py::cast<at::Tensor>(handle[kIsTokenInRank]);
+  set_routing(a, is_token_in_rank, recv_channel_offset);
+  const at::Tensor recv_src_idx = py::cast<at::Tensor>(handle[kRecvSrcIdx]);
+  const int64_t rows = recv_src_idx.size(0);
+  a.hidden_bytes = row_bytes(x);
+  a.num_scales = columns(scales);
+  a.num_rows = static_cast<int>(rows);
+  a.pad_rows = py::cast<int64_t>(handle[kNumWorstTokens]) != 0 ? 1 : 0;
+  const TensorSpec input{x.scalar_type(), x.size(0), x.size(1)};
+  c10::optional<TensorSpec> aux, aux_out;
+  if (scales.has_value()) {
+    aux = TensorSpec{scales->scalar_type(), x.size(0), scales->size(1)};
+    aux_out = TensorSpec{scales->scalar_type(), rows, scales->size(1)};
+  }
+  return std::make_unique<CachedDispatch>(b, comm, handle,
+                                          std::vector<at::Tensor>{is_token_in_rank, recv_channel_offset}, a,
+                                          input, aux,
+                                          TensorSpec{x.scalar_type(), rows, x.size(1)}, aux_out, std::move(config),
+                                          num_sms);
 }
 
-// Orders a launch on the comm stream against the caller's stream with two events made once per backend
-// (on the backend's device) and re-recorded by every call: a stream wait captures the event as it is when
-// the wait is enqueued, so re-recording cannot affect waits already queued. `join` of a launch:
-//   0  nothing (the caller already ordered the streams: it launches on the stream it made current);
-//   1  the comm stream first waits for the work queued on the caller's stream so far (async_finish);
-//   2  as 1, then the caller's stream waits for the launch (a synchronous call).
-class StreamJoin {
- public:
-  StreamJoin() {
-    MOE_CUDA_CHECK(cudaGetDevice(&device_));
-    MOE_CUDA_CHECK(cudaEventCreateWithFlags(&before_, cudaEventDisableTiming));
-    MOE_CUDA_CHECK(cudaEventCreateWithFlags(&after_, cudaEventDisableTiming));
+// Combine along a handle: x [rows, H] bf16/fp16/fp32, topk_weights float32 [rows, K] when given -> out [T, H],
+// out_topk_weights float32 [T, K].
+std::unique_ptr<CachedCombine> make_cached_combine(const IpcBuffer& b, const CommStream& comm, uint64_t timeout_ns,
+                                                   const py::tuple& handle, const at::Tensor& recv_channel_offset,
+                                                   const at::Tensor& x, const c10::optional<at::Tensor>& topk_weights,
+                                                   int num_channels, int chunk, int num_slots, int slot_bytes,
+                                                   py::object config, int num_sms) {
+  CombineArgs a = ring_combine_args(b, timeout_ns, Ring{num_channels, chunk, num_slots, slot_bytes});
+  const at::Tensor is_token_in_rank = py::cast<at::Tensor>(handle[kIsTokenInRank]);
+  set_routing(a, is_token_in_rank, recv_channel_offset);
+  const int64_t tokens = py::cast<int64_t>(handle[kNumTokens]);
+  a.dtype = combine_dtype(x);
+  a.hidden = static_cast<int>(x.size(1));
+  a.num_topk = columns(topk_weights);
+  a.num_x_rows = static_cast<int>(x.size(0));
+  const TensorSpec input{x.scalar_type(), x.size(0), x.size(1)};
+  c10::optional<TensorSpec> aux, aux_out;
+  if (topk_weights.has_value()) {
+    aux = TensorSpec{at::kFloat, x.size(0), topk_weights->size(1)};
+    aux_out = TensorSpec{at::kFloat, tokens, topk_weights->size(1)};
   }
-  ~StreamJoin() {
-    cudaEventDestroy(before_);
-    cudaEventDestroy(after_);
-  }
-  StreamJoin(const StreamJoin&) = delete;
-  StreamJoin& operator=(const StreamJoin&) = delete;
-
-  template <typename Launch>
-  void run(cudaStream_t comm, cudaStream_t caller, int join, Launch&& launch) const {
-    MOE_CHECK(join >= 0 && join <= 2, "bad stream join");
-    const DeviceGuard guard(device_);
-    if (join >= 1) {
-      MOE_CUDA_CHECK(cudaEventRecord(before_, caller));
-      MOE_CUDA_CHECK(cudaStreamWaitEvent(comm, before_, 0));
-    }
-    launch();
-    if (join == 2) {
-      MOE_CUDA_CHECK(cudaEventRecord(after_, comm));
-      MOE_CUDA_CHECK(cudaStreamWaitEvent(caller, after_, 0));
-    }
-  }
-
- private:
-  // The streams and events live on the backend's device: launch there whatever device is current.
-  struct DeviceGuard {
-    explicit DeviceGuard(int device) {
-      MOE_CUDA_CHECK(cudaGetDevice(&previous));
-      if (previous != device) MOE_CUDA_CHECK(cudaSetDevice(device));
-      switched = previous != device;
-    }
-    ~DeviceGuard() {
-      if (switched) cudaSetDevice(previous);
-    }
-    int previous = 0;
-    bool switched = false;
-  };
-
-  int device_ = 0;
-  cudaEvent_t before_ = nullptr, after_ = nullptr;
-};
-
-// What a plan holds: the buffer (checked before every launch), the stream join, and the kernel's arguments with
-// every field but the tensors' addresses filled in; `launch` of the derived plan sets those into a_ and calls run.
-template <class Args, void (*Launch)(const Args&, cudaStream_t)>
-class RingPlan {
- protected:
-  RingPlan(const IpcBuffer& b, const StreamJoin& join, const Args& a) : a_(a), buffer_(&b), join_(&join) {}
-
-  bool ready() const { return usable(*buffer_); }  // false: launch nothing, the caller raises the reason
-  bool run(uintptr_t stream, uintptr_t caller, int join) {
-    join_->run(stream_of(stream), stream_of(caller), join, [&] { Launch(a_, stream_of(stream)); });
-    return true;
-  }
-
-  Args a_;
-
- private:
-  const IpcBuffer* buffer_;
-  const StreamJoin* join_;
-};
-
-// Dispatch along a handle's routing (no top-k, no source indices: what cached dispatch sends).
-class DispatchPlan : public RingPlan<DispatchArgs, launch_dispatch> {
- public:
-  DispatchPlan(const IpcBuffer& b, const StreamJoin& join, uint64_t timeout_ns, uintptr_t is_token_in_rank,
-               uintptr_t recv_channel_offset, int num_tokens, int hidden_bytes, int num_scales, int num_rows,
-               int pad_rows, int num_channels, int chunk, int num_slots, int slot_bytes, int protocol)
-      : RingPlan(b, join,
-                 ring_dispatch_args(b, timeout_ns, is_token_in_rank, recv_channel_offset, num_tokens, hidden_bytes,
-                                    num_scales, num_rows, pad_rows, num_channels, chunk, num_slots, slot_bytes,
-                                    protocol)) {}
-
-  bool launch(uintptr_t x, uintptr_t scales, uintptr_t recv_x, uintptr_t recv_scales, uintptr_t stream,
-              uintptr_t caller, int join) {
-    if (!ready()) return false;
-    set_dispatch_tensors(a_, x, scales, recv_x, recv_scales);
-    return run(stream, caller, join);
-  }
-};
-
-// Combine along a handle's routing.
-class CombinePlan : public RingPlan<CombineArgs, launch_combine> {
- public:
-  CombinePlan(const IpcBuffer& b, const StreamJoin& join, uint64_t timeout_ns, uintptr_t is_token_in_rank,
-              uintptr_t recv_channel_offset, int dtype, int num_tokens, int hidden, int num_topk, int num_x_rows,
-              int num_channels, int chunk, int num_slots, int slot_bytes, int protocol)
-      : RingPlan(b, join,
-                 ring_combine_args(b, timeout_ns, is_token_in_rank, recv_channel_offset, dtype, num_tokens, hidden,
-                                   num_topk, num_x_rows, num_channels, chunk, num_slots, slot_bytes, protocol)) {}
-
-  bool launch(uintptr_t x, uintptr_t topk_weights, uintptr_t bias0, uintptr_t bias1, uintptr_t out,
-              uintptr_t out_topk_weights, uintptr_t stream, uintptr_t caller, int join) {
-    if (!ready()) return false;
-    set_combine_tensors(a_, x, topk_weights, bias0, bias1, out, out_topk_weights);
-    return run(stream, caller, join);
-  }
-};
+  return std::make_unique<CachedCombine>(b, comm, handle,
+                                         std::vector<at::Tensor>{is_token_in_rank, recv_channel_offset}, a,
+                                         input, aux,
+                                         TensorSpec{x.scalar_type(), tokens, x.size(1)}, aux_out, std::move(config),
+                                         num_sms);
+}
 
 }  // namespace
 
@@ -435,10 +440,7 @@ void register_intranode(py::module_& m) {
   sub.attr("MAX_CHUNK") = kMaxChunk;
   sub.attr("RINGS_OFFSET") = kRingsOffset;
   sub.attr("FLAG_LAYOUT_MISMATCH") = kFlagLayoutMismatch;
-  sub.attr("PAIR_RANK_TOKENS") = kPairRankTokens;
   sub.def("em_layout_words", [](int r, int l) { return ExpertMajorLayout::words(r, l); });
-  sub.def("pair_rank", &pair_rank, py::arg("topk_idx"), py::arg("num_tokens"), py::arg("num_topk"),
-          py::arg("num_experts"), py::arg("out"), py::arg("workspace"), py::arg("stream"), py::arg("row_limit") = 0);
 
   py::class_<IpcBuffer>(sub, "IpcBuffer")
       .def(py::init<int, int, size_t>(), py::arg("rank"), py::arg("num_ranks"), py::arg("num_bytes"))
@@ -457,60 +459,52 @@ void register_intranode(py::module_& m) {
       .def("expert_counts", &expert_counts, py::arg("n"))
       .def("take_worst_overflow", &take_worst_overflow);
 
-  py::class_<StreamJoin>(sub, "StreamJoin").def(py::init<>());
-  // keep_alive: a plan holds raw pointers to the buffer and the events.
-  py::class_<DispatchPlan>(sub, "DispatchPlan")
-      .def(py::init<const IpcBuffer&, const StreamJoin&, uint64_t, uintptr_t, uintptr_t, int, int, int, int, int, int,
-                    int, int, int, int>(),
-           py::arg("buffer"), py::arg("join"), py::arg("timeout_ns"), py::arg("is_token_in_rank"),
-           py::arg("recv_channel_offset"), py::arg("num_tokens"), py::arg("hidden_bytes"), py::arg("num_scales"),
-           py::arg("num_rows"), py::arg("pad_rows"), py::arg("num_channels"), py::arg("chunk"), py::arg("num_slots"),
-           py::arg("slot_bytes"), py::arg("protocol"), py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
-      .def("launch", &DispatchPlan::launch, py::arg("x"), py::arg("scales"), py::arg("recv_x"),
-           py::arg("recv_scales"), py::arg("stream"), py::arg("caller"), py::arg("join"));
-  py::class_<CombinePlan>(sub, "CombinePlan")
-      .def(py::init<const IpcBuffer&, const StreamJoin&, uint64_t, uintptr_t, uintptr_t, int, int, int, int, int, int,
-                    int, int, int, int>(),
-           py::arg("buffer"), py::arg("join"), py::arg("timeout_ns"), py::arg("is_token_in_rank"),
-           py::arg("recv_channel_offset"), py::arg("dtype"), py::arg("num_tokens"), py::arg("hidden"),
-           py::arg("num_topk"), py::arg("num_x_rows"), py::arg("num_channels"), py::arg("chunk"), py::arg("num_slots"),
-           py::arg("slot_bytes"), py::arg("protocol"), py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
-      .def("launch", &CombinePlan::launch, py::arg("x"), py::arg("topk_weights"), py::arg("bias0"), py::arg("bias1"),
-           py::arg("out"), py::arg("out_topk_weights"), py::arg("stream"), py::arg("caller"), py::arg("join"));
+  py::class_<CommStream>(sub, "CommStream")
+      .def(py::init<const c10::Stream&>(), py::arg("stream"));
+  py::class_<CommEvent>(sub, "CommEvent")
+      .def("wait", &CommEvent::wait, py::arg("stream") = py::none())
+      .def("query", &CommEvent::query)
+      .def("synchronize", &CommEvent::synchronize);
+  // keep_alive: a plan holds raw pointers to the buffer and the comm stream.
+  py::class_<CachedDispatch>(sub, "CachedDispatch")
+      .def("run", &CachedDispatch::run, py::arg("handle"), py::arg("x"), py::arg("scales"), py::arg("config"),
+           py::arg("num_sms"), py::arg("join"));
+  py::class_<CachedCombine>(sub, "CachedCombine")
+      .def("run", &CachedCombine::run, py::arg("handle"), py::arg("x"), py::arg("topk_weights"), py::arg("config"),
+           py::arg("num_sms"), py::arg("join"));
+  sub.def("cached_dispatch", &make_cached_dispatch, py::arg("buffer"), py::arg("comm"), py::arg("timeout_ns"),
+          py::arg("handle"), py::arg("recv_channel_offset"), py::arg("x"), py::arg("scales"), py::arg("num_channels"),
+          py::arg("chunk"), py::arg("num_slots"), py::arg("slot_bytes"), py::arg("config"), py::arg("num_sms"),
+          py::keep_alive<0, 1>(), py::keep_alive<0, 2>());
+  sub.def("cached_combine", &make_cached_combine, py::arg("buffer"), py::arg("comm"), py::arg("timeout_ns"),
+          py::arg("handle"), py::arg("recv_channel_offset"), py::arg("x"), py::arg("topk_weights"),
+          py::arg("num_channels"), py::arg("chunk"), py::arg("num_slots"), py::arg("slot_bytes"), py::arg("config"),
+          py::arg("num_sms"), py::keep_alive<0, 1>(), py::keep_alive<0, 2>());
 
-  sub.def("layout", &layout, py::arg("topk_idx"), py::arg("num_tokens"), py::arg("num_topk"), py::arg("num_experts"),
-          py::arg("num_ranks"), py::arg("num_tokens_per_rank"), py::arg("num_tokens_per_expert"),
-          py::arg("is_token_in_rank"), py::arg("stream"));
+  sub.def("layout", &layout, py::arg("topk_idx"), py::arg("num_experts"), py::arg("num_ranks"),
+          py::arg("num_tokens_per_rank"), py::arg("num_tokens_per_expert"), py::arg("is_token_in_rank"));
   sub.def("notify", &notify, py::arg("buffer"), py::arg("timeout_ns"), py::arg("is_token_in_rank"),
-          py::arg("num_tokens_per_rank"), py::arg("num_tokens_per_expert"), py::arg("num_tokens"),
-          py::arg("num_experts"), py::arg("num_channels"), py::arg("expert_alignment"), py::arg("num_worst_tokens"),
-          py::arg("seq"), py::arg("rank_prefix_matrix"), py::arg("recv_channel_offset"), py::arg("stream"),
-          py::arg("em_layout") = 0);
+          py::arg("num_tokens_per_rank"), py::arg("num_tokens_per_expert"), py::arg("num_channels"),
+          py::arg("expert_alignment"), py::arg("num_worst_tokens"), py::arg("seq"), py::arg("rank_prefix_matrix"),
+          py::arg("recv_channel_offset"), py::arg("em_layout") = py::none());
   sub.def("dispatch", &dispatch, py::arg("buffer"), py::arg("timeout_ns"), py::arg("x"), py::arg("scales"),
           py::arg("topk_idx"), py::arg("topk_weights"), py::arg("is_token_in_rank"), py::arg("recv_channel_offset"),
           py::arg("recv_x"), py::arg("recv_scales"), py::arg("recv_topk_idx"), py::arg("recv_topk_weights"),
-          py::arg("recv_src_idx"), py::arg("num_tokens"), py::arg("hidden_bytes"), py::arg("num_scales"),
-          py::arg("num_topk"), py::arg("experts_per_rank"), py::arg("num_rows"), py::arg("pad_rows"),
-          py::arg("num_channels"), py::arg("chunk"), py::arg("num_slots"), py::arg("slot_bytes"), py::arg("stream"),
-          py::arg("em_mode") = 0, py::arg("pair_rank") = 0, py::arg("em_layout") = 0, py::arg("em_x") = 0,
-          py::arg("em_scales") = 0, py::arg("em_weights") = 0, py::arg("em_pair_row") = 0,
-          py::arg("em_pair_slot") = 0, py::arg("em_inverse") = 0, py::arg("em_topk") = 0, py::arg("em_rows") = 0,
-          py::arg("protocol") = 0);
+          py::arg("recv_src_idx"), py::arg("experts_per_rank"), py::arg("pad_rows"), py::arg("num_channels"),
+          py::arg("chunk"), py::arg("num_slots"), py::arg("slot_bytes"));
   sub.def("combine", &combine, py::arg("buffer"), py::arg("timeout_ns"), py::arg("x"), py::arg("topk_weights"),
           py::arg("bias0"), py::arg("bias1"), py::arg("is_token_in_rank"), py::arg("recv_channel_offset"),
-          py::arg("out"), py::arg("out_topk_weights"), py::arg("dtype"), py::arg("num_tokens"), py::arg("hidden"),
-          py::arg("num_topk"), py::arg("num_x_rows"), py::arg("num_channels"), py::arg("chunk"), py::arg("num_slots"),
-          py::arg("slot_bytes"), py::arg("stream"), py::arg("em_inverse") = 0, py::arg("em_weights") = 0,
-          py::arg("em_topk_weights") = 0, py::arg("em_topk") = 0, py::arg("protocol") = 0);
+          py::arg("out"), py::arg("out_topk_weights"), py::arg("num_channels"), py::arg("chunk"),
+          py::arg("num_slots"), py::arg("slot_bytes"));
   sub.def("em_permute", &em_permute, py::arg("x"), py::arg("scales"), py::arg("recv_topk_idx"),
           py::arg("recv_topk_weights"), py::arg("pair_rank"), py::arg("layout"), py::arg("received"), py::arg("em_x"),
           py::arg("em_scales"), py::arg("em_weights"), py::arg("em_pair_row"), py::arg("em_pair_slot"),
-          py::arg("em_inverse"), py::arg("recv_src_idx"), py::arg("fresh"), py::arg("num_rows"), py::arg("hidden_bytes"), py::arg("num_scales"),
-          py::arg("num_topk"), py::arg("num_ranks"), py::arg("num_local"), py::arg("expert_alignment"),
-          py::arg("em_rows"), py::arg("pad_blocks"), py::arg("stream"));
+          py::arg("em_inverse"), py::arg("recv_src_idx"), py::arg("num_ranks"), py::arg("num_local"),
+          py::arg("expert_alignment"), py::arg("pad_blocks"));
   sub.def("em_unpermute", &em_unpermute, py::arg("x"), py::arg("inverse"), py::arg("weights"),
-          py::arg("topk_weights"), py::arg("received"), py::arg("out"), py::arg("out_topk_weights"), py::arg("dtype"),
-          py::arg("hidden"), py::arg("num_rows"), py::arg("num_topk"), py::arg("stream"));
+          py::arg("topk_weights"), py::arg("received"), py::arg("out"), py::arg("out_topk_weights"));
+  sub.def("pair_rank", &pair_rank, py::arg("topk_idx"), py::arg("num_experts"), py::arg("out"),
+          py::arg("row_limit") = py::none());
 }
 
 }  // namespace moe_dispatcher

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from . import _ext
 from . import config as _config
-from .compiled import JOIN_BEFORE, JOIN_BOTH, HandleState, buffer_view, current_stream_ptr
+from .compiled import JOIN_BEFORE, JOIN_BOTH, HandleState, buffer_view
 from .backend import Backend, Capabilities
 from .config import Config
 from .event import EventOverlap
@@ -29,14 +29,11 @@ from .handle import DispatchHandle, LowLatencyHandle
 from .reference import ReferenceLowLatency, ReferenceNormal
 from .reference.comm import all_gather_rows
 from .topology import Topology
-from .validation import (check_flag_exclusive, check_num_experts, check_tensor, check_topk_idx, check_topk_weights,
-                         normalise_bias, split_x)
+from .validation import (check_combine_weights, check_flag_exclusive, check_num_experts, check_row_bytes, check_tensor,
+                         check_topk_idx, check_topk_weights, normalise_bias, split_x)
 
 BACKEND_ENV = "MOE_DISPATCHER_BACKEND"
 BACKENDS = ("auto", "reference", "kernels")
-# "0" turns off the fast path of repeated cached calls (Buffer._planned), for comparison: every call then takes
-# the full path (checks, _stream_scope, the backend). Read when a Buffer is created (attribute fast_cached_calls).
-FAST_CACHED_ENV = "MOE_DISPATCHER_FAST_CACHED"
 # The low-latency combine's reduction order (docs/semantics.md, "Low-latency combine"), when the Buffer's
 # low_latency_combine_reduction argument is not given: "per_rank" (the default) or "per_expert".
 LL_COMBINE_ENV = "MOE_DISPATCHER_LL_COMBINE"
@@ -135,7 +132,6 @@ class Buffer:
         self._ll_checked: set = set()  # (maxT, hidden, experts) that passed _check_low_latency
         self._resolved: dict = {}  # (mode, device type, call facts) -> Backend: _resolve's decisions
         self._pending_row_checks: List[Tuple[Tensor, int]] = []
-        self.fast_cached_calls = os.environ.get(FAST_CACHED_ENV, "1").strip() != "0"
 
     @property
     def low_latency_combine_reduction(self) -> str:
@@ -309,34 +305,6 @@ class Buffer:
             events = self._events = (torch.cuda.Event(), torch.cuda.Event())
         return events[i]
 
-    def _planned(self, plan, x: Tensor, aux: Optional[Tensor], async_finish: bool) -> Tuple[Tensor, Optional[Tensor],
-                                                                                         EventOverlap]:
-        """The fast path of a cached call (dispatch along a handle, or combine) whose plan matched its arguments
-        (compiled.intranode.CachedCall: every check the full path would make has passed for the same handle,
-        tensor metadata and config): launch the plan; (output, aux output or None, EventOverlap).
-
-        Same stream semantics as _stream_scope without previous_event and allocate_on_comm_stream (the fast path
-        is not taken with them), in one native call: the comm stream waits for the current one, the kernel runs
-        on the comm stream and, unless async_finish, the current stream waits for it. The outputs are allocated
-        on the current stream, so none needs record_stream when the call is synchronous: the comm stream's
-        writes come after everything queued there before the call (a freed block's last uses included) and
-        before anything queued there after it. With async_finish the inputs and outputs are recorded on the
-        comm stream (so a free before the event cannot hand their blocks to other work while it runs) and kept
-        in the EventOverlap.
-        """
-        comm = self._comm_stream if self._comm_stream is not None else self.get_comm_stream()
-        caller = current_stream_ptr(plan.device)
-        if not async_finish:
-            out, aux_out = plan.run(x, aux, caller, comm.cuda_stream, JOIN_BOTH)
-            return out, aux_out, EventOverlap()
-        out, aux_out = plan.run(x, aux, caller, comm.cuda_stream, JOIN_BEFORE)
-        tensors = [t for t in (x, aux, out, aux_out) if t is not None]
-        for t in tensors:
-            t.record_stream(comm)
-        event = torch.cuda.Event()
-        event.record(comm)
-        return out, aux_out, EventOverlap(event, extra_tensors=tensors)
-
     # ------------------------------------------------------------------ backend choice
     def _resolve(self, mode: str, device: torch.device, local_experts: Optional[int] = None,
                  combine_dtype: Optional[torch.dtype] = None) -> Backend:
@@ -447,20 +415,26 @@ class Buffer:
         up to expert_alignment; empty with num_worst_tokens), handle, EventOverlap). Rows are ordered by
         source rank, then source token. Cached mode returns (recv_x, None, None, None, None, EventOverlap).
         """
-        if (handle is not None and self.fast_cached_calls and previous_event is None and not allocate_on_comm_stream
-                and topk_idx is None and topk_weights is None and type(expert_alignment) is int
-                and expert_alignment == 1 and type(num_worst_tokens) is int and num_worst_tokens == 0
-                and type(handle) is DispatchHandle and type(handle.backend_state) is HandleState):
-            plan = None
+        # Fast path (docs/intranode.md, "Host path"): a cached dispatch with the stream defaults whose handle holds
+        # a native plan (made by the first such call, after every check) is one native call; the plan answers
+        # None for arguments unlike those it was made for, and the full path below checks them.
+        if (handle is not None and previous_event is None and not allocate_on_comm_stream and topk_idx is None
+                and topk_weights is None and type(handle) is DispatchHandle and handle.buffer_token == self._token
+                and type(handle.backend_state) is HandleState and type(expert_alignment) is int
+                and expert_alignment == 1 and type(num_worst_tokens) is int and num_worst_tokens == 0):
+            join = JOIN_BEFORE if async_finish else JOIN_BOTH
             if type(x) is Tensor:
-                data, scales = x, None
                 plan = handle.backend_state.dispatch_plans[0]
+                out = plan.run(handle, x, None, config, self.num_sms, join) if plan is not None else None
+                if out is not None:
+                    return out[0], None, None, None, None, (EventOverlap(out[2], (x, out[0])) if async_finish
+                                                            else EventOverlap())
             elif type(x) is tuple and len(x) == 2 and type(x[0]) is Tensor and type(x[1]) is Tensor:
-                data, scales = x
                 plan = handle.backend_state.dispatch_plans[1]
-            if plan is not None and plan.matches(self._kernels, handle, data, scales, config):
-                recv_x, recv_scales, event = self._planned(plan, data, scales, async_finish)
-                return (recv_x if scales is None else (recv_x, recv_scales)), None, None, None, None, event
+                out = plan.run(handle, x[0], x[1], config, self.num_sms, join) if plan is not None else None
+                if out is not None:
+                    return (out[0], out[1]), None, None, None, None, (EventOverlap(out[2], (*x, out[0], out[1]))
+                                                                       if async_finish else EventOverlap())
         self._check_alive()
         data, scales = split_x(x)
         dev = data.device
@@ -515,12 +489,19 @@ class Buffer:
         the same way. bias: None, a tensor or a pair of tensors [T, H] (x's dtype) added to the sum.
         Returns (combined_x [T, H] x.dtype, combined_topk_weights float32 [T, K] or None, EventOverlap).
         """
-        if (self.fast_cached_calls and bias is None and previous_event is None and not allocate_on_comm_stream
-                and type(handle) is DispatchHandle and type(handle.backend_state) is HandleState
+        # Fast path: as dispatch's (a combine with a bias takes the full path).
+        if (bias is None and previous_event is None and not allocate_on_comm_stream and type(handle) is DispatchHandle
+                and handle.buffer_token == self._token and type(handle.backend_state) is HandleState
                 and type(x) is Tensor and (topk_weights is None or type(topk_weights) is Tensor)):
             plan = handle.backend_state.combine_plans[topk_weights is not None]
-            if plan is not None and plan.matches(self._kernels, handle, x, topk_weights, config):
-                return self._planned(plan, x, topk_weights, async_finish)
+            if plan is not None:
+                join = JOIN_BEFORE if async_finish else JOIN_BOTH
+                out = plan.run(handle, x, topk_weights, config, self.num_sms, join)
+                if out is not None:
+                    if not async_finish:
+                        return out[0], out[1], EventOverlap()
+                    kept = (x, out[0]) if topk_weights is None else (x, topk_weights, out[0], out[1])
+                    return out[0], out[1], EventOverlap(out[2], kept)
         self._check_alive()
         self._backend_of(handle, (DispatchHandle,))
         rows = handle.recv_src_idx.shape[0]
@@ -529,8 +510,9 @@ class Buffer:
         backend = self._combine_backend(handle, x.dtype)
         if config is not None and not isinstance(config, Config):
             raise TypeError(f"config must be a moe_dispatcher.Config, got {type(config).__name__}")
-        if topk_weights is not None:
-            check_tensor("topk_weights", topk_weights, dtypes=(torch.float32,), shape=(rows, None), device=x.device)
+        check_combine_weights(topk_weights, rows, x.device)
+        if backend is not self._reference_normal:
+            check_row_bytes("x", x)
         biases = normalise_bias(bias, handle.num_tokens, x.shape[1], x.dtype, x.device)
         results, event = self._stream_scope(x.device, previous_event, async_finish, allocate_on_comm_stream,
                                             lambda: backend.combine(x, handle, topk_weights, biases, config),

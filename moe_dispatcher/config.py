@@ -69,10 +69,10 @@ class Config:
         combine). The control words and messages ahead of the rings (the internode layout's, a superset of the
         intranode kRingsOffset), then per source peer a block of `num_channels` rings of
         `num_max_nvl_chunked_recv_tokens` slots of slot_bytes, plus 128 bytes of rounding: at least what both
-        backends require (compiled.intranode.required_nvl_bytes, internode_nvl_layout).
+        backends require (compiled.intranode.required_nvl_bytes, the internode buffer_layout).
         """
         nvl_peers = min(num_ranks, MAX_NVL_PEERS)
-        header = internode_nvl_layout(num_ranks, nvl_peers, 0)["nvl_rings_offset"]
+        header = internode_nvl_header_bytes(num_ranks)
         block = self.num_channels * self.num_max_nvl_chunked_recv_tokens * self.slot_bytes(hidden_bytes)
         return header + nvl_peers * _align(block + 128)
 
@@ -80,7 +80,7 @@ class Config:
         """Bytes of NVSHMEM symmetric buffer per GPU for internode normal mode (0 when one domain suffices).
 
         nvl_size: GPUs per NVLink domain (default: MOE_DISPATCHER_NVL_SIZE when set, else min(num_ranks, 8)).
-        Covers internode_rdma_layout: the control words and count messages, then for every domain one
+        Covers the extension's layout: the control words and count messages, then for every domain one
         receive block and one send-staging block of `num_channels` rings of
         `num_max_rdma_chunked_recv_tokens` slots (slots sized by slot_bytes, enough for dispatch and combine).
         """
@@ -91,7 +91,7 @@ class Config:
         if num_domains <= 1:
             return 0
         ring = _align(self.num_channels * self.num_max_rdma_chunked_recv_tokens * self.slot_bytes(hidden_bytes))
-        return internode_rdma_layout(num_ranks, nvl, 0)["rdma_recv_offset"] + 2 * num_domains * ring
+        return internode_rdma_header_bytes(num_ranks, nvl) + 2 * num_domains * ring
 
 
 def default_nvl_size(num_ranks: int) -> int:
@@ -100,10 +100,11 @@ def default_nvl_size(num_ranks: int) -> int:
     return int(env) if env else min(num_ranks, MAX_NVL_PEERS)
 
 
-# ------------------------------------------------------------------ internode buffer layouts
-# One formula, used by the hint above and by the internode backend (which passes every offset to the
-# kernels; csrc/kernels/internode/protocol.h describes the regions). The fixed-size control structs
-# must match the extension's (the backend checks RDMA_CONTROL_BYTES / NVL_CONTROL_BYTES at start).
+# ------------------------------------------------------------------ internode buffer headers
+# The internode buffers' layout is computed by the extension (buffer_layout in csrc/internode_bindings.cpp, the
+# one formula the kernels read). The size hints above need only the bytes ahead of the rings, on machines
+# without the extension too: that arithmetic is repeated here, and only here (tests/test_internode_gpu.py checks
+# that the hints cover the extension's layout). Constants: the kernels' (csrc/kernels/internode/protocol.h).
 INTERNODE_MAX_CHANNELS = 32
 INTERNODE_MAX_LOCAL_EXPERTS = 1024
 INTERNODE_MAX_DOMAINS = 64
@@ -115,29 +116,19 @@ def _align16(n: int) -> int:
     return (n + 15) // 16 * 16
 
 
-def internode_rdma_layout(num_ranks: int, nvl_size: int, num_rdma_bytes: int) -> dict:
-    """Byte offsets of the NVSHMEM buffer: control, team messages [2][D][msg_ints] (+ their staging),
-    then D receive blocks and D send-staging blocks of rdma_domain_bytes each (fixed for the buffer's
-    life, so a ring of one domain never moves onto another's between calls)."""
+def internode_rdma_header_bytes(num_ranks: int, nvl_size: int) -> int:
+    """Bytes of the NVSHMEM buffer ahead of its rings: control, then the team messages and their staging copy."""
     d = num_ranks // nvl_size
     msg_ints = _align16(1 + num_ranks + INTERNODE_MAX_CHANNELS +
                         nvl_size * (INTERNODE_MAX_CHANNELS + INTERNODE_MAX_LOCAL_EXPERTS))
-    msg_bytes = _align(2 * d * msg_ints * 4, 4096)
-    recv = RDMA_CONTROL_BYTES + 2 * msg_bytes
-    block = max(0, (num_rdma_bytes - recv) // (2 * d) // 128 * 128)
-    return {"rdma_msg_offset": RDMA_CONTROL_BYTES, "rdma_msg_staging_offset": RDMA_CONTROL_BYTES + msg_bytes,
-            "rdma_recv_offset": recv, "rdma_send_offset": recv + d * block, "rdma_domain_bytes": block,
-            "rdma_msg_ints": msg_ints}
+    return RDMA_CONTROL_BYTES + 2 * _align(2 * d * msg_ints * 4, 4096)
 
 
-def internode_nvl_layout(num_ranks: int, nvl_size: int, num_nvl_bytes: int) -> dict:
-    """Byte offsets of the NVLink buffer in internode mode: intranode control words, domain messages
-    [2][R][nvl_msg_ints], then one ring block per source local rank."""
+def internode_nvl_header_bytes(num_ranks: int) -> int:
+    """Bytes of the NVLink buffer ahead of its rings in internode mode (a superset of the intranode header):
+    the intranode control words, then the domain messages."""
     msg_ints = _align16(1 + num_ranks + INTERNODE_MAX_CHANNELS + INTERNODE_MAX_LOCAL_EXPERTS)
-    rings = _align(NVL_CONTROL_BYTES + 2 * num_ranks * msg_ints * 4, 4096)
-    block = max(0, (num_nvl_bytes - rings) // nvl_size // 128 * 128)
-    return {"nvl_msg_offset": NVL_CONTROL_BYTES, "nvl_msg_ints": msg_ints, "nvl_rings_offset": rings,
-            "nvl_src_block_bytes": block}
+    return _align(NVL_CONTROL_BYTES + 2 * num_ranks * msg_ints * 4, 4096)
 
 
 # Tuned tables: (num_max_nvl_chunked_send_tokens, num_max_nvl_chunked_recv_tokens) per rank count, from

@@ -26,7 +26,9 @@ class EventHandle(torch.cuda.Event):
 class EventOverlap:
     """Handle to asynchronous work, DeepEP V1-compatible.
 
-    event: a `torch.cuda.Event` recorded after the work, or None when the work already finished (CPU).
+    event: the event recorded after the work: a `torch.cuda.Event`, or the native event of a cached call's fast path
+        (CommEvent of csrc/bindings/stream_join.h: the same wait / query / synchronize); None when the work
+        already finished (CPU) or the call was synchronous.
     extra_tensors: kept referenced until this object dies, so their memory is not reused too early.
     """
 
@@ -38,7 +40,7 @@ class EventOverlap:
     def current_stream_wait(self) -> None:
         """Make the current CUDA stream wait for the event (no host blocking). No-op without an event."""
         if self.event is not None:
-            torch.cuda.current_stream().wait_event(self.event)
+            self.event.wait()  # stream None: the current stream
 
     def __enter__(self) -> "EventOverlap":
         return self

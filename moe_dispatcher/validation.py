@@ -87,6 +87,16 @@ def check_topk_weights(topk_weights, topk_idx: torch.Tensor) -> torch.Tensor:
                         device=topk_idx.device)
 
 
+def check_combine_weights(topk_weights, rows: int, device: torch.device) -> None:
+    """combine's topk_weights: None, or float32 [rows, K] with K <= MAX_TOPK."""
+    if topk_weights is None:
+        return
+    check_tensor("topk_weights", topk_weights, dtypes=(torch.float32,), shape=(rows, None), device=device)
+    if topk_weights.shape[1] > MAX_TOPK:
+        raise ValueError(f"combine: topk_weights has {topk_weights.shape[1]} columns; at most {MAX_TOPK} top-k "
+                         f"weights per row")
+
+
 def split_x(x) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Normal-dispatch input: a float tensor [T, H], or (fp8 e4m3 [T, H], scales float32/int32 [T, S])."""
     if isinstance(x, (tuple, list)):

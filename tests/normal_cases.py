@@ -2,8 +2,8 @@
 
 Routing and input builders, the case table of the intranode tests (which the internode tests extend), and the
 checks of a kernels Buffer against a reference Buffer on the same group. Where the files differ on purpose (the
-intranode ring protocols switched between calls, the internode NVLink domains, combine chunk sizes and
-tolerances, which checks each backend states) the difference is a parameter that each caller spells out.
+internode NVLink domains, tolerances, which checks each backend states) the difference is a parameter that each
+caller spells out.
 The checks also run with two reference Buffers under gloo (tests/test_normal_cases.py), so their logic runs on
 CPU too: `dev` is where the inputs live, and CUDA synchronisation happens only on CUDA devices.
 """
@@ -193,17 +193,16 @@ GROUP_CASES: List[Dict] = [
 
 # ------------------------------------------------------------------------------------------------- checks
 def check_case(kb, rb, c: Dict, seed: int, stats: Dict, dev: torch.device, *, combine_tol: Tolerance,
-               nvl: Optional[int] = None, plan: Optional[Tuple[str, str, str]] = None, poison: bool = False,
-               rdma_layout: bool = False, expect_backend: Optional[str] = None, cached_returns_none: bool = False,
-               recombine_chunks: Tuple[int, ...] = ()) -> None:
+               nvl: Optional[int] = None, poison: bool = False, rdma_layout: bool = False,
+               expect_backend: Optional[str] = None, cached_returns_none: bool = False) -> None:
     """Case c through kb (checked) and rb (the reference): fresh dispatch, cached dispatch, combine.
 
     Dispatch outputs must be bit-identical; combine within combine_tol(dtype), and stats counts the bit-exact
-    combines. plan: the ring protocols (kb._kernels.nvl_variant) of (fresh dispatch, cached dispatch, combine),
-    or None to leave it. poison: poison the allocator before the dispatches. rdma_layout: compare
-    num_tokens_per_rdma_rank (several domains), else it must be None. expect_backend: the handle's backend.
-    cached_returns_none: a cached dispatch returns None for idx, weights, list, handle. recombine_chunks: combine
-    again with each warp-chunk size (kb._kernels.combine_chunk) and require the same bits.
+    combines. The cached dispatch and the combine run twice on kb: the first call checks and makes the handle's
+    plan (full path), the second takes the Buffer's fast path (one native call) and must give the same bits.
+    poison: poison the allocator before the dispatches. rdma_layout: compare num_tokens_per_rdma_rank (several
+    domains), else it must be None. expect_backend: the handle's backend. cached_returns_none: a cached
+    dispatch returns None for idx, weights, list, handle.
     """
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     inp = case_inputs(c, seed, rank, num_ranks, dev, nvl)
@@ -212,8 +211,6 @@ def check_case(kb, rb, c: Dict, seed: int, stats: Dict, dev: torch.device, *, co
     align = c.get("align", 1)
     if poison:
         poison_allocator(dev)
-    if plan is not None:
-        kb._kernels.nvl_variant = plan[0]
     lk, ok = dispatch(kb, inp.xin, inp.idx, inp.w, num_experts, align, num_worst)
     lr, ro = dispatch(rb, inp.xin, inp.idx, inp.w, num_experts, align, num_worst)
     names = ((0, "num_tokens_per_rank"), (1, "num_tokens_per_rdma_rank"), (2, "num_tokens_per_expert"),
@@ -242,37 +239,26 @@ def check_case(kb, rb, c: Dict, seed: int, stats: Dict, dev: torch.device, *, co
 
     # Cached dispatch of fresh data along the same routing.
     x2in = cached_input(inp, dev)
-    if plan is not None:
-        kb._kernels.nvl_variant = plan[1]
-    ck, cr = kb.dispatch(x2in, handle=hk), rb.dispatch(x2in, handle=hr)
-    if scales is None:
-        assert_equal(ck[0][:n], cr[0][:n], "cached recv_x")
-    else:
-        assert_equal(ck[0][0][:n], cr[0][0][:n], "cached recv_x (fp8)")
-        assert_equal(ck[0][1][:n], cr[0][1][:n], "cached recv_x scales")
+    cr = rb.dispatch(x2in, handle=hr)
+    for call in ("first", "repeated"):
+        ck = kb.dispatch(x2in, handle=hk)
+        if scales is None:
+            assert_equal(ck[0][:n], cr[0][:n], f"cached recv_x ({call} call)")
+        else:
+            assert_equal(ck[0][0][:n], cr[0][0][:n], f"cached recv_x (fp8, {call} call)")
+            assert_equal(ck[0][1][:n], cr[0][1][:n], f"cached recv_x scales ({call} call)")
     if cached_returns_none:
         assert all(v is None for v in ck[1:5]), "cached dispatch returns None for idx, weights, list, handle"
 
     # Combine: rows of the combine dtype, top-k weights, optional bias.
     cdtype = combine_dtype(c, inp)
     y, bias = combine_inputs(c, inp, rk.shape[0], cdtype, dev)
-    if plan is not None:
-        kb._kernels.nvl_variant = plan[2]
     yk = kb.combine(y, hk, topk_weights=ok[2], bias=bias)
     yr = rb.combine(y, hr, topk_weights=ro[2], bias=bias)
-    if recombine_chunks:
-        # Other warp-chunk sizes sum in the same order: the same bits as the default chunk.
-        backend = kb._kernels
-        first = backend.combine_chunk
-        try:
-            for chunk in recombine_chunks:
-                backend.combine_chunk = chunk
-                yo = kb.combine(y, hk, topk_weights=ok[2], bias=bias)
-                assert_equal(yo[0], yk[0], f"combined_x: chunk {chunk} vs chunk {first}")
-                if yk[1] is not None:
-                    assert_equal(yo[1], yk[1], f"combined_topk_weights: chunk {chunk} vs chunk {first}")
-        finally:
-            backend.combine_chunk = first
+    yo = kb.combine(y, hk, topk_weights=ok[2], bias=bias)  # the repeated call: the fast path (without a bias)
+    assert_equal(yo[0], yk[0], "combined_x (repeated call)")
+    if yk[1] is not None:
+        assert_equal(yo[1], yk[1], "combined_topk_weights (repeated call)")
     stats["combine_total"] += 1
     stats["combine_bit_exact"] += int(torch.equal(yk[0], yr[0]) and torch.equal(yk[1], yr[1]))
     rtol, atol = combine_tol(cdtype)
@@ -325,15 +311,17 @@ def check_graph_replay(kb, rb, rank: int, world_size: int, dev: torch.device, t:
 
 
 def check_back_to_back(kb, rb, rank: int, dev: torch.device, t: int, h: int, e: int, k: int, *, rounds: int,
-                       switch: Callable[[int], None], after_loop: Optional[Callable[[], None]] = None) -> None:
+                       switch: Optional[Callable[[int], None]] = None,
+                       after_loop: Optional[Callable[[], None]] = None) -> None:
     """`rounds` dispatch + combine round trips on fresh data, fresh and cached dispatch alternating, switch(i)
-    called before round trip i. x holds small integers, so every combined row must be exactly x * (number of
-    ranks the token went to): counted on the device, checked once after the loop (after after_loop()); the
-    last round trip is also checked against the reference."""
+    (when given) called before round trip i. x holds small integers, so every combined row must be exactly
+    x * (number of ranks the token went to): counted on the device, checked once after the loop (after
+    after_loop()); the last round trip is also checked against the reference."""
     bad = torch.zeros((), dtype=torch.int64, device=dev)
     handle = None
     for i in range(rounds):
-        switch(i)
+        if switch is not None:
+            switch(i)
         x = torch.randint(-8, 9, (t, h), device=dev).to(torch.bfloat16)
         if handle is None or i % 2 == 0:
             idx = torch.rand(t, e, device=dev).topk(k, dim=1).indices

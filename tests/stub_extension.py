@@ -1,10 +1,13 @@
 """A stand-in for the extension's intranode module (moe_dispatcher._C.intranode) on a machine without GPUs.
 
-attach_stub_backend() gives a Buffer the real IntranodeBackend (its Python: checks, plans, allocation) over
-launchers that launch nothing and record their arguments, so the host side of the compiled backend runs on
-CPU tensors: tests/test_cached_plans_cpu.py checks what the cached-call fast path skips and what it still
-checks, and tools/host_glue_cpu.py times the Python glue. Constants are those of
-csrc/kernels/intranode/protocol.h (RINGS_OFFSET rounded: only size checks read it).
+attach_stub_backend() gives a Buffer the real IntranodeBackend (its Python: checks, plan making, allocation) over a
+module with the native API of csrc/intranode_bindings.cpp whose launchers launch nothing and record their
+arguments, so the host side of the compiled backend runs on CPU tensors: tests/test_cached_plans_cpu.py checks
+what the cached-call fast path skips and what it still checks, and tools/host_glue_cpu.py times the Python glue.
+The cached plans (CachedDispatch / CachedCombine) follow the native ones: the same "not mine" rules (handle
+fields, tensor dtype / shape / contiguity, config), the same outputs, and None once the buffer is destroyed or a
+timeout is recorded. Constants are those of csrc/kernels/intranode/protocol.h (RINGS_OFFSET rounded: only size
+checks read it).
 """
 from __future__ import annotations
 
@@ -13,14 +16,27 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
+# DispatchHandle fields a plan depends on, by position (HandleField in csrc/intranode_bindings.cpp).
+_IS_TOKEN_IN_RANK, _RECV_SRC_IDX, _NUM_TOKENS, _NUM_WORST_TOKENS = 1, 2, 4, 5
+JOIN_BEFORE = 1
 
-def _noop(*args, **kwargs) -> None:
-    return None
+
+class StubEvent:
+    """CommEvent: what an async_finish call returns (never waits on CPU)."""
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
 
 
 def stub_intranode(rows: int) -> types.SimpleNamespace:
-    """The stub module; its notify reports `rows` received rows. `launches` lists (plan kind, launch args) of
-    every plan launch, `plans` (kind, constructor args) of every plan made."""
+    """The stub module; its notify reports `rows` received rows. `launches` lists (kind, args) of every launch
+    (plans: (kind, (x, aux, output, aux output, join))), `plans` (kind, make args) of every plan made."""
     launches: List[Tuple[str, tuple]] = []
     plans: List[Tuple[str, tuple]] = []
 
@@ -52,29 +68,90 @@ def stub_intranode(rows: int) -> types.SimpleNamespace:
         def destroy(self):
             self.alive = False
 
-    class StreamJoin:
-        pass
+    class CommStream:
+        def __init__(self, stream):
+            self.stream = stream
 
-    def plan_class(kind: str):
-        class Plan:  # DispatchPlan / CombinePlan of csrc/intranode_bindings.cpp
-            def __init__(self, buffer, join, *args):
-                self.buffer = buffer
-                plans.append((kind, args))
+    def spec(t: torch.Tensor, rows_: int) -> tuple:
+        return t.dtype, rows_, t.shape[1]
 
-            def launch(self, *args):
-                if not self.buffer.alive or self.buffer.timeout is not None:
-                    return False  # refused, as the native plans do
-                launches.append((kind, args))
-                return True
-        Plan.__name__ = kind
-        return Plan
+    def fits(t: torch.Tensor, want: tuple) -> bool:
+        return (t.dtype, *t.shape) == want and t.dim() == 2 and t.is_contiguous()
+
+    class CachedCall:  # CachedCall of csrc/intranode_bindings.cpp
+        kind = ""
+
+        def __init__(self, buffer, handle, input_spec, aux_spec, out_spec, aux_out_spec, config, num_sms):
+            self.buffer, self.config, self.num_sms = buffer, config, num_sms
+            self.fields = (handle[_IS_TOKEN_IN_RANK], handle[_RECV_SRC_IDX], handle[_NUM_TOKENS],
+                           handle[_NUM_WORST_TOKENS])
+            self.input, self.aux, self.out, self.aux_out = input_spec, aux_spec, out_spec, aux_out_spec
+
+        def matches(self, handle, x, aux, config, num_sms) -> bool:
+            if not isinstance(handle, tuple) or len(handle) != 9:
+                return False
+            mine = self.fields
+            if (handle[_IS_TOKEN_IN_RANK] is not mine[0] or handle[_RECV_SRC_IDX] is not mine[1]
+                    or handle[_NUM_TOKENS] != mine[2] or handle[_NUM_WORST_TOKENS] != mine[3]):
+                return False
+            if (config is None) != (self.config is None):
+                return False
+            if config is None and num_sms != self.num_sms:
+                return False
+            if config is not None and config is not self.config and not config == self.config:
+                return False
+            if not fits(x, self.input) or (aux is None) != (self.aux is None):
+                return False
+            return aux is None or fits(aux, self.aux)
+
+        def run(self, handle, x, aux, config, num_sms, join):
+            if not self.matches(handle, x, aux, config, num_sms):
+                return None
+            if not self.buffer.alive or self.buffer.timeout is not None:
+                return None  # refused, as the native plans do
+            out = torch.empty(self.out[1:], dtype=self.out[0])
+            aux_out = torch.empty(self.aux_out[1:], dtype=self.aux_out[0]) if self.aux_out is not None else None
+            launches.append((self.kind, (x, aux, out, aux_out, join)))
+            return out, aux_out, (StubEvent() if join == JOIN_BEFORE else None)
+
+    class CachedDispatch(CachedCall):
+        kind = "CachedDispatch"
+
+    class CachedCombine(CachedCall):
+        kind = "CachedCombine"
+
+    def cached_dispatch(buffer, comm, timeout_ns, handle, recv_channel_offset, x, scales, num_channels, chunk,
+                        num_slots, slot_bytes, config, num_sms):
+        plans.append(("CachedDispatch", (timeout_ns, recv_channel_offset, x.dtype, tuple(x.shape),
+                                         None if scales is None else tuple(scales.shape), num_channels, chunk,
+                                         num_slots, slot_bytes, config, num_sms)))
+        n = handle[_RECV_SRC_IDX].shape[0]
+        return CachedDispatch(buffer, handle, spec(x, x.shape[0]), None if scales is None else spec(scales, x.shape[0]),
+                              spec(x, n), None if scales is None else spec(scales, n), config, num_sms)
+
+    def cached_combine(buffer, comm, timeout_ns, handle, recv_channel_offset, x, topk_weights, num_channels, chunk,
+                       num_slots, slot_bytes, config, num_sms):
+        plans.append(("CachedCombine", (timeout_ns, recv_channel_offset, x.dtype, tuple(x.shape),
+                                        None if topk_weights is None else tuple(topk_weights.shape), num_channels,
+                                        chunk, num_slots, slot_bytes, config, num_sms)))
+        t = handle[_NUM_TOKENS]
+        w = None if topk_weights is None else spec(topk_weights, x.shape[0])
+        w_out = None if topk_weights is None else (torch.float32, t, topk_weights.shape[1])
+        return CachedCombine(buffer, handle, spec(x, x.shape[0]), w, spec(x, t), w_out, config, num_sms)
+
+    def recorder(kind: str) -> Callable:
+        def launch(*args, **kwargs) -> None:
+            launches.append((kind, args + tuple(kwargs.values())))
+        return launch
 
     return types.SimpleNamespace(
-        MAX_RANKS=8, MAX_CHANNELS=32, MAX_LOCAL_EXPERTS=1024, MAX_TOPK=16, MAX_CHUNK=32, MAX_COMBINE_WINDOWS=4,
-        RINGS_OFFSET=1 << 20, FLAG_LAYOUT_MISMATCH=1, PAIR_RANK_TOKENS=128, IpcBuffer=IpcBuffer,
-        StreamJoin=StreamJoin, DispatchPlan=plan_class("DispatchPlan"), CombinePlan=plan_class("CombinePlan"),
-        layout=_noop, notify=_noop, dispatch=_noop, combine=_noop, em_permute=_noop, em_unpermute=_noop,
-        pair_rank=_noop, launches=launches, plans=plans)
+        MAX_RANKS=8, MAX_CHANNELS=32, MAX_LOCAL_EXPERTS=1024, MAX_TOPK=16, MAX_CHUNK=32,
+        RINGS_OFFSET=1 << 20, FLAG_LAYOUT_MISMATCH=1, IpcBuffer=IpcBuffer, CommStream=CommStream,
+        CachedDispatch=CachedDispatch, CachedCombine=CachedCombine, cached_dispatch=cached_dispatch,
+        cached_combine=cached_combine, em_layout_words=lambda r, l: r * l + 3 * l + 1,
+        layout=recorder("layout"), notify=recorder("notify"), dispatch=recorder("dispatch"),
+        combine=recorder("combine"), em_permute=recorder("em_permute"), em_unpermute=recorder("em_unpermute"),
+        pair_rank=recorder("pair_rank"), launches=launches, plans=plans)
 
 
 def attach_stub_backend(buf, rows: int, patch: Callable = setattr):
@@ -82,15 +159,11 @@ def attach_stub_backend(buf, rows: int, patch: Callable = setattr):
     its dispatch (call backend.dispatch directly: the Buffer routes fresh CPU calls to the reference).
     patch(obj, name, value) replaces module attributes (pytest's monkeypatch.setattr undoes them)."""
     from moe_dispatcher import _ext
-    from moe_dispatcher import buffer as buffer_module
-    from moe_dispatcher.compiled import intranode
     ext = types.SimpleNamespace(intranode=stub_intranode(rows))
-    no_stream = lambda device=None: 0  # noqa: E731 - CPU: no streams
     patch(_ext, "load", lambda: ext)
     patch(torch.cuda, "current_device", lambda: 0)
     patch(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(multi_processor_count=132))
-    patch(intranode, "current_stream_ptr", no_stream)
-    patch(buffer_module, "current_stream_ptr", no_stream)
+    buf._comm_stream = types.SimpleNamespace()  # the comm stream the backend's CommStream takes (never used on CPU)
+    from moe_dispatcher.compiled import intranode
     buf._kernels = intranode.IntranodeBackend(buf)
-    buf._comm_stream = types.SimpleNamespace(cuda_stream=0)  # read, never used as a stream, on CPU
     return buf._kernels

@@ -1,11 +1,13 @@
-"""The fast path of repeated cached calls (Buffer._planned, compiled.intranode.CachedCall), on CPU.
+"""The fast path of repeated cached calls (Buffer.dispatch / Buffer.combine calling a handle's native plan), on CPU.
 
-The real Buffer and IntranodeBackend run over the stub extension of tests/stub_extension.py, whose plans
-record their arguments and every launch. A call takes the fast path when its launch comes with the joins of
-a synchronous call (JOIN_BOTH) instead of JOIN_NONE (the full path launches inside _stream_scope).
-Checked: repeated calls skip the checks only when the handle, the tensors' metadata and the config are those
-a plan was made for; anything else (a bad argument above all) takes the full path and raises as before, with
-nothing launched; a recorded timeout or a destroyed buffer still stops every call.
+The real Buffer and IntranodeBackend run over the stub extension of tests/stub_extension.py, whose plans follow
+the native ones (the same "not mine" rules) and record every launch with its stream join: a call took the fast
+path when its plan launched with the joins of a synchronous call (JOIN_BOTH) or of async_finish (JOIN_BEFORE)
+instead of JOIN_NONE (the full path launches inside Buffer._stream_scope).
+Checked: repeated calls skip the checks only when the handle, the tensors' metadata and the config are those a
+plan was made for; anything else (a bad argument above all) takes the full path and raises as before, with
+nothing launched; a recorded timeout or a destroyed buffer still stops every call. And the fresh and expert-major
+calls hand the native launchers tensors (None for what is absent), whatever their sizes.
 """
 from __future__ import annotations
 
@@ -14,12 +16,11 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
-from stub_extension import attach_stub_backend
+from stub_extension import StubEvent, attach_stub_backend
 
 from moe_dispatcher import Buffer, Config
-from moe_dispatcher.buffer import FAST_CACHED_ENV
-from moe_dispatcher.compiled import JOIN_BOTH, JOIN_NONE
-from moe_dispatcher.compiled.intranode import NVL_VARIANTS, combine_slot_bytes, dispatch_slot_bytes
+from moe_dispatcher.compiled import JOIN_BEFORE, JOIN_BOTH, JOIN_NONE
+from moe_dispatcher.compiled.intranode import combine_slot_bytes, dispatch_slot_bytes
 
 T, H, E, K = 16, 256, 8, 2
 ROWS = 24  # rows notify "received" (the stub's answer)
@@ -27,7 +28,6 @@ ROWS = 24  # rows notify "received" (the stub's answer)
 
 @pytest.fixture
 def world(monkeypatch, tmp_path):
-    monkeypatch.delenv(FAST_CACHED_ENV, raising=False)
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
         buf = Buffer(num_nvl_bytes=1 << 30, backend="reference", explicitly_destroy=True)
@@ -37,7 +37,7 @@ def world(monkeypatch, tmp_path):
         x = torch.randn(T, H, generator=g).bfloat16()
         handle = backend.dispatch(x, None, idx, None, torch.full((1,), T, dtype=torch.int32),
                                   torch.ones(T, 1, dtype=torch.bool), torch.zeros(E, dtype=torch.int32), 1, 0)[5]
-        yield types.SimpleNamespace(buf=buf, backend=backend, ext=backend._mod, handle=handle, x=x,
+        yield types.SimpleNamespace(buf=buf, backend=backend, ext=backend._mod, handle=handle, x=x, idx=idx,
                                     y=torch.randn(ROWS, H, generator=g).bfloat16(),
                                     w=torch.rand(ROWS, K, generator=g))
         buf.destroy()
@@ -61,27 +61,33 @@ def test_repeated_cached_calls_take_the_fast_path(world):
         out, out_w, _ = buf.combine(w.y, h, topk_weights=w.w)
         assert out_w.shape == (T, K) and out_w.dtype == torch.float32
     # The first call of each kind checks and makes a plan; the later ones launch it.
-    assert _joins(w, "DispatchPlan") == [JOIN_NONE, JOIN_BOTH, JOIN_BOTH]
-    assert _joins(w, "CombinePlan") == [JOIN_NONE, JOIN_NONE] + [JOIN_BOTH] * 4  # one plan per kind
-    # Plans hold what the full path used to pass at every launch.
-    _, chunk, slots = w.backend._config(None, combine=False)
+    assert _joins(w, "CachedDispatch") == [JOIN_NONE, JOIN_BOTH, JOIN_BOTH]
+    assert _joins(w, "CachedCombine") == [JOIN_NONE, JOIN_NONE] + [JOIN_BOTH] * 4  # one plan per kind
+    # Plans hold the geometry the checks passed (the handle's channels, the config's chunk and ring).
     channels, offsets = h.backend_state.routing
-    assert w.ext.plans[0] == ("DispatchPlan", (w.backend._timeout_ns, h.is_token_in_rank.data_ptr(), offsets.data_ptr(),
-                                               T, H * 2, 0, ROWS, 0, channels, chunk, slots,
-                                               dispatch_slot_bytes(H * 2, 0, 0), w.backend._protocol))
+    _, chunk, slots = w.backend._config(None, combine=False)
+    assert w.ext.plans[0] == ("CachedDispatch", (w.backend._timeout_ns, offsets, torch.bfloat16, (T, H), None, channels,
+                                                 chunk, slots, dispatch_slot_bytes(H * 2, 0, 0), None, Buffer.num_sms))
     _, chunk, slots = w.backend._config(None, combine=True)
-    assert w.ext.plans[1][1][3:] == (0, T, H, 0, ROWS, channels, chunk, slots, combine_slot_bytes(H * 2, 0),
-                                     w.backend._protocol)
-    # A launch passes the tensors' addresses and the streams.
+    assert w.ext.plans[1][1][4:9] == (None, channels, chunk, slots, combine_slot_bytes(H * 2, 0))
+    assert w.ext.plans[2][1][4:9] == ((ROWS, K), channels, chunk, slots, combine_slot_bytes(H * 2, K))
+    # A launch gets the caller's tensors and the outputs it allocated.
     recv = buf.dispatch(w.x, handle=h)[0]
-    assert w.ext.launches[-1] == ("DispatchPlan", (w.x.data_ptr(), 0, recv.data_ptr(), 0, 0, 0, JOIN_BOTH))
-    # Another ring protocol: the plan made for the old one is not reused; a new one carries the new protocol.
-    old = w.backend.nvl_variant
-    w.backend.nvl_variant = next(v for v in NVL_VARIANTS if v != old)
-    buf.dispatch(w.x, handle=h)
-    assert _joins(w, "DispatchPlan")[-1] == JOIN_NONE
-    assert w.ext.plans[-1][1][-1] == NVL_VARIANTS.index(w.backend.nvl_variant)
-    w.backend.nvl_variant = old
+    x, aux, out, aux_out, join = w.ext.launches[-1][1]
+    assert x is w.x and aux is None and out is recv and aux_out is None and join == JOIN_BOTH
+
+
+def test_async_finish_on_the_fast_path_returns_the_native_event(world):
+    w = world
+    for _ in range(2):
+        recv, *_, event = w.buf.dispatch(w.x, handle=w.handle, async_finish=True)
+    assert isinstance(event.event, StubEvent) and _joins(w, "CachedDispatch") == [JOIN_NONE, JOIN_BEFORE]
+    assert event.extra_tensors[0] is w.x and event.extra_tensors[1] is recv
+    event.current_stream_wait()
+    for _ in range(2):
+        out, out_w, event = w.buf.combine(w.y, w.handle, topk_weights=w.w, async_finish=True)
+    assert _joins(w, "CachedCombine")[-1] == JOIN_BEFORE
+    assert [t is u for t, u in zip(event.extra_tensors, (w.y, w.w, out, out_w))] == [True] * 4
 
 
 def test_fp8_dispatch_takes_the_fast_path_with_contiguous_scales(world):
@@ -93,7 +99,7 @@ def test_fp8_dispatch_takes_the_fast_path_with_contiguous_scales(world):
         assert recv.dtype == torch.float8_e4m3fn and recv_scales.shape == (ROWS, H // 128)
     column_major = torch.rand(H // 128, T).t()  # accepted, copied by the full path
     w.buf.dispatch((x8, column_major), handle=w.handle)
-    assert _joins(w, "DispatchPlan") == [JOIN_NONE, JOIN_BOTH, JOIN_NONE]
+    assert _joins(w, "CachedDispatch") == [JOIN_NONE, JOIN_BOTH, JOIN_NONE]
     assert len(w.ext.plans) == 1
 
 
@@ -137,7 +143,7 @@ BAD_COMBINE = [
     (dict(x=torch.zeros(ROWS + 1, H, dtype=torch.bfloat16)), ValueError, "x must have shape"),
     (dict(x=torch.zeros(ROWS, H, dtype=torch.int32)), TypeError, "x must have dtype"),
     (dict(x=_noncontiguous(ROWS, H)), ValueError, "contiguous"),
-    (dict(x=torch.zeros(ROWS, 4, dtype=torch.bfloat16)), ValueError, "multiple of 16 bytes"),
+    (dict(x=torch.zeros(ROWS, 4, dtype=torch.bfloat16)), ValueError, "multiple of 16"),
     (dict(topk_weights=torch.zeros(ROWS, K, dtype=torch.float16)), TypeError, "topk_weights must have dtype"),
     (dict(topk_weights=torch.zeros(ROWS - 1, K)), ValueError, "topk_weights must have shape"),
     (dict(topk_weights=_noncontiguous(ROWS, K, torch.float32)), ValueError, "contiguous"),
@@ -168,23 +174,25 @@ def test_a_call_unlike_the_plan_checks_and_replans(world):
     buf.dispatch(w.x, handle=h)
     wide = torch.zeros(T, 2 * H, dtype=torch.bfloat16)
     assert buf.dispatch(wide, handle=h)[0].shape == (ROWS, 2 * H)  # another row size: a new plan
+    assert buf.dispatch(w.x.half(), handle=h)[0].dtype == torch.float16  # another dtype: a new plan
     buf.dispatch(w.x, handle=h)  # and back
-    assert [args[4] for kind, args in w.ext.plans] == [H * 2, H * 4, H * 2]
-    assert _joins(w, "DispatchPlan") == [JOIN_NONE] * 3
+    assert [args[3] for kind, args in w.ext.plans] == [(T, H), (T, 2 * H), (T, H), (T, H)]
+    assert _joins(w, "CachedDispatch") == [JOIN_NONE] * 4
 
     channels = h.backend_state.routing[0]  # the handle's: a config sets the chunk and ring sizes of a cached call
     cfg = Config(8, 4, 64)
     buf.dispatch(w.x, handle=h, config=cfg)  # another config: a new plan with its geometry
-    assert w.ext.plans[-1][1][8:11] == (channels, 4, 64)
-    buf.dispatch(w.x, handle=h, config=Config(8, 4, 64))  # an equal config: the same plan
-    assert len(w.ext.plans) == 4 and _joins(w, "DispatchPlan")[-1] == JOIN_BOTH
+    assert w.ext.plans[-1][1][5:8] == (channels, 4, 64)
+    buf.dispatch(w.x, handle=h, config=Config(8, 4, 64))  # an equal config: the same plan, on the fast path
+    assert len(w.ext.plans) == 5 and _joins(w, "CachedDispatch")[-1] == JOIN_BOTH
 
     buf.dispatch(w.x, handle=h)  # config None again: a new plan
     sms, n = Buffer.num_sms, len(w.ext.plans)
     try:
         Buffer.set_num_sms(sms + 2)  # the default config changes with it: checked again
         buf.dispatch(w.x, handle=h)
-        assert len(w.ext.plans) == n + 1 and _joins(w, "DispatchPlan")[-2:] == [JOIN_NONE, JOIN_NONE]
+        assert len(w.ext.plans) == n + 1 and _joins(w, "CachedDispatch")[-2:] == [JOIN_NONE, JOIN_NONE]
+        assert w.ext.plans[-1][1][-1] == sms + 2
     finally:
         Buffer.set_num_sms(sms)
 
@@ -192,9 +200,11 @@ def test_a_call_unlike_the_plan_checks_and_replans(world):
     other = h._replace(is_token_in_rank=h.is_token_in_rank.clone())
     n = len(w.ext.plans)
     buf.dispatch(w.x, handle=other)
-    assert len(w.ext.plans) == n + 1 and w.ext.plans[-1][1][1] == other.is_token_in_rank.data_ptr()
+    assert len(w.ext.plans) == n + 1 and _joins(w, "CachedDispatch")[-1] == JOIN_NONE
     buf.dispatch(w.x, handle=h)
-    assert len(w.ext.plans) == n + 2 and w.ext.plans[-1][1][1] == h.is_token_in_rank.data_ptr()
+    assert len(w.ext.plans) == n + 2 and _joins(w, "CachedDispatch")[-1] == JOIN_NONE
+    buf.dispatch(w.x, handle=h)
+    assert _joins(w, "CachedDispatch")[-1] == JOIN_BOTH
 
 
 def test_handle_of_another_buffer_is_refused(world):
@@ -231,14 +241,25 @@ def test_timeout_and_destroy_stop_the_fast_path(world):
         w.buf.combine(w.y, w.handle)
 
 
-def test_fast_path_off_checks_every_call(world, monkeypatch):
+def test_fresh_and_expert_major_calls_pass_tensors(world):
+    """The launchers take tensors, None for what a call lacks; empty tensors (no expert rows here: the stub's
+    counts are 0) are passed as they are."""
     w = world
-    monkeypatch.setenv(FAST_CACHED_ENV, "0")
-    buf = Buffer(num_nvl_bytes=1 << 30, backend="reference", explicitly_destroy=True)
-    assert not buf.fast_cached_calls
-    buf._kernels, buf._token = w.backend, w.buf._token  # serve w's handle
-    for _ in range(3):
-        buf.dispatch(w.x, handle=w.handle)
-        buf.combine(w.y, w.handle)
-    assert _joins(w, "DispatchPlan") == [JOIN_NONE] * 3 and _joins(w, "CombinePlan") == [JOIN_NONE] * 3
-    assert len(w.ext.plans) == 2, "the full path still reuses a plan that matches"
+    launches = w.ext.launches
+    notify = [args for kind, args in launches if kind == "notify"][-1]
+    dispatch = [args for kind, args in launches if kind == "dispatch"][-1]
+    assert all(isinstance(t, torch.Tensor) for t in notify[2:5]) and notify[-1] is None  # no expert-major layout
+    assert dispatch[2] is not None and dispatch[3] is None and dispatch[5] is None  # x, no scales, no weights
+    assert dispatch[10].shape == (ROWS, K) and dispatch[11].shape == (ROWS, K)  # received top-k ids and weights
+    px, ps, pw, tpe, counts, em = w.backend.expert_major_dispatch(w.x, None, w.idx, torch.rand(T, K), E, 1, 0)
+    assert px.shape == (0, H) and ps is None and pw.shape == (0,) and counts == [0] * E
+    kinds = [kind for kind, _ in launches]
+    assert kinds[-5:] == ["layout", "notify", "dispatch", "pair_rank", "em_permute"]
+    permute = launches[-1][1]
+    assert permute[7] is px and permute[12].shape == (ROWS, K)  # em_x, the inverse table
+    assert isinstance(launches[-4][1][-1], torch.Tensor)  # notify's layout table
+    out, out_w = w.backend.expert_major_combine(px, em, None, pw, ())
+    assert out.shape == (T, H) and out_w.shape == (T, K)
+    assert [kind for kind, _ in launches][-2:] == ["em_unpermute", "CachedCombine"]
+    out, _ = w.backend.combine(w.y, w.handle, None, (torch.zeros(T, H, dtype=torch.bfloat16),))  # a bias: no plan
+    assert launches[-1][0] == "combine" and launches[-1][1][4] is not None and launches[-1][1][5] is None  # bias0

@@ -1,20 +1,7 @@
 """Pure host-side helpers the compiled backends share (CPU: no kernels involved)."""
 from __future__ import annotations
 
-import pytest
-import torch
-
-from moe_dispatcher.compiled import row_geometry, timeout_message
-
-
-def test_row_geometry():
-    assert row_geometry(torch.zeros(3, 7168, dtype=torch.bfloat16), None, "intranode") == (14336, 0)
-    fp8 = torch.zeros(2, 256, dtype=torch.float8_e4m3fn)
-    assert row_geometry(fp8, torch.ones(2, 2), "internode") == (256, 2)
-    with pytest.raises(ValueError, match="multiple of 16 bytes for the internode kernels"):
-        row_geometry(torch.zeros(1, 7, dtype=torch.bfloat16), None, "internode")
-    with pytest.raises(ValueError, match="FP8 scales"):
-        row_geometry(fp8, torch.ones(2, 2, dtype=torch.float16), "intranode")
+from moe_dispatcher.compiled import timeout_message
 
 
 def test_timeout_message_names_rank_phase_and_peer():
@@ -24,26 +11,13 @@ def test_timeout_message_names_rank_phase_and_peer():
     assert "MOE_DISPATCHER_TIMEOUT_S" in msg
 
 
-def test_env_mode_picks_the_variant(monkeypatch):
-    from moe_dispatcher.compiled.intranode import EM_COMBINE_MODES, EM_DISPATCH_MODES, env_mode
-    monkeypatch.delenv("MOE_DISPATCHER_EM_DISPATCH", raising=False)
-    assert env_mode("MOE_DISPATCHER_EM_DISPATCH", EM_DISPATCH_MODES) == "split"
-    monkeypatch.setenv("MOE_DISPATCHER_EM_DISPATCH", " Fused ")
-    assert env_mode("MOE_DISPATCHER_EM_DISPATCH", EM_DISPATCH_MODES) == "fused"
-    monkeypatch.setenv("MOE_DISPATCHER_EM_COMBINE", "")
-    assert env_mode("MOE_DISPATCHER_EM_COMBINE", EM_COMBINE_MODES) == "split"
-    monkeypatch.setenv("MOE_DISPATCHER_EM_COMBINE", "both")
-    with pytest.raises(ValueError, match="MOE_DISPATCHER_EM_COMBINE must be one of"):
-        env_mode("MOE_DISPATCHER_EM_COMBINE", EM_COMBINE_MODES)
-
-
 def test_ring_slots_are_128_byte_multiples_and_the_nvl_hint_covers_them():
     from moe_dispatcher.config import MAX_TOPK, NVL_CONTROL_BYTES, Config, get_combine_config, get_dispatch_config
     from moe_dispatcher.compiled.intranode import combine_slot_bytes, dispatch_slot_bytes, required_nvl_bytes
     from moe_dispatcher.compiled.internode import dispatch_slot_bytes as internode_dispatch_slot_bytes
     # 7168 bf16 + 8 top-k ids and weights + source index = 14404 bytes -> 14464; FP8 with 56 scales -> 7552.
     assert dispatch_slot_bytes(14336, 0, 8) == 14464
-    assert dispatch_slot_bytes(7168, 56, 8, pair_ranks=True) == 7552
+    assert dispatch_slot_bytes(7168, 56, 8) == 7552
     assert combine_slot_bytes(14336, 8) == 14464 and combine_slot_bytes(128, 0) == 128
     assert internode_dispatch_slot_bytes(14336, 0, 8) == 14464
     for r in (2, 3, 4, 8):
@@ -51,8 +25,8 @@ def test_ring_slots_are_128_byte_multiples_and_the_nvl_hint_covers_them():
             for cfg in (get_dispatch_config(r, sms), get_combine_config(r, sms), Config(sms, 1, 1), Config(sms, 32, 512)):
                 for h in (128, 896, 2048, 7168):
                     hint = cfg.get_nvl_buffer_size_hint(h * 2, r)  # BF16 rows, or FP8 ones with room for BF16
-                    slot = max(dispatch_slot_bytes(h * 2, 0, MAX_TOPK, pair_ranks=True),
-                               dispatch_slot_bytes(h, h // 128, MAX_TOPK, pair_ranks=True),
+                    slot = max(dispatch_slot_bytes(h * 2, 0, MAX_TOPK),
+                               dispatch_slot_bytes(h, h // 128, MAX_TOPK),
                                combine_slot_bytes(h * 2, MAX_TOPK))
                     assert slot % 128 == 0 and slot <= Config.slot_bytes(h * 2)
                     assert hint >= required_nvl_bytes(r, cfg.num_channels, cfg.num_max_nvl_chunked_recv_tokens, slot,

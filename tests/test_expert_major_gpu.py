@@ -1,6 +1,5 @@
-"""The fused expert-major dispatch/combine of the compiled intranode kernels against the composition they
-replace (docs/semantics.md, "Expert-major"), on real GPUs, for every dispatch variant (split, fused: switched
-in the run) and the combine variant of $MOE_DISPATCHER_EM_COMBINE (the bench, `--mode expert-major`, times both).
+"""The expert-major dispatch/combine of the compiled intranode kernels (rank-major kernels + the em_permute /
+em_unpermute passes) against the composition they replace (docs/semantics.md, "Expert-major"), on real GPUs.
 
 Two references per case:
 - the same compiled backend's rank-major dispatch + permute() / unpermute() + rank-major combine (the
@@ -10,7 +9,6 @@ Outputs are allocated from memory poisoned with 0xFF first, so a row the kernels
 """
 from __future__ import annotations
 
-import os
 from typing import Dict, List
 
 import pytest
@@ -134,44 +132,24 @@ CASES: List[Dict] = [
 ]
 
 
-# Intranode ring protocol and combine variant of case i (the combine variant unless MOE_DISPATCHER_EM_COMBINE
-# chooses it): chunked and stream alternate; combine split and fused alternate every two cases, so each
-# protocol meets both without running every case four times. The protocol switches between calls on the same
-# Buffer.
-NVL_VARIANTS = ("chunked", "stream")
-EM_MODES = ("split", "fused")
-
-
-def _variants(i: int):
-    return NVL_VARIANTS[i % 2], EM_MODES[(i // 2) % 2]
-
-
 def _world_fused_matches(rank: int, world_size: int) -> None:
     from moe_dispatcher import Buffer
-    from moe_dispatcher.compiled.intranode import EM_DISPATCH_MODES
     kb = make_buffer(hidden_bytes=MAX_HIDDEN_BYTES, backend="kernels", explicitly_destroy=True)
     rb = Buffer(backend="reference", explicitly_destroy=True)
-    for mode in EM_DISPATCH_MODES:
-        kb._kernels.em_dispatch_mode = mode
-        _check_variant(kb, rb, rank, world_size, f"[{mode} dispatch]")
+    _check_cases(kb, rb, rank, world_size)
     kb.destroy()
     rb.destroy()
 
 
-def _check_variant(kb, rb, rank: int, world_size: int, tag: str) -> None:
-    """Every case under one dispatch mode, the ring protocols and combine modes alternating over the cases."""
-    backend = kb._kernels
-    em_mode_fixed = bool(os.environ.get("MOE_DISPATCHER_EM_COMBINE"))
+def _check_cases(kb, rb, rank: int, world_size: int) -> None:
+    """Every case, then the overflow and the CUDA graph checks."""
     for i, c in enumerate(CASES):
-        backend.nvl_variant, em_mode = _variants(i)
-        if not em_mode_fixed:
-            backend.em_combine_mode = em_mode
-        with case(f"{c['name']} {tag} ({backend.nvl_variant}, {backend.em_combine_mode} combine)"):
+        with case(c["name"]):
             _check_case(kb, rb, c, i)
     torch.cuda.synchronize()
 
     # ---- Overflow: num_worst_tokens below what arrives; reported on every rank at the next synchronised call.
-    with case(f"num_worst_tokens overflow {tag}"):
+    with case("num_worst_tokens overflow"):
         dev = torch.device("cuda", torch.cuda.current_device())
         xo = torch.randn(64, 256, device=dev).bfloat16()
         io = torch.tensor([[0, 1]] * 64, device=dev)
@@ -183,10 +161,8 @@ def _check_variant(kb, rb, rank: int, world_size: int, tag: str) -> None:
         y, _, _ = kb.expert_major_combine(px, h)
         assert_close(y.float(), 2 * xo.float(), "round trip after the overflow", rtol=1e-2, atol=1e-2)
 
-    # ---- CUDA graph: expert-major dispatch (num_worst_tokens) + combine + cached dispatch, replayed (the stream
-    # protocol, the default; the overflow case above ran with the last case's).
-    backend.nvl_variant = "stream"
-    with case(f"cuda graph capture + replay (expert-major, num_worst_tokens, stream) {tag}"):
+    # ---- CUDA graph: expert-major dispatch (num_worst_tokens) + combine + cached dispatch, replayed.
+    with case("cuda graph capture + replay (expert-major, num_worst_tokens)"):
         dev = torch.device("cuda", torch.cuda.current_device())
         t, h, local, k = 384, 2048, 8, 6
         e, worst = local * world_size, 384 * world_size * 6

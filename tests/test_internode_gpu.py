@@ -44,7 +44,7 @@ def _world_matches_reference(rank: int, world_size: int) -> Dict:
         with case(c["name"]):
             check_case(kb, rb, c, i, stats, torch.device("cuda", torch.cuda.current_device()),
                        combine_tol=two_hop_tol, nvl=kb.topology.nvl_size, poison=True, rdma_layout=True,
-                       expect_backend="internode", recombine_chunks=(1, 32))
+                       expect_backend="internode")
     from moe_dispatcher import Config
     with case("config num_sms=8 chunks 4 rings 64"):
         dev = torch.device("cuda", torch.cuda.current_device())
@@ -62,16 +62,6 @@ def _world_matches_reference(rank: int, world_size: int) -> Dict:
         yk, _ = backend.combine(got[0], got[5], None, (), config=cfg)
         yr = rb.combine(want[0], want[4])[0]
         assert_close(yk, yr, "combine with Config(8, 4, 64, 4, 64)", rtol=2e-2, atol=6e-2)
-        # Extreme and odd warp-chunk sizes (1 token; 3, not dividing the 32-token scans; 32 = 2 chunks fill
-        # the 64-slot RDMA ring, the bound of the progress argument): the same bits as the default chunk.
-        first_chunk = backend.combine_chunk
-        try:
-            for chunk in (1, 3, 32):
-                backend.combine_chunk = chunk
-                yc, _ = backend.combine(got[0], got[5], None, (), config=cfg)
-                assert_equal(yc, yk, f"combine chunk={chunk} with Config(8, 4, 64, 4, 64)")
-        finally:
-            backend.combine_chunk = first_chunk
     torch.cuda.synchronize()
     kb.destroy()
     rb.destroy()
@@ -98,17 +88,8 @@ def _world_graph_and_back_to_back(rank: int, world_size: int) -> None:
         check_graph_replay(kb, rb, rank, world_size, dev, t, h, e, k, worst, combine_tol=two_hop_tol,
                            check_src_idx=False, after_replay=kb._kernels._check)
 
-    with case("1000 back-to-back dispatch+combine (combine chunk size switched every 3 calls)"):
-        backend, first = kb._kernels, kb._kernels.combine_chunk
-
-        def switch(i: int) -> None:
-            backend.combine_chunk = (first, 1, 32)[(i // 3) % 3]
-
-        def restore() -> None:
-            backend.combine_chunk = first
-            kb._kernels._check()
-
-        check_back_to_back(kb, rb, rank, dev, t, h, e, k, rounds=1000, switch=switch, after_loop=restore)
+    with case("1000 back-to-back dispatch+combine"):
+        check_back_to_back(kb, rb, rank, dev, t, h, e, k, rounds=1000, after_loop=kb._kernels._check)
 
     with case("num_worst_tokens overflow"):
         check_worst_overflow(kb, dev, t, h, e, combine_dropped=False)
@@ -134,3 +115,28 @@ def _world_timeout(rank: int, world_size: int) -> None:
 def test_timeout_names_rank_and_phase(world_size: int, nvl: int) -> None:
     env = {"MOE_DISPATCHER_TIMEOUT_S": "2", **dist_helpers.nvl_env(nvl)}
     run_distributed(_world_timeout, world_size, backend="nccl", env=env)
+
+
+@pytest.mark.parametrize("num_ranks,nvl", [(4, 2), (4, 1), (8, 4), (8, 2), (16, 8), (64, 1)])
+def test_size_hints_cover_the_extension_layout(num_ranks: int, nvl: int) -> None:
+    """Config's size hints repeat the headers' arithmetic of the extension's buffer layout (so that they work
+    without it): the layout the kernels get from a hinted buffer holds the config's rings. Needs the extension
+    only (no GPU)."""
+    from moe_dispatcher import _ext
+    from moe_dispatcher.config import (Config, get_combine_config, get_dispatch_config, internode_nvl_header_bytes,
+                                       internode_rdma_header_bytes)
+    mod = _ext.load()
+    if mod is None or not hasattr(mod, "internode"):
+        pytest.skip("the extension with the internode kernels is not built")
+    hidden_bytes = 7168 * 2
+    for cfg in (get_dispatch_config(num_ranks, 24), get_combine_config(num_ranks, 24), Config(64, 32, 256, 32, 256)):
+        rdma = cfg.get_rdma_buffer_size_hint(hidden_bytes, num_ranks, nvl)
+        nvl_bytes = cfg.get_nvl_buffer_size_hint(hidden_bytes, num_ranks)
+        lay = mod.internode.buffer_layout(num_ranks, nvl, rdma, nvl_bytes)
+        assert lay["rdma_recv_offset"] == internode_rdma_header_bytes(num_ranks, nvl)
+        assert lay["nvl_rings_offset"] == internode_nvl_header_bytes(num_ranks)
+        slot = Config.slot_bytes(hidden_bytes)
+        assert lay["rdma_domain_bytes"] >= cfg.num_channels * cfg.num_max_rdma_chunked_recv_tokens * slot
+        assert lay["rdma_send_offset"] + num_ranks // nvl * lay["rdma_domain_bytes"] <= rdma
+        assert lay["nvl_src_block_bytes"] >= cfg.num_channels * cfg.num_max_nvl_chunked_recv_tokens * slot
+        assert lay["rdma_msg_ints"] >= 1 + num_ranks + 32 + nvl * (32 + 1024)

@@ -4,12 +4,10 @@ Each world holds two Buffers on the same NCCL group: one forced onto the compile
 (backend="kernels"), one on the reference backend. Dispatch outputs must be bit-identical (data, order,
 top-k, counts, prefix matrix, source indices); combine must agree within bf16 rounding (it is designed to be
 bit-exact: same float32 summation order), and the tests report how many combine outputs were bit-exact.
-Every case runs with each ring protocol (NVL_VARIANTS: the backend's nvl_variant, switched between calls on
-the same Buffer, which also checks that calls of different protocols may follow each other).
 """
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict
 
 import pytest
 import torch
@@ -23,17 +21,6 @@ from normal_cases import routing as _routing
 pytestmark = pytest.mark.gpu
 WORLD_SIZES = GPU_WORLD_SIZES
 MAX_HIDDEN_BYTES = 7168 * 2
-NVL_VARIANTS = ("chunked", "stream")
-
-
-def _plans(mixed: bool) -> List[tuple]:
-    """Protocols of (fresh dispatch, cached dispatch, combine) in one case: each protocol alone, and with
-    `mixed` a mix (fresh and cached stream, combine chunked)."""
-    plans = [(v,) * 3 for v in NVL_VARIANTS]
-    if mixed:
-        plans.append(("stream", "stream", "chunked"))
-    return plans
-
 
 
 def _buffers(**kwargs):
@@ -47,18 +34,16 @@ def _world_matches_reference(rank: int, world_size: int) -> Dict:
     kb, rb = _buffers()
     stats = {"combine_total": 0, "combine_bit_exact": 0}
     for i, c in enumerate(CASES):
-        for plan in _plans(i % 3 == 0):
-            with case(f"{c['name']} ({'/'.join(plan)})"):
-                check_case(kb, rb, c, i, stats, torch.device("cuda", torch.cuda.current_device()),
-                           combine_tol=one_hop_tol, plan=plan, cached_returns_none=True)
+        with case(c["name"]):
+            check_case(kb, rb, c, i, stats, torch.device("cuda", torch.cuda.current_device()),
+                       combine_tol=one_hop_tol, cached_returns_none=True)
     # Config honoured: fewer channels and smaller rings (the senders wait for free slots), through the backend
     # directly (same stream rules).
     from moe_dispatcher import Config
     backend = kb._kernels
     for cfg in (Config(8, 4, 64), Config(4, 1, 33)):
-        for variant in NVL_VARIANTS:
-            with case(f"config {cfg} ({variant})"):
-                backend.nvl_variant = variant
+        for attempt in ("first", "repeated"):  # the repeated cached calls run from the handle's plans
+            with case(f"config {cfg} ({attempt})"):
                 dev = torch.device("cuda", torch.cuda.current_device())
                 g = torch.Generator().manual_seed(77 + rank)
                 t, h, e = 333, 2048, 8 * world_size
@@ -90,8 +75,7 @@ def test_matches_reference(world_size: int) -> None:
     stats = run_distributed(_world_matches_reference, world_size, backend="nccl")
     exact = sum(s["combine_bit_exact"] for s in stats)
     total = sum(s["combine_total"] for s in stats)
-    print(f"\n[intranode R={world_size} {'+'.join(NVL_VARIANTS)}] combine bit-exact vs reference: {exact}/{total} (rank, "
-          f"case, protocol) triples")
+    print(f"\n[intranode R={world_size}] combine bit-exact vs reference: {exact}/{total} (rank, case) pairs")
 
 
 def _world_graph_and_back_to_back(rank: int, world_size: int) -> None:
@@ -101,29 +85,21 @@ def _world_graph_and_back_to_back(rank: int, world_size: int) -> None:
     e = local * world_size
     worst = t * world_size
 
-    # ---- CUDA graph: layout + dispatch(num_worst_tokens) + combine captured once, replayed on new data (each
-    # ring protocol: it is fixed in the captured launches).
-    for variant in NVL_VARIANTS:
-        with case(f"cuda graph capture + replay ({variant})"):
-            kb._kernels.nvl_variant = variant
-            check_graph_replay(kb, rb, rank, world_size, dev, t, h, e, k, worst, combine_tol=one_hop_tol,
-                               check_src_idx=True)
+    # ---- CUDA graph: layout + dispatch(num_worst_tokens) + combine captured once, replayed on new data.
+    with case("cuda graph capture + replay"):
+        check_graph_replay(kb, rb, rank, world_size, dev, t, h, e, k, worst, combine_tol=one_hop_tol,
+                           check_src_idx=True)
 
-    # ---- 1000 back-to-back dispatch + combine (fresh and cached alternating, the ring protocol switching
-    # every two round trips) with fresh data; each round trip is checked on the device (x holds small
-    # integers, so x * ranks is exact), the last one against the reference.
-    with case(f"1000 back-to-back dispatch+combine ({'/'.join(NVL_VARIANTS)})"):
-        def switch(i: int) -> None:
-            kb._kernels.nvl_variant = NVL_VARIANTS[(i // 2) % len(NVL_VARIANTS)]
-
-        check_back_to_back(kb, rb, rank, dev, t, h, e, k, rounds=1000, switch=switch)
+    # ---- 1000 back-to-back dispatch + combine (fresh and cached alternating) with fresh data; each round trip
+    # is checked on the device (x holds small integers, so x * ranks is exact), the last one against the
+    # reference.
+    with case("1000 back-to-back dispatch+combine"):
+        check_back_to_back(kb, rb, rank, dev, t, h, e, k, rounds=1000)
 
     # More rows than num_worst_tokens: no host sync at that call, so the extra rows are dropped and every
     # rank raises at its next synchronised dispatch; the group keeps working afterwards.
-    for variant in NVL_VARIANTS:
-        with case(f"num_worst_tokens overflow ({variant})"):
-            kb._kernels.nvl_variant = variant
-            check_worst_overflow(kb, dev, t, h, e, combine_dropped=True)
+    with case("num_worst_tokens overflow"):
+        check_worst_overflow(kb, dev, t, h, e, combine_dropped=True)
     torch.cuda.synchronize()
     kb.destroy()
     rb.destroy()
@@ -132,15 +108,6 @@ def _world_graph_and_back_to_back(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_graph_and_back_to_back(world_size: int) -> None:
     run_distributed(_world_graph_and_back_to_back, world_size, backend="nccl")
-
-
-def _full_path(buf, fn):
-    """fn() with the Buffer's fast path of repeated cached calls off (every check, _stream_scope, the backend)."""
-    buf.fast_cached_calls = False
-    try:
-        return fn()
-    finally:
-        buf.fast_cached_calls = True
 
 
 def _world_fast_path(rank: int, world_size: int) -> None:
@@ -184,12 +151,12 @@ def _world_fast_path(rank: int, world_size: int) -> None:
         for i in range(4):  # the first call of each kind makes the plan, the later ones launch it
             x2, y = fresh_x(), fresh_y()
             fast = kb.dispatch(x2, handle=hk)[0]
-            full = _full_path(kb, lambda: kb.dispatch(x2, handle=hk)[0])
+            full = kb.dispatch(x2, handle=hk, previous_event=kb.capture())[0]  # previous_event: the full path
             assert torch.equal(fast, full), f"call {i}: cached dispatch, fast path != full path"
             check_dispatch(fast, x2, f"call {i}: cached dispatch")
             for weights in (None, ok[2]):
                 fast = kb.combine(y, hk, topk_weights=weights)
-                full = _full_path(kb, lambda: kb.combine(y, hk, topk_weights=weights))
+                full = kb.combine(y, hk, topk_weights=weights, previous_event=kb.capture())
                 assert torch.equal(fast[0], full[0]), f"call {i}: combine, fast path != full path"
                 if weights is not None:
                     assert torch.equal(fast[1], full[1]), f"call {i}: combine weights, fast path != full path"
@@ -232,6 +199,12 @@ def _world_fast_path(rank: int, world_size: int) -> None:
         torch.cuda.current_stream().wait_stream(side)
         check_dispatch(recv, x2, "cached dispatch on a side stream")
         check_combine(comb, y, None, "combine on a side stream")
+        # The fast path's native event (async_finish) as another call's previous_event, and its host methods.
+        _, *_, ev = kb.dispatch(x2, handle=hk, async_finish=True)
+        got = kb.dispatch(x2, handle=hk, previous_event=ev)
+        check_dispatch(got[0], x2, "cached dispatch after a native event")
+        ev.event.synchronize()
+        assert ev.event.query(), "a synchronised event has fired"
 
     with case("repeated cached calls in a CUDA graph"):
         x_in, y_in = fresh_x(), fresh_y()
@@ -267,26 +240,24 @@ def _world_timeout(rank: int, world_size: int) -> None:
     with case("rank 1 skips a dispatch"):
         check_dispatch_timeout(rank, idx, x, e, phase="notify", waiting="waiting for rank 1", stays_unusable=True)
 
-    # With each ring protocol; a ring of 36 slots, so the senders to rank 1 wait for slots as well.
+    # A ring of 36 slots, so the senders to rank 1 wait for slots as well.
     from moe_dispatcher import Config
-    for variant in NVL_VARIANTS:
-        with case(f"rank 1 skips a combine ({variant})"):
-            kb = make_buffer(hidden_bytes=h * 2, backend="kernels", explicitly_destroy=True)
-            kb._kernels.nvl_variant = variant
-            _, out = _dispatch(kb, x, idx, None, e)
-            if rank != 1:
-                cfg = Config(20, 4, 36)
+    with case("rank 1 skips a combine"):
+        kb = make_buffer(hidden_bytes=h * 2, backend="kernels", explicitly_destroy=True)
+        _, out = _dispatch(kb, x, idx, None, e)
+        if rank != 1:
+            cfg = Config(20, 4, 36)
+            kb.combine(out[0], out[4], config=cfg)
+            torch.cuda.synchronize()  # the kernel gives up after the timeout and exits
+            with pytest.raises(RuntimeError) as err:
+                kb.get_dispatch_layout(idx, e)
+            msg = str(err.value)
+            assert f"rank {rank} timed out" in msg and "combine" in msg, msg
+            with pytest.raises(RuntimeError, match="timed out"):  # a repeated call (its plan made) too
                 kb.combine(out[0], out[4], config=cfg)
-                torch.cuda.synchronize()  # the kernel gives up after the timeout and exits
-                with pytest.raises(RuntimeError) as err:
-                    kb.get_dispatch_layout(idx, e)
-                msg = str(err.value)
-                assert f"rank {rank} timed out" in msg and "combine" in msg, msg
-                with pytest.raises(RuntimeError, match="timed out"):  # a repeated call (its plan made) too
-                    kb.combine(out[0], out[4], config=cfg)
-            torch.cuda.synchronize()
-            dist.barrier()
-            kb.destroy()
+        torch.cuda.synchronize()
+        dist.barrier()
+        kb.destroy()
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)

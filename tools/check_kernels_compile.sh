@@ -53,6 +53,16 @@ eval "$config"
 }
 NVCC="$CUDA_ROOT/bin/nvcc"
 
+# A CPU build of torch ships c10/cuda's headers but not the header its CMake generates for them: give the
+# syntax check the one definition it holds (a CUDA torch has the real file, and this adds nothing).
+shim=$(mktemp -d)
+trap 'rm -rf "$shim"' EXIT
+if [[ ${#TORCH_INCLUDES[@]} -gt 0 && ! -f "${TORCH_INCLUDES[0]#-I}/c10/cuda/impl/cuda_cmake_macros.h" ]]; then
+  mkdir -p "$shim/c10/cuda/impl"
+  printf '#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n' >"$shim/c10/cuda/impl/cuda_cmake_macros.h"
+  TORCH_INCLUDES+=("-I$shim")
+fi
+
 # What the real build defines for every file (torch's CUDAExtension + setup.py).
 DEFINES=(-DTORCH_API_INCLUDE_EXTENSION_H -DTORCH_EXTENSION_NAME=_C "-DMOE_DISPATCHER_VERSION=$VERSION")
 INCLUDES=(-Icsrc "-I$NVSHMEM_ROOT/include")
@@ -87,7 +97,7 @@ fi
 [[ ${#files[@]} -gt 0 ]] || { echo "check_kernels_compile: no sources under csrc/"; exit 0; }
 
 tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
+trap 'rm -rf "$tmp" "$shim"' EXIT
 for i in "${!files[@]}"; do
   while (( $(jobs -rp | wc -l) >= JOBS )); do wait -n; done
   (

@@ -11,9 +11,9 @@ Python, which CPU tensors skip). Per call: this thread's CPU time (time spent de
 machine does not count), the lowest average over blocks of calls after a warm-up; and the Python-level
 function calls one call makes (sys.setprofile), which does not depend on the machine.
 
-Rows: buffer.dispatch(x, handle=h) and buffer.combine(y, h) on the fast path (the handle's plan matches) and
-on the full path (Buffer.fast_cached_calls = False), the backend's
-cached_dispatch alone, and the two stub launchers.
+Rows: buffer.dispatch(x, handle=h) and buffer.combine(y, h) on the fast path (one call of the handle's native
+plan) and on the full path (what a call with previous_event takes: every check, _stream_scope, the backend,
+the plan), the backend's cached_dispatch alone, and the stub plan's run (the native call's stand-in).
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import os
 import sys
 import tempfile
 import time
+import types
 
 import torch
 import torch.distributed as dist
@@ -92,29 +93,25 @@ def main() -> None:
     recv = backend.dispatch(x, None, idx, None, per_rank, in_rank, per_expert, 1, 0)
     handle = recv[5]
     y = torch.randn(handle.recv_src_idx.shape[0], h).bfloat16()
-    launch = backend._mod.dispatch
     buf.dispatch(x, handle=handle)  # the first cached dispatch makes the handle's plan
     plan = handle.backend_state.dispatch_plans[0]
-
-    def full_path(fn):
-        def run():
-            buf.fast_cached_calls = False
-            try:
-                fn()
-            finally:
-                buf.fast_cached_calls = True
-        return run
+    from moe_dispatcher import EventOverlap
+    done = EventOverlap()  # previous_event given: the full path
 
     dispatch = lambda: buf.dispatch(x, handle=handle)  # noqa: E731
     combine = lambda: buf.combine(y, handle)  # noqa: E731
     rows = [("public cached dispatch", dispatch),
             ("public combine", combine),
-            ("public cached dispatch, full path", full_path(dispatch)),
-            ("public combine, full path", full_path(combine)),
+            ("public cached dispatch, full path", lambda: buf.dispatch(x, handle=handle, previous_event=done)),
+            ("public combine, full path", lambda: buf.combine(y, handle, previous_event=done)),
             ("backend.cached_dispatch", lambda: backend.cached_dispatch(x, None, handle)),
-            ("stub extension launch (25 ints)", lambda: launch(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                                               0, 0, 0, 0, 0, 0, 0)),
-            ("stub plan launch (7 ints)", lambda: plan.native.launch(0, 0, 0, 0, 0, 0, 2))]
+            ("stub plan run (the native call)", lambda: plan.run(handle, x, None, None, buf.num_sms, 2))]
+    # The Buffer's own glue: a handle whose plan answers at once (what the public call costs beyond the native one).
+    answer = (torch.empty(handle.recv_src_idx.shape[0], h, dtype=x.dtype), None, None)
+    from moe_dispatcher.compiled import HandleState
+    free = handle._replace(backend_state=HandleState(handle.backend_state.routing))
+    free.backend_state.dispatch_plans[0] = types.SimpleNamespace(run=lambda *args: answer)
+    rows.append(("public cached dispatch, the native call free", lambda: buf.dispatch(x, handle=free)))
     print(f"Python glue per call (CPU tensors, stub extension), T={t} H={h}, {opts.calls} calls each:")
     for name, fn in rows:
         print(f"  {per_call_us(fn, opts.calls):7.2f} us  {python_calls(fn):4d} calls  {name}")

@@ -3,14 +3,15 @@
     torchrun --standalone --nproc_per_node 2 tools/host_profile.py [OUT_DIR]
 
 Times (perf_counter, steady state, the device kept busy but never more than a few calls behind) of:
-  buffer.dispatch(x, handle=h)          the public call (the fast path of a repeated call: its plan matches)
+  buffer.dispatch(x, handle=h)          the public call (the fast path of a repeated call: one call of the
+                                        handle's native plan)
   buffer.combine(y, h)                  the public call, likewise
-  ... full path                         the same with Buffer.fast_cached_calls = False (every check, then
-                                        _stream_scope and the backend)
+  ... full path                         the same with previous_event given (every check, then _stream_scope,
+                                        the backend and the plan)
   backend.cached_dispatch(...)          the backend alone, inside the comm stream (no Buffer stream semantics)
-  the bare extension launch             the 25-argument launcher, every argument precomputed
-  the bare plan launch                  the handle's native plan: addresses and streams only, with the stream
-                                        joins of a synchronous call, and without them
+  the bare fresh launcher               the tensor-taking dispatch launcher, every argument precomputed
+  the bare plan call                    the handle's native plan (checks, output allocation, launch) with the
+                                        stream joins of a synchronous call, and without them
 and a cProfile of 2000 public cached dispatches (rank 0), sorted by own time, written to OUT_DIR.
 """
 from __future__ import annotations
@@ -68,31 +69,22 @@ def main() -> None:
     _, chunk, slots = backend._config(None, combine=False)
     rows = handle.recv_src_idx.shape[0]
     recv_x = torch.empty(rows, h, dtype=x.dtype, device="cuda")
+    recv_src = torch.empty(rows, dtype=torch.int32, device="cuda")
     slot_bytes = dispatch_slot_bytes(h * 2, 0, 0)
-    stream = comm.cuda_stream
     mod, ipc, tmo = backend._mod, backend._ipc, backend._timeout_ns
+    from moe_dispatcher import EventOverlap
+    done = EventOverlap()  # previous_event given: the full path
 
     def bare():
-        mod.dispatch(ipc, tmo, x.data_ptr(), 0, 0, 0, handle.is_token_in_rank.data_ptr(), offsets.data_ptr(),
-                     recv_x.data_ptr(), 0, 0, 0, 0, t, h * 2, 0, 0, 1, rows, 0, channels, chunk, slots, slot_bytes,
-                     stream)
+        with torch.cuda.stream(comm):
+            mod.dispatch(ipc, tmo, x, None, None, None, handle.is_token_in_rank, offsets, recv_x, None, None, None,
+                         recv_src, 1, False, channels, chunk, slots, slot_bytes)
 
     buf.dispatch(x, handle=handle)  # the first cached dispatch makes the handle's plan
-    plan = handle.backend_state.dispatch_plans[0].native
-    recv_ptr, comm_ptr = recv_x.data_ptr(), stream
-    caller_ptr = torch.cuda.current_stream().cuda_stream
+    plan = handle.backend_state.dispatch_plans[0]
 
-    def plan_launch(join):
-        return lambda: plan.launch(x.data_ptr(), 0, recv_ptr, 0, comm_ptr, caller_ptr, join)
-
-    def full_path(fn):
-        def run():
-            buf.fast_cached_calls = False
-            try:
-                fn()
-            finally:
-                buf.fast_cached_calls = True
-        return run
+    def plan_call(join):
+        return lambda: plan.run(handle, x, None, None, buf.num_sms, join)
 
     def backend_only():
         with torch.cuda.stream(comm):
@@ -104,12 +96,13 @@ def main() -> None:
                      ("public combine", combine),
                      ("public combine with topk_weights", lambda: buf.combine(y, handle, topk_weights=w_recv)),
                      ("public cached dispatch async_finish", lambda: buf.dispatch(x, handle=handle, async_finish=True)),
-                     ("public cached dispatch, full path", full_path(dispatch)),
-                     ("public combine, full path", full_path(combine)),
+                     ("public cached dispatch, full path", lambda: buf.dispatch(x, handle=handle,
+                                                                                previous_event=done)),
+                     ("public combine, full path", lambda: buf.combine(y, handle, previous_event=done)),
                      ("backend.cached_dispatch in comm stream", backend_only),
-                     ("bare extension launch", bare),
-                     ("bare plan launch, sync joins", plan_launch(2)),
-                     ("bare plan launch, no joins", plan_launch(0)),
+                     ("bare fresh launcher (cached geometry)", bare),
+                     ("bare plan call, sync joins", plan_call(2)),
+                     ("bare plan call, no joins", plan_call(0)),
                      ("torch.empty + stream ctx + event record", lambda: (torch.empty(rows, h, dtype=x.dtype,
                                                                                          device="cuda"),
                                                                              torch.cuda.Event().record(comm)))):

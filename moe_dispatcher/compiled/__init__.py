@@ -17,35 +17,25 @@ import torch.distributed as dist
 
 from .. import _ext
 
-# The raw cudaStream_t of the current stream, cheaply: torch.cuda.current_stream() resolves the device through
-# several Python layers (it was a third of a cached dispatch's host time). CUDA builds of torch expose the
-# direct lookups that torch's own generated code uses; CPU builds (never launching) fall back.
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-_get_device = getattr(torch._C, "_cuda_getDevice", None)
-
-
-def current_stream_ptr(device: Optional[int] = None) -> int:
-    """The current CUDA stream of `device` (default: the current device), as the integer the bindings take."""
-    if _raw_stream is not None and _get_device is not None:
-        return _raw_stream(_get_device() if device is None else device)
-    return torch.cuda.current_stream(device).cuda_stream
-
-
-# How a plan's launch on the comm stream is ordered against the caller's stream (StreamJoin in
-# csrc/intranode_bindings.cpp): not at all (the caller made the comm stream current after ordering it), the comm
-# stream waits for the caller's stream first (async_finish), or also the caller's stream waits for the launch.
+# How a cached call's plan orders its launch against the caller's stream (Join in csrc/bindings/stream_join.h):
+# not at all, launching on the current stream (the full path: the Buffer made the comm stream current after
+# ordering it), the comm stream waits for the caller's stream first (async_finish), or also the caller's stream
+# waits for the launch (a synchronous call).
 JOIN_NONE, JOIN_BEFORE, JOIN_BOTH = 0, 1, 2
 
 
 class HandleState:
-    """backend_state of a DispatchHandle from a backend whose cached calls run from launch plans (intranode).
+    """backend_state of a DispatchHandle from a backend whose cached calls run from native plans (intranode,
+    internode).
 
-    routing:        the backend's tables of the handle (intranode: (num_channels, recv_channel_offset)).
-    dispatch_plans: [the plan of the latest cached dispatch of plain rows, that of FP8 rows with scales], None
-                    before the first such call (see intranode.CachedCall); combine_plans likewise, [without,
-                    with top-k weights]. One slot per kind, so that a model alternating the kinds on a handle
-                    (combine, then combine with weights in the backward) keeps both. A plan holds no reference
-                    to the handle (the handle owns it), so dropping the handle frees everything at once.
+    routing:        the backend's tables of the handle (intranode: (num_channels, recv_channel_offset); internode:
+                    (num_channels, recv_channel_offset, fwd_offset, fwd_mask, fwd_capacity)).
+    dispatch_plans: [the native plan (CachedDispatch of csrc/bindings/cached_call.h) of the latest cached
+                    dispatch of plain rows, that of FP8 rows with scales], None before the first such call;
+                    combine_plans likewise (CachedCombine), [without, with top-k weights]. One slot per kind, so
+                    that a model alternating the kinds on a handle (combine, then combine with weights in the
+                    backward) keeps both. A plan holds the handle's routing tensors but not the handle (the
+                    handle owns it), so dropping the handle frees everything at once.
     """
 
     __slots__ = ("routing", "dispatch_plans", "combine_plans")
@@ -56,54 +46,22 @@ class HandleState:
         self.combine_plans: list = [None, None]
 
 
-def row_geometry(x: torch.Tensor, scales: Optional[torch.Tensor], kernels: str) -> Tuple[int, int]:
-    """(hidden bytes, scales per row) of dispatch rows for the `kernels` ("intranode", ...) backend, checked:
-    rows a multiple of 16 bytes, FP8 scales 2-D with 4-byte elements."""
-    hidden_bytes = x.shape[1] * x.element_size()
-    if hidden_bytes % 16:
-        raise ValueError(f"dispatch: rows of x must be a multiple of 16 bytes for the {kernels} kernels, got "
-                         f"{hidden_bytes} ({x.shape[1]} x {x.dtype})")
-    num_scales = 0
-    if scales is not None:
-        if scales.element_size() != 4 or scales.dim() != 2:
-            raise ValueError(f"dispatch: FP8 scales must be a 2-D 4-byte tensor, got {scales.dtype}"
-                             f"{list(scales.shape)}")
-        num_scales = scales.shape[1]
-    return hidden_bytes, num_scales
-
-
-def check_topk(topk: Optional[torch.Tensor], max_topk: int, what: str, unit: str = "top-k slots") -> int:
-    """Top-k columns of `topk` (0 when None), checked against the kernels' MAX_TOPK; the error reads
-    "{what} at most {max_topk} {unit}, got ..."."""
-    if topk is None:
-        return 0
-    num_topk = topk.shape[1]
-    if num_topk > max_topk:
-        raise ValueError(f"{what} at most {max_topk} {unit}, got {num_topk}")
-    return num_topk
-
-
-def dispatch_inputs(x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
-                    topk_weights: Optional[torch.Tensor], kernels: str, max_topk: int):
-    """A fresh dispatch's inputs made contiguous and checked for the `kernels` backend: (x, x_scales, topk_idx,
-    topk_weights, hidden bytes, scales per row, top-k slots (0 without topk_idx))."""
-    x = x.contiguous()
-    x_scales = x_scales.contiguous() if x_scales is not None else None
-    hidden_bytes, num_scales = row_geometry(x, x_scales, kernels)
-    num_topk = check_topk(topk_idx, max_topk, f"dispatch: the {kernels} kernels take")
-    if topk_idx is not None:
-        topk_idx = topk_idx.contiguous()
-        if topk_weights is not None:
-            topk_weights = topk_weights.contiguous()
-    return x, x_scales, topk_idx, topk_weights, hidden_bytes, num_scales, num_topk
-
-
-def combine_row_bytes(x: torch.Tensor) -> int:
-    """Bytes of one row of combine input x, checked: a multiple of 16."""
-    row_bytes = x.shape[1] * x.element_size()
-    if row_bytes % 16:
-        raise ValueError(f"combine: rows of x must be a multiple of 16 bytes, got {row_bytes}")
-    return row_bytes
+def run_cached(backend, plans: list, kind: int, make: Callable, handle, x: torch.Tensor, aux: Optional[torch.Tensor],
+               config) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The full path of a cached call (dispatch along a handle, or combine) of a backend with native plans, on the
+    current stream: the handle's plan of this kind (plans[kind], a slot of its HandleState) when it takes these
+    arguments, else a new one (make(x, aux, handle, config): the backend's checks, then the plan, kept for the
+    Buffer's fast path); a plan that will not launch (buffer destroyed, timeout recorded) raises through
+    backend.refused(). -> (output, aux output or None)."""
+    num_sms = backend._buffer_cls.num_sms
+    plan = plans[kind]
+    result = plan.run(handle, x, aux, config, num_sms, JOIN_NONE) if plan is not None else None
+    if result is None:
+        plan = plans[kind] = make(x, aux, handle, config)
+        result = plan.run(handle, x, aux, config, num_sms, JOIN_NONE)
+        if result is None:
+            backend.refused()
+    return result[0], result[1]
 
 
 def wait_counts(backend, seq: int, flag_layout_mismatch: int) -> int:

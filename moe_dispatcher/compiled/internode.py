@@ -8,7 +8,8 @@ One InternodeBackend belongs to one Buffer whose topology has more than one NVLi
 
 Same methods and host-synchronisation rules as IntranodeBackend: only a fresh dispatch without
 num_worst_tokens waits (mapped mailbox) for the receive counts; cached dispatch, num_worst_tokens dispatch
-(CUDA-graph capturable), layout and combine never do. Timeouts name rank, phase and peer.
+(CUDA-graph capturable), layout and combine never do. Timeouts name rank, phase and peer. Cached calls run from
+native plans kept in the handle's HandleState, as the intranode backend's (the Buffer's fast path calls them).
 """
 from __future__ import annotations
 
@@ -20,18 +21,12 @@ import torch
 import torch.distributed as dist
 
 from .. import _ext
-from .. import config as _cfg
 from ..backend import Backend, Capabilities
 from ..config import Config, align_slot
 from ..handle import DispatchHandle
-from . import (buffer_view, check_topk, combine_row_bytes, current_stream_ptr, dispatch_inputs, recv_tensors,
-               row_geometry, timeout_message, wait_counts)
-from .intranode import (DEFAULT_TIMEOUT_S, TIMEOUT_ENV, _COMBINE_DTYPES, _DeviceMemory, combine_slot_bytes)
-
-# Tokens per warp chunk of the combine's forwarder and receiver (docs/internode.md), 1..32; unset or 0: from
-# the tokens per channel (<= 8). Read at backend creation; InternodeBackend.combine_chunk may be changed
-# between calls (tests): every chunk size drains the same rings and sums in the same order.
-COMBINE_CHUNK_ENV = "MOE_DISPATCHER_INTERNODE_COMBINE_CHUNK"
+from . import HandleState, buffer_view, recv_tensors, run_cached, timeout_message, wait_counts
+from .intranode import (COMBINE_DTYPES, DEFAULT_TIMEOUT_S, TIMEOUT_ENV, _columns, _contiguous, _DeviceMemory,
+                        _row_bytes, combine_slot_bytes)
 
 
 def dispatch_slot_bytes(hidden_bytes: int, num_scales: int, num_topk: int) -> int:
@@ -56,28 +51,22 @@ class InternodeBackend(Backend):
         self.num_nvl_bytes, self.num_rdma_bytes = buffer.num_nvl_bytes, buffer.num_rdma_bytes
         self._buffer_token = buffer._token
         self._buffer_cls = type(buffer)
-        self.capabilities = Capabilities(normal=True, combine_dtypes=frozenset(_COMBINE_DTYPES),
+        self.capabilities = Capabilities(normal=True, combine_dtypes=COMBINE_DTYPES,
                                          max_local_experts=self._mod.MAX_LOCAL_EXPERTS, devices=frozenset({"cuda"}))
-        if self._mod.RDMA_CONTROL_BYTES != _cfg.RDMA_CONTROL_BYTES or self._mod.NVL_CONTROL_BYTES != _cfg.NVL_CONTROL_BYTES:
-            raise RuntimeError("moe_dispatcher._C and moe_dispatcher.config disagree on the internode control sizes "
-                               "(rebuild the extension)")
         if self.num_ranks > self._mod.MAX_RANKS:
             raise ValueError(f"the internode kernels serve at most {self._mod.MAX_RANKS} ranks, got {self.num_ranks}")
         self.timeout_s = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
         if self.timeout_s <= 0:
             raise ValueError(f"{TIMEOUT_ENV} must be positive, got {self.timeout_s}")
         self._timeout_ns = int(self.timeout_s * 1e9)
-        self.combine_chunk = int(os.environ.get(COMBINE_CHUNK_ENV, "") or 0)
-        if not 0 <= self.combine_chunk <= 32:
-            raise ValueError(f"{COMBINE_CHUNK_ENV} must be in [0, 32] (0: automatic), got {self.combine_chunk}")
-        self._rdma_layout = _cfg.internode_rdma_layout(self.num_ranks, self.nvl_size, self.num_rdma_bytes)
-        self._nvl_layout = _cfg.internode_nvl_layout(self.num_ranks, self.nvl_size, self.num_nvl_bytes)
-        need = self._rdma_layout["rdma_recv_offset"] + 2 * self.num_domains * 128
+        # The buffers' layout, computed by the extension from the sizes (the kernels read the same one).
+        self._layout = self._mod.buffer_layout(self.num_ranks, self.nvl_size, self.num_rdma_bytes, self.num_nvl_bytes)
+        need = self._layout["rdma_recv_offset"] + 2 * self.num_domains * 128
         if self.num_rdma_bytes < need:
             raise ValueError(f"num_rdma_bytes={self.num_rdma_bytes} is too small for the internode kernels ({self.num_domains} "
                              f"NVLink domains need far more than {need}); size it with "
                              f"Config.get_rdma_buffer_size_hint(hidden_bytes, num_ranks, nvl_size)")
-        if self.num_nvl_bytes < self._nvl_layout["nvl_rings_offset"] + self.nvl_size * 128:
+        if self.num_nvl_bytes < self._layout["nvl_rings_offset"] + self.nvl_size * 128:
             raise ValueError(f"num_nvl_bytes={self.num_nvl_bytes} is too small for the internode kernels; size it with "
                              f"Config.get_nvl_buffer_size_hint")
         self.device = torch.device("cuda", torch.cuda.current_device())
@@ -86,6 +75,8 @@ class InternodeBackend(Backend):
         gathered: List[Optional[tuple]] = [None] * self.num_ranks
         dist.all_gather_object(gathered, (self._ipc.ipc_handle(), socket.gethostname()), group=self.group)
         self._ipc.open_peers([gathered[r][0] for r in topo.domain_ranks()])
+        # The Buffer's comm stream, with the events that join it to the caller's stream in cached calls.
+        self._comm = self._intra.CommStream(buffer.get_comm_stream())
         single_host = len({g[1] for g in gathered}) == 1  # only chooses NVSHMEM's transports (P2P here)
         from ..runtime import nvshmem
         self._state = nvshmem.bootstrap(self.group, self.device.index, single_host=single_host)
@@ -97,12 +88,8 @@ class InternodeBackend(Backend):
             raise
         self._rdma_raw = torch.as_tensor(_DeviceMemory(self._rdma_ptr, self.num_rdma_bytes), device=self.device)
         self._rdma_raw.zero_()  # every counter starts at 0 on every PE
-        layout = self._rdma_layout | self._nvl_layout
-        keys = ("rdma_msg_offset", "rdma_msg_staging_offset", "rdma_recv_offset", "rdma_send_offset",
-                "rdma_domain_bytes", "rdma_msg_ints", "nvl_msg_offset", "nvl_msg_ints", "nvl_rings_offset",
-                "nvl_src_block_bytes")
         self._ctx = self._mod.make_context(self._ipc, self._rdma_ptr, self.rank, self.num_ranks, self.nvl_size,
-                                           [int(layout[k]) for k in keys])
+                                           self.num_rdma_bytes)
         self._state.barrier()  # nobody sends before every PE zeroed its buffer
         torch.cuda.current_stream().synchronize()
         self._seq = 0
@@ -120,13 +107,10 @@ class InternodeBackend(Backend):
             self._broken = timeout_message(self.name, info, self.timeout_s, TIMEOUT_ENV)
             raise RuntimeError(self._broken)
 
-    @staticmethod
-    def _stream() -> int:
-        return current_stream_ptr()
-
-    @staticmethod
-    def _ptr(t: Optional[torch.Tensor]) -> int:
-        return 0 if t is None else t.data_ptr()
+    def refused(self) -> None:
+        """A plan did not launch: raise why (destroyed, or a timeout recorded)."""
+        self._check()
+        raise RuntimeError("moe_dispatcher internode: the launch was refused")
 
     def _geometry(self, config: Optional[Config], combine: bool, slot_bytes: int, channels: Optional[int] = None,
                   what: str = "dispatch") -> List[int]:
@@ -145,7 +129,7 @@ class InternodeBackend(Backend):
         if combine and (nvl_slots < nvl_chunk + 32 or rdma_slots < 64):
             raise ValueError("combine needs num_max_nvl_chunked_recv_tokens >= num_max_nvl_chunked_send_tokens + 32 "
                              "and num_max_rdma_chunked_recv_tokens >= 64")
-        nvl_block, rdma_block = self._nvl_layout["nvl_src_block_bytes"], self._rdma_layout["rdma_domain_bytes"]
+        nvl_block, rdma_block = self._layout["nvl_src_block_bytes"], self._layout["rdma_domain_bytes"]
         if c * nvl_slots * slot_bytes > nvl_block:
             raise ValueError(f"{what}: num_nvl_bytes={self.num_nvl_bytes} is too small for {c} channels x {nvl_slots} "
                              f"slots of {slot_bytes} bytes per local rank; size it with Config.get_nvl_buffer_size_hint")
@@ -165,8 +149,7 @@ class InternodeBackend(Backend):
         per_domain = torch.zeros(self.num_domains, dtype=torch.int32, device=dev)
         per_expert = torch.zeros(num_experts, dtype=torch.int32, device=dev)
         in_rank = torch.empty(t, r, dtype=torch.bool, device=dev)
-        self._mod.layout(topk_idx.data_ptr(), t, k, num_experts, r, self.nvl_size, per_rank.data_ptr(),
-                         per_domain.data_ptr(), per_expert.data_ptr(), in_rank.data_ptr(), self._stream())
+        self._mod.layout(topk_idx, num_experts, r, self.nvl_size, per_rank, per_domain, per_expert, in_rank)
         return per_rank, per_domain, per_expert, in_rank
 
     # ------------------------------------------------------------------ dispatch
@@ -177,8 +160,9 @@ class InternodeBackend(Backend):
         """Fresh dispatch; returns what ReferenceNormal.dispatch returns."""
         self._check()
         r = self.num_ranks
-        x, x_scales, topk_idx, topk_weights, hidden_bytes, num_scales, num_topk = dispatch_inputs(
-            x, x_scales, topk_idx, topk_weights, "internode", self._mod.MAX_TOPK)
+        x, x_scales, topk_idx, topk_weights = x.contiguous(), _contiguous(x_scales), _contiguous(topk_idx), \
+            _contiguous(topk_weights)
+        hidden_bytes, num_scales, num_topk = _row_bytes(x), _columns(x_scales), _columns(topk_idx)
         num_experts = num_tokens_per_expert.numel()
         local = num_experts // r
         geo = self._geometry(config, False, dispatch_slot_bytes(hidden_bytes, num_scales, num_topk))
@@ -193,10 +177,8 @@ class InternodeBackend(Backend):
         fwd_offset = torch.empty(self.num_domains, channels + 1, dtype=torch.int32, device=dev)
         self._seq = self._seq % 2_000_000_000 + 1
         seq = self._seq
-        self._mod.notify(self._ctx, self._timeout_ns, is_token_in_rank.data_ptr(), num_tokens_per_rank.data_ptr(),
-                         num_tokens_per_expert.data_ptr(), t, num_experts, channels, expert_alignment,
-                         num_worst_tokens, seq, prefix.data_ptr(), offsets.data_ptr(), fwd_offset.data_ptr(),
-                         self._stream())
+        self._mod.notify(self._ctx, self._timeout_ns, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert,
+                         channels, expert_alignment, num_worst_tokens, seq, prefix, offsets, fwd_offset)
         counts: List[int] = []
         num_recv: Optional[int] = None
         if num_worst_tokens:
@@ -212,38 +194,32 @@ class InternodeBackend(Backend):
         recv_x, recv_scales, recv_idx, recv_w, recv_src = recv_tensors(
             rows, x, x_scales, num_scales, num_topk if topk_idx is not None else None)
         fwd_mask = torch.zeros(max(fwd_capacity, 1), dtype=torch.int32, device=dev)
-        self._mod.dispatch(self._ctx, self._timeout_ns, x.data_ptr(), self._ptr(x_scales), self._ptr(topk_idx),
-                           self._ptr(topk_weights), is_token_in_rank.data_ptr(), offsets.data_ptr(),
-                           fwd_offset.data_ptr(), fwd_mask.data_ptr(), fwd_capacity, recv_x.data_ptr(),
-                           self._ptr(recv_scales), self._ptr(recv_idx), self._ptr(recv_w), recv_src.data_ptr(), t,
-                           hidden_bytes, num_scales, num_topk, local, rows, 1 if num_worst_tokens else 0, geo,
-                           self._stream())
+        self._mod.dispatch(self._ctx, self._timeout_ns, x, x_scales, topk_idx, topk_weights, is_token_in_rank, offsets,
+                           fwd_offset, fwd_mask, fwd_capacity, recv_x, recv_scales, recv_idx, recv_w, recv_src, local,
+                           bool(num_worst_tokens), geo)
         if topk_weights is None:
             recv_w = None
         handle = DispatchHandle(prefix, is_token_in_rank, recv_src, num_recv, t, num_worst_tokens, self.name,
-                                self._buffer_token, backend_state=(channels, offsets, fwd_offset, fwd_mask, fwd_capacity))
+                                self._buffer_token,
+                                backend_state=HandleState((channels, offsets, fwd_offset, fwd_mask, fwd_capacity)))
         return recv_x, recv_scales, recv_idx, recv_w, counts, handle
 
     def cached_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], handle: DispatchHandle,
                         config: Optional[Config] = None):
-        """Dispatch along the routing of `handle` with no count exchange and no host sync."""
+        """Dispatch along the routing of `handle` with no count exchange and no host sync, on the current stream."""
         self._check()
-        x = x.contiguous()
-        x_scales = x_scales.contiguous() if x_scales is not None else None
-        hidden_bytes, num_scales = row_geometry(x, x_scales, "internode")
-        channels, offsets, fwd_offset, _, _ = handle.backend_state
-        geo = self._geometry(config, False, dispatch_slot_bytes(hidden_bytes, num_scales, 0), channels,
+        x, x_scales = x.contiguous(), _contiguous(x_scales)
+        return run_cached(self, handle.backend_state.dispatch_plans, x_scales is not None, self._dispatch_plan, handle,
+                          x, x_scales, config)
+
+    def _dispatch_plan(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], handle: DispatchHandle,
+                       config: Optional[Config]):
+        """The checks of a cached dispatch, then its native plan."""
+        channels, offsets, fwd_offset, _, _ = handle.backend_state.routing
+        geo = self._geometry(config, False, dispatch_slot_bytes(_row_bytes(x), _columns(x_scales), 0), channels,
                              "cached dispatch")
-        rows = handle.recv_src_idx.shape[0]
-        dev = x.device
-        recv_x = torch.empty(rows, x.shape[1], dtype=x.dtype, device=dev)
-        recv_scales = (torch.empty(rows, num_scales, dtype=x_scales.dtype, device=dev)
-                       if x_scales is not None else None)
-        self._mod.dispatch(self._ctx, self._timeout_ns, x.data_ptr(), self._ptr(x_scales), 0, 0,
-                           handle.is_token_in_rank.data_ptr(), offsets.data_ptr(), fwd_offset.data_ptr(), 0, 0,
-                           recv_x.data_ptr(), self._ptr(recv_scales), 0, 0, 0, x.shape[0], hidden_bytes, num_scales,
-                           0, 1, rows, 1 if handle.num_worst_tokens else 0, geo, self._stream())
-        return recv_x, recv_scales
+        return self._mod.cached_dispatch(self._ctx, self._ipc, self._comm, self._timeout_ns, handle, offsets,
+                                         fwd_offset, x, x_scales, geo, config, self._buffer_cls.num_sms)
 
     # ------------------------------------------------------------------ combine
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
@@ -251,27 +227,35 @@ class InternodeBackend(Backend):
         """Reduce the rows of each source token in two hops; returns (combined_x, combined_topk_weights or None).
 
         Order: out = cast(bias0 + bias1 + sum over domains ascending of partial_domain), float32, where a
-        partial is the float32 sum of that domain's rows (ranks ascending) rounded to x.dtype, whatever
-        combine_chunk is (the same bits)."""
+        partial is the float32 sum of that domain's rows (ranks ascending) rounded to x.dtype."""
         self._check()
-        x = x.contiguous()
-        row_bytes = combine_row_bytes(x)
-        num_topk = check_topk(topk_weights, self._mod.MAX_TOPK, "combine:", "top-k weights per row")
-        if topk_weights is not None:
-            topk_weights = topk_weights.contiguous()
-        channels, offsets, fwd_offset, fwd_mask, fwd_capacity = handle.backend_state
-        geo = self._geometry(config, True, combine_slot_bytes(row_bytes, num_topk), channels, "combine")
+        x, topk_weights = x.contiguous(), _contiguous(topk_weights)
+        if not bias:
+            return run_cached(self, handle.backend_state.combine_plans, topk_weights is not None, self._combine_plan,
+                              handle, x, topk_weights, config)
+        # With a bias (rare: no plan, and the Buffer's fast path does not take it).
+        channels, offsets, fwd_offset, fwd_mask, fwd_capacity = handle.backend_state.routing
+        geo = self._geometry(config, True, combine_slot_bytes(_row_bytes(x), _columns(topk_weights)), channels,
+                             "combine")
         biases = [b.contiguous() for b in bias]
         t, dev = handle.num_tokens, x.device
         out = torch.empty(t, x.shape[1], dtype=x.dtype, device=dev)
-        out_w = torch.empty(t, num_topk, dtype=torch.float32, device=dev) if topk_weights is not None else None
-        self._mod.combine(self._ctx, self._timeout_ns, x.data_ptr(), self._ptr(topk_weights),
-                          self._ptr(biases[0] if len(biases) > 0 else None),
-                          self._ptr(biases[1] if len(biases) > 1 else None), handle.is_token_in_rank.data_ptr(),
-                          offsets.data_ptr(), fwd_offset.data_ptr(), fwd_mask.data_ptr(), fwd_capacity,
-                          out.data_ptr(), self._ptr(out_w), _COMBINE_DTYPES[x.dtype], t, x.shape[1], num_topk,
-                          x.shape[0], geo, self.combine_chunk, self._stream())
+        out_w = torch.empty(t, topk_weights.shape[1], dtype=torch.float32, device=dev) if topk_weights is not None \
+            else None
+        bias1 = biases[1] if len(biases) > 1 else None
+        self._mod.combine(self._ctx, self._timeout_ns, x, topk_weights, biases[0], bias1,
+                          handle.is_token_in_rank, offsets, fwd_offset, fwd_mask, fwd_capacity, out, out_w, geo)
         return out, out_w
+
+    def _combine_plan(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor], handle: DispatchHandle,
+                      config: Optional[Config]):
+        """The checks of a combine (x of a kernel dtype), then its native plan."""
+        channels, offsets, fwd_offset, fwd_mask, fwd_capacity = handle.backend_state.routing
+        geo = self._geometry(config, True, combine_slot_bytes(_row_bytes(x), _columns(topk_weights)), channels,
+                             "combine")
+        return self._mod.cached_combine(self._ctx, self._ipc, self._comm, self._timeout_ns, handle, offsets, fwd_offset,
+                                        fwd_mask, fwd_capacity, x, topk_weights, geo, config,
+                                        self._buffer_cls.num_sms)
 
     # ------------------------------------------------------------------ buffer access and lifetime
     def local_buffer_tensor(self, dtype: torch.dtype, size: Optional[Sequence[int]] = None, offset: int = 0,

@@ -1,0 +1,171 @@
+// Cached normal-mode calls as one native call each: the plan class both normal-mode bindings use.
+#pragma once
+
+#include <torch/extension.h>
+#include <pybind11/pybind11.h>
+
+#include <utility>
+#include <vector>
+
+#include "bindings/stream_join.h"
+#include "runtime/cuda_check.h"
+#include "runtime/ipc_buffer.h"
+
+namespace moe_dispatcher {
+
+// The plans of cached normal-mode calls (dispatch along a handle, combine), shared by the intranode and internode
+// bindings: one Python call each. A plan is made by the backend's full path after the call's checks passed
+// (moe_dispatcher/compiled/intranode.py, internode.py) and kept in the handle's state; it holds the kernel's
+// arguments with every field but the tensors' addresses filled in, the handle's routing tensors, and
+// what a later call must look like to pass the same checks. run() checks that at the boundary (the handle's
+// fields, the tensors' dtype / shape / device / contiguity, the config): anything else is "not mine" (None),
+// and the Buffer takes the full path, which validates, raises or makes a new plan. (That the handle is the
+// calling Buffer's, the Buffer checks before it calls.)
+
+// May the backend still launch? Not once the buffer is destroyed or a kernel recorded a timeout (sticky: the
+// Buffer is unusable from then on); the plans answer None and the full path raises the reason. (The device
+// writes the mailbox: read it through volatile, as timeout_info does.)
+inline bool usable(const IpcBuffer& b) {
+  if (!b.alive()) return false;
+  const volatile intranode::Mailbox* box = b.host_mailbox();
+  return box->timeout.status == 0;
+}
+
+// What a tensor argument of a plan must look like (and its output's shape): dtype and shape, on the plan's device,
+// contiguous.
+struct TensorSpec {
+  at::ScalarType dtype;
+  int64_t rows, cols;
+  bool matches(const at::Tensor& t, c10::DeviceIndex device) const {
+    return t.scalar_type() == dtype && t.dim() == 2 && t.size(0) == rows && t.size(1) == cols && t.is_cuda() &&
+           t.get_device() == device && t.is_contiguous();
+  }
+};
+
+// The fields of a DispatchHandle (moe_dispatcher/handle.py) a plan depends on, by position.
+enum HandleField : int {
+  kIsTokenInRank = 1,
+  kRecvSrcIdx = 2,
+  kNumTokens = 4,
+  kNumWorstTokens = 5,
+  kHandleFields = 9
+};
+
+// What a plan runs: a dispatch (x, FP8 scales -> recv_x, recv_scales) or a combine (x, top-k weights -> out,
+// out_topk_weights). The Args of both backends name these fields alike.
+enum class CallKind { kDispatch, kCombine };
+
+// The plan of one cached call. Args: a DispatchArgs or CombineArgs whose every field but the four tensors of the
+// call is set (routing included: `routing` keeps those tensors alive); `input` / `aux` (FP8 scales of a
+// dispatch, top-k weights of a combine; none: the call has none) describe the arguments; `output` /
+// `aux_output` the outputs. `buffer`: the IpcBuffer whose mailbox records the backend's timeouts.
+template <class Args, void (*Launch)(const Args&, cudaStream_t), CallKind kKind>
+class CachedCall {
+ public:
+  CachedCall(const IpcBuffer& b, const CommStream& comm, const pybind11::tuple& handle,
+             std::vector<at::Tensor> routing, const Args& a, TensorSpec input, c10::optional<TensorSpec> aux,
+             TensorSpec output, c10::optional<TensorSpec> aux_output, pybind11::object config, int num_sms)
+      : a_(a), buffer_(&b), comm_(&comm), input_(input), aux_(aux), output_(output), aux_output_(aux_output),
+        config_(std::move(config)), num_sms_(num_sms), routing_(std::move(routing)) {
+    MOE_CHECK(handle.size() == kHandleFields, "a cached call needs a DispatchHandle");
+    is_token_in_rank_ = handle[kIsTokenInRank];
+    recv_src_idx_ = handle[kRecvSrcIdx];
+    num_tokens_ = handle[kNumTokens].cast<int64_t>();
+    num_worst_tokens_ = handle[kNumWorstTokens].cast<int64_t>();
+  }
+
+  // The call: (output, aux output or None, CommEvent or None), or None when the arguments are not those the plan
+  // was made for, or the backend may no longer launch. join (Join): kJoinNone launches on the current stream
+  // (the full path, inside the Buffer's stream scope); kJoinBoth / kJoinBefore launch on the comm stream, joined
+  // to the caller's (a synchronous call / async_finish). Outputs are allocated on the current stream: the
+  // caller's (fast path) or the comm stream the Buffer made current (full path, which records them on the
+  // caller's stream afterwards).
+  pybind11::object run(const pybind11::handle& handle, const at::Tensor& x, const c10::optional<at::Tensor>& aux,
+                       const pybind11::handle& config, int num_sms, int join) {
+    if (!matches(handle, x, aux, config, num_sms) || !usable(*buffer_)) return pybind11::none();
+    MOE_CHECK(join >= kJoinNone && join <= kJoinBoth, "bad stream join");
+    const c10::DeviceIndex device = comm_->device();
+    const c10::cuda::CUDAGuard guard(device);
+    const c10::cuda::CUDAStream caller = current_stream(device);
+    if (join != kJoinNone) comm_->wait_for(caller);
+    at::Tensor out = at::empty({output_.rows, output_.cols}, x.options().dtype(output_.dtype));
+    c10::optional<at::Tensor> aux_out;
+    if (aux_output_.has_value()) {
+      aux_out = at::empty({aux_output_->rows, aux_output_->cols}, x.options().dtype(aux_output_->dtype));
+    }
+    set_tensors(a_, x, aux, out, aux_out);
+    const c10::cuda::CUDAStream& stream = join == kJoinNone ? caller : comm_->stream();
+    Launch(a_, stream.stream());
+    pybind11::object event = pybind11::none();
+    if (join == kJoinBoth) {
+      comm_->then(caller);
+    } else if (join == kJoinBefore) {
+      // The comm stream uses the inputs and outputs until the event: a free before it must not hand their
+      // blocks to other work (the EventOverlap also keeps them referenced).
+      record_on(x, stream);
+      record_on(out, stream);
+      if (aux.has_value()) record_on(*aux, stream);
+      if (aux_out.has_value()) record_on(*aux_out, stream);
+      event = pybind11::cast(CommEvent(stream));
+    }
+    pybind11::object aux_result = aux_out.has_value() ? pybind11::cast(std::move(*aux_out)) : pybind11::none();
+    return pybind11::make_tuple(std::move(out), std::move(aux_result), std::move(event));
+  }
+
+ private:
+  bool matches(const pybind11::handle& handle, const at::Tensor& x, const c10::optional<at::Tensor>& aux,
+               const pybind11::handle& config, int num_sms) const {
+    if (!PyTuple_Check(handle.ptr()) || PyTuple_GET_SIZE(handle.ptr()) != kHandleFields) return false;
+    PyObject* h = handle.ptr();
+    if (PyTuple_GET_ITEM(h, kIsTokenInRank) != is_token_in_rank_.ptr() ||
+        PyTuple_GET_ITEM(h, kRecvSrcIdx) != recv_src_idx_.ptr() ||
+        PyLong_AsLongLong(PyTuple_GET_ITEM(h, kNumTokens)) != num_tokens_ ||
+        PyLong_AsLongLong(PyTuple_GET_ITEM(h, kNumWorstTokens)) != num_worst_tokens_) {
+      PyErr_Clear();  // a field that is no int reads as -1 with an error set: not this plan's
+      return false;
+    }
+    // The config: the same object (None: the Buffer's default for num_sms, so num_sms as well), or an equal one.
+    if (config.is_none() != config_.is_none()) return false;
+    if (config.is_none()) {
+      if (num_sms != num_sms_) return false;
+    } else if (config.ptr() != config_.ptr()) {
+      const int equal = PyObject_RichCompareBool(config.ptr(), config_.ptr(), Py_EQ);
+      if (equal != 1) {
+        PyErr_Clear();
+        return false;
+      }
+    }
+    const c10::DeviceIndex device = comm_->device();
+    if (!input_.matches(x, device) || aux.has_value() != aux_.has_value()) return false;
+    return !aux.has_value() || aux_->matches(*aux, device);
+  }
+
+  static void set_tensors(Args& a, const at::Tensor& x, const c10::optional<at::Tensor>& aux, const at::Tensor& out,
+                          const c10::optional<at::Tensor>& aux_out) {
+    a.x = data_of<const uint8_t>(x);
+    if constexpr (kKind == CallKind::kDispatch) {
+      a.scales = data_of<const int32_t>(aux);
+      a.recv_x = data_of<uint8_t>(out);
+      a.recv_scales = data_of<int32_t>(aux_out);
+    } else {
+      a.topk_weights = data_of<const float>(aux);
+      a.out = data_of<uint8_t>(out);
+      a.out_topk_weights = data_of<float>(aux_out);
+    }
+  }
+
+  Args a_;
+  const IpcBuffer* buffer_;
+  const CommStream* comm_;
+  TensorSpec input_;
+  c10::optional<TensorSpec> aux_;
+  TensorSpec output_;
+  c10::optional<TensorSpec> aux_output_;
+  pybind11::object config_;
+  int num_sms_;
+  pybind11::object is_token_in_rank_, recv_src_idx_;  // compared by identity: a handle with other routing is not mine
+  int64_t num_tokens_ = 0, num_worst_tokens_ = 0;
+  std::vector<at::Tensor> routing_;  // the handle's tensors whose addresses a_ holds: kept alive with the plan
+};
+
+}  // namespace moe_dispatcher
