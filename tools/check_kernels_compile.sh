@@ -66,7 +66,7 @@ check_one() {  # $1 = source file; prints the compiler output, returns its statu
   local src=$1 extra=()
   if needs_torch "$src"; then
     [[ ${#TORCH_INCLUDES[@]} -gt 0 ]] || { echo "$src includes torch/pybind11 headers but torch is not importable"; return 1; }
-    extra=("${TORCH_INCLUDES[@]}" "-I$PY_INCLUDE")
+    extra=("${TORCH_INCLUDES[@]}" "-I$PY_INCLUDE" "-I$tmp/shim")
   fi
   case "$src" in
     *.cu)
@@ -88,6 +88,10 @@ fi
 
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
+# A CPU torch ships the c10/cuda headers but not the build-generated one they include; its CUDA
+# builds define only the shared-library flag there. Searched after torch's own include dirs.
+mkdir -p "$tmp/shim/c10/cuda/impl"
+printf '#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n' >"$tmp/shim/c10/cuda/impl/cuda_cmake_macros.h"
 for i in "${!files[@]}"; do
   while (( $(jobs -rp | wc -l) >= JOBS )); do wait -n; done
   (
