@@ -1,11 +1,11 @@
 """GPU smoke test of the build: moe_dispatcher._C loads and its NVSHMEM device state works.
 
-Run on one host with >= 2 GPUs, once per bootstrap path:
+Run on one host with >= 2 GPUs:
 
-    MOE_DISPATCHER_NVSHMEM_BOOTSTRAP=nvshmem4py torchrun --nproc_per_node 2 tools/gpu_smoke.py
-    MOE_DISPATCHER_NVSHMEM_BOOTSTRAP=extension  torchrun --nproc_per_node 2 tools/gpu_smoke.py
+    torchrun --nproc_per_node 2 tools/gpu_smoke.py
 
-(unset = nvshmem4py when importable, else the extension's own init). Each rank prints PASS/FAIL
+(NVSHMEM comes up through nvshmem4py when it is importable, else the extension's own init; uninstall
+nvshmem4py to exercise the second path). Each rank prints PASS/FAIL
 per step; the exit status is non-zero if any step failed on any rank. A watchdog ends a hung run
 (MOE_SMOKE_TIMEOUT seconds, default 300).
 """

@@ -74,9 +74,6 @@ def parser() -> argparse.ArgumentParser:
                    "(512,1024,2048,4096,8192)")
     g.add_argument("--ll-tokens", type=int, default=None, help="low-latency tokens per rank (128)")
     g.add_argument("--ll-experts", type=_ints, default=None, help="low-latency expert counts (256,32)")
-    g.add_argument("--ll-variants", type=_ints, default=None,
-                   help="low-latency kernel variants to time side by side (bits of MOE_DISPATCHER_LL_VARIANT; "
-                        "default: the environment's)")
     g.add_argument("--ll-reductions", type=_names, default=["per_rank", "per_expert"],
                    help="low-latency combine reduction orders to time side by side (Buffer "
                         "low_latency_combine_reduction; default: per_rank,per_expert)")

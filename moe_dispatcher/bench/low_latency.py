@@ -37,26 +37,17 @@ def run(ctx: Context) -> None:
             f"{o.iters} timed calls after {o.warmup} warm-up; NVSHMEM buffer {rdma / 2**20:.0f} MiB")
     buffer = Buffer(ctx.group, 0, rdma, low_latency_mode=True, backend=o.backend)
     failed = []
-    kernels = getattr(buffer, "_kernels_ll", None)
-    variants: List[Optional[int]] = [None]
-    if getattr(o, "ll_variants", None):
-        if kernels is None or not hasattr(kernels, "set_variant"):
-            ctx.note("--ll-variants ignored: the low-latency kernels are not in use")
-        else:
-            variants = list(o.ll_variants)
     reductions = list(getattr(o, "ll_reductions", None) or ["per_rank"])
-    cases = [(e, v, red) for e in experts for v in variants for red in reductions]
+    cases = [(e, red) for e in experts for red in reductions]
     try:
-        for e, v, red in cases:
+        for e, red in cases:
             try:
                 if ctx.device.type == "cuda":
                     torch.cuda.synchronize()
-                if v is not None:
-                    kernels.set_variant(v)
                 buffer.low_latency_combine_reduction = red
-                one(ctx, buffer, e, v, nccl=(v is None or v == variants[0]) and red == reductions[0], reduction=red)
+                one(ctx, buffer, e, nccl=red == reductions[0], reduction=red)
             except (ValueError, RuntimeError, NotImplementedError) as exc:
-                failed.append(f"{e} ({red})" if v is None else f"{e} (variant {v}, {red})")
+                failed.append(f"{e} ({red})")
                 ctx.note(f"low-latency E={e} failed: {type(exc).__name__}: {exc}")
                 if o.backend == "kernels":
                     break
@@ -68,9 +59,8 @@ def run(ctx: Context) -> None:
         raise RuntimeError(f"low-latency cases failed for E={failed} (see the notes)")
 
 
-def one(ctx: Context, buffer: Buffer, num_experts: int, variant: Optional[int] = None, nccl: bool = True,
-        reduction: str = "per_rank") -> None:
-    """One expert count; `variant`: the kernel variant timed (labels the records); `nccl`: time the baseline too;
+def one(ctx: Context, buffer: Buffer, num_experts: int, nccl: bool = True, reduction: str = "per_rank") -> None:
+    """One expert count; `nccl`: time the baseline too;
     `reduction`: the combine's order (the Buffer is set to it; labels the records)."""
     o, dev, g, me, r = ctx.opts, ctx.device, ctx.group, ctx.rank, ctx.num_ranks
     t, h, k = o.ll_tokens, o.hidden, o.topk
@@ -117,9 +107,6 @@ def one(ctx: Context, buffer: Buffer, num_experts: int, variant: Optional[int] =
     fields = {"section": "low-latency", "tokens": t, "hidden": h, "num_experts": num_experts, "topk": k,
               "dtype": "fp8 dispatch / bf16 combine", "reduction": reduction}
     tag = f" {reduction}"
-    if variant is not None:
-        fields["variant"] = variant
-        tag += f" v{variant}"
     ctx.say(f"  E={num_experts}{tag}: backend {backend}; rank {me} sends {sel} selections ({to_peers} to peers)")
 
     # NCCL: the same messages with all_to_all_single (dispatch rows of `msg` bytes, combine rows of 2H bytes)
