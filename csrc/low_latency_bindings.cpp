@@ -323,7 +323,7 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   at::Tensor next_combine_buffer(const py::object& handle) {
     check_usable();
     const DispatchState& s = state_of(handle);
-    const Plan& p = plan(s.max_tokens, s.hidden, s.num_experts, 1);
+    const Plan& p = plan(s.max_tokens, s.hidden, s.num_experts, 1, /*clean_on_change=*/false);
     const size_t begin = next_half_ * p.layout.half_bytes + p.layout.send_off;
     const int64_t rows = p.rows, h = s.hidden;
     return carve(raw_, begin, at::kBFloat16, {p.local, rows, h}, {rows * h, h, 1});
