@@ -1,6 +1,9 @@
 """Build script: the moe_dispatcher package, plus the moe_dispatcher._C CUDA extension when possible.
 
-How the build decides (docs/build.md has the long version):
+moe_dispatcher._layout (the low-latency buffer layout, a tiny CUDA-free module) is built on every install that
+has a C++ compiler, whatever happens to the CUDA extension.
+
+How the CUDA extension build decides (docs/build.md has the long version):
   * MOE_DISPATCHER_BUILD_EXT=0        never build the extension (pure Python install);
   * MOE_DISPATCHER_BUILD_EXT=1        build it or fail with the reason;
   * unset / auto                      build it when torch is a CUDA build, nvcc exists and NVSHMEM
@@ -201,7 +204,7 @@ def _layout_extension():
         "moe_dispatcher._layout",
         sources=["csrc/layout/ll_layout_module.cpp"],
         include_dirs=[os.path.join(ROOT, "csrc")],
-        extra_compile_args=CXX_FLAGS,
+        extra_compile_args=list(CXX_FLAGS),  # a copy: torch's BuildExtension appends to it
         language="c++",
         optional=True,
     )
