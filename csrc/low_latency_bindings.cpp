@@ -25,6 +25,7 @@
 #include <torch/extension.h>
 
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -96,7 +97,7 @@ class Runtime;
 // src_info and layout_range, plus row_of: [l][s*maxT + t] = the row of source s's token t at local
 // expert l, for the per-rank combine) and what combine checks its arguments against.
 struct DispatchState {
-  const Runtime* owner;
+  uint64_t owner;  // Runtime::id_ of the runtime that made it (ids are never reused, addresses could be)
   at::Tensor src_info, row_of, layout_range;  // int32 [L, R*maxT], int32 [L, R*maxT], int64 [L, R]
   int max_tokens, hidden, num_experts, num_tokens, half;
 };
@@ -253,7 +254,7 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
     a.cumulative_recv_stats = cum_stats ? cum_stats->data_ptr<int>() : nullptr;
     a.wait_stats = wait_stats ? wait_stats->data_ptr<int64_t>() : nullptr;
 
-    auto state = std::make_shared<DispatchState>(DispatchState{this, src_info, row_of, layout_range,
+    auto state = std::make_shared<DispatchState>(DispatchState{id_, src_info, row_of, layout_range,
                                                                p.max_tokens, h, p.num_experts, t, half});
     py::object handle = handle_cls_(src_info, layout_range, p.max_tokens, h, p.num_experts, "low_latency",
                                     buffer_token_, py::cast(state), t);
@@ -545,11 +546,13 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
       throw py::type_error("handle must be a LowLatencyHandle returned by this Buffer's low_latency_dispatch");
     }
     const DispatchState& s = state.cast<const DispatchState&>();
-    if (s.owner != this)
+    if (s.owner != id_)
       fail("handle was made by another Buffer; pass the handle this Buffer's dispatch returned");
     return s;
   }
 
+  static inline std::atomic<uint64_t> next_id_{1};
+  const uint64_t id_ = next_id_++;
   at::Tensor raw_, peer_bases_, workspace_, trace_;
   size_t num_bytes_;
   int rank_, num_ranks_, device_, num_blocks_;
