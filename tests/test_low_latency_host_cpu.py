@@ -148,3 +148,34 @@ def test_destroyed_buffer_refuses_calls(world):
     w.buf.destroy()
     with pytest.raises(RuntimeError, match="destroyed"):
         _pair(w)
+
+
+def test_stub_and_buffer_call_the_native_signatures():
+    """The stub's methods, the Backend protocol and the native runtime (its docstrings in
+    csrc/low_latency_bindings.cpp) take the same arguments in the same order, which is what Buffer passes."""
+    import inspect
+    import os
+    import re
+
+    from stub_low_latency import StubRuntime
+
+    from moe_dispatcher.backend import Backend
+    src = open(os.path.join(os.path.dirname(__file__), "..", "csrc", "low_latency_bindings.cpp")).read()
+    src = re.sub(r'"\s*"', "", src)  # C++ string literals continued on the next line
+    for name, proto in (("dispatch", Backend.low_latency_dispatch), ("combine", Backend.low_latency_combine)):
+        native = re.search(rf'"{name}\(([^)]*)\)', src).group(1).split(", ")
+        stub = list(inspect.signature(getattr(StubRuntime, name)).parameters)[1:]
+        proto_args = list(inspect.signature(proto).parameters)[1:]
+        assert len(native) == len(stub) == len(proto_args), (name, native, stub, proto_args)
+        assert native == stub, (name, native, stub)
+
+
+def test_ll_host_cpu_tool_runs():
+    import os
+    import subprocess
+    import sys
+    tool = os.path.join(os.path.dirname(__file__), "..", "tools", "ll_host_cpu.py")
+    out = subprocess.run([sys.executable, tool, "--calls", "2000", "--hidden", "1024", "--tokens", "16",
+                          "--experts", "16"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "buffer.low_latency_dispatch" in out.stdout and "us" in out.stdout
