@@ -188,7 +188,8 @@ class ReferenceLowLatency(Backend):
     # ------------------------------------------------------------------ the exchanges
     def dispatch_rows(self, x: torch.Tensor, topk_idx: torch.Tensor, max_tokens: int, num_experts: int,
                       use_fp8: bool, round_scale: bool, use_ue8m0: bool):
-        """The dispatch exchange (synchronous). Returns (recv_x or (fp8, scales), recv_count int32[L], handle, nanoseconds spent exchanging)."""
+        """The dispatch exchange (synchronous). Returns (recv_x or (fp8, scales), recv_count int32[L], handle,
+        nanoseconds spent exchanging)."""
         from ..handle import LowLatencyHandle
 
         r = self.num_ranks
@@ -240,8 +241,9 @@ class ReferenceLowLatency(Backend):
 
     def combine_rows(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle,
                      out: Optional[torch.Tensor], rank_partials: bool = False) -> Tuple[torch.Tensor, int]:
-        """The combine exchange (synchronous): out[t] = bf16(sum_k w[t,k] * row(t, k)), products rounded to float32 before each addition; with
-        rank_partials the per-rank order (weighted_sum_per_rank). Returns (out, nanoseconds exchanging)."""
+        """The combine exchange (synchronous): out[t] = bf16(sum_k w[t,k] * row(t, k)), products rounded to
+        float32 before each addition; with rank_partials the per-rank order (weighted_sum_per_rank). Returns
+        (out, nanoseconds exchanging)."""
         r, me = self.num_ranks, self.rank
         local = x.shape[0]
         dev = x.device
