@@ -92,7 +92,8 @@ __device__ __forceinline__ void signal_peer(const Common& c, int* local_word, in
 // and returns `on_timeout` instead of trapping: the caller picks a value that makes the rest of the
 // kernel do no work for that peer (a count of 0, "no message"), so the kernel ends, the CUDA context
 // survives, and the runtime raises on this rank's next call. Once the claim word is set every later
-// wait (of this kernel or a later one) gives up at once, so one missing peer costs one timeout.
+// wait (of this kernel or a later one) gives up within 64 polls (a spin reads the claim every 64th
+// poll only), so one missing peer costs one timeout.
 __device__ __forceinline__ Watchdog wait_watchdog(const Common& c) {
   return make_watchdog(c.timeout_ns, c.rank, c.workspace + kWsTimeoutClaim, c.timeout);
 }
@@ -107,8 +108,8 @@ __device__ __forceinline__ int wait_signal(const Common& c, const int* word, int
   int v = ld_acquire_sys(word);
   if (v != 0) return v;
   const Watchdog dog = wait_watchdog(c);
-  while ((v = ld_acquire_sys(word)) == 0) {
-    if (timed_out_before(c) || dog.expired(phase, peer)) return on_timeout;
+  for (unsigned spins = 1; (v = ld_acquire_sys(word)) == 0; ++spins) {
+    if (((spins & 63) == 0 && timed_out_before(c)) || dog.expired(phase, peer)) return on_timeout;
   }
   return v;
 }
@@ -122,9 +123,9 @@ __device__ __forceinline__ int wait_flag(const Common& c, const int* word, int p
                                          unsigned sleep_ns, int on_timeout) {
   if (ld_relaxed_sys(word) == 0) {
     const Watchdog dog = wait_watchdog(c);
-    while (ld_relaxed_sys(word) == 0) {
+    for (unsigned spins = 1; ld_relaxed_sys(word) == 0; ++spins) {
       if (sleep_ns) __nanosleep(sleep_ns);
-      if (timed_out_before(c) || dog.expired(phase, peer)) return on_timeout;
+      if (((spins & 63) == 0 && timed_out_before(c)) || dog.expired(phase, peer)) return on_timeout;
     }
   }
   return ld_acquire_sys(word);
