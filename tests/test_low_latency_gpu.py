@@ -191,6 +191,12 @@ def _cases_worker(rank: int, num_ranks: int, nvlink: bool) -> None:
     inputs = {}  # case index -> (every rank's x, their FP8 casts): the same under every configuration
     kb = _kernel_buffer(nvlink)
     rb = _reference_buffer(kb.num_rdma_bytes)
+    with case("the kernels the runtime picks"):
+        ll = kb._kernels_ll
+        want = {True: ("dedup+rank_combine", "per_expert"), False: ("per_expert", "per_expert")}[nvlink]
+        got = (ll.kernels_for(MAX_T, 2048, 32), ll.kernels_for(MAX_T, 2048, num_ranks))  # L >= 2, L = 1
+        assert got == want, (nvlink, got)
+        assert (ll.nvlink_peers == num_ranks) == nvlink, ll.nvlink_peers
     for reduction in [red for nv, red in CONFIGS if nv == nvlink]:
         label = _use((kb, rb), reduction, MAX_E)
         for ci, c in enumerate(CASES):
