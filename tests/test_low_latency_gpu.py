@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import time
 
 import oracle
 import pytest
@@ -373,7 +374,6 @@ TIMEOUT_S = 2
 
 
 def _timeout_worker(rank: int, num_ranks: int) -> None:
-    import time
     dev = device()
     kb = _kernel_buffer()
     h, e, k = 2048, 32, 4
@@ -430,13 +430,22 @@ def _bench_worker(rank: int, num_ranks: int, num_experts: int, iterations: int) 
         kb.low_latency_combine(y, idx, w, handle)
         ev[2].record()
     torch.cuda.synchronize()
+    # Host time of an eager pair: the CPU's enqueue time only (400 launches stay under the launch queue's
+    # depth, so the host never waits for the GPU here).
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(iterations):
+        handle = kb.low_latency_dispatch(x, idx, t, num_experts, use_fp8=True)[2]
+        kb.low_latency_combine(y, idx, w, handle)
+    host_us = (time.perf_counter() - start) / iterations * 1e6
+    torch.cuda.synchronize()
     d = sorted(a.elapsed_time(b) * 1e3 for a, b, _ in events)
     c = sorted(b.elapsed_time(cc) * 1e3 for _, b, cc in events)
     both = sorted(a.elapsed_time(cc) * 1e3 for a, _, cc in events)
     valid = int((idx >= 0).sum())
     result = {"ranks": num_ranks, "experts": num_experts, "dispatch_us_median": d[len(d) // 2],
               "combine_us_median": c[len(c) // 2], "both_us_median": both[len(both) // 2],
-              "dispatch_us_mean": sum(d) / len(d), "combine_us_mean": sum(c) / len(c),
+              "dispatch_us_mean": sum(d) / len(d), "combine_us_mean": sum(c) / len(c), "host_us_per_pair": host_us,
               "dispatch_bytes": valid * (h + h // 128 * 4 + 16), "combine_bytes": valid * 2 * h}
     dist.barrier()
     kb.destroy()
@@ -478,8 +487,8 @@ def test_low_latency_normal_switch(world_size: int) -> None:
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("num_experts", [256, 32])
 def test_low_latency_timing(world_size: int, num_experts: int) -> None:
-    """Timing of the standard low-latency shape (128 tokens, H=7168, top-8, FP8 dispatch); reports, never fails
-    on speed. MOE_LL_BENCH_OUT=path appends the figures as JSON lines."""
+    """Timing of the standard low-latency shape (128 tokens, H=7168, top-8, FP8 dispatch), and the host time of
+    an eager pair (host_us_per_pair); reports, never fails on speed. MOE_LL_BENCH_OUT=path appends the figures as JSON lines."""
     result = run_distributed(_bench_worker, world_size, num_experts, 200, backend="nccl")[0]
     print(f"\nlow-latency {world_size} GPUs E={num_experts}: " + json.dumps(result))
     path = os.environ.get("MOE_LL_BENCH_OUT")
