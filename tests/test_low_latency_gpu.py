@@ -488,7 +488,8 @@ def test_low_latency_normal_switch(world_size: int) -> None:
 @pytest.mark.parametrize("num_experts", [256, 32])
 def test_low_latency_timing(world_size: int, num_experts: int) -> None:
     """Timing of the standard low-latency shape (128 tokens, H=7168, top-8, FP8 dispatch), and the host time of
-    an eager pair (host_us_per_pair); reports, never fails on speed. MOE_LL_BENCH_OUT=path appends the figures as JSON lines."""
+    an eager pair (host_us_per_pair); reports, never fails on speed. MOE_LL_BENCH_OUT=path appends the figures
+    as JSON lines."""
     result = run_distributed(_bench_worker, world_size, num_experts, 200, backend="nccl")[0]
     print(f"\nlow-latency {world_size} GPUs E={num_experts}: " + json.dumps(result))
     path = os.environ.get("MOE_LL_BENCH_OUT")
