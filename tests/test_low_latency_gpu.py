@@ -213,6 +213,17 @@ def _cases_worker(rank: int, num_ranks: int, nvlink: bool) -> None:
         recv, _, handle, _, _ = kb.low_latency_dispatch(x, idx, MAX_T, e, use_fp8=False)
         assert_equal(kb.low_latency_combine(recv, idx, w, handle)[0], _local_combine(x, idx, w, e, num_ranks),
                      "combine after clean", bitwise=True)
+    with case(f"{_use((kb, rb), 'per_rank', 32)} more tokens than blocks (maxT=512: several tokens per block)"):
+        t, h, e = 512, 2048, 32
+        x = torch.randn(t, h, device=dev).to(torch.bfloat16)
+        idx = torch.rand(t, e, device=dev).topk(8, dim=1).indices
+        w = torch.rand(t, 8, device=dev)
+        for reduction in ("per_rank", "per_expert"):
+            kb.low_latency_combine_reduction = reduction
+            recv, _, handle, _, _ = kb.low_latency_dispatch(x, idx, t, e, use_fp8=False)
+            assert_equal(kb.low_latency_combine(recv, idx, w, handle)[0],
+                         _local_combine(x, idx, w, e, num_ranks, reduction), f"maxT=512 {reduction}", bitwise=True)
+        kb.low_latency_combine_reduction = "per_rank"
     with case("bad shapes: a clear error before launch (first call and cached key alike)"):
         x = torch.zeros(1, 2048, dtype=torch.bfloat16, device=dev)
         idx = torch.zeros(1, 8, dtype=torch.int64, device=dev)
