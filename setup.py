@@ -1,6 +1,9 @@
 """Build script: the moe_dispatcher package, plus the moe_dispatcher._C CUDA extension when possible.
 
-How the build decides (docs/build.md has the long version):
+moe_dispatcher._layout (the low-latency buffer layout, a tiny CUDA-free module) is built on every install that
+has a C++ compiler, whatever happens to the CUDA extension.
+
+How the CUDA extension build decides (docs/build.md has the long version):
   * MOE_DISPATCHER_BUILD_EXT=0        never build the extension (pure Python install);
   * MOE_DISPATCHER_BUILD_EXT=1        build it or fail with the reason;
   * unset / auto                      build it when torch is a CUDA build, nvcc exists and NVSHMEM
@@ -209,6 +212,22 @@ def _cuda_extension():
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
 
 
+def _layout_extension():
+    """moe_dispatcher._layout: the low-latency buffer layout (csrc/kernels/low_latency/layout.h) as a tiny
+    CUDA-free, torch-free CPython module, built on every install that has a C++ compiler (optional: a failed
+    build leaves it out and Buffer.get_low_latency_rdma_size_hint says so)."""
+    from setuptools import Extension
+
+    return Extension(
+        "moe_dispatcher._layout",
+        sources=["csrc/layout/ll_layout_module.cpp"],
+        include_dirs=[os.path.join(ROOT, "csrc")],
+        extra_compile_args=list(CXX_FLAGS),  # a copy: torch's BuildExtension appends to it
+        language="c++",
+        optional=True,
+    )
+
+
 def _packages() -> tuple[list[str], dict[str, str]]:
     """moe_dispatcher and its subpackages, plus integrations/ installed as moe_dispatcher.integrations.
 
@@ -229,6 +248,7 @@ def _packages() -> tuple[list[str], dict[str, str]]:
 if __name__ == "__main__":
     packages, package_dir = _packages()
     ext_modules, cmdclass = _cuda_extension() if _should_build_extension() else ([], {})
+    ext_modules = [_layout_extension(), *ext_modules]
     setup(
         packages=packages,
         package_dir=package_dir,

@@ -1,11 +1,37 @@
-// Python bindings of the low-latency (NVSHMEM) backend: the `low_latency` submodule of _C.
-// Glue only. Tensors cross as raw device addresses (ints) and streams as cudaStream_t ints;
-// moe_dispatcher/compiled/low_latency.py allocates and validates every tensor before calling in.
+// The low-latency (NVSHMEM) runtime: the `low_latency` submodule of _C.
+//
+// One LowLatencyRuntime per compiled low-latency backend (moe_dispatcher/compiled/low_latency.py makes
+// it once NVSHMEM is up and the symmetric buffer allocated). Each Buffer.low_latency_dispatch /
+// low_latency_combine is ONE call into it: it checks the tensors' invariants against the call's plan
+// (device, dtype, contiguity, sizes; the user-facing validation ran in Python on the first call of
+// the shape), takes the buffer half, allocates the outputs (one allocation per call, on the current
+// stream), launches the kernel on the current stream (or on the comm stream with async_finish, or
+// the send half now and the receive half in the returned hook), and returns the outputs. The plan
+// of a shape (layout of a buffer half, the kernels chosen, the launch context) is built once.
+//
+// Kernels chosen per plan (no switch, low_latency.h): the dedup dispatch and, for the per-rank
+// reduction order, the per-rank combine when every peer is reachable through NVLink and there are two
+// local experts or more; the per-expert kernels otherwise.
+//
+// Timeouts: the kernels record the first timed-out wait in a host-mapped TimeoutRecord this runtime
+// allocates, and exit. Every later call (hooks included) raises a RuntimeError naming the waiting rank,
+// the phase and the peer, and the runtime stays unusable.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 #include <pybind11/pybind11.h>
+#include <torch/extension.h>
 
+#include <array>
+#include <atomic>
 #include <cstdint>
+#include <memory>
+#include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "bindings.h"
 #include "kernels/low_latency/low_latency.h"
@@ -17,115 +43,572 @@ namespace moe_dispatcher {
 namespace {
 
 using namespace low_latency;
+using OptTensor = std::optional<at::Tensor>;
 
-// The launcher of one (buffer half, shapes, variant) of a backend: the fields every launch shares,
-// checked once when it is made; its methods take only what changes between calls (addresses, sizes,
-// flags, stream), as positional arguments (the per-call host cost is the point: docs/low_latency.md).
-class Launcher {
+constexpr int kTraceKinds = 2;  // trace records: [kind (0 dispatch, 1 combine)][half][kTraceWords]
+constexpr size_t kCarveAlign = 256;
+
+size_t align_up(size_t n) { return (n + kCarveAlign - 1) / kCarveAlign * kCarveAlign; }
+
+[[noreturn]] void fail(const std::string& what) { throw std::runtime_error(what); }
+[[noreturn]] void bad_value(const std::string& what) { throw py::value_error(what); }
+
+// A typed view of `base`'s storage from byte `offset` with explicit sizes and strides (elements). Made
+// without the dispatcher (the per-call cost of view/as_strided is the point of carving one allocation).
+at::Tensor carve(const at::Tensor& base, size_t offset, at::ScalarType dtype, c10::IntArrayRef sizes,
+                 c10::IntArrayRef strides) {
+  const size_t esize = c10::elementSize(dtype);
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(base.storage()), base.key_set(),
+                                                   c10::scalarTypeToTypeMeta(dtype));
+  impl->set_sizes_and_strides(sizes, strides, static_cast<int64_t>(offset / esize));
+  return at::Tensor(std::move(impl));
+}
+
+// Invariant checks of one tensor argument (ValueError naming it).
+void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, int device) {
+  if (!t.is_cuda() || t.get_device() != device)
+    bad_value(std::string("low-latency: ") + name + " must be a CUDA tensor on device " + std::to_string(device));
+  if (t.scalar_type() != dtype)
+    bad_value(std::string("low-latency: ") + name + " must be " + c10::toString(dtype) + ", got " +
+              c10::toString(t.scalar_type()));
+  if (!t.is_contiguous()) bad_value(std::string("low-latency: ") + name + " must be contiguous");
+}
+void check_shape(const at::Tensor& t, const char* name, std::initializer_list<int64_t> shape) {
+  if (t.sizes() != c10::IntArrayRef(shape)) {
+    std::string want = "[";
+    for (int64_t s : shape) want += std::to_string(s) + ",";
+    want.back() = ']';
+    bad_value(std::string("low-latency: ") + name + " must have shape " + want + ", got " +
+              c10::str(t.sizes()));
+  }
+}
+
+// What the calls of one (max tokens, hidden, experts, top-k) share, checked once when made.
+struct Plan {
+  int max_tokens, hidden, num_experts, num_topk, local, rows;
+  HalfLayout layout;
+  bool dedup_dispatch;  // the dedup dispatch kernels serve this shape
+  bool per_rank_ok;     // the per-rank combine kernels can serve it (used with the per-rank order)
+};
+
+class Runtime;
+
+// backend_state of a LowLatencyHandle made by this runtime: the dispatch's routing (the handle's
+// src_info and layout_range, plus row_of: [l][s*maxT + t] = the row of source s's token t at local
+// expert l, for the per-rank combine) and what combine checks its arguments against.
+struct DispatchState {
+  uint64_t owner;  // Runtime::id_ of the runtime that made it (ids are never reused, addresses could be)
+  at::Tensor src_info, row_of, layout_range;  // int32 [L, R*maxT], int32 [L, R*maxT], int64 [L, R]
+  int max_tokens, hidden, num_experts, num_tokens, half;
+};
+
+// The send-now / receive-later half of a call made with return_recv_hook.
+struct PendingReceive {
+  std::shared_ptr<Runtime> rt;
+  bool dispatch;
+  Common c;
+  DispatchArgs da;
+  CombineArgs ca;
+  uint64_t call;
+  int half;
+  bool done = false;
+  std::vector<at::Tensor> keep;  // inputs and outputs the receive kernel touches
+};
+
+// The event of an async_finish call (what EventOverlap.event holds). wait(stream) is what
+// torch.cuda.Stream.wait_event calls, so EventOverlap.current_stream_wait works unchanged.
+struct CallEvent {
+  std::shared_ptr<c10::cuda::CUDAEvent> event;
+  int device;
+  void wait(const py::object& stream) const {
+    const auto id = stream.attr("stream_id").cast<int64_t>();
+    const auto index = stream.attr("device_index").cast<int64_t>();
+    const auto type = stream.attr("device_type").cast<int64_t>();
+    event->block(c10::cuda::CUDAStream(
+        c10::Stream::unpack3(id, static_cast<c10::DeviceIndex>(index), static_cast<c10::DeviceType>(type))));
+  }
+  void current_stream_wait() const { event->block(c10::cuda::getCurrentCUDAStream(device)); }
+  bool query() const { return event->query(); }
+  void synchronize() const { event->synchronize(); }
+};
+
+class Runtime : public std::enable_shared_from_this<Runtime> {
  public:
-  Launcher(uintptr_t buffer, uintptr_t peer_bases, uintptr_t workspace, size_t half_offset, int rank,
-           int num_ranks, int num_experts, int max_tokens, int hidden, int num_blocks,
-           uint64_t timeout_ns, int variant, uintptr_t dispatch_trace, uintptr_t combine_trace) {
+  Runtime(uintptr_t buffer, size_t num_bytes, const std::vector<uint64_t>& peer_bases, int rank, int num_ranks,
+          int device, int num_blocks, uint64_t timeout_ns, const py::object& comm_stream, bool rank_partials,
+          const OptTensor& trace, py::object handle_cls, py::object event_cls, py::object no_event,
+          py::object barrier, py::object timeout_message, int64_t buffer_token)
+      : num_bytes_(num_bytes), rank_(rank), num_ranks_(num_ranks), device_(device), num_blocks_(num_blocks),
+        timeout_ns_(timeout_ns), rank_partials_(rank_partials), buffer_token_(buffer_token),
+        handle_cls_(std::move(handle_cls)), event_cls_(std::move(event_cls)), no_event_(std::move(no_event)),
+        barrier_(std::move(barrier)), timeout_message_(std::move(timeout_message)) {
     MOE_CHECK(num_ranks >= 1 && num_ranks <= kMaxRanks, "low_latency: bad number of ranks");
-    MOE_CHECK(num_experts % num_ranks == 0 && num_experts <= kMaxExperts,
-              "low_latency: bad number of experts");
-    MOE_CHECK(max_tokens >= 1, "low_latency: bad max_tokens");
-    MOE_CHECK(hidden % 128 == 0 && hidden <= kMaxHidden, "low_latency: bad hidden size");
+    MOE_CHECK(static_cast<int>(peer_bases.size()) == num_ranks, "low_latency: one peer base per rank");
     MOE_CHECK(num_blocks >= 1, "low_latency: num_blocks must be positive");
-    MOE_CHECK((variant & ~kVariantMask) == 0, "low_latency: unknown kernel variant bits");
-    MOE_CHECK(!(variant & (kVariantDispatchDedup | kVariantCombinePerRank)) || num_experts / num_ranks >= 2,
-              "low_latency: the dedup dispatch and the per-rank combine need at least two experts per rank");
-    MOE_CHECK((dispatch_trace == 0 && combine_trace == 0) || num_blocks <= kTraceMaxBlocks,
-              "low_latency: the phase trace records at most TRACE_MAX_BLOCKS blocks");
-    c_.buffer = ptr<uint8_t>(buffer);
-    c_.peer_bases = ptr<const uint64_t>(peer_bases);
-    c_.workspace = ptr<int>(workspace);
-    c_.half_offset = half_offset;
-    c_.rank = rank;
-    c_.num_ranks = num_ranks;
-    c_.num_experts = num_experts;
-    c_.max_tokens = max_tokens;
-    c_.hidden = hidden;
-    c_.num_blocks = num_blocks;
-    c_.timeout_ns = timeout_ns;
-    c_.variant = variant;
-    dispatch_trace_ = ptr<unsigned long long>(dispatch_trace);
-    combine_trace_ = ptr<unsigned long long>(combine_trace);
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+    const auto bytes = at::TensorOptions().dtype(at::kByte).device(at::kCUDA, device);
+    raw_ = at::from_blob(reinterpret_cast<void*>(buffer), {static_cast<int64_t>(num_bytes)}, bytes);
+    nvlink_all_ = true;
+    for (uint64_t p : peer_bases) nvlink_all_ = nvlink_all_ && p != 0;
+    peer_bases_ = at::tensor(std::vector<int64_t>(peer_bases.begin(), peer_bases.end()), at::kLong)
+                      .to(at::Device(at::kCUDA, device));
+    workspace_ = at::zeros({kWorkspaceInts}, at::TensorOptions().dtype(at::kInt).device(at::kCUDA, device));
+    MOE_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&host_timeout_), sizeof(TimeoutRecord),
+                                 cudaHostAllocMapped));
+    *host_timeout_ = TimeoutRecord{};
+    MOE_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&device_timeout_), host_timeout_, 0));
+    const auto id = comm_stream.attr("stream_id").cast<int64_t>();
+    const auto index = comm_stream.attr("device_index").cast<int64_t>();
+    const auto type = comm_stream.attr("device_type").cast<int64_t>();
+    comm_.emplace(c10::Stream::unpack3(id, static_cast<c10::DeviceIndex>(index), static_cast<c10::DeviceType>(type)));
+    MOE_CHECK(comm_->device_index() == device, "low_latency: the comm stream is on another device");
+    if (trace.has_value()) {
+      const at::Tensor& t = *trace;
+      MOE_CHECK(num_blocks <= kTraceMaxBlocks, "low_latency: the phase trace records at most TRACE_MAX_BLOCKS blocks");
+      MOE_CHECK(t.is_cuda() && t.get_device() == device && t.scalar_type() == at::kLong && t.is_contiguous() &&
+                    t.numel() == kTraceKinds * 2 * kTraceWords,
+                "low_latency: the trace must be a contiguous int64 [2, 2, TRACE_WORDS] tensor on the device");
+      trace_ = t;
+      auto* base = reinterpret_cast<unsigned long long*>(t.data_ptr<int64_t>());
+      for (int k = 0; k < kTraceKinds; ++k)
+        for (int h = 0; h < 2; ++h) traces_[k][h] = base + (k * 2 + h) * kTraceWords;
+    }
   }
 
-  void dispatch(uintptr_t x, uintptr_t topk_idx, int num_tokens, int num_topk, bool fp8, bool round_scale,
-                bool ue8m0, uintptr_t recv_x, uintptr_t recv_scales, uintptr_t src_info, uintptr_t row_of,
-                uintptr_t layout_range, uintptr_t recv_count, uintptr_t cum_stats, uintptr_t wait_stats,
-                int phases, uintptr_t stream) const {
-    const Common c = call_context("dispatch", num_tokens, num_topk, dispatch_trace_);
+  ~Runtime() {
+    if (host_timeout_ != nullptr) cudaFreeHost(host_timeout_);
+  }
+
+  // ---------------------------------------------------------------------------- calls
+  py::tuple dispatch(const at::Tensor& x, const at::Tensor& topk_idx, int64_t max_tokens, int64_t num_experts,
+                     const OptTensor& cum_stats, const OptTensor& wait_stats, bool use_fp8, bool round_scale,
+                     bool use_ue8m0, bool async_finish, bool return_recv_hook) {
+    check_usable();
+    if (async_finish && return_recv_hook) bad_value("async_finish and return_recv_hook cannot both be set");
+    if (use_ue8m0 && !(use_fp8 && round_scale)) bad_value("use_ue8m0 needs use_fp8=True and round_scale=True");
+    check_tensor(x, "x", at::kBFloat16, device_);
+    check_tensor(topk_idx, "topk_idx", at::kLong, device_);
+    if (x.dim() != 2 || topk_idx.dim() != 2 || topk_idx.size(0) != x.size(0))
+      bad_value("low-latency dispatch: x must be [T, H] and topk_idx [T, K]");
+    const int t = static_cast<int>(x.size(0)), h = static_cast<int>(x.size(1));
+    const int k = static_cast<int>(topk_idx.size(1));
+    if (t > max_tokens) bad_value("low-latency dispatch: x has " + std::to_string(t) +
+                                  " tokens, more than num_max_dispatch_tokens_per_rank=" + std::to_string(max_tokens));
+    if (use_ue8m0 && h % 512) bad_value("use_ue8m0 packs 4 scales per int32: hidden must be divisible by 512");
+    const Plan& p = plan(static_cast<int>(max_tokens), h, static_cast<int>(num_experts), k);
+    if (cum_stats) {
+      check_tensor(*cum_stats, "cumulative_local_expert_recv_stats", at::kInt, device_);
+      check_shape(*cum_stats, "cumulative_local_expert_recv_stats", {p.local});
+    }
+    if (wait_stats) {
+      check_tensor(*wait_stats, "dispatch_wait_recv_cost_stats", at::kLong, device_);
+      check_shape(*wait_stats, "dispatch_wait_recv_cost_stats", {num_ranks_});
+    }
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+    const int half = start_call(p);
+
+    // Outputs, carved from one allocation: recv_x [L, rows, H] (fp8 or bf16), scales [L, rows, G]
+    // token-minor (fp8), recv_count [L], src_info and row_of [L, rows], layout_range [L, R].
+    const int64_t L = p.local, rows = p.rows, H = h, R = num_ranks_;
+    const int64_t groups = use_ue8m0 ? H / 512 : H / 128;
+    const size_t data_bytes = align_up(static_cast<size_t>(L * rows * H) * (use_fp8 ? 1 : 2));
+    const size_t scale_bytes = use_fp8 ? align_up(static_cast<size_t>(L * groups * rows) * 4) : 0;
+    const size_t count_bytes = align_up(static_cast<size_t>(L) * 4);
+    const size_t info_bytes = align_up(static_cast<size_t>(L * rows) * 4);
+    const size_t range_bytes = align_up(static_cast<size_t>(L * R) * 8);
+    const at::Tensor block = at::empty({static_cast<int64_t>(data_bytes + scale_bytes + count_bytes + 2 * info_bytes +
+                                                             range_bytes)},
+                                       x.options().dtype(at::kByte));
+    size_t off = 0;
+    at::Tensor data = carve(block, off, use_fp8 ? at::kFloat8_e4m3fn : at::kBFloat16, {L, rows, H},
+                            {rows * H, H, 1});
+    off += data_bytes;
+    at::Tensor scales;
+    if (use_fp8) {
+      scales = carve(block, off, use_ue8m0 ? at::kInt : at::kFloat, {L, rows, groups}, {groups * rows, 1, rows});
+      off += scale_bytes;
+    }
+    at::Tensor recv_count = carve(block, off, at::kInt, {L}, {1});
+    off += count_bytes;
+    at::Tensor src_info = carve(block, off, at::kInt, {L, rows}, {rows, 1});
+    off += info_bytes;
+    at::Tensor row_of = carve(block, off, at::kInt, {L, rows}, {rows, 1});
+    off += info_bytes;
+    at::Tensor layout_range = carve(block, off, at::kLong, {L, R}, {R, 1});
+
+    Common c = common(p, half, 0);
     DispatchArgs a{};
-    a.x = ptr<const void>(x);
-    a.topk_idx = ptr<const int64_t>(topk_idx);
-    a.num_tokens = num_tokens;
-    a.num_topk = num_topk;
-    a.fp8 = fp8;
+    a.x = x.data_ptr();
+    a.topk_idx = topk_idx.data_ptr<int64_t>();
+    a.num_tokens = t;
+    a.num_topk = k;
+    a.fp8 = use_fp8;
     a.round_scale = round_scale;
-    a.ue8m0 = ue8m0;
-    a.recv_x = ptr<void>(recv_x);
-    a.recv_scales = ptr<void>(recv_scales);
-    a.src_info = ptr<int>(src_info);
-    a.row_of = ptr<int>(row_of);
-    a.layout_range = ptr<int64_t>(layout_range);
-    a.recv_count = ptr<int>(recv_count);
-    a.cumulative_recv_stats = ptr<int>(cum_stats);
-    a.wait_stats = ptr<int64_t>(wait_stats);
-    launch_dispatch(c, a, phases, stream_of(stream));
+    a.ue8m0 = use_ue8m0;
+    a.recv_x = data.data_ptr();
+    a.recv_scales = use_fp8 ? scales.data_ptr() : nullptr;
+    a.src_info = src_info.data_ptr<int>();
+    a.row_of = row_of.data_ptr<int>();
+    a.layout_range = layout_range.data_ptr<int64_t>();
+    a.recv_count = recv_count.data_ptr<int>();
+    a.cumulative_recv_stats = cum_stats ? cum_stats->data_ptr<int>() : nullptr;
+    a.wait_stats = wait_stats ? wait_stats->data_ptr<int64_t>() : nullptr;
+
+    auto state = std::make_shared<DispatchState>(DispatchState{id_, src_info, row_of, layout_range,
+                                                               p.max_tokens, h, p.num_experts, t, half});
+    py::object handle = handle_cls_(src_info, layout_range, p.max_tokens, h, p.num_experts, "low_latency",
+                                    buffer_token_, py::cast(state), t);
+    py::object recv_x = use_fp8 ? py::object(py::make_tuple(data, scales)) : py::cast(data);
+    std::vector<at::Tensor> keep;
+    if (async_finish || return_recv_hook) {
+      keep = {x, topk_idx, block};
+      if (cum_stats) keep.push_back(*cum_stats);
+      if (wait_stats) keep.push_back(*wait_stats);
+    }
+    auto [event, hook] = launch(true, c, &a, nullptr, half, async_finish, return_recv_hook, std::move(keep));
+    return py::make_tuple(std::move(recv_x), recv_count, std::move(handle), std::move(event), std::move(hook));
   }
 
-  void combine(uintptr_t x, uintptr_t topk_idx, uintptr_t topk_weights, uintptr_t src_info, uintptr_t row_of,
-               uintptr_t layout_range, uintptr_t out, int num_tokens, int num_topk, bool rank_partials,
-               uintptr_t wait_stats, int phases, uintptr_t stream) const {
-    const Common c = call_context("combine", num_tokens, num_topk, combine_trace_);
+  py::tuple combine(const at::Tensor& x, const at::Tensor& topk_idx, const at::Tensor& topk_weights,
+                    const py::object& handle, bool zero_copy, bool async_finish, bool return_recv_hook,
+                    const OptTensor& out, const OptTensor& wait_stats) {
+    check_usable();
+    if (async_finish && return_recv_hook) bad_value("async_finish and return_recv_hook cannot both be set");
+    const DispatchState& s = state_of(handle);
+    check_tensor(topk_idx, "topk_idx", at::kLong, device_);
+    check_tensor(topk_weights, "topk_weights", at::kFloat, device_);
+    if (topk_idx.dim() != 2 || topk_idx.size(0) != s.num_tokens)
+      bad_value("low_latency_combine: topk_idx must be [T, K] with the T of the handle's dispatch (" +
+                std::to_string(s.num_tokens) + "); pass the topk_idx that dispatch was given");
+    check_shape(topk_weights, "topk_weights", {topk_idx.size(0), topk_idx.size(1)});
+    const int t = s.num_tokens, k = static_cast<int>(topk_idx.size(1));
+    const Plan& p = plan(s.max_tokens, s.hidden, s.num_experts, k);
+    check_tensor(x, "x", at::kBFloat16, device_);
+    check_shape(x, "x", {p.local, p.rows, s.hidden});
+    if (out) {
+      check_tensor(*out, "out", at::kBFloat16, device_);
+      check_shape(*out, "out", {t, s.hidden});
+    }
+    if (wait_stats) {
+      check_tensor(*wait_stats, "combine_wait_recv_cost_stats", at::kLong, device_);
+      check_shape(*wait_stats, "combine_wait_recv_cost_stats", {num_ranks_});
+    }
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+    const int half = start_call(p);
+    at::Tensor result = out ? *out : at::empty({t, s.hidden}, x.options());
+
+    Common c = common(p, half, 1);
+    c.per_rank_combine = p.per_rank_ok && rank_partials_;
     CombineArgs a{};
-    a.x = ptr<const void>(x);
-    a.topk_idx = ptr<const int64_t>(topk_idx);
-    a.topk_weights = ptr<const float>(topk_weights);
-    a.src_info = ptr<const int>(src_info);
-    a.row_of = ptr<const int>(row_of);
-    a.layout_range = ptr<const int64_t>(layout_range);
-    a.out = ptr<void>(out);
-    a.num_tokens = num_tokens;
-    a.num_topk = num_topk;
-    a.rank_partials = rank_partials;
-    a.wait_stats = ptr<int64_t>(wait_stats);
-    launch_combine(c, a, phases, stream_of(stream));
+    a.x = zero_copy ? nullptr : x.data_ptr();
+    a.topk_idx = topk_idx.data_ptr<int64_t>();
+    a.topk_weights = topk_weights.data_ptr<float>();
+    a.src_info = s.src_info.data_ptr<int>();
+    a.row_of = s.row_of.data_ptr<int>();
+    a.layout_range = s.layout_range.data_ptr<int64_t>();
+    a.out = result.data_ptr();
+    a.num_tokens = t;
+    a.num_topk = k;
+    a.rank_partials = rank_partials_;
+    a.wait_stats = wait_stats ? wait_stats->data_ptr<int64_t>() : nullptr;
+    std::vector<at::Tensor> keep;
+    if (async_finish || return_recv_hook) {
+      keep = {x, topk_idx, topk_weights, s.src_info, s.row_of, s.layout_range, result};
+      if (wait_stats) keep.push_back(*wait_stats);
+    }
+    auto [event, hook] = launch(false, c, nullptr, &a, half, async_finish, return_recv_hook, std::move(keep));
+    return py::make_tuple(result, std::move(event), std::move(hook));
+  }
+
+  // bf16 [L, R*maxT, H] view of the send region of the next call's half: the rows a zero-copy combine sends.
+  at::Tensor next_combine_buffer(const py::object& handle) {
+    check_usable();
+    const DispatchState& s = state_of(handle);
+    const Plan& p = plan(s.max_tokens, s.hidden, s.num_experts, 1, /*clean_on_change=*/false);
+    const size_t begin = next_half_ * p.layout.half_bytes + p.layout.send_off;
+    const int64_t rows = p.rows, h = s.hidden;
+    return carve(raw_, begin, at::kBFloat16, {p.local, rows, h}, {rows * h, h, 1});
+  }
+
+  // Zero both halves' signal words for these shapes and the workspace (collective: barriers around,
+  // all on the current stream). Also what a call with new shapes does first.
+  void clean(int max_tokens, int hidden, int num_experts) {
+    check_usable();
+    const Plan& p = plan(max_tokens, hidden, num_experts, 1, /*clean_on_change=*/false);
+    clean_layout(p);
+  }
+
+  void set_rank_partials(bool value) { rank_partials_ = value; }
+  bool rank_partials() const { return rank_partials_; }
+
+  // None, or (status, phase name, waiting rank, peer) of the first timed-out wait.
+  py::object timeout_info() const {
+    const volatile TimeoutRecord* r = host_timeout_;
+    if (r == nullptr || r->status == 0) return py::none();
+    return py::make_tuple(static_cast<int>(r->status), std::string(wait_phase_name(r->phase)),
+                          static_cast<int>(r->rank), static_cast<int>(r->peer));
+  }
+
+  // Raise unless calls may be made: destroyed, or a timeout recorded (then forever).
+  void check_usable() {
+    if (!broken_.empty()) fail(broken_);
+    if (!alive_) fail("the low-latency backend was destroyed");
+    if (reinterpret_cast<const volatile TimeoutRecord*>(host_timeout_)->status != 0) {
+      broken_ = timeout_message_(timeout_info()).cast<std::string>();
+      fail(broken_);
+    }
+  }
+
+  void destroy() { alive_ = false; }
+
+  // (half, num_experts) of the last launch of `kind` (0 dispatch, 1 combine) while tracing, else None.
+  py::object trace_last(int kind) const {
+    if (kind < 0 || kind >= kTraceKinds || trace_last_[kind].first < 0) return py::none();
+    return py::make_tuple(trace_last_[kind].first, trace_last_[kind].second);
+  }
+
+  int num_blocks() const { return num_blocks_; }
+  bool nvlink_all() const { return nvlink_all_; }
+  // The kernels a (maxT, hidden, experts) call would run: (dedup dispatch, per-rank combine).
+  py::tuple kernels_for(int max_tokens, int hidden, int num_experts) {
+    const Plan& p = plan(max_tokens, hidden, num_experts, 1, /*clean_on_change=*/false);
+    return py::make_tuple(p.dedup_dispatch, p.per_rank_ok && rank_partials_);
   }
 
  private:
-  // This context for one call (`what`: "dispatch" or "combine") recording into `trace`, after the checks that
-  // both calls make.
-  Common call_context(const char* what, int num_tokens, int num_topk, unsigned long long* trace) const {
-    MOE_CHECK(num_topk >= 1 && num_topk <= kMaxTopk, std::string("low_latency ") + what + ": bad top-k");
-    MOE_CHECK(num_tokens >= 0 && num_tokens <= c_.max_tokens, std::string("low_latency ") + what + ": bad T");
-    Common c = c_;
-    c.trace = trace;
+  // The plan of these shapes, made and checked on first use. With clean_on_change, a call whose
+  // (maxT, hidden, experts) differ from the previous call's first clears the signal words of the new
+  // layout (collective), and refuses while a hook of the old layout is pending.
+  const Plan& plan(int max_tokens, int hidden, int num_experts, int num_topk, bool clean_on_change = true) {
+    Plan* found = nullptr;
+    if (last_ != nullptr && last_->max_tokens == max_tokens && last_->hidden == hidden &&
+        last_->num_experts == num_experts && last_->num_topk == num_topk) {
+      found = last_;
+    } else {
+      for (auto& q : plans_) {
+        if (q->max_tokens == max_tokens && q->hidden == hidden && q->num_experts == num_experts &&
+            q->num_topk == num_topk) {
+          found = q.get();
+          break;
+        }
+      }
+      if (found == nullptr) found = make_plan(max_tokens, hidden, num_experts, num_topk);
+      last_ = found;
+    }
+    if (clean_on_change && !same_layout(*found)) {
+      if (!pending_.empty())
+        fail("low-latency call with new (max tokens, hidden, experts) while a hook of a call with the "
+                  "previous shapes has not been called: call the hook first");
+      if (layout_set_) clean_layout(*found);
+      set_layout(*found);
+    }
+    return *found;
+  }
+
+  Plan* make_plan(int max_tokens, int hidden, int num_experts, int num_topk) {
+    if (max_tokens < 1) bad_value("num_max_dispatch_tokens_per_rank must be positive");
+    if (hidden < 128 || hidden % 128 || hidden > kMaxHidden)
+      bad_value("the low-latency kernels take hidden sizes divisible by 128 up to " + std::to_string(kMaxHidden) +
+                ", got " + std::to_string(hidden));
+    if (num_experts < num_ranks_ || num_experts % num_ranks_ || num_experts > kMaxExperts)
+      bad_value("the low-latency kernels take a multiple of the rank count up to " + std::to_string(kMaxExperts) +
+                " experts, got " + std::to_string(num_experts));
+    if (num_topk < 1 || num_topk > kMaxTopk)
+      bad_value("the low-latency kernels take 1 to " + std::to_string(kMaxTopk) + " top-k slots, got " +
+                std::to_string(num_topk));
+    const HalfLayout lay = half_layout(max_tokens, hidden, num_ranks_, num_experts);
+    if (2 * lay.half_bytes > num_bytes_)
+      bad_value("num_rdma_bytes=" + std::to_string(num_bytes_) + " is too small for " + std::to_string(max_tokens) +
+                " tokens per rank, hidden " + std::to_string(hidden) + ", " + std::to_string(num_experts) +
+                " experts: get_low_latency_rdma_size_hint gives " + std::to_string(2 * lay.half_bytes));
+    auto p = std::make_unique<Plan>();
+    p->max_tokens = max_tokens;
+    p->hidden = hidden;
+    p->num_experts = num_experts;
+    p->num_topk = num_topk;
+    p->local = num_experts / num_ranks_;
+    p->rows = num_ranks_ * max_tokens;
+    p->layout = lay;
+    // The dedup dispatch and the per-rank combine store into peers over NVLink and need two local
+    // experts (with one, a per-expert message or row is already one per rank).
+    p->dedup_dispatch = nvlink_all_ && p->local >= 2;
+    p->per_rank_ok = nvlink_all_ && p->local >= 2;
+    plans_.push_back(std::move(p));
+    return plans_.back().get();
+  }
+
+  bool same_layout(const Plan& p) const {
+    return layout_set_ && layout_[0] == p.max_tokens && layout_[1] == p.hidden && layout_[2] == p.num_experts;
+  }
+  void set_layout(const Plan& p) {
+    layout_ = {p.max_tokens, p.hidden, p.num_experts};
+    layout_set_ = true;
+  }
+
+  void clean_layout(const Plan& p) {
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device_).stream();
+    barrier_();  // every peer is done with the buffer (and its earlier use)
+    for (int h = 0; h < 2; ++h) {
+      uint8_t* begin = static_cast<uint8_t*>(raw_.data_ptr()) + h * p.layout.half_bytes + p.layout.signal_off;
+      MOE_CUDA_CHECK(cudaMemsetAsync(begin, 0, p.layout.signal_bytes, stream));
+    }
+    MOE_CUDA_CHECK(cudaMemsetAsync(workspace_.data_ptr(), 0, kWorkspaceInts * sizeof(int), stream));
+    barrier_();  // nobody sends before every peer's signals are zero
+    set_layout(p);
+  }
+
+  // Take the next buffer half for a new call (the layout's hooks were checked by plan()).
+  int start_call(const Plan&) {
+    const int half = next_half_;
+    next_half_ ^= 1;
+    half_owner_[half] = ++calls_;
+    // A pending hook whose half was just taken is stale: it can no longer block anything.
+    std::vector<uint64_t> alive;
+    for (uint64_t id : pending_)
+      if (id == half_owner_[0] || id == half_owner_[1]) alive.push_back(id);
+    pending_.swap(alive);
+    return half;
+  }
+
+  Common common(const Plan& p, int half, int kind) {
+    Common c{};
+    c.buffer = static_cast<uint8_t*>(raw_.data_ptr());
+    c.peer_bases = reinterpret_cast<const uint64_t*>(peer_bases_.data_ptr<int64_t>());
+    c.workspace = workspace_.data_ptr<int>();
+    c.half_offset = half * p.layout.half_bytes;
+    c.rank = rank_;
+    c.num_ranks = num_ranks_;
+    c.num_experts = p.num_experts;
+    c.max_tokens = p.max_tokens;
+    c.hidden = p.hidden;
+    c.num_blocks = num_blocks_;
+    c.dedup_dispatch = p.dedup_dispatch;
+    c.per_rank_combine = false;
+    c.timeout_ns = timeout_ns_;
+    c.timeout = device_timeout_;
+    c.trace = traces_[kind][half];
+    if (c.trace != nullptr) trace_last_[kind] = {half, p.num_experts};
     return c;
   }
 
-  Common c_{};
-  unsigned long long* dispatch_trace_ = nullptr;
-  unsigned long long* combine_trace_ = nullptr;
+  // Launch the call: both phases on the current stream; or on the comm stream after it waited for the
+  // current one, with an event (async_finish); or the send phase now and a hook for the receive phase.
+  std::pair<py::object, py::object> launch(bool dispatch, const Common& c, const DispatchArgs* da,
+                                           const CombineArgs* ca, int half, bool async_finish,
+                                           bool return_recv_hook, std::vector<at::Tensor> keep) {
+    const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(device_);
+    auto run = [&](int phases, cudaStream_t stream) {
+      if (dispatch) {
+        launch_dispatch(c, *da, phases, stream);
+      } else {
+        launch_combine(c, *ca, phases, stream);
+      }
+    };
+    if (return_recv_hook) {
+      run(kPhaseSend, current.stream());
+      auto r = std::make_shared<PendingReceive>();
+      r->rt = shared_from_this();
+      r->dispatch = dispatch;
+      r->c = c;
+      if (da != nullptr) r->da = *da;
+      if (ca != nullptr) r->ca = *ca;
+      r->call = calls_;
+      r->half = half;
+      r->keep = std::move(keep);
+      pending_.push_back(calls_);
+      return {no_event_, py::cast(std::move(r))};
+    }
+    if (!async_finish) {
+      run(kPhaseSend | kPhaseRecv, current.stream());
+      return {no_event_, py::none()};
+    }
+    // async_finish: outputs were allocated on the current stream (which uses them next); the inputs and
+    // outputs are recorded on the comm stream, so freeing them before the event fires cannot hand
+    // their blocks to other work while the kernel runs, and the EventOverlap keeps them referenced.
+    // Re-recording one event is safe: a wait captures the event's state when it is enqueued.
+    before_.record(current);
+    before_.block(*comm_);
+    run(kPhaseSend | kPhaseRecv, comm_->stream());
+    py::list extra;
+    for (auto& t : keep) {
+      t.record_stream(*comm_);
+      extra.append(t);
+    }
+    auto done = std::make_shared<c10::cuda::CUDAEvent>();
+    done->record(*comm_);
+    return {event_cls_(py::cast(CallEvent{std::move(done), device_}), extra), py::none()};
+  }
+
+  const DispatchState& state_of(const py::object& handle) const {
+    py::object state = handle.attr("backend_state");
+    if (!py::isinstance<DispatchState>(state)) {
+      throw py::type_error("handle must be a LowLatencyHandle returned by this Buffer's low_latency_dispatch");
+    }
+    const DispatchState& s = state.cast<const DispatchState&>();
+    if (s.owner != id_)
+      fail("handle was made by another Buffer; pass the handle this Buffer's dispatch returned");
+    return s;
+  }
+
+  static inline std::atomic<uint64_t> next_id_{1};
+  const uint64_t id_ = next_id_++;
+  at::Tensor raw_, peer_bases_, workspace_, trace_;
+  size_t num_bytes_;
+  int rank_, num_ranks_, device_, num_blocks_;
+  uint64_t timeout_ns_;
+  bool rank_partials_, nvlink_all_ = true, alive_ = true;
+  int64_t buffer_token_;
+  std::optional<c10::cuda::CUDAStream> comm_;
+  c10::cuda::CUDAEvent before_;  // comm stream waits for the current one (async_finish)
+  TimeoutRecord* host_timeout_ = nullptr;
+  TimeoutRecord* device_timeout_ = nullptr;
+  std::string broken_;
+  std::vector<std::unique_ptr<Plan>> plans_;
+  Plan* last_ = nullptr;
+  std::array<int, 3> layout_{};
+  bool layout_set_ = false;
+  int next_half_ = 0;
+  uint64_t calls_ = 0;
+  std::array<uint64_t, 2> half_owner_{};
+  std::vector<uint64_t> pending_;  // call ids whose hook was returned and not called yet
+  std::array<std::array<unsigned long long*, 2>, kTraceKinds> traces_{};
+  std::array<std::pair<int, int>, kTraceKinds> trace_last_{{{-1, 0}, {-1, 0}}};
+  py::object handle_cls_, event_cls_, no_event_, barrier_, timeout_message_;
+
+ public:
+  // For the hook: the stale / already-called rules, then the receive phase on the current stream.
+  void receive(PendingReceive& r) {
+    check_usable();
+    if (r.done) fail("this low-latency hook was already called");
+    if (half_owner_[r.half] != r.call)
+      fail("stale low-latency hook: its buffer half was reused by a later call; call each hook before making "
+           "two more low-latency calls");
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device_).stream();
+    if (r.dispatch) {
+      launch_dispatch(r.c, r.da, kPhaseRecv, stream);
+    } else {
+      launch_combine(r.c, r.ca, kPhaseRecv, stream);
+    }
+    r.done = true;
+    r.keep.clear();
+    std::vector<uint64_t> left;
+    for (uint64_t id : pending_)
+      if (id != r.call) left.push_back(id);
+    pending_.swap(left);
+  }
 };
 
 }  // namespace
 
 void register_low_latency(py::module_& parent) {
-  py::module_ m = parent.def_submodule("low_latency", "Low-latency (NVSHMEM) dispatch/combine");
+  py::module_ m = parent.def_submodule("low_latency", "Low-latency (NVSHMEM) dispatch/combine runtime");
   m.attr("MAX_TOPK") = kMaxTopk;
   m.attr("MAX_RANKS") = kMaxRanks;
   m.attr("MAX_EXPERTS") = kMaxExperts;
   m.attr("MAX_HIDDEN") = kMaxHidden;
   m.attr("WORKSPACE_INTS") = kWorkspaceInts;
-  m.attr("PHASE_SEND") = kPhaseSend;
-  m.attr("PHASE_RECV") = kPhaseRecv;
-  m.attr("VARIANT_DISPATCH_DEDUP") = kVariantDispatchDedup;
-  m.attr("VARIANT_COMBINE_PER_RANK") = kVariantCombinePerRank;
-  m.attr("VARIANT_MASK") = kVariantMask;
   // Phase trace (low_latency.h, kTrace*): one record is TRACE_WORDS int64 words; events of block b at
   // [b * TRACE_EVENTS + index], the SM id at TRACE_SMID, per-pair words from TRACE_PAIR_{SENT,WAIT,SEEN}.
   m.attr("TRACE_MAX_BLOCKS") = kTraceMaxBlocks;
@@ -159,40 +642,46 @@ void register_low_latency(py::module_& parent) {
     m.attr("TRACE_COMBINE_EVENTS") = c;
   }
 
-  m.def(
-      "half_layout",
-      [](int max_tokens, int hidden, int num_ranks, int num_experts) {
-        const HalfLayout l = half_layout(max_tokens, hidden, num_ranks, num_experts);
-        py::dict d;
-        d["half_bytes"] = l.half_bytes;
-        d["send_off"] = l.send_off;
-        d["recv_off"] = l.recv_off;
-        d["signal_off"] = l.signal_off;
-        d["msg_bytes"] = l.msg_bytes;
-        d["dedup_slot_bytes"] = l.dedup_slot_bytes;
-        d["signal_bytes"] = l.signal_bytes;
-        return d;
-      },
-      py::arg("max_tokens"), py::arg("hidden"), py::arg("num_ranks"), py::arg("num_experts"),
-      "Byte layout of one buffer half: {half_bytes, send_off, recv_off, signal_off, msg_bytes, "
-      "dedup_slot_bytes, signal_bytes}.");
+  py::class_<DispatchState, std::shared_ptr<DispatchState>>(
+      m, "DispatchState", "backend_state of a LowLatencyHandle of this runtime (half, row_of).")
+      .def_property_readonly("half", [](const DispatchState& s) { return s.half; })
+      .def_property_readonly("row_of", [](const DispatchState& s) { return s.row_of; });
 
-  py::class_<Launcher>(m, "Launcher",
-                       "Launches of one buffer half with fixed shapes and variant (checked once here).")
-      .def(py::init<uintptr_t, uintptr_t, uintptr_t, size_t, int, int, int, int, int, int, uint64_t, int,
-                    uintptr_t, uintptr_t>(),
-           py::arg("buffer"), py::arg("peer_bases"), py::arg("workspace"), py::arg("half_offset"),
-           py::arg("rank"), py::arg("num_ranks"), py::arg("num_experts"), py::arg("max_tokens"),
-           py::arg("hidden"), py::arg("num_blocks"), py::arg("timeout_ns"), py::arg("variant"),
-           py::arg("dispatch_trace"), py::arg("combine_trace"))
-      .def("dispatch", &Launcher::dispatch,
-           "dispatch(x, topk_idx, num_tokens, num_topk, fp8, round_scale, ue8m0, recv_x, recv_scales, "
-           "src_info, row_of, layout_range, recv_count, cum_stats, wait_stats, phases, stream): enqueue the "
-           "dispatch kernel (addresses as ints, 0 = none; phases: PHASE_SEND | PHASE_RECV).")
-      .def("combine", &Launcher::combine,
-           "combine(x, topk_idx, topk_weights, src_info, row_of, layout_range, out, num_tokens, num_topk, "
-           "rank_partials, wait_stats, phases, stream): enqueue the combine kernel (x = 0: zero-copy, rows "
-           "in the send region; rank_partials: the per-rank reduction order).");
+  py::class_<CallEvent>(m, "CallEvent", "The CUDA event of an async_finish call.")
+      .def("wait", &CallEvent::wait, py::arg("stream"), "Make `stream` (a torch.cuda.Stream) wait for the event.")
+      .def("current_stream_wait", &CallEvent::current_stream_wait)
+      .def("query", &CallEvent::query)
+      .def("synchronize", &CallEvent::synchronize);
+
+  py::class_<PendingReceive, std::shared_ptr<PendingReceive>>(
+      m, "ReceiveHook", "hook() of a return_recv_hook call: launches the receive phase on the current stream.")
+      .def("__call__", [](PendingReceive& r) { r.rt->receive(r); });
+
+  py::class_<Runtime, std::shared_ptr<Runtime>>(m, "LowLatencyRuntime",
+                                                "The low-latency calls of one backend (see the file comment).")
+      .def(py::init<uintptr_t, size_t, const std::vector<uint64_t>&, int, int, int, int, uint64_t, const py::object&,
+                    bool, const OptTensor&, py::object, py::object, py::object, py::object, py::object, int64_t>(),
+           py::arg("buffer"), py::arg("num_bytes"), py::arg("peer_bases"), py::arg("rank"), py::arg("num_ranks"),
+           py::arg("device"), py::arg("num_blocks"), py::arg("timeout_ns"), py::arg("comm_stream"),
+           py::arg("rank_partials"), py::arg("trace"), py::arg("handle_cls"), py::arg("event_cls"),
+           py::arg("no_event"), py::arg("barrier"), py::arg("timeout_message"), py::arg("buffer_token"))
+      .def("dispatch", &Runtime::dispatch,
+           "dispatch(x, topk_idx, max_tokens, num_experts, cum_stats, wait_stats, use_fp8, round_scale, use_ue8m0, "
+           "async_finish, return_recv_hook) -> (recv_x, recv_count, handle, EventOverlap, hook or None)")
+      .def("combine", &Runtime::combine,
+           "combine(x, topk_idx, topk_weights, handle, zero_copy, async_finish, return_recv_hook, out, wait_stats) "
+           "-> (combined_x, EventOverlap, hook or None)")
+      .def("next_combine_buffer", &Runtime::next_combine_buffer, py::arg("handle"))
+      .def("clean", &Runtime::clean, py::arg("max_tokens"), py::arg("hidden"), py::arg("num_experts"))
+      .def("set_rank_partials", &Runtime::set_rank_partials)
+      .def_property_readonly("rank_partials", &Runtime::rank_partials)
+      .def("timeout_info", &Runtime::timeout_info)
+      .def("check_usable", &Runtime::check_usable)
+      .def("destroy", &Runtime::destroy)
+      .def("trace_last", &Runtime::trace_last, py::arg("kind"))
+      .def("kernels_for", &Runtime::kernels_for, py::arg("max_tokens"), py::arg("hidden"), py::arg("num_experts"))
+      .def_property_readonly("num_blocks", &Runtime::num_blocks)
+      .def_property_readonly("nvlink_all", &Runtime::nvlink_all);
 }
 
 }  // namespace moe_dispatcher

@@ -15,7 +15,7 @@ L = E / R local experts, N received rows, M expert-major rows.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, FrozenSet, NamedTuple, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, FrozenSet, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -108,23 +108,30 @@ class Backend:
         return self.combine(rows, handle.dispatch, w_rows, bias, config)
 
     # ------------------------------------------------------------------ low-latency mode
+    # A low-latency backend owns its double buffering (each call takes the buffer half after the previous
+    # call's), its hooks (one call each; stale once their half was taken again; shapes change only while none
+    # is pending) and the reduction order (set_rank_partials). The Buffer validates a call's arguments on the
+    # first call of its key and then calls these methods directly (the compiled backend's are native).
     def low_latency_dispatch(self, x: Tensor, topk_idx: Tensor, max_tokens: int, num_experts: int,
                              cumulative_local_expert_recv_stats: Optional[Tensor],
                              dispatch_wait_recv_cost_stats: Optional[Tensor], use_fp8: bool, round_scale: bool,
-                             use_ue8m0: bool, async_finish: bool, return_recv_hook: bool, half: int,
-                             make_hook: Callable):
-        """-> (recv_x [L, R*maxT, H] (or (fp8, scales)), recv_count int32 [L], LowLatencyHandle, EventOverlap,
-        hook or None)."""
+                             use_ue8m0: bool, async_finish: bool, return_recv_hook: bool):
+        """x bf16 [T, H], topk_idx int64 [T, K] -> (recv_x bf16 [L, R*maxT, H] (or (fp8, scales [L, R*maxT, G])),
+        recv_count int32 [L], LowLatencyHandle, EventOverlap, hook or None)."""
         raise NotImplementedError(f"the {self.name} backend has no low-latency mode")
 
     def low_latency_combine(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, handle: "LowLatencyHandle",
                             zero_copy: bool, async_finish: bool, return_recv_hook: bool, out: Optional[Tensor],
-                            combine_wait_recv_cost_stats: Optional[Tensor], half: int, make_hook: Callable):
-        """-> (combined_x bf16 [T, H], EventOverlap, hook or None)."""
+                            combine_wait_recv_cost_stats: Optional[Tensor]):
+        """x bf16 [L, R*maxT, H], topk_idx int64 / topk_weights float32 [T, K] -> (combined_x bf16 [T, H],
+        EventOverlap, hook or None)."""
         raise NotImplementedError(f"the {self.name} backend has no low-latency mode")
 
-    def next_combine_buffer(self, handle: "LowLatencyHandle", half: int) -> Tensor:
-        """bf16 [L, R*maxT, H]: the rows a zero-copy low-latency combine of buffer half `half` sends."""
+    def set_rank_partials(self, rank_partials: bool) -> None:
+        """The low-latency combine's reduction order of later calls: per-rank partials (True) or per expert."""
+
+    def next_combine_buffer(self, handle: "LowLatencyHandle") -> Tensor:
+        """bf16 [L, R*maxT, H]: the rows a zero-copy low-latency combine made as the next call sends."""
         raise NotImplementedError(f"the {self.name} backend has no low-latency mode")
 
     def clean_low_latency_buffer(self, max_tokens: int, hidden: int, num_experts: int) -> None:

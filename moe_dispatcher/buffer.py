@@ -9,7 +9,6 @@ computes; shared/notes/api.md (DeepEP V1's surface) defines the signatures.
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import os
 import warnings
@@ -28,6 +27,7 @@ from .expert_major import ExpertMajorHandle
 from .handle import DispatchHandle, LowLatencyHandle
 from .reference import ReferenceLowLatency, ReferenceNormal
 from .reference.comm import all_gather_rows
+from .runtime import ll_layout
 from .topology import Topology
 from .validation import (check_combine_weights, check_flag_exclusive, check_num_experts, check_row_bytes, check_tensor,
                          check_topk_idx, check_topk_weights, normalise_bias, split_x)
@@ -112,7 +112,8 @@ class Buffer:
         self._local_buffers: dict = {}
         nvl = self.topology.nvl_size
         self._reference_normal = ReferenceNormal(self.group, self.rank, self.group_size, nvl, self._token)
-        self._reference_ll = ReferenceLowLatency(self.group, self.rank, self.group_size, self._token)
+        self._reference_ll = ReferenceLowLatency(self.group, self.rank, self.group_size, self._token,
+                                                 self._stream_scope, self._ll_combine_reduction == "per_rank")
         self._kernels = self._kernels_ll = None
         self._kernels_why = self._kernels_ll_why = "Buffer(backend='reference') was asked for"
         if backend != "reference":
@@ -122,14 +123,9 @@ class Buffer:
                 self._kernels_ll, self._kernels_ll_why = compiled.create_low_latency(self)
             else:
                 self._kernels_ll_why = "the Buffer was not built with low_latency_mode=True"
-        # Low-latency double buffering: each call takes the half after the previous call's.
-        self._ll_next_half = 0
-        self._ll_calls = 0
-        self._ll_half_owner = [0, 0]
-        self._ll_combine_send: List[Optional[Tensor]] = [None, None]
-        self._ll_pending_hooks: set = set()
-        self._ll_last_shape: Optional[Tuple[int, int, int]] = None
-        self._ll_checked: set = set()  # (maxT, hidden, experts) that passed _check_low_latency
+        # Low-latency fast path (see low_latency_dispatch): call key -> the compiled backend's method.
+        self._ll_dispatch_runs: dict = {}
+        self._ll_combine_runs: dict = {}
         self._resolved: dict = {}  # (mode, device type, call facts) -> Backend: _resolve's decisions
         self._pending_row_checks: List[Tuple[Tensor, int]] = []
 
@@ -144,8 +140,9 @@ class Buffer:
             raise ValueError(f"low_latency_combine_reduction must be one of {LL_COMBINE_REDUCTIONS}, got {value!r} "
                              f"(or set {LL_COMBINE_ENV})")
         self._ll_combine_reduction = value
-        if self._kernels_ll is not None:
-            self._kernels_ll.set_rank_partials(value == "per_rank")
+        for backend in (getattr(self, "_reference_ll", None), getattr(self, "_kernels_ll", None)):
+            if backend is not None:
+                backend.set_rank_partials(value == "per_rank")
 
     # ------------------------------------------------------------------ static helpers (DeepEP V1)
     @staticmethod
@@ -173,22 +170,10 @@ class Buffer:
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                                        num_experts: int) -> int:
         """Bytes of NVSHMEM buffer per GPU that low-latency mode needs: two halves, each holding a send
-        region (dispatch messages, or the [L, R*maxT, H] bf16 combine rows), a receive region (one slot per
-        (expert, source token) for either direction; the dedup dispatch's [R, maxT] per-rank slots fit in it)
-        and the signal words: per-expert counts, then the flags of the call (per-expert flags of a combine, or
-        per-rank token counts and per-(rank, token) flags: csrc/kernels/low_latency/low_latency.h,
-        half_layout). Never above DeepEP V1's formula (tests/test_low_latency_layout.py)."""
-        max_tokens = num_max_dispatch_tokens_per_rank
-        dispatch_msg = 16 + max(hidden * 2, hidden + hidden // 128 * 4)  # header + bf16, or fp8 + scales
-        combine_msg = hidden * 2
-        send = max(max_tokens * dispatch_msg, num_experts * max_tokens * combine_msg)
-        recv = num_experts * max_tokens * max(dispatch_msg, combine_msg)
-        flags = num_experts
-        if num_experts // num_ranks >= 2:  # the dedup dispatch / token-major combine may run
-            flags = max(flags, num_ranks + num_ranks * max_tokens)
-        signal = 4 * (num_experts + flags)
-        half = (send + recv + signal + 127) // 128 * 128
-        return 2 * half
+        region, a receive region and the signal words, as csrc/kernels/low_latency/layout.h lays them out
+        (read through moe_dispatcher._layout, on any machine). Never above DeepEP V1's formula
+        (tests/test_low_latency_layout.py)."""
+        return ll_layout.buffer_bytes(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
 
     # ------------------------------------------------------------------ lifetime and streams
     def destroy(self) -> None:
@@ -198,7 +183,8 @@ class Buffer:
         self._destroyed = True
         kernels, self._kernels, self._kernels_ll = (self._kernels, self._kernels_ll), None, None
         self._local_buffers.clear()
-        self._ll_combine_send = [None, None]
+        self._ll_dispatch_runs.clear()
+        self._ll_combine_runs.clear()
         for k in kernels:
             if k is not None:
                 k.destroy()
@@ -627,57 +613,12 @@ class Buffer:
         return (*results, event)
 
     # ------------------------------------------------------------------ low-latency mode
-    def _check_low_latency(self, max_tokens: int, hidden: int, num_experts: int) -> None:
-        if not self.low_latency_mode:
-            raise RuntimeError("low-latency calls need Buffer(low_latency_mode=True, num_rdma_bytes=...)")
-        key = (max_tokens, hidden, num_experts)
-        if type(max_tokens) is int and type(num_experts) is int and key in self._ll_checked:
-            return  # these shapes passed before (the checks below depend on nothing else)
-        if not isinstance(max_tokens, int) or max_tokens <= 0:
-            raise ValueError(f"num_max_dispatch_tokens_per_rank must be a positive int, got {max_tokens!r}")
-        check_num_experts(num_experts, self.group_size)
-        need = self.get_low_latency_rdma_size_hint(max_tokens, hidden, self.group_size, num_experts)
-        if self.num_rdma_bytes < need:
-            raise ValueError(f"num_rdma_bytes={self.num_rdma_bytes} is too small for {max_tokens} tokens per rank, "
-                             f"hidden {hidden}, {num_experts} experts: get_low_latency_rdma_size_hint gives {need}")
-        self._ll_checked.add(key)
-
-    def _next_ll_call(self) -> Tuple[int, int]:
-        """(half, call id) for a new low-latency call."""
-        half = self._ll_next_half
-        self._ll_next_half ^= 1
-        self._ll_calls += 1
-        self._ll_half_owner[half] = self._ll_calls
-        return half, self._ll_calls
-
-    def _hook(self, half: int, call: int, receive: Callable[[], None]) -> Callable[[], None]:
-        done = []
-        self._ll_pending_hooks.add(call)
-
-        def hook() -> None:
-            if done:
-                raise RuntimeError("this low-latency hook was already called")
-            if self._ll_half_owner[half] != call:
-                raise RuntimeError("stale low-latency hook: its buffer half was reused by a later call; call each "
-                                   "hook before making two more low-latency calls")
-            receive()
-            done.append(True)
-            self._ll_pending_hooks.discard(call)
-        return hook
-
-    def _start_ll_call(self, backend, shape: Tuple[int, int, int], num_topk: int) -> Tuple[int, int]:
-        """Checks that need no communication, then (half, call id). A change of (maxT, hidden, experts)
-        re-lays out the compiled buffer, which a receive still pending in a hook would not survive."""
-        if backend is not self._reference_ll:
-            backend.check_shape(*shape, num_topk)
-            if self._ll_last_shape not in (None, shape) and self._ll_pending_hooks:
-                raise RuntimeError(f"low-latency call with (max tokens, hidden, experts) {shape} while a hook of a "
-                                   f"call with {self._ll_last_shape} has not been called: call the hook first")
-        self._ll_last_shape = shape
-        # Hooks never called and now stale can no longer block anything.
-        self._ll_pending_hooks.intersection_update(self._ll_half_owner)
-        return self._next_ll_call()
-
+    # The public calls are a fast path: the key of the call's Python-checked facts (shapes the checks read,
+    # flags) is looked up in a dict; on a hit the backend's method (for the compiled backend, the native
+    # runtime's: csrc/low_latency_bindings.cpp, which checks the tensors' invariants itself) is called once.
+    # On a miss, _first_ll_dispatch / _first_ll_combine validate the arguments (moe_dispatcher.validation),
+    # resolve the backend and, for the compiled one, remember the method under the key. The reference
+    # backend is never remembered: its calls are validated every time (its checks read values too).
     def low_latency_dispatch(self, x: Tensor, topk_idx: Tensor, num_max_dispatch_tokens_per_rank: int,
                              num_experts: int, cumulative_local_expert_recv_stats: Optional[Tensor] = None,
                              dispatch_wait_recv_cost_stats: Optional[Tensor] = None, use_fp8: bool = True,
@@ -689,76 +630,14 @@ class Buffer:
         Returns (recv_x bf16 [L, R*maxT, H] or (fp8 [L, R*maxT, H], scales), recv_count int32 [L], handle,
         EventOverlap, hook or None). Only the first recv_count[l] rows of expert l are valid.
         """
-        self._check_alive()
-        check_flag_exclusive(async_finish, return_recv_hook)
-        check_tensor("x", x, dtypes=(torch.bfloat16,), ndim=2)
-        t, h = x.shape
-        if h % 128:
-            raise ValueError(f"low-latency dispatch needs a hidden size divisible by 128, got {h}")
-        if use_ue8m0 and not (use_fp8 and round_scale):
-            raise ValueError("use_ue8m0 needs use_fp8=True and round_scale=True (UE8M0 scales are powers of two)")
-        if use_ue8m0 and h % 512:
-            raise ValueError(f"use_ue8m0 packs 4 scales per int32: hidden must be divisible by 512, got {h}")
-        self._check_low_latency(num_max_dispatch_tokens_per_rank, h, num_experts)
-        if t > num_max_dispatch_tokens_per_rank:
-            raise ValueError(f"x has {t} tokens, more than num_max_dispatch_tokens_per_rank="
-                             f"{num_max_dispatch_tokens_per_rank}")
-        dev = x.device
-        backend = self._resolve("low_latency", dev)
-        check_topk_idx(topk_idx, num_experts, num_tokens=t, device=dev, values=backend is self._reference_ll,
-                       distinct=True)
-        local = num_experts // self.group_size
-        if cumulative_local_expert_recv_stats is not None:
-            check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
-                         dtypes=(torch.int32,), shape=(local,), device=dev)
-        if dispatch_wait_recv_cost_stats is not None:
-            check_tensor("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, dtypes=(torch.int64,),
-                         shape=(self.group_size,), device=dev)
-        half, call = self._start_ll_call(backend, (num_max_dispatch_tokens_per_rank, h, num_experts),
-                                         topk_idx.shape[1])
-        if backend is not self._reference_ll:
-            recv_x, recv_count, handle, event, hook = backend.low_latency_dispatch(
-                x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
-                dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook,
-                half, functools.partial(self._hook, half, call))
-            return recv_x, recv_count, handle, event, hook
-        # Reference: allocate the outputs now, fill them when receiving (at once, or in the hook).
-        rows = self.group_size * num_max_dispatch_tokens_per_rank
-        if use_fp8:
-            groups = h // 512 if use_ue8m0 else h // 128
-            sdtype = torch.int32 if use_ue8m0 else torch.float32
-            recv_x = (torch.empty(local, rows, h, dtype=torch.float8_e4m3fn, device=dev),
-                      torch.empty(local, groups, rows, dtype=sdtype, device=dev).transpose(1, 2))
-        else:
-            recv_x = torch.empty(local, rows, h, dtype=torch.bfloat16, device=dev)
-        recv_count = torch.empty(local, dtype=torch.int32, device=dev)
-        handle = LowLatencyHandle(torch.empty(local, rows, dtype=torch.int32, device=dev),
-                                  torch.empty(local, self.group_size, dtype=torch.int64, device=dev),
-                                  num_max_dispatch_tokens_per_rank, h, num_experts, self._reference_ll.name,
-                                  self._token, half, t)
-
-        if return_recv_hook:  # the call "sends": later changes to x must not reach the receiver
-            x, topk_idx = x.clone(), topk_idx.clone()
-
-        def receive() -> None:
-            got_x, got_count, got_handle, ns = self._reference_ll.dispatch(
-                x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0)
-            for dst, src in zip(_flatten((recv_x, recv_count, handle.src_info, handle.layout_range)),
-                                _flatten((got_x, got_count, got_handle.src_info, got_handle.layout_range))):
-                dst.copy_(src)
-            if cumulative_local_expert_recv_stats is not None:
-                cumulative_local_expert_recv_stats.add_(got_count)
-            if dispatch_wait_recv_cost_stats is not None:
-                dispatch_wait_recv_cost_stats.add_(ns)
-
-        hook = self._hook(half, call, receive)
-        if return_recv_hook:
-            return recv_x, recv_count, handle, EventOverlap(), hook
-        outputs = [recv_x, recv_count, handle.src_info, handle.layout_range, cumulative_local_expert_recv_stats,
-                   dispatch_wait_recv_cost_stats]
-        _, event = self._stream_scope(dev, None, async_finish, False, lambda: (hook(),),
-                                      [x, topk_idx] + _flatten(outputs))
-        return recv_x, recv_count, handle, event, None
+        run = self._ll_dispatch_runs.get((num_max_dispatch_tokens_per_rank, num_experts, x.is_cuda, use_fp8,
+                                          round_scale, use_ue8m0, async_finish, return_recv_hook))
+        if run is None:
+            run = self._first_ll_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                          cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
+                                          round_scale, use_ue8m0, async_finish, return_recv_hook)
+        return run(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
+                   dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
 
     def low_latency_combine(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, handle: LowLatencyHandle,
                             use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
@@ -770,6 +649,61 @@ class Buffer:
         get_next_low_latency_combine_buffer); topk_idx int64 [T, K] and topk_weights float32 [T, K] as given
         to dispatch. Returns (combined_x bf16 [T, H] (into `out` when given), EventOverlap, hook or None).
         """
+        try:
+            run = self._ll_combine_runs.get((handle.backend, use_logfmt, async_finish, return_recv_hook))
+        except AttributeError:  # not a handle: the full path says so
+            run = None
+        if run is None:
+            run = self._first_ll_combine(x, topk_idx, topk_weights, handle, use_logfmt, async_finish,
+                                         return_recv_hook, out, combine_wait_recv_cost_stats)
+        return run(x, topk_idx, topk_weights, handle, zero_copy, async_finish, return_recv_hook, out,
+                   combine_wait_recv_cost_stats)
+
+    def _check_low_latency(self, max_tokens: int, hidden: int, num_experts: int) -> None:
+        if not self.low_latency_mode:
+            raise RuntimeError("low-latency calls need Buffer(low_latency_mode=True, num_rdma_bytes=...)")
+        if not isinstance(max_tokens, int) or max_tokens <= 0:
+            raise ValueError(f"num_max_dispatch_tokens_per_rank must be a positive int, got {max_tokens!r}")
+        check_num_experts(num_experts, self.group_size)
+        need = self.get_low_latency_rdma_size_hint(max_tokens, hidden, self.group_size, num_experts)
+        if self.num_rdma_bytes < need:
+            raise ValueError(f"num_rdma_bytes={self.num_rdma_bytes} is too small for {max_tokens} tokens per rank, "
+                             f"hidden {hidden}, {num_experts} experts: get_low_latency_rdma_size_hint gives {need}")
+
+    def _first_ll_dispatch(self, x, topk_idx, max_tokens, num_experts, cum_stats, wait_stats, use_fp8, round_scale,
+                           use_ue8m0, async_finish, return_recv_hook) -> Callable:
+        """Validate a dispatch whose key was not seen (see above); -> the backend method that serves it."""
+        self._check_alive()
+        check_flag_exclusive(async_finish, return_recv_hook)
+        check_tensor("x", x, dtypes=(torch.bfloat16,), ndim=2)
+        t, h = x.shape
+        if h % 128:
+            raise ValueError(f"low-latency dispatch needs a hidden size divisible by 128, got {h}")
+        if use_ue8m0 and not (use_fp8 and round_scale):
+            raise ValueError("use_ue8m0 needs use_fp8=True and round_scale=True (UE8M0 scales are powers of two)")
+        if use_ue8m0 and h % 512:
+            raise ValueError(f"use_ue8m0 packs 4 scales per int32: hidden must be divisible by 512, got {h}")
+        self._check_low_latency(max_tokens, h, num_experts)
+        if t > max_tokens:
+            raise ValueError(f"x has {t} tokens, more than num_max_dispatch_tokens_per_rank={max_tokens}")
+        dev = x.device
+        backend = self._resolve("low_latency", dev)
+        reference = backend is self._reference_ll
+        check_topk_idx(topk_idx, num_experts, num_tokens=t, device=dev, values=reference, distinct=True)
+        if cum_stats is not None:
+            check_tensor("cumulative_local_expert_recv_stats", cum_stats, dtypes=(torch.int32,),
+                         shape=(num_experts // self.group_size,), device=dev)
+        if wait_stats is not None:
+            check_tensor("dispatch_wait_recv_cost_stats", wait_stats, dtypes=(torch.int64,),
+                         shape=(self.group_size,), device=dev)
+        if not reference:
+            self._ll_dispatch_runs[(max_tokens, num_experts, x.is_cuda, use_fp8, round_scale, use_ue8m0,
+                                    async_finish, return_recv_hook)] = backend.low_latency_dispatch
+        return backend.low_latency_dispatch
+
+    def _first_ll_combine(self, x, topk_idx, topk_weights, handle, use_logfmt, async_finish, return_recv_hook, out,
+                          wait_stats) -> Callable:
+        """Validate a combine whose key was not seen (see above); -> the backend method that serves it."""
         self._check_alive()
         if use_logfmt:
             raise NotImplementedError("low_latency_combine(use_logfmt=True) is not supported yet")
@@ -779,8 +713,9 @@ class Buffer:
         self._check_low_latency(max_tokens, h, num_experts)
         local, rows = num_experts // self.group_size, self.group_size * max_tokens
         dev = handle.src_info.device
+        reference = backend is self._reference_ll
         check_tensor("x", x, dtypes=(torch.bfloat16,), shape=(local, rows, h), device=dev)
-        check_topk_idx(topk_idx, num_experts, device=dev, values=backend is self._reference_ll)
+        check_topk_idx(topk_idx, num_experts, device=dev, values=reference)
         if topk_idx.shape[0] > max_tokens:
             raise ValueError(f"topk_idx has {topk_idx.shape[0]} tokens, more than num_max_dispatch_tokens_per_rank="
                              f"{max_tokens}")
@@ -791,51 +726,19 @@ class Buffer:
                              f"{handle.num_tokens}; pass the topk_idx that dispatch was given")
         if out is not None:
             check_tensor("out", out, dtypes=(torch.bfloat16,), shape=(t, h), device=dev)
-        if combine_wait_recv_cost_stats is not None:
-            check_tensor("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, dtypes=(torch.int64,),
-                         shape=(self.group_size,), device=dev)
-        half, call = self._start_ll_call(backend, (max_tokens, h, num_experts), topk_idx.shape[1])
-        if backend is not self._reference_ll:
-            return backend.low_latency_combine(x, topk_idx, topk_weights, handle, zero_copy, async_finish,
-                                               return_recv_hook, out, combine_wait_recv_cost_stats, half,
-                                               functools.partial(self._hook, half, call))
-        rows_src = self._ll_combine_buffer(half, handle) if zero_copy else x
-        per_rank = self._ll_combine_reduction == "per_rank"
-        if return_recv_hook:  # the call "sends": snapshot what it sends
-            rows_src, topk_idx, topk_weights = rows_src.clone(), topk_idx.clone(), topk_weights.clone()
-        result = out if out is not None else torch.empty(t, h, dtype=torch.bfloat16, device=dev)
-
-        def receive() -> None:
-            got, ns = self._reference_ll.combine(rows_src, topk_idx, topk_weights, handle, None,
-                                                 rank_partials=per_rank)
-            result.copy_(got)
-            if combine_wait_recv_cost_stats is not None:
-                combine_wait_recv_cost_stats.add_(ns)
-
-        hook = self._hook(half, call, receive)
-        if return_recv_hook:
-            return result, EventOverlap(), hook
-        _, event = self._stream_scope(dev, None, async_finish, False, lambda: (hook(),),
-                                      [x, topk_idx, topk_weights, result, combine_wait_recv_cost_stats])
-        return result, event, None
-
-    def _ll_combine_buffer(self, half: int, handle: LowLatencyHandle) -> Tensor:
-        local = handle.num_experts // self.group_size
-        shape = (local, self.group_size * handle.num_max_dispatch_tokens_per_rank, handle.hidden)
-        buf = self._ll_combine_send[half]
-        if buf is None or tuple(buf.shape) != shape or buf.device != handle.src_info.device:
-            buf = torch.zeros(shape, dtype=torch.bfloat16, device=handle.src_info.device)
-            self._ll_combine_send[half] = buf
-        return buf
+        if wait_stats is not None:
+            check_tensor("combine_wait_recv_cost_stats", wait_stats, dtypes=(torch.int64,), shape=(self.group_size,),
+                         device=dev)
+        if not reference:
+            self._ll_combine_runs[(handle.backend, use_logfmt, async_finish, return_recv_hook)] = \
+                backend.low_latency_combine
+        return backend.low_latency_combine
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> Tensor:
         """The bf16 [L, R*maxT, H] send region the next low-latency call (a combine) will use: write expert
         outputs here and call low_latency_combine(..., zero_copy=True) to skip the copy."""
         self._check_alive()
-        backend = self._backend_of(handle, (LowLatencyHandle,))
-        if backend is not self._reference_ll:
-            return backend.next_combine_buffer(handle, self._ll_next_half)
-        return self._ll_combine_buffer(self._ll_next_half, handle)
+        return self._backend_of(handle, (LowLatencyHandle,)).next_combine_buffer(handle)
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Reset the low-latency signal words (needed after using the NVSHMEM buffer for something else)."""

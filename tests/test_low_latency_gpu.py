@@ -6,17 +6,18 @@ place them in the reference's order), with payloads equal to the senders'
 rows (BF16) or to the CPU oracle's cast of them (FP8 bytes and scales); combine must be bit-identical (the
 kernels add float32 products in the reference's order, per-rank or per-expert). Longer runs (1000 alternating
 calls, CUDA graph replays) check combine(dispatch(x)) against the locally computed weighted sum.
-Every case runs under each kernel variant of MOE_LL_TEST_VARIANTS (default "0,2,4,6": per-expert or dedup
-dispatch, per-expert rows or per-rank partial rows in the combine) with the per-rank reduction, the last
-variant also on a grid smaller than the token count (the kernels' multi-token and multi-batch paths) and with
-the per-expert reduction. The loops run under MOE_LL_LOOP_CONFIGS (variant:reduction, default
-"6:per_rank,4:per_rank,2:per_expert").
+Every case runs under the three kernel choices a Buffer can make (the runtime picks them per shape, there is no
+switch): the default path (dedup dispatch, per-rank combine) with the per-rank reduction, the same Buffer with
+the per-expert reduction (per-expert combine kernels), and a Buffer(allow_nvlink_for_low_latency_mode=False),
+whose peers are reached through NVSHMEM puts (per-expert dispatch and combine kernels). The loops run under the
+same three. A timeout test has one rank skip a call: the others get a RuntimeError naming rank, phase and peer.
 """
 from __future__ import annotations
 
 import json
 import os
 import random
+import time
 
 import oracle
 import pytest
@@ -24,18 +25,13 @@ import torch
 import torch.distributed as dist
 from dist import GPU_WORLD_SIZES, assert_equal, case, device, make_buffer, run_distributed
 
-from moe_dispatcher import Buffer
-from moe_dispatcher.compiled.low_latency import variant_name
 from moe_dispatcher.reference.low_latency import weighted_sum_per_rank
 
 pytestmark = pytest.mark.gpu
 WORLD_SIZES = GPU_WORLD_SIZES
 MAX_T, MAX_H, MAX_E = 128, 7168, 256
-VARIANTS = [int(v) for v in os.environ.get("MOE_LL_TEST_VARIANTS", "0,2,4,6").split(",")]
-LOOP_CONFIGS = [(int(v), red) for v, red in (item.split(":") for item in
-                os.environ.get("MOE_LL_LOOP_CONFIGS", "6:per_rank,4:per_rank,2:per_expert").split(","))]
-SMALL_GRID = 24  # blocks: fewer than MAX_T tokens
-TINY_GRID = 1  # one block: it sends every token and publishes every expert's count (E > the block's threads)
+# (NVLink to peers, reduction): the default path, the per-expert combine order, the no-NVLink (NVSHMEM put) path.
+CONFIGS = [(True, "per_rank"), (True, "per_expert"), (False, "per_rank")]
 
 # T per rank cycles over the ranks; kind: random (20% of slots -1) or skewed (slot 0 = expert 5 everywhere).
 CASES = [
@@ -66,9 +62,9 @@ def _routing(g: torch.Generator, t: int, e: int, k: int, kind: str) -> torch.Ten
     return idx
 
 
-def _kernel_buffer():
+def _kernel_buffer(nvlink: bool = True):
     buf = make_buffer(low_latency=True, max_tokens=MAX_T, hidden=MAX_H, num_experts=MAX_E, backend="kernels",
-                      explicitly_destroy=True)
+                      explicitly_destroy=True, allow_nvlink_for_low_latency_mode=nvlink)
     if buf._kernels_ll is None:
         raise AssertionError(f"the low-latency kernels are not available: {buf._kernels_ll_why}")
     return buf
@@ -182,59 +178,61 @@ def _call(buf, mode: str, fn, **kw):
     return fn(**kw)
 
 
-def _configs(ll) -> list:
-    """(variant, grid, reduction) the cases run under: every variant on the full grid with the per-rank
-    reduction, the last one also on a small and a one-block grid, and with the per-expert reduction."""
-    full, last = ll.num_blocks, VARIANTS[-1]
-    return ([(v, full, "per_rank") for v in VARIANTS] + [(last, g, "per_rank") for g in (SMALL_GRID, TINY_GRID)]
-            + [(last, full, "per_expert")])
-
-
-def _use(buffers, variant: int, blocks: int, reduction: str = "per_rank") -> str:
-    """Put the kernels' Buffer (first) on `variant` and `blocks`, and every Buffer on `reduction`."""
-    ll = buffers[0]._kernels_ll
+def _use(buffers, reduction: str, num_experts: int) -> str:
+    """Put every Buffer on `reduction`; the label names the kernels the first (compiled) one runs."""
     for buf in buffers:
         buf.low_latency_combine_reduction = reduction
-    ll.set_variant(variant)
-    ll._num_blocks = blocks
-    return f"[{variant_name(variant)}, {blocks} blocks, {reduction}]"
+    ll = buffers[0]._kernels_ll
+    nvlink = "nvlink" if ll.nvlink_peers == ll.num_ranks else "no nvlink"
+    return f"[{nvlink}, {reduction}, {ll.kernels_for(MAX_T, 2048, num_experts)} at E={num_experts}]"
 
 
-def _cases_worker(rank: int, num_ranks: int) -> None:
+def _cases_worker(rank: int, num_ranks: int, nvlink: bool) -> None:
     dev = device()
-    kb = _kernel_buffer()
+    inputs = {}  # case index -> (every rank's x, their FP8 casts): the same under every configuration
+    kb = _kernel_buffer(nvlink)
     rb = _reference_buffer(kb.num_rdma_bytes)
-    ll = kb._kernels_ll
-    with case("compiled half_layout == get_low_latency_rdma_size_hint"):
-        for shape in [(128, 7168, num_ranks, 256), (128, 2048, num_ranks, 32), (1, 128, num_ranks, num_ranks),
-                      (256, 4096, num_ranks, 8 * num_ranks)]:
-            got = 2 * ll._mod.half_layout(*shape)["half_bytes"]
-            if got != Buffer.get_low_latency_rdma_size_hint(*shape):
-                raise AssertionError(f"{shape}: compiled layout {got} != hint")
-    full_grid = ll.num_blocks
-    inputs = {}  # case index -> (every rank's x, their FP8 casts): the same under every variant
-    for variant, blocks, reduction in _configs(ll):
-        label = _use((kb, rb), variant, blocks, reduction)
+    with case("the kernels the runtime picks"):
+        ll = kb._kernels_ll
+        want = {True: ("dedup+rank_combine", "per_expert"), False: ("per_expert", "per_expert")}[nvlink]
+        got = (ll.kernels_for(MAX_T, 2048, 32), ll.kernels_for(MAX_T, 2048, num_ranks))  # L >= 2, L = 1
+        assert got == want, (nvlink, got)
+        assert (ll.nvlink_peers == num_ranks) == nvlink, ll.nvlink_peers
+    for reduction in [red for nv, red in CONFIGS if nv == nvlink]:
+        label = _use((kb, rb), reduction, MAX_E)
         for ci, c in enumerate(CASES):
             _one_case(kb, rb, rank, num_ranks, ci, c, label, inputs)
-    for variant in VARIANTS:
-        with case(f"{_use((kb, rb), variant, full_grid)} garbage in the NVSHMEM buffer, clean_low_latency_buffer, "
-                  "then calls work"):
-            h, e = 2048, 32
-            kb.get_local_buffer_tensor(torch.uint8, use_rdma_buffer=True).fill_(0x5A)
-            kb.clean_low_latency_buffer(MAX_T, h, e)
-            x = torch.randn(MAX_T, h, device=dev).to(torch.bfloat16)
-            idx = torch.rand(MAX_T, e, device=dev).topk(8, dim=1).indices
-            w = torch.rand(MAX_T, 8, device=dev)
-            recv, _, handle, _, _ = kb.low_latency_dispatch(x, idx, MAX_T, e, use_fp8=False)
-            assert_equal(kb.low_latency_combine(recv, idx, w, handle)[0], _local_combine(x, idx, w, e, num_ranks),
-                         "combine after clean", bitwise=True)
-
-    with case("hidden above the kernels' maximum: a clear error before launch"):
-        with pytest.raises(ValueError):
-            kb._kernels_ll.check_shape(1, 32768, 32, 8)
-        with pytest.raises(ValueError):
-            kb._kernels_ll.check_shape(1, 1024, 32, 64)
+    with case(f"{_use((kb, rb), 'per_rank', 32)} garbage in the NVSHMEM buffer, clean_low_latency_buffer, "
+              "then calls work"):
+        h, e = 2048, 32
+        kb.get_local_buffer_tensor(torch.uint8, use_rdma_buffer=True).fill_(0x5A)
+        kb.clean_low_latency_buffer(MAX_T, h, e)
+        x = torch.randn(MAX_T, h, device=dev).to(torch.bfloat16)
+        idx = torch.rand(MAX_T, e, device=dev).topk(8, dim=1).indices
+        w = torch.rand(MAX_T, 8, device=dev)
+        recv, _, handle, _, _ = kb.low_latency_dispatch(x, idx, MAX_T, e, use_fp8=False)
+        assert_equal(kb.low_latency_combine(recv, idx, w, handle)[0], _local_combine(x, idx, w, e, num_ranks),
+                     "combine after clean", bitwise=True)
+    with case(f"{_use((kb, rb), 'per_rank', 32)} more tokens than blocks (maxT=512: several tokens per block)"):
+        t, h, e = 512, 2048, 32
+        x = torch.randn(t, h, device=dev).to(torch.bfloat16)
+        idx = torch.rand(t, e, device=dev).topk(8, dim=1).indices
+        w = torch.rand(t, 8, device=dev)
+        for reduction in ("per_rank", "per_expert"):
+            kb.low_latency_combine_reduction = reduction
+            recv, _, handle, _, _ = kb.low_latency_dispatch(x, idx, t, e, use_fp8=False)
+            assert_equal(kb.low_latency_combine(recv, idx, w, handle)[0],
+                         _local_combine(x, idx, w, e, num_ranks, reduction), f"maxT=512 {reduction}", bitwise=True)
+        kb.low_latency_combine_reduction = "per_rank"
+    with case("bad shapes: a clear error before launch (first call and cached key alike)"):
+        x = torch.zeros(1, 2048, dtype=torch.bfloat16, device=dev)
+        idx = torch.zeros(1, 8, dtype=torch.int64, device=dev)
+        for bad in (lambda: kb.low_latency_dispatch(torch.zeros(1, 32768, dtype=torch.bfloat16, device=dev),
+                                                    idx, 1, 32),
+                    lambda: kb.low_latency_dispatch(x, torch.zeros(1, 64, dtype=torch.int64, device=dev), 1, 32),
+                    lambda: kb.low_latency_dispatch(x.float(), idx, 1, 32)):
+            with pytest.raises((ValueError, TypeError)):
+                bad()
     dist.barrier()
     kb.destroy()
     rb.destroy()
@@ -283,10 +281,15 @@ def _one_case(kb, rb, rank: int, num_ranks: int, ci: int, c: dict, label: str, i
 
 
 
-def _loop_worker(rank: int, num_ranks: int, iterations: int, replays: int) -> None:
+def _loop_worker(rank: int, num_ranks: int, iterations: int, replays: int, nvlink: bool) -> None:
+    kb = _kernel_buffer(nvlink)
+    for reduction in [red for nv, red in CONFIGS if nv == nvlink]:
+        _loops(kb, rank, num_ranks, iterations, replays, reduction)
+    kb.destroy()
+
+
+def _loops(kb, rank: int, num_ranks: int, iterations: int, replays: int, reduction: str) -> None:
     dev = device()
-    kb = _kernel_buffer()
-    ll = kb._kernels_ll
     h, e, k = 2048, 32, 8
     rng = random.Random(rank)
     bad = torch.zeros((), dtype=torch.int64, device=dev)
@@ -297,8 +300,7 @@ def _loop_worker(rank: int, num_ranks: int, iterations: int, replays: int) -> No
         idx = torch.where(torch.rand(t, k, device=dev) < 0.2, torch.full_like(idx, -1), idx)
         return x, idx, torch.rand(t, k, device=dev)
 
-    for variant, reduction in LOOP_CONFIGS:
-        label = _use((kb,), variant, ll.num_blocks, reduction)
+    for label in [_use((kb,), reduction, e)]:
 
         def want(x, idx, w):
             return _local_combine(x, idx, w, e, num_ranks, reduction)
@@ -346,7 +348,6 @@ def _loop_worker(rank: int, num_ranks: int, iterations: int, replays: int) -> No
                          bitwise=True)
         dist.barrier()
         del graph
-    kb.destroy()
 
 
 def _switch_worker(rank: int, num_ranks: int) -> str:
@@ -380,6 +381,43 @@ def _switch_worker(rank: int, num_ranks: int) -> str:
     return "ok"
 
 
+TIMEOUT_S = 2
+
+
+def _timeout_worker(rank: int, num_ranks: int) -> None:
+    dev = device()
+    kb = _kernel_buffer()
+    h, e, k = 2048, 32, 4
+    x = torch.randn(MAX_T, h, device=dev).to(torch.bfloat16)
+    idx = torch.rand(MAX_T, e, device=dev).topk(k, dim=1).indices
+    w = torch.rand(MAX_T, k, device=dev)
+    with case("a pair every rank makes"):
+        recv, _, handle, _, _ = kb.low_latency_dispatch(x, idx, MAX_T, e, use_fp8=False)
+        kb.low_latency_combine(recv, idx, w, handle)
+        torch.cuda.synchronize()
+    dist.barrier()
+    with case("rank 1 skips a dispatch: the others' next call raises naming rank, phase and peer"):
+        if rank != 1:
+            start = time.monotonic()
+            hook = kb.low_latency_dispatch(x, idx, MAX_T, e, use_fp8=False, return_recv_hook=True)[4]
+            hook()  # the receive kernel waits for rank 1, records the timeout and exits (no trap)
+            torch.cuda.synchronize()
+            with pytest.raises(RuntimeError) as err:
+                kb.low_latency_dispatch(x, idx, MAX_T, e, use_fp8=False)
+            elapsed = time.monotonic() - start
+            msg = str(err.value)
+            assert f"rank {rank} timed out" in msg and "low_latency_dispatch (receive counts)" in msg, msg
+            assert "waiting for rank 1" in msg, msg
+            assert elapsed < TIMEOUT_S + 10, f"the error took {elapsed:.1f} s (timeout {TIMEOUT_S} s)"
+            for call in (hook, lambda: kb.low_latency_combine(recv, idx, w, handle)):  # unusable from now on
+                with pytest.raises(RuntimeError, match="timed out"):
+                    call()
+            torch.ones(1, device=dev).sum().item()  # the CUDA context survived
+        torch.cuda.synchronize()
+    dist.barrier()
+    kb.destroy()
+
+
 def _bench_worker(rank: int, num_ranks: int, num_experts: int, iterations: int) -> dict:
     dev = device()
     kb = _kernel_buffer()
@@ -403,32 +441,50 @@ def _bench_worker(rank: int, num_ranks: int, num_experts: int, iterations: int) 
         kb.low_latency_combine(y, idx, w, handle)
         ev[2].record()
     torch.cuda.synchronize()
+    # Host time of an eager pair: the CPU's enqueue time only (400 launches stay under the launch queue's
+    # depth, so the host never waits for the GPU here).
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(iterations):
+        handle = kb.low_latency_dispatch(x, idx, t, num_experts, use_fp8=True)[2]
+        kb.low_latency_combine(y, idx, w, handle)
+    host_us = (time.perf_counter() - start) / iterations * 1e6
+    torch.cuda.synchronize()
     d = sorted(a.elapsed_time(b) * 1e3 for a, b, _ in events)
     c = sorted(b.elapsed_time(cc) * 1e3 for _, b, cc in events)
     both = sorted(a.elapsed_time(cc) * 1e3 for a, _, cc in events)
     valid = int((idx >= 0).sum())
     result = {"ranks": num_ranks, "experts": num_experts, "dispatch_us_median": d[len(d) // 2],
               "combine_us_median": c[len(c) // 2], "both_us_median": both[len(both) // 2],
-              "dispatch_us_mean": sum(d) / len(d), "combine_us_mean": sum(c) / len(c),
+              "dispatch_us_mean": sum(d) / len(d), "combine_us_mean": sum(c) / len(c), "host_us_per_pair": host_us,
               "dispatch_bytes": valid * (h + h // 128 * 4 + 16), "combine_bytes": valid * 2 * h}
     dist.barrier()
     kb.destroy()
     return result
 
 
+@pytest.mark.parametrize("nvlink", [True, False], ids=["nvlink", "no_nvlink"])
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_low_latency_cases(world_size: int) -> None:
+def test_low_latency_cases(world_size: int, nvlink: bool) -> None:
     """BF16/FP8 (round_scale, ue8m0) dispatch and weighted combine vs the reference: -1 slots, T=0, T=maxT,
     skewed routing, hidden 2048/4096/7168, E=32/256/one per rank, hook, async_finish, zero_copy, out=, stats,
-    clean; under every variant of MOE_LL_TEST_VARIANTS, the last dedup one also on a small grid."""
-    run_distributed(_cases_worker, world_size, backend="nccl", timeout=600)
+    clean; under the default kernels, the per-expert reduction order and the no-NVLink path."""
+    run_distributed(_cases_worker, world_size, nvlink, backend="nccl", timeout=600)
+
+
+@pytest.mark.parametrize("nvlink", [True, False], ids=["nvlink", "no_nvlink"])
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_low_latency_loop_and_graph(world_size: int, nvlink: bool) -> None:
+    """Per configuration (CONFIGS): 1000 alternating calls (plain/hook/async/zero-copy) and 100 CUDA-graph
+    replays with fresh inputs."""
+    run_distributed(_loop_worker, world_size, 1000, 100, nvlink, backend="nccl", timeout=600)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_low_latency_loop_and_graph(world_size: int) -> None:
-    """Per MOE_LL_LOOP_CONFIGS entry: 1000 alternating calls (plain/hook/async/zero-copy) and 100 CUDA-graph
-    replays with fresh inputs."""
-    run_distributed(_loop_worker, world_size, 1000, 100, backend="nccl", timeout=600)
+def test_low_latency_timeout_names_rank_and_phase(world_size: int) -> None:
+    """One rank skips a low-latency call: every other rank's next call raises a RuntimeError naming the waiting
+    rank, the phase and the missing peer, within the timeout (no __trap: the CUDA context survives)."""
+    run_distributed(_timeout_worker, world_size, backend="nccl", env={"MOE_DISPATCHER_TIMEOUT_S": str(TIMEOUT_S)})
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -442,8 +498,9 @@ def test_low_latency_normal_switch(world_size: int) -> None:
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("num_experts", [256, 32])
 def test_low_latency_timing(world_size: int, num_experts: int) -> None:
-    """Timing of the standard low-latency shape (128 tokens, H=7168, top-8, FP8 dispatch); reports, never fails
-    on speed. MOE_LL_BENCH_OUT=path appends the figures as JSON lines."""
+    """Timing of the standard low-latency shape (128 tokens, H=7168, top-8, FP8 dispatch), and the host time of
+    an eager pair (host_us_per_pair); reports, never fails on speed. MOE_LL_BENCH_OUT=path appends the figures
+    as JSON lines."""
     result = run_distributed(_bench_worker, world_size, num_experts, 200, backend="nccl")[0]
     print(f"\nlow-latency {world_size} GPUs E={num_experts}: " + json.dumps(result))
     path = os.environ.get("MOE_LL_BENCH_OUT")

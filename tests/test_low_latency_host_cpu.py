@@ -1,11 +1,10 @@
-"""The low-latency backend's host path on CPU, against a stub of the native module.
+"""The Buffer's low-latency host glue on CPU, over a stub of the native runtime (tests/stub_low_latency.py).
 
-The stub's Launcher takes exactly the positional arguments of csrc/low_latency_bindings.cpp (Launcher.dispatch /
-Launcher.combine) and records them, so a wrong count or order fails here instead of on a GPU. Checked: one launch
-per plain call with the outputs' addresses, plans made once per (maxT, hidden, experts, top-k, half) and dropped
-by set_variant and set_rank_partials, the dedup and per-rank bits cleared for one local expert, the per-rank bit
-cleared for the per-expert reduction, the signal words cleaned when the shapes change, and hooks / async_finish
-still going through the stream path.
+Checked: a call is validated in Python on the first call of its key only (later calls go straight to the
+runtime, which still checks the tensors' invariants); a bad argument raises before anything launches; halves
+alternate per call; the hook rules (send now, receive in the hook, once, not when stale, no shape change while
+pending); the per-expert reduction order reaches the runtime; a recorded timeout makes every later call and
+hook raise with rank, phase and peer; a destroyed Buffer refuses calls.
 """
 from __future__ import annotations
 
@@ -13,130 +12,170 @@ import types
 
 import pytest
 import torch
+import torch.distributed as dist
+from stub_low_latency import PHASE_RECV, PHASE_SEND, attach_stub_low_latency
 
-from moe_dispatcher.compiled import low_latency as ll
-from moe_dispatcher.compiled.low_latency import LowLatencyBackend, LowLatencyState
+from moe_dispatcher import Buffer
+from moe_dispatcher import buffer as buffer_module
 
-
-class _Launcher:
-    made: list = []
-
-    def __init__(self, buffer, peer_bases, workspace, half_offset, rank, num_ranks, num_experts, max_tokens, hidden,
-                 num_blocks, timeout_ns, variant, dispatch_trace, combine_trace):
-        self.fields = dict(half_offset=half_offset, num_experts=num_experts, max_tokens=max_tokens, hidden=hidden,
-                           variant=variant)
-        self.calls = []
-        _Launcher.made.append(self)
-
-    def dispatch(self, x, topk_idx, num_tokens, num_topk, fp8, round_scale, ue8m0, recv_x, recv_scales, src_info,
-                 row_of, layout_range, recv_count, cum_stats, wait_stats, phases, stream):
-        assert all(isinstance(v, int) for v in (x, topk_idx, recv_x, recv_scales, src_info, row_of, layout_range,
-                                                recv_count, cum_stats, wait_stats, phases, stream))
-        self.calls.append(("dispatch", dict(locals())))
-
-    def combine(self, x, topk_idx, topk_weights, src_info, row_of, layout_range, out, num_tokens, num_topk,
-                rank_partials, wait_stats, phases, stream):
-        assert all(isinstance(v, int) for v in (x, topk_idx, topk_weights, src_info, row_of, layout_range, out,
-                                                wait_stats, phases, stream))
-        assert isinstance(rank_partials, bool)
-        self.calls.append(("combine", dict(locals())))
-
-
-def _half_layout(max_tokens, hidden, num_ranks, num_experts):
-    return {"half_bytes": 1 << 20, "send_off": 0, "recv_off": 1 << 19, "signal_off": (1 << 20) - 4096,
-            "signal_bytes": 4096}
+MAXT, H, E, K, T = 8, 256, 16, 4, 5
+BOTH = PHASE_SEND | PHASE_RECV
 
 
 @pytest.fixture
-def backend(monkeypatch):
-    stream = types.SimpleNamespace(cuda_stream=7, wait_stream=lambda other: None)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
-    mod = types.SimpleNamespace(MAX_HIDDEN=16384, MAX_EXPERTS=1024, MAX_TOPK=32, PHASE_SEND=1, PHASE_RECV=2,
-                                VARIANT_MASK=6, Launcher=_Launcher, half_layout=_half_layout)
-    b = object.__new__(LowLatencyBackend)
-    b._mod, b.rank, b.num_ranks, b.num_bytes = mod, 0, 4, 1 << 30
-    b._buffer_token, b.timeout_s, b._num_blocks, b._ptr = 1, 10.0, 132, 4096
-    b._peer_bases = b._workspace = torch.zeros(4, dtype=torch.int64)
-    b.nvlink_peers, b._trace, b._trace_last, b._alive = 4, None, {}, True
-    b._checked, b._layout_key, b._phase_both, b.rank_partials = set(), None, 3, True
-    b.set_variant(ll.DEFAULT_VARIANT)
-    cleaned = []
-    b.clean_low_latency_buffer = lambda *shape: cleaned.append(shape)
-    b.cleaned = cleaned
-    _Launcher.made.clear()
-    return b
+def world(tmp_path):
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        buf = Buffer(num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(MAXT, 1024, 1, E), low_latency_mode=True,
+                     backend="reference", explicitly_destroy=True)
+        backend = attach_stub_low_latency(buf)
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(T, H, generator=g).bfloat16()
+        idx = torch.rand(T, E, generator=g).topk(K, dim=1).indices
+        w = torch.rand(T, K, generator=g)
+        yield types.SimpleNamespace(buf=buf, rt=backend.runtime, x=x, idx=idx, w=w)
+        buf.destroy()
+    finally:
+        dist.destroy_process_group()
 
 
-def _dispatch(b, t=5, h=256, e=16, k=4, half=0, fp8=True, **kw):
-    x = torch.zeros(t, h, dtype=torch.bfloat16)
-    idx = torch.zeros(t, k, dtype=torch.int64)
-    args = dict(cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None, use_fp8=fp8,
-                round_scale=False, use_ue8m0=False, async_finish=False, return_recv_hook=False, half=half,
-                make_hook=lambda receive: receive)
-    args.update(kw)
-    return b.low_latency_dispatch(x, idx, 8, e, **args), x, idx
+def _pair(w, **kw):
+    recv_x, count, handle, event, hook = w.buf.low_latency_dispatch(w.x, w.idx, MAXT, E, use_fp8=False, **kw)
+    y = torch.zeros(E, MAXT, H, dtype=torch.bfloat16)
+    return recv_x, handle, y
 
 
-def test_plain_dispatch_one_launch_with_output_addresses(backend):
-    (recv_x, recv_count, handle, event, hook), x, idx = _dispatch(backend)
-    assert hook is None and event.event is None
-    (launcher,) = _Launcher.made
-    ((kind, a),) = launcher.calls
-    data, scales = recv_x
-    assert kind == "dispatch" and a["phases"] == 3 and a["stream"] == 7
-    assert a["x"] == x.data_ptr() and a["topk_idx"] == idx.data_ptr() and (a["num_tokens"], a["num_topk"]) == (5, 4)
-    assert a["recv_x"] == data.data_ptr() and a["recv_scales"] == scales.data_ptr()
-    assert a["src_info"] == handle.src_info.data_ptr() and a["layout_range"] == handle.layout_range.data_ptr()
-    assert a["recv_count"] == recv_count.data_ptr() and a["cum_stats"] == 0 and a["wait_stats"] == 0
-    assert data.shape == (4, 32, 256) and data.dtype == torch.float8_e4m3fn
-    assert scales.shape == (4, 32, 2) and scales.stride() == (64, 1, 32)
-    state = handle.backend_state
-    assert handle.num_tokens == 5 and isinstance(state, LowLatencyState) and state.half == 0
-    assert state.row_of.shape == handle.src_info.shape == (4, 32) and a["row_of"] == state.row_of.data_ptr()
-    assert launcher.fields == dict(half_offset=0, num_experts=16, max_tokens=8, hidden=256,
-                                   variant=ll.VARIANT_DISPATCH_DEDUP | ll.VARIANT_COMBINE_PER_RANK)
+def test_plain_calls_one_launch_each_alternating_halves(world):
+    w = world
+    for _ in range(2):
+        recv_x, handle, y = _pair(w)
+        out, event, hook = w.buf.low_latency_combine(y, w.idx, w.w, handle)
+        assert hook is None and event.event is None and out.shape == (T, H) and recv_x.shape == (E, MAXT, H)
+        assert handle.backend == "low_latency" and handle.num_tokens == T and handle.backend_state.half in (0, 1)
+    assert [(k, p, half) for k, p, half, _ in w.rt.launches] == [
+        ("dispatch", BOTH, 0), ("combine", BOTH, 1), ("dispatch", BOTH, 0), ("combine", BOTH, 1)]
+    # the default kernels: dedup dispatch and per-rank combine (NVLink, 16 local experts)
+    assert {s[2:] for *_, s in w.rt.launches} == {("dedup", "per_rank")}
+    assert w.rt.plans == [(MAXT, H, E, K)]  # one plan for the shape, made on first use
 
 
-def test_plans_cached_per_half_and_dropped_by_set_variant(backend):
-    for half in (0, 1, 0, 1):
-        _dispatch(backend, half=half)
-    assert [m.fields["half_offset"] for m in _Launcher.made] == [0, 1 << 20]
-    assert [len(m.calls) for m in _Launcher.made] == [2, 2]
-    backend.set_variant(0)
-    _dispatch(backend)
-    assert len(_Launcher.made) == 3 and _Launcher.made[-1].fields["variant"] == 0
-    with pytest.raises(ValueError, match="unknown low-latency kernel variant"):
-        backend.set_variant(1)
-    backend.set_variant(ll.DEFAULT_VARIANT)
-    backend.set_rank_partials(False)  # the per-expert reduction: the per-rank combine kernel is not used
-    _dispatch(backend)
-    assert len(_Launcher.made) == 4 and _Launcher.made[-1].fields["variant"] == ll.VARIANT_DISPATCH_DEDUP
+def test_validation_runs_on_the_first_call_of_a_key_only(world, monkeypatch):
+    w = world
+    calls = []
+    real = buffer_module.check_topk_idx
+    monkeypatch.setattr(buffer_module, "check_topk_idx", lambda *a, **k: (calls.append(1), real(*a, **k)))
+    for _ in range(3):
+        _, handle, y = _pair(w)
+        w.buf.low_latency_combine(y, w.idx, w.w, handle)
+    assert len(calls) == 2  # one dispatch key, one combine key
+    _pair(w, async_finish=True)  # a new key: validated once more
+    assert len(calls) == 3
+    # The runtime still checks every call's invariants on a cached key.
+    with pytest.raises(ValueError, match="x must be"):
+        w.buf.low_latency_dispatch(w.x.float(), w.idx, MAXT, E, use_fp8=False)
+    with pytest.raises(ValueError, match="tokens, more than"):
+        w.buf.low_latency_dispatch(torch.zeros(MAXT + 1, H, dtype=torch.bfloat16),
+                                   torch.zeros(MAXT + 1, K, dtype=torch.int64), MAXT, E, use_fp8=False)
+    _, handle, y = _pair(w)
+    with pytest.raises(ValueError, match="topk_weights"):
+        w.buf.low_latency_combine(y, w.idx, w.w.double(), handle)
 
 
-def test_one_local_expert_clears_dedup_and_shape_change_cleans(backend):
-    _dispatch(backend, e=4)
-    assert _Launcher.made[-1].fields["variant"] == 0
-    assert backend.cleaned == []
-    _dispatch(backend, e=16)
-    assert backend.cleaned == [(8, 256, 16)]
-    with pytest.raises(ValueError, match="hidden sizes up to"):
-        _dispatch(backend, h=32768)
+def test_bad_arguments_raise_before_launching(world):
+    w = world
+    n = len(w.rt.launches)
+    with pytest.raises(ValueError, match="divisible by 128"):
+        w.buf.low_latency_dispatch(torch.zeros(T, 100, dtype=torch.bfloat16), w.idx, MAXT, E)
+    with pytest.raises(ValueError):
+        w.buf.low_latency_dispatch(w.x, w.idx, MAXT, E, async_finish=True, return_recv_hook=True)
+    with pytest.raises(ValueError, match="more than"):
+        w.buf.low_latency_dispatch(w.x, w.idx, T - 1, E)
+    with pytest.raises(ValueError, match="use_ue8m0"):
+        w.buf.low_latency_dispatch(w.x, w.idx, MAXT, E, use_ue8m0=True)
+    with pytest.raises(TypeError):
+        w.buf.low_latency_combine(torch.zeros(E, MAXT, H, dtype=torch.bfloat16), w.idx, w.w, object())
+    with pytest.raises(NotImplementedError):
+        _, handle, y = _pair(w)
+        w.buf.low_latency_combine(y, w.idx, w.w, handle, use_logfmt=True)
+    assert len(w.rt.launches) == n + 1  # only the valid dispatch above
 
 
-def test_combine_plain_and_hook(backend):
-    (recv_x, _, handle, _, _), _, idx = _dispatch(backend, fp8=False)
-    y = torch.zeros_like(recv_x)
-    w = torch.ones(idx.shape, dtype=torch.float32)
-    out, event, hook = backend.low_latency_combine(y, idx, w, handle, False, False, False, None, None, 1,
-                                                   lambda receive: receive)
-    ((_, d), (kind, a)) = _Launcher.made[0].calls + _Launcher.made[1].calls
-    assert kind == "combine" and hook is None and out.shape == (5, 256) and a["phases"] == 3
-    assert a["x"] == y.data_ptr() and a["out"] == out.data_ptr() and a["src_info"] == handle.src_info.data_ptr()
-    assert a["row_of"] == handle.backend_state.row_of.data_ptr() and a["rank_partials"] is True
-    assert (a["num_tokens"], a["num_topk"]) == (5, 4)
-    out, _, hook = backend.low_latency_combine(y, idx, w, handle, True, False, True, out, None, 0,
-                                               lambda receive: receive)
-    sent = _Launcher.made[0].calls[-1][1]
-    assert sent["phases"] == 1 and sent["x"] == 0 and sent["out"] == out.data_ptr()
+def test_hook_rules(world):
+    w = world
+    recv_x, count, handle, event, hook = w.buf.low_latency_dispatch(w.x, w.idx, MAXT, E, use_fp8=False,
+                                                                    return_recv_hook=True)
+    assert w.rt.launches[-1][:2] == ("dispatch", PHASE_SEND)
     hook()
-    assert _Launcher.made[0].calls[-1][1]["phases"] == 2
+    assert w.rt.launches[-1][:2] == ("dispatch", PHASE_RECV)
+    with pytest.raises(RuntimeError, match="already called"):
+        hook()
+    stale = w.buf.low_latency_dispatch(w.x, w.idx, MAXT, E, use_fp8=False, return_recv_hook=True)[4]
+    # a pending hook blocks a change of shapes (the layout would be cleaned under it)
+    with pytest.raises(RuntimeError, match="call the hook first"):
+        w.buf.low_latency_dispatch(torch.zeros(T, 512, dtype=torch.bfloat16), w.idx, MAXT, E, use_fp8=False)
+    for _ in range(2):
+        w.buf.low_latency_dispatch(w.x, w.idx, MAXT, E, use_fp8=False)
+    with pytest.raises(RuntimeError, match="stale"):
+        stale()
+    w.buf.low_latency_dispatch(torch.zeros(T, 512, dtype=torch.bfloat16), w.idx, MAXT, E, use_fp8=False)
+    assert w.rt.cleans == [(MAXT, 512, E)]  # the new layout's signal words were cleaned first
+
+
+def test_per_expert_order_and_no_nvlink_pick_the_per_expert_kernels(world):
+    w = world
+    w.buf.low_latency_combine_reduction = "per_expert"
+    _, handle, y = _pair(w)
+    w.buf.low_latency_combine(y, w.idx, w.w, handle)
+    assert w.rt.launches[-1][3][2:] == ("dedup", "per_expert")
+    w.rt.nvlink_all = False
+    w.rt._plans.clear()
+    assert w.rt.kernels_for(MAXT, H, E) == (False, False)
+
+
+def test_timeout_makes_every_later_call_raise(world):
+    w = world
+    hook = w.buf.low_latency_dispatch(w.x, w.idx, MAXT, E, use_fp8=False, return_recv_hook=True)[4]
+    w.rt.timeout = (1, "low_latency_dispatch (receive counts)", 0, 3)
+    for call in (hook, lambda: _pair(w), hook):
+        with pytest.raises(RuntimeError, match=r"rank 0 timed out .* in low_latency_dispatch \(receive counts\) "
+                                               r"waiting for rank 3"):
+            call()
+
+
+def test_destroyed_buffer_refuses_calls(world):
+    w = world
+    _pair(w)
+    w.buf.destroy()
+    with pytest.raises(RuntimeError, match="destroyed"):
+        _pair(w)
+
+
+def test_stub_and_buffer_call_the_native_signatures():
+    """The stub's methods, the Backend protocol and the native runtime (its docstrings in
+    csrc/low_latency_bindings.cpp) take the same arguments in the same order, which is what Buffer passes."""
+    import inspect
+    import os
+    import re
+
+    from stub_low_latency import StubRuntime
+
+    from moe_dispatcher.backend import Backend
+    src = open(os.path.join(os.path.dirname(__file__), "..", "csrc", "low_latency_bindings.cpp")).read()
+    src = re.sub(r'"\s*"', "", src)  # C++ string literals continued on the next line
+    for name, proto in (("dispatch", Backend.low_latency_dispatch), ("combine", Backend.low_latency_combine)):
+        native = re.search(rf'"{name}\(([^)]*)\)', src).group(1).split(", ")
+        stub = list(inspect.signature(getattr(StubRuntime, name)).parameters)[1:]
+        proto_args = list(inspect.signature(proto).parameters)[1:]
+        assert len(native) == len(stub) == len(proto_args), (name, native, stub, proto_args)
+        assert native == stub, (name, native, stub)
+
+
+def test_ll_host_cpu_tool_runs():
+    import os
+    import subprocess
+    import sys
+    tool = os.path.join(os.path.dirname(__file__), "..", "tools", "ll_host_cpu.py")
+    out = subprocess.run([sys.executable, tool, "--calls", "2000", "--hidden", "1024", "--tokens", "16",
+                          "--experts", "16"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "buffer.low_latency_dispatch" in out.stdout and "us" in out.stdout

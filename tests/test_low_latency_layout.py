@@ -1,10 +1,9 @@
 """Low-latency buffer layout and the dedup dispatch's index math, on CPU.
 
-* get_low_latency_rdma_size_hint never exceeds DeepEP V1's formula, and the dedup staging and flags fit the
-  layout it sizes (a Python mirror of csrc/kernels/low_latency/low_latency.h half_layout; the GPU tests check
-  that the compiled half_layout gives the same total).
+* get_low_latency_rdma_size_hint is the layout's total and never exceeds DeepEP V1's formula, and the dedup
+  staging and flags fit the layout (read from its one definition, csrc/kernels/low_latency/layout.h, through the
+  CPU module moe_dispatcher._layout).
 * The per-rank combine's partial rows, routing and flags fit the same layout.
-* The variant switches (MOE_DISPATCHER_LL_VARIANT / _DISPATCH).
 * A model of what the dedup kernels compute (dispatch_dedup_send.cuh: slots, message indices, picks grouped
   by destination; dispatch_dedup_recv.cuh: placement and expansion) lands every (source, token, expert)
   exactly where the reference backend puts it.
@@ -13,20 +12,12 @@ from __future__ import annotations
 
 import itertools
 
-import pytest
 import torch
 
 from moe_dispatcher.buffer import Buffer
-from moe_dispatcher.compiled.low_latency import (
-    DISPATCH_ENV,
-    VARIANT_COMBINE_PER_RANK,
-    VARIANT_DISPATCH_DEDUP,
-    VARIANT_ENV,
-    variant_from_env,
-    variant_name,
-)
+from moe_dispatcher.runtime import ll_layout
 
-MAX_TOPK = 32  # kMaxTopk
+MAX_TOPK = ll_layout.max_topk()
 
 
 def deepep_v1_hint(max_tokens: int, hidden: int, num_ranks: int, num_experts: int) -> int:
@@ -42,17 +33,12 @@ def deepep_v1_hint(max_tokens: int, hidden: int, num_ranks: int, num_experts: in
 
 
 def half_layout(max_tokens: int, hidden: int, num_ranks: int, num_experts: int) -> dict:
-    """Mirror of half_layout (low_latency.h)."""
-    t, h, r, e = max_tokens, hidden, num_ranks, num_experts
-    local = e // r
-    msg = 16 + max(2 * h, h + h // 128 * 4)
-    dedup_slot = msg + (4 * (1 + min(local, MAX_TOPK)) + 15) // 16 * 16
-    send = max(t * msg, e * t * 2 * h)
-    recv = e * t * max(msg, 2 * h)
-    flags = r + r * t if local >= 2 and r + r * t > e else e
-    signal = 4 * (e + flags)
-    return {"send": send, "recv": recv, "signal_words": e + flags, "flags_words": flags, "msg": msg,
-            "dedup_slot": dedup_slot, "half": (send + recv + signal + 127) // 128 * 128}
+    """The C++ half_layout (layout.h) with the region sizes the checks below read."""
+    lay = ll_layout.half_layout(max_tokens, hidden, num_ranks, num_experts)
+    signal_words = lay["signal_bytes"] // 4
+    return {"send": lay["recv_off"] - lay["send_off"], "recv": lay["signal_off"] - lay["recv_off"],
+            "signal_words": signal_words, "flags_words": signal_words - num_experts, "msg": lay["msg_bytes"],
+            "dedup_slot": lay["dedup_slot_bytes"], "half": lay["half_bytes"]}
 
 
 SHAPES = [(t, h, r, r * local)
@@ -90,21 +76,6 @@ def test_per_rank_combine_rows_and_routing_fit():
         assert lay["flags_words"] >= r + r * t, (t, h, r, e)
 
 
-def test_variant_env():
-    assert variant_from_env({}) == VARIANT_DISPATCH_DEDUP | VARIANT_COMBINE_PER_RANK  # the default
-    assert variant_from_env({VARIANT_ENV: "0"}) == 0
-    assert variant_from_env({DISPATCH_ENV: "dedup"}) == VARIANT_DISPATCH_DEDUP | VARIANT_COMBINE_PER_RANK
-    assert variant_from_env({VARIANT_ENV: "2", DISPATCH_ENV: "per_expert"}) == 0
-    assert variant_from_env({DISPATCH_ENV: "per_expert"}) == VARIANT_COMBINE_PER_RANK
-    assert variant_from_env({VARIANT_ENV: "0", DISPATCH_ENV: "dedup"}) == VARIANT_DISPATCH_DEDUP
-    with pytest.raises(ValueError):
-        variant_from_env({DISPATCH_ENV: "per-expert"})
-    assert variant_name(0) == "per_expert"
-    assert variant_name(VARIANT_DISPATCH_DEDUP) == "dedup"
-    assert variant_name(VARIANT_DISPATCH_DEDUP | VARIANT_COMBINE_PER_RANK) == "dedup+rank_combine"
-
-
-# ------------------------------------------------------------------------------------ model of the dedup kernels
 def _sender(topk: torch.Tensor, num_ranks: int, local: int, max_tokens: int):
     """What one source rank's dedup send phase writes: counts[e], messages[d], and per destination d the list of
     messages (index i -> (token, picks)), picks grouped as plan_destinations groups them."""

@@ -293,7 +293,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     dev = torch.device("cuda", torch.cuda.current_device())
     from moe_dispatcher import Buffer
-    from moe_dispatcher.compiled.low_latency import VARIANT_DISPATCH_DEDUP
 
     t, h, k, e = o.tokens, o.hidden, o.topk, o.experts
     buf = Buffer(dist.group.WORLD, 0, Buffer.get_low_latency_rdma_size_hint(t, h, world, e), low_latency_mode=True,
@@ -318,7 +317,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     dist.all_gather(all_counts, dest_counts)
     sel = torch.stack(all_counts).cpu().tolist()
     msg = (16 + (h + h // 128 * 4 if fp8 else 2 * h) + 15) // 16 * 16
-    if be.variant & VARIANT_DISPATCH_DEDUP:  # one message per (token, rank it picks): body + picks, ~msg bytes
+    if be.kernels_for(t, h, e).startswith("dedup"):  # one message per (token, rank it picks): body + picks, ~msg bytes
         dest = torch.where(idx >= 0, idx // (e // world), world)
         hits = torch.zeros(t, world + 1, dtype=torch.int64, device=dev).scatter_(1, dest, 1)[:, :world].sum(0)
         all_hits = [torch.empty_like(hits) for _ in range(world)]

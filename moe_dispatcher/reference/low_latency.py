@@ -3,18 +3,28 @@
 Rows are packed per local expert: for expert l, the rows from source rank 0 (tokens ascending), then from
 rank 1, and so on. The compiled kernels may order rows differently; they are compared through the handle's
 src_info and layout_range, which describe any order.
+
+ReferenceLowLatency is the Backend the Buffer resolves low-latency calls to when the compiled kernels do not
+serve them (CPU tensors, no extension, Buffer(backend="reference")). Like the compiled backend it owns the
+double buffering (each call takes the half after the previous call's), the hook rules and the zero-copy send
+buffers; its exchange itself is synchronous (collectives), so a "send" only snapshots the inputs and the
+receive (at once, or in the hook) runs the exchange.
 """
 from __future__ import annotations
 
 import time
-from typing import Optional, Tuple
+import weakref
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from ..backend import Backend, Capabilities
+from ..event import EventOverlap
 from .comm import exchange_rows, pack_rows, unpack_rows
 from .fp8 import per_token_cast_to_fp8
+
+_NO_EVENT = EventOverlap()
 
 
 def _token_minor(shape_l: int, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -23,17 +33,163 @@ def _token_minor(shape_l: int, rows: int, cols: int, dtype: torch.dtype, device:
 
 
 class ReferenceLowLatency(Backend):
-    """Low-latency backend over `group`: the executable form of the low-latency semantics, any device."""
+    """Low-latency backend over `group`: the executable form of the low-latency semantics, any device.
+
+    stream_scope: the Buffer's _stream_scope (DeepEP's async_finish semantics on CUDA tensors), held weakly.
+    rank_partials: the combine's reduction order (the Buffer's low_latency_combine_reduction == "per_rank").
+    """
 
     name = "reference"
     capabilities = Capabilities(low_latency=True)
 
-    def __init__(self, group: dist.ProcessGroup, rank: int, num_ranks: int, buffer_token: int):
+    def __init__(self, group: dist.ProcessGroup, rank: int, num_ranks: int, buffer_token: int,
+                 stream_scope: Optional[Callable] = None, rank_partials: bool = True):
         self.group, self.rank, self.num_ranks, self.buffer_token = group, rank, num_ranks, buffer_token
+        self._stream_scope = weakref.WeakMethod(stream_scope) if stream_scope is not None else None
+        self.rank_partials = rank_partials
+        # Double buffering: each call takes the half after the previous call's; a hook is stale once its half
+        # was taken again. Shapes (maxT, hidden, experts) may change only while no hook is pending.
+        self._next_half = 0
+        self._calls = 0
+        self._half_owner = [0, 0]
+        self._pending_hooks: set = set()
+        self._last_shape: Optional[Tuple[int, int, int]] = None
+        self._combine_send: List[Optional[torch.Tensor]] = [None, None]
 
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, max_tokens: int, num_experts: int,
-                 use_fp8: bool, round_scale: bool, use_ue8m0: bool):
-        """Returns (recv_x or (fp8, scales), recv_count int32[L], handle, nanoseconds spent exchanging)."""
+    def set_rank_partials(self, rank_partials: bool) -> None:
+        self.rank_partials = bool(rank_partials)
+
+    # ------------------------------------------------------------------ calls (Backend protocol)
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, max_tokens: int, num_experts: int,
+                             cumulative_local_expert_recv_stats: Optional[torch.Tensor],
+                             dispatch_wait_recv_cost_stats: Optional[torch.Tensor], use_fp8: bool, round_scale: bool,
+                             use_ue8m0: bool, async_finish: bool, return_recv_hook: bool):
+        """Inputs validated by the Buffer. Outputs are allocated now and filled when receiving."""
+        from ..handle import LowLatencyHandle
+
+        t, h = x.shape
+        half, call = self._start_call((max_tokens, h, num_experts))
+        dev, local = x.device, num_experts // self.num_ranks
+        rows = self.num_ranks * max_tokens
+        if use_fp8:
+            groups = h // 512 if use_ue8m0 else h // 128
+            sdtype = torch.int32 if use_ue8m0 else torch.float32
+            recv_x = (torch.empty(local, rows, h, dtype=torch.float8_e4m3fn, device=dev),
+                      torch.empty(local, groups, rows, dtype=sdtype, device=dev).transpose(1, 2))
+        else:
+            recv_x = torch.empty(local, rows, h, dtype=torch.bfloat16, device=dev)
+        recv_count = torch.empty(local, dtype=torch.int32, device=dev)
+        handle = LowLatencyHandle(torch.empty(local, rows, dtype=torch.int32, device=dev),
+                                  torch.empty(local, self.num_ranks, dtype=torch.int64, device=dev),
+                                  max_tokens, h, num_experts, self.name, self.buffer_token, half, t)
+        if return_recv_hook:  # the call "sends": later changes to x must not reach the receiver
+            x, topk_idx = x.clone(), topk_idx.clone()
+        cum, wait = cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats
+
+        def receive() -> None:
+            got_x, got_count, got_handle, ns = self.dispatch_rows(x, topk_idx, max_tokens, num_experts, use_fp8,
+                                                                  round_scale, use_ue8m0)
+            for dst, src in zip(_flatten((recv_x, recv_count, handle.src_info, handle.layout_range)),
+                                _flatten((got_x, got_count, got_handle.src_info, got_handle.layout_range))):
+                dst.copy_(src)
+            if cum is not None:
+                cum.add_(got_count)
+            if wait is not None:
+                wait.add_(ns)
+
+        hook = self._hook(half, call, receive)
+        if return_recv_hook:
+            return recv_x, recv_count, handle, _NO_EVENT, hook
+        keep = [x, topk_idx] + [v for v in _flatten((recv_x, recv_count, handle.src_info, handle.layout_range, cum,
+                                                      wait)) if v is not None]
+        event = self._run(dev, async_finish, hook, keep)
+        return recv_x, recv_count, handle, event, None
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle,
+                            zero_copy: bool, async_finish: bool, return_recv_hook: bool, out: Optional[torch.Tensor],
+                            combine_wait_recv_cost_stats: Optional[torch.Tensor]):
+        """Inputs validated by the Buffer; -> (combined_x bf16 [T, H], EventOverlap, hook or None)."""
+        half, call = self._start_call((handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts))
+        rows_src = self._combine_buffer(half, handle) if zero_copy else x
+        rank_partials = self.rank_partials
+        if return_recv_hook:  # the call "sends": snapshot what it sends
+            rows_src, topk_idx, topk_weights = rows_src.clone(), topk_idx.clone(), topk_weights.clone()
+        t, dev = topk_idx.shape[0], handle.src_info.device
+        result = out if out is not None else torch.empty(t, handle.hidden, dtype=torch.bfloat16, device=dev)
+        wait = combine_wait_recv_cost_stats
+
+        def receive() -> None:
+            got, ns = self.combine_rows(rows_src, topk_idx, topk_weights, handle, None, rank_partials=rank_partials)
+            result.copy_(got)
+            if wait is not None:
+                wait.add_(ns)
+
+        hook = self._hook(half, call, receive)
+        if return_recv_hook:
+            return result, _NO_EVENT, hook
+        keep = [v for v in (x, topk_idx, topk_weights, result, wait) if v is not None]
+        return result, self._run(dev, async_finish, hook, keep), None
+
+    def next_combine_buffer(self, handle) -> torch.Tensor:
+        """bf16 [L, R*maxT, H]: the rows a zero-copy combine made as the next call sends."""
+        return self._combine_buffer(self._next_half, handle)
+
+    def clean_low_latency_buffer(self, max_tokens: int, hidden: int, num_experts: int) -> None:
+        """Nothing to reset: the reference keeps no signal words."""
+
+    # ------------------------------------------------------------------ double buffering and hooks
+    def _start_call(self, shape: Tuple[int, int, int]) -> Tuple[int, int]:
+        """(half, call id) of a new call."""
+        # Hooks never called and now stale can no longer block anything.
+        self._pending_hooks.intersection_update(self._half_owner)
+        if self._last_shape not in (None, shape) and self._pending_hooks:
+            raise RuntimeError(f"low-latency call with (max tokens, hidden, experts) {shape} while a hook of a call "
+                             f"with {self._last_shape} has not been called: call the hook first")
+        self._last_shape = shape
+        half = self._next_half
+        self._next_half ^= 1
+        self._calls += 1
+        self._half_owner[half] = self._calls
+        return half, self._calls
+
+    def _hook(self, half: int, call: int, receive: Callable[[], None]) -> Callable[[], None]:
+        done = []
+        self._pending_hooks.add(call)
+
+        def hook() -> None:
+            if done:
+                raise RuntimeError("this low-latency hook was already called")
+            if self._half_owner[half] != call:
+                raise RuntimeError("stale low-latency hook: its buffer half was reused by a later call; call each "
+                                   "hook before making two more low-latency calls")
+            receive()
+            done.append(True)
+            self._pending_hooks.discard(call)
+        return hook
+
+    def _run(self, device: torch.device, async_finish: bool, hook: Callable[[], None], keep: list) -> EventOverlap:
+        """Receive now with DeepEP's stream semantics (the Buffer's _stream_scope on CUDA tensors)."""
+        scope = self._stream_scope() if self._stream_scope is not None else None
+        if device.type != "cuda" or scope is None:
+            hook()
+            return EventOverlap()
+        _, event = scope(device, None, async_finish, False, lambda: (hook(),), keep)
+        return event
+
+    def _combine_buffer(self, half: int, handle) -> torch.Tensor:
+        local = handle.num_experts // self.num_ranks
+        shape = (local, self.num_ranks * handle.num_max_dispatch_tokens_per_rank, handle.hidden)
+        buf = self._combine_send[half]
+        if buf is None or tuple(buf.shape) != shape or buf.device != handle.src_info.device:
+            buf = torch.zeros(shape, dtype=torch.bfloat16, device=handle.src_info.device)
+            self._combine_send[half] = buf
+        return buf
+
+    # ------------------------------------------------------------------ the exchanges
+    def dispatch_rows(self, x: torch.Tensor, topk_idx: torch.Tensor, max_tokens: int, num_experts: int,
+                      use_fp8: bool, round_scale: bool, use_ue8m0: bool):
+        """The dispatch exchange (synchronous). Returns (recv_x or (fp8, scales), recv_count int32[L], handle,
+        nanoseconds spent exchanging)."""
         from ..handle import LowLatencyHandle
 
         r = self.num_ranks
@@ -83,10 +239,11 @@ class ReferenceLowLatency(Backend):
         handle = LowLatencyHandle(src_info, layout_range, max_tokens, h, num_experts, self.name, self.buffer_token)
         return recv_x, recv_count, handle, elapsed
 
-    def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle,
-                out: Optional[torch.Tensor], rank_partials: bool = False) -> Tuple[torch.Tensor, int]:
-        """out[t] = bf16(sum_k w[t,k] * row(t, k)), products rounded to float32 before each addition; with
-        rank_partials the per-rank order (weighted_sum_per_rank). Returns (out, nanoseconds exchanging)."""
+    def combine_rows(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle,
+                     out: Optional[torch.Tensor], rank_partials: bool = False) -> Tuple[torch.Tensor, int]:
+        """The combine exchange (synchronous): out[t] = bf16(sum_k w[t,k] * row(t, k)), products rounded to
+        float32 before each addition; with rank_partials the per-rank order (weighted_sum_per_rank). Returns
+        (out, nanoseconds exchanging)."""
         r, me = self.num_ranks, self.rank
         local = x.shape[0]
         dev = x.device
@@ -152,3 +309,9 @@ def weighted_sum_per_rank(vals: torch.Tensor, topk_idx: torch.Tensor, topk_weigh
         ti = tokens[first]
         acc[ti] = acc[ti] + term[ti, rank[first, j]]
     return acc.to(torch.bfloat16)
+
+
+def _flatten(obj) -> list:
+    if isinstance(obj, (tuple, list)):
+        return [y for item in obj for y in _flatten(item)]
+    return [obj]

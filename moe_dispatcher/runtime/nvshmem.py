@@ -2,11 +2,11 @@
 
 ``bootstrap(group, device_index)`` brings NVSHMEM up on every rank of ``group`` (NVSHMEM PE id ==
 group rank) and makes sure the device state of ``moe_dispatcher._C`` is initialised, which its
-NVSHMEM kernels need. Two ways, picked by ``MOE_DISPATCHER_NVSHMEM_BOOTSTRAP``:
+NVSHMEM kernels need. The way is chosen automatically (no switch):
 
-* ``nvshmem4py`` (default when importable): nvshmem4py does the host-side init from a unique id
+* ``nvshmem4py`` when it is importable: nvshmem4py does the host-side init from a unique id
   broadcast over ``group``, then ``_C.nvshmem_attach()`` registers the extension's device state.
-* ``extension``: the extension's own unique-id init (no nvshmem4py needed).
+* ``extension`` otherwise: the extension's own unique-id init (no nvshmem4py needed).
 
 If NVSHMEM is already up in this process (someone else initialised it), bootstrap only attaches.
 Per process the state is created once and reference counted: every ``bootstrap`` returns the same
@@ -28,7 +28,6 @@ import torch.distributed as dist
 
 from .. import _ext
 
-ENV_BOOTSTRAP = "MOE_DISPATCHER_NVSHMEM_BOOTSTRAP"
 UNIQUE_ID_BYTES = 128
 
 _lock = threading.Lock()
@@ -104,16 +103,12 @@ def _import_nvshmem4py() -> tuple[Any, Any]:
 
 
 def _pick_backend() -> str:
-    choice = os.environ.get(ENV_BOOTSTRAP, "auto").strip().lower() or "auto"
-    if choice not in ("auto", "nvshmem4py", "extension"):
-        raise ValueError(f"{ENV_BOOTSTRAP} must be nvshmem4py, extension or auto, got {choice!r}")
-    if choice == "auto":
-        try:
-            _import_nvshmem4py()
-        except ImportError:
-            return "extension"
-        return "nvshmem4py"
-    return choice
+    """nvshmem4py when it is importable (with its CUDA Python dependencies), else the extension's own init."""
+    try:
+        _import_nvshmem4py()
+    except ImportError:
+        return "extension"
+    return "nvshmem4py"
 
 
 def _broadcast_unique_id(uid: bytes | None, group: dist.ProcessGroup) -> bytes:

@@ -1,8 +1,8 @@
 // Low-latency combine: the kernel (send phase, receive phase, or both in one launch) and its
 // launcher. The phases live in combine_send.cuh / combine_recv.cuh (every (token, expert) row goes
-// back) and combine_rank_send.cuh / combine_rank_recv.cuh (kVariantCombinePerRank: a partial sum per
-// (token, rank)). As for dispatch, the grid never
-// exceeds the SM count so that a fused launch's blocks are all resident.
+// back) and combine_rank_send.cuh / combine_rank_recv.cuh (Common::per_rank_combine: a partial sum per
+// (token, rank)). As for dispatch, the grid never exceeds the SM count so that a fused launch's
+// blocks are all resident.
 #include "kernels/low_latency/combine_rank_recv.cuh"
 #include "kernels/low_latency/combine_rank_send.cuh"
 #include "kernels/low_latency/combine_recv.cuh"
@@ -16,7 +16,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     low_latency_combine_kernel(Common c, CombineArgs a, int phases, int send_parts) {
   if (phases & kPhaseSend) trace_begin(c, kTraceCEntry);
   const HalfLayout lay = half_layout(c.max_tokens, c.hidden, c.num_ranks, c.num_experts);
-  const bool per_rank = (c.variant & kVariantCombinePerRank) != 0;
+  const bool per_rank = c.per_rank_combine;
   if (phases & kPhaseSend) {
     if (per_rank) {
       combine_rank_send_phase(c, a, lay);
@@ -41,10 +41,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 void launch_combine(const Common& c, const CombineArgs& a, int phases, cudaStream_t stream) {
   MOE_CHECK(phases >= 1 && phases <= 3, "low_latency combine: bad phases");
-  const bool per_rank = (c.variant & kVariantCombinePerRank) != 0;
-  // The per-rank variant computes the rank-partial order and lays its rows out [R][maxT] (L >= 2).
+  const bool per_rank = c.per_rank_combine;
+  // The per-rank kernels compute the rank-partial order and lays its rows out [R][maxT] (L >= 2).
   MOE_CHECK(!per_rank || (a.rank_partials && c.num_experts / c.num_ranks >= 2 && a.row_of != nullptr),
-            "low_latency combine: the per-rank variant needs rank_partials, two experts per rank and row_of");
+            "low_latency combine: the per-rank kernels need rank_partials, two experts per rank and row_of");
   const int pairs = c.num_experts;  // L * R
   const int parts = c.num_blocks > pairs ? c.num_blocks / pairs : 1;
   low_latency_combine_kernel<<<c.num_blocks, kThreads, 0, stream>>>(c, a, phases, parts);

@@ -1,4 +1,4 @@
-// Combine, receive phase of the per-rank variant (kVariantCombinePerRank; the sender's side is in
+// Combine, receive phase of the per-rank combine (Common::per_rank_combine; the sender's side is in
 // combine_rank_send.cuh): out[t] from the partial rows the ranks of token t's picks sent back.
 //
 // A block takes a token at a time (t = blockIdx.x, grid-strided). Warp 0 reads the token's top-k row:
@@ -56,7 +56,7 @@ __device__ __forceinline__ void combine_rank_recv_phase(const Common& c, const C
         const int j = __popc(leads & ((1u << lane) - 1));
         int* flag = flags + static_cast<size_t>(d) * maxT + t;
         const uint64_t start = now_ns();
-        wait_flag(c, flag, "low_latency_combine (receive)", d, 0);
+        wait_flag(c, flag, kWaitCombineData, d, 0, 1);
         if (a.wait_stats != nullptr) atomicAdd(&s_wait[d], static_cast<unsigned long long>(now_ns() - start));
         *flag = 0;
         s_rank[j] = d;

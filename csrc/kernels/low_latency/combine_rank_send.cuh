@@ -1,4 +1,4 @@
-// Combine, send phase of the per-rank variant (kVariantCombinePerRank): this rank sums, for each token
+// Combine, send phase of the per-rank combine (Common::per_rank_combine): this rank sums, for each token
 // of each source, the weighted rows of the token's picks among its own experts, and sends that one
 // partial row back, instead of one row per (token, expert). At top-8 of 256 experts on 4 ranks a token
 // picks ~3.6 ranks, so ~2.2x fewer bytes cross NVLink (~4x on 2 ranks). The reduction order this
@@ -25,7 +25,7 @@
 // released at system scope) and raises flag [me][t] on rank s (st.release.sys, value t + 1). The
 // receiver waits for the flags of the ranks its token picked; it knows them from its own topk_idx, so
 // a rank that holds no pick of a token sends nothing for it.
-// NVLink only (every rank stores into its peers' memory): the backend clears the variant otherwise.
+// NVLink only (every rank stores into its peers' memory): the runtime picks the per-expert kernels otherwise.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -197,7 +197,7 @@ __device__ __forceinline__ void combine_rank_send_phase(const Common& c, const C
 
   // 3. The peers' routing, then the tokens of the sources left: source j is rank me + first + j.
   for (int i = tid; i < R - 1; i += blockDim.x)
-    s_peer_tokens[i] = wait_flag(c, routed + (me + 1 + i) % R, "low_latency_combine (routing)", (me + 1 + i) % R, 0) - 1;
+    s_peer_tokens[i] = wait_flag(c, routed + (me + 1 + i) % R, kWaitCombineRouting, (me + 1 + i) % R, 0, 1) - 1;
   __syncthreads();  // the waiting threads' acquires cover the block's reads of the routing
   trace_event(c, kTraceCRouted);
   const int first = own_first ? 1 : 0, sources = R - first;

@@ -59,7 +59,7 @@ __device__ __forceinline__ void reduce_chunk(const Common& c, const CombineArgs&
 
 // reduce_chunk with CombineArgs::rank_partials: the token's ranks in the order of their first pick; a rank
 // with one pick adds w_k * row_k, a rank with several adds bf16(its picks' weighted sum, k ascending) as
-// float, all in float32. The bits of the per-rank variant (combine_rank_*.cuh), computed here from the
+// float, all in float32. The bits of the per-rank combine (combine_rank_*.cuh), computed here from the
 // per-expert rows (for peers without NVLink, and for MOE_DISPATCHER_LL_VARIANT tuning).
 __device__ __forceinline__ void reduce_chunk_rank_partials(const Common& c, const CombineArgs& a, const uint8_t* recv,
                                                            int t, int col, int64_t my_e, float my_w) {
@@ -152,7 +152,7 @@ __device__ __forceinline__ void combine_recv_phase(const Common& c, const Combin
   __syncthreads();
   const uint64_t start = now_ns();
   for (int e = tid; e < E; e += blockDim.x) {
-    wait_signal(c, flags + e, "low_latency_combine (receive)", e / L);
+    wait_signal(c, flags + e, kWaitCombineData, e / L, 1);
     if (stats) atomicMax(&s_wait[e / L], static_cast<unsigned long long>(now_ns() - start));
     if (blockIdx.x == 0) {
       trace_pair(c, kTracePairWait, e, start);

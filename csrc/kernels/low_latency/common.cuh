@@ -11,8 +11,8 @@
 #include <nvshmemx.h>
 
 #include <cstdint>
-#include <cstdio>
 
+#include "kernels/common/channel.cuh"
 #include "kernels/common/ptx.cuh"
 #include "kernels/low_latency/low_latency.h"
 
@@ -86,20 +86,30 @@ __device__ __forceinline__ void signal_peer(const Common& c, int* local_word, in
   }
 }
 
-// Spin until the signal word is non-zero; returns it. Traps (with a message naming the wait)
-// after c.timeout_ns so that a peer that never comes turns into an error instead of a hang.
-__device__ __forceinline__ int wait_signal(const Common& c, const int* word, const char* what,
-                                           int peer) {
+// Timed waits. A wait that sees its word still 0 after c.timeout_ns records (phase, this rank, peer)
+// in the host-mapped TimeoutRecord through the common Watchdog (kernels/common/channel.cuh: the first
+// timed-out thread of this GPU wins the claim word, fills the record, fences, then sets its status)
+// and returns `on_timeout` instead of trapping: the caller picks a value that makes the rest of the
+// kernel do no work for that peer (a count of 0, "no message"), so the kernel ends, the CUDA context
+// survives, and the runtime raises on this rank's next call. Once the claim word is set every later
+// wait (of this kernel or a later one) gives up within 64 polls (a spin reads the claim every 64th
+// poll only), so one missing peer costs one timeout.
+__device__ __forceinline__ Watchdog wait_watchdog(const Common& c) {
+  return make_watchdog(c.timeout_ns, c.rank, c.workspace + kWsTimeoutClaim, c.timeout);
+}
+__device__ __forceinline__ bool timed_out_before(const Common& c) {
+  return *reinterpret_cast<const volatile int*>(c.workspace + kWsTimeoutClaim) != 0;
+}
+
+// Spin until the signal word is non-zero; returns it (acquire: the peer's stores it publishes are
+// visible to this thread), or on_timeout (see above).
+__device__ __forceinline__ int wait_signal(const Common& c, const int* word, int phase, int peer,
+                                           int on_timeout) {
   int v = ld_acquire_sys(word);
   if (v != 0) return v;
-  const uint64_t start = now_ns();
-  while ((v = ld_acquire_sys(word)) == 0) {
-    if (now_ns() - start > c.timeout_ns) {
-      printf("moe_dispatcher low-latency: rank %d timed out in %s waiting for rank %d (a peer "
-             "skipped a call, or calls differ between ranks)\n",
-             c.rank, what, peer);
-      __trap();
-    }
+  const Watchdog dog = wait_watchdog(c);
+  for (unsigned spins = 1; (v = ld_acquire_sys(word)) == 0; ++spins) {
+    if (((spins & 63) == 0 && timed_out_before(c)) || dog.expired(phase, peer)) return on_timeout;
   }
   return v;
 }
@@ -108,19 +118,14 @@ __device__ __forceinline__ int wait_signal(const Common& c, const int* word, con
 // message flags, the token-major combine's flags): spins with relaxed loads (an acquire load per
 // poll would be a fence each time), `sleep_ns` of __nanosleep between polls so that spinning warps
 // leave the issue slots to the copying ones, then one acquire load of the (still non-zero) word:
-// the peer's stores published by it are visible to this thread from here on.
-__device__ __forceinline__ int wait_flag(const Common& c, const int* word, const char* what, int peer,
-                                         unsigned sleep_ns) {
+// the peer's stores published by it are visible to this thread from here on. On timeout: on_timeout.
+__device__ __forceinline__ int wait_flag(const Common& c, const int* word, int phase, int peer,
+                                         unsigned sleep_ns, int on_timeout) {
   if (ld_relaxed_sys(word) == 0) {
-    const uint64_t start = now_ns();
-    while (ld_relaxed_sys(word) == 0) {
+    const Watchdog dog = wait_watchdog(c);
+    for (unsigned spins = 1; ld_relaxed_sys(word) == 0; ++spins) {
       if (sleep_ns) __nanosleep(sleep_ns);
-      if (now_ns() - start > c.timeout_ns) {
-        printf("moe_dispatcher low-latency: rank %d timed out in %s waiting for rank %d (a peer "
-               "skipped a call, or calls differ between ranks)\n",
-               c.rank, what, peer);
-        __trap();
-      }
+      if (((spins & 63) == 0 && timed_out_before(c)) || dog.expired(phase, peer)) return on_timeout;
     }
   }
   return ld_acquire_sys(word);

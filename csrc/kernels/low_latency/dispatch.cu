@@ -1,6 +1,6 @@
 // Low-latency dispatch: the kernel (send phase, receive phase, or both in one launch) and its
 // launcher. The phases live in dispatch_send.cuh / dispatch_recv.cuh (per-expert messages) and
-// dispatch_dedup_send.cuh / dispatch_dedup_recv.cuh (kVariantDispatchDedup: one message per rank).
+// dispatch_dedup_send.cuh / dispatch_dedup_recv.cuh (Common::dedup_dispatch: one message per rank).
 //
 // In the fused launch every block first sends its tokens, then receives. The receive phase of a
 // block can wait on sends of other blocks of this grid, so the grid never exceeds the SM count
@@ -19,7 +19,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ __align__(16) uint8_t smem[];
   if (phases & kPhaseSend) trace_begin(c, kTraceDEntry);
   const HalfLayout lay = half_layout(c.max_tokens, c.hidden, c.num_ranks, c.num_experts);
-  const bool dedup = (c.variant & kVariantDispatchDedup) != 0;
+  const bool dedup = c.dedup_dispatch;
   if (phases & kPhaseSend) {
     if (dedup) {
       dispatch_dedup_send_phase(c, a, lay, smem);
@@ -42,10 +42,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 void launch_dispatch(const Common& c, const DispatchArgs& a, int phases, cudaStream_t stream) {
   MOE_CHECK(phases >= 1 && phases <= 3, "low_latency dispatch: bad phases");
-  const bool dedup = (c.variant & kVariantDispatchDedup) != 0;
+  const bool dedup = c.dedup_dispatch;
   // The dedup staging fits the receive region only with two local experts or more (low_latency.h).
   MOE_CHECK(!dedup || c.num_experts / c.num_ranks >= 2,
-            "low_latency dispatch: the dedup variant needs at least two experts per rank");
+            "low_latency dispatch: the dedup kernels need at least two experts per rank");
   const int pairs = c.num_experts;  // L * R
   const int parts = c.num_blocks > pairs ? c.num_blocks / pairs : 1;
   size_t smem = 0;

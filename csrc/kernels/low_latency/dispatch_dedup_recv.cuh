@@ -1,6 +1,6 @@
-// Dispatch, receive phase of the dedup variant (kVariantDispatchDedup; the sender's side and the slot
+// Dispatch, receive phase of the dedup dispatch (Common::dedup_dispatch; the sender's side and the slot
 // format are in dispatch_dedup_send.cuh): expand each source's per-rank messages into the per-expert
-// layout, the same bytes as the per-expert variant writes.
+// layout, the same bytes as the per-expert kernels write.
 //
 // 1. Placement. Every block waits for all the counts [l][s] and token counts [s] (published by the
 //    sources early, so usually long there) and computes begin[l][s] = rows of sources before s for
@@ -51,14 +51,14 @@ __device__ __forceinline__ void dispatch_dedup_recv_phase(const Common& c, const
   if (tid < kMaxRanks) s_wait[tid] = 0;
   for (int p = tid; p < E; p += blockDim.x) {
     const uint64_t start = now_ns();
-    s_begin[p] = wait_signal(c, counts + p, "low_latency_dispatch (receive counts)", p % R) - 1;
+    s_begin[p] = wait_signal(c, counts + p, kWaitDispatchCounts, p % R, 1) - 1;
     if (blockIdx.x == 0) {
       trace_pair(c, kTracePairWait, p, start);
       trace_pair_now(c, kTracePairSeen, p);
     }
   }
   for (int s = tid; s < R; s += blockDim.x)
-    s_first_unit[s + 1] = wait_signal(c, token_counts + s, "low_latency_dispatch (receive counts)", s) - 1;
+    s_first_unit[s + 1] = wait_signal(c, token_counts + s, kWaitDispatchCounts, s, 1) - 1;
   __syncthreads();
   for (int l = tid; l < L; l += blockDim.x) {
     const bool owner = l % gridDim.x == blockIdx.x;
@@ -96,7 +96,7 @@ __device__ __forceinline__ void dispatch_dedup_recv_phase(const Common& c, const
         while (u >= s_first_unit[s + 1]) ++s;
         int* flag = flags + static_cast<size_t>(s) * maxT + (u - s_first_unit[s]);
         const uint64_t start = now_ns();
-        token = wait_flag(c, flag, "low_latency_dispatch (receive)", s, 0) - 1;  // < 0: kNoMessage
+        token = wait_flag(c, flag, kWaitDispatchData, s, 0, 0) - 1;  // < 0: kNoMessage (or timed out)
         if (a.wait_stats != nullptr) atomicAdd(&s_wait[s], static_cast<unsigned long long>(now_ns() - start));
         *flag = 0;  // read by this block only; its next writer comes two calls later
       }

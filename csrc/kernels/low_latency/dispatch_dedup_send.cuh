@@ -1,15 +1,15 @@
-// Dispatch, send phase of the dedup variant (kVariantDispatchDedup): each token becomes ONE message
+// Dispatch, send phase of the dedup dispatch (Common::dedup_dispatch): each token becomes ONE message
 // per destination RANK, carrying the list of that rank's local experts it chose, instead of one
 // message per chosen expert (top-8 of 256 experts on 4 ranks hits ~3.6 ranks: ~2.2x fewer bytes
 // over NVLink). The receiver expands the messages into the per-expert layout
-// (dispatch_dedup_recv.cuh); the outputs are the per-expert variant's, byte for byte.
+// (dispatch_dedup_recv.cuh); the outputs are the per-expert kernels', byte for byte.
 //
 // Token t of this rank (`me`) goes to d's staging slot [me][t] of the receive region (HalfLayout:
 // [R][maxT] slots of dedup_slot_bytes) on every rank d it has a pick on. A slot holds the body at
 // offset 16 as in the per-expert messages (BF16 row, or FP8 row + float32 scales; the 16-byte header
 // is not sent), then at message_used_bytes the picks {n, p_0, ..., p_{n-1}} with p = l * maxT + slot:
 // local expert l of d, and slot = the number of this rank's earlier tokens that chose that expert, so
-// that row begin[l][me] + slot of expert l is where the per-expert variant (and the reference) puts it.
+// that row begin[l][me] + slot of expert l is where the per-expert kernels (and the reference) puts it.
 //
 // Order of a block's work for its token: the row's loads go out, the block counts the earlier tokens'
 // selections (the picks' slots: a shared lookup per selection; in the blocks that publish counts,
@@ -28,7 +28,7 @@
 //     destination's __threadfence_system (release: the block's stores, at system scope) and
 //     st.release.sys. No workspace counters: every message has its own flag, so the receiver unpacks
 //     messages as they land.
-// NVLink only (the backend clears the variant when some peer has no mapping).
+// NVLink only (the runtime picks the per-expert kernels when some peer has no mapping).
 #pragma once
 
 #include "kernels/low_latency/dispatch_send.cuh"

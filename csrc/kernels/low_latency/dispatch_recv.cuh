@@ -35,7 +35,7 @@ __device__ __forceinline__ void dispatch_recv_phase(const Common& c, const Dispa
       uint64_t waited = 0;
       if (lane <= s) {
         const uint64_t start = now_ns();
-        count = wait_signal(c, signals + l * R + lane, "low_latency_dispatch (receive)", lane) - 1;
+        count = wait_signal(c, signals + l * R + lane, kWaitDispatchCounts, lane, 1) - 1;
         waited = now_ns() - start;
         if (part == 0 && lane == s) {
           trace_pair(c, kTracePairWait, l * R + s, start);

@@ -1,8 +1,9 @@
 // Low-latency (NVSHMEM) dispatch and combine: the host-side interface of the kernels.
 //
-// Torch-free and NVSHMEM-header-free, so the pybind11 glue (csrc/low_latency_bindings.cpp) can
-// include it. Tensors arrive as raw device pointers; every shape and dtype was checked in Python
-// (moe_dispatcher/compiled/low_latency.py). docs/low_latency.md describes the protocol.
+// Torch-free and NVSHMEM-header-free, so the native runtime (csrc/low_latency_bindings.cpp) can
+// include it. Tensors arrive as raw device pointers; the runtime checked every device, dtype,
+// contiguity and size against the call's plan first. The buffer layout is in layout.h.
+// docs/low_latency.md describes the protocol.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -10,110 +11,38 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kernels/common/timeout_record.h"
+#include "kernels/low_latency/layout.h"
+
 namespace moe_dispatcher::low_latency {
 
-// Limits checked in Python before any launch.
-constexpr int kMaxTopk = 32;        // one lane of a warp per top-k slot
-constexpr int kMaxRanks = 32;       // one lane of a warp per source rank
-constexpr int kMaxExperts = 1024;   // per-expert counters in shared memory and the workspace
-constexpr int kMaxHidden = 16384;   // one BF16 message must fit in shared memory
 constexpr int kThreads = 512;       // threads per block of every low-latency kernel
 
 // Which halves of the work a launch does: both (one kernel), or send now and receive in the hook.
 constexpr int kPhaseSend = 1;
 constexpr int kPhaseRecv = 2;
 
-// Kernel variants (bits of Common::variant; MOE_DISPATCHER_LL_VARIANT and MOE_DISPATCHER_LL_DISPATCH,
-// read when the backend is created). Every variant produces the same bytes; they differ in what crosses
-// NVLink. All are NVLink only: the backend clears them when some peer has no NVLink mapping.
-//   kVariantDispatchDedup (the default): the dispatch sends each token once per destination RANK (with
-//   the list of that rank's local experts it chose) into a per-source staging area of the receive
-//   region; the receiver expands it into the per-expert layout (dispatch_dedup_send.cuh / _recv.cuh).
-//   Needs at least two local experts (with one, per-expert messages are already one per rank): the
-//   backend clears it for such calls.
-constexpr int kVariantDispatchDedup = 2;
-//   kVariantCombinePerRank (the default with CombineArgs::rank_partials): the combine sums the rows of a
-//   token's picks on this rank here (weighted, float32, k ascending) and sends that partial sum back once
-//   per (token, rank) instead of every (token, expert) row (combine_rank_send.cuh / _recv.cuh). Needs at
-//   least two local experts (with one there is nothing to sum: the backend clears it) and rank_partials
-//   (it computes that reduction order; the per-expert combine computes it at the receiver otherwise).
-constexpr int kVariantCombinePerRank = 4;
-constexpr int kVariantMask = kVariantDispatchDedup | kVariantCombinePerRank;
+// The kernels each call runs, chosen by the runtime per shape (no switch): with NVLink to every peer
+// and two local experts or more, the dedup dispatch (one message per (token, destination rank) with
+// the list of that rank's local experts it chose, expanded by the receiver: dispatch_dedup_*.cuh) and,
+// for the per-rank reduction order, the per-rank combine (a token's picks on one rank summed there,
+// one partial row back per (token, rank): combine_rank_*.cuh). Otherwise (a peer reached through
+// NVSHMEM puts, one local expert, or the per-expert order) the per-expert kernels (dispatch_send.cuh,
+// dispatch_recv.cuh, combine_send.cuh, combine_recv.cuh), which serve every case.
 
-// Byte layout of ONE half of the symmetric buffer for a given (max_tokens, hidden, ranks, experts).
-// The halves sit at 0 and half_bytes. Inside a half:
-//   [send_off, +send_bytes)   send region: the zero-copy combine rows [L][R*maxT][H] bf16, or the
-//                             staging copy of dispatch messages [maxT][msg] for the put path
-//   [recv_off, +recv_bytes)   receive region, one of (a half serves one call at a time):
-//                               per-expert dispatch messages [L][R][maxT][msg],
-//                               dedup dispatch messages [R][maxT][dedup_slot] (fits when L >= 2),
-//                               combine rows [E][maxT][H] bf16,
-//                               per-rank combine: partial rows [R][maxT][H] bf16, then at
-//                                 rank_routing_offset the sources' routing [R][maxT][K] int2 {expert, weight}
-//   [signal_off, +signal_bytes)  int32 words:
-//       [0, E)            dispatch counts [L][R] (value count + 1), every dispatch
-//       [E, E + F)        the flags of the call, F = max(E, R + R*maxT) when L >= 2, else E:
-//                           combine: flags [E] (value 1);
-//                           dedup dispatch: token counts per source rank [R] (value T + 1), then
-//                             flags [source][token] (value token + 1, or -1: no message) from E + R;
-//                           per-rank combine: the same words: routing pushed [R] (value T + 1), then
-//                             flags [expert rank][token] (value token + 1) from E + R.
-//                         A half serves one call at a time and every call leaves them at 0, so the calls
-//                         share these words (which keeps the hint under DeepEP V1's formula).
-// The total (2 * half_bytes) equals Buffer.get_low_latency_rdma_size_hint.
-// A dedup message slot: [16 bytes, unused: the flag lives in the signal words] [body as in `msg`]
-// then, at message_used_bytes, the entries: int32 {n, pick 0, ..., pick n-1}, pick = l * maxT + slot.
-struct HalfLayout {
-  size_t send_off, recv_off, signal_off, half_bytes;
-  size_t msg_bytes;        // one per-expert dispatch message slot: 16-byte header + max(2H, H + 4H/128)
-  size_t dedup_slot_bytes; // one dedup message slot: msg_bytes + room for {n, min(kMaxTopk, L) picks}
-  size_t signal_bytes;
-};
-
-__host__ __device__ inline HalfLayout half_layout(int max_tokens, int hidden, int num_ranks,
-                                                  int num_experts) {
-  HalfLayout l{};
-  const size_t t = static_cast<size_t>(max_tokens), h = static_cast<size_t>(hidden);
-  const size_t r = static_cast<size_t>(num_ranks), e = static_cast<size_t>(num_experts);
-  const size_t local = e / r;
-  const size_t fp8 = h + h / 128 * 4;
-  l.msg_bytes = 16 + (2 * h > fp8 ? 2 * h : fp8);
-  const size_t picks = local < static_cast<size_t>(kMaxTopk) ? local : static_cast<size_t>(kMaxTopk);
-  l.dedup_slot_bytes = l.msg_bytes + (4 * (1 + picks) + 15) / 16 * 16;
-  const size_t combine_msg = 2 * h;
-  const size_t send = t * l.msg_bytes > e * t * combine_msg ? t * l.msg_bytes : e * t * combine_msg;
-  // The dedup staging [R][maxT][dedup_slot] fits here whenever L >= 2 (then L * msg >= dedup_slot).
-  const size_t recv = e * t * (l.msg_bytes > combine_msg ? l.msg_bytes : combine_msg);
-  const size_t flags = local >= 2 && r + r * t > e ? r + r * t : e;
-  l.signal_bytes = 4 * (e + flags);
-  l.send_off = 0;
-  l.recv_off = send;
-  l.signal_off = send + recv;
-  l.half_bytes = (send + recv + l.signal_bytes + 127) / 128 * 128;
-  return l;
-}
-
-// The signal words of a half (see above), as int32 indices from signal_off.
-__host__ __device__ inline size_t signal_dispatch_counts() { return 0; }
-__host__ __device__ inline size_t signal_combine_flags(int num_experts) { return static_cast<size_t>(num_experts); }
-__host__ __device__ inline size_t signal_token_counts(int num_experts) { return static_cast<size_t>(num_experts); }
-__host__ __device__ inline size_t signal_pair_flags(int num_experts, int num_ranks) {
-  return static_cast<size_t>(num_experts) + static_cast<size_t>(num_ranks);
-}
-
-// Per-rank combine: byte offset (from recv_off) of the routing the sources push, [R][maxT][K] of int2
-// {expert (int32, -1 = unused slot), weight (float32 bits)}, after the partial rows [R][maxT][H] bf16.
-// Both fit the receive region whenever L >= 2: it holds E*maxT*2H >= 2*R*maxT*2H bytes, and
-// R*maxT*K*8 <= R*maxT*2H for H >= 128 >= 4K.
-__host__ __device__ inline size_t rank_routing_offset(int max_tokens, int hidden, int num_ranks) {
-  return static_cast<size_t>(num_ranks) * max_tokens * hidden * 2;
-}
-
-// Bytes of a dispatch message actually used (16-byte multiple): header + payload (+ scales).
-__host__ __device__ inline size_t message_used_bytes(int hidden, bool fp8) {
-  const size_t h = static_cast<size_t>(hidden);
-  const size_t body = fp8 ? h + h / 128 * 4 : 2 * h;
-  return (16 + body + 15) / 16 * 16;
+// What a timed-out wait records as its phase (TimeoutRecord::phase); wait_phase_name names them.
+constexpr int kWaitDispatchCounts = 1;  // dispatch receive: a source's per-expert / token counts
+constexpr int kWaitDispatchData = 2;    // dedup dispatch receive: a source's per-token flag
+constexpr int kWaitCombineRouting = 3;  // per-rank combine send: a source's routing
+constexpr int kWaitCombineData = 4;     // combine receive: an expert's (or expert rank's) flag
+inline const char* wait_phase_name(int phase) {
+  switch (phase) {
+    case kWaitDispatchCounts: return "low_latency_dispatch (receive counts)";
+    case kWaitDispatchData: return "low_latency_dispatch (receive)";
+    case kWaitCombineRouting: return "low_latency_combine (routing)";
+    case kWaitCombineData: return "low_latency_combine (receive)";
+    default: return "low-latency (unknown phase)";
+  }
 }
 
 // Workspace: int32 words in ordinary device memory of this GPU (not symmetric), zeroed once at
@@ -123,11 +52,14 @@ constexpr int kWsCombineFinished = kWsDispatchFinished + kMaxExperts;  // [L*R] 
 constexpr int kWsDispatchRecvDone = kWsCombineFinished + kMaxExperts;  // blocks done polling
 constexpr int kWsCombineRecvDone = kWsDispatchRecvDone + 1;
 constexpr int kWsCombineRoutingDone = kWsCombineRecvDone + 1;  // per-rank combine: blocks past the routing wait
-constexpr int kWorkspaceInts = kWsCombineRoutingDone + 1;
+// Set (atomicCAS 0 -> 1) by the first wait that times out, and never reset: later waits of any
+// kernel of this backend give up at once (the Buffer is unusable after a timeout anyway).
+constexpr int kWsTimeoutClaim = kWsCombineRoutingDone + 1;
+constexpr int kWorkspaceInts = kWsTimeoutClaim + 1;
 
 // Opt-in phase trace (docs/low_latency.md, "Phase trace"). Common::trace null: off, and every trace
 // point is one uniform branch on it. Otherwise it points at one record of kTraceWords uint64 words (the
-// Python backend keeps one per (kernel, buffer half), so the two calls of a graph replay do not overwrite
+// runtime keeps one per (kernel, buffer half), so the two calls of a graph replay do not overwrite
 // each other). Thread 0 of each block stamps %globaltimer (ns; one clock per host) into its block's row:
 //   word [b * kTraceEvents + ev]    block b reached event ev (kTraceD* / kTraceC*), 0 = not reached;
 //   word [b * kTraceEvents + kTraceSmid]  the SM block b ran on (a value, not a time).
@@ -152,7 +84,7 @@ constexpr int kTraceDEntry = 0, kTraceDCounted = 1, kTraceDCastDone = 2, kTraceD
 // Combine events: entry -> sends_issued (all rows of the block's units stored / put + quiet, CTA
 // barrier) -> flags_up (fences, workspace atomics and flags done, CTA barrier) -> recv_entry ->
 // wait_done (every flag seen, CTA barrier) -> reduce_done (CTA barrier after the block's reductions)
-// -> exit. The per-rank variant (combine_rank_*.cuh) stamps routed (every source's routing seen) after
+// -> exit. The per-rank combine (combine_rank_*.cuh) stamps routed (every source's routing seen) after
 // entry; sends_issued / flags_up / wait_done are then those of the block's last batch / token.
 constexpr int kTraceCEntry = 0, kTraceCSendsIssued = 1, kTraceCFlagsUp = 2, kTraceCRecvEntry = 3,
               kTraceCWaitDone = 4, kTraceCReduceDone = 5, kTraceCExit = 6, kTraceCRouted = 7,
@@ -170,8 +102,10 @@ struct Common {
   size_t half_offset;          // byte offset of the half this call uses (0 or half_bytes)
   int rank, num_ranks, num_experts, max_tokens, hidden;
   int num_blocks;              // grid size (<= SMs: the fused kernels need co-resident blocks)
-  int variant;                 // kVariant* bits
-  uint64_t timeout_ns;         // a wait longer than this traps with a message
+  bool dedup_dispatch;         // the dedup dispatch kernels (needs NVLink to every peer and L >= 2)
+  bool per_rank_combine;       // the per-rank combine kernels (NVLink to every peer, L >= 2, rank_partials)
+  uint64_t timeout_ns;         // a wait longer than this records itself in `timeout` and gives up
+  TimeoutRecord* timeout;      // host-mapped: the first timed-out wait's (phase, rank, peer)
   unsigned long long* trace;   // phase-trace record (kTraceWords) or null: off (see above)
 };
 
@@ -196,7 +130,7 @@ struct CombineArgs {
   const int64_t* topk_idx;     // [T, K]
   const float* topk_weights;   // [T, K]
   const int* src_info;         // the dispatch handle's [L, R*maxT]
-  const int* row_of;           // the dispatch handle's [L, R*maxT] (DispatchArgs::row_of); per-rank variant
+  const int* row_of;           // the dispatch handle's [L, R*maxT] (DispatchArgs::row_of); per-rank combine
   const int64_t* layout_range; // the dispatch handle's [L, R]
   void* out;                   // bf16 [T, H]
   int num_tokens, num_topk;
