@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 // Host API only (nvshmem.h would also pull the device headers into this host TU).
 #include <nvshmem_host.h>
+#include <torch/extension.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -10,6 +11,7 @@
 #include <string>
 
 #include "bindings.h"
+#include "bindings/stream_join.h"
 
 // setup.py passes -DMOE_DISPATCHER_VERSION=0.1.0 unquoted (quotes would not survive the ninja
 // command line); stringify it here.
@@ -73,8 +75,15 @@ PYBIND11_MODULE(_C, m) {
   m.def("is_sm90_compiled", []() { return MOE_DISPATCHER_SM90 != 0; },
         "True when the device code was compiled for sm_90 (Hopper): Buffer.is_sm90_compiled().");
 
-  moe_dispatcher::register_nvshmem(m);
-  moe_dispatcher::register_intranode(m);
-  moe_dispatcher::register_internode(m);
-  moe_dispatcher::register_low_latency(m);
+  // The event an async_finish call returns (EventOverlap.event), of every mode: csrc/bindings/stream_join.h.
+  py::class_<moe_ep::CommEvent>(m, "CommEvent", "The CUDA event of an async_finish call.")
+      .def("wait", &moe_ep::CommEvent::wait, py::arg("stream") = py::none(),
+           "Make `stream` (default: the current one) wait for the event, without blocking the host.")
+      .def("query", &moe_ep::CommEvent::query)
+      .def("synchronize", &moe_ep::CommEvent::synchronize);
+
+  moe_ep::register_nvshmem(m);
+  moe_ep::register_intranode(m);
+  moe_ep::register_internode(m);
+  moe_ep::register_low_latency(m);
 }

@@ -9,7 +9,7 @@
 
 #include <cstdint>
 
-namespace moe_dispatcher {
+namespace moe_ep {
 
 // Tensors and streams cross from Python as integers (data_ptr(), cuda_stream): back to typed pointers.
 template <typename T>
@@ -30,4 +30,4 @@ void register_internode(pybind11::module_& m);
 // csrc/low_latency_bindings.cpp: low-latency (NVSHMEM) dispatch/combine.
 void register_low_latency(pybind11::module_& m);
 
-}  // namespace moe_dispatcher
+}  // namespace moe_ep

@@ -24,7 +24,7 @@
 
 namespace py = pybind11;
 
-namespace moe_dispatcher {
+namespace moe_ep {
 namespace {
 
 using namespace internode;
@@ -135,7 +135,7 @@ void layout(const at::Tensor& topk_idx, int num_experts, int num_ranks, int nvl_
   const auto device = topk_idx.get_device();
   expect_cuda(topk_idx, device, "layout: topk_idx");
   const c10::cuda::CUDAGuard guard(device);
-  DispatchLayoutArgs a{data_of<const int64_t>(topk_idx), static_cast<int>(topk_idx.size(0)),
+  RoutingLayoutArgs a{data_of<const int64_t>(topk_idx), static_cast<int>(topk_idx.size(0)),
                        static_cast<int>(topk_idx.size(1)), num_experts, num_ranks, nvl_size,
                        data_of<int>(num_tokens_per_rank), data_of<int>(num_tokens_per_domain),
                        data_of<int>(num_tokens_per_expert), data_of<bool>(is_token_in_rank)};
@@ -439,4 +439,4 @@ void register_internode(py::module_& m) {
           py::arg("out_topk_weights"), py::arg("geometry"));
 }
 
-}  // namespace moe_dispatcher
+}  // namespace moe_ep

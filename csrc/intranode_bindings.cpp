@@ -25,7 +25,7 @@
 
 namespace py = pybind11;
 
-namespace moe_dispatcher {
+namespace moe_ep {
 namespace {
 
 using namespace intranode;
@@ -116,7 +116,7 @@ void layout(const at::Tensor& topk_idx, int num_experts, int num_ranks, const at
   expect_cuda(topk_idx, device, "topk_idx");
   const c10::cuda::CUDAGuard guard(device);
   // One NVLink domain: no per-domain counts.
-  DispatchLayoutArgs a{data_of<const int64_t>(topk_idx), static_cast<int>(topk_idx.size(0)),
+  RoutingLayoutArgs a{data_of<const int64_t>(topk_idx), static_cast<int>(topk_idx.size(0)),
                        static_cast<int>(topk_idx.size(1)), num_experts, num_ranks, num_ranks,
                        data_of<int>(num_tokens_per_rank), nullptr, data_of<int>(num_tokens_per_expert),
                        data_of<bool>(is_token_in_rank)};
@@ -461,10 +461,6 @@ void register_intranode(py::module_& m) {
 
   py::class_<CommStream>(sub, "CommStream")
       .def(py::init<const c10::Stream&>(), py::arg("stream"));
-  py::class_<CommEvent>(sub, "CommEvent")
-      .def("wait", &CommEvent::wait, py::arg("stream") = py::none())
-      .def("query", &CommEvent::query)
-      .def("synchronize", &CommEvent::synchronize);
   // keep_alive: a plan holds raw pointers to the buffer and the comm stream.
   py::class_<CachedDispatch>(sub, "CachedDispatch")
       .def("run", &CachedDispatch::run, py::arg("handle"), py::arg("x"), py::arg("scales"), py::arg("config"),
@@ -507,4 +503,4 @@ void register_intranode(py::module_& m) {
           py::arg("row_limit") = py::none());
 }
 
-}  // namespace moe_dispatcher
+}  // namespace moe_ep

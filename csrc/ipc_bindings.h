@@ -10,7 +10,7 @@
 #include "bindings.h"
 #include "runtime/ipc_buffer.h"
 
-namespace moe_dispatcher {
+namespace moe_ep {
 
 // (status, phase name, waiting rank, peer) of the first timeout this rank recorded in `b`'s mailbox, or
 // None; phase_name(phase) words the backend's phase codes.
@@ -39,4 +39,4 @@ void set_notify_counts(NotifyArgsT& a, uintptr_t is_token_in_rank, uintptr_t num
   a.recv_channel_offset = ptr<int>(recv_channel_offset);
 }
 
-}  // namespace moe_dispatcher
+}  // namespace moe_ep

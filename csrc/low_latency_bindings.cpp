@@ -34,12 +34,13 @@
 #include <vector>
 
 #include "bindings.h"
+#include "bindings/stream_join.h"
 #include "kernels/low_latency/low_latency.h"
 #include "runtime/cuda_check.h"
 
 namespace py = pybind11;
 
-namespace moe_dispatcher {
+namespace moe_ep {
 namespace {
 
 using namespace low_latency;
@@ -113,23 +114,6 @@ struct PendingReceive {
   int half;
   bool done = false;
   std::vector<at::Tensor> keep;  // inputs and outputs the receive kernel touches
-};
-
-// The event of an async_finish call (what EventOverlap.event holds). wait(stream) is what
-// torch.cuda.Stream.wait_event calls, so EventOverlap.current_stream_wait works unchanged.
-struct CallEvent {
-  std::shared_ptr<c10::cuda::CUDAEvent> event;
-  int device;
-  void wait(const py::object& stream) const {
-    const auto id = stream.attr("stream_id").cast<int64_t>();
-    const auto index = stream.attr("device_index").cast<int64_t>();
-    const auto type = stream.attr("device_type").cast<int64_t>();
-    event->block(c10::cuda::CUDAStream(
-        c10::Stream::unpack3(id, static_cast<c10::DeviceIndex>(index), static_cast<c10::DeviceType>(type))));
-  }
-  void current_stream_wait() const { event->block(c10::cuda::getCurrentCUDAStream(device)); }
-  bool query() const { return event->query(); }
-  void synchronize() const { event->synchronize(); }
 };
 
 class Runtime : public std::enable_shared_from_this<Runtime> {
@@ -535,9 +519,7 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
       t.record_stream(*comm_);
       extra.append(t);
     }
-    auto done = std::make_shared<c10::cuda::CUDAEvent>();
-    done->record(*comm_);
-    return {event_cls_(py::cast(CallEvent{std::move(done), device_}), extra), py::none()};
+    return {event_cls_(py::cast(std::make_unique<CommEvent>(*comm_)), extra), py::none()};
   }
 
   const DispatchState& state_of(const py::object& handle) const {
@@ -647,11 +629,6 @@ void register_low_latency(py::module_& parent) {
       .def_property_readonly("half", [](const DispatchState& s) { return s.half; })
       .def_property_readonly("row_of", [](const DispatchState& s) { return s.row_of; });
 
-  py::class_<CallEvent>(m, "CallEvent", "The CUDA event of an async_finish call.")
-      .def("wait", &CallEvent::wait, py::arg("stream"), "Make `stream` (a torch.cuda.Stream) wait for the event.")
-      .def("current_stream_wait", &CallEvent::current_stream_wait)
-      .def("query", &CallEvent::query)
-      .def("synchronize", &CallEvent::synchronize);
 
   py::class_<PendingReceive, std::shared_ptr<PendingReceive>>(
       m, "ReceiveHook", "hook() of a return_recv_hook call: launches the receive phase on the current stream.")
@@ -684,4 +661,4 @@ void register_low_latency(py::module_& parent) {
       .def_property_readonly("nvlink_all", &Runtime::nvlink_all);
 }
 
-}  // namespace moe_dispatcher
+}  // namespace moe_ep

@@ -11,7 +11,7 @@
 #include "runtime/cuda_check.h"
 #include "runtime/ipc_buffer.h"
 
-namespace moe_dispatcher {
+namespace moe_ep {
 
 // The plans of cached normal-mode calls (dispatch along a handle, combine), shared by the intranode and internode
 // bindings: one Python call each. A plan is made by the backend's full path after the call's checks passed
@@ -168,4 +168,4 @@ class CachedCall {
   std::vector<at::Tensor> routing_;  // the handle's tensors whose addresses a_ holds: kept alive with the plan
 };
 
-}  // namespace moe_dispatcher
+}  // namespace moe_ep

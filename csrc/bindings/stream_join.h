@@ -17,7 +17,7 @@
 
 #include "runtime/cuda_check.h"
 
-namespace moe_dispatcher {
+namespace moe_ep {
 
 // Typed address of a tensor's first element (null for a tensor without elements: the kernels read null as
 // "nothing there", which is exact for an empty tensor: no row refers to it).
@@ -112,4 +112,4 @@ class CommStream {
   cudaEvent_t before_ = nullptr, after_ = nullptr;
 };
 
-}  // namespace moe_dispatcher
+}  // namespace moe_ep

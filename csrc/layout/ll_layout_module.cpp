@@ -10,7 +10,7 @@
 
 namespace {
 
-using namespace moe_dispatcher::low_latency;
+using namespace moe_ep::low_latency;
 
 // Four non-negative ints (max_tokens, hidden, num_ranks, num_experts), checked like the runtime does
 // before it lays a buffer out; false with a Python ValueError/TypeError set otherwise.

@@ -11,7 +11,7 @@
 #include <stdexcept>
 #include <string>
 
-namespace moe_dispatcher {
+namespace moe_ep {
 
 // Builds "<what> failed: <reason> [file:line]" and throws it as std::runtime_error.
 [[noreturn]] inline void throw_error(const char* what, const std::string& reason, const char* file,
@@ -37,14 +37,14 @@ inline const char* nvshmem_status_name(int status) {
   }
 }
 
-}  // namespace moe_dispatcher
+}  // namespace moe_ep
 
 // CUDA runtime call: throws with cudaGetErrorName/String on anything but cudaSuccess.
 #define MOE_CUDA_CHECK(expr)                                                                 \
   do {                                                                                       \
     const cudaError_t moe_err_ = (expr);                                                     \
     if (moe_err_ != cudaSuccess) {                                                           \
-      ::moe_dispatcher::throw_error(#expr,                                                   \
+      ::moe_ep::throw_error(#expr,                                                   \
                                     std::string(cudaGetErrorName(moe_err_)) + " (" +         \
                                         cudaGetErrorString(moe_err_) + ")",                  \
                                     __FILE__, __LINE__);                                     \
@@ -60,10 +60,10 @@ inline const char* nvshmem_status_name(int status) {
   do {                                                                                       \
     const int moe_status_ = (expr);                                                          \
     if (moe_status_ != 0) {                                                                  \
-      ::moe_dispatcher::throw_error(                                                         \
+      ::moe_ep::throw_error(                                                         \
           #expr,                                                                             \
           "status " + std::to_string(moe_status_) + " (" +                                   \
-              ::moe_dispatcher::nvshmem_status_name(moe_status_) +                           \
+              ::moe_ep::nvshmem_status_name(moe_status_) +                           \
               "); see NVSHMEM's messages on stderr, NVSHMEM_DEBUG=INFO for more",            \
           __FILE__, __LINE__);                                                               \
     }                                                                                        \
@@ -73,6 +73,6 @@ inline const char* nvshmem_status_name(int status) {
 #define MOE_CHECK(cond, msg)                                                                 \
   do {                                                                                       \
     if (!(cond)) {                                                                           \
-      ::moe_dispatcher::throw_error("check `" #cond "`", (msg), __FILE__, __LINE__);         \
+      ::moe_ep::throw_error("check `" #cond "`", (msg), __FILE__, __LINE__);         \
     }                                                                                        \
   } while (0)

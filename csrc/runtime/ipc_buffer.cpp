@@ -6,7 +6,7 @@
 
 #include "runtime/cuda_check.h"
 
-namespace moe_dispatcher {
+namespace moe_ep {
 
 IpcBuffer::IpcBuffer(int rank, int num_ranks, size_t num_bytes)
     : rank_(rank), num_ranks_(num_ranks), num_bytes_(num_bytes) {
@@ -79,4 +79,4 @@ intranode::Common IpcBuffer::common(uint64_t timeout_ns) const {
   return c;
 }
 
-}  // namespace moe_dispatcher
+}  // namespace moe_ep

@@ -11,7 +11,7 @@
 
 #include "kernels/intranode/protocol.h"
 
-namespace moe_dispatcher {
+namespace moe_ep {
 
 class IpcBuffer {
  public:
@@ -48,4 +48,4 @@ class IpcBuffer {
   intranode::Mailbox* device_mailbox_ = nullptr;
 };
 
-}  // namespace moe_dispatcher
+}  // namespace moe_ep

@@ -16,7 +16,7 @@
 
 namespace py = pybind11;
 
-namespace moe_dispatcher {
+namespace moe_ep {
 namespace shmem {
 
 static_assert(sizeof(nvshmemx_uniqueid_t) == kUniqueIdBytes, "unexpected nvshmemx_uniqueid_t size");
@@ -238,4 +238,4 @@ void register_nvshmem(py::module_& m) {
         "Returns the number of wrong words; raises on timeout or wrong device PE ids.");
 }
 
-}  // namespace moe_dispatcher
+}  // namespace moe_ep

@@ -18,7 +18,7 @@
 #include <cstdint>
 #include <string>
 
-namespace moe_dispatcher {
+namespace moe_ep {
 namespace shmem {
 
 // Size of nvshmemx_uniqueid_t (static_assert'ed against the header in the .cpp).
@@ -79,4 +79,4 @@ SelftestResult launch_selftest(void* buf, size_t nbytes, uint64_t round, double 
                                cudaStream_t stream);
 
 }  // namespace shmem
-}  // namespace moe_dispatcher
+}  // namespace moe_ep

@@ -19,7 +19,7 @@
 #include "runtime/cuda_check.h"
 #include "runtime/nvshmem_bootstrap.h"
 
-namespace moe_dispatcher {
+namespace moe_ep {
 namespace shmem {
 namespace {
 
@@ -136,4 +136,4 @@ SelftestResult launch_selftest(void* buf, size_t nbytes, uint64_t round, double 
 }
 
 }  // namespace shmem
-}  // namespace moe_dispatcher
+}  // namespace moe_ep

@@ -33,7 +33,7 @@
 #include "kernels/common/ring_layout.cuh"
 #include "kernels/common/wait.cuh"
 
-namespace moe_dispatcher {
+namespace moe_ep {
 
 struct ChannelSender {
   uint8_t* slots;            // dst's ring (peer-mapped)
@@ -109,4 +109,4 @@ __device__ bool drain_previous(const uint64_t* heads, const uint64_t* tail_copie
   return true;
 }
 
-}  // namespace moe_dispatcher
+}  // namespace moe_ep

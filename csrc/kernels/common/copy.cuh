@@ -4,7 +4,7 @@
 
 #include "kernels/common/ptx.cuh"
 
-namespace moe_dispatcher {
+namespace moe_ep {
 
 // dst[0..n) = src[0..n) in 16-byte vectors, kUnroll loads in flight per lane. kFromRing: src is a ring
 // written by another GPU (ld.cg, after the acquire of the counter that published it); otherwise src is a
@@ -26,4 +26,4 @@ __device__ __forceinline__ void warp_copy(int4* dst, const int4* src, int n, int
   }
 }
 
-}  // namespace moe_dispatcher
+}  // namespace moe_ep

@@ -6,7 +6,7 @@
 #include <stdexcept>
 #include <string>
 
-namespace moe_dispatcher {
+namespace moe_ep {
 
 inline void check_launch(const char* kernel) {
   const cudaError_t err = cudaGetLastError();
@@ -16,4 +16,4 @@ inline void check_launch(const char* kernel) {
   }
 }
 
-}  // namespace moe_dispatcher
+}  // namespace moe_ep

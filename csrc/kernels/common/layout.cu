@@ -7,13 +7,13 @@
 #include "kernels/common/layout.h"
 #include "kernels/common/launch_check.cuh"
 
-namespace moe_dispatcher {
+namespace moe_ep {
 namespace {
 
 constexpr int kLayoutThreads = 256;
 constexpr int kMaxSharedExperts = 4096;  // more experts: counted straight into global memory
 
-__global__ void __launch_bounds__(kLayoutThreads) layout_kernel(DispatchLayoutArgs a) {
+__global__ void __launch_bounds__(kLayoutThreads) layout_kernel(RoutingLayoutArgs a) {
   __shared__ int expert_count[kMaxSharedExperts];
   __shared__ int rank_count[kLayoutMaxRanks];
   __shared__ int domain_count[kLayoutMaxRanks];
@@ -56,11 +56,11 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(DispatchLayoutAr
 
 }  // namespace
 
-void launch_dispatch_layout(const DispatchLayoutArgs& args, cudaStream_t stream) {
+void launch_dispatch_layout(const RoutingLayoutArgs& args, cudaStream_t stream) {
   if (args.num_tokens == 0) return;
   const int blocks = std::min(132, (args.num_tokens + kLayoutThreads - 1) / kLayoutThreads);
   layout_kernel<<<blocks, kLayoutThreads, 0, stream>>>(args);
   check_launch("layout_kernel");
 }
 
-}  // namespace moe_dispatcher
+}  // namespace moe_ep

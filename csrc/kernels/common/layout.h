@@ -7,11 +7,11 @@
 
 #include <cstdint>
 
-namespace moe_dispatcher {
+namespace moe_ep {
 
 constexpr int kLayoutMaxRanks = 64;  // ranks of one layout (a bit each in a 64-bit mask per token)
 
-struct DispatchLayoutArgs {
+struct RoutingLayoutArgs {
   const int64_t* topk_idx;     // [T, K]; -1 (or any id outside [0, E)) = unused slot
   int num_tokens, num_topk, num_experts, num_ranks;
   int nvl_size;                // ranks per NVLink domain (num_ranks % nvl_size == 0)
@@ -21,6 +21,6 @@ struct DispatchLayoutArgs {
   bool* is_token_in_rank;      // [T, R]
 };
 
-void launch_dispatch_layout(const DispatchLayoutArgs& args, cudaStream_t stream);
+void launch_dispatch_layout(const RoutingLayoutArgs& args, cudaStream_t stream);
 
-}  // namespace moe_dispatcher
+}  // namespace moe_ep

@@ -9,7 +9,7 @@
 
 #include "kernels/common/timeout_record.h"
 
-namespace moe_dispatcher::nvlink {
+namespace moe_ep::nvlink {
 
 constexpr int kMaxRanks = 8;
 constexpr int kMaxChannels = 32;        // num_sms <= 64
@@ -55,4 +55,4 @@ struct Mailbox {
 };
 constexpr int32_t kFlagLayoutMismatch = 1;
 
-}  // namespace moe_dispatcher::nvlink
+}  // namespace moe_ep::nvlink

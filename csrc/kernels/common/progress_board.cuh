@@ -32,7 +32,7 @@
 
 #include "kernels/common/ptx.cuh"
 
-namespace moe_dispatcher {
+namespace moe_ep {
 
 // Shared memory of one block: kStreams streams of at most kWarps warps each.
 template <int kStreams, int kWarps>
@@ -113,4 +113,4 @@ __device__ __forceinline__ int publish_in_order(const ProgressBoard<kStreams, kW
   return count;
 }
 
-}  // namespace moe_dispatcher
+}  // namespace moe_ep

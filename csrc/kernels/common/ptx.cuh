@@ -8,7 +8,7 @@
 
 #include <cstdint>
 
-namespace moe_dispatcher::ptx {
+namespace moe_ep::ptx {
 
 // ---------------------------------------------------------------- flags (64-bit, monotonic counters)
 // Acquire load at system scope: loads after it observe everything the releasing writer did before
@@ -124,4 +124,4 @@ __device__ __forceinline__ void group_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
-}  // namespace moe_dispatcher::ptx
+}  // namespace moe_ep::ptx

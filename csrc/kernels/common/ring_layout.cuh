@@ -23,7 +23,7 @@
 #include <cstddef>
 #include <cstdint>
 
-namespace moe_dispatcher {
+namespace moe_ep {
 
 // Ring (channel c, from peer p) of a buffer whose rings start at `rings`.
 __device__ __forceinline__ uint8_t* ring_at(uint8_t* rings, size_t peer_block_bytes, int peer, int c, int num_slots,
@@ -55,4 +55,4 @@ __device__ __forceinline__ void channel_range(int num_tokens, int num_channels, 
   end = min(begin + per, num_tokens);
 }
 
-}  // namespace moe_dispatcher
+}  // namespace moe_ep

@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-namespace moe_dispatcher {
+namespace moe_ep {
 
 // The first thread that times out fills phase/rank/peer, then a system fence, then status, so the
 // host reads consistent fields once it sees status != 0.
@@ -16,4 +16,4 @@ struct TimeoutRecord {
 };
 constexpr int32_t kStatusTimeout = 1;
 
-}  // namespace moe_dispatcher
+}  // namespace moe_ep

@@ -6,7 +6,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-namespace moe_dispatcher {
+namespace moe_ep {
 
 template <typename T> __device__ __forceinline__ float to_float(T v);
 template <> __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
@@ -26,4 +26,4 @@ union Vec {
   T elems[kElems];
 };
 
-}  // namespace moe_dispatcher
+}  // namespace moe_ep

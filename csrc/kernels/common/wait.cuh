@@ -31,7 +31,7 @@
 #include "kernels/common/ptx.cuh"
 #include "kernels/common/timeout_record.h"
 
-namespace moe_dispatcher {
+namespace moe_ep {
 
 struct Watchdog {
   uint64_t deadline_ns;    // %globaltimer value after which a wait gives up
@@ -97,4 +97,4 @@ __device__ __forceinline__ bool wait_at_least(const Word* word, Word target, con
   return wait_while(word, seen, [&](Word v) { return v < target; }, dog, phase, peer, abort);
 }
 
-}  // namespace moe_dispatcher
+}  // namespace moe_ep

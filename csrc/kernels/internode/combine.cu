@@ -62,7 +62,7 @@
 #include "kernels/common/ring_layout.cuh"
 #include "kernels/internode/common.cuh"
 
-namespace moe_dispatcher::internode {
+namespace moe_ep::internode {
 namespace {
 
 constexpr int kThreads = 512;
@@ -561,4 +561,4 @@ void launch_combine(const CombineArgs& args, cudaStream_t stream) {
   check_launch("internode combine_kernel");
 }
 
-}  // namespace moe_dispatcher::internode
+}  // namespace moe_ep::internode

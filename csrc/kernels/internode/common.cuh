@@ -26,7 +26,7 @@
 #include "kernels/common/ring_layout.cuh"
 #include "kernels/internode/protocol.h"
 
-namespace moe_dispatcher::internode {
+namespace moe_ep::internode {
 
 __device__ __forceinline__ RdmaControl* rdma_ctl(const Common& c) { return reinterpret_cast<RdmaControl*>(c.rdma); }
 __device__ __forceinline__ nvlink::Control* nvl_ctl(const Common& c, int local) {
@@ -160,4 +160,4 @@ __device__ __forceinline__ bool drain_previous_calls(const Common& c, const Watc
   return *reinterpret_cast<const volatile int32_t*>(&nctl->timeout_claim) == 0;
 }
 
-}  // namespace moe_dispatcher::internode
+}  // namespace moe_ep::internode

@@ -21,7 +21,7 @@
 #include "kernels/common/ring_layout.cuh"
 #include "kernels/internode/common.cuh"
 
-namespace moe_dispatcher::internode {
+namespace moe_ep::internode {
 namespace {
 
 constexpr int kThreads = 768;
@@ -399,4 +399,4 @@ void launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
   check_launch("internode dispatch_kernel");
 }
 
-}  // namespace moe_dispatcher::internode
+}  // namespace moe_ep::internode

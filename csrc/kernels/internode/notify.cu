@@ -25,7 +25,7 @@
 #include "kernels/common/launch_check.cuh"
 #include "kernels/internode/common.cuh"
 
-namespace moe_dispatcher::internode {
+namespace moe_ep::internode {
 namespace {
 
 constexpr int kNotifyThreads = 1024;
@@ -215,4 +215,4 @@ void launch_notify(const NotifyArgs& args, cudaStream_t stream) {
   check_launch("internode notify_kernel");
 }
 
-}  // namespace moe_dispatcher::internode
+}  // namespace moe_ep::internode

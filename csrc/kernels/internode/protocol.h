@@ -18,7 +18,7 @@
 
 #include "kernels/common/nvlink_buffer.h"
 
-namespace moe_dispatcher::internode {
+namespace moe_ep::internode {
 
 constexpr int kMaxRanks = 64;
 constexpr int kMaxDomains = 64;
@@ -145,4 +145,4 @@ void launch_notify(const NotifyArgs& args, cudaStream_t stream);
 void launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
 void launch_combine(const CombineArgs& args, cudaStream_t stream);
 
-}  // namespace moe_dispatcher::internode
+}  // namespace moe_ep::internode

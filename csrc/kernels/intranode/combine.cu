@@ -19,7 +19,7 @@
 #include "kernels/intranode/protocol.h"
 #include "kernels/intranode/rings.cuh"
 
-namespace moe_dispatcher::intranode {
+namespace moe_ep::intranode {
 namespace {
 
 // Whole warp: received row r and its top-k weights into a ring slot.
@@ -324,4 +324,4 @@ void launch_combine(const CombineArgs& args, cudaStream_t stream) {
   check_launch("combine_kernel");
 }
 
-}  // namespace moe_dispatcher::intranode
+}  // namespace moe_ep::intranode

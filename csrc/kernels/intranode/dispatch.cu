@@ -15,7 +15,7 @@
 #include "kernels/intranode/protocol.h"
 #include "kernels/intranode/rings.cuh"
 
-namespace moe_dispatcher::intranode {
+namespace moe_ep::intranode {
 namespace {
 
 // 16-byte loads in flight per lane while copying a row (6 and 8 measured no faster than 4).
@@ -231,4 +231,4 @@ void launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
   check_launch("dispatch_kernel");
 }
 
-}  // namespace moe_dispatcher::intranode
+}  // namespace moe_ep::intranode

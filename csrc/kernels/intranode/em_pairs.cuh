@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-namespace moe_dispatcher::intranode {
+namespace moe_ep::intranode {
 
 // Whole warp, row r of the inverse table [rows, k] (k <= 32; -1: the pair was dropped). Lane j < k: pos = the
 // expert-major row of slot j or -1. The valid pairs are compacted in slot order: lane i < n holds the i-th one's
@@ -38,4 +38,4 @@ __device__ __forceinline__ EmRowPairs em_row_pairs(const int* inverse, const flo
   return p;
 }
 
-}  // namespace moe_dispatcher::intranode
+}  // namespace moe_ep::intranode

@@ -19,7 +19,7 @@
 #include "kernels/common/launch_check.cuh"
 #include "kernels/intranode/protocol.h"
 
-namespace moe_dispatcher::intranode {
+namespace moe_ep::intranode {
 namespace {
 
 constexpr int kPermuteThreads = kEmRowsPerBlock * 32;
@@ -142,4 +142,4 @@ void launch_em_permute(const EmPermuteArgs& args, int pad_blocks, cudaStream_t s
   check_launch("em_permute_kernel");
 }
 
-}  // namespace moe_dispatcher::intranode
+}  // namespace moe_ep::intranode

@@ -21,7 +21,7 @@
 #include "kernels/common/launch_check.cuh"
 #include "kernels/intranode/protocol.h"
 
-namespace moe_dispatcher::intranode {
+namespace moe_ep::intranode {
 namespace {
 
 constexpr int kUnpermuteThreads = kEmRowsPerBlock * 32;
@@ -162,4 +162,4 @@ void launch_em_unpermute(const EmUnpermuteArgs& args, cudaStream_t stream) {
   check_launch("em_unpermute_kernel");
 }
 
-}  // namespace moe_dispatcher::intranode
+}  // namespace moe_ep::intranode

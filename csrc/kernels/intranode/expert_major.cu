@@ -14,7 +14,7 @@
 #include "kernels/common/launch_check.cuh"
 #include "kernels/intranode/protocol.h"
 
-namespace moe_dispatcher::intranode {
+namespace moe_ep::intranode {
 namespace {
 
 constexpr int kCountThreads = 256;
@@ -128,4 +128,4 @@ void launch_pair_rank(const PairRankArgs& args, cudaStream_t stream) {
   check_launch("pair_rank_kernel");
 }
 
-}  // namespace moe_dispatcher::intranode
+}  // namespace moe_ep::intranode

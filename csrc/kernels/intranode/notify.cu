@@ -13,7 +13,7 @@
 #include "kernels/common/wait.cuh"
 #include "kernels/intranode/protocol.h"
 
-namespace moe_dispatcher::intranode {
+namespace moe_ep::intranode {
 namespace {
 
 constexpr int kNotifyThreads = 1024;
@@ -189,4 +189,4 @@ void launch_notify(const NotifyArgs& args, cudaStream_t stream) {
   check_launch("notify_kernel");
 }
 
-}  // namespace moe_dispatcher::intranode
+}  // namespace moe_ep::intranode

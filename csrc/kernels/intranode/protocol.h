@@ -10,7 +10,7 @@
 
 #include "kernels/common/nvlink_buffer.h"
 
-namespace moe_dispatcher::intranode {
+namespace moe_ep::intranode {
 
 // The NVLink buffer's layout and the mailbox are shared with the internode kernels (common/nvlink_buffer.h).
 using nvlink::Control;
@@ -178,4 +178,4 @@ struct EmUnpermuteArgs {
 };
 void launch_em_unpermute(const EmUnpermuteArgs& args, cudaStream_t stream);
 
-}  // namespace moe_dispatcher::intranode
+}  // namespace moe_ep::intranode

@@ -26,7 +26,7 @@
 #include "kernels/common/wait.cuh"
 #include "kernels/intranode/protocol.h"
 
-namespace moe_dispatcher::intranode {
+namespace moe_ep::intranode {
 
 constexpr int kBoardWarps = kWarps;  // copy warps of one ring at most
 
@@ -86,4 +86,4 @@ __device__ __forceinline__ bool warp_outcome(bool ok_in_lane0) {
   return ok != 0;
 }
 
-}  // namespace moe_dispatcher::intranode
+}  // namespace moe_ep::intranode

@@ -9,11 +9,11 @@
 #include "kernels/low_latency/combine_send.cuh"
 #include "runtime/cuda_check.h"
 
-namespace moe_dispatcher::low_latency {
+namespace moe_ep::low_latency {
 namespace {
 
 __global__ void __launch_bounds__(kThreads, 1)
-    low_latency_combine_kernel(Common c, CombineArgs a, int phases, int send_parts) {
+    combine_kernel(Common c, CombineArgs a, int phases, int send_parts) {
   if (phases & kPhaseSend) trace_begin(c, kTraceCEntry);
   const HalfLayout lay = half_layout(c.max_tokens, c.hidden, c.num_ranks, c.num_experts);
   const bool per_rank = c.per_rank_combine;
@@ -47,8 +47,8 @@ void launch_combine(const Common& c, const CombineArgs& a, int phases, cudaStrea
             "low_latency combine: the per-rank kernels need rank_partials, two experts per rank and row_of");
   const int pairs = c.num_experts;  // L * R
   const int parts = c.num_blocks > pairs ? c.num_blocks / pairs : 1;
-  low_latency_combine_kernel<<<c.num_blocks, kThreads, 0, stream>>>(c, a, phases, parts);
+  combine_kernel<<<c.num_blocks, kThreads, 0, stream>>>(c, a, phases, parts);
   MOE_CUDA_CHECK_LAUNCH();
 }
 
-}  // namespace moe_dispatcher::low_latency
+}  // namespace moe_ep::low_latency

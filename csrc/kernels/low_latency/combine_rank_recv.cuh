@@ -16,7 +16,7 @@
 
 #include "kernels/low_latency/common.cuh"
 
-namespace moe_dispatcher::low_latency {
+namespace moe_ep::low_latency {
 
 __device__ __forceinline__ void combine_rank_recv_phase(const Common& c, const CombineArgs& a,
                                                         const HalfLayout& lay) {
@@ -100,4 +100,4 @@ __device__ __forceinline__ void combine_rank_recv_phase(const Common& c, const C
     atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + tid), s_wait[tid]);
 }
 
-}  // namespace moe_dispatcher::low_latency
+}  // namespace moe_ep::low_latency

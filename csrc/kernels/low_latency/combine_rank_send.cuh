@@ -32,7 +32,7 @@
 
 #include "kernels/low_latency/common.cuh"
 
-namespace moe_dispatcher::low_latency {
+namespace moe_ep::low_latency {
 
 constexpr int kRankBatch = 4;  // units a block computes together (one warp gathers each one's picks)
 static_assert(kRankBatch <= kThreads / 32, "a warp per unit of a batch");
@@ -233,4 +233,4 @@ __device__ __forceinline__ void combine_rank_send_phase(const Common& c, const C
   }
 }
 
-}  // namespace moe_dispatcher::low_latency
+}  // namespace moe_ep::low_latency

@@ -12,7 +12,7 @@
 
 #include "kernels/low_latency/common.cuh"
 
-namespace moe_dispatcher::low_latency {
+namespace moe_ep::low_latency {
 
 // out[t, col .. col+8) of this lane (the warp covers 256 channels of token t): lane k < K holds slot k
 // (expert my_e, weight my_w) of the token; the rows are recv [e][t] (bf16 [E][maxT][H]). The caller
@@ -184,4 +184,4 @@ __device__ __forceinline__ void combine_recv_phase(const Common& c, const Combin
   }
 }
 
-}  // namespace moe_dispatcher::low_latency
+}  // namespace moe_ep::low_latency

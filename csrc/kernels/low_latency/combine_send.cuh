@@ -17,7 +17,7 @@
 
 #include "kernels/low_latency/common.cuh"
 
-namespace moe_dispatcher::low_latency {
+namespace moe_ep::low_latency {
 
 // Copy rows [lo, hi) of pair (l, s) to `remote_base` (the peer's [me*L + l] region) with the whole
 // block; row i goes to the slot of its source token.
@@ -116,4 +116,4 @@ __device__ __forceinline__ void combine_send_phase(const Common& c, const Combin
     combine_pair_done(c, flags, u % (L * R), 1, parts);
 }
 
-}  // namespace moe_dispatcher::low_latency
+}  // namespace moe_ep::low_latency

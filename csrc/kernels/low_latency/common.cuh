@@ -16,7 +16,7 @@
 #include "kernels/common/ptx.cuh"
 #include "kernels/low_latency/low_latency.h"
 
-namespace moe_dispatcher::low_latency {
+namespace moe_ep::low_latency {
 
 // Row copies (dispatch receive, combine send) spread the 16-byte vectors of their rows over all
 // threads of the block, and each thread issues this many loads before the matching stores: the
@@ -180,4 +180,4 @@ __device__ __forceinline__ int warp_sum(int v) {
   return v;
 }
 
-}  // namespace moe_dispatcher::low_latency
+}  // namespace moe_ep::low_latency

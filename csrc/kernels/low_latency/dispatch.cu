@@ -11,11 +11,11 @@
 #include "kernels/low_latency/dispatch_send.cuh"
 #include "runtime/cuda_check.h"
 
-namespace moe_dispatcher::low_latency {
+namespace moe_ep::low_latency {
 namespace {
 
 __global__ void __launch_bounds__(kThreads, 1)
-    low_latency_dispatch_kernel(Common c, DispatchArgs a, int phases, int recv_parts) {
+    dispatch_kernel(Common c, DispatchArgs a, int phases, int recv_parts) {
   extern __shared__ __align__(16) uint8_t smem[];
   if (phases & kPhaseSend) trace_begin(c, kTraceDEntry);
   const HalfLayout lay = half_layout(c.max_tokens, c.hidden, c.num_ranks, c.num_experts);
@@ -55,8 +55,8 @@ void launch_dispatch(const Common& c, const DispatchArgs& a, int phases, cudaStr
   }
   // Static (the receive phases', ~6 KB) + dynamic shared memory stay under the 48 KB default limit:
   // the largest dynamic part is a kMaxHidden BF16 message + the dedup counters, ~38 KB.
-  low_latency_dispatch_kernel<<<c.num_blocks, kThreads, smem, stream>>>(c, a, phases, parts);
+  dispatch_kernel<<<c.num_blocks, kThreads, smem, stream>>>(c, a, phases, parts);
   MOE_CUDA_CHECK_LAUNCH();
 }
 
-}  // namespace moe_dispatcher::low_latency
+}  // namespace moe_ep::low_latency

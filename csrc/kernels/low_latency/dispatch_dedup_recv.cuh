@@ -22,7 +22,7 @@
 #include "kernels/low_latency/common.cuh"
 #include "kernels/low_latency/fp8_cast.cuh"
 
-namespace moe_dispatcher::low_latency {
+namespace moe_ep::low_latency {
 
 constexpr int kDedupBatch = 4;  // messages a block unpacks together (their loads in flight at once)
 static_assert(kDedupBatch * (kMaxHidden / 128) <= kThreads, "one FP8 scale word of a batch per thread");
@@ -205,4 +205,4 @@ __device__ __forceinline__ void dispatch_dedup_recv_phase(const Common& c, const
   }
 }
 
-}  // namespace moe_dispatcher::low_latency
+}  // namespace moe_ep::low_latency

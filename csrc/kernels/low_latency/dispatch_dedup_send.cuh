@@ -33,7 +33,7 @@
 
 #include "kernels/low_latency/dispatch_send.cuh"
 
-namespace moe_dispatcher::low_latency {
+namespace moe_ep::low_latency {
 
 // Flag value of a token with no pick on the receiving rank (a message is flagged token + 1 >= 1).
 constexpr int kNoMessage = -1;
@@ -240,4 +240,4 @@ __device__ __forceinline__ void dispatch_dedup_send_phase(const Common& c, const
   trace_event(c, kTraceDSignaled);  // after the last token's barrier: all of its fences and flags
 }
 
-}  // namespace moe_dispatcher::low_latency
+}  // namespace moe_ep::low_latency

@@ -14,7 +14,7 @@
 #include "kernels/low_latency/common.cuh"
 #include "kernels/low_latency/fp8_cast.cuh"
 
-namespace moe_dispatcher::low_latency {
+namespace moe_ep::low_latency {
 
 __device__ __forceinline__ void dispatch_recv_phase(const Common& c, const DispatchArgs& a,
                                                     const HalfLayout& lay, int parts) {
@@ -144,4 +144,4 @@ __device__ __forceinline__ void dispatch_recv_phase(const Common& c, const Dispa
   }
 }
 
-}  // namespace moe_dispatcher::low_latency
+}  // namespace moe_ep::low_latency

@@ -17,7 +17,7 @@
 #include "kernels/low_latency/common.cuh"
 #include "kernels/low_latency/fp8_cast.cuh"
 
-namespace moe_dispatcher::low_latency {
+namespace moe_ep::low_latency {
 
 // Shared memory of the send phase: per-expert counts of this rank, the destinations of the token
 // in flight, and the message itself (16-byte aligned, up to 16 + 2H bytes).
@@ -209,4 +209,4 @@ __device__ __forceinline__ void dispatch_send_phase(const Common& c, const Dispa
   trace_event(c, kTraceDSignaled);  // after the last token's barrier: all of its fences and signals
 }
 
-}  // namespace moe_dispatcher::low_latency
+}  // namespace moe_ep::low_latency

@@ -12,7 +12,7 @@
 
 #include <cstdint>
 
-namespace moe_dispatcher::low_latency {
+namespace moe_ep::low_latency {
 
 constexpr float kFp8Max = 448.0f;
 constexpr float kAmaxFloor = 1e-4f;
@@ -71,4 +71,4 @@ __device__ __forceinline__ uint32_t ue8m0_byte(float scale) {
   return (__float_as_uint(scale) >> 23) & 0xFFu;
 }
 
-}  // namespace moe_dispatcher::low_latency
+}  // namespace moe_ep::low_latency

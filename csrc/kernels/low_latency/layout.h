@@ -14,7 +14,7 @@
 #define MOE_LL_HD
 #endif
 
-namespace moe_dispatcher::low_latency {
+namespace moe_ep::low_latency {
 
 // Limits the runtime checks before any launch.
 constexpr int kMaxTopk = 32;        // one lane of a warp per top-k slot
@@ -102,4 +102,4 @@ MOE_LL_HD inline size_t message_used_bytes(int hidden, bool fp8) {
   return (16 + body + 15) / 16 * 16;
 }
 
-}  // namespace moe_dispatcher::low_latency
+}  // namespace moe_ep::low_latency

@@ -14,7 +14,7 @@
 #include "kernels/common/timeout_record.h"
 #include "kernels/low_latency/layout.h"
 
-namespace moe_dispatcher::low_latency {
+namespace moe_ep::low_latency {
 
 constexpr int kThreads = 512;       // threads per block of every low-latency kernel
 
@@ -146,4 +146,4 @@ struct CombineArgs {
 void launch_dispatch(const Common& c, const DispatchArgs& a, int phases, cudaStream_t stream);
 void launch_combine(const Common& c, const CombineArgs& a, int phases, cudaStream_t stream);
 
-}  // namespace moe_dispatcher::low_latency
+}  // namespace moe_ep::low_latency
