@@ -41,7 +41,7 @@ constexpr int64_t round_up(int64_t n, int64_t a) { return (n + a - 1) / a * a; }
 // blocks of rdma_domain_bytes each (fixed for the buffer's life, so a ring of one domain never moves onto
 // another's between calls). NVLink buffer: the intranode control words, domain messages [2][R][nvl_msg_ints],
 // then one ring block per source local rank. (Config's size hints, moe_dispatcher/config.py, repeat the
-// headers' arithmetic so that they work without the extension; tests/test_internode_gpu.py compares them.)
+// headers' arithmetic so that they work without the extension; tests/kernels/test_internode_gpu.py compares them.)
 Layout buffer_layout(int num_ranks, int nvl_size, int64_t num_rdma_bytes, int64_t num_nvl_bytes) {
   MOE_CHECK(nvl_size >= 1 && nvl_size <= kMaxNvl && num_ranks % nvl_size == 0, "bad NVLink domain size");
   const int64_t d = num_ranks / nvl_size;

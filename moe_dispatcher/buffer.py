@@ -172,7 +172,7 @@ class Buffer:
         """Bytes of NVSHMEM buffer per GPU that low-latency mode needs: two halves, each holding a send
         region, a receive region and the signal words, as csrc/kernels/low_latency/layout.h lays them out
         (read through moe_dispatcher._layout, on any machine). Never above DeepEP V1's formula
-        (tests/test_low_latency_layout.py)."""
+        (tests/kernels/test_low_latency_layout.py)."""
         return ll_layout.buffer_bytes(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
 
     # ------------------------------------------------------------------ lifetime and streams

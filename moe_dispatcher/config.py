@@ -103,7 +103,7 @@ def default_nvl_size(num_ranks: int) -> int:
 # ------------------------------------------------------------------ internode buffer headers
 # The internode buffers' layout is computed by the extension (buffer_layout in csrc/internode_bindings.cpp, the
 # one formula the kernels read). The size hints above need only the bytes ahead of the rings, on machines
-# without the extension too: that arithmetic is repeated here, and only here (tests/test_internode_gpu.py checks
+# without the extension too: that arithmetic is repeated here, and only here (tests/kernels/test_internode_gpu.py checks
 # that the hints cover the extension's layout). Constants: the kernels' (csrc/kernels/internode/protocol.h).
 INTERNODE_MAX_CHANNELS = 32
 INTERNODE_MAX_LOCAL_EXPERTS = 1024

@@ -1,4 +1,9 @@
-"""Test configuration: markers, and tests/ on sys.path so the harness and oracle import as `dist`, `oracle`.
+"""Test configuration: markers, and tests/helpers on sys.path so the shared helpers import as `dist`, `oracle`,
+`normal_cases`, `stub_extension`, `stub_low_latency`.
+
+Layout: tests/reference (the reference backend, the API and its validation: CPU, some also over NCCL),
+tests/kernels (the compiled backends: host glue on CPU through stubs, kernels on GPUs), tests/megatron (the
+Megatron-Core integration), tests/tools (the tools, the example, the repository's import graph).
 
 Markers:
   gpu   needs CUDA GPUs: `@pytest.mark.gpu` (as many GPUs as the test's `world_size` parameter, else 1) or
@@ -12,9 +17,9 @@ import sys
 
 import pytest
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-if _HERE not in sys.path:
-    sys.path.insert(0, _HERE)
+_HELPERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers")
+if _HELPERS not in sys.path:
+    sys.path.insert(0, _HELPERS)
 
 
 def pytest_configure(config: pytest.Config) -> None:

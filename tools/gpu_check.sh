@@ -100,16 +100,18 @@ run build 240 env MAX_JOBS=${MAX_JOBS:-32} MOE_DISPATCHER_BUILD_EXT=1 \
 
 # 2. GPU tests, one pytest per file.
 PYTEST=(python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short)
-run test_intranode 110 "${PYTEST[@]}" tests/test_intranode_gpu.py
-run test_expert_major 90 "${PYTEST[@]}" tests/test_expert_major_gpu.py
-run test_low_latency 120 "${PYTEST[@]}" -s tests/test_low_latency_gpu.py
+run test_intranode 110 "${PYTEST[@]}" tests/kernels/test_intranode_gpu.py
+run test_expert_major 90 "${PYTEST[@]}" tests/kernels/test_expert_major_gpu.py
+run test_low_latency 120 "${PYTEST[@]}" -s tests/kernels/test_low_latency_gpu.py
 if (( N >= 4 )); then
-  run test_internode 90 "${PYTEST[@]}" -x -s tests/test_internode_gpu.py -k "$N-nvl$((N / 2)) or $N-nvl$((N / 4))"
+  run test_internode 90 "${PYTEST[@]}" -x -s tests/kernels/test_internode_gpu.py -k "$N-nvl$((N / 2)) or $N-nvl$((N / 4))"
 else
   say "SKIP test_internode (needs 4 GPUs or more)"
 fi
-run test_megatron_layer 60 "${PYTEST[@]}" tests/test_megatron_layer.py
-run test_megatron_train 100 "${PYTEST[@]}" tests/test_megatron_train.py
+run test_kernel_names 60 "${PYTEST[@]}" tests/kernels/test_kernel_names.py tests/kernels/test_event_handle.py
+run test_reference_nccl 60 "${PYTEST[@]}" tests/reference
+run test_megatron_layer 60 "${PYTEST[@]}" tests/megatron/test_megatron_layer.py
+run test_megatron_train 100 "${PYTEST[@]}" tests/megatron/test_megatron_train.py
 
 # 3. Benches, each case beside NCCL in the same run.
 BENCH=(python3 -m moe_dispatcher.bench --out-dir "$RUN_DIR/bench")

@@ -2,7 +2,7 @@
 
     python tools/host_glue_cpu.py [--calls 20000] [--hidden 7168] [--tokens 128]
 
-The real Buffer and IntranodeBackend run on CPU tensors over the stub extension of tests/stub_extension.py:
+The real Buffer and IntranodeBackend run on CPU tensors over the stub extension of tests/helpers/stub_extension.py:
 a launch is one Python call that records its arguments, there are no CUDA streams or events, torch.empty
 allocates host memory. So the figures are the Python glue of a call (checks, plan look-up, argument
 building, allocation), not its host time on a GPU machine (tools/host_profile.py measures that: there the
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [_ROOT, os.path.join(_ROOT, "tests")]  # the package, and tests/stub_extension.py
+sys.path[:0] = [_ROOT, os.path.join(_ROOT, "tests", "helpers")]  # the package, and tests/helpers/stub_extension.py
 
 
 def make_world(rows: int):

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [_ROOT, os.path.join(_ROOT, "tests")]  # the package, and tests/stub_low_latency.py
+sys.path[:0] = [_ROOT, os.path.join(_ROOT, "tests", "helpers")]  # the package, and tests/helpers/stub_low_latency.py
 
 from host_glue_cpu import per_call_us, python_calls  # noqa: E402  (tools/ is on sys.path as the script's folder)
 

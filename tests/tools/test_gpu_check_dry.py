@@ -5,7 +5,7 @@ import pathlib
 import subprocess
 import tarfile
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _check(tmp_path, n, **env):

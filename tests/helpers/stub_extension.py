@@ -2,7 +2,7 @@
 
 attach_stub_backend() gives a Buffer the real IntranodeBackend (its Python: checks, plan making, allocation) over a
 module with the native API of csrc/intranode_bindings.cpp whose launchers launch nothing and record their
-arguments, so the host side of the compiled backend runs on CPU tensors: tests/test_cached_plans_cpu.py checks
+arguments, so the host side of the compiled backend runs on CPU tensors: tests/kernels/test_cached_plans_cpu.py checks
 what the cached-call fast path skips and what it still checks, and tools/host_glue_cpu.py times the Python glue.
 The cached plans (CachedDispatch / CachedCombine) follow the native ones: the same "not mine" rules (handle
 fields, tensor dtype / shape / contiguity, config), the same outputs, and None once the buffer is destroyed or a

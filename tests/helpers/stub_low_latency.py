@@ -6,7 +6,7 @@ invariant checks against a per-shape plan (ValueError), one buffer half per call
 timeout record (a test sets `timeout`; every later call and hook raises, and keeps raising), destroy. It
 launches nothing: it records (kind, phases, half, shape) in `launches` and the plans it made in `plans`, and
 allocates outputs on the CPU. attach_stub_low_latency() gives a Buffer the real LowLatencyBackend class
-over it, serving CPU tensors, so tests/test_low_latency_host_cpu.py exercises the Buffer's low-latency glue
+over it, serving CPU tensors, so tests/kernels/test_low_latency_host_cpu.py exercises the Buffer's low-latency glue
 (first-call validation, the cached fast path, delegation) and tools/ll_host_cpu.py times it.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The shared checks of the normal-mode GPU tests (tests/normal_cases.py) run on CPU: two reference Buffers
+"""The shared checks of the normal-mode GPU tests (tests/helpers/normal_cases.py) run on CPU: two reference Buffers
 under gloo stand in for the kernels Buffer and its reference, so every case of the GPU tables goes through the
 same input builders and assertions (one domain, and 2 emulated domains of 2 with the group-limited cases).
 Two identical backends must agree bit for bit, so every combine counts as bit-exact."""

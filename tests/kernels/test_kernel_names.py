@@ -20,7 +20,7 @@ import torch
 
 from dist import device, make_buffer, run_distributed
 
-CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "csrc")
+CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "csrc")
 WORDS = ("dispatch", "combine")
 
 

@@ -18,7 +18,7 @@ import torch
 
 pytest.importorskip("megatron.core", reason="needs megatron-core (bash tools/install_megatron.sh)")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _train(tmp_path, config: str, nproc: int, *extra: str, env: dict[str, str] | None = None,

@@ -1,5 +1,5 @@
 """CPU checks of the internode backend's host-side logic: size hints, routing decisions (the buffer layout is the
-extension's: tests/test_internode_gpu.py checks that the hints cover it)."""
+extension's: tests/kernels/test_internode_gpu.py checks that the hints cover it)."""
 from __future__ import annotations
 
 import pytest

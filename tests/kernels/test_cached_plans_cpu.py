@@ -1,6 +1,6 @@
 """The fast path of repeated cached calls (Buffer.dispatch / Buffer.combine calling a handle's native plan), on CPU.
 
-The real Buffer and IntranodeBackend run over the stub extension of tests/stub_extension.py, whose plans follow
+The real Buffer and IntranodeBackend run over the stub extension of tests/helpers/stub_extension.py, whose plans follow
 the native ones (the same "not mine" rules) and record every launch with its stream join: a call took the fast
 path when its plan launched with the joins of a synchronous call (JOIN_BOTH) or of async_finish (JOIN_BEFORE)
 instead of JOIN_NONE (the full path launches inside Buffer._stream_scope).

@@ -9,7 +9,7 @@ import torch
 
 from moe_dispatcher.compiled.low_latency import TRACE_KINDS, parse_trace_record
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("ll_trace", ROOT / "tools" / "ll_trace.py")
 ll_trace = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(ll_trace)

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-_TOOLS = os.path.join(os.path.dirname(__file__), "..", "tools")
+_TOOLS = os.path.join(os.path.dirname(__file__), "..", "..", "tools")
 
 
 def _load(name):

@@ -5,7 +5,7 @@ imports lazily is still a cycle."""
 import ast
 import pathlib
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGES = (("moe_dispatcher", "moe_dispatcher"), ("integrations", "moe_dispatcher.integrations"))
 
 

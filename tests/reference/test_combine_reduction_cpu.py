@@ -1,7 +1,7 @@
 """The low-latency combine's two reduction orders (docs/semantics.md, "Low-latency combine"), on CPU.
 
 The reference backend's per-rank sum (moe_dispatcher.reference.low_latency.weighted_sum_per_rank, vectorised)
-against the loop oracle (tests/oracle.py); the two orders differ on random data (so the bitwise tests of
+against the loop oracle (tests/helpers/oracle.py); the two orders differ on random data (so the bitwise tests of
 either one can tell them apart) and agree whenever no rank holds two picks of a token; the Buffer option.
 """
 from __future__ import annotations

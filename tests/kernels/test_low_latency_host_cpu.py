@@ -1,4 +1,4 @@
-"""The Buffer's low-latency host glue on CPU, over a stub of the native runtime (tests/stub_low_latency.py).
+"""The Buffer's low-latency host glue on CPU, over a stub of the native runtime (tests/helpers/stub_low_latency.py).
 
 Checked: a call is validated in Python on the first call of its key only (later calls go straight to the
 runtime, which still checks the tensors' invariants); a bad argument raises before anything launches; halves
@@ -160,7 +160,7 @@ def test_stub_and_buffer_call_the_native_signatures():
     from stub_low_latency import StubRuntime
 
     from moe_dispatcher.backend import Backend
-    src = open(os.path.join(os.path.dirname(__file__), "..", "csrc", "low_latency_bindings.cpp")).read()
+    src = open(os.path.join(os.path.dirname(__file__), "..", "..", "csrc", "low_latency_bindings.cpp")).read()
     src = re.sub(r'"\s*"', "", src)  # C++ string literals continued on the next line
     for name, proto in (("dispatch", Backend.low_latency_dispatch), ("combine", Backend.low_latency_combine)):
         native = re.search(rf'"{name}\(([^)]*)\)', src).group(1).split(", ")
@@ -174,7 +174,7 @@ def test_ll_host_cpu_tool_runs():
     import os
     import subprocess
     import sys
-    tool = os.path.join(os.path.dirname(__file__), "..", "tools", "ll_host_cpu.py")
+    tool = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "ll_host_cpu.py")
     out = subprocess.run([sys.executable, tool, "--calls", "2000", "--hidden", "1024", "--tokens", "16",
                           "--experts", "16"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr

@@ -4,7 +4,7 @@ Routing and input builders, the case table of the intranode tests (which the int
 checks of a kernels Buffer against a reference Buffer on the same group. Where the files differ on purpose (the
 internode NVLink domains, tolerances, which checks each backend states) the difference is a parameter that each
 caller spells out.
-The checks also run with two reference Buffers under gloo (tests/test_normal_cases.py), so their logic runs on
+The checks also run with two reference Buffers under gloo (tests/kernels/test_normal_cases.py), so their logic runs on
 CPU too: `dev` is where the inputs live, and CUDA synchronisation happens only on CUDA devices.
 """
 from __future__ import annotations

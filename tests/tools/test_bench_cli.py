@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 ARGS = ["--cpu", "--num-ranks", "2", "--backend", "reference", "--mode", "all", "--quick", "--tokens", "64",
         "--hidden", "256", "--num-experts", "16", "--topk", "4", "--num-sms", "8,24", "--chunks", "16:256",

@@ -6,7 +6,7 @@ import pytest
 
 import moe_dispatcher
 
-_SETUP = runpy.run_path(os.path.join(os.path.dirname(__file__), "..", "setup.py"), run_name="setup_under_test")
+_SETUP = runpy.run_path(os.path.join(os.path.dirname(__file__), "..", "..", "setup.py"), run_name="setup_under_test")
 
 
 @pytest.mark.parametrize("arch_list, expected", [
