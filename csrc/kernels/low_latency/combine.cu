@@ -10,7 +10,6 @@
 #include "runtime/cuda_check.h"
 
 namespace moe_ep::low_latency {
-namespace {
 
 __global__ void __launch_bounds__(kThreads, 1)
     combine_kernel(Common c, CombineArgs a, int phases, int send_parts) {
@@ -37,7 +36,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-}  // namespace
 
 void launch_combine(const Common& c, const CombineArgs& a, int phases, cudaStream_t stream) {
   MOE_CHECK(phases >= 1 && phases <= 3, "low_latency combine: bad phases");

@@ -12,7 +12,6 @@
 #include "runtime/cuda_check.h"
 
 namespace moe_ep::low_latency {
-namespace {
 
 __global__ void __launch_bounds__(kThreads, 1)
     dispatch_kernel(Common c, DispatchArgs a, int phases, int recv_parts) {
@@ -38,7 +37,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-}  // namespace
 
 void launch_dispatch(const Common& c, const DispatchArgs& a, int phases, cudaStream_t stream) {
   MOE_CHECK(phases >= 1 && phases <= 3, "low_latency dispatch: bad phases");
