@@ -4,7 +4,7 @@ A Buffer belongs to one process group (the expert-parallel group). Each call val
 backend that serves them (the compiled kernels for CUDA tensors when they are built and cover the case; the
 reference backend in plain torch.distributed otherwise, or when asked), and applies the stream semantics of
 `previous_event` / `async_finish` / `allocate_on_comm_stream`. docs/semantics.md defines what each call
-computes; shared/notes/api.md (DeepEP V1's surface) defines the signatures.
+computes; the signatures are DeepEP V1's (docs/semantics.md lists the surface).
 """
 from __future__ import annotations
 

@@ -60,7 +60,7 @@ __device__ __forceinline__ void reduce_chunk(const Common& c, const CombineArgs&
 // reduce_chunk with CombineArgs::rank_partials: the token's ranks in the order of their first pick; a rank
 // with one pick adds w_k * row_k, a rank with several adds bf16(its picks' weighted sum, k ascending) as
 // float, all in float32. The bits of the per-rank combine (combine_rank_*.cuh), computed here from the
-// per-expert rows (for peers without NVLink, and for MOE_DISPATCHER_LL_VARIANT tuning).
+// per-expert rows (the kernels a Buffer picks for peers without NVLink, with the per-rank order).
 __device__ __forceinline__ void reduce_chunk_rank_partials(const Common& c, const CombineArgs& a, const uint8_t* recv,
                                                            int t, int col, int64_t my_e, float my_w) {
   const int H = c.hidden, K = a.num_topk, lane = threadIdx.x % 32;
