@@ -26,11 +26,10 @@ stamp %globaltimer at their phase boundaries. `last_trace()` returns the last ca
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from .. import _ext
+from ..env import env_flag, env_float
 from ..backend import Backend, Capabilities
 from ..event import EventOverlap
 from ..handle import LowLatencyHandle
@@ -73,9 +72,7 @@ class LowLatencyBackend(Backend):
             raise ValueError(f"the low-latency kernels serve at most {self._mod.MAX_RANKS} ranks, the group has "
                              f"{self.num_ranks}")
         self.num_bytes = buffer.num_rdma_bytes
-        self.timeout_s = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
-        if self.timeout_s <= 0:
-            raise ValueError(f"{TIMEOUT_ENV} must be positive, got {self.timeout_s}")
+        self.timeout_s = env_float(TIMEOUT_ENV, DEFAULT_TIMEOUT_S, greater_than=0)
         self.device = torch.device("cuda", torch.cuda.current_device())
         self._state = nvshmem.bootstrap(buffer.group, self.device.index,
                                         single_host=buffer.topology.is_single_domain)
@@ -92,7 +89,7 @@ class LowLatencyBackend(Backend):
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         # Phase trace: int64 [kind, half, TRACE_WORDS] on the device, or None (off: the kernels get null).
         self._trace: torch.Tensor | None = None
-        if os.environ.get(TRACE_ENV, "0") not in ("", "0"):
+        if env_flag(TRACE_ENV):
             if sms > self._mod.TRACE_MAX_BLOCKS:
                 raise ValueError(f"{TRACE_ENV}: the trace records at most {self._mod.TRACE_MAX_BLOCKS} blocks, the "
                                  f"grid has {sms}")
