@@ -38,6 +38,11 @@ from .timing import comm_timer
 LL_MAX_TOKENS_ENV = "MOE_DISPATCHER_LL_MAX_TOKENS_PER_RANK"
 
 
+def fixed_max_tokens_per_rank() -> int | None:
+    """$MOE_DISPATCHER_LL_MAX_TOKENS_PER_RANK (an int >= 1), or None when unset: found per call instead."""
+    return env_int(LL_MAX_TOKENS_ENV, None, minimum=1)
+
+
 class MoEDispatcherTokenDispatcher(MoETokenDispatcher):
     """Normal-mode dispatcher (``moe_token_dispatcher_type: "moe_dispatcher"``), for training and prefill."""
 
@@ -206,7 +211,7 @@ class MoEDispatcherLowLatencyTokenDispatcher(MoEDispatcherTokenDispatcher):
             raise NotImplementedError(f"{type(self).__name__} does not support {', '.join(refused)}: its combine "
                                       "weights the expert outputs itself; use moe_token_dispatcher_type "
                                       "'moe_dispatcher'")
-        self.fixed_max_tokens = env_int(LL_MAX_TOKENS_ENV, None, minimum=1)
+        self.fixed_max_tokens = fixed_max_tokens_per_rank()
         self._max_tokens = 0
         self._packing: LowLatencyPacking | None = None
 
