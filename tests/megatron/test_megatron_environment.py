@@ -57,6 +57,8 @@ def test_headroom_valid(monkeypatch):
     assert sizing.ExpertRowBudget(align=1).headroom == 1.25
     monkeypatch.delenv(sizing.HEADROOM_ENV)
     assert sizing.ExpertRowBudget(align=1).headroom == sizing.DEFAULT_HEADROOM
+    monkeypatch.setenv(sizing.HEADROOM_ENV, "")  # empty is unset (before: float('') raised)
+    assert sizing.ExpertRowBudget(align=1).headroom == sizing.DEFAULT_HEADROOM
 
 
 @pytest.mark.parametrize("raw", ["200.5", "-1", "nan", "inf", "lots"])
@@ -71,6 +73,8 @@ def test_initial_rows_valid(monkeypatch):
     assert sizing.ExpertRowBudget(align=1).rows_for(10, 2) == 0  # 0: the first call is exact
     monkeypatch.setenv(sizing.INITIAL_ENV, "200")
     assert sizing.ExpertRowBudget(align=1).rows_for(10, 2) == 256
+    monkeypatch.setenv(sizing.INITIAL_ENV, "")  # empty is unset (before: int('') raised)
+    assert sizing.ExpertRowBudget(align=1).rows_for(10, 2) == 0
 
 
 @pytest.mark.parametrize("raw", ["0", "-4", "4096.0", "nan", "inf", "many"])
@@ -84,6 +88,8 @@ def test_ll_max_tokens_valid(monkeypatch):
     assert fixed_max_tokens_per_rank() == 4096
     monkeypatch.setenv(LL_MAX_TOKENS_ENV, "")
     assert fixed_max_tokens_per_rank() is None
+    monkeypatch.setenv(LL_MAX_TOKENS_ENV, "0")  # before: 0 was taken as the bound
+    _raises(LL_MAX_TOKENS_ENV, "0", "an integer >= 1", fixed_max_tokens_per_rank)
 
 
 def test_buffer_backend(monkeypatch):

@@ -148,6 +148,8 @@ def test_dispatch_valid_counts_still_work(world):
                                                                expert_alignment=Sms.TWENTY, num_worst_tokens=0)
     assert all(c % 20 == 0 for c in counts) and px.shape[0] == sum(counts)
     _type_error("num_experts", lambda: buf.expert_major_dispatch(x, topk_idx=idx, num_experts=True))
+    _type_error("expert_alignment", lambda: buf.expert_major_dispatch(x, topk_idx=idx, num_experts=E,
+                                                                      expert_alignment=True))
     _type_error("num_experts", lambda: buf.get_dispatch_layout(idx, float(E)))
 
 

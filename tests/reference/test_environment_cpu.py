@@ -124,10 +124,14 @@ def test_nvl_size_variable(world, monkeypatch, raw):
 
 
 def test_nvl_size_variable_valid(world, monkeypatch):
+    """Valid sizes still work; one bad size per reader (before: default_nvl_size returned 0 for '0')."""
     monkeypatch.setenv("MOE_DISPATCHER_NVL_SIZE", " 1 ")
     assert Topology.from_group().source == "env" and default_nvl_size(4) == 1
     monkeypatch.setenv("MOE_DISPATCHER_NVL_SIZE", "")
     assert default_nvl_size(4) == 4
+    monkeypatch.setenv("MOE_DISPATCHER_NVL_SIZE", "0")
+    with pytest.raises(ValueError, match=_names("MOE_DISPATCHER_NVL_SIZE", "0")):
+        default_nvl_size(4)
 
 
 @pytest.mark.parametrize("raw", ["0", "-1", *NAN_INF_GARBAGE])
@@ -142,6 +146,8 @@ def test_timeout_variable_valid(monkeypatch):
     assert compiled.kernel_timeout_s() == 10.0
     monkeypatch.setenv("MOE_DISPATCHER_TIMEOUT_S", "2.5")
     assert compiled.kernel_timeout_s() == 2.5
+    monkeypatch.setenv("MOE_DISPATCHER_TIMEOUT_S", "")  # empty is unset (before: float('') raised)
+    assert compiled.kernel_timeout_s() == 10.0
 
 
 def _fake_low_latency_backend(monkeypatch):
