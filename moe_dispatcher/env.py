@@ -12,7 +12,8 @@ from __future__ import annotations
 import math
 import os
 import re
-from typing import Optional, Sequence, TypeVar
+from collections.abc import Sequence
+from typing import TypeVar
 
 _INT = re.compile(r"[+-]?[0-9]+")
 _FLAG_VALUES = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False,
@@ -20,7 +21,7 @@ _FLAG_VALUES = {"1": True, "true": True, "yes": True, "on": True, "0": False, "f
 _D = TypeVar("_D")
 
 
-def _raw(name: str) -> Optional[str]:
+def _raw(name: str) -> str | None:
     """The variable's value stripped of surrounding whitespace; None when unset or empty."""
     value = os.environ.get(name)
     if value is None:
@@ -66,8 +67,8 @@ def env_flag(name: str, default: bool = False) -> bool:
     return flag
 
 
-def env_int(name: str, default: _D, *, minimum: Optional[int] = None,
-            maximum: Optional[int] = None) -> int | _D:
+def env_int(name: str, default: _D, *, minimum: int | None = None,
+            maximum: int | None = None) -> int | _D:
     """A decimal integer within [minimum, maximum] (either bound optional), or `default` when unset."""
     value = _raw(name)
     if value is None:
@@ -80,8 +81,8 @@ def env_int(name: str, default: _D, *, minimum: Optional[int] = None,
     return number
 
 
-def env_float(name: str, default: _D, *, minimum: Optional[float] = None, greater_than: Optional[float] = None,
-              maximum: Optional[float] = None) -> float | _D:
+def env_float(name: str, default: _D, *, minimum: float | None = None, greater_than: float | None = None,
+              maximum: float | None = None) -> float | _D:
     """A finite number (nan and inf are refused) with minimum <= value, greater_than < value and
     value <= maximum (each bound optional), or `default` when unset."""
     value = _raw(name)

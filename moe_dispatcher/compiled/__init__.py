@@ -28,6 +28,7 @@ def kernel_timeout_s() -> float:
     """Seconds from $MOE_DISPATCHER_TIMEOUT_S: a finite number > 0, default 10 (read when a backend is built)."""
     return env_float(TIMEOUT_ENV, DEFAULT_TIMEOUT_S, greater_than=0)
 
+
 # How a cached call's plan orders its launch against the caller's stream (Join in csrc/bindings/stream_join.h):
 # not at all, launching on the current stream (the full path: the Buffer made the comm stream current after
 # ordering it), the comm stream waits for the caller's stream first (async_finish), or also the caller's stream

@@ -29,8 +29,8 @@ from __future__ import annotations
 import torch
 
 from .. import _ext
-from ..env import env_flag
 from ..backend import Backend, Capabilities
+from ..env import env_flag
 from ..event import EventOverlap
 from ..handle import LowLatencyHandle
 from ..runtime import nvshmem

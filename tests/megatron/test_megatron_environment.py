@@ -6,7 +6,6 @@ import re
 
 import pytest
 import torch
-
 from moe_dispatcher.integrations.megatron import buffers, guard, sizing
 from moe_dispatcher.integrations.megatron.dispatcher import LL_MAX_TOKENS_ENV, fixed_max_tokens_per_rank
 

@@ -144,8 +144,8 @@ def test_dispatch_counts_are_ints(world, name, value):
 def test_dispatch_valid_counts_still_work(world):
     buf = Buffer(backend="reference")
     x, idx, w = _routing()
-    px, pw, counts, tpe, handle, _ = buf.expert_major_dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E,
-                                                               expert_alignment=Sms.TWENTY, num_worst_tokens=0)
+    px, _, counts, _, _, _ = buf.expert_major_dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E,
+                                                       expert_alignment=Sms.TWENTY, num_worst_tokens=0)
     assert all(c % 20 == 0 for c in counts) and px.shape[0] == sum(counts)
     _type_error("num_experts", lambda: buf.expert_major_dispatch(x, topk_idx=idx, num_experts=True))
     _type_error("expert_alignment", lambda: buf.expert_major_dispatch(x, topk_idx=idx, num_experts=E,

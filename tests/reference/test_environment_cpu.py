@@ -14,8 +14,7 @@ import types
 import pytest
 import torch.distributed as dist
 
-from moe_dispatcher import Buffer, Topology, env
-from moe_dispatcher import compiled
+from moe_dispatcher import Buffer, Topology, compiled, env
 from moe_dispatcher.compiled import low_latency as ll_backend
 from moe_dispatcher.config import Config, default_nvl_size
 
