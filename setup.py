@@ -146,9 +146,13 @@ def _why_extension_cannot_build() -> str | None:
 
 
 def _should_build_extension() -> bool:
-    mode = os.environ.get(ENV_BUILD_EXT, "auto").strip().lower()
-    if mode not in ("0", "1", "auto", ""):
-        raise SystemExit(f"moe_dispatcher: {ENV_BUILD_EXT} must be 0, 1 or auto, got {mode!r}")
+    # Parsed here, not by moe_dispatcher.env (setup.py must not import the package), by the same rules:
+    # unset or empty is the default, whitespace and case are ignored, the error names what is accepted.
+    raw = os.environ.get(ENV_BUILD_EXT, "")
+    mode = raw.strip().lower() or "auto"
+    if mode not in ("0", "1", "auto"):
+        raise SystemExit(f"moe_dispatcher: {ENV_BUILD_EXT}={raw!r} is not valid: expected one of 0, 1, auto "
+                         f"(or leave {ENV_BUILD_EXT} unset)")
     if mode == "0":
         print(
             f"moe_dispatcher: installing pure Python without moe_dispatcher._C ({ENV_BUILD_EXT}=0)",

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
 import warnings
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
@@ -22,6 +21,7 @@ from . import config as _config
 from .compiled import JOIN_BEFORE, JOIN_BOTH, HandleState, buffer_view
 from .backend import Backend, Capabilities
 from .config import Config
+from .env import env_choice
 from .event import EventOverlap
 from .expert_major import ExpertMajorHandle
 from .handle import DispatchHandle, LowLatencyHandle
@@ -29,8 +29,8 @@ from .reference import ReferenceLowLatency, ReferenceNormal
 from .reference.comm import all_gather_rows
 from .runtime import ll_layout
 from .topology import Topology
-from .validation import (check_combine_weights, check_flag_exclusive, check_num_experts, check_row_bytes, check_tensor,
-                         check_topk_idx, check_topk_weights, normalise_bias, split_x)
+from .validation import (check_combine_weights, check_count, check_flag_exclusive, check_num_experts, check_row_bytes,
+                         check_tensor, check_topk_idx, check_topk_weights, normalise_bias, split_x)
 
 BACKEND_ENV = "MOE_DISPATCHER_BACKEND"
 BACKENDS = ("auto", "reference", "kernels")
@@ -82,11 +82,10 @@ class Buffer:
                 raise NotImplementedError(f"Buffer({name}=True) is not supported by moe_dispatcher")
         for value, name in ((num_nvl_bytes, "num_nvl_bytes"), (num_rdma_bytes, "num_rdma_bytes"),
                             (num_qps_per_rank, "num_qps_per_rank")):
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+            check_count(name, value)
         if not dist.is_initialized():
             raise RuntimeError("Buffer needs torch.distributed to be initialised (init_process_group) first")
-        backend = backend or os.environ.get(BACKEND_ENV) or "auto"
+        backend = backend or env_choice(BACKEND_ENV, BACKENDS, "auto")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.group = group if group is not None else dist.group.WORLD
@@ -103,8 +102,8 @@ class Buffer:
         self.explicitly_destroy = explicitly_destroy
         self.backend = backend
         self._kernels_ll = None
-        self.low_latency_combine_reduction = (low_latency_combine_reduction or os.environ.get(LL_COMBINE_ENV)
-                                              or "per_rank")
+        self.low_latency_combine_reduction = (low_latency_combine_reduction
+                                              or env_choice(LL_COMBINE_ENV, LL_COMBINE_REDUCTIONS, "per_rank"))
         self._token = next(_tokens)
         self._destroyed = False
         self._comm_stream: Optional[torch.cuda.Stream] = None
@@ -154,7 +153,8 @@ class Buffer:
     @classmethod
     def set_num_sms(cls, new_num_sms: int) -> None:
         """SMs the normal-mode kernels use by default (even: one channel per pair)."""
-        if not isinstance(new_num_sms, int) or new_num_sms <= 0 or new_num_sms % 2:
+        check_count("num_sms", new_num_sms, 1)
+        if new_num_sms % 2:
             raise ValueError(f"num_sms must be a positive even int, got {new_num_sms!r}")
         cls.num_sms = new_num_sms
 
@@ -173,6 +173,9 @@ class Buffer:
         region, a receive region and the signal words, as csrc/kernels/low_latency/layout.h lays them out
         (read through moe_dispatcher._layout, on any machine). Never above DeepEP V1's formula
         (tests/kernels/test_low_latency_layout.py)."""
+        for name, value in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank), ("hidden", hidden),
+                            ("num_ranks", num_ranks), ("num_experts", num_experts)):
+            check_count(name, value, 1)
         return ll_layout.buffer_bytes(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
 
     # ------------------------------------------------------------------ lifetime and streams
@@ -377,10 +380,8 @@ class Buffer:
 
     @staticmethod
     def _check_dispatch_options(expert_alignment: int, num_worst_tokens: int, config: Optional[Config]) -> None:
-        if not isinstance(expert_alignment, int) or expert_alignment < 1:
-            raise ValueError(f"expert_alignment must be an int >= 1, got {expert_alignment!r}")
-        if not isinstance(num_worst_tokens, int) or num_worst_tokens < 0:
-            raise ValueError(f"num_worst_tokens must be an int >= 0, got {num_worst_tokens!r}")
+        check_count("expert_alignment", expert_alignment, 1)
+        check_count("num_worst_tokens", num_worst_tokens, 0)
         if config is not None and not isinstance(config, Config):
             raise TypeError(f"config must be a moe_dispatcher.Config, got {type(config).__name__}")
 
@@ -662,8 +663,8 @@ class Buffer:
     def _check_low_latency(self, max_tokens: int, hidden: int, num_experts: int) -> None:
         if not self.low_latency_mode:
             raise RuntimeError("low-latency calls need Buffer(low_latency_mode=True, num_rdma_bytes=...)")
-        if not isinstance(max_tokens, int) or max_tokens <= 0:
-            raise ValueError(f"num_max_dispatch_tokens_per_rank must be a positive int, got {max_tokens!r}")
+        check_count("num_max_dispatch_tokens_per_rank", max_tokens, 1)
+        check_count("hidden", hidden, 1)
         check_num_experts(num_experts, self.group_size)
         need = self.get_low_latency_rdma_size_hint(max_tokens, hidden, self.group_size, num_experts)
         if self.num_rdma_bytes < need:

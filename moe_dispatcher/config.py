@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import functools
-import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional
 
-# Upper bounds the kernels are compiled for; the buffer-size hints assume them.
-MAX_TOPK = 16
+from .env import env_int
+from .topology import NVL_SIZE_ENV
+from .validation import MAX_TOPK, check_count
+
+# Upper bounds the kernels are compiled for (and MAX_TOPK, from validation); the buffer-size hints assume them.
 MAX_NVL_PEERS = 8
 _ALIGN = 128
 
@@ -39,14 +41,14 @@ class Config:
     num_max_rdma_chunked_recv_tokens: int = 256
 
     def __post_init__(self) -> None:
-        if self.num_sms <= 0 or self.num_sms % 2:
+        for field in fields(self):  # every field is a count: an int, not a bool (TypeError names the field)
+            check_count(f"Config.{field.name}", getattr(self, field.name), 1)
+        if self.num_sms % 2:
             raise ValueError(f"Config.num_sms must be a positive even number, got {self.num_sms}")
         for send, recv, what in (
             (self.num_max_nvl_chunked_send_tokens, self.num_max_nvl_chunked_recv_tokens, "nvl"),
             (self.num_max_rdma_chunked_send_tokens, self.num_max_rdma_chunked_recv_tokens, "rdma"),
         ):
-            if send <= 0 or recv <= 0:
-                raise ValueError(f"Config: {what} chunk sizes must be positive, got send={send} recv={recv}")
             if send > recv:
                 raise ValueError(f"Config: num_max_{what}_chunked_send_tokens ({send}) must not exceed "
                                  f"num_max_{what}_chunked_recv_tokens ({recv})")
@@ -71,6 +73,8 @@ class Config:
         `num_max_nvl_chunked_recv_tokens` slots of slot_bytes, plus 128 bytes of rounding: at least what both
         backends require (compiled.intranode.required_nvl_bytes, the internode buffer_layout).
         """
+        check_count("hidden_bytes", hidden_bytes, 1)
+        check_count("num_ranks", num_ranks, 1)
         nvl_peers = min(num_ranks, MAX_NVL_PEERS)
         header = internode_nvl_header_bytes(num_ranks)
         block = self.num_channels * self.num_max_nvl_chunked_recv_tokens * self.slot_bytes(hidden_bytes)
@@ -84,7 +88,9 @@ class Config:
         receive block and one send-staging block of `num_channels` rings of
         `num_max_rdma_chunked_recv_tokens` slots (slots sized by slot_bytes, enough for dispatch and combine).
         """
-        nvl = default_nvl_size(num_ranks) if nvl_size is None else int(nvl_size)
+        check_count("hidden_bytes", hidden_bytes, 1)
+        check_count("num_ranks", num_ranks, 1)
+        nvl = default_nvl_size(num_ranks) if nvl_size is None else check_count("nvl_size", nvl_size, 1)
         if nvl <= 0 or num_ranks % nvl:
             raise ValueError(f"nvl_size {nvl} must divide num_ranks {num_ranks}")
         num_domains = num_ranks // nvl
@@ -96,8 +102,7 @@ class Config:
 
 def default_nvl_size(num_ranks: int) -> int:
     """GPUs per NVLink domain when none is given: MOE_DISPATCHER_NVL_SIZE if set, else min(num_ranks, 8)."""
-    env = os.environ.get("MOE_DISPATCHER_NVL_SIZE")
-    return int(env) if env else min(num_ranks, MAX_NVL_PEERS)
+    return env_int(NVL_SIZE_ENV, min(num_ranks, MAX_NVL_PEERS), minimum=1)
 
 
 # ------------------------------------------------------------------ internode buffer headers
@@ -148,8 +153,7 @@ _RDMA_CHUNK, _RDMA_SLOTS = 32, 256
 
 
 def _tuned(table: dict, num_ranks: int, num_sms: int) -> Config:
-    if num_ranks <= 0:
-        raise ValueError(f"num_ranks must be positive, got {num_ranks}")
+    check_count("num_ranks", num_ranks, 1)
     key = min((k for k in table if k >= num_ranks), default=max(table))
     send, recv = table[key]
     return Config(num_sms, send, recv, _RDMA_CHUNK, _RDMA_SLOTS)

@@ -6,12 +6,14 @@ GPU of the same local index, and forward them over NVLink inside the domain.
 """
 from __future__ import annotations
 
-import os
 import socket
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch.distributed as dist
+
+from .env import env_int
+from .validation import check_count
 
 MAX_NVL_SIZE = 8
 NVL_SIZE_ENV = "MOE_DISPATCHER_NVL_SIZE"
@@ -27,6 +29,8 @@ class Topology:
     source: str = "given"  # how nvl_size was found: "given", "env" or "hostnames"
 
     def __post_init__(self) -> None:
+        for name, minimum in (("rank", 0), ("num_ranks", 1), ("nvl_size", 1)):
+            check_count(f"Topology.{name}", getattr(self, name), minimum)
         if self.num_ranks <= 0 or not 0 <= self.rank < self.num_ranks:
             raise ValueError(f"Topology: rank {self.rank} is not in a group of {self.num_ranks}")
         if self.nvl_size <= 0 or self.num_ranks % self.nvl_size:
@@ -85,13 +89,9 @@ class Topology:
         """
         rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
         if nvl_size is not None:
-            return cls(rank, num_ranks, int(nvl_size), "given")
-        env = os.environ.get(NVL_SIZE_ENV)
-        if env:
-            try:
-                size = int(env)
-            except ValueError:
-                raise ValueError(f"{NVL_SIZE_ENV}={env!r} is not an integer") from None
+            return cls(rank, num_ranks, check_count("nvl_size", nvl_size, 1), "given")
+        size = env_int(NVL_SIZE_ENV, None, minimum=1)
+        if size is not None:
             return cls(rank, num_ranks, size, "env")
         hostnames: list = [None] * num_ranks
         dist.all_gather_object(hostnames, socket.gethostname(), group=group)

@@ -2,6 +2,9 @@
 argument raises on every rank the same way instead of leaving peers waiting in a collective.
 
 TypeError: wrong Python type or dtype. ValueError: wrong shape, device, layout or value.
+Counts (sizes, token and expert numbers, Config fields) must be Python ints: bools are refused (True is not a
+count), and so are floats, strings and numpy / torch scalars (pass int(value)): the compiled backends hand
+them to native code, which takes plain ints only.
 Value checks (expert ids in range, no repeated expert in a token) read tensor contents, which on a GPU costs a
 host synchronisation; callers on sync-free paths pass `values=False`.
 """
@@ -11,11 +14,22 @@ from typing import Iterable, Optional, Sequence, Tuple
 
 import torch
 
-from .config import MAX_TOPK
-
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 FP8_DTYPES = (torch.float8_e4m3fn,)
 SCALE_DTYPES = (torch.float32, torch.int32)
+# Most top-k slots per token: the kernels are compiled for it (MAX_TOPK of csrc/kernels/common), and
+# config.py sizes the normal-mode ring slots for it.
+MAX_TOPK = 16
+
+
+def check_count(name: str, value, minimum: int = 0) -> int:
+    """A count argument: a Python int (not a bool) >= minimum. TypeError / ValueError name the argument."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        hint = "" if isinstance(value, bool) or not hasattr(value, "__index__") else " (pass int(...))"
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}{hint}")
+    if value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value}")
+    return value
 
 
 def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:
@@ -56,8 +70,7 @@ def check_row_bytes(name: str, t: torch.Tensor) -> None:
 
 
 def check_num_experts(num_experts: int, num_ranks: int) -> None:
-    if not isinstance(num_experts, int) or isinstance(num_experts, bool):
-        raise TypeError(f"num_experts must be an int, got {type(num_experts).__name__}")
+    check_count("num_experts", num_experts)
     if num_experts <= 0 or num_experts % num_ranks:
         raise ValueError(f"num_experts ({num_experts}) must be a positive multiple of the group size ({num_ranks})")
 

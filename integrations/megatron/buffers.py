@@ -8,13 +8,12 @@ re-create together (creating a Buffer is collective).
 """
 from __future__ import annotations
 
-import os
-
 import torch.distributed as dist
 
 from moe_dispatcher import Buffer, Topology
 from moe_dispatcher.buffer import BACKEND_ENV
 from moe_dispatcher.buffer import BACKENDS as BUFFER_BACKENDS
+from moe_dispatcher.env import env_choice
 
 _backend = {"chosen": None}  # register(backend=...)'s choice; None: $MOE_DISPATCHER_BACKEND, else auto
 _topologies: dict[int, tuple[dist.ProcessGroup, Topology]] = {}
@@ -24,7 +23,7 @@ _buffers: dict[tuple[int, bool], tuple[dist.ProcessGroup, Buffer]] = {}
 def buffer_backend() -> str | None:
     """The Buffer backend our dispatchers ask for: register(backend=...), else $MOE_DISPATCHER_BACKEND,
     else None (auto: the compiled kernels on CUDA tensors when built, the reference backend otherwise)."""
-    name = _backend["chosen"] or os.environ.get(BACKEND_ENV) or None
+    name = _backend["chosen"] or env_choice(BACKEND_ENV, BUFFER_BACKENDS, None)
     return None if name in (None, "auto") else check_buffer_backend(name, BACKEND_ENV)
 
 

@@ -19,8 +19,6 @@ partial outputs (see permutation.routing_to_topk).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 from megatron.core.transformer.enums import CudaGraphModule
@@ -29,6 +27,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from moe_dispatcher import Buffer
 from moe_dispatcher import autograd as md_autograd
+from moe_dispatcher.env import env_int
 
 from . import guard
 from .buffers import buffer_backend, get_buffer
@@ -37,6 +36,11 @@ from .sizing import ExpertRowBudget, rows_mode, tokens_per_expert_covering
 from .timing import comm_timer
 
 LL_MAX_TOKENS_ENV = "MOE_DISPATCHER_LL_MAX_TOKENS_PER_RANK"
+
+
+def fixed_max_tokens_per_rank() -> int | None:
+    """$MOE_DISPATCHER_LL_MAX_TOKENS_PER_RANK (an int >= 1), or None when unset: found per call instead."""
+    return env_int(LL_MAX_TOKENS_ENV, None, minimum=1)
 
 
 class MoEDispatcherTokenDispatcher(MoETokenDispatcher):
@@ -207,8 +211,7 @@ class MoEDispatcherLowLatencyTokenDispatcher(MoEDispatcherTokenDispatcher):
             raise NotImplementedError(f"{type(self).__name__} does not support {', '.join(refused)}: its combine "
                                       "weights the expert outputs itself; use moe_token_dispatcher_type "
                                       "'moe_dispatcher'")
-        env = os.environ.get(LL_MAX_TOKENS_ENV)
-        self.fixed_max_tokens = int(env) if env else None
+        self.fixed_max_tokens = fixed_max_tokens_per_rank()
         self._max_tokens = 0
         self._packing: LowLatencyPacking | None = None
 

@@ -23,7 +23,6 @@ Megatron accumulates during the forward) counts the first attempt too.
 from __future__ import annotations
 
 import itertools
-import os
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -32,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from .buffers import _buffers
-from .sizing import ROWS_ENV, fixed_rows_allowed, guard_phase  # noqa: F401  (fixed_rows_allowed: API)
+from .sizing import fixed_rows_allowed, guard_phase, rows_setting  # noqa: F401  (fixed_rows_allowed: API)
 
 _dispatchers: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()  # serial -> dispatcher
 _serials = itertools.count()
@@ -89,7 +88,7 @@ def run_step(step: Callable[[], Any], zero_grad: Callable[[], None]) -> Any:
     """Run one training step (forward and backward; not the optimizer update) with sync-free expert-row
     sizing, re-running it with exact sizing if any dispatch overflowed (module docstring). ``zero_grad``
     clears the gradients the first attempt accumulated. Returns what the successful attempt returned."""
-    if guard_phase.depth or os.environ.get(ROWS_ENV, "auto").lower() != "auto":  # nested, or fixed sizing chosen
+    if guard_phase.depth or rows_setting() != "auto":  # nested, or fixed sizing chosen
         return step()
     guard_phase.depth += 1
     try:

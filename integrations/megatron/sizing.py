@@ -33,14 +33,16 @@ Modes ($MOE_DISPATCHER_EXPERT_ROWS):
 from __future__ import annotations
 
 import math
-import os
 from collections import deque
 
 import torch
 
+from moe_dispatcher.env import env_choice, env_float, env_int
+
 ROWS_ENV = "MOE_DISPATCHER_EXPERT_ROWS"
 HEADROOM_ENV = "MOE_DISPATCHER_EXPERT_ROWS_HEADROOM"
 INITIAL_ENV = "MOE_DISPATCHER_EXPERT_ROWS_INITIAL"
+ROWS_MODES = ("auto", "exact", "bound")
 DEFAULT_HEADROOM = 1.1
 LAG = 2  # calls between a dispatch and the reading of its need (see the module docstring)
 ROW_QUANTUM = 128  # M is a multiple of this (and of the alignment), so M changes rarely
@@ -62,6 +64,11 @@ def fixed_rows_allowed() -> bool:
     return guard_phase.depth > 0 and not guard_phase.exact_rerun
 
 
+def rows_setting() -> str:
+    """$MOE_DISPATCHER_EXPERT_ROWS: 'auto' (default), 'exact' or 'bound'."""
+    return env_choice(ROWS_ENV, ROWS_MODES, "auto")
+
+
 def rows_mode(device: torch.device) -> str:
     """How this call sizes its expert rows: 'exact' (host-synchronised counts), 'bound' (fixed M, overflow
     raises LAG calls later) or 'guarded' (fixed M, overflow re-runs the step: guard.py).
@@ -72,9 +79,7 @@ def rows_mode(device: torch.device) -> str:
     fixed M is only safe where an overflow can be undone. 'bound' is the opt-in for stable routings
     (inference, benchmarks) without a guard.
     """
-    mode = os.environ.get(ROWS_ENV, "auto").lower()
-    if mode not in ("auto", "exact", "bound"):
-        raise ValueError(f"{ROWS_ENV} must be auto, exact or bound, got {mode!r}")
+    mode = rows_setting()
     if mode != "auto":
         return mode
     return "guarded" if device.type == "cuda" and fixed_rows_allowed() else "exact"
@@ -88,9 +93,11 @@ class ExpertRowBudget:
         self.align = max(1, align)
         self.quantum = math.lcm(ROW_QUANTUM, self.align)
         self.capacity_factor = capacity_factor
-        self.headroom = float(os.environ.get(HEADROOM_ENV, DEFAULT_HEADROOM)) if headroom is None else headroom
-        if self.headroom < 1.0:
-            raise ValueError(f"{HEADROOM_ENV} must be >= 1, got {self.headroom}")
+        if headroom is None:
+            headroom = env_float(HEADROOM_ENV, DEFAULT_HEADROOM, minimum=1.0)
+        elif not (math.isfinite(headroom) and headroom >= 1.0):
+            raise ValueError(f"ExpertRowBudget: headroom must be a finite number >= 1, got {headroom!r}")
+        self.headroom = float(headroom)
         self.slack = 2 * self.align * max(1, num_local_experts)  # rows: the alignment padding may move that much
         self.group = group  # process group whose maximum need every rank uses (None: this rank's own)
         self.high_water = None  # most rows any call needed so far (host int), None before the first call
@@ -112,7 +119,7 @@ class ExpertRowBudget:
         if self.capacity_factor is not None:
             return self._round(num_tokens * num_topk * self.capacity_factor)
         if self.high_water is None:
-            initial = int(os.environ.get(INITIAL_ENV, 0))
+            initial = env_int(INITIAL_ENV, 0, minimum=0)
             return self._round(initial) if initial > 0 else 0
         return self._round(max(self.high_water * self.headroom, self.high_water + self.slack))
 

@@ -16,6 +16,18 @@ import torch
 import torch.distributed as dist
 
 from .. import _ext
+from ..env import env_float
+
+# A compiled kernel that waits longer than this for a peer records what it waited for and stops (the
+# backends' timeout_message says which rank); one setting for every compiled backend.
+TIMEOUT_ENV = "MOE_DISPATCHER_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 10.0
+
+
+def kernel_timeout_s() -> float:
+    """Seconds from $MOE_DISPATCHER_TIMEOUT_S: a finite number > 0, default 10 (read when a backend is built)."""
+    return env_float(TIMEOUT_ENV, DEFAULT_TIMEOUT_S, greater_than=0)
+
 
 # How a cached call's plan orders its launch against the caller's stream (Join in csrc/bindings/stream_join.h):
 # not at all, launching on the current stream (the full path: the Buffer made the comm stream current after

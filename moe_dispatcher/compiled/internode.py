@@ -13,7 +13,6 @@ native plans kept in the handle's HandleState, as the intranode backend's (the B
 """
 from __future__ import annotations
 
-import os
 import socket
 from typing import List, Optional, Sequence
 
@@ -24,9 +23,9 @@ from .. import _ext
 from ..backend import Backend, Capabilities
 from ..config import Config, align_slot
 from ..handle import DispatchHandle
-from . import HandleState, buffer_view, recv_tensors, run_cached, timeout_message, wait_counts
-from .intranode import (COMBINE_DTYPES, DEFAULT_TIMEOUT_S, TIMEOUT_ENV, _columns, _contiguous, _DeviceMemory,
-                        _row_bytes, combine_slot_bytes)
+from . import (TIMEOUT_ENV, HandleState, buffer_view, kernel_timeout_s, recv_tensors, run_cached, timeout_message,
+               wait_counts)
+from .intranode import COMBINE_DTYPES, _columns, _contiguous, _DeviceMemory, _row_bytes, combine_slot_bytes
 
 
 def dispatch_slot_bytes(hidden_bytes: int, num_scales: int, num_topk: int) -> int:
@@ -55,9 +54,7 @@ class InternodeBackend(Backend):
                                          max_local_experts=self._mod.MAX_LOCAL_EXPERTS, devices=frozenset({"cuda"}))
         if self.num_ranks > self._mod.MAX_RANKS:
             raise ValueError(f"the internode kernels serve at most {self._mod.MAX_RANKS} ranks, got {self.num_ranks}")
-        self.timeout_s = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
-        if self.timeout_s <= 0:
-            raise ValueError(f"{TIMEOUT_ENV} must be positive, got {self.timeout_s}")
+        self.timeout_s = kernel_timeout_s()
         self._timeout_ns = int(self.timeout_s * 1e9)
         # The buffers' layout, computed by the extension from the sizes (the kernels read the same one).
         self._layout = self._mod.buffer_layout(self.num_ranks, self.nvl_size, self.num_rdma_bytes, self.num_nvl_bytes)

@@ -19,7 +19,6 @@ waiting rank and the peer; the next call (or the notify wait) raises RuntimeErro
 """
 from __future__ import annotations
 
-import os
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -30,10 +29,9 @@ from ..backend import Backend, Capabilities
 from ..config import Config, align_slot
 from ..expert_major import ExpertMajorHandle, compose_expert_major_dispatch, gather_rows, unpermute
 from ..handle import DispatchHandle
-from . import HandleState, buffer_view, recv_tensors, run_cached, timeout_message, wait_counts
+from . import (TIMEOUT_ENV, HandleState, buffer_view, kernel_timeout_s, recv_tensors, run_cached, timeout_message,
+               wait_counts)
 
-TIMEOUT_ENV = "MOE_DISPATCHER_TIMEOUT_S"
-DEFAULT_TIMEOUT_S = 10.0
 # Dtypes of combine input the kernels reduce (others go to the reference backend: capabilities.combine_dtypes).
 COMBINE_DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32})
 
@@ -94,9 +92,7 @@ class IntranodeBackend(Backend):
         self._buffer_cls = type(buffer)
         self.capabilities = Capabilities(normal=True, expert_major=True, combine_dtypes=COMBINE_DTYPES,
                                          max_local_experts=self._mod.MAX_LOCAL_EXPERTS, devices=frozenset({"cuda"}))
-        self.timeout_s = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
-        if self.timeout_s <= 0:
-            raise ValueError(f"{TIMEOUT_ENV} must be positive, got {self.timeout_s}")
+        self.timeout_s = kernel_timeout_s()
         self._timeout_ns = int(self.timeout_s * 1e9)
         minimum = self._mod.RINGS_OFFSET + self.num_ranks * 128
         if self.num_nvl_bytes < minimum:

@@ -26,19 +26,16 @@ stamp %globaltimer at their phase boundaries. `last_trace()` returns the last ca
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from .. import _ext
 from ..backend import Backend, Capabilities
+from ..env import env_flag
 from ..event import EventOverlap
 from ..handle import LowLatencyHandle
 from ..runtime import nvshmem
-from . import buffer_view, timeout_message
+from . import TIMEOUT_ENV, buffer_view, kernel_timeout_s, timeout_message
 
-TIMEOUT_ENV = "MOE_DISPATCHER_TIMEOUT_S"
-DEFAULT_TIMEOUT_S = 10.0
 # Phase trace (diagnostics): "1" when the backend is created turns the kernels' timestamps on.
 TRACE_ENV = "MOE_DISPATCHER_LL_TRACE"
 TRACE_KINDS = ("dispatch", "combine")  # first index of the trace records
@@ -73,9 +70,8 @@ class LowLatencyBackend(Backend):
             raise ValueError(f"the low-latency kernels serve at most {self._mod.MAX_RANKS} ranks, the group has "
                              f"{self.num_ranks}")
         self.num_bytes = buffer.num_rdma_bytes
-        self.timeout_s = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
-        if self.timeout_s <= 0:
-            raise ValueError(f"{TIMEOUT_ENV} must be positive, got {self.timeout_s}")
+        self.timeout_s = kernel_timeout_s()
+        trace = env_flag(TRACE_ENV)  # settings are read before any collective: a bad one fails on every rank alike
         self.device = torch.device("cuda", torch.cuda.current_device())
         self._state = nvshmem.bootstrap(buffer.group, self.device.index,
                                         single_host=buffer.topology.is_single_domain)
@@ -92,7 +88,7 @@ class LowLatencyBackend(Backend):
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         # Phase trace: int64 [kind, half, TRACE_WORDS] on the device, or None (off: the kernels get null).
         self._trace: torch.Tensor | None = None
-        if os.environ.get(TRACE_ENV, "0") not in ("", "0"):
+        if trace:
             if sms > self._mod.TRACE_MAX_BLOCKS:
                 raise ValueError(f"{TRACE_ENV}: the trace records at most {self._mod.TRACE_MAX_BLOCKS} blocks, the "
                                  f"grid has {sms}")

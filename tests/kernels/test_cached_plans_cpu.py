@@ -119,7 +119,7 @@ BAD_DISPATCH = [
     (dict(topk_idx=torch.zeros(T, K, dtype=torch.int64)), ValueError, "takes no topk_idx"),
     (dict(topk_weights=torch.zeros(T, K)), ValueError, "takes no topk_idx"),
     (dict(expert_alignment=0), ValueError, "expert_alignment"),
-    (dict(expert_alignment=1.0), ValueError, "expert_alignment"),
+    (dict(expert_alignment=1.0), TypeError, "expert_alignment"),  # a wrong type: TypeError (validation.py)
     (dict(num_worst_tokens=-1), ValueError, "num_worst_tokens"),
     (dict(config="fast"), TypeError, "config must be"),
     (dict(handle=(1, 2)), TypeError, "handle must be a DispatchHandle"),

@@ -1,0 +1,100 @@
+"""The Megatron integration's environment variables (issue 16 item 5), through their readers: garbage, nan and
+inf raise ValueError naming the variable, the value and what is accepted; unset or empty is the default."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from moe_dispatcher.integrations.megatron import buffers, guard, sizing
+from moe_dispatcher.integrations.megatron.dispatcher import LL_MAX_TOKENS_ENV, fixed_max_tokens_per_rank
+
+CUDA = torch.device("cuda", 0)  # rows_mode only reads the device's type: nothing runs on it
+
+
+def _raises(name: str, raw: str, accepted: str, call) -> None:
+    with pytest.raises(ValueError, match=re.escape(f"{name}={raw!r}") + ".*" + re.escape(accepted)):
+        call()
+
+
+@pytest.mark.parametrize("raw", ["sometimes", "exactly", "1"])
+def test_expert_rows_mode(monkeypatch, raw):
+    monkeypatch.setenv(sizing.ROWS_ENV, raw)
+    _raises(sizing.ROWS_ENV, raw, "one of auto, exact, bound", lambda: sizing.rows_mode(CUDA))
+
+
+def test_guard_refuses_a_bad_rows_mode(monkeypatch):
+    """Before: run_step took any value but 'auto' as 'fixed sizing chosen' and ran the step unguarded."""
+    monkeypatch.setenv(sizing.ROWS_ENV, "bogus")
+    ran = []
+    _raises(sizing.ROWS_ENV, "bogus", "one of auto, exact, bound", lambda: guard.run_step(lambda: ran.append(1),
+                                                                                          lambda: None))
+    assert not ran
+
+
+def test_expert_rows_mode_valid(monkeypatch):
+    for raw, want in (("", "exact"), ("BOUND", "bound"), (" exact ", "exact")):
+        monkeypatch.setenv(sizing.ROWS_ENV, raw)
+        assert sizing.rows_mode(CUDA) == want
+
+
+@pytest.mark.parametrize("raw", ["nan", "inf", "-inf", "0.9", "1.1x", "abc"])
+def test_headroom(monkeypatch, raw):
+    """Before: nan and inf were accepted (nan < 1 is False) and garbage failed in float() without the name."""
+    monkeypatch.setenv(sizing.HEADROOM_ENV, raw)
+    _raises(sizing.HEADROOM_ENV, raw, "a finite number >= 1.0", lambda: sizing.ExpertRowBudget(align=1))
+
+
+@pytest.mark.parametrize("headroom", [float("nan"), float("inf"), 0.5])
+def test_headroom_argument(headroom):
+    with pytest.raises(ValueError, match="headroom must be a finite number >= 1"):
+        sizing.ExpertRowBudget(align=1, headroom=headroom)
+
+
+def test_headroom_valid(monkeypatch):
+    monkeypatch.setenv(sizing.HEADROOM_ENV, "1.25")
+    assert sizing.ExpertRowBudget(align=1).headroom == 1.25
+    monkeypatch.delenv(sizing.HEADROOM_ENV)
+    assert sizing.ExpertRowBudget(align=1).headroom == sizing.DEFAULT_HEADROOM
+    monkeypatch.setenv(sizing.HEADROOM_ENV, "")  # empty is unset (before: float('') raised)
+    assert sizing.ExpertRowBudget(align=1).headroom == sizing.DEFAULT_HEADROOM
+
+
+@pytest.mark.parametrize("raw", ["200.5", "-1", "nan", "inf", "lots"])
+def test_initial_rows(monkeypatch, raw):
+    monkeypatch.setenv(sizing.INITIAL_ENV, raw)
+    budget = sizing.ExpertRowBudget(align=1)
+    _raises(sizing.INITIAL_ENV, raw, "an integer >= 0", lambda: budget.rows_for(10, 2))
+
+
+def test_initial_rows_valid(monkeypatch):
+    monkeypatch.setenv(sizing.INITIAL_ENV, "0")
+    assert sizing.ExpertRowBudget(align=1).rows_for(10, 2) == 0  # 0: the first call is exact
+    monkeypatch.setenv(sizing.INITIAL_ENV, "200")
+    assert sizing.ExpertRowBudget(align=1).rows_for(10, 2) == 256
+    monkeypatch.setenv(sizing.INITIAL_ENV, "")  # empty is unset (before: int('') raised)
+    assert sizing.ExpertRowBudget(align=1).rows_for(10, 2) == 0
+
+
+@pytest.mark.parametrize("raw", ["0", "-4", "4096.0", "nan", "inf", "many"])
+def test_ll_max_tokens(monkeypatch, raw):
+    monkeypatch.setenv(LL_MAX_TOKENS_ENV, raw)
+    _raises(LL_MAX_TOKENS_ENV, raw, "an integer >= 1", fixed_max_tokens_per_rank)
+
+
+def test_ll_max_tokens_valid(monkeypatch):
+    monkeypatch.setenv(LL_MAX_TOKENS_ENV, "4096")
+    assert fixed_max_tokens_per_rank() == 4096
+    monkeypatch.setenv(LL_MAX_TOKENS_ENV, "")
+    assert fixed_max_tokens_per_rank() is None
+    monkeypatch.setenv(LL_MAX_TOKENS_ENV, "0")  # before: 0 was taken as the bound
+    _raises(LL_MAX_TOKENS_ENV, "0", "an integer >= 1", fixed_max_tokens_per_rank)
+
+
+def test_buffer_backend(monkeypatch):
+    monkeypatch.setenv("MOE_DISPATCHER_BACKEND", "kernel")
+    _raises("MOE_DISPATCHER_BACKEND", "kernel", "one of auto, reference, kernels", buffers.buffer_backend)
+    monkeypatch.setenv("MOE_DISPATCHER_BACKEND", "kernels")
+    assert buffers.buffer_backend() == "kernels"
+    monkeypatch.setenv("MOE_DISPATCHER_BACKEND", "auto")
+    assert buffers.buffer_backend() is None
