@@ -29,6 +29,7 @@ Without a store (a group whose store torch does not expose), collectives still t
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import time
@@ -63,15 +64,11 @@ class PeerError(RuntimeError):
 def _group_store(group: dist.ProcessGroup):
     """The store of `group` (shared by its ranks), or None when this torch does not expose one."""
     c10d = dist.distributed_c10d
-    try:
+    with contextlib.suppress(Exception):  # private helpers: any failure means "no board"
         return c10d._get_process_group_store(group)
-    except Exception:  # noqa: BLE001 - a private helper: any failure means "no board"
-        pass
     if group is None or group == dist.group.WORLD:
-        try:
+        with contextlib.suppress(Exception):
             return c10d._get_default_store()
-        except Exception:  # noqa: BLE001
-            pass
     return None
 
 
@@ -128,11 +125,9 @@ class Board:
         """This rank raises `exc` in a Buffer call: let peers waiting in its next collective fail fast."""
         if self.store is None or isinstance(exc, PeerError):
             return
-        try:
+        with contextlib.suppress(Exception):  # never hide the caller's error behind a store failure
             self.store.set(f"abort/{self.rank}", f"{self.next_collective}|{type(exc).__name__}: {exc}")
             self._abort_posted = True
-        except Exception:  # noqa: BLE001 - never hide the caller's error behind a store failure
-            pass
 
     # ------------------------------------------------------------------ reading the board
     def _aborts(self, n: int) -> Dict[int, str]:
