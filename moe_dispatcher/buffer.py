@@ -26,6 +26,7 @@ from .event import EventOverlap
 from .expert_major import ExpertMajorHandle
 from .handle import DispatchHandle, LowLatencyHandle
 from .reference import ReferenceLowLatency, ReferenceNormal
+from .reference.board import Board
 from .reference.comm import all_gather_rows
 from .runtime import ll_layout
 from .topology import Topology
@@ -110,9 +111,13 @@ class Buffer:
         self._events: Optional[Tuple[torch.cuda.Event, torch.cuda.Event]] = None
         self._local_buffers: dict = {}
         nvl = self.topology.nvl_size
-        self._reference_normal = ReferenceNormal(self.group, self.rank, self.group_size, nvl, self._token)
+        # The reference backend's deadline and arrival board (MOE_DISPATCHER_TIMEOUT_S; reference/board.py).
+        self._board = Board(self.group, self.rank, self.group_size)
+        self._reference_normal = ReferenceNormal(self.group, self.rank, self.group_size, nvl, self._token,
+                                                 self._board)
         self._reference_ll = ReferenceLowLatency(self.group, self.rank, self.group_size, self._token,
-                                                 self._stream_scope, self._ll_combine_reduction == "per_rank")
+                                                 self._stream_scope, self._ll_combine_reduction == "per_rank",
+                                                 self._board)
         self._kernels = self._kernels_ll = None
         self._kernels_why = self._kernels_ll_why = "Buffer(backend='reference') was asked for"
         if backend != "reference":
@@ -357,13 +362,18 @@ class Buffer:
         Returns (num_tokens_per_rank int32 [R], num_tokens_per_rdma_rank int32 [D] or None for one domain,
         num_tokens_per_expert int32 [E], is_token_in_rank bool [T, R], EventOverlap).
         """
-        self._check_alive()
-        check_num_experts(num_experts, self.group_size)
-        backend = self._resolve("normal", topk_idx.device)
-        check_topk_idx(topk_idx, num_experts, values=topk_idx.device.type == "cpu" or backend is self._reference_normal)
-        results, event = self._stream_scope(topk_idx.device, previous_event, async_finish, allocate_on_comm_stream,
-                                            lambda: backend.get_dispatch_layout(topk_idx, num_experts), [topk_idx])
-        return (*results, event)
+        try:
+            self._check_alive()
+            check_num_experts(num_experts, self.group_size)
+            backend = self._resolve("normal", topk_idx.device)
+            check_topk_idx(topk_idx, num_experts,
+                           values=topk_idx.device.type == "cpu" or backend is self._reference_normal)
+            results, event = self._stream_scope(topk_idx.device, previous_event, async_finish, allocate_on_comm_stream,
+                                                lambda: backend.get_dispatch_layout(topk_idx, num_experts), [topk_idx])
+            return (*results, event)
+        except Exception as exc:  # a peer waiting in this call's collective fails fast (board.py)
+            self._board.post_abort(exc)
+            raise
 
     def _check_routing(self, data: Tensor, backend, topk_idx: Optional[Tensor], topk_weights: Optional[Tensor],
                        num_experts: int) -> None:
@@ -422,50 +432,55 @@ class Buffer:
                 if out is not None:
                     return (out[0], out[1]), None, None, None, None, (EventOverlap(out[2], (*x, out[0], out[1]))
                                                                        if async_finish else EventOverlap())
-        self._check_alive()
-        data, scales = split_x(x)
-        dev = data.device
-        self._check_dispatch_options(expert_alignment, num_worst_tokens, config)
-        if handle is not None:
-            if topk_idx is not None or topk_weights is not None:
-                raise ValueError("cached dispatch (handle given) takes no topk_idx/topk_weights: the routing is "
-                                 "the handle's")
-            backend = self._backend_of(handle, (DispatchHandle,))
-            check_tensor("x", data, shape=(handle.num_tokens, None), device=handle.is_token_in_rank.device)
-            (recv_x, recv_scales), event = self._stream_scope(
-                dev, previous_event, async_finish, allocate_on_comm_stream,
-                lambda: backend.cached_dispatch(data, scales, handle, config), [data, scales])
-            return (recv_x if scales is None else (recv_x, recv_scales)), None, None, None, None, event
+        try:
+            self._check_alive()
+            data, scales = split_x(x)
+            dev = data.device
+            self._check_dispatch_options(expert_alignment, num_worst_tokens, config)
+            if handle is not None:
+                if topk_idx is not None or topk_weights is not None:
+                    raise ValueError("cached dispatch (handle given) takes no topk_idx/topk_weights: the routing is "
+                                     "the handle's")
+                backend = self._backend_of(handle, (DispatchHandle,))
+                check_tensor("x", data, shape=(handle.num_tokens, None), device=handle.is_token_in_rank.device)
+                (recv_x, recv_scales), event = self._stream_scope(
+                    dev, previous_event, async_finish, allocate_on_comm_stream,
+                    lambda: backend.cached_dispatch(data, scales, handle, config), [data, scales])
+                return (recv_x if scales is None else (recv_x, recv_scales)), None, None, None, None, event
 
-        if num_tokens_per_expert is None and topk_idx is None:
-            raise ValueError("dispatch needs either handle (cached mode) or the routing: topk_idx and/or the layout "
-                             "(num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert)")
-        if topk_idx is not None and num_tokens_per_expert is None:
-            raise ValueError("dispatch with topk_idx but no num_tokens_per_expert: pass the layout from "
-                             "get_dispatch_layout (it also tells how many experts there are)")
-        num_experts = num_tokens_per_expert.numel() if num_tokens_per_expert is not None else 0
-        backend = self._resolve("normal", dev, local_experts=num_experts // self.group_size)
-        self._check_routing(data, backend, topk_idx, topk_weights, num_experts)
-        if not num_worst_tokens:
-            self._check_pending_rows()
-        r = self.group_size
-        for name, t, dtype, shape in (("num_tokens_per_rank", num_tokens_per_rank, torch.int32, (r,)),
-                                      ("is_token_in_rank", is_token_in_rank, torch.bool, (data.shape[0], r)),
-                                      ("num_tokens_per_expert", num_tokens_per_expert, torch.int32, (None,))):
-            if t is None:
-                raise ValueError(f"dispatch: {name} is required (from get_dispatch_layout)")
-            check_tensor(name, t, dtypes=(dtype,), shape=shape, device=dev)
-        check_num_experts(num_tokens_per_expert.numel(), r)
-        if num_tokens_per_rdma_rank is not None:
-            check_tensor("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, dtypes=(torch.int32,),
-                         shape=(self.topology.num_domains,), device=dev)
-        inputs = [data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert]
-        results, event = self._stream_scope(
-            dev, previous_event, async_finish, allocate_on_comm_stream,
-            lambda: backend.dispatch(data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
-                                     num_tokens_per_expert, expert_alignment, num_worst_tokens, config), inputs)
-        recv_x, recv_scales, recv_idx, recv_w, counts, new_handle = results
-        return (recv_x if scales is None else (recv_x, recv_scales)), recv_idx, recv_w, counts, new_handle, event
+            if num_tokens_per_expert is None and topk_idx is None:
+                raise ValueError("dispatch needs either handle (cached mode) or the routing: topk_idx and/or the "
+                                 "layout (num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert)")
+            if topk_idx is not None and num_tokens_per_expert is None:
+                raise ValueError("dispatch with topk_idx but no num_tokens_per_expert: pass the layout from "
+                                 "get_dispatch_layout (it also tells how many experts there are)")
+            num_experts = num_tokens_per_expert.numel() if num_tokens_per_expert is not None else 0
+            backend = self._resolve("normal", dev, local_experts=num_experts // self.group_size)
+            self._check_routing(data, backend, topk_idx, topk_weights, num_experts)
+            if not num_worst_tokens:
+                self._check_pending_rows()
+            r = self.group_size
+            for name, t, dtype, shape in (("num_tokens_per_rank", num_tokens_per_rank, torch.int32, (r,)),
+                                          ("is_token_in_rank", is_token_in_rank, torch.bool, (data.shape[0], r)),
+                                          ("num_tokens_per_expert", num_tokens_per_expert, torch.int32, (None,))):
+                if t is None:
+                    raise ValueError(f"dispatch: {name} is required (from get_dispatch_layout)")
+                check_tensor(name, t, dtypes=(dtype,), shape=shape, device=dev)
+            check_num_experts(num_tokens_per_expert.numel(), r)
+            if num_tokens_per_rdma_rank is not None:
+                check_tensor("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, dtypes=(torch.int32,),
+                             shape=(self.topology.num_domains,), device=dev)
+            inputs = [data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
+                      num_tokens_per_expert]
+            results, event = self._stream_scope(
+                dev, previous_event, async_finish, allocate_on_comm_stream,
+                lambda: backend.dispatch(data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
+                                         num_tokens_per_expert, expert_alignment, num_worst_tokens, config), inputs)
+            recv_x, recv_scales, recv_idx, recv_w, counts, new_handle = results
+            return (recv_x if scales is None else (recv_x, recv_scales)), recv_idx, recv_w, counts, new_handle, event
+        except Exception as exc:  # a peer waiting in this call's collective fails fast (board.py)
+            self._board.post_abort(exc)
+            raise
 
     def combine(self, x: Tensor, handle: DispatchHandle, topk_weights: Optional[Tensor] = None, bias=None,
                 config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
@@ -489,22 +504,26 @@ class Buffer:
                         return out[0], out[1], EventOverlap()
                     kept = (x, out[0]) if topk_weights is None else (x, topk_weights, out[0], out[1])
                     return out[0], out[1], EventOverlap(out[2], kept)
-        self._check_alive()
-        self._backend_of(handle, (DispatchHandle,))
-        rows = handle.recv_src_idx.shape[0]
-        check_tensor("x", x, dtypes=(torch.bfloat16, torch.float16, torch.float32, torch.float64),
-                     shape=(rows, None), device=handle.is_token_in_rank.device)
-        backend = self._combine_backend(handle, x.dtype)
-        if config is not None and not isinstance(config, Config):
-            raise TypeError(f"config must be a moe_dispatcher.Config, got {type(config).__name__}")
-        check_combine_weights(topk_weights, rows, x.device)
-        if backend is not self._reference_normal:
-            check_row_bytes("x", x)
-        biases = normalise_bias(bias, handle.num_tokens, x.shape[1], x.dtype, x.device)
-        results, event = self._stream_scope(x.device, previous_event, async_finish, allocate_on_comm_stream,
-                                            lambda: backend.combine(x, handle, topk_weights, biases, config),
-                                            [x, topk_weights, *biases])
-        return (*results, event)
+        try:
+            self._check_alive()
+            self._backend_of(handle, (DispatchHandle,))
+            rows = handle.recv_src_idx.shape[0]
+            check_tensor("x", x, dtypes=(torch.bfloat16, torch.float16, torch.float32, torch.float64),
+                         shape=(rows, None), device=handle.is_token_in_rank.device)
+            backend = self._combine_backend(handle, x.dtype)
+            if config is not None and not isinstance(config, Config):
+                raise TypeError(f"config must be a moe_dispatcher.Config, got {type(config).__name__}")
+            check_combine_weights(topk_weights, rows, x.device)
+            if backend is not self._reference_normal:
+                check_row_bytes("x", x)
+            biases = normalise_bias(bias, handle.num_tokens, x.shape[1], x.dtype, x.device)
+            results, event = self._stream_scope(x.device, previous_event, async_finish, allocate_on_comm_stream,
+                                                lambda: backend.combine(x, handle, topk_weights, biases, config),
+                                                [x, topk_weights, *biases])
+            return (*results, event)
+        except Exception as exc:  # a peer waiting in this call's collective fails fast (board.py)
+            self._board.post_abort(exc)
+            raise
 
     def _note_pending_rows(self, need: Tensor, limit: int) -> None:
         """Remember (on the device, no sync) how far a num_worst_tokens call exceeded its limit. Folded into
@@ -522,7 +541,7 @@ class Buffer:
             return
         checks, self._pending_row_checks = self._pending_row_checks, []
         excess = torch.stack([need - limit for need, limit in checks]).max().reshape(1)
-        worst = all_gather_rows(self.group, excess).view(-1)
+        worst = all_gather_rows(self._board, excess, "pending-rows check all-gather").view(-1)
         if int(worst.max()) > 0:
             rank = int(worst.argmax())
             raise ValueError(f"expert_major_dispatch: on rank {rank}, {int(worst.max())} more expert rows arrived than "
@@ -544,43 +563,47 @@ class Buffer:
         tokens_per_expert_list (python ints; empty with num_worst_tokens), tokens_per_expert int32 [L] (device),
         handle, EventOverlap). Cached mode (`handle` only): (permuted_x, None, None, None, None, EventOverlap).
         """
-        self._check_alive()
-        data, scales = split_x(x)
-        dev = data.device
-        self._check_dispatch_options(expert_alignment, num_worst_tokens, config)
-        if handle is not None:
-            if not isinstance(handle, ExpertMajorHandle):
-                raise TypeError(f"handle must be an ExpertMajorHandle, got {type(handle).__name__}")
-            if topk_idx is not None or topk_weights is not None:
-                raise ValueError("cached dispatch (handle given) takes no topk_idx/topk_weights: the routing is "
-                                 "the handle's")
-            backend = self._backend_of(handle.dispatch, (DispatchHandle,))
-            check_tensor("x", data, shape=(handle.dispatch.num_tokens, None), device=handle.pair_row.device)
+        try:
+            self._check_alive()
+            data, scales = split_x(x)
+            dev = data.device
+            self._check_dispatch_options(expert_alignment, num_worst_tokens, config)
+            if handle is not None:
+                if not isinstance(handle, ExpertMajorHandle):
+                    raise TypeError(f"handle must be an ExpertMajorHandle, got {type(handle).__name__}")
+                if topk_idx is not None or topk_weights is not None:
+                    raise ValueError("cached dispatch (handle given) takes no topk_idx/topk_weights: the routing is "
+                                     "the handle's")
+                backend = self._backend_of(handle.dispatch, (DispatchHandle,))
+                check_tensor("x", data, shape=(handle.dispatch.num_tokens, None), device=handle.pair_row.device)
 
-            (px, ps), event = self._stream_scope(
-                dev, previous_event, async_finish, allocate_on_comm_stream,
-                lambda: backend.expert_major_cached_dispatch(data, scales, handle, config), [data, scales])
-            return (px if scales is None else (px, ps)), None, None, None, None, event
-        if topk_idx is None or num_experts is None:
-            raise ValueError("expert_major_dispatch needs topk_idx and num_experts (or a handle for cached mode)")
-        backend = self._resolve("normal", dev, local_experts=num_experts // self.group_size
-                                if isinstance(num_experts, int) else None)
-        self._check_routing(data, backend, topk_idx, topk_weights, num_experts)
-        if not num_worst_tokens:
-            self._check_pending_rows()
+                (px, ps), event = self._stream_scope(
+                    dev, previous_event, async_finish, allocate_on_comm_stream,
+                    lambda: backend.expert_major_cached_dispatch(data, scales, handle, config), [data, scales])
+                return (px if scales is None else (px, ps)), None, None, None, None, event
+            if topk_idx is None or num_experts is None:
+                raise ValueError("expert_major_dispatch needs topk_idx and num_experts (or a handle for cached mode)")
+            backend = self._resolve("normal", dev, local_experts=num_experts // self.group_size
+                                    if isinstance(num_experts, int) else None)
+            self._check_routing(data, backend, topk_idx, topk_weights, num_experts)
+            if not num_worst_tokens:
+                self._check_pending_rows()
 
-        def run():
-            px, ps, pw, tpe, counts, h = backend.expert_major_dispatch(
-                data, scales, topk_idx, topk_weights, num_experts, expert_alignment, num_worst_tokens, config)
-            if num_worst_tokens:
-                self._note_pending_rows(h.rows_needed, num_worst_tokens)
-                if backend is self._reference_normal:  # it synchronises anyway: report at once
-                    self._check_pending_rows()
-            return px, ps, pw, tpe, counts, h
+            def run():
+                px, ps, pw, tpe, counts, h = backend.expert_major_dispatch(
+                    data, scales, topk_idx, topk_weights, num_experts, expert_alignment, num_worst_tokens, config)
+                if num_worst_tokens:
+                    self._note_pending_rows(h.rows_needed, num_worst_tokens)
+                    if backend is self._reference_normal:  # it synchronises anyway: report at once
+                        self._check_pending_rows()
+                return px, ps, pw, tpe, counts, h
 
-        (px, ps, pw, tpe, counts, new_handle), event = self._stream_scope(
-            dev, previous_event, async_finish, allocate_on_comm_stream, run, [data, scales, topk_idx, topk_weights])
-        return (px if scales is None else (px, ps)), pw, counts, tpe, new_handle, event
+            (px, ps, pw, tpe, counts, new_handle), event = self._stream_scope(
+                dev, previous_event, async_finish, allocate_on_comm_stream, run, [data, scales, topk_idx, topk_weights])
+            return (px if scales is None else (px, ps)), pw, counts, tpe, new_handle, event
+        except Exception as exc:  # a peer waiting in this call's collective fails fast (board.py)
+            self._board.post_abort(exc)
+            raise
 
     def expert_major_combine(self, x: Tensor, handle: ExpertMajorHandle, weights: Optional[Tensor] = None,
                              topk_weights: Optional[Tensor] = None, bias=None, config: Optional[Config] = None,
@@ -592,26 +615,30 @@ class Buffer:
         topk_weights: float32 [M] per-pair values returned to their top-k slot; bias as for combine.
         Returns (combined_x [T, H] x.dtype, combined_topk_weights float32 [T, K] or None, EventOverlap).
         """
-        self._check_alive()
-        if not isinstance(handle, ExpertMajorHandle):
-            raise TypeError(f"handle must be an ExpertMajorHandle, got {type(handle).__name__}")
-        self._backend_of(handle.dispatch, (DispatchHandle,))
-        m = handle.pair_row.numel()
-        check_tensor("x", x, dtypes=(torch.bfloat16, torch.float16, torch.float32, torch.float64), shape=(m, None),
-                     device=handle.pair_row.device)
-        backend = self._combine_backend(handle.dispatch, x.dtype)
-        if config is not None and not isinstance(config, Config):
-            raise TypeError(f"config must be a moe_dispatcher.Config, got {type(config).__name__}")
-        for name, t in (("weights", weights), ("topk_weights", topk_weights)):
-            if t is not None:
-                check_tensor(name, t, dtypes=(torch.float32,), shape=(m,), device=x.device)
-        biases = normalise_bias(bias, handle.dispatch.num_tokens, x.shape[1], x.dtype, x.device)
+        try:
+            self._check_alive()
+            if not isinstance(handle, ExpertMajorHandle):
+                raise TypeError(f"handle must be an ExpertMajorHandle, got {type(handle).__name__}")
+            self._backend_of(handle.dispatch, (DispatchHandle,))
+            m = handle.pair_row.numel()
+            check_tensor("x", x, dtypes=(torch.bfloat16, torch.float16, torch.float32, torch.float64), shape=(m, None),
+                         device=handle.pair_row.device)
+            backend = self._combine_backend(handle.dispatch, x.dtype)
+            if config is not None and not isinstance(config, Config):
+                raise TypeError(f"config must be a moe_dispatcher.Config, got {type(config).__name__}")
+            for name, t in (("weights", weights), ("topk_weights", topk_weights)):
+                if t is not None:
+                    check_tensor(name, t, dtypes=(torch.float32,), shape=(m,), device=x.device)
+            biases = normalise_bias(bias, handle.dispatch.num_tokens, x.shape[1], x.dtype, x.device)
 
-        results, event = self._stream_scope(
-            x.device, previous_event, async_finish, allocate_on_comm_stream,
-            lambda: backend.expert_major_combine(x, handle, weights, topk_weights, biases, config),
-            [x, weights, topk_weights, *biases])
-        return (*results, event)
+            results, event = self._stream_scope(
+                x.device, previous_event, async_finish, allocate_on_comm_stream,
+                lambda: backend.expert_major_combine(x, handle, weights, topk_weights, biases, config),
+                [x, weights, topk_weights, *biases])
+            return (*results, event)
+        except Exception as exc:  # a peer waiting in this call's collective fails fast (board.py)
+            self._board.post_abort(exc)
+            raise
 
     # ------------------------------------------------------------------ low-latency mode
     # The public calls are a fast path: the key of the call's Python-checked facts (shapes the checks read,
@@ -631,14 +658,18 @@ class Buffer:
         Returns (recv_x bf16 [L, R*maxT, H] or (fp8 [L, R*maxT, H], scales), recv_count int32 [L], handle,
         EventOverlap, hook or None). Only the first recv_count[l] rows of expert l are valid.
         """
-        run = self._ll_dispatch_runs.get((num_max_dispatch_tokens_per_rank, num_experts, x.is_cuda, use_fp8,
-                                          round_scale, use_ue8m0, async_finish, return_recv_hook))
-        if run is None:
-            run = self._first_ll_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-                                          cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
-                                          round_scale, use_ue8m0, async_finish, return_recv_hook)
-        return run(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
-                   dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
+        try:
+            run = self._ll_dispatch_runs.get((num_max_dispatch_tokens_per_rank, num_experts, x.is_cuda, use_fp8,
+                                              round_scale, use_ue8m0, async_finish, return_recv_hook))
+            if run is None:
+                run = self._first_ll_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                              cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
+                                              use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
+            return run(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
+                       dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
+        except Exception as exc:  # a peer waiting in this call's collective fails fast (board.py)
+            self._board.post_abort(exc)
+            raise
 
     def low_latency_combine(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, handle: LowLatencyHandle,
                             use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
@@ -651,14 +682,18 @@ class Buffer:
         to dispatch. Returns (combined_x bf16 [T, H] (into `out` when given), EventOverlap, hook or None).
         """
         try:
-            run = self._ll_combine_runs.get((handle.backend, use_logfmt, async_finish, return_recv_hook))
-        except AttributeError:  # not a handle: the full path says so
-            run = None
-        if run is None:
-            run = self._first_ll_combine(x, topk_idx, topk_weights, handle, use_logfmt, async_finish,
-                                         return_recv_hook, out, combine_wait_recv_cost_stats)
-        return run(x, topk_idx, topk_weights, handle, zero_copy, async_finish, return_recv_hook, out,
-                   combine_wait_recv_cost_stats)
+            try:
+                run = self._ll_combine_runs.get((handle.backend, use_logfmt, async_finish, return_recv_hook))
+            except AttributeError:  # not a handle: the full path says so
+                run = None
+            if run is None:
+                run = self._first_ll_combine(x, topk_idx, topk_weights, handle, use_logfmt, async_finish,
+                                             return_recv_hook, out, combine_wait_recv_cost_stats)
+            return run(x, topk_idx, topk_weights, handle, zero_copy, async_finish, return_recv_hook, out,
+                       combine_wait_recv_cost_stats)
+        except Exception as exc:  # a peer waiting in this call's collective fails fast (board.py)
+            self._board.post_abort(exc)
+            raise
 
     def _check_low_latency(self, max_tokens: int, hidden: int, num_experts: int) -> None:
         if not self.low_latency_mode:

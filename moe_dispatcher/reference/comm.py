@@ -1,4 +1,6 @@
-"""The few collectives the reference backend is built from, on whatever device the group's backend needs."""
+"""The few collectives the reference backend is built from, on whatever device the group's backend needs.
+
+Each runs under its Buffer's Board (board.py): a deadline, and names for the ranks that did not arrive."""
 from __future__ import annotations
 
 import math
@@ -6,6 +8,8 @@ from typing import List, Sequence
 
 import torch
 import torch.distributed as dist
+
+from .board import Board
 
 
 def comm_device(group: dist.ProcessGroup, like: torch.device) -> torch.device:
@@ -18,12 +22,13 @@ def comm_device(group: dist.ProcessGroup, like: torch.device) -> torch.device:
     return like
 
 
-def all_gather_rows(group: dist.ProcessGroup, row: torch.Tensor) -> torch.Tensor:
-    """Each rank gives a 1-D int64 tensor of the same length; returns [R, len] on row's device."""
-    dev = comm_device(group, row.device)
+def all_gather_rows(board: Board, row: torch.Tensor, phase: str) -> torch.Tensor:
+    """Each rank of board.group gives a 1-D int64 tensor of the same length; returns [R, len] on row's device.
+    phase names the step in timeout messages."""
+    dev = comm_device(board.group, row.device)
     r = row.to(dev, torch.int64)
-    parts = [torch.empty_like(r) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, r, group=group)
+    parts = [torch.empty_like(r) for _ in range(board.num_ranks)]
+    board.run(phase, lambda: dist.all_gather(parts, r, group=board.group, async_op=True))
     return torch.stack(parts).to(row.device)
 
 
@@ -48,11 +53,13 @@ def unpack_rows(packed: torch.Tensor, like: Sequence[torch.Tensor]) -> List[torc
     return out
 
 
-def exchange_rows(group: dist.ProcessGroup, rows: torch.Tensor, send_counts: Sequence[int],
-                  recv_counts: Sequence[int]) -> torch.Tensor:
-    """all_to_all of uint8 rows [N, B]: the first send_counts[0] rows go to rank 0, and so on."""
-    dev = comm_device(group, rows.device)
+def exchange_rows(board: Board, rows: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int],
+                  phase: str) -> torch.Tensor:
+    """all_to_all of uint8 rows [N, B] over board.group: the first send_counts[0] rows go to rank 0, and so on.
+    phase names the step in timeout messages."""
+    dev = comm_device(board.group, rows.device)
     out = torch.empty(int(sum(recv_counts)), rows.shape[1], dtype=torch.uint8, device=dev)
-    dist.all_to_all_single(out, rows.to(dev), [int(c) for c in recv_counts], [int(c) for c in send_counts],
-                           group=group)
+    send = rows.to(dev)
+    board.run(phase, lambda: dist.all_to_all_single(out, send, [int(c) for c in recv_counts],
+                                                    [int(c) for c in send_counts], group=board.group, async_op=True))
     return out.to(rows.device)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from ..backend import Backend, Capabilities
 from ..event import EventOverlap
+from .board import Board
 from .comm import exchange_rows, pack_rows, unpack_rows
 from .fp8 import per_token_cast_to_fp8
 
@@ -43,8 +44,9 @@ class ReferenceLowLatency(Backend):
     capabilities = Capabilities(low_latency=True)
 
     def __init__(self, group: dist.ProcessGroup, rank: int, num_ranks: int, buffer_token: int,
-                 stream_scope: Optional[Callable] = None, rank_partials: bool = True):
+                 stream_scope: Optional[Callable] = None, rank_partials: bool = True, board: Optional[Board] = None):
         self.group, self.rank, self.num_ranks, self.buffer_token = group, rank, num_ranks, buffer_token
+        self.board = board if board is not None else Board(group, rank, num_ranks)
         self._stream_scope = weakref.WeakMethod(stream_scope) if stream_scope is not None else None
         self.rank_partials = rank_partials
         # Double buffering: each call takes the half after the previous call's; a hook is stale once its half
@@ -204,7 +206,8 @@ class ReferenceLowLatency(Backend):
         per_expert = torch.bincount(expert, minlength=num_experts)
         begin_ns = time.perf_counter_ns()
         # counts[s, l]: rows source s sends to my local expert l.
-        counts = unpack_rows(exchange_rows(self.group, pack_rows([per_expert.view(r, local)]), [1] * r, [1] * r),
+        counts = unpack_rows(exchange_rows(self.board, pack_rows([per_expert.view(r, local)]), [1] * r, [1] * r,
+                                           "low-latency dispatch: counts all-to-all"),
                              [per_expert.view(r, local)])[0].to(torch.int64)
         if use_fp8:
             q, scales = per_token_cast_to_fp8(x, round_scale, use_ue8m0)
@@ -212,8 +215,8 @@ class ReferenceLowLatency(Backend):
         else:
             pieces = [x[tok]]
         pieces.append(tok.to(torch.int32))
-        recv = unpack_rows(exchange_rows(self.group, pack_rows(pieces), per_expert.view(r, local).sum(1).tolist(),
-                                         counts.sum(1).tolist()), pieces)
+        recv = unpack_rows(exchange_rows(self.board, pack_rows(pieces), per_expert.view(r, local).sum(1).tolist(),
+                                         counts.sum(1).tolist(), "low-latency dispatch: rows all-to-all"), pieces)
         elapsed = time.perf_counter_ns() - begin_ns
         # Place received blocks (source s, expert l), s-major, at rows begin[s, l] + i of expert l.
         flat = counts.flatten()
@@ -259,8 +262,8 @@ class ReferenceLowLatency(Backend):
         t, k = topk_idx.shape
         per_dst = torch.bincount(topk_idx[topk_idx >= 0] // local, minlength=r)
         begin_ns = time.perf_counter_ns()
-        back = unpack_rows(exchange_rows(self.group, pack_rows(pieces), counts.sum(1).tolist(), per_dst.tolist()),
-                           pieces)
+        back = unpack_rows(exchange_rows(self.board, pack_rows(pieces), counts.sum(1).tolist(), per_dst.tolist(),
+                                         "low-latency combine: rows all-to-all"), pieces)
         elapsed = time.perf_counter_ns() - begin_ns
         rows, src_tok, expert = back[0], back[1].long(), back[2].long()
         slot = (topk_idx[src_tok] == expert.unsqueeze(1)).int().argmax(1)

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ..backend import Backend, Capabilities
+from .board import Board
 from .comm import all_gather_rows, exchange_rows, pack_rows, unpack_rows
 
 
@@ -50,9 +51,11 @@ class ReferenceNormal(Backend):
     name = "reference"
     capabilities = Capabilities(normal=True)
 
-    def __init__(self, group: dist.ProcessGroup, rank: int, num_ranks: int, nvl_size: int, buffer_token: int):
+    def __init__(self, group: dist.ProcessGroup, rank: int, num_ranks: int, nvl_size: int, buffer_token: int,
+                 board: Optional[Board] = None):
         self.group, self.rank, self.num_ranks, self.nvl_size = group, rank, num_ranks, nvl_size
         self.buffer_token = buffer_token
+        self.board = board if board is not None else Board(group, rank, num_ranks)
 
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
         return dispatch_layout(topk_idx, num_experts, self.num_ranks, self.nvl_size)
@@ -75,8 +78,8 @@ class ReferenceNormal(Backend):
             raise ValueError("dispatch: num_tokens_per_rank does not match is_token_in_rank (pass the layout "
                              "that get_dispatch_layout returned for these topk_idx)")
         worst = torch.tensor([num_worst_tokens], dtype=torch.int64, device=sent_by_me.device)
-        table = all_gather_rows(self.group, torch.cat([sent_by_me, num_tokens_per_expert.to(torch.int64).to(
-            sent_by_me.device), worst]))
+        table = all_gather_rows(self.board, torch.cat([sent_by_me, num_tokens_per_expert.to(torch.int64).to(
+            sent_by_me.device), worst]), "dispatch: counts all-gather")
         table = table.cpu()
         send_matrix = table[:, :r]
         rank_prefix_matrix = send_matrix.cumsum(0).to(torch.int32)
@@ -98,7 +101,8 @@ class ReferenceNormal(Backend):
         if topk_weights is not None:
             pieces.append(topk_weights[src])
         pieces.append(src.to(torch.int32))
-        recv = exchange_rows(self.group, pack_rows(pieces), send_matrix[me].tolist(), send_matrix[:, me].tolist())
+        recv = exchange_rows(self.board, pack_rows(pieces), send_matrix[me].tolist(), send_matrix[:, me].tolist(),
+                             "dispatch: rows all-to-all")
         got = unpack_rows(recv, pieces)
         recv_x = got.pop(0)
         recv_scales = got.pop(0) if x_scales is not None else None
@@ -128,8 +132,8 @@ class ReferenceNormal(Backend):
         send_matrix = _send_matrix(handle.rank_prefix_matrix.cpu())
         src = _send_order(handle.is_token_in_rank)
         pieces = [x[src]] + ([x_scales[src]] if x_scales is not None else [])
-        recv = exchange_rows(self.group, pack_rows(pieces), send_matrix[self.rank].tolist(),
-                             send_matrix[:, self.rank].tolist())
+        recv = exchange_rows(self.board, pack_rows(pieces), send_matrix[self.rank].tolist(),
+                             send_matrix[:, self.rank].tolist(), "cached dispatch: rows all-to-all")
         got = unpack_rows(recv, pieces) + [None]
         rows = handle.recv_src_idx.shape[0]
         return _pad(got[0], rows, 0), _pad(got[1], rows, 0)
@@ -144,7 +148,8 @@ class ReferenceNormal(Backend):
         n = handle.num_recv_tokens if handle.num_recv_tokens is not None else int(prefix[-1, me])
         pieces = [x[:n]] + ([topk_weights[:n]] if topk_weights is not None else [])
         # Received rows are grouped by source rank already: send each group home.
-        back = exchange_rows(self.group, pack_rows(pieces), send_matrix[:, me].tolist(), send_matrix[me].tolist())
+        back = exchange_rows(self.board, pack_rows(pieces), send_matrix[:, me].tolist(), send_matrix[me].tolist(),
+                             "combine: rows all-to-all")
         got = unpack_rows(back, pieces)
         src = _send_order(handle.is_token_in_rank)  # token of each returned row, grouped by rank ascending
         acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32

@@ -1,0 +1,161 @@
+"""Deadlines for the reference backend's collectives, and an arrival board that says who is missing.
+
+A rank that skips a call, or raises alone on bad input, would leave its peers blocked in the next collective
+until the process-group timeout (30 minutes by default), after which the group is dead. Instead every
+collective of the reference backend is started asynchronously and waited for under a deadline:
+
+* `MOE_DISPATCHER_TIMEOUT_S` (seconds, default DEFAULT_TIMEOUT_S = 5 minutes: the reference backend is slow
+  on big CPU cases, so its default is longer than the compiled backends' 10 s; keep it below the process
+  group's timeout). A collective not complete by then raises RuntimeError("moe_dispatcher reference: rank R
+  timed out after T s in PHASE waiting for ranks [..]"), naming the group ranks that never arrived.
+* The board lives in the group's store under a prefix of its own (one prefix per Buffer: Buffers are made
+  collectively, so the n-th Buffer of a group is the same Buffer on every rank). Collectives of a Buffer are
+  numbered 0, 1, 2, ... in call order, the same on every rank. Keys, one per rank and overwritten, so the
+  store does not grow with the number of calls:
+    "arrived/<rank>" = n  : the rank has waited in collective n (posted only by a wait longer than QUIET_S:
+                            a fast collective costs no store traffic at all);
+    "abort/<rank>" = "n|message" : the rank raised in a Buffer call whose next collective would have been n.
+* Waiting for collective n: block up to QUIET_S on the work; then, every POLL_S, post "arrived/<me>" = n and
+  read the peers' abort keys. An abort of peer q for collective n seen on two polls in a row raises
+  RuntimeError("moe_dispatcher reference: rank q raised: ... (rank R was waiting in PHASE)"). At the deadline,
+  the ranks whose "arrived" key is missing or older than n are the ones named.
+* A rank deletes its own abort key before its next collective. The abort is ambiguous by nature: a rank that
+  raised alone may come back and make the same collective (a caller that catches the error and retries).
+  Peers honour an abort only after seeing it twice, POLL_S apart, while they still wait: a rank that comes
+  back within that time is waited for, not reported.
+
+A timed-out or aborted collective stays pending in torch.distributed: the group must not be used afterwards.
+Without a store (a group whose store torch does not expose), collectives still time out, naming no peers.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import time
+from typing import Callable, Dict, List, Optional
+
+import torch.distributed as dist
+
+from ..env import env_float
+
+TIMEOUT_ENV = "MOE_DISPATCHER_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 300.0
+QUIET_S = 0.5  # a collective that completes within this touches no store key
+POLL_S = 0.25  # then: how often the board is posted to and read
+
+# Boards made per group, so the n-th Buffer of a group gets the same prefix on every rank.
+_boards_per_group: Dict[object, int] = {}
+
+
+def timeout_s() -> float:
+    """MOE_DISPATCHER_TIMEOUT_S as seconds (a finite number > 0), else DEFAULT_TIMEOUT_S."""
+    return env_float(TIMEOUT_ENV, DEFAULT_TIMEOUT_S, greater_than=0)
+
+
+class PeerError(RuntimeError):
+    """A collective of the reference backend gave up: a peer timed out or raised (never re-posted as an abort)."""
+
+
+def _group_store(group: dist.ProcessGroup):
+    """The store of `group` (shared by its ranks), or None when this torch does not expose one."""
+    c10d = dist.distributed_c10d
+    with contextlib.suppress(Exception):  # private helpers: any failure means "no board"
+        return c10d._get_process_group_store(group)
+    if group is None or group == dist.group.WORLD:
+        with contextlib.suppress(Exception):
+            return c10d._get_default_store()
+    return None
+
+
+class Board:
+    """The deadline and arrival board of one Buffer's reference collectives over `group` (rank `rank` of
+    `num_ranks` in it)."""
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, num_ranks: int) -> None:
+        self.group, self.rank, self.num_ranks = group, rank, num_ranks
+        self.timeout_s = timeout_s()
+        ordinal = _boards_per_group.get(group, 0)
+        _boards_per_group[group] = ordinal + 1
+        store = _group_store(group)
+        self.store = dist.PrefixStore(f"moe_dispatcher/board/{ordinal}/", store) if store is not None else None
+        self.next_collective = 0  # the number of the next collective this rank enters
+        self._abort_posted = False
+
+    # ------------------------------------------------------------------ collectives
+    def run(self, phase: str, start: Callable[[], "dist.Work"]) -> None:
+        """Start one collective (`start` issues it with async_op=True and returns its Work) and wait for it
+        under the deadline. phase: what it is, for messages ("dispatch: counts all-gather")."""
+        n = self.next_collective
+        self.next_collective += 1
+        if self._abort_posted:  # this rank is back after raising: peers must not read that abort any more
+            self.store.delete_key(f"abort/{self.rank}")
+            self._abort_posted = False
+        work = start()
+        if _wait(work, min(QUIET_S, self.timeout_s)):
+            return
+        deadline = time.monotonic() + self.timeout_s - QUIET_S
+        suspects: Dict[int, str] = {}  # abort messages seen on the previous poll
+        while True:
+            if self.store is not None:
+                self.store.set(f"arrived/{self.rank}", str(n))
+                aborts = self._aborts(n)
+                for q, message in aborts.items():
+                    if suspects.get(q) == message:
+                        raise PeerError(f"moe_dispatcher reference: rank {q} raised: {message} (rank {self.rank} "
+                                        f"was waiting in {phase}; the process group is unusable now)")
+                suspects = aborts
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            if _wait(work, min(POLL_S, left)):
+                return
+        missing = self._missing(n)
+        who = f"waiting for ranks {missing}" if missing is not None else "(no store to tell which ranks are missing)"
+        raise PeerError(f"moe_dispatcher reference: rank {self.rank} timed out after {self.timeout_s:g} s in "
+                        f"{phase} (collective {n} of this Buffer) {who}; set {TIMEOUT_ENV} to wait longer. The "
+                        f"process group is unusable now (the collective stays pending)")
+
+    # ------------------------------------------------------------------ errors of this rank
+    def post_abort(self, exc: BaseException) -> None:
+        """This rank raises `exc` in a Buffer call: let peers waiting in its next collective fail fast."""
+        if self.store is None or isinstance(exc, PeerError):
+            return
+        with contextlib.suppress(Exception):  # never hide the caller's error behind a store failure
+            self.store.set(f"abort/{self.rank}", f"{self.next_collective}|{type(exc).__name__}: {exc}")
+            self._abort_posted = True
+
+    # ------------------------------------------------------------------ reading the board
+    def _aborts(self, n: int) -> Dict[int, str]:
+        """Peer -> message of the aborts posted for collective n."""
+        found = {}
+        for q in range(self.num_ranks):
+            key = f"abort/{q}"
+            if q == self.rank or not self.store.check([key]):
+                continue
+            at, _, message = self.store.get(key).decode().partition("|")
+            if at == str(n):
+                found[q] = message
+        return found
+
+    def _missing(self, n: int) -> Optional[List[int]]:
+        """The ranks that have not posted arrival at collective n (None without a store)."""
+        if self.store is None:
+            return None
+        missing = []
+        for q in range(self.num_ranks):
+            key = f"arrived/{q}"
+            if q != self.rank and (not self.store.check([key]) or int(self.store.get(key)) < n):
+                missing.append(q)
+        return missing
+
+
+def _wait(work: "dist.Work", seconds: float) -> bool:
+    """Wait up to `seconds` for `work`: True when it completed; a failed collective raises its own error."""
+    try:
+        work.wait(datetime.timedelta(seconds=seconds))
+        return True
+    except RuntimeError:
+        if work.is_completed():  # it failed rather than timed out: raise that failure
+            raise
+        return False
