@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import os
 import time
 from typing import Callable, Dict, List, Optional
 
