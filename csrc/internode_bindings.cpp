@@ -334,7 +334,7 @@ using CachedCombine = CachedCall<CombineArgs, launch_combine, CallKind::kCombine
 
 // Dispatch along a handle (no top-k, no source indices, the handle's forward mask untouched): x [T, H], scales
 // [T, S] (FP8) or None -> recv_x [rows, H], recv_scales [rows, S]; rows = the handle's recv_src_idx rows.
-std::unique_ptr<CachedDispatch> make_cached_dispatch(const Context& ctx, const IpcBuffer& ipc, const CommStream& comm,
+std::unique_ptr<CachedDispatch> make_cached_dispatch(const Context& ctx, const IpcBuffer& ipc, CommStream& comm,
                                                      uint64_t timeout_ns, const py::tuple& handle,
                                                      const at::Tensor& recv_channel_offset,
                                                      const at::Tensor& fwd_offset, const at::Tensor& x,
@@ -362,7 +362,7 @@ std::unique_ptr<CachedDispatch> make_cached_dispatch(const Context& ctx, const I
 
 // Combine along a handle: x [rows, H] bf16/fp16/fp32, topk_weights float32 [rows, K] when given -> out [T, H],
 // out_topk_weights float32 [T, K].
-std::unique_ptr<CachedCombine> make_cached_combine(const Context& ctx, const IpcBuffer& ipc, const CommStream& comm,
+std::unique_ptr<CachedCombine> make_cached_combine(const Context& ctx, const IpcBuffer& ipc, CommStream& comm,
                                                    uint64_t timeout_ns, const py::tuple& handle,
                                                    const at::Tensor& recv_channel_offset, const at::Tensor& fwd_offset,
                                                    const at::Tensor& fwd_mask, int fwd_capacity, const at::Tensor& x,
@@ -421,10 +421,10 @@ void register_internode(py::module_& m) {
   // keep_alive: a plan holds raw pointers to the IpcBuffer and the comm stream (the Context is copied into it).
   py::class_<CachedDispatch>(sub, "CachedDispatch")
       .def("run", &CachedDispatch::run, py::arg("handle"), py::arg("x"), py::arg("scales"), py::arg("config"),
-           py::arg("num_sms"), py::arg("join"));
+           py::arg("num_sms"), py::arg("mode"));
   py::class_<CachedCombine>(sub, "CachedCombine")
       .def("run", &CachedCombine::run, py::arg("handle"), py::arg("x"), py::arg("topk_weights"), py::arg("config"),
-           py::arg("num_sms"), py::arg("join"));
+           py::arg("num_sms"), py::arg("mode"));
   sub.def("cached_dispatch", &make_cached_dispatch, py::arg("ctx"), py::arg("ipc"), py::arg("comm"),
           py::arg("timeout_ns"), py::arg("handle"), py::arg("recv_channel_offset"), py::arg("fwd_offset"), py::arg("x"),
           py::arg("scales"), py::arg("geometry"), py::arg("config"), py::arg("num_sms"), py::keep_alive<0, 2>(),

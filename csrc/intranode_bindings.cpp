@@ -374,7 +374,7 @@ using CachedCombine = CachedCall<CombineArgs, launch_combine, CallKind::kCombine
 
 // Dispatch along a handle (no top-k, no source indices: what a cached dispatch sends): x [T, H], scales [T, S]
 // (FP8) or None -> recv_x [rows, H], recv_scales [rows, S]; rows = the handle's recv_src_idx rows.
-std::unique_ptr<CachedDispatch> make_cached_dispatch(const IpcBuffer& b, const CommStream& comm, uint64_t timeout_ns,
+std::unique_ptr<CachedDispatch> make_cached_dispatch(const IpcBuffer& b, CommStream& comm, uint64_t timeout_ns,
                                                      const py::tuple& handle, const at::Tensor& recv_channel_offset,
                                                      const at::Tensor& x, const c10::optional<at::Tensor>& scales,
                                                      int num_channels, int chunk, int num_slots, int slot_bytes,
@@ -403,7 +403,7 @@ std::unique_ptr<CachedDispatch> make_cached_dispatch(const IpcBuffer& b, const C
 
 // Combine along a handle: x [rows, H] bf16/fp16/fp32, topk_weights float32 [rows, K] when given -> out [T, H],
 // out_topk_weights float32 [T, K].
-std::unique_ptr<CachedCombine> make_cached_combine(const IpcBuffer& b, const CommStream& comm, uint64_t timeout_ns,
+std::unique_ptr<CachedCombine> make_cached_combine(const IpcBuffer& b, CommStream& comm, uint64_t timeout_ns,
                                                    const py::tuple& handle, const at::Tensor& recv_channel_offset,
                                                    const at::Tensor& x, const c10::optional<at::Tensor>& topk_weights,
                                                    int num_channels, int chunk, int num_slots, int slot_bytes,
@@ -460,14 +460,16 @@ void register_intranode(py::module_& m) {
       .def("take_worst_overflow", &take_worst_overflow);
 
   py::class_<CommStream>(sub, "CommStream")
-      .def(py::init<const c10::Stream&>(), py::arg("stream"));
+      .def(py::init<const c10::Stream&>(), py::arg("stream"))
+      .def("enter_full_path", &CommStream::enter_full_path, py::arg("joined_any"), py::arg("joined"))
+      .def("caller_joined", &CommStream::caller_joined, py::arg("caller"));
   // keep_alive: a plan holds raw pointers to the buffer and the comm stream.
   py::class_<CachedDispatch>(sub, "CachedDispatch")
       .def("run", &CachedDispatch::run, py::arg("handle"), py::arg("x"), py::arg("scales"), py::arg("config"),
-           py::arg("num_sms"), py::arg("join"));
+           py::arg("num_sms"), py::arg("mode"));
   py::class_<CachedCombine>(sub, "CachedCombine")
       .def("run", &CachedCombine::run, py::arg("handle"), py::arg("x"), py::arg("topk_weights"), py::arg("config"),
-           py::arg("num_sms"), py::arg("join"));
+           py::arg("num_sms"), py::arg("mode"));
   sub.def("cached_dispatch", &make_cached_dispatch, py::arg("buffer"), py::arg("comm"), py::arg("timeout_ns"),
           py::arg("handle"), py::arg("recv_channel_offset"), py::arg("x"), py::arg("scales"), py::arg("num_channels"),
           py::arg("chunk"), py::arg("num_slots"), py::arg("slot_bytes"), py::arg("config"), py::arg("num_sms"),

@@ -59,6 +59,9 @@ class Backend:
     name: str = "backend"
     capabilities: Capabilities = Capabilities()
     num_ranks: int  # ranks of the Buffer's group
+    # Compiled normal-mode backends: their native CommStream (csrc/bindings/stream_join.h), which orders every
+    # launch that uses the Buffer after the previous one; the Buffer's full path tells it where it launches.
+    launch_order = None
 
     # ------------------------------------------------------------------ normal mode
     def get_dispatch_layout(self, topk_idx: Tensor, num_experts: int):

@@ -74,6 +74,7 @@ class InternodeBackend(Backend):
         self._ipc.open_peers([gathered[r][0] for r in topo.domain_ranks()])
         # The Buffer's comm stream, with the events that join it to the caller's stream in cached calls.
         self._comm = self._intra.CommStream(buffer.get_comm_stream())
+        self.launch_order = self._comm
         single_host = len({g[1] for g in gathered}) == 1  # only chooses NVSHMEM's transports (P2P here)
         from ..runtime import nvshmem
         self._state = nvshmem.bootstrap(self.group, self.device.index, single_host=single_host)

@@ -106,6 +106,7 @@ class IntranodeBackend(Backend):
         self._ipc.open_peers(handles)
         # The Buffer's comm stream, with the events that join it to the caller's stream in cached calls.
         self._comm = self._mod.CommStream(buffer.get_comm_stream())
+        self.launch_order = self._comm
         self._seq = 0
         self._broken: Optional[str] = None
         self._rdma_emulation: Optional[torch.Tensor] = None
