@@ -15,6 +15,7 @@
 
 #include "bindings.h"
 #include "bindings/cached_call.h"
+#include "bindings/layout_call.h"
 #include "bindings/stream_join.h"
 #include "ipc_bindings.h"
 #include "kernels/common/layout.h"
@@ -128,19 +129,6 @@ std::string phase_name(int phase) {
 py::object timeout_info(const IpcBuffer& b) { return mailbox_timeout_info(b, phase_name); }
 
 int num_forward(const IpcBuffer& b) { return b.host_mailbox()->num_forward; }
-
-void layout(const at::Tensor& topk_idx, int num_experts, int num_ranks, int nvl_size,
-            const at::Tensor& num_tokens_per_rank, const at::Tensor& num_tokens_per_domain,
-            const at::Tensor& num_tokens_per_expert, const at::Tensor& is_token_in_rank) {
-  const auto device = topk_idx.get_device();
-  expect_cuda(topk_idx, device, "layout: topk_idx");
-  const c10::cuda::CUDAGuard guard(device);
-  RoutingLayoutArgs a{data_of<const int64_t>(topk_idx), static_cast<int>(topk_idx.size(0)),
-                       static_cast<int>(topk_idx.size(1)), num_experts, num_ranks, nvl_size,
-                       data_of<int>(num_tokens_per_rank), data_of<int>(num_tokens_per_domain),
-                       data_of<int>(num_tokens_per_expert), data_of<bool>(is_token_in_rank)};
-  launch_dispatch_layout(a, current_stream(device).stream());
-}
 
 // notify of a fresh dispatch: T = rows of is_token_in_rank, E = elements of num_tokens_per_expert.
 void notify(const Context& ctx, uint64_t timeout_ns, const at::Tensor& is_token_in_rank,
@@ -406,9 +394,8 @@ void register_internode(py::module_& m) {
       py::arg("num_ranks"), py::arg("nvl_size"), py::arg("num_rdma_bytes"), py::arg("num_nvl_bytes"));
   sub.def("timeout_info", &timeout_info, py::arg("ipc"));
   sub.def("num_forward", &num_forward, py::arg("ipc"));
-  sub.def("layout", &layout, py::arg("topk_idx"), py::arg("num_experts"), py::arg("num_ranks"), py::arg("nvl_size"),
-          py::arg("num_tokens_per_rank"), py::arg("num_tokens_per_domain"), py::arg("num_tokens_per_expert"),
-          py::arg("is_token_in_rank"));
+  sub.def("layout_call", &layout_call, py::arg("topk_idx"), py::arg("num_experts"), py::arg("num_ranks"),
+          py::arg("nvl_size"));
   sub.def("notify", &notify, py::arg("ctx"), py::arg("timeout_ns"), py::arg("is_token_in_rank"),
           py::arg("num_tokens_per_rank"), py::arg("num_tokens_per_expert"), py::arg("num_channels"),
           py::arg("expert_alignment"), py::arg("num_worst_tokens"), py::arg("seq"), py::arg("rank_prefix_matrix"),

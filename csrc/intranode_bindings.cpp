@@ -16,6 +16,7 @@
 
 #include "bindings.h"
 #include "bindings/cached_call.h"
+#include "bindings/layout_call.h"
 #include "bindings/stream_join.h"
 #include "ipc_bindings.h"
 #include "kernels/common/layout.h"
@@ -109,19 +110,6 @@ int combine_dtype(const at::Tensor& x) {
 
 int row_bytes(const at::Tensor& t) { return static_cast<int>(t.size(1) * t.element_size()); }
 int columns(const c10::optional<at::Tensor>& t) { return t.has_value() ? static_cast<int>(t->size(1)) : 0; }
-
-void layout(const at::Tensor& topk_idx, int num_experts, int num_ranks, const at::Tensor& num_tokens_per_rank,
-            const at::Tensor& num_tokens_per_expert, const at::Tensor& is_token_in_rank) {
-  const auto device = topk_idx.get_device();
-  expect_cuda(topk_idx, device, "topk_idx");
-  const c10::cuda::CUDAGuard guard(device);
-  // One NVLink domain: no per-domain counts.
-  RoutingLayoutArgs a{data_of<const int64_t>(topk_idx), static_cast<int>(topk_idx.size(0)),
-                       static_cast<int>(topk_idx.size(1)), num_experts, num_ranks, num_ranks,
-                       data_of<int>(num_tokens_per_rank), nullptr, data_of<int>(num_tokens_per_expert),
-                       data_of<bool>(is_token_in_rank)};
-  launch_dispatch_layout(a, current_stream(device).stream());
-}
 
 // notify of a fresh dispatch: T = rows of is_token_in_rank, E = elements of num_tokens_per_expert; em_layout
 // (expert-major dispatch) receives the layout table.
@@ -479,8 +467,8 @@ void register_intranode(py::module_& m) {
           py::arg("num_channels"), py::arg("chunk"), py::arg("num_slots"), py::arg("slot_bytes"), py::arg("config"),
           py::arg("num_sms"), py::keep_alive<0, 1>(), py::keep_alive<0, 2>());
 
-  sub.def("layout", &layout, py::arg("topk_idx"), py::arg("num_experts"), py::arg("num_ranks"),
-          py::arg("num_tokens_per_rank"), py::arg("num_tokens_per_expert"), py::arg("is_token_in_rank"));
+  sub.def("layout_call", &layout_call, py::arg("topk_idx"), py::arg("num_experts"), py::arg("num_ranks"),
+          py::arg("nvl_size"));
   sub.def("notify", &notify, py::arg("buffer"), py::arg("timeout_ns"), py::arg("is_token_in_rank"),
           py::arg("num_tokens_per_rank"), py::arg("num_tokens_per_expert"), py::arg("num_channels"),
           py::arg("expert_alignment"), py::arg("num_worst_tokens"), py::arg("seq"), py::arg("rank_prefix_matrix"),

@@ -368,6 +368,15 @@ class Buffer:
         Returns (num_tokens_per_rank int32 [R], num_tokens_per_rdma_rank int32 [D] or None for one domain,
         num_tokens_per_expert int32 [E], is_token_in_rank bool [T, R], EventOverlap).
         """
+        # Fast path: a synchronous layout on the compiled backend is one native call on the caller's stream (it
+        # uses no Buffer memory, so it needs no launch order); it answers None for arguments it does not take,
+        # and the full path below validates them.
+        if previous_event is None and not async_finish and not allocate_on_comm_stream and type(topk_idx) is Tensor:
+            kernels = self._kernels
+            if kernels is not None and kernels.layout_call is not None and type(num_experts) is int:
+                out = kernels.layout_call(topk_idx, num_experts, *kernels.layout_args)
+                if out is not None:
+                    return (*out, EventOverlap())
         try:
             self._check_alive()
             check_num_experts(num_experts, self.group_size)

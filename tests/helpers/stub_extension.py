@@ -139,6 +139,11 @@ def stub_intranode(rows: int) -> types.SimpleNamespace:
         w_out = None if topk_weights is None else (torch.float32, t, topk_weights.shape[1])
         return CachedCombine(buffer, handle, spec(x, x.shape[0]), w, spec(x, t), w_out, config, num_sms)
 
+    def layout_call(topk_idx, num_experts, num_ranks, nvl_size):
+        launches.append(("layout", (topk_idx, num_experts, num_ranks, nvl_size)))
+        return (torch.zeros(num_ranks, dtype=torch.int32), None, torch.zeros(num_experts, dtype=torch.int32),
+                torch.zeros(topk_idx.shape[0], num_ranks, dtype=torch.bool))
+
     def recorder(kind: str) -> Callable:
         def launch(*args, **kwargs) -> None:
             launches.append((kind, args + tuple(kwargs.values())))
@@ -149,7 +154,7 @@ def stub_intranode(rows: int) -> types.SimpleNamespace:
         RINGS_OFFSET=1 << 20, FLAG_LAYOUT_MISMATCH=1, IpcBuffer=IpcBuffer, CommStream=CommStream,
         CachedDispatch=CachedDispatch, CachedCombine=CachedCombine, cached_dispatch=cached_dispatch,
         cached_combine=cached_combine, em_layout_words=lambda r, l: r * l + 3 * l + 1,
-        layout=recorder("layout"), notify=recorder("notify"), dispatch=recorder("dispatch"),
+        layout_call=layout_call, notify=recorder("notify"), dispatch=recorder("dispatch"),
         combine=recorder("combine"), em_permute=recorder("em_permute"), em_unpermute=recorder("em_unpermute"),
         pair_rank=recorder("pair_rank"), launches=launches, plans=plans)
 
