@@ -74,6 +74,9 @@ class Board:
     def __init__(self, group: dist.ProcessGroup, rank: int, num_ranks: int) -> None:
         self.group, self.rank, self.num_ranks = group, rank, num_ranks
         self.timeout_s = timeout_s()
+        # NCCL's Work.wait(timeout) aborts the communicator when the timeout passes; its works are polled
+        # instead (is_completed). Gloo's wait(timeout) only raises, and is used as it is.
+        self._poll = "nccl" in str(dist.get_backend(group)).lower()
         ordinal = _boards_per_group.get(group, 0)
         _boards_per_group[group] = ordinal + 1
         store = _group_store(group)
@@ -91,7 +94,7 @@ class Board:
             self.store.delete_key(f"abort/{self.rank}")
             self._abort_posted = False
         work = start()
-        if _wait(work, min(QUIET_S, self.timeout_s)):
+        if _wait(work, min(QUIET_S, self.timeout_s), self._poll):
             return
         deadline = time.monotonic() + self.timeout_s - QUIET_S
         suspects: Dict[int, str] = {}  # abort messages seen on the previous poll
@@ -107,7 +110,7 @@ class Board:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            if _wait(work, min(POLL_S, left)):
+            if _wait(work, min(POLL_S, left), self._poll):
                 return
         missing = self._missing(n)
         who = f"waiting for ranks {missing}" if missing is not None else "(no store to tell which ranks are missing)"
@@ -149,8 +152,18 @@ class Board:
         return missing
 
 
-def _wait(work: "dist.Work", seconds: float) -> bool:
-    """Wait up to `seconds` for `work`: True when it completed; a failed collective raises its own error."""
+def _wait(work: "dist.Work", seconds: float, poll: bool) -> bool:
+    """Wait up to `seconds` for `work`: True when it completed; a failed collective raises its own error.
+    poll: check work.is_completed() (sleeping 20 us, doubling up to 2 ms) rather than wait(timeout)."""
+    if poll:
+        deadline, nap = time.monotonic() + seconds, 2e-5
+        while not work.is_completed():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(nap)
+            nap = min(2 * nap, 2e-3)
+        work.wait()  # a failure raises here; a success orders the current stream after the collective
+        return True
     try:
         work.wait(datetime.timedelta(seconds=seconds))
         return True
