@@ -92,10 +92,10 @@ class CachedCall {
     } else if (mode == kSync) {
       comm_->enter_sync(caller);
     }
-    at::Tensor out = at::empty({output_.rows, output_.cols}, x.options().dtype(output_.dtype));
+    at::Tensor out = empty_on(device, output_.dtype, {output_.rows, output_.cols});
     c10::optional<at::Tensor> aux_out;
     if (aux_output_.has_value()) {
-      aux_out = at::empty({aux_output_->rows, aux_output_->cols}, x.options().dtype(aux_output_->dtype));
+      aux_out = empty_on(device, aux_output_->dtype, {aux_output_->rows, aux_output_->cols});
     }
     set_tensors(a_, x, aux, out, aux_out);
     const c10::cuda::CUDAStream& stream = mode == kAsync ? comm_->stream() : caller;

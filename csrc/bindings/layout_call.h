@@ -29,12 +29,11 @@ inline pybind11::object layout_call(const at::Tensor& topk_idx, int64_t num_expe
   const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = current_stream(device).stream();
   const int64_t t = topk_idx.size(0), domains = nvl_size == num_ranks ? 0 : num_ranks / nvl_size;
-  const auto ints = topk_idx.options().dtype(at::kInt);
-  at::Tensor counts = at::empty({num_ranks + domains + num_experts}, ints);
+  at::Tensor counts = empty_on(device, at::kInt, {num_ranks + domains + num_experts});
   MOE_CUDA_CHECK(cudaMemsetAsync(counts.data_ptr(), 0, counts.nbytes(), stream));
   at::Tensor per_rank = counts.narrow(0, 0, num_ranks);
   at::Tensor per_expert = counts.narrow(0, num_ranks + domains, num_experts);
-  at::Tensor in_rank = at::empty({t, num_ranks}, topk_idx.options().dtype(at::kBool));
+  at::Tensor in_rank = empty_on(device, at::kBool, {t, num_ranks});
   c10::optional<at::Tensor> per_domain;
   if (domains > 0) per_domain = counts.narrow(0, num_ranks, domains);
   RoutingLayoutArgs a{data_of<const int64_t>(topk_idx), static_cast<int>(t), static_cast<int>(topk_idx.size(1)),

@@ -6,6 +6,7 @@
 // c10's CUDA headers, not ATen/cuda's (those pull in cuSPARSE / cuBLAS headers that a CPU check machine lacks);
 // c10::cuda::CUDAStream and getCurrentCUDAStream are these same c10 names.
 #include <ATen/ATen.h>
+#include <ATen/cuda/EmptyTensor.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -28,6 +29,13 @@ inline T* data_of(const at::Tensor& t) {
 template <typename T>
 inline T* data_of(const c10::optional<at::Tensor>& t) {
   return t.has_value() ? static_cast<T*>(t->data_ptr()) : nullptr;
+}
+
+// An uninitialised contiguous CUDA tensor on `device` from the caching allocator (at::detail::empty_cuda: what
+// at::empty does for CUDA, without the operator dispatch, which is a sizeable share of a cached call's host
+// time). The block belongs to the stream current at the call, as with at::empty.
+inline at::Tensor empty_on(c10::DeviceIndex device, at::ScalarType dtype, at::IntArrayRef size) {
+  return at::Tensor(at::detail::empty_cuda(size, dtype, c10::Device(c10::DeviceType::CUDA, device), std::nullopt));
 }
 
 // Invariants of a tensor the Python side allocated or validated: a CUDA tensor of `device`, contiguous.
