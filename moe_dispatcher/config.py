@@ -224,7 +224,6 @@ def default_num_sms(num_ranks: int, nvlink: bool = True, hidden_bytes: int = 716
     return _default_num_sms(num_ranks, bool(nvlink), hidden_bytes * tokens)
 
 
-@functools.lru_cache(maxsize=256)
 def _default_num_sms(num_ranks: int, nvlink: bool, payload: int) -> int:
     sweeps = NUM_SMS_SWEEPS.get((num_ranks, nvlink))
     if not sweeps:
