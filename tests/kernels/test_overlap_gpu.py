@@ -81,7 +81,8 @@ def test_overlap_bench_runs(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "moe_dispatcher.bench", "--mode", "overlap", "--backend", "kernels",
                            "--num-ranks", "2", "--quick", "--num-sms", "4,8", "--json", str(tmp_path / "r.json")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, (f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\n"
+                                  f"stderr:\n{proc.stderr[-4000:]}")
     assert "## Overlap: GEMMs beside the exchange" in proc.stdout and "(default)" in proc.stdout
     doc = json.loads((tmp_path / "r.json").read_text())
     summary = [r for r in doc["records"] if r["section"] == "overlap-summary"]

@@ -160,10 +160,12 @@ def test_overlap_mode(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "moe_dispatcher.bench", *OVERLAP_ARGS, "--json",
                            str(tmp_path / "r.json"), "--out-dir", str(tmp_path / "dir")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, (f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\n"
+                                  f"stderr:\n{proc.stderr[-4000:]}")
     default = default_num_sms(2, True, 256 * 2, 64)
     for text in ("== overlap mode: 2 ranks", "## Overlap: GEMMs beside the exchange",
-                 "gloo all_to_all_single, same rows", f"ours, {default} SMs (default)", "efficiency", "GEMM slowdown", "nothing overlaps",
+                 "gloo all_to_all_single, same rows", f"ours, {default} SMs (default)", "efficiency",
+                 "GEMM slowdown", "nothing overlaps",
                  "num_sms rule point (config.NUM_SMS_SWEEPS): (2, True): {64 * 512: {"):
         assert text in proc.stdout, f"{text!r} missing from the output:\n{proc.stdout[-3000:]}"
     doc = json.loads((tmp_path / "r.json").read_text())
