@@ -202,7 +202,8 @@ def is_default_num_sms(value: int) -> bool:
     return type(value) is DefaultNumSms
 
 
-def _sweep_pick(times_us: dict) -> int:
+def smallest_at_ceiling(times_us: dict) -> int:
+    """The smallest SM count of one sweep {num_sms: time} whose time is within 1/NUM_SMS_CEILING of the best."""
     best = min(times_us.values())
     return min(sms for sms, t in times_us.items() if t <= best / NUM_SMS_CEILING)
 
@@ -229,7 +230,7 @@ def _default_num_sms(num_ranks: int, nvlink: bool, payload: int) -> int:
     if not sweeps:
         return NUM_SMS_FALLBACK
     nearest = min(sweeps, key=lambda size: abs(math.log(size / payload)))
-    return _sweep_pick(sweeps[nearest])
+    return smallest_at_ceiling(sweeps[nearest])
 
 
 def default_num_sms_bound(num_ranks: int) -> int:
@@ -237,6 +238,6 @@ def default_num_sms_bound(num_ranks: int) -> int:
     Buffer.get_dispatch_config / get_combine_config while Buffer.num_sms is the default, so a Buffer sized from
     them holds the rings of every default choice."""
     check_count("num_ranks", num_ranks, 1)
-    picks = [_sweep_pick(times) for (ranks, _), sweeps in NUM_SMS_SWEEPS.items() if ranks == num_ranks
+    picks = [smallest_at_ceiling(times) for (ranks, _), sweeps in NUM_SMS_SWEEPS.items() if ranks == num_ranks
              for times in sweeps.values()]
     return max([NUM_SMS_FALLBACK] + picks)

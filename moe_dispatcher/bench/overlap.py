@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..buffer import Buffer
-from ..config import Config, _sweep_pick, default_num_sms, get_combine_config, get_dispatch_config
+from ..config import Config, smallest_at_ceiling, default_num_sms, get_combine_config, get_dispatch_config
 from ..topology import Topology
 from .common import Context, make_record
 from .normal import Workload, nvl_bytes
@@ -157,8 +157,12 @@ def nccl_group(ctx: Context):
     """An NCCL group of every rank whose internal stream is high priority (the process group elsewhere)."""
     if str(dist.get_backend(ctx.group)) != "nccl":
         return ctx.group
-    options = dist.ProcessGroupNCCL.Options()
-    options.is_high_priority_stream = True
+    try:
+        options = dist.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = True
+    except (AttributeError, RuntimeError) as exc:  # the same outcome on every rank: no group is made anywhere
+        ctx.note(f"NCCL runs on the process group's own stream: no high-priority options ({type(exc).__name__})")
+        return ctx.group
     return dist.new_group(list(range(ctx.num_ranks)), backend="nccl", pg_options=options)
 
 
@@ -265,6 +269,6 @@ def _rule_point(ctx: Context, buffer: Buffer, default: int) -> None:
     if len(ours) < 2:
         return
     key = (ctx.num_ranks, buffer.topology.is_single_domain)
-    pick = _sweep_pick(ours)
+    pick = smallest_at_ceiling(ours)
     ctx.note(f"num_sms rule point (config.NUM_SMS_SWEEPS): {key}: {{{o.tokens} * {o.hidden * 2}: {ours}}}; the rule "
              f"would choose {pick} from it (the table's choice now: {default})")
