@@ -15,6 +15,7 @@
 
 #include "bindings.h"
 #include "bindings/cached_call.h"
+#include "bindings/layout_call.h"
 #include "bindings/stream_join.h"
 #include "ipc_bindings.h"
 #include "kernels/common/layout.h"
@@ -128,19 +129,6 @@ std::string phase_name(int phase) {
 py::object timeout_info(const IpcBuffer& b) { return mailbox_timeout_info(b, phase_name); }
 
 int num_forward(const IpcBuffer& b) { return b.host_mailbox()->num_forward; }
-
-void layout(const at::Tensor& topk_idx, int num_experts, int num_ranks, int nvl_size,
-            const at::Tensor& num_tokens_per_rank, const at::Tensor& num_tokens_per_domain,
-            const at::Tensor& num_tokens_per_expert, const at::Tensor& is_token_in_rank) {
-  const auto device = topk_idx.get_device();
-  expect_cuda(topk_idx, device, "layout: topk_idx");
-  const c10::cuda::CUDAGuard guard(device);
-  RoutingLayoutArgs a{data_of<const int64_t>(topk_idx), static_cast<int>(topk_idx.size(0)),
-                       static_cast<int>(topk_idx.size(1)), num_experts, num_ranks, nvl_size,
-                       data_of<int>(num_tokens_per_rank), data_of<int>(num_tokens_per_domain),
-                       data_of<int>(num_tokens_per_expert), data_of<bool>(is_token_in_rank)};
-  launch_dispatch_layout(a, current_stream(device).stream());
-}
 
 // notify of a fresh dispatch: T = rows of is_token_in_rank, E = elements of num_tokens_per_expert.
 void notify(const Context& ctx, uint64_t timeout_ns, const at::Tensor& is_token_in_rank,
@@ -334,7 +322,7 @@ using CachedCombine = CachedCall<CombineArgs, launch_combine, CallKind::kCombine
 
 // Dispatch along a handle (no top-k, no source indices, the handle's forward mask untouched): x [T, H], scales
 // [T, S] (FP8) or None -> recv_x [rows, H], recv_scales [rows, S]; rows = the handle's recv_src_idx rows.
-std::unique_ptr<CachedDispatch> make_cached_dispatch(const Context& ctx, const IpcBuffer& ipc, const CommStream& comm,
+std::unique_ptr<CachedDispatch> make_cached_dispatch(const Context& ctx, const IpcBuffer& ipc, CommStream& comm,
                                                      uint64_t timeout_ns, const py::tuple& handle,
                                                      const at::Tensor& recv_channel_offset,
                                                      const at::Tensor& fwd_offset, const at::Tensor& x,
@@ -362,7 +350,7 @@ std::unique_ptr<CachedDispatch> make_cached_dispatch(const Context& ctx, const I
 
 // Combine along a handle: x [rows, H] bf16/fp16/fp32, topk_weights float32 [rows, K] when given -> out [T, H],
 // out_topk_weights float32 [T, K].
-std::unique_ptr<CachedCombine> make_cached_combine(const Context& ctx, const IpcBuffer& ipc, const CommStream& comm,
+std::unique_ptr<CachedCombine> make_cached_combine(const Context& ctx, const IpcBuffer& ipc, CommStream& comm,
                                                    uint64_t timeout_ns, const py::tuple& handle,
                                                    const at::Tensor& recv_channel_offset, const at::Tensor& fwd_offset,
                                                    const at::Tensor& fwd_mask, int fwd_capacity, const at::Tensor& x,
@@ -406,9 +394,8 @@ void register_internode(py::module_& m) {
       py::arg("num_ranks"), py::arg("nvl_size"), py::arg("num_rdma_bytes"), py::arg("num_nvl_bytes"));
   sub.def("timeout_info", &timeout_info, py::arg("ipc"));
   sub.def("num_forward", &num_forward, py::arg("ipc"));
-  sub.def("layout", &layout, py::arg("topk_idx"), py::arg("num_experts"), py::arg("num_ranks"), py::arg("nvl_size"),
-          py::arg("num_tokens_per_rank"), py::arg("num_tokens_per_domain"), py::arg("num_tokens_per_expert"),
-          py::arg("is_token_in_rank"));
+  sub.def("layout_call", &layout_call, py::arg("topk_idx"), py::arg("num_experts"), py::arg("num_ranks"),
+          py::arg("nvl_size"));
   sub.def("notify", &notify, py::arg("ctx"), py::arg("timeout_ns"), py::arg("is_token_in_rank"),
           py::arg("num_tokens_per_rank"), py::arg("num_tokens_per_expert"), py::arg("num_channels"),
           py::arg("expert_alignment"), py::arg("num_worst_tokens"), py::arg("seq"), py::arg("rank_prefix_matrix"),
@@ -421,10 +408,10 @@ void register_internode(py::module_& m) {
   // keep_alive: a plan holds raw pointers to the IpcBuffer and the comm stream (the Context is copied into it).
   py::class_<CachedDispatch>(sub, "CachedDispatch")
       .def("run", &CachedDispatch::run, py::arg("handle"), py::arg("x"), py::arg("scales"), py::arg("config"),
-           py::arg("num_sms"), py::arg("join"));
+           py::arg("num_sms"), py::arg("mode"));
   py::class_<CachedCombine>(sub, "CachedCombine")
       .def("run", &CachedCombine::run, py::arg("handle"), py::arg("x"), py::arg("topk_weights"), py::arg("config"),
-           py::arg("num_sms"), py::arg("join"));
+           py::arg("num_sms"), py::arg("mode"));
   sub.def("cached_dispatch", &make_cached_dispatch, py::arg("ctx"), py::arg("ipc"), py::arg("comm"),
           py::arg("timeout_ns"), py::arg("handle"), py::arg("recv_channel_offset"), py::arg("fwd_offset"), py::arg("x"),
           py::arg("scales"), py::arg("geometry"), py::arg("config"), py::arg("num_sms"), py::keep_alive<0, 2>(),

@@ -16,6 +16,7 @@
 
 #include "bindings.h"
 #include "bindings/cached_call.h"
+#include "bindings/layout_call.h"
 #include "bindings/stream_join.h"
 #include "ipc_bindings.h"
 #include "kernels/common/layout.h"
@@ -109,19 +110,6 @@ int combine_dtype(const at::Tensor& x) {
 
 int row_bytes(const at::Tensor& t) { return static_cast<int>(t.size(1) * t.element_size()); }
 int columns(const c10::optional<at::Tensor>& t) { return t.has_value() ? static_cast<int>(t->size(1)) : 0; }
-
-void layout(const at::Tensor& topk_idx, int num_experts, int num_ranks, const at::Tensor& num_tokens_per_rank,
-            const at::Tensor& num_tokens_per_expert, const at::Tensor& is_token_in_rank) {
-  const auto device = topk_idx.get_device();
-  expect_cuda(topk_idx, device, "topk_idx");
-  const c10::cuda::CUDAGuard guard(device);
-  // One NVLink domain: no per-domain counts.
-  RoutingLayoutArgs a{data_of<const int64_t>(topk_idx), static_cast<int>(topk_idx.size(0)),
-                       static_cast<int>(topk_idx.size(1)), num_experts, num_ranks, num_ranks,
-                       data_of<int>(num_tokens_per_rank), nullptr, data_of<int>(num_tokens_per_expert),
-                       data_of<bool>(is_token_in_rank)};
-  launch_dispatch_layout(a, current_stream(device).stream());
-}
 
 // notify of a fresh dispatch: T = rows of is_token_in_rank, E = elements of num_tokens_per_expert; em_layout
 // (expert-major dispatch) receives the layout table.
@@ -374,7 +362,7 @@ using CachedCombine = CachedCall<CombineArgs, launch_combine, CallKind::kCombine
 
 // Dispatch along a handle (no top-k, no source indices: what a cached dispatch sends): x [T, H], scales [T, S]
 // (FP8) or None -> recv_x [rows, H], recv_scales [rows, S]; rows = the handle's recv_src_idx rows.
-std::unique_ptr<CachedDispatch> make_cached_dispatch(const IpcBuffer& b, const CommStream& comm, uint64_t timeout_ns,
+std::unique_ptr<CachedDispatch> make_cached_dispatch(const IpcBuffer& b, CommStream& comm, uint64_t timeout_ns,
                                                      const py::tuple& handle, const at::Tensor& recv_channel_offset,
                                                      const at::Tensor& x, const c10::optional<at::Tensor>& scales,
                                                      int num_channels, int chunk, int num_slots, int slot_bytes,
@@ -403,7 +391,7 @@ std::unique_ptr<CachedDispatch> make_cached_dispatch(const IpcBuffer& b, const C
 
 // Combine along a handle: x [rows, H] bf16/fp16/fp32, topk_weights float32 [rows, K] when given -> out [T, H],
 // out_topk_weights float32 [T, K].
-std::unique_ptr<CachedCombine> make_cached_combine(const IpcBuffer& b, const CommStream& comm, uint64_t timeout_ns,
+std::unique_ptr<CachedCombine> make_cached_combine(const IpcBuffer& b, CommStream& comm, uint64_t timeout_ns,
                                                    const py::tuple& handle, const at::Tensor& recv_channel_offset,
                                                    const at::Tensor& x, const c10::optional<at::Tensor>& topk_weights,
                                                    int num_channels, int chunk, int num_slots, int slot_bytes,
@@ -460,14 +448,16 @@ void register_intranode(py::module_& m) {
       .def("take_worst_overflow", &take_worst_overflow);
 
   py::class_<CommStream>(sub, "CommStream")
-      .def(py::init<const c10::Stream&>(), py::arg("stream"));
+      .def(py::init<const c10::Stream&>(), py::arg("stream"))
+      .def("enter_full_path", &CommStream::enter_full_path, py::arg("joined_any"), py::arg("joined"))
+      .def("caller_joined", &CommStream::caller_joined, py::arg("caller"));
   // keep_alive: a plan holds raw pointers to the buffer and the comm stream.
   py::class_<CachedDispatch>(sub, "CachedDispatch")
       .def("run", &CachedDispatch::run, py::arg("handle"), py::arg("x"), py::arg("scales"), py::arg("config"),
-           py::arg("num_sms"), py::arg("join"));
+           py::arg("num_sms"), py::arg("mode"));
   py::class_<CachedCombine>(sub, "CachedCombine")
       .def("run", &CachedCombine::run, py::arg("handle"), py::arg("x"), py::arg("topk_weights"), py::arg("config"),
-           py::arg("num_sms"), py::arg("join"));
+           py::arg("num_sms"), py::arg("mode"));
   sub.def("cached_dispatch", &make_cached_dispatch, py::arg("buffer"), py::arg("comm"), py::arg("timeout_ns"),
           py::arg("handle"), py::arg("recv_channel_offset"), py::arg("x"), py::arg("scales"), py::arg("num_channels"),
           py::arg("chunk"), py::arg("num_slots"), py::arg("slot_bytes"), py::arg("config"), py::arg("num_sms"),
@@ -477,8 +467,8 @@ void register_intranode(py::module_& m) {
           py::arg("num_channels"), py::arg("chunk"), py::arg("num_slots"), py::arg("slot_bytes"), py::arg("config"),
           py::arg("num_sms"), py::keep_alive<0, 1>(), py::keep_alive<0, 2>());
 
-  sub.def("layout", &layout, py::arg("topk_idx"), py::arg("num_experts"), py::arg("num_ranks"),
-          py::arg("num_tokens_per_rank"), py::arg("num_tokens_per_expert"), py::arg("is_token_in_rank"));
+  sub.def("layout_call", &layout_call, py::arg("topk_idx"), py::arg("num_experts"), py::arg("num_ranks"),
+          py::arg("nvl_size"));
   sub.def("notify", &notify, py::arg("buffer"), py::arg("timeout_ns"), py::arg("is_token_in_rank"),
           py::arg("num_tokens_per_rank"), py::arg("num_tokens_per_expert"), py::arg("num_channels"),
           py::arg("expert_alignment"), py::arg("num_worst_tokens"), py::arg("seq"), py::arg("rank_prefix_matrix"),

@@ -59,6 +59,13 @@ class Backend:
     name: str = "backend"
     capabilities: Capabilities = Capabilities()
     num_ranks: int  # ranks of the Buffer's group
+    # Compiled normal-mode backends: their native CommStream (csrc/bindings/stream_join.h), which orders every
+    # launch that uses the Buffer after the previous one; the Buffer's full path tells it where it launches.
+    launch_order = None
+    # Compiled normal-mode backends: get_dispatch_layout as one native call, layout_call(topk_idx, num_experts,
+    # *layout_args) -> the layout, or None for arguments it does not take (csrc/bindings/layout_call.h).
+    layout_call = None
+    layout_args: tuple = ()
 
     # ------------------------------------------------------------------ normal mode
     def get_dispatch_layout(self, topk_idx: Tensor, num_experts: int):

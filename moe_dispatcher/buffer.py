@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from . import _ext
 from . import config as _config
-from .compiled import JOIN_BEFORE, JOIN_BOTH, HandleState, buffer_view
+from .compiled import LAUNCH_ASYNC, LAUNCH_SYNC, HandleState, buffer_view
 from .backend import Backend, Capabilities
 from .config import Config
 from .env import env_choice
@@ -292,11 +292,15 @@ class Buffer:
                              "the work that produced the inputs)")
         compute = torch.cuda.current_stream(device.index if device.index is not None else None)
         comm = self._comm_stream if self._comm_stream is not None else self.get_comm_stream()
-        if previous_event is not None and previous_event.event is not None:
+        joined = previous_event is None or previous_event.event is None
+        if not joined:
             comm.wait_event(previous_event.event)
         else:
             self._sync_event(0).record(compute)
             comm.wait_event(self._sync_event(0))
+        order = self._kernels.launch_order if self._kernels is not None else None
+        if order is not None:  # the kernels' launches on the comm stream follow the latest one (stream_join.h)
+            order.enter_full_path(joined, compute.cuda_stream)
         torch.cuda.set_stream(comm)
         try:
             results = run()
@@ -317,6 +321,8 @@ class Buffer:
         done = self._sync_event(1)
         done.record(comm)
         compute.wait_event(done)
+        if order is not None:
+            order.caller_joined(compute.cuda_stream)
         return results, EventOverlap()
 
     def _sync_event(self, i: int) -> torch.cuda.Event:
@@ -390,6 +396,15 @@ class Buffer:
         Returns (num_tokens_per_rank int32 [R], num_tokens_per_rdma_rank int32 [D] or None for one domain,
         num_tokens_per_expert int32 [E], is_token_in_rank bool [T, R], EventOverlap).
         """
+        # Fast path: a synchronous layout on the compiled backend is one native call on the caller's stream (it
+        # uses no Buffer memory, so it needs no launch order); it answers None for arguments it does not take,
+        # and the full path below validates them.
+        if previous_event is None and not async_finish and not allocate_on_comm_stream and type(topk_idx) is Tensor:
+            kernels = self._kernels
+            if kernels is not None and kernels.layout_call is not None and type(num_experts) is int:
+                out = kernels.layout_call(topk_idx, num_experts, *kernels.layout_args)
+                if out is not None:
+                    return (*out, EventOverlap())
         try:
             self._check_alive()
             check_num_experts(num_experts, self.group_size)
@@ -447,16 +462,16 @@ class Buffer:
                 and topk_weights is None and type(handle) is DispatchHandle and handle.buffer_token == self._token
                 and type(handle.backend_state) is HandleState and type(expert_alignment) is int
                 and expert_alignment == 1 and type(num_worst_tokens) is int and num_worst_tokens == 0):
-            join = JOIN_BEFORE if async_finish else JOIN_BOTH
+            mode = LAUNCH_ASYNC if async_finish else LAUNCH_SYNC
             if type(x) is Tensor:
                 plan = handle.backend_state.dispatch_plans[0]
-                out = plan.run(handle, x, None, config, self.num_sms, join) if plan is not None else None
+                out = plan.run(handle, x, None, config, self.num_sms, mode) if plan is not None else None
                 if out is not None:
                     return out[0], None, None, None, None, (EventOverlap(out[2], (x, out[0])) if async_finish
                                                             else EventOverlap())
             elif type(x) is tuple and len(x) == 2 and type(x[0]) is Tensor and type(x[1]) is Tensor:
                 plan = handle.backend_state.dispatch_plans[1]
-                out = plan.run(handle, x[0], x[1], config, self.num_sms, join) if plan is not None else None
+                out = plan.run(handle, x[0], x[1], config, self.num_sms, mode) if plan is not None else None
                 if out is not None:
                     return (out[0], out[1]), None, None, None, None, (EventOverlap(out[2], (*x, out[0], out[1]))
                                                                        if async_finish else EventOverlap())
@@ -526,8 +541,8 @@ class Buffer:
                 and type(x) is Tensor and (topk_weights is None or type(topk_weights) is Tensor)):
             plan = handle.backend_state.combine_plans[topk_weights is not None]
             if plan is not None:
-                join = JOIN_BEFORE if async_finish else JOIN_BOTH
-                out = plan.run(handle, x, topk_weights, config, self.num_sms, join)
+                mode = LAUNCH_ASYNC if async_finish else LAUNCH_SYNC
+                out = plan.run(handle, x, topk_weights, config, self.num_sms, mode)
                 if out is not None:
                     if not async_finish:
                         return out[0], out[1], EventOverlap()

@@ -10,6 +10,7 @@ What is timed, per library, with the same shapes, routing and call arguments (bo
                      low_latency_combine of a bf16 [L, R*128, H] expert output: neither async nor hooked, so each
                      call makes the current stream wait for its kernel (DeepEP's default). "LL dispatch" and
                      "LL combine" are the two calls of the same pairs, timed separately.
+  layout             buffer.get_dispatch_layout(topk_idx, 256) of the same routing;
   cached dispatch    buffer.dispatch(x, handle=h): normal mode, BF16 [T, H], along the handle of a fresh dispatch
                      (T = 128, the shape of tools/host_profile.py and of the 9-10 us measured there, and 4096);
   combine            buffer.combine(y, h), y = the received rows;
@@ -135,6 +136,8 @@ def measure_normal(lib, group, rank: int, world: int, tokens: int, args) -> dict
         y = recv_x.clone()
         calls = args.calls if tokens <= 1024 else max(100, args.calls // 4)
         out = {}
+        out.update(time_calls({f"layout T={tokens}": lambda: buf.get_dispatch_layout(idx, EXPERTS)}, calls,
+                              args.warmup))
         out.update(time_calls({f"cached dispatch T={tokens}": lambda: buf.dispatch(x, handle=handle)},
                               calls, args.warmup))
         out.update(time_calls({f"combine T={tokens}": lambda: buf.combine(y, handle)}, calls, args.warmup))

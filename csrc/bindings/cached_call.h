@@ -62,7 +62,7 @@ enum class CallKind { kDispatch, kCombine };
 template <class Args, void (*Launch)(const Args&, cudaStream_t), CallKind kKind>
 class CachedCall {
  public:
-  CachedCall(const IpcBuffer& b, const CommStream& comm, const pybind11::tuple& handle,
+  CachedCall(const IpcBuffer& b, CommStream& comm, const pybind11::tuple& handle,
              std::vector<at::Tensor> routing, const Args& a, TensorSpec input, c10::optional<TensorSpec> aux,
              TensorSpec output, c10::optional<TensorSpec> aux_output, pybind11::object config, int num_sms)
       : a_(a), buffer_(&b), comm_(&comm), input_(input), aux_(aux), output_(output), aux_output_(aux_output),
@@ -75,31 +75,33 @@ class CachedCall {
   }
 
   // The call: (output, aux output or None, CommEvent or None), or None when the arguments are not those the plan
-  // was made for, or the backend may no longer launch. join (Join): kJoinNone launches on the current stream
-  // (the full path, inside the Buffer's stream scope); kJoinBoth / kJoinBefore launch on the comm stream, joined
-  // to the caller's (a synchronous call / async_finish). Outputs are allocated on the current stream: the
-  // caller's (fast path) or the comm stream the Buffer made current (full path, which records them on the
-  // caller's stream afterwards).
+  // was made for, or the backend may no longer launch. mode (LaunchMode, stream_join.h): kOnCurrent launches on
+  // the current stream (the full path, inside the Buffer's stream scope, which ordered it); kSync on the
+  // caller's stream; kAsync on the comm stream, after the caller's, returning the event. Outputs are allocated
+  // on the current stream: the caller's (fast path) or the comm stream the Buffer made current (full path,
+  // which records them on the caller's stream afterwards).
   pybind11::object run(const pybind11::handle& handle, const at::Tensor& x, const c10::optional<at::Tensor>& aux,
-                       const pybind11::handle& config, int num_sms, int join) {
+                       const pybind11::handle& config, int num_sms, int mode) {
     if (!matches(handle, x, aux, config, num_sms) || !usable(*buffer_)) return pybind11::none();
-    MOE_CHECK(join >= kJoinNone && join <= kJoinBoth, "bad stream join");
+    MOE_CHECK(mode >= kOnCurrent && mode <= kSync, "bad launch mode");
     const c10::DeviceIndex device = comm_->device();
     const c10::cuda::CUDAGuard guard(device);
     const c10::cuda::CUDAStream caller = current_stream(device);
-    if (join != kJoinNone) comm_->wait_for(caller);
+    if (mode == kAsync) {
+      comm_->enter_async(caller);
+    } else if (mode == kSync) {
+      comm_->enter_sync(caller);
+    }
     at::Tensor out = at::empty({output_.rows, output_.cols}, x.options().dtype(output_.dtype));
     c10::optional<at::Tensor> aux_out;
     if (aux_output_.has_value()) {
       aux_out = at::empty({aux_output_->rows, aux_output_->cols}, x.options().dtype(aux_output_->dtype));
     }
     set_tensors(a_, x, aux, out, aux_out);
-    const c10::cuda::CUDAStream& stream = join == kJoinNone ? caller : comm_->stream();
+    const c10::cuda::CUDAStream& stream = mode == kAsync ? comm_->stream() : caller;
     Launch(a_, stream.stream());
     pybind11::object event = pybind11::none();
-    if (join == kJoinBoth) {
-      comm_->then(caller);
-    } else if (join == kJoinBefore) {
+    if (mode == kAsync) {
       // The comm stream uses the inputs and outputs until the event: a free before it must not hand their
       // blocks to other work (the EventOverlap also keeps them referenced).
       record_on(x, stream);
@@ -156,7 +158,7 @@ class CachedCall {
 
   Args a_;
   const IpcBuffer* buffer_;
-  const CommStream* comm_;
+  CommStream* comm_;
   TensorSpec input_;
   c10::optional<TensorSpec> aux_;
   TensorSpec output_;

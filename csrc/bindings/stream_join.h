@@ -71,24 +71,38 @@ class CommEvent {
   c10::cuda::CUDAEvent event_;
 };
 
-// A Buffer's comm stream and two events made once and re-recorded by every synchronous cached call: a stream
-// wait captures the event as it is when the wait is enqueued, so re-recording cannot affect waits already
-// queued. How a launch is ordered against the caller's stream (moe_dispatcher/compiled/__init__.py, JOIN_*):
-//   kJoinNone    nothing: launch on the current stream (the Buffer made the comm stream current and ordered it);
-//   kJoinBefore  the comm stream waits for the work queued on the caller's stream so far (async_finish);
-//   kJoinBoth    as kJoinBefore, then the caller's stream waits for the launch (a synchronous call).
-enum Join : int { kJoinNone = 0, kJoinBefore = 1, kJoinBoth = 2 };
+// How a normal-mode launch is placed (moe_dispatcher/compiled/__init__.py, LAUNCH_*):
+//   kOnCurrent  on the current stream, as it is: the full path, inside Buffer._stream_scope, which made the comm
+//               stream current after ordering it (CommStream::enter_full_path);
+//   kAsync      on the comm stream, after the work queued on the caller's stream so far (async_finish): the
+//               caller gets an event;
+//   kSync       on the caller's stream itself (a synchronous call): what the caller queues next runs after it
+//               by stream order, with no event record or wait on the host (the cost of a cached call is its
+//               launch, not its joins).
+enum LaunchMode : int { kOnCurrent = 0, kAsync = 1, kSync = 2 };
 
+// A Buffer's comm stream, and the launch order of the kernels that use the Buffer's memory.
+//
+// Launch order: two kernels that use the same Buffer must not run at the same time (they share its rings and
+// counters), so each launch is enqueued after the previous one. Launches go to different streams (synchronous
+// calls to the caller's, async ones to the comm stream), so the stream of the latest launch is kept (last_):
+// a launch on another stream first makes that stream wait for last_ (one event record and wait, only when the
+// stream changes; none in a steady loop on one stream). Invariant: every launch so far is ordered before the
+// work queued on last_ from now on.
+// Graph capture: a capturing stream may only wait for work of its own capture, so a switch between a stream
+// in capture and one outside it (or in another capture) is not joined; the graph's launches are ordered
+// against eager ones by how the caller orders the replay (as for any captured work). The events are made
+// once and re-recorded: a stream wait captures the event as it is when the wait is enqueued.
 class CommStream {
  public:
   explicit CommStream(const c10::Stream& comm) : comm_(comm) {
     const c10::cuda::CUDAGuard guard(comm_.device_index());
-    MOE_CUDA_CHECK(cudaEventCreateWithFlags(&before_, cudaEventDisableTiming));
-    MOE_CUDA_CHECK(cudaEventCreateWithFlags(&after_, cudaEventDisableTiming));
+    MOE_CUDA_CHECK(cudaEventCreateWithFlags(&caller_done_, cudaEventDisableTiming));
+    MOE_CUDA_CHECK(cudaEventCreateWithFlags(&handoff_, cudaEventDisableTiming));
   }
   ~CommStream() {
-    cudaEventDestroy(before_);
-    cudaEventDestroy(after_);
+    cudaEventDestroy(caller_done_);
+    cudaEventDestroy(handoff_);
   }
   CommStream(const CommStream&) = delete;
   CommStream& operator=(const CommStream&) = delete;
@@ -96,20 +110,51 @@ class CommStream {
   c10::DeviceIndex device() const { return comm_.device_index(); }
   const c10::cuda::CUDAStream& stream() const { return comm_; }
 
-  // The comm stream waits for what `caller` queued so far.
-  void wait_for(const c10::cuda::CUDAStream& caller) const {
-    MOE_CUDA_CHECK(cudaEventRecord(before_, caller.stream()));
-    MOE_CUDA_CHECK(cudaStreamWaitEvent(comm_.stream(), before_, 0));
+  // An async_finish launch: the comm stream waits for what `caller` queued so far (the inputs) and for the
+  // latest launch, and becomes the stream of the latest launch.
+  void enter_async(const c10::cuda::CUDAStream& caller) {
+    MOE_CUDA_CHECK(cudaEventRecord(caller_done_, caller.stream()));
+    MOE_CUDA_CHECK(cudaStreamWaitEvent(comm_.stream(), caller_done_, 0));
+    follow(comm_.stream(), caller.stream());
   }
-  // `caller` waits for what the comm stream queued so far.
-  void then(const c10::cuda::CUDAStream& caller) const {
-    MOE_CUDA_CHECK(cudaEventRecord(after_, comm_.stream()));
-    MOE_CUDA_CHECK(cudaStreamWaitEvent(caller.stream(), after_, 0));
+  // A synchronous launch on `caller`: it waits for the latest launch if that was on another stream.
+  void enter_sync(const c10::cuda::CUDAStream& caller) { follow(caller.stream(), nullptr); }
+  // The full path (Buffer._stream_scope) launches on the comm stream, which it made wait for the stream
+  // `joined` when joined_any (not when it waited for previous_event instead). Streams come as their
+  // cudaStream_t value (torch.cuda.Stream.cuda_stream; 0 is the legacy default stream).
+  void enter_full_path(bool joined_any, uintptr_t joined) {
+    follow(comm_.stream(), joined_any ? reinterpret_cast<cudaStream_t>(joined) : comm_.stream());
+  }
+  // The full path of a synchronous call made `caller` wait for the comm stream after its launches: the next
+  // launch may follow `caller` (so a synchronous cached call after it needs no join).
+  void caller_joined(uintptr_t caller) {
+    if (has_last_ && last_ == comm_.stream()) last_ = reinterpret_cast<cudaStream_t>(caller);
   }
 
  private:
+  // Order the next launch, on `next`, after the latest one; `joined`: a stream `next` already waits for.
+  void follow(cudaStream_t next, cudaStream_t joined) {
+    if (has_last_ && last_ != next && last_ != joined && same_capture(last_, next)) {
+      MOE_CUDA_CHECK(cudaEventRecord(handoff_, last_));
+      MOE_CUDA_CHECK(cudaStreamWaitEvent(next, handoff_, 0));
+    }
+    last_ = next;
+    has_last_ = true;
+  }
+  // Whether a wait of b for a may be enqueued: both outside capture, or both in the same capture.
+  static bool same_capture(cudaStream_t a, cudaStream_t b) {
+    cudaStreamCaptureStatus sa, sb;
+    unsigned long long ida = 0, idb = 0;
+    MOE_CUDA_CHECK(cudaStreamGetCaptureInfo(a, &sa, &ida));
+    MOE_CUDA_CHECK(cudaStreamGetCaptureInfo(b, &sb, &idb));
+    if (sa != sb) return false;
+    return sa != cudaStreamCaptureStatusActive || ida == idb;
+  }
+
   c10::cuda::CUDAStream comm_;
-  cudaEvent_t before_ = nullptr, after_ = nullptr;
+  cudaEvent_t caller_done_ = nullptr, handoff_ = nullptr;
+  cudaStream_t last_ = nullptr;  // the stream of the latest launch that used the Buffer (when has_last_)
+  bool has_last_ = false;
 };
 
 }  // namespace moe_ep

@@ -29,11 +29,12 @@ def kernel_timeout_s() -> float:
     return env_float(TIMEOUT_ENV, DEFAULT_TIMEOUT_S, greater_than=0)
 
 
-# How a cached call's plan orders its launch against the caller's stream (Join in csrc/bindings/stream_join.h):
-# not at all, launching on the current stream (the full path: the Buffer made the comm stream current after
-# ordering it), the comm stream waits for the caller's stream first (async_finish), or also the caller's stream
-# waits for the launch (a synchronous call).
-JOIN_NONE, JOIN_BEFORE, JOIN_BOTH = 0, 1, 2
+# Where a cached call's plan launches (LaunchMode in csrc/bindings/stream_join.h): on the current stream as it is
+# (the full path: the Buffer made the comm stream current after ordering it), on the comm stream after the
+# caller's stream (async_finish: the call returns an event), or on the caller's stream itself (a synchronous
+# call: no event to record or wait for). Every launch that uses a Buffer is ordered after the previous one by
+# the backend's CommStream, whichever stream each went to.
+LAUNCH_CURRENT, LAUNCH_ASYNC, LAUNCH_SYNC = 0, 1, 2
 
 
 class HandleState:
@@ -67,10 +68,10 @@ def run_cached(backend, plans: list, kind: int, make: Callable, handle, x: torch
     backend.refused(). -> (output, aux output or None)."""
     num_sms = backend._buffer_cls.num_sms
     plan = plans[kind]
-    result = plan.run(handle, x, aux, config, num_sms, JOIN_NONE) if plan is not None else None
+    result = plan.run(handle, x, aux, config, num_sms, LAUNCH_CURRENT) if plan is not None else None
     if result is None:
         plan = plans[kind] = make(x, aux, handle, config)
-        result = plan.run(handle, x, aux, config, num_sms, JOIN_NONE)
+        result = plan.run(handle, x, aux, config, num_sms, LAUNCH_CURRENT)
         if result is None:
             backend.refused()
     return result[0], result[1]

@@ -74,6 +74,8 @@ class InternodeBackend(Backend):
         self._ipc.open_peers([gathered[r][0] for r in topo.domain_ranks()])
         # The Buffer's comm stream, with the events that join it to the caller's stream in cached calls.
         self._comm = self._intra.CommStream(buffer.get_comm_stream())
+        self.launch_order = self._comm
+        self.layout_call, self.layout_args = self._mod.layout_call, (self.num_ranks, self.nvl_size)
         single_host = len({g[1] for g in gathered}) == 1  # only chooses NVSHMEM's transports (P2P here)
         from ..runtime import nvshmem
         self._state = nvshmem.bootstrap(self.group, self.device.index, single_host=single_host)
@@ -139,15 +141,11 @@ class InternodeBackend(Backend):
     # ------------------------------------------------------------------ layout
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
         self._check()
-        topk_idx = topk_idx.contiguous()
-        t, k = topk_idx.shape
-        r, dev = self.num_ranks, topk_idx.device
-        per_rank = torch.zeros(r, dtype=torch.int32, device=dev)
-        per_domain = torch.zeros(self.num_domains, dtype=torch.int32, device=dev)
-        per_expert = torch.zeros(num_experts, dtype=torch.int32, device=dev)
-        in_rank = torch.empty(t, r, dtype=torch.bool, device=dev)
-        self._mod.layout(topk_idx, num_experts, r, self.nvl_size, per_rank, per_domain, per_expert, in_rank)
-        return per_rank, per_domain, per_expert, in_rank
+        out = self.layout_call(topk_idx.contiguous(), num_experts, *self.layout_args)
+        if out is None:  # the Buffer validated topk_idx and num_experts first
+            raise ValueError(f"get_dispatch_layout: topk_idx {tuple(topk_idx.shape)} {topk_idx.dtype} with "
+                             f"{num_experts} experts is not a routing the layout kernel takes")
+        return out
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],

@@ -106,6 +106,8 @@ class IntranodeBackend(Backend):
         self._ipc.open_peers(handles)
         # The Buffer's comm stream, with the events that join it to the caller's stream in cached calls.
         self._comm = self._mod.CommStream(buffer.get_comm_stream())
+        self.launch_order = self._comm
+        self.layout_call, self.layout_args = self._mod.layout_call, (self.num_ranks, self.num_ranks)
         self._seq = 0
         self._broken: Optional[str] = None
         self._rdma_emulation: Optional[torch.Tensor] = None
@@ -166,13 +168,11 @@ class IntranodeBackend(Backend):
     # ------------------------------------------------------------------ layout
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
         self._check()
-        topk_idx = topk_idx.contiguous()
-        t, r, dev = topk_idx.shape[0], self.num_ranks, topk_idx.device
-        per_rank = torch.zeros(r, dtype=torch.int32, device=dev)
-        per_expert = torch.zeros(num_experts, dtype=torch.int32, device=dev)
-        in_rank = torch.empty(t, r, dtype=torch.bool, device=dev)
-        self._mod.layout(topk_idx, num_experts, r, per_rank, per_expert, in_rank)
-        return per_rank, None, per_expert, in_rank
+        out = self.layout_call(topk_idx.contiguous(), num_experts, *self.layout_args)
+        if out is None:  # the Buffer validated topk_idx and num_experts first
+            raise ValueError(f"get_dispatch_layout: topk_idx {tuple(topk_idx.shape)} {topk_idx.dtype} with "
+                             f"{num_experts} experts is not a routing the layout kernel takes")
+        return out
 
     # ------------------------------------------------------------------ dispatch
     def _notify(self, is_token_in_rank: torch.Tensor, num_tokens_per_rank: torch.Tensor,

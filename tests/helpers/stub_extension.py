@@ -18,7 +18,7 @@ import torch
 
 # DispatchHandle fields a plan depends on, by position (HandleField in csrc/intranode_bindings.cpp).
 _IS_TOKEN_IN_RANK, _RECV_SRC_IDX, _NUM_TOKENS, _NUM_WORST_TOKENS = 1, 2, 4, 5
-JOIN_BEFORE = 1
+LAUNCH_ASYNC = 1
 
 
 class StubEvent:
@@ -36,7 +36,7 @@ class StubEvent:
 
 def stub_intranode(rows: int) -> types.SimpleNamespace:
     """The stub module; its notify reports `rows` received rows. `launches` lists (kind, args) of every launch
-    (plans: (kind, (x, aux, output, aux output, join))), `plans` (kind, make args) of every plan made."""
+    (plans: (kind, (x, aux, output, aux output, launch mode))), `plans` (kind, make args) of every plan made."""
     launches: List[Tuple[str, tuple]] = []
     plans: List[Tuple[str, tuple]] = []
 
@@ -104,15 +104,15 @@ def stub_intranode(rows: int) -> types.SimpleNamespace:
                 return False
             return aux is None or fits(aux, self.aux)
 
-        def run(self, handle, x, aux, config, num_sms, join):
+        def run(self, handle, x, aux, config, num_sms, mode):
             if not self.matches(handle, x, aux, config, num_sms):
                 return None
             if not self.buffer.alive or self.buffer.timeout is not None:
                 return None  # refused, as the native plans do
             out = torch.empty(self.out[1:], dtype=self.out[0])
             aux_out = torch.empty(self.aux_out[1:], dtype=self.aux_out[0]) if self.aux_out is not None else None
-            launches.append((self.kind, (x, aux, out, aux_out, join)))
-            return out, aux_out, (StubEvent() if join == JOIN_BEFORE else None)
+            launches.append((self.kind, (x, aux, out, aux_out, mode)))
+            return out, aux_out, (StubEvent() if mode == LAUNCH_ASYNC else None)
 
     class CachedDispatch(CachedCall):
         kind = "CachedDispatch"
@@ -139,6 +139,11 @@ def stub_intranode(rows: int) -> types.SimpleNamespace:
         w_out = None if topk_weights is None else (torch.float32, t, topk_weights.shape[1])
         return CachedCombine(buffer, handle, spec(x, x.shape[0]), w, spec(x, t), w_out, config, num_sms)
 
+    def layout_call(topk_idx, num_experts, num_ranks, nvl_size):
+        launches.append(("layout", (topk_idx, num_experts, num_ranks, nvl_size)))
+        return (torch.zeros(num_ranks, dtype=torch.int32), None, torch.zeros(num_experts, dtype=torch.int32),
+                torch.zeros(topk_idx.shape[0], num_ranks, dtype=torch.bool))
+
     def recorder(kind: str) -> Callable:
         def launch(*args, **kwargs) -> None:
             launches.append((kind, args + tuple(kwargs.values())))
@@ -149,7 +154,7 @@ def stub_intranode(rows: int) -> types.SimpleNamespace:
         RINGS_OFFSET=1 << 20, FLAG_LAYOUT_MISMATCH=1, IpcBuffer=IpcBuffer, CommStream=CommStream,
         CachedDispatch=CachedDispatch, CachedCombine=CachedCombine, cached_dispatch=cached_dispatch,
         cached_combine=cached_combine, em_layout_words=lambda r, l: r * l + 3 * l + 1,
-        layout=recorder("layout"), notify=recorder("notify"), dispatch=recorder("dispatch"),
+        layout_call=layout_call, notify=recorder("notify"), dispatch=recorder("dispatch"),
         combine=recorder("combine"), em_permute=recorder("em_permute"), em_unpermute=recorder("em_unpermute"),
         pair_rank=recorder("pair_rank"), launches=launches, plans=plans)
 

@@ -1,9 +1,9 @@
 """The fast path of repeated cached calls (Buffer.dispatch / Buffer.combine calling a handle's native plan), on CPU.
 
 The real Buffer and IntranodeBackend run over the stub extension of tests/helpers/stub_extension.py, whose plans follow
-the native ones (the same "not mine" rules) and record every launch with its stream join: a call took the fast
-path when its plan launched with the joins of a synchronous call (JOIN_BOTH) or of async_finish (JOIN_BEFORE)
-instead of JOIN_NONE (the full path launches inside Buffer._stream_scope).
+the native ones (the same "not mine" rules) and record every launch with its launch mode: a call took the fast
+path when its plan launched as a synchronous call (LAUNCH_SYNC) or as async_finish (LAUNCH_ASYNC)
+instead of LAUNCH_CURRENT (the full path launches inside Buffer._stream_scope).
 Checked: repeated calls skip the checks only when the handle, the tensors' metadata and the config are those a
 plan was made for; anything else (a bad argument above all) takes the full path and raises as before, with
 nothing launched; a recorded timeout or a destroyed buffer still stops every call. And the fresh and expert-major
@@ -19,7 +19,7 @@ import torch.distributed as dist
 from stub_extension import StubEvent, attach_stub_backend
 
 from moe_dispatcher import Buffer, Config
-from moe_dispatcher.compiled import JOIN_BEFORE, JOIN_BOTH, JOIN_NONE
+from moe_dispatcher.compiled import LAUNCH_ASYNC, LAUNCH_CURRENT, LAUNCH_SYNC
 from moe_dispatcher.compiled.intranode import combine_slot_bytes, dispatch_slot_bytes
 
 T, H, E, K = 16, 256, 8, 2
@@ -45,7 +45,7 @@ def world(monkeypatch, tmp_path):
         dist.destroy_process_group()
 
 
-def _joins(w, kind: str) -> list:
+def _modes(w, kind: str) -> list:
     return [args[-1] for k, args in w.ext.launches if k == kind]
 
 
@@ -61,8 +61,8 @@ def test_repeated_cached_calls_take_the_fast_path(world):
         out, out_w, _ = buf.combine(w.y, h, topk_weights=w.w)
         assert out_w.shape == (T, K) and out_w.dtype == torch.float32
     # The first call of each kind checks and makes a plan; the later ones launch it.
-    assert _joins(w, "CachedDispatch") == [JOIN_NONE, JOIN_BOTH, JOIN_BOTH]
-    assert _joins(w, "CachedCombine") == [JOIN_NONE, JOIN_NONE] + [JOIN_BOTH] * 4  # one plan per kind
+    assert _modes(w, "CachedDispatch") == [LAUNCH_CURRENT, LAUNCH_SYNC, LAUNCH_SYNC]
+    assert _modes(w, "CachedCombine") == [LAUNCH_CURRENT, LAUNCH_CURRENT] + [LAUNCH_SYNC] * 4  # one plan per kind
     # Plans hold the geometry the checks passed (the handle's channels, the config's chunk and ring).
     channels, offsets = h.backend_state.routing
     _, chunk, slots = w.backend._config(None, combine=False)
@@ -73,20 +73,20 @@ def test_repeated_cached_calls_take_the_fast_path(world):
     assert w.ext.plans[2][1][4:9] == ((ROWS, K), channels, chunk, slots, combine_slot_bytes(H * 2, K))
     # A launch gets the caller's tensors and the outputs it allocated.
     recv = buf.dispatch(w.x, handle=h)[0]
-    x, aux, out, aux_out, join = w.ext.launches[-1][1]
-    assert x is w.x and aux is None and out is recv and aux_out is None and join == JOIN_BOTH
+    x, aux, out, aux_out, mode = w.ext.launches[-1][1]
+    assert x is w.x and aux is None and out is recv and aux_out is None and mode == LAUNCH_SYNC
 
 
 def test_async_finish_on_the_fast_path_returns_the_native_event(world):
     w = world
     for _ in range(2):
         recv, *_, event = w.buf.dispatch(w.x, handle=w.handle, async_finish=True)
-    assert isinstance(event.event, StubEvent) and _joins(w, "CachedDispatch") == [JOIN_NONE, JOIN_BEFORE]
+    assert isinstance(event.event, StubEvent) and _modes(w, "CachedDispatch") == [LAUNCH_CURRENT, LAUNCH_ASYNC]
     assert event.extra_tensors[0] is w.x and event.extra_tensors[1] is recv
     event.current_stream_wait()
     for _ in range(2):
         out, out_w, event = w.buf.combine(w.y, w.handle, topk_weights=w.w, async_finish=True)
-    assert _joins(w, "CachedCombine")[-1] == JOIN_BEFORE
+    assert _modes(w, "CachedCombine")[-1] == LAUNCH_ASYNC
     assert [t is u for t, u in zip(event.extra_tensors, (w.y, w.w, out, out_w))] == [True] * 4
 
 
@@ -99,7 +99,7 @@ def test_fp8_dispatch_takes_the_fast_path_with_contiguous_scales(world):
         assert recv.dtype == torch.float8_e4m3fn and recv_scales.shape == (ROWS, H // 128)
     column_major = torch.rand(H // 128, T).t()  # accepted, copied by the full path
     w.buf.dispatch((x8, column_major), handle=w.handle)
-    assert _joins(w, "CachedDispatch") == [JOIN_NONE, JOIN_BOTH, JOIN_NONE]
+    assert _modes(w, "CachedDispatch") == [LAUNCH_CURRENT, LAUNCH_SYNC, LAUNCH_CURRENT]
     assert len(w.ext.plans) == 1
 
 
@@ -177,21 +177,21 @@ def test_a_call_unlike_the_plan_checks_and_replans(world):
     assert buf.dispatch(w.x.half(), handle=h)[0].dtype == torch.float16  # another dtype: a new plan
     buf.dispatch(w.x, handle=h)  # and back
     assert [args[3] for kind, args in w.ext.plans] == [(T, H), (T, 2 * H), (T, H), (T, H)]
-    assert _joins(w, "CachedDispatch") == [JOIN_NONE] * 4
+    assert _modes(w, "CachedDispatch") == [LAUNCH_CURRENT] * 4
 
     channels = h.backend_state.routing[0]  # the handle's: a config sets the chunk and ring sizes of a cached call
     cfg = Config(8, 4, 64)
     buf.dispatch(w.x, handle=h, config=cfg)  # another config: a new plan with its geometry
     assert w.ext.plans[-1][1][5:8] == (channels, 4, 64)
     buf.dispatch(w.x, handle=h, config=Config(8, 4, 64))  # an equal config: the same plan, on the fast path
-    assert len(w.ext.plans) == 5 and _joins(w, "CachedDispatch")[-1] == JOIN_BOTH
+    assert len(w.ext.plans) == 5 and _modes(w, "CachedDispatch")[-1] == LAUNCH_SYNC
 
     buf.dispatch(w.x, handle=h)  # config None again: a new plan
     sms, n = Buffer.num_sms, len(w.ext.plans)
     try:
         Buffer.set_num_sms(sms + 2)  # the default config changes with it: checked again
         buf.dispatch(w.x, handle=h)
-        assert len(w.ext.plans) == n + 1 and _joins(w, "CachedDispatch")[-2:] == [JOIN_NONE, JOIN_NONE]
+        assert len(w.ext.plans) == n + 1 and _modes(w, "CachedDispatch")[-2:] == [LAUNCH_CURRENT, LAUNCH_CURRENT]
         assert w.ext.plans[-1][1][-1] == sms + 2
     finally:
         Buffer.set_num_sms(sms)
@@ -200,11 +200,11 @@ def test_a_call_unlike_the_plan_checks_and_replans(world):
     other = h._replace(is_token_in_rank=h.is_token_in_rank.clone())
     n = len(w.ext.plans)
     buf.dispatch(w.x, handle=other)
-    assert len(w.ext.plans) == n + 1 and _joins(w, "CachedDispatch")[-1] == JOIN_NONE
+    assert len(w.ext.plans) == n + 1 and _modes(w, "CachedDispatch")[-1] == LAUNCH_CURRENT
     buf.dispatch(w.x, handle=h)
-    assert len(w.ext.plans) == n + 2 and _joins(w, "CachedDispatch")[-1] == JOIN_NONE
+    assert len(w.ext.plans) == n + 2 and _modes(w, "CachedDispatch")[-1] == LAUNCH_CURRENT
     buf.dispatch(w.x, handle=h)
-    assert _joins(w, "CachedDispatch")[-1] == JOIN_BOTH
+    assert _modes(w, "CachedDispatch")[-1] == LAUNCH_SYNC
 
 
 def test_handle_of_another_buffer_is_refused(world):

@@ -206,6 +206,41 @@ def _world_fast_path(rank: int, world_size: int) -> None:
         ev.event.synchronize()
         assert ev.event.query(), "a synchronised event has fired"
 
+    with case("back-to-back calls from three streams, no joins between them"):
+        # Synchronous calls launch on the caller's stream, async ones on the comm stream, full-path ones on the
+        # comm stream: the Buffer's launch order (stream_join.h) alone keeps two of its kernels from running at
+        # once. The calls are queued without any join of the test's own (inputs are made first, every stream
+        # waits for them once, results are checked after the end), so a missing order would mix rings.
+        streams = [torch.cuda.current_stream(), torch.cuda.Stream(), torch.cuda.Stream()]
+        pick = torch.Generator().manual_seed(11)  # the same call sequence on every rank
+        plan = [(int(torch.randint(3, (1,), generator=pick)), int(torch.randint(4, (1,), generator=pick)))
+                for _ in range(48)]
+        inputs = [(fresh_x(), fresh_y()) for _ in plan]
+        for s in streams[1:]:
+            s.wait_stream(torch.cuda.current_stream())
+        results, events = [], []
+        for (si, kind), (x2, y) in zip(plan, inputs):
+            with torch.cuda.stream(streams[si]):
+                if kind == 0:
+                    results.append(kb.dispatch(x2, handle=hk)[0])
+                elif kind == 1:
+                    recv, *_, ev = kb.dispatch(x2, handle=hk, async_finish=True)
+                    results.append(recv)
+                    events.append(ev)
+                elif kind == 2:
+                    results.append(kb.combine(y, hk)[0])
+                else:
+                    results.append(kb.dispatch(x2, handle=hk, previous_event=kb.capture())[0])
+        for ev in events:
+            ev.current_stream_wait()
+        for s in streams[1:]:
+            torch.cuda.current_stream().wait_stream(s)
+        for i, ((si, kind), (x2, y), got) in enumerate(zip(plan, inputs, results)):
+            if kind == 2:
+                check_combine((got, None), y, None, f"call {i} (stream {si}): combine")
+            else:
+                check_dispatch(got, x2, f"call {i} (stream {si}, kind {kind}): cached dispatch")
+
     with case("repeated cached calls in a CUDA graph"):
         x_in, y_in = fresh_x(), fresh_y()
         kb.dispatch(x_in, handle=hk)

@@ -1,7 +1,7 @@
 // The one spin-wait of the device communication library (torch-free): a thread polls a word that another
 // GPU (or another block of this GPU) writes, until a condition holds, under a watchdog that turns a hang into
-// a reported timeout. Every wait of the intranode and internode kernels goes through wait_while /
-// wait_cached / wait_at_least (and it is meant for the low-latency kernels' waits too).
+// a reported timeout. Every wait of the intranode, internode and low-latency kernels goes through wait_while /
+// wait_cached / wait_at_least, or wait_while_relaxed where spinning warps share the SM with copying ones.
 //
 // Memory ordering. The word is loaded with ld.acquire.sys (ptx.cuh): system scope, because the writer may be
 // another GPU over NVLink (peer-mapped CUDA IPC memory) or an NVSHMEM signal from a remote PE. Every waited
@@ -87,6 +87,22 @@ template <typename Word, typename Pending, typename Abort = NoAbort>
 __device__ __forceinline__ bool wait_cached(const Word* word, Word& seen, Pending pending, const Watchdog& dog,
                                             int phase, int peer, Abort abort = {}) {
   return !pending(seen) || wait_while(word, seen, pending, dog, phase, peer, abort);
+}
+
+// wait_while for a word polled while other warps of the SM stream data: relaxed loads (an acquire per poll
+// is a fence each time), `sleep_ns` of __nanosleep between polls (spinning warps leave the issue slots to the
+// copying ones), then, once the condition holds, one acquire load, whose value is `seen`: the word's one
+// writer only moves it on (a flag set from 0, a counter growing), so the condition still holds for it, and
+// the acquire orders what follows as wait_while's does.
+template <typename Pending, typename Abort = NoAbort>
+__device__ __forceinline__ bool wait_while_relaxed(const int* word, int& seen, Pending pending, const Watchdog& dog,
+                                                   int phase, int peer, unsigned sleep_ns, Abort abort = {}) {
+  while (pending(ptx::ld_relaxed_sys(word))) {
+    if (sleep_ns) __nanosleep(sleep_ns);
+    if (abort() || dog.expired(phase, peer)) return false;
+  }
+  seen = ptx::ld_acquire_sys(word);
+  return true;
 }
 
 // A monotonic counter or epoch reaching `target`.

@@ -87,7 +87,7 @@ __device__ __forceinline__ void signal_peer(const Common& c, int* local_word, in
 }
 
 // Timed waits. A wait that sees its word still 0 after c.timeout_ns records (phase, this rank, peer)
-// in the host-mapped TimeoutRecord through the common Watchdog (kernels/common/channel.cuh: the first
+// in the host-mapped TimeoutRecord through the common Watchdog (kernels/common/wait.cuh: the first
 // timed-out thread of this GPU wins the claim word, fills the record, fences, then sets its status)
 // and returns `on_timeout` instead of trapping: the caller picks a value that makes the rest of the
 // kernel do no work for that peer (a count of 0, "no message"), so the kernel ends, the CUDA context
@@ -101,34 +101,36 @@ __device__ __forceinline__ bool timed_out_before(const Common& c) {
   return *reinterpret_cast<const volatile int*>(c.workspace + kWsTimeoutClaim) != 0;
 }
 
-// Spin until the signal word is non-zero; returns it (acquire: the peer's stores it publishes are
-// visible to this thread), or on_timeout (see above).
+// The abort of the low-latency waits: every 64th poll, whether a thread of this GPU already timed out (then
+// this wait gives up too, unrecorded, and one missing peer costs one timeout).
+struct EarlierTimeout {
+  const Common* c;
+  mutable unsigned polls = 0;
+  __device__ bool operator()() const { return (++polls & 63) == 0 && timed_out_before(*c); }
+};
+
+// Wait until the signal word is non-zero (wait_while, kernels/common/wait.cuh); returns it (acquire: the
+// peer's stores it publishes are visible to this thread), or on_timeout (see above).
 __device__ __forceinline__ int wait_signal(const Common& c, const int* word, int phase, int peer,
                                            int on_timeout) {
   int v = ld_acquire_sys(word);
   if (v != 0) return v;
   const Watchdog dog = wait_watchdog(c);
-  for (unsigned spins = 1; (v = ld_acquire_sys(word)) == 0; ++spins) {
-    if (((spins & 63) == 0 && timed_out_before(c)) || dog.expired(phase, peer)) return on_timeout;
-  }
-  return v;
+  const bool arrived = wait_while(word, v, [](int seen) { return seen == 0; }, dog, phase, peer, EarlierTimeout{&c});
+  return arrived ? v : on_timeout;
 }
 
-// wait_signal for words polled while other warps of the SM stream data (the dedup dispatch's
-// message flags, the token-major combine's flags): spins with relaxed loads (an acquire load per
-// poll would be a fence each time), `sleep_ns` of __nanosleep between polls so that spinning warps
-// leave the issue slots to the copying ones, then one acquire load of the (still non-zero) word:
-// the peer's stores published by it are visible to this thread from here on. On timeout: on_timeout.
+// wait_signal for words polled while other warps of the SM stream data (the dedup dispatch's message flags,
+// the token-major combine's flags): wait_while_relaxed, `sleep_ns` of __nanosleep between polls, then one
+// acquire load of the (still non-zero) word. On timeout: on_timeout.
 __device__ __forceinline__ int wait_flag(const Common& c, const int* word, int phase, int peer,
                                          unsigned sleep_ns, int on_timeout) {
-  if (ld_relaxed_sys(word) == 0) {
-    const Watchdog dog = wait_watchdog(c);
-    for (unsigned spins = 1; ld_relaxed_sys(word) == 0; ++spins) {
-      if (sleep_ns) __nanosleep(sleep_ns);
-      if (((spins & 63) == 0 && timed_out_before(c)) || dog.expired(phase, peer)) return on_timeout;
-    }
-  }
-  return ld_acquire_sys(word);
+  if (ld_relaxed_sys(word) != 0) return ld_acquire_sys(word);
+  const Watchdog dog = wait_watchdog(c);
+  int v = 0;
+  const bool arrived = wait_while_relaxed(word, v, [](int seen) { return seen == 0; }, dog, phase, peer, sleep_ns,
+                                          EarlierTimeout{&c});
+  return arrived ? v : on_timeout;
 }
 
 // The int32 signal words of this call's half (low_latency.h, HalfLayout).
