@@ -175,7 +175,10 @@ def get_combine_config(num_ranks: int, num_sms: int = 20) -> Config:
 # ------------------------------------------------------------------ the default SM count
 # The num_sms a Buffer uses when neither a Config nor Buffer.set_num_sms gives one: the smallest count whose
 # exchange reaches the ceiling (every SM past it is taken from the GEMMs running beside the exchange and buys no
-# bandwidth). The rule reads measured sweeps, one edit to update:
+# bandwidth). A fresh dispatch fixes the handle's channel count, which must be the same on every rank, so the
+# Buffer asks with facts every rank shares: the group size, one NVLink domain or not, the row bytes, and
+# REFERENCE_TOKENS (token counts may differ between ranks); a caller that knows a group-wide token count can pass
+# default_num_sms(...) to Buffer.set_num_sms. The rule reads measured sweeps, one edit to update:
 #   (num_ranks, one NVLink domain) -> {payload bytes per rank (tokens x hidden bytes):
 #                                      {num_sms: microseconds of one cached BF16 dispatch + combine}}
 # `python -m moe_dispatcher.bench --mode overlap` prints the entry of the shape it ran ("num_sms rule point").
@@ -222,11 +225,8 @@ def default_num_sms(num_ranks: int, nvlink: bool = True, hidden_bytes: int = 716
     check_count("num_ranks", num_ranks, 1)
     check_count("hidden_bytes", hidden_bytes, 1)
     tokens = REFERENCE_TOKENS if num_tokens is None else check_count("num_tokens", num_tokens, 1)
-    return _default_num_sms(num_ranks, bool(nvlink), hidden_bytes * tokens)
-
-
-def _default_num_sms(num_ranks: int, nvlink: bool, payload: int) -> int:
-    sweeps = NUM_SMS_SWEEPS.get((num_ranks, nvlink))
+    payload = hidden_bytes * tokens
+    sweeps = NUM_SMS_SWEEPS.get((num_ranks, bool(nvlink)))
     if not sweeps:
         return NUM_SMS_FALLBACK
     nearest = min(sweeps, key=lambda size: abs(math.log(size / payload)))
