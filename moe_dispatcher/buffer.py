@@ -75,7 +75,9 @@ class Buffer:
             every rank alike.
     """
 
-    num_sms: int = 20
+    # DeepEP V1's class attribute: reads as 20. Until set_num_sms (or an assignment) replaces it, each fresh
+    # dispatch without a Config takes its SM count from config.default_num_sms (group size, NVLink, row bytes).
+    num_sms: int = _config.DefaultNumSms(20)
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
@@ -161,19 +163,43 @@ class Buffer:
 
     @classmethod
     def set_num_sms(cls, new_num_sms: int) -> None:
-        """SMs the normal-mode kernels use by default (even: one channel per pair)."""
+        """SMs the normal-mode kernels use when a call passes no Config (even: one channel per pair). Setting it
+        replaces the default choice (config.default_num_sms) for every later call; setting back the value read
+        from Buffer.num_sms before restores whatever it was."""
         check_count("num_sms", new_num_sms, 1)
         if new_num_sms % 2:
             raise ValueError(f"num_sms must be a positive even int, got {new_num_sms!r}")
         cls.num_sms = new_num_sms
 
     @classmethod
+    def _config_num_sms(cls, num_ranks: int) -> int:
+        """num_sms of get_dispatch_config / get_combine_config: the one set, else the largest default choice."""
+        num_sms = cls.num_sms
+        return _config.default_num_sms_bound(num_ranks) if _config.is_default_num_sms(num_sms) else num_sms
+
+    @classmethod
     def get_dispatch_config(cls, num_ranks: int) -> Config:
-        return _config.get_dispatch_config(num_ranks, cls.num_sms)
+        """Tuned dispatch Config at Buffer.num_sms SMs (while that is the default: at the largest count the default
+        rule can choose for `num_ranks`, so that buffers sized from it fit every default choice)."""
+        return _config.get_dispatch_config(num_ranks, cls._config_num_sms(num_ranks))
 
     @classmethod
     def get_combine_config(cls, num_ranks: int) -> Config:
-        return _config.get_combine_config(num_ranks, cls.num_sms)
+        """Tuned combine Config, num_sms as get_dispatch_config's."""
+        return _config.get_combine_config(num_ranks, cls._config_num_sms(num_ranks))
+
+    def _fresh_config(self, config: Optional[Config], data: Tensor) -> Optional[Config]:
+        """The Config of a fresh dispatch of rows like `data` (its channel count becomes the handle's): the one
+        given; else, while Buffer.num_sms is the default, the tuned chunks at config.default_num_sms for this
+        group and row size (facts every rank shares, so every rank picks the same count); else None (the
+        backend's default at Buffer.num_sms)."""
+        if config is not None or not _config.is_default_num_sms(type(self).num_sms):
+            return config
+        row_bytes = data.shape[1] * data.element_size() if data.dim() == 2 else 0
+        if row_bytes <= 0:
+            return None
+        sms = _config.default_num_sms(self.group_size, self.topology.is_single_domain, row_bytes)
+        return _config.get_dispatch_config(self.group_size, sms)
 
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
@@ -214,9 +240,11 @@ class Buffer:
             raise RuntimeError("this Buffer was destroyed")
 
     def get_comm_stream(self) -> torch.cuda.Stream:
-        """The CUDA stream communication kernels run on."""
+        """The CUDA stream communication kernels run on: of the highest priority, as DeepEP V1's, so that beside
+        kernels of other streams (GEMMs) the block scheduler starts the exchange's blocks first; they wait on
+        their peers' blocks, which then are not left queued behind GEMM blocks."""
         if self._comm_stream is None:
-            self._comm_stream = torch.cuda.Stream()
+            self._comm_stream = torch.cuda.Stream(priority=torch.cuda.Stream.priority_range()[1])
         return self._comm_stream
 
     @staticmethod
@@ -475,6 +503,7 @@ class Buffer:
                                  "get_dispatch_layout (it also tells how many experts there are)")
             num_experts = num_tokens_per_expert.numel() if num_tokens_per_expert is not None else 0
             backend = self._resolve("normal", dev, local_experts=num_experts // self.group_size)
+            config = self._fresh_config(config, data)
             self._check_routing(data, backend, topk_idx, topk_weights, num_experts)
             if not num_worst_tokens:
                 self._check_pending_rows()
@@ -607,6 +636,7 @@ class Buffer:
             self._check_routing(data, backend, topk_idx, topk_weights, num_experts)
             if not num_worst_tokens:
                 self._check_pending_rows()
+            config = self._fresh_config(config, data)
 
             def run():
                 px, ps, pw, tpe, counts, h = backend.expert_major_dispatch(

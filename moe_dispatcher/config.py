@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, fields
 from typing import Optional
 
@@ -169,3 +170,74 @@ def get_dispatch_config(num_ranks: int, num_sms: int = 20) -> Config:
 def get_combine_config(num_ranks: int, num_sms: int = 20) -> Config:
     """Tuned normal-mode combine config for `num_ranks` GPUs."""
     return _tuned(_COMBINE_TABLE, num_ranks, num_sms)
+
+
+# ------------------------------------------------------------------ the default SM count
+# The num_sms a Buffer uses when neither a Config nor Buffer.set_num_sms gives one: the smallest count whose
+# exchange reaches the ceiling (every SM past it is taken from the GEMMs running beside the exchange and buys no
+# bandwidth). A fresh dispatch fixes the handle's channel count, which must be the same on every rank, so the
+# Buffer asks with facts every rank shares: the group size, one NVLink domain or not, the row bytes, and
+# REFERENCE_TOKENS (token counts may differ between ranks); a caller that knows a group-wide token count can pass
+# default_num_sms(...) to Buffer.set_num_sms. The rule reads measured sweeps, one edit to update:
+#   (num_ranks, one NVLink domain) -> {payload bytes per rank (tokens x hidden bytes):
+#                                      {num_sms: microseconds of one cached BF16 dispatch + combine}}
+# `python -m moe_dispatcher.bench --mode overlap` prints the entry of the shape it ran ("num_sms rule point").
+# (4, True): 4 x H200, 2026-11-21, 4096 tokens x hidden 7168, dispatch BF16 + combine per SM count
+# (bench/results/h200x4.md, "Normal mode, cached-handle calls").
+NUM_SMS_SWEEPS = {
+    (4, True): {4096 * 7168 * 2: {8: 2496, 16: 1305, 20: 1092, 22: 1053, 24: 1186}},
+}
+NUM_SMS_CEILING = 0.95  # a count "reaches the ceiling" when its time is within 1/0.95 of the sweep's best
+NUM_SMS_FALLBACK = 20  # (ranks, NVLink) without a sweep: DeepEP V1's default
+REFERENCE_TOKENS = 4096  # tokens per rank assumed when the caller knows no group-wide count
+
+
+class DefaultNumSms(int):
+    """Buffer.num_sms until Buffer.set_num_sms (or an assignment) replaces it: reads as DeepEP V1's 20, and tells
+    the Buffer to take the SM count of each fresh dispatch from default_num_sms instead."""
+
+    def __repr__(self) -> str:
+        return f"DefaultNumSms({int(self)})"
+
+
+def is_default_num_sms(value: int) -> bool:
+    """True when `value` (a Buffer.num_sms) is the untouched default rather than a count the user set."""
+    return type(value) is DefaultNumSms
+
+
+def smallest_at_ceiling(times_us: dict) -> int:
+    """The smallest SM count of one sweep {num_sms: time} whose time is within 1/NUM_SMS_CEILING of the best."""
+    best = min(times_us.values())
+    return min(sms for sms, t in times_us.items() if t <= best / NUM_SMS_CEILING)
+
+
+def default_num_sms(num_ranks: int, nvlink: bool = True, hidden_bytes: int = 7168 * 2,
+                    num_tokens: Optional[int] = None) -> int:
+    """The smallest SM count that reaches the exchange's ceiling for this group and size.
+
+    num_ranks: ranks of the group; nvlink: True when they share one NVLink domain (False: the internode path);
+    hidden_bytes: bytes of one dispatched row (H x element size); num_tokens: tokens per rank, the same on every
+    rank (None: REFERENCE_TOKENS). Reads NUM_SMS_SWEEPS[(num_ranks, nvlink)] at the measured payload nearest to
+    num_tokens x hidden_bytes (log scale) and returns the smallest num_sms whose round time is within
+    1/NUM_SMS_CEILING of that sweep's best; NUM_SMS_FALLBACK where no sweep was measured. Every rank must get the
+    same answer (the ranks' channel counts must agree), so pass only group-wide facts.
+    """
+    check_count("num_ranks", num_ranks, 1)
+    check_count("hidden_bytes", hidden_bytes, 1)
+    tokens = REFERENCE_TOKENS if num_tokens is None else check_count("num_tokens", num_tokens, 1)
+    payload = hidden_bytes * tokens
+    sweeps = NUM_SMS_SWEEPS.get((num_ranks, bool(nvlink)))
+    if not sweeps:
+        return NUM_SMS_FALLBACK
+    nearest = min(sweeps, key=lambda size: abs(math.log(size / payload)))
+    return smallest_at_ceiling(sweeps[nearest])
+
+
+def default_num_sms_bound(num_ranks: int) -> int:
+    """The largest count default_num_sms can answer for `num_ranks` (any size, NVLink or not): the num_sms of
+    Buffer.get_dispatch_config / get_combine_config while Buffer.num_sms is the default, so a Buffer sized from
+    them holds the rings of every default choice."""
+    check_count("num_ranks", num_ranks, 1)
+    picks = [smallest_at_ceiling(times) for (ranks, _), sweeps in NUM_SMS_SWEEPS.items() if ranks == num_ranks
+             for times in sweeps.values()]
+    return max([NUM_SMS_FALLBACK] + picks)

@@ -47,8 +47,9 @@ def parser() -> argparse.ArgumentParser:
         description="Benchmark moe_dispatcher's dispatch/combine against NCCL (one process per GPU; spawns them "
                     "itself unless run under torchrun). Without CUDA: gloo ranks on the CPU, reference backend.")
     a = p.add_argument
-    a("--mode", choices=("normal", "low-latency", "internode", "expert-major", "all"), default="normal",
-      help="expert-major: expert-major calls vs rank-major on one routing (not part of 'all')")
+    a("--mode", choices=("normal", "low-latency", "internode", "expert-major", "overlap", "all"), default="normal",
+      help="expert-major: expert-major calls vs rank-major on one routing; overlap: GEMMs beside cached "
+           "dispatch+combine rounds (neither is part of 'all')")
     a("--nvl-size", type=int, default=None, help="internode mode: GPUs per emulated NVLink domain (default R/2)")
     a("--backend", choices=("auto", "kernels", "reference"), default="auto",
       help="Buffer(backend=...): kernels = error instead of falling back to the reference backend")
@@ -65,7 +66,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--hidden", type=int, default=None, help="hidden size (7168)")
     g.add_argument("--num-experts", type=int, default=None, help="normal-mode experts (256)")
     g.add_argument("--topk", type=int, default=None, help="top-k (8)")
-    g.add_argument("--num-sms", type=_ints, default=None, help="num_sms sweep with tuned chunks (8,16,24)")
+    g.add_argument("--num-sms", type=_ints, default=None, help="num_sms sweep with tuned chunks (8,16,24; overlap "
+                   "mode: 4,8,16,24 and the default choice)")
     g.add_argument("--chunks", type=_pairs, default=None,
                    help="extra send:recv chunk pairs at the largest num_sms (8:128,16:256,32:512)")
     g.add_argument("--configs", type=_triples, default=[],
@@ -81,19 +83,26 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--iters", type=int, default=None, help="timed calls per case (50)")
     g.add_argument("--warmup", type=int, default=None, help="warm-up calls per case (10)")
     g.add_argument("--no-graph", action="store_true", help="low-latency: skip the CUDA-graph timings")
+    g.add_argument("--gemm-size", type=int, default=None, help="overlap: N of the BF16 N x N x N GEMMs (8192)")
+    g.add_argument("--rounds", type=int, default=None, help="overlap: GEMMs and exchange rounds per measurement (40)")
+    g.add_argument("--repeats", type=int, default=None, help="overlap: measurements per case after a warm-up (5)")
     g.add_argument("--timeout", type=float, default=300.0, help="process-group timeout in seconds (300)")
     return p
 
 
 FULL = dict(tokens=4096, hidden=7168, num_experts=256, topk=8, num_sms=[8, 16, 24],
             chunks=[(8, 128), (16, 256), (32, 512)], plot_sms=24, tokens_sweep=[512, 1024, 2048, 4096, 8192],
-            ll_tokens=128, ll_experts=[256, 32], iters=50, warmup=10)
+            ll_tokens=128, ll_experts=[256, 32], iters=50, warmup=10, gemm_size=8192, rounds=40, repeats=5)
 QUICK = dict(tokens=256, hidden=512, num_experts=32, topk=8, num_sms=[8, 24], chunks=[(16, 256)], plot_sms=24,
-             tokens_sweep=[64, 256], ll_tokens=16, ll_experts=[32, 16], iters=5, warmup=2)
+             tokens_sweep=[64, 256], ll_tokens=16, ll_experts=[32, 16], iters=5, warmup=2, gemm_size=512, rounds=4,
+             repeats=2)
+OVERLAP_SMS = [4, 8, 16, 24]
 
 
 def resolve(opts: argparse.Namespace) -> argparse.Namespace:
     defaults = QUICK if opts.quick else FULL
+    if opts.mode == "overlap" and opts.num_sms is None:
+        opts.num_sms = list(OVERLAP_SMS)
     for k, v in defaults.items():
         if getattr(opts, k) is None:
             setattr(opts, k, v)
@@ -101,6 +110,10 @@ def resolve(opts: argparse.Namespace) -> argparse.Namespace:
         raise SystemExit(f"--hidden must be a multiple of 128 (FP8 scales per 128 channels), got {opts.hidden}")
     if opts.iters < 1 or opts.warmup < 0:
         raise SystemExit("--iters must be >= 1 and --warmup >= 0")
+    if min(opts.gemm_size, opts.rounds, opts.repeats) < 1:
+        raise SystemExit("--gemm-size, --rounds and --repeats must be >= 1")
+    if any(s < 2 or s % 2 for s in opts.num_sms):
+        raise SystemExit(f"--num-sms takes positive even counts (a channel is a pair of SMs), got {opts.num_sms}")
     opts.use_cuda = torch.cuda.is_available() and not opts.cpu
     if opts.backend == "kernels" and not opts.use_cuda:
         raise SystemExit("--backend kernels needs CUDA GPUs (the CPU runs only the reference backend)")
@@ -133,7 +146,7 @@ def _commit() -> Optional[str]:
 
 def rank_main(opts: argparse.Namespace) -> None:
     """The benchmark on one rank (the process group is up)."""
-    from . import expert_major, internode, low_latency, normal, report
+    from . import expert_major, internode, low_latency, normal, overlap, report
     from .common import Context, baseline_label, env_info, quiet_fallback_warnings
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if opts.use_cuda else torch.device("cpu")
@@ -147,9 +160,9 @@ def rank_main(opts: argparse.Namespace) -> None:
         ctx.say(f"note: {report.CPU_NOTE}")
     failed = []
     sections = {"normal": normal.run, "low-latency": low_latency.run, "internode": internode.run,
-                "expert-major": expert_major.run}
+                "expert-major": expert_major.run, "overlap": overlap.run}
     for name, fn in sections.items():
-        if opts.mode != name and (opts.mode != "all" or name == "expert-major"):
+        if opts.mode != name and (opts.mode != "all" or name in ("expert-major", "overlap")):
             continue
         try:
             fn(ctx)

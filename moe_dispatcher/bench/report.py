@@ -169,6 +169,35 @@ def expert_major_table(records: List[Dict[str, Any]]) -> str:
                    "synced / rank-major combine"], rows)
 
 
+OVERLAP_GOAL = {"efficiency": 1.8, "gemm_slowdown": 0.10}  # at the default SM count (bench/README.md)
+
+
+def overlap_table(records: List[Dict[str, Any]]) -> str:
+    """Overlap mode: one row per exchange (NCCL, ours at each SM count), times in ms over all rounds."""
+    rows = []
+    for r in records:
+        if r.get("section") != "overlap-summary":
+            continue
+        if r["impl"] == "ours":
+            what = f"ours, {r['num_sms']} SMs" + (" (default)" if r["default"] else "")
+        else:
+            what = "NCCL all_to_all_single, same rows"
+        goal = ""
+        if r["default"]:
+            ok = (r["efficiency"] >= OVERLAP_GOAL["efficiency"] and r["gemm_slowdown"] <= OVERLAP_GOAL["gemm_slowdown"])
+            goal = "met" if ok else "missed"
+        rows.append([what, _f(r["gemm_us"] / 1e3, 2), _f(r["exchange_us"] / 1e3, 2), _f(r["round_us"]),
+                     _f(r["together_us"] / 1e3, 2), f"{_f(r['together_ranks_us'][0] / 1e3, 2)}.."
+                     f"{_f(r['together_ranks_us'][1] / 1e3, 2)}", _f(r["gemm_together_us"] / 1e3, 2),
+                     _f(r["exchange_together_us"] / 1e3, 2), _f(r["efficiency"], 2),
+                     f"{100 * r['gemm_slowdown']:+.1f}%", goal])
+    if not rows:
+        return ""
+    return _table(["exchange", "GEMMs alone ms", "exchange alone ms", "us per round", "together ms", "together ranks",
+                   "GEMMs' span together", "exchange's span together", "efficiency", "GEMM slowdown",
+                   "goal (>= 1.8, <= +10%)"], rows)
+
+
 CPU_NOTE = ("not a GPU run: the ranks and the baseline ran on CPUs, so these figures are a smoke test of the bench, "
             "not performance figures")
 
@@ -196,7 +225,8 @@ def render(meta: Dict[str, Any], records: List[Dict[str, Any]], notes: List[str]
                         ("Tokens per rank sweep (logical GB/s)", tokens_table(records)),
                         ("Low-latency mode", ll_table(records)),
                         ("Internode (two-hop) beside intranode", internode_table(records)),
-                        ("Expert-major vs rank-major, one routing", expert_major_table(records))):
+                        ("Expert-major vs rank-major, one routing", expert_major_table(records)),
+                        ("Overlap: GEMMs beside the exchange", overlap_table(records))):
         if text:
             parts += [f"## {title}", "", text, ""]
     if notes:

@@ -144,3 +144,59 @@ def test_expert_major_mode(tmp_path):
     files = sorted(p.name for p in (tmp_path / "dir").iterdir())
     assert any(f.startswith("bench_expert-major_cpux2_") and f.endswith(".md") for f in files), files
     assert any(f.endswith(".json") for f in files), files
+
+
+OVERLAP_ARGS = ["--cpu", "--num-ranks", "2", "--backend", "reference", "--mode", "overlap", "--quick", "--tokens", "64",
+                "--hidden", "256", "--num-experts", "16", "--topk", "4", "--num-sms", "4,8", "--gemm-size", "64",
+                "--rounds", "3", "--repeats", "2", "--timeout", "60"]
+
+
+def test_overlap_mode(tmp_path):
+    """--mode overlap on the reference backend: GEMMs alone, each exchange (gloo all_to_all_single, ours at each SM
+    count and at the default choice) alone and beside the GEMMs, the summary table, the num_sms rule point; md and
+    json written. On the CPU nothing overlaps: the structure runs, the figures mean nothing."""
+    from moe_dispatcher.config import default_num_sms
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "moe_dispatcher.bench", *OVERLAP_ARGS, "--json",
+                           str(tmp_path / "r.json"), "--out-dir", str(tmp_path / "dir")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, (f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\n"
+                                  f"stderr:\n{proc.stderr[-4000:]}")
+    default = default_num_sms(2, True, 256 * 2, 64)
+    for text in ("== overlap mode: 2 ranks", "## Overlap: GEMMs beside the exchange",
+                 "gloo all_to_all_single, same rows", f"ours, {default} SMs (default)", "efficiency",
+                 "GEMM slowdown", "nothing overlaps",
+                 "num_sms rule point (config.NUM_SMS_SWEEPS): (2, True): {64 * 512: {"):
+        assert text in proc.stdout, f"{text!r} missing from the output:\n{proc.stdout[-3000:]}"
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["meta"]["failed_sections"] == [] and doc["meta"]["mode"] == "overlap"
+    summary = [r for r in doc["records"] if r["section"] == "overlap-summary"]
+    assert [(r["impl"], r["num_sms"]) for r in summary] == [("nccl", None)] + [("ours", s) for s in
+                                                                             sorted({4, 8, default})]
+    assert [r["num_sms"] for r in summary if r["default"]] == [default]
+    for r in summary:
+        assert r["gemm_us"] > 0 and r["exchange_us"] > 0 and r["together_us"] > 0
+        assert r["efficiency"] == pytest.approx((r["gemm_us"] + r["exchange_us"]) / r["together_us"])
+        assert r["gemm_slowdown"] == pytest.approx(r["gemm_together_us"] / r["gemm_us"] - 1)
+        assert r["round_us"] == pytest.approx(r["exchange_us"] / 3)
+    timed = {(r["op"], r.get("impl"), r.get("num_sms")) for r in doc["records"] if r["section"] == "overlap"}
+    assert ("gemm alone", "torch.mm", None) in timed
+    for impl, sms in [(r["impl"], r["num_sms"]) for r in summary]:
+        for op in ("exchange alone", "together", "gemm in together", "exchange in together"):
+            assert (op, impl, sms) in timed, (op, impl, sms)
+    ours = next(r for r in doc["records"] if r["section"] == "overlap" and r.get("impl") == "ours")
+    assert ours["backend"] == "reference" and len(ours["per_rank_us"]) == 2
+    # the exchange moves a dispatch's and a combine's rows per round: 2 x received rows x 2H, 3 rounds
+    assert all(b > 0 and b % (2 * 2 * 256 * 3) == 0 for b in ours["bytes_logical"])
+    files = sorted(p.name for p in (tmp_path / "dir").iterdir())
+    assert any(f.startswith("bench_overlap_cpux2_") and f.endswith(".md") for f in files), files
+
+
+def test_overlap_options():
+    from moe_dispatcher.bench.cli import parser, resolve
+    opts = resolve(parser().parse_args(["--cpu", "--mode", "overlap"]))
+    assert (opts.num_sms, opts.gemm_size, opts.rounds) == ([4, 8, 16, 24], 8192, 40)
+    assert resolve(parser().parse_args(["--cpu", "--mode", "normal"])).num_sms == [8, 16, 24]
+    for bad in (["--num-sms", "6,7"], ["--rounds", "0"], ["--gemm-size", "0"]):
+        with pytest.raises(SystemExit):
+            resolve(parser().parse_args(["--cpu", "--mode", "overlap", *bad]))
