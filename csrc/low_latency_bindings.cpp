@@ -200,9 +200,9 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
     const size_t count_bytes = align_up(static_cast<size_t>(L) * 4);
     const size_t info_bytes = align_up(static_cast<size_t>(L * rows) * 4);
     const size_t range_bytes = align_up(static_cast<size_t>(L * R) * 8);
-    const at::Tensor block = at::empty({static_cast<int64_t>(data_bytes + scale_bytes + count_bytes + 2 * info_bytes +
-                                                             range_bytes)},
-                                       x.options().dtype(at::kByte));
+    const at::Tensor block = empty_on(static_cast<c10::DeviceIndex>(device_), at::kByte,
+                                      {static_cast<int64_t>(data_bytes + scale_bytes + count_bytes + 2 * info_bytes +
+                                                            range_bytes)});
     size_t off = 0;
     at::Tensor data = carve(block, off, use_fp8 ? at::kFloat8_e4m3fn : at::kBFloat16, {L, rows, H},
                             {rows * H, H, 1});
@@ -279,7 +279,7 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
     }
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
     const int half = start_call(p);
-    at::Tensor result = out ? *out : at::empty({t, s.hidden}, x.options());
+    at::Tensor result = out ? *out : empty_on(static_cast<c10::DeviceIndex>(device_), at::kBFloat16, {t, s.hidden});
 
     Common c = common(p, half, 1);
     c.per_rank_combine = p.per_rank_ok && rank_partials_;
