@@ -449,6 +449,7 @@ void register_intranode(py::module_& m) {
 
   py::class_<CommStream>(sub, "CommStream")
       .def(py::init<const c10::Stream&>(), py::arg("stream"))
+      .def("enter_current", &CommStream::enter_current)
       .def("enter_full_path", &CommStream::enter_full_path, py::arg("joined_any"), py::arg("joined"))
       .def("caller_joined", &CommStream::caller_joined, py::arg("caller"));
   // keep_alive: a plan holds raw pointers to the buffer and the comm stream.

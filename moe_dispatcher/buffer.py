@@ -278,22 +278,28 @@ class Buffer:
                       keep: Sequence) -> Tuple[tuple, EventOverlap]:
         """Run `run` with DeepEP's stream semantics and return (its results, EventOverlap).
 
-        The work goes on the comm stream, which first waits for `previous_event` (or the current stream).
-        async_finish: return an event the caller waits on; otherwise the current stream waits now.
+        A synchronous call without previous_event runs on the caller's current stream: what the caller queues
+        next comes after it by stream order, with no event, no stream switch and no record_stream (the compiled
+        backend's launch order makes its kernels follow the Buffer's latest launch, csrc/bindings/stream_join.h).
+        Otherwise the work goes on the comm stream, which first waits for `previous_event` (or the current
+        stream); async_finish returns an event the caller waits on, else the current stream waits now.
         Memory safety across the two streams (the caching allocator reuses a block as soon as its owner
         stream's queued work allows):
         - outputs are allocated while the comm stream is current, so they are recorded on the current
           (compute) stream, which uses them next, unless allocate_on_comm_stream asks for comm ownership;
         - inputs (`keep`) are recorded on the comm stream only with async_finish: without it the compute
           stream waits for the comm stream before anything it queues later (a free included) can run.
-        This is the hot path of every call (tools/host_profile.py): cheap stream lookups, one reused event
-        when the call is synchronous.
         """
         if device.type != "cuda":
             return run(), EventOverlap()
         if allocate_on_comm_stream and previous_event is None:
             raise ValueError("allocate_on_comm_stream=True needs previous_event (the comm stream must wait for "
                              "the work that produced the inputs)")
+        order = self._kernels.launch_order if self._kernels is not None else None
+        if previous_event is None and not async_finish:
+            if order is not None:
+                order.enter_current()
+            return run(), EventOverlap()
         compute = torch.cuda.current_stream(device.index if device.index is not None else None)
         comm = self._comm_stream if self._comm_stream is not None else self.get_comm_stream()
         joined = previous_event is None or previous_event.event is None
@@ -302,7 +308,6 @@ class Buffer:
         else:
             self._sync_event(0).record(compute)
             comm.wait_event(self._sync_event(0))
-        order = self._kernels.launch_order if self._kernels is not None else None
         if order is not None:  # the kernels' launches on the comm stream follow the latest one (stream_join.h)
             order.enter_full_path(joined, compute.cuda_stream)
         torch.cuda.set_stream(comm)

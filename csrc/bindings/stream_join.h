@@ -80,8 +80,8 @@ class CommEvent {
 };
 
 // How a normal-mode launch is placed (moe_dispatcher/compiled/__init__.py, LAUNCH_*):
-//   kOnCurrent  on the current stream, as it is: the full path, inside Buffer._stream_scope, which made the comm
-//               stream current after ordering it (CommStream::enter_full_path);
+//   kOnCurrent  on the current stream, as it is: the full path, inside Buffer._stream_scope, which ordered it
+//               (CommStream::enter_current for a synchronous call, enter_full_path on the comm stream);
 //   kAsync      on the comm stream, after the work queued on the caller's stream so far (async_finish): the
 //               caller gets an event;
 //   kSync       on the caller's stream itself (a synchronous call): what the caller queues next runs after it
@@ -127,7 +127,10 @@ class CommStream {
   }
   // A synchronous launch on `caller`: it waits for the latest launch if that was on another stream.
   void enter_sync(const c10::cuda::CUDAStream& caller) { follow(caller.stream(), nullptr); }
-  // The full path (Buffer._stream_scope) launches on the comm stream, which it made wait for the stream
+  // A synchronous call of the full path (Buffer._stream_scope) launches on the caller's current stream: it
+  // waits for the latest launch if that was on another stream.
+  void enter_current() { follow(current_stream(comm_.device_index()).stream(), nullptr); }
+  // An async_finish / previous_event call of the full path (Buffer._stream_scope) launches on the comm stream, which it made wait for the stream
   // `joined` when joined_any (not when it waited for previous_event instead). Streams come as their
   // cudaStream_t value (torch.cuda.Stream.cuda_stream; 0 is the legacy default stream).
   void enter_full_path(bool joined_any, uintptr_t joined) {
