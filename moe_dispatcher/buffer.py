@@ -477,6 +477,8 @@ class Buffer:
                 lambda: backend.dispatch(data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
                                          num_tokens_per_expert, expert_alignment, num_worst_tokens, config), inputs)
             recv_x, recv_scales, recv_idx, recv_w, counts, new_handle = results
+            if num_worst_tokens:  # the backend's device counts stay internal (Backend.dispatch)
+                counts = []
             return (recv_x if scales is None else (recv_x, recv_scales)), recv_idx, recv_w, counts, new_handle, event
         except Exception as exc:  # a peer waiting in this call's collective fails fast (board.py)
             self._board.post_abort(exc)
@@ -532,6 +534,14 @@ class Buffer:
         if self._pending_row_checks:
             excess = torch.maximum(excess, self._pending_row_checks[0][0] - self._pending_row_checks[0][1])
         self._pending_row_checks = [(excess, 0)]
+
+    def _forget_dropped_rows(self) -> None:
+        """Forget every overflow of earlier num_worst_tokens calls, so that the next synchronised dispatch does not
+        raise it: for a rerun guard (integrations/megatron/guard.py) that re-runs the step whose fixed-size calls
+        overflowed. Every rank calls it at the same point, after that step's dispatches finished."""
+        self._pending_row_checks = []
+        if self._kernels is not None:
+            self._kernels.forget_overflow()
 
     def _check_pending_rows(self) -> None:
         """Collective: raise on every rank if any earlier expert_major_dispatch(num_worst_tokens=W) on any rank
@@ -592,10 +602,8 @@ class Buffer:
             def run():
                 px, ps, pw, tpe, counts, h = backend.expert_major_dispatch(
                     data, scales, topk_idx, topk_weights, num_experts, expert_alignment, num_worst_tokens, config)
-                if num_worst_tokens:
+                if num_worst_tokens:  # reported later, alike on every backend (docs/semantics.md)
                     self._note_pending_rows(h.rows_needed, num_worst_tokens)
-                    if backend is self._reference_normal:  # it synchronises anyway: report at once
-                        self._check_pending_rows()
                 return px, ps, pw, tpe, counts, h
 
             (px, ps, pw, tpe, counts, new_handle), event = self._stream_scope(

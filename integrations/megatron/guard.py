@@ -77,24 +77,43 @@ def _check_step() -> bool:
 
 
 def _discard_buffer_row_checks() -> None:
-    """The Buffer also remembers guarded calls' excess, to raise at its next synchronised dispatch; an
-    overflow the guard undoes must not raise there."""
+    """The Buffer also remembers guarded calls' excess (and the compiled kernels an exchange that dropped
+    rows), to raise at its next synchronised dispatch; an overflow the guard undoes must not raise there, in
+    particular not in the step's exact re-run. Called on every rank after _check_step's host read, so the
+    step's dispatches have finished."""
     for _, buffer in list(_buffers.values()):
-        if hasattr(buffer, "_pending_row_checks"):
-            buffer._pending_row_checks = []
+        buffer._forget_dropped_rows()
+
+
+def check_expert_rows() -> None:
+    """Check every fixed-row dispatch not checked yet (``bound`` sizing reads each call's need 2 calls later;
+    a capacity factor counts its drops): waits for the latest calls' needs, no collective. Raises
+    RuntimeError on every rank alike if some rank needed more rows than its M. run_step calls it at each
+    step's end; a loop that does not use run_step (inference with ``bound``) calls it where its step ends."""
+    for serial in sorted(_dispatchers.keys()):
+        d = _dispatchers.get(serial)
+        if d is not None:
+            d._row_budget.settle()
 
 
 def run_step(step: Callable[[], Any], zero_grad: Callable[[], None]) -> Any:
     """Run one training step (forward and backward; not the optimizer update) with sync-free expert-row
     sizing, re-running it with exact sizing if any dispatch overflowed (module docstring). ``zero_grad``
-    clears the gradients the first attempt accumulated. Returns what the successful attempt returned."""
-    if guard_phase.depth or rows_setting() != "auto":  # nested, or fixed sizing chosen
+    clears the gradients the first attempt accumulated. Returns what the successful attempt returned.
+    With ``bound`` sizing the step runs once and its calls are all checked at its end (check_expert_rows)."""
+    if guard_phase.depth:  # nested: the outer run_step checks
         return step()
+    if rows_setting() != "auto":  # fixed sizing chosen: nothing to re-run, but nothing left unchecked
+        result = step()
+        check_expert_rows()
+        return result
     guard_phase.depth += 1
     try:
         result = step()
         stats["steps"] += 1
-        if not _check_step():
+        overflowed = _check_step()
+        check_expert_rows()  # calls under a capacity factor (they drop by choice: counted, never re-run)
+        if not overflowed:
             return result
         stats["reruns"] += 1
         _discard_buffer_row_checks()
