@@ -554,6 +554,10 @@ class Buffer:
         worst = all_gather_rows(self._board, excess, "pending-rows check all-gather").view(-1)
         if int(worst.max()) > 0:
             rank = int(worst.argmax())
+            # One overflow, one report: the composition's bounded exchange (compiled backends) recorded it in
+            # the backend too (its notify finished: the excess just read came from its counts).
+            if self._kernels is not None:
+                self._kernels.forget_overflow()
             raise ValueError(f"expert_major_dispatch: on rank {rank}, {int(worst.max())} more expert rows arrived than "
                              f"num_worst_tokens allowed; they were dropped (raise num_worst_tokens)")
 

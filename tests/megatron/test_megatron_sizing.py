@@ -175,3 +175,33 @@ def test_bound_mode_checks_the_last_calls_at_the_step_end(monkeypatch):
     with pytest.raises(RuntimeError, match="needed 400 rows"):
         guard.check_expert_rows()
     guard.check_expert_rows()  # nothing pending any more
+
+
+@pytest.mark.gpu
+def test_bound_mode_checks_the_last_calls_on_a_gpu(monkeypatch):
+    """The same on a GPU, where a call's need travels through pinned memory on a side stream: before, the last
+    LAG calls of a run were never read."""
+    from moe_dispatcher.integrations.megatron import guard
+
+    monkeypatch.setenv(sizing.ROWS_ENV, "bound")
+
+    class FakeDispatcher:
+        group = None
+
+    d = FakeDispatcher()
+    d._row_budget = sizing.ExpertRowBudget(align=1, headroom=1.0)
+    d._row_budget.observe(100)
+    guard.track(d)
+
+    def step(needs):
+        def run():
+            for need in needs:
+                d._row_budget.watch(torch.tensor(need, device="cuda"), d._row_budget.rows_for(10, 2))
+        return run
+
+    guard.run_step(step([50, 60, 70]), lambda: None)
+    with pytest.raises(RuntimeError, match="needed 300 rows"):
+        guard.run_step(step([50, 60, 300]), lambda: None)
+    d._row_budget.watch(torch.tensor(400, device="cuda"), d._row_budget.rows_for(10, 2))
+    with pytest.raises(RuntimeError, match="needed 400 rows"):
+        guard.check_expert_rows()
