@@ -5,14 +5,21 @@ M rows on some rank loses the rows past M. Inside ``run_step(step, zero_grad)`` 
 mode uses fixed M only there, on GPUs):
 
 1. every normal-mode dispatch of the step uses the dispatcher's fixed M and folds, on the device, the rows it
-   needed and its excess over M into running maxima (no host sync, no collective);
+   needed and its excess over M into running maxima (no host sync, no collective). The rows needed are the
+   handle's rows_needed: the padded per-expert counts the dispatch exchanged, which count the rows an
+   overflow dropped too (a count over the rows kept would read M exactly where each row holds one pair);
 2. at the step's end, one all-reduce per dispatch group (the most rows each dispatcher needed, which raises
    its high-water mark identically on every rank of the group) and one over the world (did any dispatch
    anywhere overflow), then one host read of all of it: the only host sync of the step that is ours, where
    a training step synchronises anyway (loss, gradient norm, optimizer);
-3. if any dispatch overflowed, ``zero_grad()`` is called and the step runs again with exact (synchronised)
-   sizing everywhere, so its result is what an exact step gives. Later steps use fixed M again, sized from
-   the raised high-water marks.
+3. if any dispatch overflowed, the Buffers forget the drops they would report at their next synchronised
+   dispatch (the re-run's first), ``zero_grad()`` is called and the step runs again with exact
+   (synchronised) sizing everywhere, so its result is what an exact step gives. Later steps use fixed M
+   again, sized from the raised high-water marks. Every backend takes part alike: the reference drops the
+   rows past M and reports them as the kernels do.
+
+With ``bound`` sizing run_step runs the step once and then reads every call's need not read yet
+(check_expert_rows): an overflow raises by the end of the step that had it.
 
 This is the protocol Megatron-Core's PagedStashRunner follows for HybridEP's static budget (detect on the
 device, check once per step, re-run the step in synced dropless mode). Side effects of a re-run step are
