@@ -572,7 +572,9 @@ class Buffer:
 
         x: as for dispatch; topk_idx int64 [T, K]; topk_weights float32 [T, K] or None; num_experts E.
         expert_alignment pads each expert's rows to a multiple (FP8 GEMMs want 16 or 32); num_worst_tokens > 0
-        fixes the row count M (no host sync with the compiled kernels).
+        fixes the row count M (no host sync with the compiled kernels): rows past M are dropped, handle.rows_needed
+        (from the exchanged counts) says how many were needed, and every rank raises at the next synchronised
+        dispatch (docs/semantics.md).
         Returns (permuted_x [M, H] (or the FP8 tuple), permuted_weights float32 [M] or None,
         tokens_per_expert_list (python ints; empty with num_worst_tokens), tokens_per_expert int32 [L] (device),
         handle, EventOverlap). Cached mode (`handle` only): (permuted_x, None, None, None, None, EventOverlap).
