@@ -84,10 +84,11 @@ def _check_step() -> bool:
 
 
 def _discard_buffer_row_checks() -> None:
-    """The Buffer also remembers guarded calls' excess (and the compiled kernels an exchange that dropped
-    rows), to raise at its next synchronised dispatch; an overflow the guard undoes must not raise there, in
-    particular not in the step's exact re-run. Called on every rank after _check_step's host read, so the
-    step's dispatches have finished."""
+    """The Buffer also remembers fixed-size calls' excess (and the compiled kernels an exchange that dropped
+    rows), to raise at its next synchronised dispatch. Inside run_step the checks above are the authority: an
+    overflow the guard undoes must not raise there (in particular not in the step's exact re-run), nor the
+    drops a capacity factor makes by choice, and a bound overflow has raised already. Called on every rank
+    after the step's checks waited for its dispatches (_check_step's host read, check_expert_rows)."""
     for _, buffer in list(_buffers.values()):
         buffer._forget_dropped_rows()
 
@@ -113,6 +114,7 @@ def run_step(step: Callable[[], Any], zero_grad: Callable[[], None]) -> Any:
     if rows_setting() != "auto":  # fixed sizing chosen: nothing to re-run, but nothing left unchecked
         result = step()
         check_expert_rows()
+        _discard_buffer_row_checks()
         return result
     guard_phase.depth += 1
     try:
@@ -120,10 +122,10 @@ def run_step(step: Callable[[], Any], zero_grad: Callable[[], None]) -> Any:
         stats["steps"] += 1
         overflowed = _check_step()
         check_expert_rows()  # calls under a capacity factor (they drop by choice: counted, never re-run)
+        _discard_buffer_row_checks()
         if not overflowed:
             return result
         stats["reruns"] += 1
-        _discard_buffer_row_checks()
         zero_grad()
         guard_phase.exact_rerun = True
         try:
