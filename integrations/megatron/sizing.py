@@ -136,7 +136,7 @@ class ExpertRowBudget:
         settle()), without waiting for it now."""
         self._calls += 1
         if rows_needed.device.type != "cuda":  # CPU: the same protocol, with the reduction done at once
-            need = rows_needed.reshape(1).to(torch.int64)
+            need = rows_needed.reshape(1).to(torch.int64, copy=True)  # reduced in place: not the handle's
             if self.group is not None and torch.distributed.get_world_size(self.group) > 1:
                 torch.distributed.all_reduce(need, op=torch.distributed.ReduceOp.MAX, group=self.group)
             self._pending.append((need, None, limit, self._calls))
@@ -152,7 +152,7 @@ class ExpertRowBudget:
         compute = torch.cuda.current_stream(rows_needed.device)
         self._side.wait_stream(compute)
         with torch.cuda.stream(self._side):
-            need = rows_needed.reshape(1).to(torch.int64)
+            need = rows_needed.reshape(1).to(torch.int64, copy=True)  # reduced in place: not the handle's
             if self.group is not None and torch.distributed.get_world_size(self.group) > 1:
                 torch.distributed.all_reduce(need, op=torch.distributed.ReduceOp.MAX, group=self.group)
             slot.copy_(need, non_blocking=True)
