@@ -130,11 +130,13 @@ py::object timeout_info(const IpcBuffer& b) { return mailbox_timeout_info(b, pha
 
 int num_forward(const IpcBuffer& b) { return b.host_mailbox()->num_forward; }
 
-// notify of a fresh dispatch: T = rows of is_token_in_rank, E = elements of num_tokens_per_expert.
+// notify of a fresh dispatch: T = rows of is_token_in_rank, E = elements of num_tokens_per_expert;
+// recv_expert_counts (int32 [E / R], or None) receives the padded per-local-expert counts on the device.
 void notify(const Context& ctx, uint64_t timeout_ns, const at::Tensor& is_token_in_rank,
             const at::Tensor& num_tokens_per_rank, const at::Tensor& num_tokens_per_expert, int num_channels,
             int expert_alignment, int num_worst_tokens, int seq, const at::Tensor& rank_prefix_matrix,
-            const at::Tensor& recv_channel_offset, const at::Tensor& fwd_offset) {
+            const at::Tensor& recv_channel_offset, const at::Tensor& fwd_offset,
+            const c10::optional<at::Tensor>& recv_expert_counts) {
   const auto device = is_token_in_rank.get_device();
   for (const at::Tensor* t : {&is_token_in_rank, &num_tokens_per_rank, &num_tokens_per_expert, &rank_prefix_matrix,
                               &recv_channel_offset, &fwd_offset}) {
@@ -156,6 +158,11 @@ void notify(const Context& ctx, uint64_t timeout_ns, const at::Tensor& is_token_
                     num_worst_tokens, seq, reinterpret_cast<uintptr_t>(rank_prefix_matrix.data_ptr()),
                     reinterpret_cast<uintptr_t>(recv_channel_offset.data_ptr()));
   a.fwd_offset = data_of<int>(fwd_offset);
+  expect_cuda(recv_expert_counts, device, "internode notify: recv_expert_counts");
+  MOE_CHECK(!recv_expert_counts.has_value() || (recv_expert_counts->scalar_type() == at::kInt &&
+                                                recv_expert_counts->numel() == num_experts / a.c.num_ranks),
+            "internode notify: recv_expert_counts must be int32 [num_experts / num_ranks]");
+  a.recv_expert_counts = data_of<int>(recv_expert_counts);
   launch_notify(a, current_stream(device).stream());
 }
 
@@ -399,7 +406,7 @@ void register_internode(py::module_& m) {
   sub.def("notify", &notify, py::arg("ctx"), py::arg("timeout_ns"), py::arg("is_token_in_rank"),
           py::arg("num_tokens_per_rank"), py::arg("num_tokens_per_expert"), py::arg("num_channels"),
           py::arg("expert_alignment"), py::arg("num_worst_tokens"), py::arg("seq"), py::arg("rank_prefix_matrix"),
-          py::arg("recv_channel_offset"), py::arg("fwd_offset"));
+          py::arg("recv_channel_offset"), py::arg("fwd_offset"), py::arg("recv_expert_counts") = py::none());
   sub.def("dispatch", &dispatch, py::arg("ctx"), py::arg("timeout_ns"), py::arg("x"), py::arg("scales"),
           py::arg("topk_idx"), py::arg("topk_weights"), py::arg("is_token_in_rank"), py::arg("recv_channel_offset"),
           py::arg("fwd_offset"), py::arg("fwd_mask"), py::arg("fwd_capacity"), py::arg("recv_x"),

@@ -78,7 +78,11 @@ class Backend:
                  num_tokens_per_expert: Tensor, expert_alignment: int, num_worst_tokens: int,
                  config: Optional["Config"] = None):
         """Fresh dispatch: -> (recv_x [N, H], recv_scales [N, S] or None, recv_topk_idx int64 [N, K] or None,
-        recv_topk_weights float32 [N, K] or None, counts (python ints [L]), DispatchHandle)."""
+        recv_topk_weights float32 [N, K] or None, counts, DispatchHandle). counts: the received pairs per local
+        expert, each rounded up to expert_alignment, from the counts the exchange carried: python ints [L], or
+        with num_worst_tokens the same as int32 [L] on the device (no host sync; they count the rows past
+        num_worst_tokens too, which the kernels drop: the expert-major composition's rows needed).
+        Buffer.dispatch returns them as python ints, or [] with num_worst_tokens (DeepEP's contract)."""
         raise NotImplementedError(f"the {self.name} backend has no normal mode")
 
     def cached_dispatch(self, x: Tensor, x_scales: Optional[Tensor], handle: "DispatchHandle",
@@ -113,6 +117,11 @@ class Backend:
         """Expert-major rows x [M, H] -> (combined_x [T, H], combined_topk_weights [T, K] or None)."""
         rows, w_rows = unpermute(x, handle, weights, topk_weights)
         return self.combine(rows, handle.dispatch, w_rows, bias, config)
+
+    def forget_overflow(self) -> None:
+        """Drop the record of an earlier num_worst_tokens overflow that the next synchronised dispatch would raise
+        (the compiled backends keep one in their mailbox; the reference raises at the call instead). For a rerun
+        guard that undid the step that overflowed: call it on every rank, once that step's dispatches finished."""
 
     # ------------------------------------------------------------------ low-latency mode
     # A low-latency backend owns its double buffering (each call takes the buffer half after the previous

@@ -530,6 +530,8 @@ class Buffer:
                 lambda: backend.dispatch(data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
                                          num_tokens_per_expert, expert_alignment, num_worst_tokens, config), inputs)
             recv_x, recv_scales, recv_idx, recv_w, counts, new_handle = results
+            if num_worst_tokens:  # the backend's device counts stay internal (Backend.dispatch)
+                counts = []
             return (recv_x if scales is None else (recv_x, recv_scales)), recv_idx, recv_w, counts, new_handle, event
         except Exception as exc:  # a peer waiting in this call's collective fails fast (board.py)
             self._board.post_abort(exc)
@@ -586,6 +588,15 @@ class Buffer:
             excess = torch.maximum(excess, self._pending_row_checks[0][0] - self._pending_row_checks[0][1])
         self._pending_row_checks = [(excess, 0)]
 
+    def _forget_dropped_rows(self) -> None:
+        """Forget every overflow of earlier num_worst_tokens calls, so that the next synchronised dispatch does not
+        raise it: for a caller that checked those calls' rows_needed itself (the Megatron integration's run_step,
+        integrations/megatron/guard.py, which re-runs a step that overflowed). Every rank calls it at the same
+        point, after those calls' dispatches finished."""
+        self._pending_row_checks = []
+        if self._kernels is not None:
+            self._kernels.forget_overflow()
+
     def _check_pending_rows(self) -> None:
         """Collective: raise on every rank if any earlier expert_major_dispatch(num_worst_tokens=W) on any rank
         needed more than W rows (the rows past W were dropped). Every rank made the same calls, so every rank
@@ -597,6 +608,10 @@ class Buffer:
         worst = all_gather_rows(self._board, excess, "pending-rows check all-gather").view(-1)
         if int(worst.max()) > 0:
             rank = int(worst.argmax())
+            # One overflow, one report: the composition's bounded exchange (compiled backends) recorded it in
+            # the backend too (its notify finished: the excess just read came from its counts).
+            if self._kernels is not None:
+                self._kernels.forget_overflow()
             raise ValueError(f"expert_major_dispatch: on rank {rank}, {int(worst.max())} more expert rows arrived than "
                              f"num_worst_tokens allowed; they were dropped (raise num_worst_tokens)")
 
@@ -611,7 +626,9 @@ class Buffer:
 
         x: as for dispatch; topk_idx int64 [T, K]; topk_weights float32 [T, K] or None; num_experts E.
         expert_alignment pads each expert's rows to a multiple (FP8 GEMMs want 16 or 32); num_worst_tokens > 0
-        fixes the row count M (no host sync with the compiled kernels).
+        fixes the row count M (no host sync with the compiled kernels): rows past M are dropped, handle.rows_needed
+        (from the exchanged counts) says how many were needed, and every rank raises at the next synchronised
+        dispatch (docs/semantics.md).
         Returns (permuted_x [M, H] (or the FP8 tuple), permuted_weights float32 [M] or None,
         tokens_per_expert_list (python ints; empty with num_worst_tokens), tokens_per_expert int32 [L] (device),
         handle, EventOverlap). Cached mode (`handle` only): (permuted_x, None, None, None, None, EventOverlap).
@@ -646,10 +663,8 @@ class Buffer:
             def run():
                 px, ps, pw, tpe, counts, h = backend.expert_major_dispatch(
                     data, scales, topk_idx, topk_weights, num_experts, expert_alignment, num_worst_tokens, config)
-                if num_worst_tokens:
+                if num_worst_tokens:  # reported later, alike on every backend (docs/semantics.md)
                     self._note_pending_rows(h.rows_needed, num_worst_tokens)
-                    if backend is self._reference_normal:  # it synchronises anyway: report at once
-                        self._check_pending_rows()
                 return px, ps, pw, tpe, counts, h
 
             (px, ps, pw, tpe, counts, new_handle), event = self._stream_scope(

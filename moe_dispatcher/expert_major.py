@@ -27,8 +27,9 @@ class ExpertMajorHandle(NamedTuple):
     slot_offsets:      python ints [K + 1], where each slot's group starts in slot_order (or None).
     backend_state:     what a fused backend keeps (the compiled intranode one: the inverse table
                        (received row, slot) -> row, its layout table, the local expert count, the alignment).
-    rows_needed:       0-d device tensor: rows this rank needed (padded); above M with num_worst_tokens
-                       means rows were dropped (the Buffer reports it; a caller may read it asynchronously).
+    rows_needed:       0-d int64 device tensor: rows this rank needed (padded), from the counts the dispatch
+                       exchanged (never from the rows kept); above M with num_worst_tokens means rows were
+                       dropped (the Buffer reports it; a caller may read it asynchronously).
     """
 
     dispatch: DispatchHandle
@@ -61,7 +62,8 @@ def permute(recv_x: Tensor, recv_scales: Optional[Tensor], recv_idx: Tensor, rec
 
     Returns (permuted_x, permuted_scales or None, permuted_weights [M] or None, tokens_per_expert int32 [L],
     the same as python ints (empty with num_worst_rows), pair_row int32 [M], pair_slot int32 [M],
-    slot_order or None, slot_offsets or None, the rows needed (a 0-d device tensor)). Rows past
+    slot_order or None, slot_offsets or None, the rows the given rows need (a 0-d device tensor; a caller
+    whose exchange may have dropped rows takes the need from its exchanged counts instead)). Rows past
     num_worst_rows are dropped here; the caller reports that on every rank.
     """
     n_rows, k = recv_idx.shape
@@ -158,14 +160,29 @@ def unpermute(x: Tensor, handle: ExpertMajorHandle, weights: Optional[Tensor],
 
 def compose_expert_major_dispatch(backend, data: Tensor, scales: Optional[Tensor], topk_idx: Tensor,
                                   topk_weights: Optional[Tensor], num_experts: int, num_local_experts: int,
-                                  expert_alignment: int, num_worst_tokens: int, config=None):
+                                  expert_alignment: int, num_worst_tokens: int, config=None,
+                                  bounded_exchange: bool = True):
     """Expert-major dispatch as a normal dispatch of `backend` followed by permute() (what a backend without
     fused kernels, or a case its kernels do not cover, does). Returns (permuted_x, permuted_scales,
-    permuted_weights, tokens_per_expert, counts, handle)."""
+    permuted_weights, tokens_per_expert, counts, handle).
+
+    With num_worst_tokens = M the expert rows are M. bounded_exchange (the kernels, which size their receive
+    buffers without a host sync): the rank-major exchange is bounded by M too (a received row holds at least
+    one pair, so M covers the rows whenever it covers the pairs); an overflow drops received rows there, and
+    permute sees only the first M. So the rows needed are never counted over the received rows: they are the
+    padded per-expert counts the exchange itself carried (the dispatch's `counts`, an int32 [L] device tensor
+    under num_worst_tokens), summed on the device, which count the dropped rows too (one pair per row, as with
+    top-1 routing or one expert per rank, would otherwise read exactly M). bounded_exchange=False (the
+    reference, which synchronises anyway): the exchange is exact and only permute drops, past M, expert rows
+    whose need the host counts already know."""
     n_rank, _, n_expert, in_rank = backend.get_dispatch_layout(topk_idx, num_experts)
-    recv_x, recv_s, recv_idx, recv_w, _, dh = backend.dispatch(
-        data, scales, topk_idx, topk_weights, n_rank, in_rank, n_expert, 1, num_worst_tokens, config)
-    px, ps, pw, tpe, counts, prow, pslot, order, offsets, need = permute(
+    recv_x, recv_s, recv_idx, recv_w, counts, dh = backend.dispatch(
+        data, scales, topk_idx, topk_weights, n_rank, in_rank, n_expert, expert_alignment,
+        num_worst_tokens if bounded_exchange else 0, config)
+    px, ps, pw, tpe, permuted_counts, prow, pslot, order, offsets, need = permute(
         recv_x, recv_s, recv_idx, recv_w, num_local_experts, expert_alignment, num_worst_tokens)
+    if num_worst_tokens:  # the exchanged counts (padded to the alignment), not the rows that were kept
+        need = (counts.sum(dtype=torch.int64) if isinstance(counts, Tensor)
+                else torch.tensor(sum(counts), dtype=torch.int64, device=tpe.device))
     handle = ExpertMajorHandle(dh, prow, pslot, tpe, topk_idx.shape[1], order, offsets, rows_needed=need)
-    return px, ps, pw, tpe, counts, handle
+    return px, ps, pw, tpe, permuted_counts, handle

@@ -22,7 +22,7 @@ with warnings.catch_warnings():
 
     from .buffers import dispatch_group, get_buffer, megatron_topology, release_buffers
     from .dispatcher import MoEDispatcherLowLatencyTokenDispatcher, MoEDispatcherTokenDispatcher
-    from .guard import run_step
+    from .guard import check_expert_rows, run_step
     from .registration import DISPATCHER_NAMES, LOW_LATENCY, NORMAL, is_registered, register
     from .timing import comm_timer
 
@@ -34,6 +34,7 @@ __all__ = [
     "NORMAL",
     "MoEDispatcherLowLatencyTokenDispatcher",
     "MoEDispatcherTokenDispatcher",
+    "check_expert_rows",
     "comm_timer",
     "dispatch_group",
     "get_buffer",

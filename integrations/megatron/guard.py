@@ -5,14 +5,21 @@ M rows on some rank loses the rows past M. Inside ``run_step(step, zero_grad)`` 
 mode uses fixed M only there, on GPUs):
 
 1. every normal-mode dispatch of the step uses the dispatcher's fixed M and folds, on the device, the rows it
-   needed and its excess over M into running maxima (no host sync, no collective);
+   needed and its excess over M into running maxima (no host sync, no collective). The rows needed are the
+   handle's rows_needed: the padded per-expert counts the dispatch exchanged, which count the rows an
+   overflow dropped too (a count over the rows kept would read M exactly where each row holds one pair);
 2. at the step's end, one all-reduce per dispatch group (the most rows each dispatcher needed, which raises
    its high-water mark identically on every rank of the group) and one over the world (did any dispatch
    anywhere overflow), then one host read of all of it: the only host sync of the step that is ours, where
    a training step synchronises anyway (loss, gradient norm, optimizer);
-3. if any dispatch overflowed, ``zero_grad()`` is called and the step runs again with exact (synchronised)
-   sizing everywhere, so its result is what an exact step gives. Later steps use fixed M again, sized from
-   the raised high-water marks.
+3. if any dispatch overflowed, the Buffers forget the drops they would report at their next synchronised
+   dispatch (the re-run's first), ``zero_grad()`` is called and the step runs again with exact
+   (synchronised) sizing everywhere, so its result is what an exact step gives. Later steps use fixed M
+   again, sized from the raised high-water marks. Every backend takes part alike: the reference drops the
+   rows past M and reports them as the kernels do.
+
+With ``bound`` sizing run_step runs the step once and then reads every call's need not read yet
+(check_expert_rows): an overflow raises by the end of the step that had it.
 
 This is the protocol Megatron-Core's PagedStashRunner follows for HybridEP's static budget (detect on the
 device, check once per step, re-run the step in synced dropless mode). Side effects of a re-run step are
@@ -77,27 +84,48 @@ def _check_step() -> bool:
 
 
 def _discard_buffer_row_checks() -> None:
-    """The Buffer also remembers guarded calls' excess, to raise at its next synchronised dispatch; an
-    overflow the guard undoes must not raise there."""
+    """The Buffer also remembers fixed-size calls' excess (and the compiled kernels an exchange that dropped
+    rows), to raise at its next synchronised dispatch. Inside run_step the checks above are the authority: an
+    overflow the guard undoes must not raise there (in particular not in the step's exact re-run), nor the
+    drops a capacity factor makes by choice, and a bound overflow has raised already. Called on every rank
+    after the step's checks waited for its dispatches (_check_step's host read, check_expert_rows)."""
     for _, buffer in list(_buffers.values()):
-        if hasattr(buffer, "_pending_row_checks"):
-            buffer._pending_row_checks = []
+        buffer._forget_dropped_rows()
+
+
+def check_expert_rows() -> None:
+    """Check every fixed-row dispatch not checked yet (``bound`` sizing reads each call's need 2 calls later;
+    a capacity factor counts its drops): waits for the latest calls' needs, no collective. Raises
+    RuntimeError on every rank alike if some rank needed more rows than its M. run_step calls it at each
+    step's end; a loop that does not use run_step (inference with ``bound``) calls it where its step ends."""
+    for serial in sorted(_dispatchers.keys()):
+        d = _dispatchers.get(serial)
+        if d is not None:
+            d._row_budget.settle()
 
 
 def run_step(step: Callable[[], Any], zero_grad: Callable[[], None]) -> Any:
     """Run one training step (forward and backward; not the optimizer update) with sync-free expert-row
     sizing, re-running it with exact sizing if any dispatch overflowed (module docstring). ``zero_grad``
-    clears the gradients the first attempt accumulated. Returns what the successful attempt returned."""
-    if guard_phase.depth or rows_setting() != "auto":  # nested, or fixed sizing chosen
+    clears the gradients the first attempt accumulated. Returns what the successful attempt returned.
+    With ``bound`` sizing the step runs once and its calls are all checked at its end (check_expert_rows)."""
+    if guard_phase.depth:  # nested: the outer run_step checks
         return step()
+    if rows_setting() != "auto":  # fixed sizing chosen: nothing to re-run, but nothing left unchecked
+        result = step()
+        check_expert_rows()
+        _discard_buffer_row_checks()
+        return result
     guard_phase.depth += 1
     try:
         result = step()
         stats["steps"] += 1
-        if not _check_step():
+        overflowed = _check_step()
+        check_expert_rows()  # calls under a capacity factor (they drop by choice: counted, never re-run)
+        _discard_buffer_row_checks()
+        if not overflowed:
             return result
         stats["reruns"] += 1
-        _discard_buffer_row_checks()
         zero_grad()
         guard_phase.exact_rerun = True
         try:

@@ -16,7 +16,9 @@ everything that touches the tensor (the experts, the probs multiply, their backw
   LAG (2) calls later: by then it is complete in practice, so reading it does not wait. Every rank reads the
   same group-wide value at the same call, so all ranks raise the mark alike and, when some rank needed
   more rows than its M (its rows past M were dropped), all ranks raise RuntimeError at the same call,
-  before that call's dispatch: no rank is left waiting in a collective for a rank that raised.
+  before that call's dispatch: no rank is left waiting in a collective for a rank that raised. The need
+  is the one the dispatch's exchanged counts give (rows_needed of the expert-major handle), which counts
+  the rows a dispatch dropped too.
 
 $MOE_DISPATCHER_EXPERT_ROWS_INITIAL=N makes the first call use M = N instead of a synchronised one (no host
 sync at all, e.g. for a captured warm-up). $MOE_DISPATCHER_EXPERT_ROWS=exact turns all of this off: every dispatch waits for the counts (one host sync)
@@ -27,7 +29,9 @@ Modes ($MOE_DISPATCHER_EXPERT_ROWS):
   checked once at its end and re-run with exact sizing if any dispatch needed more rows than its M, so no
   token is ever lost), exact (synchronised) outside a guard and on CPU. Megatron training through
   ``guard.run_step`` or the driver in train.py is guarded; a bare layer call (a benchmark) is not.
-- ``bound``: fixed M everywhere, checked as described above (read LAG calls later; an overflow raises).
+- ``bound``: fixed M everywhere, checked as described above (read LAG calls later; an overflow raises), and
+  at the end of every step run by guard.run_step (or at guard.check_expert_rows()), so the last calls of a step
+  are checked before the next step starts and those of a run before it ends.
 - ``exact``: every dispatch waits for the counts.
 """
 from __future__ import annotations
@@ -128,10 +132,14 @@ class ExpertRowBudget:
         self.high_water = rows_needed if self.high_water is None else max(self.high_water, rows_needed)
 
     def watch(self, rows_needed: torch.Tensor, limit: int) -> None:
-        """After a call with num_worst_tokens=limit: read its need later, without waiting for it now."""
+        """After a call with num_worst_tokens=limit: read its need later (LAG calls later, or at the step's end:
+        settle()), without waiting for it now."""
         self._calls += 1
-        if rows_needed.device.type != "cuda":  # CPU (tests): reading it costs no device sync
-            self._settle(int(rows_needed), limit)
+        if rows_needed.device.type != "cuda":  # CPU: the same protocol, with the reduction done at once
+            need = rows_needed.reshape(1).to(torch.int64, copy=True)  # reduced in place: not the handle's
+            if self.group is not None and torch.distributed.get_world_size(self.group) > 1:
+                torch.distributed.all_reduce(need, op=torch.distributed.ReduceOp.MAX, group=self.group)
+            self._pending.append((need, None, limit, self._calls))
             return
         if self._pinned is None:
             self._pinned = torch.zeros(_PINNED_SLOTS, dtype=torch.int64, pin_memory=True)
@@ -144,7 +152,7 @@ class ExpertRowBudget:
         compute = torch.cuda.current_stream(rows_needed.device)
         self._side.wait_stream(compute)
         with torch.cuda.stream(self._side):
-            need = rows_needed.reshape(1).to(torch.int64)
+            need = rows_needed.reshape(1).to(torch.int64, copy=True)  # reduced in place: not the handle's
             if self.group is not None and torch.distributed.get_world_size(self.group) > 1:
                 torch.distributed.all_reduce(need, op=torch.distributed.ReduceOp.MAX, group=self.group)
             slot.copy_(need, non_blocking=True)
@@ -175,10 +183,18 @@ class ExpertRowBudget:
         device as a whole."""
         self._settle_due(self._calls - LAG)
 
+    def settle(self) -> None:
+        """Take in the needs of every call so far, waiting for the latest ones (at a step's end, where the
+        host waits for the step anyway): the last LAG calls of a step are checked before the next step, and
+        the last calls of a run at all. No collective (each need was reduced over the group at its call),
+        and the same calls on every rank, so an overflow raises on every rank alike."""
+        self._settle_due(self._calls)
+
     def _settle_due(self, upto: int) -> None:
         while self._pending and self._pending[0][3] <= upto:
             slot, event, limit, _ = self._pending.popleft()
-            event.synchronize()
+            if event is not None:
+                event.synchronize()
             self._settle(int(slot[0]), limit)
 
     def _settle(self, need: int, limit: int) -> None:

@@ -172,9 +172,11 @@ class InternodeBackend(Backend):
         fwd_offset = torch.empty(self.num_domains, channels + 1, dtype=torch.int32, device=dev)
         self._seq = self._seq % 2_000_000_000 + 1
         seq = self._seq
+        # With num_worst_tokens the per-expert counts stay on the device (Backend.dispatch): notify writes them.
+        device_counts = torch.empty(local, dtype=torch.int32, device=dev) if num_worst_tokens else None
         self._mod.notify(self._ctx, self._timeout_ns, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert,
-                         channels, expert_alignment, num_worst_tokens, seq, prefix, offsets, fwd_offset)
-        counts: List[int] = []
+                         channels, expert_alignment, num_worst_tokens, seq, prefix, offsets, fwd_offset, device_counts)
+        counts = device_counts
         num_recv: Optional[int] = None
         if num_worst_tokens:
             rows = num_worst_tokens
@@ -264,6 +266,9 @@ class InternodeBackend(Backend):
                 return self._rdma_raw
             return torch.as_tensor(_DeviceMemory(self._ipc.local_ptr, total), device=self.device)
         return buffer_view(raw, total, dtype, size, offset, "RDMA" if use_rdma_buffer else "NVLink")
+
+    def forget_overflow(self) -> None:
+        self._ipc.take_worst_overflow()
 
     def destroy(self) -> None:
         """Free both buffers. Collective (NVSHMEM free + barrier): every rank calls it at the same point."""

@@ -200,13 +200,19 @@ class IntranodeBackend(Backend):
         channels, chunk, slots, slot_bytes = self._ring(
             config, False, dispatch_slot_bytes(_row_bytes(x), _columns(x_scales), num_topk), "dispatch")
         is_token_in_rank = is_token_in_rank.contiguous()
+        # With num_worst_tokens the per-expert counts stay on the device (Backend.dispatch): notify's
+        # expert-major table holds them.
+        layout = (torch.empty(self._mod.em_layout_words(self.num_ranks, local), dtype=torch.int32, device=x.device)
+                  if num_worst_tokens else None)
         prefix, offsets, seq = self._notify(is_token_in_rank, num_tokens_per_rank.contiguous(),
                                             num_tokens_per_expert.contiguous(), channels, expert_alignment,
-                                            num_worst_tokens)
+                                            num_worst_tokens, layout)
         counts: List[int] = []
         num_recv: Optional[int] = None
         if num_worst_tokens:
             rows = num_worst_tokens
+            padded = self.num_ranks * local + 2 * local + 1  # ExpertMajorLayout::padded(0)
+            counts = layout[padded:padded + local]
         else:
             num_recv = self._wait_counts(seq)
             counts = self._ipc.expert_counts(local)
@@ -406,6 +412,9 @@ class IntranodeBackend(Backend):
         return self.combine(rows, handle.dispatch, w_rows, bias, config)
 
     # ------------------------------------------------------------------ buffer access and lifetime
+    def forget_overflow(self) -> None:
+        self._ipc.take_worst_overflow()
+
     def local_buffer_tensor(self, dtype: torch.dtype, size: Optional[Sequence[int]] = None, offset: int = 0,
                             use_rdma_buffer: bool = False) -> torch.Tensor:
         """A typed view of this rank's NVLink buffer from byte `offset` (the RDMA buffer is emulated by a

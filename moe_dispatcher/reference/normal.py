@@ -5,12 +5,13 @@ Counts go to the host (this backend synchronises freely; the compiled one does n
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from ..backend import Backend, Capabilities
+from ..expert_major import compose_expert_major_dispatch
 from .board import Board
 from .comm import all_gather_rows, exchange_rows, pack_rows, unpack_rows
 
@@ -115,17 +116,27 @@ class ReferenceNormal(Backend):
             recv_idx = torch.where(mine, recv_idx - me * local, torch.full_like(recv_idx, -1))
             if recv_w is not None:
                 recv_w = torch.where(mine, recv_w, torch.zeros_like(recv_w))
-        counts: List[int] = []
-        if not num_worst_tokens:
-            a = expert_alignment
-            counts = [(int(c) + a - 1) // a * a for c in per_local_expert.tolist()]
-        else:
+        a = expert_alignment
+        counts = [(int(c) + a - 1) // a * a for c in per_local_expert.tolist()]
+        if num_worst_tokens:  # the Backend contract: on the device under num_worst_tokens
+            counts = torch.tensor(counts, dtype=torch.int32, device=x.device)
             recv_x, recv_scales, recv_idx, recv_w, recv_src_idx = (
                 _pad(t, num_worst_tokens, fill) for t, fill in
                 ((recv_x, 0), (recv_scales, 0), (recv_idx, -1), (recv_w, 0), (recv_src_idx, -1)))
         handle = DispatchHandle(rank_prefix_matrix.to(x.device), is_token_in_rank, recv_src_idx, num_recv,
                                 x.shape[0], num_worst_tokens, self.name, self.buffer_token)
         return recv_x, recv_scales, recv_idx, recv_w, counts, handle
+
+    def expert_major_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: torch.Tensor,
+                              topk_weights: Optional[torch.Tensor], num_experts: int, expert_alignment: int,
+                              num_worst_tokens: int, config=None):
+        """The composition (Backend's), with an exact exchange: this backend has the counts on the host anyway,
+        so num_worst_tokens bounds only the expert rows. An expert-major overflow is then what the kernels'
+        is: the rows past num_worst_tokens are dropped and rows_needed says so (the Buffer reports it, a
+        rerun guard re-runs the step), never an error raised by the exchange."""
+        return compose_expert_major_dispatch(self, x, x_scales, topk_idx, topk_weights, num_experts,
+                                             num_experts // self.num_ranks, expert_alignment, num_worst_tokens,
+                                             config, bounded_exchange=False)
 
     def cached_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], handle, config=None):
         """Dispatch along the routing of `handle`; returns (recv_x, recv_x_scales)."""

@@ -263,3 +263,23 @@ def test_fresh_and_expert_major_calls_pass_tensors(world):
     assert [kind for kind, _ in launches][-2:] == ["em_unpermute", "CachedCombine"]
     out, _ = w.backend.combine(w.y, w.handle, None, (torch.zeros(T, H, dtype=torch.bfloat16),))  # a bias: no plan
     assert launches[-1][0] == "combine" and launches[-1][1][4] is not None and launches[-1][1][5] is None  # bias0
+
+
+def test_fixed_size_dispatch_gives_the_exchanged_counts_on_the_device(world):
+    """dispatch(num_worst_tokens=W) of the intranode backend returns notify's padded per-expert counts on the device
+    (the expert-major composition's rows needed, docs/semantics.md), read from the expert-major table notify fills;
+    without W they are the host's python ints. Fails when W gives no counts (the composition then counted the rows
+    it kept: no silent loss needs the exchanged counts)."""
+    w = world
+    local = E  # one rank
+    out = w.backend.dispatch(w.x, None, w.idx, None, torch.full((1,), T, dtype=torch.int32),
+                             torch.ones(T, 1, dtype=torch.bool), torch.zeros(E, dtype=torch.int32), 4, 8)
+    counts = out[4]
+    notify = [args for kind, args in w.ext.launches if kind == "notify"][-1]
+    em_layout = notify[-1]
+    assert em_layout is not None and em_layout.numel() == w.ext.em_layout_words(1, local)
+    assert isinstance(counts, torch.Tensor) and counts.dtype == torch.int32 and counts.numel() == local
+    padded = 1 * local + 2 * local + 1  # ExpertMajorLayout::padded(0)
+    assert counts.data_ptr() == em_layout[padded:].data_ptr()
+    assert w.backend.dispatch(w.x, None, w.idx, None, torch.full((1,), T, dtype=torch.int32),
+                              torch.ones(T, 1, dtype=torch.bool), torch.zeros(E, dtype=torch.int32), 4, 0)[4] == [0] * E

@@ -111,6 +111,55 @@ def _world_timeout(rank: int, world_size: int) -> None:
                                stays_unusable=False)
 
 
+def _world_dropped_rows(rank: int, world_size: int) -> None:
+    """No silent loss in the internode expert-major composition (rank-major exchange + permute): with one local
+    pair per received row (top-1 routing; one expert per rank) the M rows kept need exactly M rows, so
+    rows_needed must come from the counts notify exchanged. Then the drop is reported once, at the next
+    synchronised dispatch, and a rerun guard's forgetting it lets the exact re-run through."""
+    kb, rb = _buffers()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    t, h = 256, 2048
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16).to(dev)
+    routings = {"top-1 (every token to rank 0)": ((torch.arange(t) % 2).view(t, 1), 2 * world_size),
+                "one expert per rank": (torch.stack([torch.randperm(world_size, generator=g) for _ in range(t)]),
+                                        world_size)}
+    worst = 128  # < the rows a rank receives (world_size * t at rank 0, or at every rank)
+    for name, (idx, e) in routings.items():
+        idx = idx.to(dev)
+        for align in (1, 16):
+            with case(f"{name}, alignment {align}"):
+                assert kb._kernels.name == "internode"
+                *_, want, _, _, _ = rb.expert_major_dispatch(x, topk_idx=idx, num_experts=e, expert_alignment=align)
+                px, _, _, tpe, hk, _ = kb.expert_major_dispatch(x, topk_idx=idx, num_experts=e,
+                                                                expert_alignment=align, num_worst_tokens=worst)
+                assert hk.backend_state is None, "the composition must serve the internode backend"
+                assert px.shape[0] == worst
+                assert int(hk.rows_needed) == sum(want), (int(hk.rows_needed), want)
+                with pytest.raises(ValueError, match="num_worst_tokens"):
+                    kb.expert_major_dispatch(x, topk_idx=idx, num_experts=e, expert_alignment=align)
+                px, _, counts, _, hk, _ = kb.expert_major_dispatch(x, topk_idx=idx, num_experts=e,
+                                                                   expert_alignment=align)  # reported once
+                assert counts == want
+                y = kb.expert_major_combine(px, hk)[0]
+                assert_equal(y, x * (idx >= 0).sum(1, keepdim=True).to(x.dtype), "round trip after the drop")
+            with case(f"{name}, alignment {align}: a guard's re-run after forgetting the drop"):
+                kb.expert_major_dispatch(x, topk_idx=idx, num_experts=e, expert_alignment=align,
+                                         num_worst_tokens=worst)
+                torch.cuda.synchronize()
+                kb._forget_dropped_rows()
+                *_, counts, _, _, _ = kb.expert_major_dispatch(x, topk_idx=idx, num_experts=e, expert_alignment=align)
+                assert counts == want
+    torch.cuda.synchronize()
+    kb.destroy()
+    rb.destroy()
+
+
+@pytest.mark.parametrize("world_size,nvl", WORLDS[:2])
+def test_composition_reports_dropped_rows(world_size: int, nvl: int) -> None:
+    run_distributed(_world_dropped_rows, world_size, backend="nccl", env=dist_helpers.nvl_env(nvl))
+
+
 @pytest.mark.parametrize("world_size,nvl", WORLDS[:2])
 def test_timeout_names_rank_and_phase(world_size: int, nvl: int) -> None:
     env = {"MOE_DISPATCHER_TIMEOUT_S": "2", **dist_helpers.nvl_env(nvl)}

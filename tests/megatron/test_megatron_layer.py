@@ -209,6 +209,20 @@ def _ep2_worker(rank: int, world: int) -> dict[str, Any]:
         finally:
             dispatcher.rows_mode = rows_mode
             del os.environ["MOE_DISPATCHER_EXPERT_ROWS_INITIAL"]
+    with case("normal vs allgather in the rerun guard, M = 128 below the rows needed: re-run exactly"):
+        # The reference backend drops the expert rows past M and reports them (it used to raise in its
+        # exchange instead): the guard finds the overflow at the step's end and re-runs the step exactly.
+        import os
+
+        from moe_dispatcher.integrations.megatron import dispatcher, guard
+        rows_mode = dispatcher.rows_mode
+        dispatcher.rows_mode = lambda device: "guarded" if guard.fixed_rows_allowed() else "exact"
+        os.environ["MOE_DISPATCHER_EXPERT_ROWS_INITIAL"] = "1"
+        try:
+            res["guarded_overflow"] = _parity("moe_dispatcher", "allgather", 1, world, guarded=True, num_tokens=256)
+        finally:
+            dispatcher.rows_mode = rows_mode
+            del os.environ["MOE_DISPATCHER_EXPERT_ROWS_INITIAL"]
     with case("low-latency vs allgather"):
         res["ll"] = _parity("moe_dispatcher_ll", "allgather", 1, world)
     with case("round trip"):
@@ -302,6 +316,15 @@ def test_layer_matches_allgather_in_the_rerun_guard(ep2):
         _check_parity(res["guarded"], 0.0, f"rank {rank} guarded fixed expert rows")
         assert res["guarded"]["reruns"] == 0
         assert res["guarded"]["high_water"] is not None  # set by the step's check alone (the calls were fixed-M)
+
+
+def test_reference_guard_reruns_an_overflowed_step(ep2):
+    """M = 128 rows for ~256 pairs per rank on the reference backend: the step re-runs exactly (no error) and
+    matches allgather bit for bit; the mark is raised to the rows needed."""
+    for rank, res in enumerate(ep2):
+        _check_parity(res["guarded_overflow"], 0.0, f"rank {rank} guarded overflow")
+        assert res["guarded_overflow"]["reruns"] == 1, res["guarded_overflow"]
+        assert res["guarded_overflow"]["high_water"] > 128
 
 
 def test_layer_matches_allgather_with_dropped_tokens(ep2):

@@ -12,18 +12,22 @@ def test_first_call_exact_then_high_water_with_headroom():
     assert b.rows_for(4096, 8) == 0  # no history: a synchronised call
     b.observe(1000)
     assert b.rows_for(4096, 8) == 1280  # 1250 rounded up to 128
-    b.watch(torch.tensor(1200), 1280)  # CPU: settled at once
+    b.watch(torch.tensor(1200), 1280)  # read LAG calls later, or at the step's end
+    assert b.high_water == 1000
+    b.settle()
     assert b.high_water == 1200 and b.rows_for(4096, 8) == 1536
 
 
 def test_overflow_raises_and_capacity_factor_counts():
     b = sizing.ExpertRowBudget(align=16, headroom=1.0)
     b.observe(100)
+    b.watch(torch.tensor(300), 128)
     with pytest.raises(RuntimeError, match="sized for 128"):
-        b.watch(torch.tensor(300), 128)
+        b.settle()
     c = sizing.ExpertRowBudget(align=32, capacity_factor=1.5)
     assert c.rows_for(100, 8) == 1280  # 1200 -> multiple of lcm(128, 32)
     c.watch(torch.tensor(2000), 1280)
+    c.settle()
     assert c.dropped_calls == 1
 
 
@@ -123,3 +127,81 @@ def test_guarded_forward_backward_replays_microbatches(monkeypatch):
     assert next(data) == 3
     seen.clear()
     assert wrapped(data_iterator=data, model=[Chunk("deepep")], num_microbatches=2) == [4, 5] and seen == [[4, 5]]
+
+
+def test_bound_overflow_is_read_lag_calls_later():
+    """bound sizing: a call's need is read LAG calls later, before that later call's dispatch (every rank
+    reads the same call, so all raise alike)."""
+    b = sizing.ExpertRowBudget(align=1, headroom=1.0)
+    b.observe(100)
+    m = b.rows_for(10, 2)
+    b.watch(torch.tensor(300), m)  # call 1 overflows
+    for _ in range(sizing.LAG):  # calls 2 and 3 (their rows_for read calls up to LAG calls back: none yet)
+        b.watch(torch.tensor(50), b.rows_for(10, 2))
+    with pytest.raises(RuntimeError, match=f"needed 300 rows .* sized for {m}"):
+        b.rows_for(10, 2)  # call 4: reads call 1 before its dispatch
+
+
+def test_bound_mode_checks_the_last_calls_at_the_step_end(monkeypatch):
+    """bound sizing without a guard: the last LAG calls of a step (and of a run) are read nowhere else, so
+    run_step (and check_expert_rows, for loops without it) reads them at the step's end. The overflowing call
+    itself must return (its need is only on the device); the error comes from the end of the step."""
+    from moe_dispatcher.integrations.megatron import guard
+
+    monkeypatch.setenv(sizing.ROWS_ENV, "bound")
+
+    class FakeDispatcher:
+        group = None
+
+    d = FakeDispatcher()
+    d._row_budget = sizing.ExpertRowBudget(align=1, headroom=1.0)
+    d._row_budget.observe(100)
+    guard.track(d)
+    returned = []
+
+    def step(needs):
+        def run():
+            for need in needs:
+                d._row_budget.watch(torch.tensor(need), d._row_budget.rows_for(10, 2))
+                returned.append(need)
+            return len(returned)
+        return run
+
+    assert guard.run_step(step([50, 60, 70]), lambda: None) == 3  # fits: nothing raised
+    with pytest.raises(RuntimeError, match="needed 300 rows"):
+        guard.run_step(step([50, 300]), lambda: None)  # the step's last call overflowed
+    assert returned[-1] == 300  # the call returned; the step's end raised
+    d._row_budget.watch(torch.tensor(400), d._row_budget.rows_for(10, 2))  # the last call of a run
+    with pytest.raises(RuntimeError, match="needed 400 rows"):
+        guard.check_expert_rows()
+    guard.check_expert_rows()  # nothing pending any more
+
+
+@pytest.mark.gpu
+def test_bound_mode_checks_the_last_calls_on_a_gpu(monkeypatch):
+    """The same on a GPU, where a call's need travels through pinned memory on a side stream: before, the last
+    LAG calls of a run were never read."""
+    from moe_dispatcher.integrations.megatron import guard
+
+    monkeypatch.setenv(sizing.ROWS_ENV, "bound")
+
+    class FakeDispatcher:
+        group = None
+
+    d = FakeDispatcher()
+    d._row_budget = sizing.ExpertRowBudget(align=1, headroom=1.0)
+    d._row_budget.observe(100)
+    guard.track(d)
+
+    def step(needs):
+        def run():
+            for need in needs:
+                d._row_budget.watch(torch.tensor(need, device="cuda"), d._row_budget.rows_for(10, 2))
+        return run
+
+    guard.run_step(step([50, 60, 70]), lambda: None)
+    with pytest.raises(RuntimeError, match="needed 300 rows"):
+        guard.run_step(step([50, 60, 300]), lambda: None)
+    d._row_budget.watch(torch.tensor(400, device="cuda"), d._row_budget.rows_for(10, 2))
+    with pytest.raises(RuntimeError, match="needed 400 rows"):
+        guard.check_expert_rows()

@@ -181,7 +181,11 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a)
   for (int l = threadIdx.x; l < L; l += blockDim.x) {
     int sum = 0;
     for (int s = 0; s < R; ++s) sum += word(s, 1 + R + C + l);
-    box->expert_counts[l] = (sum + align - 1) / align * align;
+    const int padded = (sum + align - 1) / align * align;
+    box->expert_counts[l] = padded;
+    // On the device too: they count every pair sent here, so with num_worst_tokens they say how many rows
+    // were needed even where the dispatch drops rows (read by kernels later on this stream).
+    if (a.recv_expert_counts != nullptr) a.recv_expert_counts[l] = padded;
   }
   if (threadIdx.x == 0) {
     int recv = 0, any = 0, fwd = 0;

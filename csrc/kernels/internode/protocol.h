@@ -93,6 +93,8 @@ struct NotifyArgs {
   int* rank_prefix_matrix;           // out [R, R]
   int* recv_channel_offset;          // out [R, C + 1]: first row here of channel c from source s
   int* fwd_offset;                   // out [D, C + 1]: first forwarded token of (source domain x, channel c)
+  int* recv_expert_counts;           // out [L] or null: pairs received per local expert, rounded up to the
+                                     // alignment (the mailbox's expert_counts, for the stream's later kernels)
 };
 
 struct DispatchArgs {
