@@ -145,21 +145,26 @@ class CommStream {
  private:
   // Order the next launch, on `next`, after the latest one; `joined`: a stream `next` already waits for.
   void follow(cudaStream_t next, cudaStream_t joined) {
-    if (has_last_ && last_ != next && last_ != joined && same_capture(last_, next)) {
+    if (has_last_ && last_ != next && last_ != joined && joinable(last_, next)) {
       MOE_CUDA_CHECK(cudaEventRecord(handoff_, last_));
       MOE_CUDA_CHECK(cudaStreamWaitEvent(next, handoff_, 0));
     }
     last_ = next;
     has_last_ = true;
   }
-  // Whether a wait of b for a may be enqueued: both outside capture, or both in the same capture.
-  static bool same_capture(cudaStream_t a, cudaStream_t b) {
-    cudaStreamCaptureStatus sa, sb;
-    unsigned long long ida = 0, idb = 0;
-    MOE_CUDA_CHECK(cudaStreamGetCaptureInfo(a, &sa, &ida));
-    MOE_CUDA_CHECK(cudaStreamGetCaptureInfo(b, &sb, &idb));
-    if (sa != sb) return false;
-    return sa != cudaStreamCaptureStatusActive || ida == idb;
+  // Whether `next` may wait for `last`: both outside capture, or both in the same capture. The legacy
+  // default stream (torch's default stream, 0) is never captured and is not queried while `next` captures
+  // (touching it during a global-mode capture invalidates the capture).
+  static bool joinable(cudaStream_t last, cudaStream_t next) {
+    cudaStreamCaptureStatus next_status, last_status;
+    unsigned long long next_id = 0, last_id = 0;
+    MOE_CUDA_CHECK(cudaStreamGetCaptureInfo(next, &next_status, &next_id));
+    const bool last_is_legacy = last == nullptr || last == cudaStreamLegacy || last == cudaStreamPerThread;
+    if (last_is_legacy) return next_status == cudaStreamCaptureStatusNone;
+    MOE_CUDA_CHECK(cudaStreamGetCaptureInfo(last, &last_status, &last_id));
+    if (next_status == cudaStreamCaptureStatusNone) return last_status == cudaStreamCaptureStatusNone;
+    return next_status == cudaStreamCaptureStatusActive && last_status == cudaStreamCaptureStatusActive &&
+           next_id == last_id;
   }
 
   c10::cuda::CUDAStream comm_;
