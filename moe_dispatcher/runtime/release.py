@@ -53,6 +53,7 @@ _POLL_S = (0.002, 0.05)  # first and longest sleep between two reads of the stor
 _lock = threading.RLock()
 _parked: List["Release"] = []  # collected (or exiting) Buffers whose memory waits for their peers' posts
 _live: "weakref.WeakSet" = weakref.WeakSet()  # Buffers holding compiled backends, not yet released
+_exit_registered = False
 _points: Dict[object, int] = {}  # group -> collective points passed
 _created: Dict[object, int] = {}  # group -> Buffers with compiled backends created (their ordinals)
 # Groups whose Buffers have held NVSHMEM memory (rounds are posted on them) -> (rank, ranks, timeout_s) for exit.
@@ -190,9 +191,11 @@ def register(buffer, symmetric: bool) -> None:
         _live.add(buffer)
         if symmetric:
             _symmetric_groups.setdefault(rel.group, (rel.rank, rel.num_ranks, rel.timeout_s))
-    if symmetric:  # after the NVSHMEM bootstrap: run before the exit handlers it registered
+    global _exit_registered
+    if symmetric or not _exit_registered:  # again after an NVSHMEM bootstrap: before the exit handlers it registered
         atexit.unregister(_at_exit)
         atexit.register(_at_exit)
+        _exit_registered = True
 
 
 def forget(buffer) -> None:
