@@ -43,7 +43,7 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch.distributed as dist
 
@@ -239,6 +239,7 @@ def collective_point(group, rank: int, num_ranks: int, timeout_s: float) -> None
                         key=lambda r: r.ordinal):
             _parked.remove(r)
             r._free(symmetric=True)
+    poll()  # every rank has passed the previous point: its posts of Buffers collected before are in
 
 
 def _at_exit() -> None:
