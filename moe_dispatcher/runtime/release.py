@@ -85,8 +85,9 @@ def wait_for_posts(store, keys: Sequence[str], timeout_s: float) -> Tuple[Dict[i
 
 class Release:
     """The release of one Buffer's compiled backends (see the module docstring). store: the Buffer's board store
-    (None when torch exposes none: then destroy() waits in a process-group barrier, unbounded, and collection
-    abandons); ordinal: the board's (the same Buffer on every rank)."""
+    (None when torch exposes none: then destroy() waits in a process-group barrier, unbounded, and leaves the
+    NVSHMEM buffer allocated, and collection abandons); ordinal: the Buffer's rank among its group's Buffers (the
+    same Buffer on every rank)."""
 
     def __init__(self, store, group, rank: int, num_ranks: int, timeout_s: float, broken_timeout_s: float) -> None:
         self.store, self.group, self.rank, self.num_ranks = store, group, rank, num_ranks
@@ -145,9 +146,9 @@ class Release:
         except Exception:
             self._abandon()
             raise
-        if self.store is None:
+        if self.store is None:  # no way to agree on the views: the NVSHMEM buffer stays (never a lone free)
             dist.barrier(group=self.group)
-            self._free(symmetric=not self._views())
+            self._free(symmetric=False)
             return
         timeout = self._timeout()
         values, missing = wait_for_posts(self.store, self._keys(), timeout)
