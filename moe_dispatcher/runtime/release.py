@@ -56,8 +56,9 @@ _live: "weakref.WeakSet" = weakref.WeakSet()  # Buffers holding compiled backend
 _exit_registered = False
 _points: Dict[object, int] = {}  # group -> collective points passed
 _created: Dict[object, int] = {}  # group -> Buffers with compiled backends created (their ordinals)
-# Groups whose Buffers have held NVSHMEM memory (rounds are posted on them) -> (rank, ranks, timeout_s) for exit.
-_symmetric_groups: Dict[object, Tuple[int, int, float]] = {}
+# Groups whose Buffers have held NVSHMEM memory (rounds are posted on them) -> (rank, ranks, timeout_s, the group's
+# store or None), recorded while the group exists: exit may come after destroy_process_group().
+_symmetric_groups: Dict[object, tuple] = {}
 
 
 class PeerMissing(RuntimeError):
@@ -191,7 +192,7 @@ def register(buffer, symmetric: bool) -> None:
     with _lock:
         _live.add(buffer)
         if symmetric:
-            _symmetric_groups.setdefault(rel.group, (rel.rank, rel.num_ranks, rel.timeout_s))
+            _symmetric_groups.setdefault(rel.group, (rel.rank, rel.num_ranks, rel.timeout_s, _group_store(rel.group)))
     global _exit_registered
     if symmetric or not _exit_registered:  # again after an NVSHMEM bootstrap: before the exit handlers it registered
         atexit.unregister(_at_exit)
@@ -222,7 +223,7 @@ def collective_point(group, rank: int, num_ranks: int, timeout_s: float) -> None
         n = _points[group] = _points.get(group, 0) + 1
         if group not in _symmetric_groups:
             return
-        store = _group_store(group)
+        store = _symmetric_groups[group][3]
         if store is None:
             return
         store = dist.PrefixStore("moe_dispatcher/release/", store)
@@ -255,7 +256,7 @@ def _at_exit() -> None:
         while any(not r.symmetric for r in _parked) and time.monotonic() < deadline:
             poll()
             time.sleep(_POLL_S[1])
-        for group, (rank, num_ranks, timeout_s) in list(_symmetric_groups.items()):
+        for group, (rank, num_ranks, timeout_s, _) in list(_symmetric_groups.items()):
             parked = [r for r in _parked if r.group is group]
             collective_point(group, rank, num_ranks, max((r._timeout() for r in parked), default=timeout_s))
     with _lock:

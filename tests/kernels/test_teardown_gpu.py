@@ -279,7 +279,7 @@ def _world_cycles(rank: int, world_size: int, cycles: int) -> float:
 
 @pytest.mark.parametrize("world_size", [4])
 def test_create_destroy_cycles_do_not_grow(world_size: int) -> None:
-    lost = run_distributed(_world_cycles, world_size, 100, backend="nccl")
+    lost = run_distributed(_world_cycles, world_size, 100, backend="nccl", timeout=300.0)
     print(f"\n[teardown] GPU memory change over 100 create/destroy cycles of every buffer kind: "
           f"{[round(v / 2 ** 20, 1) for v in lost]} MiB")
 
