@@ -186,3 +186,11 @@ def test_exit_after_an_error_releases_live_buffers(tmp_path) -> None:
         assert p.returncode == 1 and "ValueError: a clean Python error" in err, f"rank {r}: rc {p.returncode}\n{err}"
     for r in range(2):
         assert (tmp_path / f"freed{r}").exists(), f"rank {r} exited without releasing its live Buffer"
+
+
+def test_soak_logic_on_cpu() -> None:
+    """The GPU soak's own logic (case drawing, the five kinds of calls, the checks) on gloo ranks, where the
+    reference serves every Buffer; a check every 4 calls."""
+    from test_teardown_gpu import _world_soak
+    res = run_distributed(_world_soak, 2, 40, 4)
+    assert res[0]["checked"] == 10 and sum(res[0]["counts"].values()) == 40, res[0]
