@@ -45,21 +45,23 @@ def _run_ranks(world_size: int, scenario: str, victim: int, limit_s: float, env:
     tmp = tempfile.mkdtemp(prefix="moe_teardown_")
     child_env = dict(os.environ, **CHILD_ENV, **env)
     child_env["PYTHONPATH"] = os.pathsep.join([HELPERS, os.environ.get("PYTHONPATH", "")])
+    logs = [open(os.path.join(tmp, f"stderr{r}"), "w+") for r in range(world_size)]  # files: no pipe to fill up
     procs = [subprocess.Popen([sys.executable, os.path.join(HELPERS, "teardown_rank.py"), str(r), str(world_size),
                                os.path.join(tmp, "store"), scenario, str(victim), tmp], env=child_env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                              stdout=subprocess.DEVNULL, stderr=logs[r])
              for r in range(world_size)]
     deadline = time.monotonic() + limit_s
     codes, errs = [], []
-    for p in procs:
+    for p, log in zip(procs, logs):
         try:
-            _, err = p.communicate(timeout=max(deadline - time.monotonic(), 0.1))
-            codes.append(p.returncode)
+            codes.append(p.wait(timeout=max(deadline - time.monotonic(), 0.1)))
         except subprocess.TimeoutExpired:
             p.kill()
-            _, err = p.communicate()
+            p.wait()
             codes.append(None)
-        errs.append(err[-3000:])
+        log.seek(0)
+        errs.append(log.read()[-3000:])
+        log.close()
     results = {}
     for r in range(world_size):
         path = os.path.join(tmp, f"rank{r}.json")
