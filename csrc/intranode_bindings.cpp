@@ -438,7 +438,9 @@ void register_intranode(py::module_& m) {
              std::vector<std::string> raw(handles.begin(), handles.end());
              b.open_peers(raw);
            })
+      .def("close", &IpcBuffer::close)
       .def("destroy", &IpcBuffer::destroy)
+      .def("abandon", &IpcBuffer::abandon)
       .def_property_readonly("alive", &IpcBuffer::alive)
       .def_property_readonly("local_ptr", [](const IpcBuffer& b) { return reinterpret_cast<uintptr_t>(b.local()); })
       .def_property_readonly("src_block_bytes", [](const IpcBuffer& b) { return b.common(0).src_block_bytes; })

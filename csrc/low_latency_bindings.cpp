@@ -118,7 +118,7 @@ struct PendingReceive {
 
 class Runtime : public std::enable_shared_from_this<Runtime> {
  public:
-  Runtime(uintptr_t buffer, size_t num_bytes, const std::vector<uint64_t>& peer_bases, int rank, int num_ranks,
+  Runtime(const at::Tensor& buffer, size_t num_bytes, const std::vector<uint64_t>& peer_bases, int rank, int num_ranks,
           int device, int num_blocks, uint64_t timeout_ns, const py::object& comm_stream, bool rank_partials,
           const OptTensor& trace, py::object handle_cls, py::object event_cls, py::object no_event,
           py::object barrier, py::object timeout_message, int64_t buffer_token)
@@ -130,8 +130,12 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
     MOE_CHECK(static_cast<int>(peer_bases.size()) == num_ranks, "low_latency: one peer base per rank");
     MOE_CHECK(num_blocks >= 1, "low_latency: num_blocks must be positive");
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
-    const auto bytes = at::TensorOptions().dtype(at::kByte).device(at::kCUDA, device);
-    raw_ = at::from_blob(reinterpret_cast<void*>(buffer), {static_cast<int64_t>(num_bytes)}, bytes);
+    // The symmetric buffer as the backend's uint8 tensor: every view carved from it (the zero-copy combine buffer)
+    // shares its storage, whose owner keeps the memory from being freed while a view lives.
+    MOE_CHECK(buffer.is_cuda() && buffer.get_device() == device && buffer.scalar_type() == at::kByte &&
+                  buffer.dim() == 1 && buffer.is_contiguous() && buffer.numel() == static_cast<int64_t>(num_bytes),
+              "low_latency: the buffer must be a contiguous uint8 [num_bytes] tensor on the device");
+    raw_ = buffer;
     nvlink_all_ = true;
     for (uint64_t p : peer_bases) nvlink_all_ = nvlink_all_ && p != 0;
     peer_bases_ = at::tensor(std::vector<int64_t>(peer_bases.begin(), peer_bases.end()), at::kLong)
@@ -343,7 +347,11 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
     }
   }
 
-  void destroy() { alive_ = false; }
+  // Refuse every later call and hook, and drop this runtime's reference to the buffer (the backend frees it).
+  void destroy() {
+    alive_ = false;
+    raw_ = at::Tensor();
+  }
 
   // (half, num_experts) of the last launch of `kind` (0 dispatch, 1 combine) while tracing, else None.
   py::object trace_last(int kind) const {
@@ -636,7 +644,7 @@ void register_low_latency(py::module_& parent) {
 
   py::class_<Runtime, std::shared_ptr<Runtime>>(m, "LowLatencyRuntime",
                                                 "The low-latency calls of one backend (see the file comment).")
-      .def(py::init<uintptr_t, size_t, const std::vector<uint64_t>&, int, int, int, int, uint64_t, const py::object&,
+      .def(py::init<const at::Tensor&, size_t, const std::vector<uint64_t>&, int, int, int, int, uint64_t, const py::object&,
                     bool, const OptTensor&, py::object, py::object, py::object, py::object, py::object, int64_t>(),
            py::arg("buffer"), py::arg("num_bytes"), py::arg("peer_bases"), py::arg("rank"), py::arg("num_ranks"),
            py::arg("device"), py::arg("num_blocks"), py::arg("timeout_ns"), py::arg("comm_stream"),

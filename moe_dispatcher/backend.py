@@ -160,5 +160,19 @@ class Backend:
         """A typed view of this rank's NVLink (or NVSHMEM) buffer from byte `offset`."""
         raise NotImplementedError(f"the {self.name} backend has no communication buffer")
 
-    def destroy(self) -> None:
-        """Release what the backend holds (collective for backends with symmetric memory)."""
+    # Teardown: what moe_dispatcher/runtime/release.py calls (the reference backend shares no memory).
+    symmetric = False  # holds NVSHMEM memory (freed only collectively)
+    broken = False  # a kernel recorded a timeout
+
+    def quiesce(self) -> None:
+        """Local: wait for this GPU's work, stop using the peers' memory, refuse later calls."""
+
+    def views_alive(self) -> bool:
+        """A tensor handed to the user still views this backend's NVSHMEM memory."""
+        return False
+
+    def free(self, symmetric: bool) -> None:
+        """Every peer stopped: free (the NVSHMEM memory only when `symmetric`)."""
+
+    def abandon(self) -> None:
+        """A peer never confirmed: leave the exported memory allocated until the process exits."""

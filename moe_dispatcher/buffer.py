@@ -19,6 +19,7 @@ import torch.distributed as dist
 from . import _ext
 from . import config as _config
 from .compiled import LAUNCH_ASYNC, LAUNCH_SYNC, HandleState, buffer_view
+from .compiled import kernel_timeout_s as _kernel_timeout_s
 from .backend import Backend, Capabilities
 from .config import Config
 from .env import env_choice
@@ -28,7 +29,7 @@ from .handle import DispatchHandle, LowLatencyHandle
 from .reference import ReferenceLowLatency, ReferenceNormal
 from .reference.board import Board
 from .reference.comm import all_gather_rows
-from .runtime import ll_layout
+from .runtime import ll_layout, release
 from .topology import Topology
 from .validation import (check_combine_weights, check_count, check_flag_exclusive, check_num_experts, check_row_bytes,
                          check_tensor, check_topk_idx, check_topk_weights, normalise_bias, split_x)
@@ -61,7 +62,8 @@ class Buffer:
         allow_nvlink_for_low_latency_mode: let low-latency kernels store to peers over NVLink when NVSHMEM
             maps them; False sends everything through NVSHMEM puts.
         allow_mnnvl, use_fabric, enable_shrink: multi-node NVLink fabric and elastic shrinking: not supported.
-        explicitly_destroy: resources are released only by destroy() (else also at garbage collection).
+        explicitly_destroy: accepted for compatibility: destroy() and garbage collection both release the
+            buffer safely (see destroy).
     Ours:
         backend: "auto" (default, or env MOE_DISPATCHER_BACKEND), "reference" or "kernels" (error if the
             compiled kernels cannot serve a CUDA call instead of falling back).
@@ -126,6 +128,12 @@ class Buffer:
                                                  self._board)
         self._kernels = self._kernels_ll = None
         self._kernels_why = self._kernels_ll_why = "Buffer(backend='reference') was asked for"
+        # A collective point: NVSHMEM buffers of collected Buffers that every rank parked are freed here (before
+        # this Buffer allocates its own).
+        release.collective_point(self.group, self.rank, self.group_size, self._board.timeout_s)
+        # The release of the compiled backends' memory (destroy(), garbage collection, exit): runtime/release.py.
+        self._release = release.Release(self._board.store, self.group, self.rank, self.group_size,
+                                        self._board.timeout_s, _kernel_timeout_s())
         if backend != "reference":
             from . import compiled
             self._kernels, self._kernels_why = compiled.create(self)
@@ -138,6 +146,8 @@ class Buffer:
         self._ll_combine_runs: dict = {}
         self._resolved: dict = {}  # (mode, device type, call facts) -> Backend: _resolve's decisions
         self._pending_row_checks: List[Tuple[Tensor, int]] = []
+        if self._kernels is not None or self._kernels_ll is not None:
+            release.register(self, any(k is not None and k.symmetric for k in (self._kernels, self._kernels_ll)))
 
     @property
     def low_latency_combine_reduction(self) -> str:
@@ -215,25 +225,44 @@ class Buffer:
 
     # ------------------------------------------------------------------ lifetime and streams
     def destroy(self) -> None:
-        """Release the buffer's memory and peer mappings. Later calls raise."""
+        """Release the buffer's memory and peer mappings; later calls raise. Collective: call it on every rank (it
+        is a no-op on a Buffer already destroyed).
+
+        Each rank waits for its GPU's work and stops using its peers' memory, then waits (up to
+        MOE_DISPATCHER_TIMEOUT_S; the compiled kernels' timeout once a kernel timed out) until every peer has done
+        the same; only then is the memory that peers mapped freed. A peer that never arrives (dead, or not calling
+        destroy()) leaves this rank's memory allocated until the process exits, and destroy() raises naming it.
+        Tensors from get_local_buffer_tensor and get_next_low_latency_combine_buffer stay valid: they keep their
+        memory (the NVSHMEM buffer, while such a tensor lives on any rank, stays allocated until the process
+        exits). Garbage collection releases a Buffer too, without waiting for anyone (runtime/release.py)."""
         if self._destroyed:
             return
+        backends = self._drop_backends()
+        release.collective_point(self.group, self.rank, self.group_size, self._board.timeout_s)
+        self._release.collective(backends)
+
+    def _drop_backends(self) -> list:
+        """Mark the Buffer destroyed and take its compiled backends out of it (every reference it holds)."""
         self._destroyed = True
-        kernels, self._kernels, self._kernels_ll = (self._kernels, self._kernels_ll), None, None
-        self._local_buffers.clear()
-        self._ll_dispatch_runs.clear()
-        self._ll_combine_runs.clear()
-        for k in kernels:
-            if k is not None:
-                k.destroy()
+        release.forget(self)
+        backends = [k for k in (self._kernels, self._kernels_ll) if k is not None]
+        self._kernels = self._kernels_ll = None
+        for name in ("_local_buffers", "_ll_dispatch_runs", "_ll_combine_runs", "_resolved"):
+            getattr(self, name, {}).clear()  # (all of them exist unless __init__ raised)
+        return backends
 
     def __del__(self) -> None:
-        # Garbage collection fires at a different moment on each rank, so it must not run collective
-        # teardown (the NVSHMEM buffer's free and barrier): that stays with an explicit destroy() on every rank.
-        if (not getattr(self, "explicitly_destroy", True) and getattr(self, "_kernels_ll", None) is None
-                and getattr(getattr(self, "_kernels", None), "name", "") != "internode"):
-            with contextlib.suppress(Exception):
-                self.destroy()
+        # Garbage collection comes at a different moment on each rank, so it never waits for peers: the backends
+        # stop and are parked until every peer has posted its own release (runtime/release.py).
+        if getattr(self, "_destroyed", True) or not hasattr(self, "_release"):
+            return
+        with contextlib.suppress(Exception):
+            self._release.park(self._drop_backends())
+
+    def _release_at_exit(self) -> None:
+        """The interpreter exits with this Buffer alive: park it as garbage collection would."""
+        if not self._destroyed:
+            self._release.park(self._drop_backends())
 
     def _check_alive(self) -> None:
         if self._destroyed:

@@ -53,22 +53,40 @@ void IpcBuffer::open_peers(const std::vector<std::string>& handles) {
   opened_ = true;
 }
 
-void IpcBuffer::destroy() {
-  if (local_ == nullptr) return;
-  MOE_CUDA_CHECK(cudaDeviceSynchronize());
+void IpcBuffer::close() {
+  if (local_ == nullptr || closed_) return;
+  closed_ = true;  // first: a failure below must not leave launches allowed
+  MOE_CUDA_CHECK(cudaDeviceSynchronize());  // this rank's kernels no longer touch any peer's buffer
   for (int r = 0; r < num_ranks_; ++r) {
     if (r != rank_ && peers_[r] != nullptr) MOE_CUDA_CHECK(cudaIpcCloseMemHandle(peers_[r]));
-    peers_[r] = nullptr;
+    peers_[r] = r == rank_ ? local_ : nullptr;
   }
+}
+
+void IpcBuffer::destroy() {
+  if (local_ == nullptr) return;
+  close();
   MOE_CUDA_CHECK(cudaFree(local_));
-  local_ = nullptr;
+  local_ = peers_[rank_] = nullptr;
   MOE_CUDA_CHECK(cudaFreeHost(host_mailbox_));
   host_mailbox_ = device_mailbox_ = nullptr;
   opened_ = false;
 }
 
+void IpcBuffer::abandon() {
+  if (local_ == nullptr) return;
+  try {
+    close();
+  } catch (...) {  // abandoning is the way out of a failed teardown: it never throws
+  }
+  local_ = peers_[rank_] = nullptr;
+  cudaFreeHost(host_mailbox_);
+  host_mailbox_ = device_mailbox_ = nullptr;
+  opened_ = false;
+}
+
 intranode::Common IpcBuffer::common(uint64_t timeout_ns) const {
-  MOE_CHECK(local_ != nullptr && opened_, "IpcBuffer is destroyed or its peers are not opened");
+  MOE_CHECK(alive() && opened_, "IpcBuffer is closed or destroyed, or its peers are not opened");
   intranode::Common c{};
   for (int r = 0; r < intranode::kMaxRanks; ++r) c.peers[r] = peers_[r];
   c.rank = rank_;

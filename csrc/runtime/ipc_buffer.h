@@ -25,10 +25,20 @@ class IpcBuffer {
   std::string ipc_handle() const;
   // Opens every peer's buffer from its handle (handles[rank] is ignored).
   void open_peers(const std::vector<std::string>& handles);
-  // Waits for the device, closes the peers' mappings and frees everything. Idempotent.
+  // Teardown, in three steps because the local buffer is exported (moe_dispatcher/runtime/release.py runs them):
+  // close() waits for the device and closes this rank's mappings of the peers' buffers; the local buffer and
+  // the mailbox stay allocated (views of the buffer stay valid) but no launch may use them (alive() turns
+  // false). Local: no peer takes part. Idempotent.
+  void close();
+  // close(), then frees the local buffer and the mailbox. Freeing exported memory that a peer still maps is
+  // undefined under CUDA IPC, so this runs only once every peer has closed its mapping (the destructor calls
+  // it: the last reference goes after that point). Idempotent.
   void destroy();
+  // close(), then forgets the local buffer without freeing it: a peer that never confirmed its close may still
+  // map it, so it stays allocated until the process exits. The mailbox (not exported) is freed. Idempotent.
+  void abandon();
 
-  bool alive() const { return local_ != nullptr; }
+  bool alive() const { return local_ != nullptr && !closed_; }
   bool opened() const { return opened_; }
   int rank() const { return rank_; }
   int num_ranks() const { return num_ranks_; }
@@ -44,6 +54,7 @@ class IpcBuffer {
   uint8_t* local_ = nullptr;
   uint8_t* peers_[intranode::kMaxRanks] = {};
   bool opened_ = false;
+  bool closed_ = false;
   intranode::Mailbox* host_mailbox_ = nullptr;
   intranode::Mailbox* device_mailbox_ = nullptr;
 };

@@ -14,6 +14,7 @@ native plans kept in the handle's HandleState, as the intranode backend's (the B
 from __future__ import annotations
 
 import socket
+import weakref
 from typing import List, Optional, Sequence
 
 import torch
@@ -85,7 +86,9 @@ class InternodeBackend(Backend):
             self._state.finalize()
             self._ipc.destroy()
             raise
-        self._rdma_raw = torch.as_tensor(_DeviceMemory(self._rdma_ptr, self.num_rdma_bytes), device=self.device)
+        memory = _DeviceMemory(self._rdma_ptr, self.num_rdma_bytes)
+        self._rdma_memory = weakref.ref(memory)  # alive while a view of the NVSHMEM buffer is (views_alive)
+        self._rdma_raw = torch.as_tensor(memory, device=self.device)
         self._rdma_raw.zero_()  # every counter starts at 0 on every PE
         self._ctx = self._mod.make_context(self._ipc, self._rdma_ptr, self.rank, self.num_ranks, self.nvl_size,
                                            self.num_rdma_bytes)
@@ -264,18 +267,41 @@ class InternodeBackend(Backend):
         def raw() -> torch.Tensor:
             if use_rdma_buffer:
                 return self._rdma_raw
-            return torch.as_tensor(_DeviceMemory(self._ipc.local_ptr, total), device=self.device)
+            return torch.as_tensor(_DeviceMemory(self._ipc.local_ptr, total, self._ipc), device=self.device)
         return buffer_view(raw, total, dtype, size, offset, "RDMA" if use_rdma_buffer else "NVLink")
 
     def forget_overflow(self) -> None:
         self._ipc.take_worst_overflow()
 
-    def destroy(self) -> None:
-        """Free both buffers. Collective (NVSHMEM free + barrier): every rank calls it at the same point."""
-        if not self._alive:
-            return
+    # Teardown (moe_dispatcher/runtime/release.py runs these, never one rank alone for the frees).
+    symmetric = True  # the RDMA buffer is NVSHMEM memory: freed collectively
+
+    @property
+    def broken(self) -> bool:
+        return self._broken is not None
+
+    def quiesce(self) -> None:
+        """Local: note a recorded timeout, wait for the device, close this rank's mappings of the domain peers'
+        NVLink buffers, drop this backend's view of the NVSHMEM buffer; later calls raise."""
+        if self._ipc.alive and self._broken is None:
+            info = self._mod.timeout_info(self._ipc)
+            if info is not None:
+                self._broken = timeout_message(self.name, info, self.timeout_s, TIMEOUT_ENV)
         self._alive = False
         self._rdma_raw = None
-        self._state.release(self._rdma_ptr, self.device)
-        if self._ipc.alive:
-            self._ipc.destroy()
+        self._ipc.close()
+
+    def views_alive(self) -> bool:
+        """A tensor viewing the NVSHMEM buffer (get_local_buffer_tensor) is still alive."""
+        return self._rdma_memory() is not None
+
+    def free(self, symmetric: bool) -> None:
+        """Every rank stopped: the NVLink buffer goes with its last reference (IpcBuffer); symmetric: every rank's
+        views of the NVSHMEM buffer are gone: free it (collective) and drop this backend's NVSHMEM reference, else
+        it stays allocated for the views until the process exits."""
+        if symmetric:
+            self._state.release(self._rdma_ptr, self.device)
+
+    def abandon(self) -> None:
+        """A rank never confirmed: both buffers stay allocated until the process exits."""
+        self._ipc.abandon()

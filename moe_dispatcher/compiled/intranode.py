@@ -69,9 +69,12 @@ def _contiguous(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 
 class _DeviceMemory:
-    """Exposes a raw device range to torch.as_tensor through __cuda_array_interface__."""
+    """Exposes a raw device range to torch.as_tensor through __cuda_array_interface__. The tensor holds this object
+    until its storage is freed, and this object holds `owner` (the native buffer whose memory the range is): the
+    memory outlives every view (runtime/release.py)."""
 
-    def __init__(self, ptr: int, nbytes: int) -> None:
+    def __init__(self, ptr: int, nbytes: int, owner: object = None) -> None:
+        self.owner = owner
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2}
 
 
@@ -427,11 +430,31 @@ class IntranodeBackend(Backend):
                 if self._rdma_emulation is None:
                     self._rdma_emulation = torch.zeros(total, dtype=torch.uint8, device=self.device)
                 return self._rdma_emulation
-            return torch.as_tensor(_DeviceMemory(self._ipc.local_ptr, total), device=self.device)
+            return torch.as_tensor(_DeviceMemory(self._ipc.local_ptr, total, self._ipc), device=self.device)
         return buffer_view(raw, total, dtype, size, offset, "RDMA" if use_rdma_buffer else "NVLink")
 
-    def destroy(self) -> None:
-        """Wait for the device, close the peers' mappings, free the buffer and the mailbox (local only)."""
+    # Teardown (moe_dispatcher/runtime/release.py runs these, never one rank alone for the free).
+    symmetric = False  # no NVSHMEM memory
+
+    @property
+    def broken(self) -> bool:
+        return self._broken is not None
+
+    def quiesce(self) -> None:
+        """Local: note a recorded timeout, wait for the device, close this rank's mappings of the peers' buffers;
+        later calls raise."""
+        if self._ipc.alive and self._broken is None and self._ipc.timeout_info() is not None:
+            self._broken = timeout_message(self.name, self._ipc.timeout_info(), self.timeout_s, TIMEOUT_ENV)
         self._rdma_emulation = None
-        if self._ipc.alive:
-            self._ipc.destroy()
+        self._ipc.close()
+
+    def views_alive(self) -> bool:
+        return False
+
+    def free(self, symmetric: bool) -> None:
+        """Every peer closed its mapping: the buffer may go. The native IpcBuffer frees it with its last reference
+        (this backend's, the views', the plans')."""
+
+    def abandon(self) -> None:
+        """A peer never confirmed: leave the buffer allocated until the process exits."""
+        self._ipc.abandon()

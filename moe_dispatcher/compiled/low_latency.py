@@ -26,6 +26,8 @@ stamp %globaltimer at their phase boundaries. `last_trace()` returns the last ca
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .. import _ext
@@ -44,7 +46,8 @@ _NO_EVENT = EventOverlap()
 
 
 class _DeviceMemory:
-    """A raw device range for torch.as_tensor (through __cuda_array_interface__); owns nothing."""
+    """A raw device range for torch.as_tensor (through __cuda_array_interface__); owns nothing. Every tensor viewing
+    the range holds this object until its storage is freed, so a weak reference to it tells whether a view lives."""
 
     def __init__(self, ptr: int, nbytes: int) -> None:
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2}
@@ -80,7 +83,9 @@ class LowLatencyBackend(Backend):
         except Exception:
             self._state.finalize()
             raise
-        self._raw = torch.as_tensor(_DeviceMemory(self._ptr, self.num_bytes), device=self.device)
+        memory = _DeviceMemory(self._ptr, self.num_bytes)
+        self._raw_memory = weakref.ref(memory)  # alive while a view of the buffer is (views_alive)
+        self._raw = torch.as_tensor(memory, device=self.device)
         self._raw.zero_()  # every signal word of every layout starts at 0
         peers = [self._state.peer_ptr(self._ptr, pe) if buffer.allow_nvlink_for_low_latency_mode else 0
                  for pe in range(self.num_ranks)]
@@ -97,7 +102,7 @@ class LowLatencyBackend(Backend):
         state = self._state
         timeout_s = self.timeout_s
         self.runtime = self._mod.LowLatencyRuntime(
-            self._ptr, self.num_bytes, peers, self.rank, self.num_ranks, self.device.index, sms,
+            self._raw, self.num_bytes, peers, self.rank, self.num_ranks, self.device.index, sms,
             int(self.timeout_s * 1e9), buffer.get_comm_stream(),
             getattr(buffer, "low_latency_combine_reduction", "per_rank") == "per_rank", self._trace,
             LowLatencyHandle, EventOverlap, _NO_EVENT, lambda: state.barrier(),
@@ -168,15 +173,34 @@ class LowLatencyBackend(Backend):
             out[kind]["half"] = half
         return out
 
-    # ------------------------------------------------------------------ lifetime
-    def destroy(self) -> None:
-        """Free the symmetric buffer and drop this backend's NVSHMEM reference (collective)."""
-        if not self._alive:
-            return
+    # ------------------------------------------------------------------ teardown (moe_dispatcher/runtime/release.py)
+    symmetric = True  # the buffer is NVSHMEM memory: freed collectively
+
+    @property
+    def broken(self) -> bool:
+        return self.runtime.timeout_info() is not None
+
+    def quiesce(self) -> None:
+        """Local: refuse later calls and hooks, drop this backend's views of the buffer, wait for the device."""
         self._alive = False
         self.runtime.destroy()
         self._raw = None
-        self._state.release(self._ptr, self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def views_alive(self) -> bool:
+        """A tensor viewing the buffer (get_local_buffer_tensor, the zero-copy combine buffer) is still alive."""
+        return self._raw_memory() is not None
+
+    def free(self, symmetric: bool) -> None:
+        """Every rank stopped. symmetric: every rank's views are gone: free the buffer (an NVSHMEM barrier first,
+        then the collective free) and drop this backend's NVSHMEM reference; else the buffer stays allocated for
+        the views, until the process exits."""
+        if symmetric:
+            self._state.release(self._ptr, self.device)
+
+    def abandon(self) -> None:
+        """A rank never confirmed: the buffer stays allocated (no collective call can be made)."""
 
     # ------------------------------------------------------------------ buffer views and cleaning
     def next_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:

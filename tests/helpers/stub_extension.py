@@ -65,8 +65,16 @@ def stub_intranode(rows: int) -> types.SimpleNamespace:
         def expert_counts(self, n):
             return [0] * n
 
+        def close(self):
+            self.alive = False
+            self.closed = True
+
         def destroy(self):
             self.alive = False
+
+        def abandon(self):
+            self.alive = False
+            self.abandoned = True
 
     class CommStream:
         def __init__(self, stream):

@@ -252,6 +252,7 @@ def attach_stub_low_latency(buf, runtime: Optional[StubRuntime] = None, make: Ca
     b.low_latency_combine = b.runtime.combine
     b._state = types.SimpleNamespace(release=lambda ptr, device: None)
     b._ptr, b.device = 0, torch.device("cpu")
+    b._raw, b._raw_memory = None, lambda: None  # no buffer tensor: no view can be alive
     buf._kernels_ll, buf._kernels_ll_why = b, ""
     buf._resolved.clear()
     buf._ll_dispatch_runs.clear()
