@@ -372,7 +372,8 @@ def train(cfg: dict[str, dict[str, Any]], show_progress: bool = True, log_json: 
               f"dispatch+combine (fwd+bwd) {comm_s:.2f} s = {share} the measured time | "
               f"{guard.stats['reruns']} step(s) re-run for expert-row overflow", flush=True)
         if result["breakdown_ms"]:
-            print(f"step breakdown over {profile_steps} profiled steps ({result['breakdown_unit']}, rank 0): " + " | ".join(f"{part} {ms:.2f}" for part, ms in result["breakdown_ms"].items()),
+            parts = " | ".join(f"{part} {ms:.2f}" for part, ms in result["breakdown_ms"].items())
+            print(f"step breakdown over {profile_steps} profiled steps ({result['breakdown_unit']}, rank 0): {parts}",
                   flush=True)
         if log_json:
             with open(log_json, "w", encoding="utf-8") as f:
