@@ -1,19 +1,25 @@
-"""Train a small GPT-MoE with Megatron-Core and moe_dispatcher, from a YAML config.
+"""Train a GPT-MoE with Megatron-Core and moe_dispatcher, from a YAML config; or compare dispatchers on it.
 
     torchrun --nproc_per_node 2 -m moe_dispatcher.integrations.megatron.train --config configs/tiny_cpu.yaml
+    python -m moe_dispatcher.integrations.megatron.train --config configs/qwen3_moe_like_4gpu.yaml \
+        --compare ours,alltoall,allgather,flex-deepep      # each in turn, one torchrun each (compare.py)
 
-On a CPU-only machine it runs on gloo with the reference backend; with GPUs on NCCL with the kernels.
-It prints the loss, tokens/s and the time spent in dispatch and combine (forward and backward), with a
-progress bar. The data are synthetic and learnable: each sequence counts up from a random start with a
-random stride (mod the vocabulary), so the loss falls well below ln(vocab) within a few hundred steps.
+On a CPU-only machine it runs on gloo with the reference backend; with GPUs on NCCL with the kernels,
+Megatron's DDP and distributed optimizer (Trainer). It prints the loss, tokens/s and the time spent in
+dispatch and combine (forward and backward), with a progress bar, and, with train.profile_steps, a
+profiler breakdown of the step (step_profile.py). The data are synthetic and learnable: each sequence
+counts up from a random start with a random stride (mod the vocabulary), so the loss falls well below
+ln(vocab) within a few hundred steps.
 
 The config has four sections (configs/tiny_cpu.yaml shows them all):
   model:    TransformerConfig fields, passed as they are (moe_token_dispatcher_type selects the dispatcher;
-            params_dtype as a string, activation_func by name), plus vocab_size.
+            moe_grouped_gemm: true the grouped-GEMM experts of grouped_experts.py; params_dtype as a
+            string, activation_func by name), plus vocab_size.
   parallel: tensor_model_parallel_size, expert_model_parallel_size ("world": all ranks),
             expert_tensor_parallel_size; the data-parallel size is what remains.
   data:     seq_length, micro_batch_size (per data-parallel rank), max_stride.
-  train:    steps, lr, weight_decay, warmup_steps, seed, log_interval.
+  train:    steps, lr, weight_decay, warmup_steps, seed, log_interval, clip_grad (gradient-norm clipping,
+            1.0), profile_steps (the last N steps run under torch.profiler for the breakdown; 0: none).
 `--set section.key=value` overrides one entry (YAML syntax for the value); `--dispatcher NAME` is short for
 `--set model.moe_token_dispatcher_type=NAME`.
 """
