@@ -104,7 +104,13 @@ class GroupedGemmExperts(MegatronModule):
         counts = None
         if not grouped_mm_available(hidden_states):
             counts = tokens_per_expert.tolist()
-        offsets = tokens_per_expert.to(hidden_states.device, non_blocking=True).cumsum(0).to(torch.int32)
+        if hidden_states.is_cuda and not tokens_per_expert.is_cuda:
+            # Host counts (dispatchers that synchronised for them): copy the offsets from pinned memory, so the
+            # copy is queued on the stream instead of waiting for it (a pageable copy would).
+            offsets = tokens_per_expert.cumsum(0).to(torch.int32).pin_memory().to(hidden_states.device,
+                                                                                   non_blocking=True)
+        else:
+            offsets = tokens_per_expert.to(hidden_states.device).cumsum(0).to(torch.int32)
         h = grouped_linear(hidden_states, self.weight1, offsets, counts)
         h = self._activation(h, permuted_probs)
         return grouped_linear(h, self.weight2, offsets, counts), None
