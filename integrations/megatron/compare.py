@@ -106,8 +106,8 @@ def report(results: dict[str, dict[str, Any]], skipped: dict[str, str], failed: 
     profiled = {n: r for n, r in results.items() if r.get("breakdown_ms")}
     if profiled:
         first = next(iter(profiled.values()))
-        lines += ["", f"step breakdown, {first.get('breakdown_unit')} on rank 0 over {first.get('profiled_steps')} "
-                      "profiled steps (concurrent streams add up; step_profile.py)",
+        lines += ["", (f"step breakdown, {first.get('breakdown_unit')} on rank 0 over {first.get('profiled_steps')} "
+                       "profiled steps (concurrent streams add up; step_profile.py)"),
                   f"{'dispatcher':<14}" + "".join(f"{p:>10}" for p in PARTS) + f"{'sum':>10}{'wall':>10}"]
         for name, r in profiled.items():
             b = r["breakdown_ms"]
@@ -117,8 +117,7 @@ def report(results: dict[str, dict[str, Any]], skipped: dict[str, str], failed: 
         names = list(results)
         steps = max(len(r["losses"]) for r in results.values())
         every = max(1, steps // 20)
-        lines += ["", "loss curves (mean over all ranks, every "
-                  f"{every} steps)", f"{'step':>6}" + "".join(f"{n:>14}" for n in names)]
+        lines += ["", f"loss curves (mean over all ranks, every {every} steps)", f"{'step':>6}" + "".join(f"{n:>14}" for n in names)]
         for i in list(range(0, steps, every)) + ([steps - 1] if (steps - 1) % every else []):
             lines.append(f"{i + 1:>6}" + "".join(f"{results[n]['losses'][i]:>14.4f}" if i < len(results[n]['losses'])
                                                 else f"{'':>14}" for n in names))

@@ -112,7 +112,7 @@ assert wrapped is not megatron_fb and wrapped.__wrapped__ is megatron_fb
 assert schedules.get_forward_backward_func is wrapped and pipeline_parallel.get_forward_backward_func is wrapped
 print("ok")
 """
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr
 
 
