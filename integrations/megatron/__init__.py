@@ -23,7 +23,8 @@ with warnings.catch_warnings():
     from .buffers import dispatch_group, get_buffer, megatron_topology, release_buffers
     from .dispatcher import MoEDispatcherLowLatencyTokenDispatcher, MoEDispatcherTokenDispatcher
     from .guard import check_expert_rows, run_step
-    from .registration import DISPATCHER_NAMES, LOW_LATENCY, NORMAL, is_registered, register
+    from .registration import (DISPATCHER_NAMES, LOW_LATENCY, NORMAL, guard_forward_backward, guard_training_steps,
+                               is_registered, register)
     from .timing import comm_timer
 
     register()
@@ -38,6 +39,8 @@ __all__ = [
     "comm_timer",
     "dispatch_group",
     "get_buffer",
+    "guard_forward_backward",
+    "guard_training_steps",
     "is_registered",
     "megatron_topology",
     "register",

@@ -1,4 +1,5 @@
-"""Run a Megatron-LM script with moe_dispatcher registered (so its argparse accepts our dispatcher types):
+"""Run a Megatron-LM script with moe_dispatcher registered (so its argparse accepts our dispatcher types) and
+its training steps in the rerun guard (guard_training_steps: sync-free expert-row sizing):
 
     torchrun --nproc_per_node 8 -m moe_dispatcher.integrations.megatron pretrain_gpt.py \\
         --moe-token-dispatcher-type moe_dispatcher ...
@@ -7,12 +8,13 @@ import os
 import runpy
 import sys
 
-import moe_dispatcher.integrations.megatron  # noqa: F401  (registers)
+from moe_dispatcher.integrations.megatron import guard_training_steps  # (importing registers)
 
 
 def main() -> None:
     if len(sys.argv) < 2:
         sys.exit(__doc__)
+    guard_training_steps()  # before the script imports megatron.training, which binds the function
     script = sys.argv[1]
     sys.argv = sys.argv[1:]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python script.py` would

@@ -14,11 +14,19 @@ communication backend with another on ``config.moe_flex_dispatcher_backend``. We
 3. The ``Literal[...]`` annotations of both fields are widened, so Megatron-LM's argparse (which turns them
    into ``choices``) accepts ``--moe-token-dispatcher-type moe_dispatcher`` and rejects misspellings.
 
-Plus one schedule detail: Megatron's EP-overlap schedule frees the inputs of the dispatch node after its
-forward for backends it does not know; we answer as Megatron does for DeepEP (keep them), the conservative
-choice for a dispatch whose autograd graph reaches back to its inputs. And one for the expert-row sizing:
-``get_forward_backward_func`` returns its schedule wrapped in the rerun guard (guard.py), so training steps
-of models that use our dispatcher size expert rows without a host sync and re-run a step that overflowed.
+Plus one schedule detail: Megatron's EP-overlap schedule frees the inputs of some schedule nodes after their
+forward. For our normal mode it must keep two that it frees for backends it does not know: the dispatch
+node's inputs (the conservative choice for a dispatch whose autograd graph reaches back to its inputs, as
+Megatron chooses for DeepEP) and the "mlp" node's input, which is the dispatch's expert-major output handed
+to the experts as it is (dispatch_postprocess copies nothing), so the experts saved it for their backward
+(Megatron keeps it for HybridEP and NCCL EP for the same reason).
+
+That is all ``register()`` changes: the config class (a wrapped ``__post_init__``, two widened annotations),
+one name in ``moe_layer`` and one function in ``models.common.utils``. Training steps are not wrapped: the
+rerun guard (guard.py), which lets the default expert-row sizing skip the host sync, is opt-in --
+``guard_training_steps()`` (our Megatron-LM runner, ``python -m moe_dispatcher.integrations.megatron``,
+calls it), ``guard_forward_backward(func)`` around one forward_backward function, or ``run_step`` in a
+loop of one's own (train.py). Unguarded steps size expert rows exactly: correct, one host sync per dispatch.
 """
 from __future__ import annotations
 
@@ -133,32 +141,42 @@ def register(backend: str | None = None) -> None:
     MoEFlexTokenDispatcher.__module__ = megatron_flex.__module__
     moe_layer.MoEFlexTokenDispatcher = MoEFlexTokenDispatcher
 
-    # When dispatch_postprocess stops copying (an expert-major dispatch), the "mlp" node's input
-    # becomes the experts' saved input and must be kept too, as Megatron does for hybridep / ncclep.
+    # The EP-overlap schedule's free-input policy (module docstring): keep the dispatch node's inputs, and in
+    # normal mode the "mlp" node's input (the experts' saved input: our dispatch_postprocess copies nothing).
     megatron_should_free_input = schedule_utils.should_free_input
 
     @functools.wraps(megatron_should_free_input)
     def should_free_input(name, is_moe, config, num_local_experts):
-        if name == "moe_dispatch" and is_moe and config.moe_flex_dispatcher_backend in DISPATCHER_NAMES:
+        backend = config.moe_flex_dispatcher_backend if config.moe_token_dispatcher_type == "flex" else None
+        if is_moe and (name == "moe_dispatch" and backend in DISPATCHER_NAMES or name == "mlp" and backend == NORMAL):
             return False
         return megatron_should_free_input(name, is_moe, config, num_local_experts)
 
     schedule_utils.should_free_input = should_free_input
+    _state["registered"] = True
 
-    # Training steps through Megatron's schedules run in the rerun guard (guard.py): the default expert-row
-    # sizing then needs no host sync in steady state and never loses a token.
+
+def guard_training_steps() -> None:
+    """Opt-in: make ``megatron.core.pipeline_parallel.get_forward_backward_func`` return its schedule wrapped
+    in guard_forward_backward, so Megatron-LM's training loop runs every step of a model that uses our
+    normal-mode dispatcher in the rerun guard (no host sync for the expert-row sizing; a step that
+    overflowed is re-run exactly). Must run before ``megatron.training`` is imported (it binds the function
+    at import). Idempotent. Our Megatron-LM runner (``python -m moe_dispatcher.integrations.megatron``)
+    calls it."""
     from megatron.core import pipeline_parallel
     from megatron.core.pipeline_parallel import schedules
 
     megatron_get_fb = schedules.get_forward_backward_func
+    if getattr(megatron_get_fb, "_moe_dispatcher_guarded", False):
+        return
 
     @functools.wraps(megatron_get_fb)
     def get_forward_backward_func(*args, **kwargs):
         return guard_forward_backward(megatron_get_fb(*args, **kwargs))
 
+    get_forward_backward_func._moe_dispatcher_guarded = True
     schedules.get_forward_backward_func = get_forward_backward_func
     pipeline_parallel.get_forward_backward_func = get_forward_backward_func
-    _state["registered"] = True
 
 
 def _model_chunks(model) -> list:
@@ -177,7 +195,7 @@ def guard_forward_backward(forward_backward_func: Callable) -> Callable:
     """Wrap one of Megatron-Core's forward_backward functions (what get_forward_backward_func returns) in
     run_step when the model uses our normal-mode dispatcher. The microbatches are read from the data
     iterator(s) first and replayed if the step re-runs (as Megatron's PagedStashRunner does); a re-run clears
-    the model chunks' gradient buffers (zero_grad_buffer, else zero_grad) first. Registration wraps
+    the model chunks' gradient buffers (zero_grad_buffer, else zero_grad) first. guard_training_steps() wraps
     get_forward_backward_func with this, so Megatron-LM training loops are guarded as they are."""
     if getattr(forward_backward_func, "_moe_dispatcher_guarded", False):
         return forward_backward_func

@@ -1,19 +1,25 @@
-"""Train a small GPT-MoE with Megatron-Core and moe_dispatcher, from a YAML config.
+"""Train a GPT-MoE with Megatron-Core and moe_dispatcher, from a YAML config; or compare dispatchers on it.
 
     torchrun --nproc_per_node 2 -m moe_dispatcher.integrations.megatron.train --config configs/tiny_cpu.yaml
+    python -m moe_dispatcher.integrations.megatron.train --config configs/qwen3_moe_like_4gpu.yaml \
+        --compare ours,alltoall,allgather,flex-deepep      # each in turn, one torchrun each (compare.py)
 
-On a CPU-only machine it runs on gloo with the reference backend; with GPUs on NCCL with the kernels.
-It prints the loss, tokens/s and the time spent in dispatch and combine (forward and backward), with a
-progress bar. The data are synthetic and learnable: each sequence counts up from a random start with a
-random stride (mod the vocabulary), so the loss falls well below ln(vocab) within a few hundred steps.
+On a CPU-only machine it runs on gloo with the reference backend; with GPUs on NCCL with the kernels,
+Megatron's DDP and distributed optimizer (Trainer). It prints the loss, tokens/s and the time spent in
+dispatch and combine (forward and backward), with a progress bar, and, with train.profile_steps, a
+profiler breakdown of the step (step_profile.py). The data are synthetic and learnable: each sequence
+counts up from a random start with a random stride (mod the vocabulary), so the loss falls well below
+ln(vocab) within a few hundred steps.
 
 The config has four sections (configs/tiny_cpu.yaml shows them all):
   model:    TransformerConfig fields, passed as they are (moe_token_dispatcher_type selects the dispatcher;
-            params_dtype as a string, activation_func by name), plus vocab_size.
+            moe_grouped_gemm: true the grouped-GEMM experts of grouped_experts.py; params_dtype as a
+            string, activation_func by name), plus vocab_size.
   parallel: tensor_model_parallel_size, expert_model_parallel_size ("world": all ranks),
             expert_tensor_parallel_size; the data-parallel size is what remains.
   data:     seq_length, micro_batch_size (per data-parallel rank), max_stride.
-  train:    steps, lr, weight_decay, warmup_steps, seed, log_interval.
+  train:    steps, lr, weight_decay, warmup_steps, seed, log_interval, clip_grad (gradient-norm clipping,
+            1.0), profile_steps (the last N steps run under torch.profiler for the breakdown; 0: none).
 `--set section.key=value` overrides one entry (YAML syntax for the value); `--dispatcher NAME` is short for
 `--set model.moe_token_dispatcher_type=NAME`.
 """
@@ -33,6 +39,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import yaml
 
+from . import compare
+
 ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu, "relu": F.relu, "squared_relu": lambda x: F.relu(x) ** 2}
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -42,7 +50,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "parallel": {"tensor_model_parallel_size": 1, "expert_model_parallel_size": "world",
                  "expert_tensor_parallel_size": 1},
     "data": {"seq_length": 64, "micro_batch_size": 4, "max_stride": 8},
-    "train": {"steps": 300, "lr": 1e-3, "weight_decay": 0.0, "warmup_steps": 10, "seed": 1234, "log_interval": 25},
+    "train": {"steps": 300, "lr": 1e-3, "weight_decay": 0.0, "warmup_steps": 10, "seed": 1234, "log_interval": 25,
+              "clip_grad": 1.0, "profile_steps": 0},
 }
 
 
@@ -129,6 +138,9 @@ def build_model(config, vocab_size: int, seq_length: int, device: torch.device):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    if config.moe_grouped_gemm:  # the local spec would run SequentialMLP: use the grouped-GEMM experts
+        from moe_dispatcher.integrations.megatron.grouped_experts import use_grouped_gemm_experts
+        spec = use_grouped_gemm_experts(spec)
     model = GPTModel(config, spec, vocab_size=vocab_size, max_sequence_length=seq_length,
                      position_embedding_type="rope")
     return model.to(device)
@@ -148,26 +160,81 @@ def synthetic_batch(step: int, data: dict[str, Any], vocab: int, seed: int, dp_r
 
 
 # ----------------------------------------------------------------------------- optimisation
-class Optimizer:
-    """AdamW on fp32 master weights, with Megatron's gradient reductions done explicitly:
-    sequence-parallel params (norms, router) summed over TP, dense params averaged over data parallel,
-    expert params (``param.allreduce == False``) averaged over expert data parallel. Also updates the
-    routers' expert bias when the config enables it, as Megatron's finalize_model_grads does."""
+class Trainer:
+    """The model wrapped for data parallelism, its optimizer and learning-rate schedule.
+
+    On GPUs, Megatron-Core's own, as Megatron-LM sets them up: DistributedDataParallel keeps the gradients
+    in contiguous float32 buffers, reduced over data parallel for dense parameters and over expert data
+    parallel for expert ones, and the distributed optimizer (Adam on float32 master weights, sharded over
+    data parallel: reduce-scatter of the gradients, all-gather of the updated parameters; gradient clipping
+    at ``train.clip_grad``). finalize_model_grads does what Megatron's schedules do after the backward:
+    finish the gradient reduction and update the routers' expert bias when the config enables it.
+
+    On CPU (gloo) Megatron's optimizers cannot run (they allocate on CUDA): the stand-in is AdamW on float32
+    master weights with the same reductions done explicitly (CPUOptimizer).
+
+    The learning rate warms up linearly over ``train.warmup_steps``, then follows a cosine to a tenth of
+    ``train.lr`` at ``train.steps``.
+    """
+
+    def __init__(self, model: torch.nn.Module, config, train: dict[str, Any]) -> None:
+        self.lr, self.warmup, self.steps = train["lr"], train["warmup_steps"], train["steps"]
+        if not torch.cuda.is_available():
+            self.model, self.optimizer = model, CPUOptimizer(model, config, train)
+            return
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
+        self.model = DistributedDataParallel(config, ddp_config, model)
+        opt_config = OptimizerConfig(optimizer="adam", lr=train["lr"], weight_decay=train["weight_decay"],
+                                     adam_beta1=0.9, adam_beta2=0.95, bf16=config.params_dtype == torch.bfloat16,
+                                     params_dtype=config.params_dtype, use_distributed_optimizer=True,
+                                     clip_grad=train["clip_grad"])
+        self.optimizer = get_megatron_optimizer(opt_config, [self.model], use_gloo_process_groups=False)
+
+    def zero_grad(self) -> None:
+        if isinstance(self.optimizer, CPUOptimizer):
+            self.model.zero_grad(set_to_none=True)
+            return
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def step(self, step: int) -> None:
+        warm = min(1.0, (step + 1) / max(1, self.warmup))
+        decay = 0.5 * (1 + math.cos(math.pi * min(1.0, step / max(1, self.steps))))
+        lr = self.lr * warm * (0.1 + 0.9 * decay)
+        if isinstance(self.optimizer, CPUOptimizer):
+            self.optimizer.step(lr)
+            return
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads([self.model])
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+
+
+class CPUOptimizer:
+    """AdamW on fp32 master weights, with Megatron's gradient reductions done explicitly (the CPU stand-in
+    for Megatron's optimizer): sequence-parallel params (norms, router) summed over TP, dense params averaged
+    over data parallel, expert params (``param.allreduce == False``) averaged over expert data parallel, the
+    gradient norm clipped to ``train.clip_grad``. Also updates the routers' expert bias when the config
+    enables it, as Megatron's finalize_model_grads does."""
 
     def __init__(self, model: torch.nn.Module, config, train: dict[str, Any]) -> None:
         from megatron.core import parallel_state as ps
 
-        self.model, self.config = model, config
+        self.model, self.config, self.clip = model, config, train["clip_grad"]
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.master = [p.detach().float().clone() if p.dtype != torch.float32 else p for p in self.params]
         self.opt = torch.optim.AdamW(self.master, lr=train["lr"], weight_decay=train["weight_decay"],
                                      betas=(0.9, 0.95))
-        self.lr, self.warmup, self.steps = train["lr"], train["warmup_steps"], train["steps"]
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.dp_group = ps.get_data_parallel_group(with_context_parallel=True)
         self.edp_group = ps.get_expert_data_parallel_group()
 
-    def step(self, step: int) -> None:
+    def step(self, lr: float) -> None:
         for p, m in zip(self.params, self.master):
             g = p.grad.float() if p.grad is not None else torch.zeros_like(m)
             if getattr(p, "sequence_parallel", False) and dist.get_world_size(self.tp_group) > 1:
@@ -178,10 +245,10 @@ class Optimizer:
                 g /= dist.get_world_size(group)
             p.grad = None
             m.grad = g  # (m may be p itself)
-        warm = min(1.0, (step + 1) / max(1, self.warmup))
-        decay = 0.5 * (1 + math.cos(math.pi * min(1.0, step / max(1, self.steps))))
+        if self.clip:
+            torch.nn.utils.clip_grad_norm_(self.master, self.clip)  # (rank-local norm: a stand-in)
         for group in self.opt.param_groups:
-            group["lr"] = self.lr * warm * (0.1 + 0.9 * decay)
+            group["lr"] = lr
         self.opt.step()
         with torch.no_grad():
             for p, m in zip(self.params, self.master):
@@ -216,46 +283,56 @@ def train(cfg: dict[str, dict[str, Any]], show_progress: bool = True, log_json: 
     from megatron.core import parallel_state as ps
 
     from moe_dispatcher.integrations.megatron import comm_timer, cpu, guard, megatron_topology
+    from moe_dispatcher.integrations.megatron.step_profile import StepProfile
     on_cpu = cpu.enable()
     model_cfg, parallel, data, train_cfg = cfg["model"], cfg["parallel"], cfg["data"], cfg["train"]
     init_model_parallel(parallel, train_cfg["seed"])
     torch.manual_seed(train_cfg["seed"])
     config = transformer_config(model_cfg, parallel)
     model = build_model(config, model_cfg["vocab_size"], data["seq_length"], device)
-    optimizer = Optimizer(model, config, train_cfg)
+    profile = StepProfile(model)
+    trainer = Trainer(model, config, train_cfg)
     rank, world = dist.get_rank(), dist.get_world_size()
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    kind = f"{config.moe_token_dispatcher_type}/{config.moe_flex_dispatcher_backend}" \
-        if config.moe_token_dispatcher_type == "flex" else config.moe_token_dispatcher_type
+    kind = dispatcher_label(config)
     topo = megatron_topology()
     tokens_per_step = data["micro_batch_size"] * data["seq_length"] * dp_size
     steps, log_every = train_cfg["steps"], train_cfg["log_interval"]
+    # The last profile_steps steps run under torch.profiler and are left out of tokens/s.
+    profile_steps = min(train_cfg["profile_steps"], max(0, steps - 2 * log_every))
+    timed_steps = steps - profile_steps
     bar = progress(steps, show_progress and rank == 0)
     if rank == 0:
         n_params = sum(p.numel() for p in model.parameters())
-        say(bar, f"GPT-MoE: {config.num_layers} layers, hidden {config.hidden_size}, {config.num_moe_experts} experts "
-                 f"top-{config.moe_router_topk}, {n_params / 1e6:.2f}M params on rank 0 | {world} ranks "
+        experts = type(next((m.experts for m in profile.layers), None)).__name__
+        say(bar, f"GPT-MoE: {config.num_layers} layers ({len(profile.layers)} MoE), hidden {config.hidden_size}, "
+                 f"{config.num_moe_experts} experts top-{config.moe_router_topk} ({experts}), "
+                 f"{n_params / 1e6:.2f}M params on rank 0 | {world} ranks "
                  f"({'gloo, CPU' if on_cpu else 'NCCL, GPU'}): TP {config.tensor_model_parallel_size}, EP "
                  f"{config.expert_model_parallel_size}, ETP {config.expert_tensor_parallel_size}, DP {dp_size} | "
-                 f"dispatcher {kind} | NVLink domains of {topo.nvl_size} ({topo.source}) | "
-                 f"{tokens_per_step} tokens/step")
+                 f"dispatcher {kind} | optimizer {type(trainer.optimizer).__name__} | NVLink domains of "
+                 f"{topo.nvl_size} ({topo.source}) | {tokens_per_step} tokens/step")
     comm_timer.enable()
     comm_timer.summary()
     losses: list[float] = []
     window_start, window_tokens, measured = time.perf_counter(), 0, {"time": 0.0, "tokens": 0}
     comm_total: dict[str, float] = {}
     for step in range(steps):
+        if step == timed_steps and profile_steps:
+            profiling = profile.steps(profile_steps)
+            profiling.__enter__()
         tokens, positions, mask, labels = synthetic_batch(step, data, model_cfg["vocab_size"], train_cfg["seed"],
                                                           dp_rank, device)
 
         def forward_backward(tokens=tokens, positions=positions, mask=mask, labels=labels):
-            loss = model(tokens, positions, mask, labels=labels).float().mean()
+            loss = trainer.model(tokens, positions, mask, labels=labels).float().mean()
             loss.backward()
             return loss
 
+        trainer.zero_grad()
         # Sync-free expert-row sizing, re-run exactly if a dispatch overflowed (guard.py): no token is lost.
-        loss = guard.run_step(forward_backward, zero_grad=lambda: model.zero_grad(set_to_none=True))
-        optimizer.step(step)
+        loss = guard.run_step(forward_backward, zero_grad=trainer.zero_grad)
+        trainer.step(step)
         reduced = loss.detach().clone()
         dist.all_reduce(reduced)
         losses.append(reduced.item() / world)
@@ -263,7 +340,7 @@ def train(cfg: dict[str, dict[str, Any]], show_progress: bool = True, log_json: 
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
-        if (step + 1) % log_every == 0 or step + 1 == steps:
+        if step + 1 <= timed_steps and ((step + 1) % log_every == 0 or step + 1 == timed_steps):
             if device.type == "cuda":
                 torch.cuda.synchronize()
             elapsed = time.perf_counter() - window_start
@@ -281,11 +358,16 @@ def train(cfg: dict[str, dict[str, Any]], show_progress: bool = True, log_json: 
                          f"{ms.get('dispatch.backward', 0):6.2f} ms | combine {ms.get('combine', 0):6.2f} + bwd "
                          f"{ms.get('combine.backward', 0):6.2f} ms")
             window_start, window_tokens = time.perf_counter(), 0
+    if profile_steps:
+        profiling.__exit__(None, None, None)
     if bar is not None:
         bar.close()
     comm_timer.enable(False)
+    step_ms = 1e3 * measured["time"] / (measured["tokens"] / tokens_per_step) if measured["tokens"] else None
     result = {"dispatcher": kind, "world_size": world, "steps": steps, "losses": losses,
               "tokens_per_s": measured["tokens"] / measured["time"] if measured["time"] else None,
+              "step_ms": step_ms, "breakdown_ms": profile.breakdown(), "profiled_steps": profile_steps,
+              "breakdown_unit": "CPU op ms/step" if on_cpu else "GPU kernel ms/step",
               "comm_seconds": comm_total, "measured_seconds": measured["time"],
               "steps_rerun": guard.stats["reruns"]}
     if rank == 0:
@@ -295,12 +377,23 @@ def train(cfg: dict[str, dict[str, Any]], show_progress: bool = True, log_json: 
         print(f"done: loss {losses[0]:.4f} -> {losses[-1]:.4f} | {tps} tokens/s after warm-up | "
               f"dispatch+combine (fwd+bwd) {comm_s:.2f} s = {share} the measured time | "
               f"{guard.stats['reruns']} step(s) re-run for expert-row overflow", flush=True)
+        if result["breakdown_ms"]:
+            parts = " | ".join(f"{part} {ms:.2f}" for part, ms in result["breakdown_ms"].items())
+            print(f"step breakdown over {profile_steps} profiled steps ({result['breakdown_unit']}, rank 0): {parts}",
+                  flush=True)
         if log_json:
             with open(log_json, "w", encoding="utf-8") as f:
                 json.dump(result, f, indent=1)
     ps.destroy_model_parallel()
     dist.destroy_process_group()
     return result
+
+
+def dispatcher_label(config) -> str:
+    """"alltoall", "allgather" or "flex/<backend>" (how the config's dispatcher reads after registration)."""
+    if config.moe_token_dispatcher_type == "flex":
+        return f"flex/{config.moe_flex_dispatcher_backend}"
+    return config.moe_token_dispatcher_type
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -312,8 +405,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, help="number of steps (same as --set train.steps=N)")
     parser.add_argument("--log-json", help="rank 0 writes the loss curve and timings here")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar, log lines only")
+    parser.add_argument("--compare", metavar="NAMES",
+                        help="run the config once per dispatcher, in turn, and compare them: a comma-separated "
+                             f"list of {', '.join(compare.RUNS)} (each its own torchrun of --nproc-per-node ranks)")
+    parser.add_argument("--nproc-per-node", type=int, default=None,
+                        help="with --compare: ranks per run (default: the visible GPUs, else 2)")
     args = parser.parse_args(argv)
     overrides = list(args.set) + ([f"train.steps={args.steps}"] if args.steps is not None else [])
+    if args.compare:
+        if args.dispatcher:
+            parser.error("--compare runs each dispatcher it names; leave out --dispatcher")
+        ok = compare.run(args.config, overrides, args.compare.split(","), args.nproc_per_node, args.log_json)
+        sys.exit(0 if ok else 1)
     cfg = load_config(args.config, overrides, args.dispatcher)
     # Megatron warns about optional packages it runs without (Transformer Engine, apex).
     warnings.filterwarnings("ignore", module="megatron")

@@ -76,14 +76,44 @@ def test_register_is_idempotent_and_rebinds_flex():
 
 
 def test_ep_overlap_schedule_keeps_dispatch_inputs():
+    """The dispatch node's inputs are kept for both our modes; the "mlp" node's input (the experts' saved input:
+    our expert-major dispatch_postprocess copies nothing) in normal mode; Megatron's answers elsewhere."""
     from megatron.core.models.common import utils
     ours = _config(moe_token_dispatcher_type="moe_dispatcher")
+    ours_ll = _config(moe_token_dispatcher_type="moe_dispatcher_ll")
     deepep = _config(moe_token_dispatcher_type="flex")
     alltoall = _config(moe_token_dispatcher_type="alltoall")
     assert utils.should_free_input("moe_dispatch", True, ours, 4) is False
+    assert utils.should_free_input("moe_dispatch", True, ours_ll, 4) is False
     assert utils.should_free_input("moe_dispatch", True, deepep, 4) is False
     assert utils.should_free_input("moe_dispatch", True, alltoall, 4) is True
-    assert utils.should_free_input("mlp", True, ours, 4) == utils.should_free_input("mlp", True, deepep, 4)
+    assert utils.should_free_input("mlp", True, ours, 4) is False
+    assert utils.should_free_input("mlp", True, deepep, 4) is True  # DeepEP's dispatch_postprocess copies
+    assert utils.should_free_input("mlp", True, ours_ll, 4) is True  # so does our low-latency packing
+    assert utils.should_free_input("moe_combine", True, ours, 4) is True
+    assert utils.should_free_input("mlp", False, ours, None) is False
+
+
+def test_training_steps_are_guarded_only_on_request():
+    """register() leaves Megatron's schedules alone; guard_training_steps() (our Megatron-LM runner calls it)
+    wraps get_forward_backward_func once, in both modules that export it."""
+    import subprocess
+    import sys
+    code = """
+import warnings; warnings.filterwarnings("ignore")
+from megatron.core import pipeline_parallel
+from megatron.core.pipeline_parallel import schedules
+megatron_fb = schedules.get_forward_backward_func
+import moe_dispatcher.integrations.megatron as integration
+assert schedules.get_forward_backward_func is megatron_fb and pipeline_parallel.get_forward_backward_func is megatron_fb
+integration.guard_training_steps(); wrapped = schedules.get_forward_backward_func
+integration.guard_training_steps()
+assert wrapped is not megatron_fb and wrapped.__wrapped__ is megatron_fb
+assert schedules.get_forward_backward_func is wrapped and pipeline_parallel.get_forward_backward_func is wrapped
+print("ok")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr
 
 
 def _argparse_field_choices(name: str) -> tuple:

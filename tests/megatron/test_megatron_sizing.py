@@ -95,7 +95,7 @@ def test_guard_reruns_an_overflowed_step_exactly(monkeypatch):
 
 
 def test_guarded_forward_backward_replays_microbatches(monkeypatch):
-    """Megatron's forward_backward functions (registration wraps get_forward_backward_func): guarded only when
+    """Megatron's forward_backward functions (guard_training_steps wraps get_forward_backward_func): guarded only when
     the config selects our dispatcher; a re-run sees the same microbatches and cleared gradients."""
     from types import SimpleNamespace
 

@@ -65,3 +65,40 @@ def test_tiny_gpu_loss_curve_matches_alltoall(tmp_path):
     wa, wb = a.view(20, 10).mean(1), b.view(20, 10).mean(1)
     assert bool(((wa - wb).abs() <= 0.1 * wb + 0.01).all()), \
         f"loss curves differ: ours {wa.tolist()} vs alltoall {wb.tolist()}"
+
+
+def _compare(tmp_path, config: str, names: str, nproc: int, *extra: str, env: dict[str, str] | None = None,
+             timeout: int = 300) -> tuple[dict[str, Any], str]:
+    """train.py --compare, as a user runs it; returns (its --log-json, its stdout)."""
+    log = tmp_path / "compare.json"
+    cmd = [sys.executable, "-m", "moe_dispatcher.integrations.megatron.train", "--config", os.path.join(ROOT, config),
+           "--compare", names, "--nproc-per-node", str(nproc), "--log-json", str(log), *extra]
+    run_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, env=run_env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"--compare failed ({proc.returncode}):\n{proc.stdout[-5000:]}\n{proc.stderr[-5000:]}"
+    return json.loads(log.read_text()), proc.stdout
+
+
+def test_compare_cpu_grouped_experts(tmp_path):
+    """One call runs ours and Megatron's allgather in turn (grouped-GEMM experts), prints tokens/s, the step
+    breakdown and the loss curves; alltoall and flex-deepep are reported as skipped on CPU."""
+    steps = 12
+    out, stdout = _compare(tmp_path, "configs/tiny_cpu.yaml", "ours,allgather,alltoall,flex-deepep", 2,
+                           "--steps", str(steps), "--set", "train.log_interval=4", "--set", "train.profile_steps=2",
+                           "--set", "model.moe_grouped_gemm=true")
+    results = out["results"]
+    assert sorted(results) == ["allgather", "ours"] and not out["failed"], out
+    assert sorted(out["skipped"]) == ["alltoall", "flex-deepep"], out["skipped"]
+    for name, res in results.items():
+        assert len(res["losses"]) == steps and res["tokens_per_s"] > 0, (name, res)
+        assert res["profiled_steps"] == 2, res
+        breakdown = res["breakdown_ms"]
+        assert list(breakdown) == ["router", "dispatch", "permute", "experts", "combine", "rest"], breakdown
+        assert all(breakdown[p] > 0 for p in ("router", "dispatch", "experts", "combine", "rest")), (name, breakdown)
+    # Same model, data and seed, float32 on CPU: both dispatchers train alike.
+    a, b = torch.tensor(results["ours"]["losses"]), torch.tensor(results["allgather"]["losses"])
+    assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), (a, b)
+    assert "GroupedGemmExperts" in stdout, stdout[-3000:]
+    for text in ("=== comparison", "step breakdown", "loss curves", "skipped: deep_ep is not importable"):
+        assert text in stdout, f"{text!r} not in:\n{stdout[-3000:]}"
+

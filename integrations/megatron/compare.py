@@ -1,0 +1,124 @@
+"""Train one config with several dispatchers in turn and compare them (train.py's ``--compare``).
+
+    python -m moe_dispatcher.integrations.megatron.train --config configs/qwen3_moe_like_4gpu.yaml \
+        --compare ours,alltoall,allgather,flex-deepep
+
+Each dispatcher gets its own torchrun of the training driver (a fresh process group, fresh GPU memory), with
+the same config, seed and data; the runs go one after the other in this one call. At the end it prints, per
+dispatcher: tokens/s, our speed-up over it, the profiler's step breakdown (router, dispatch, permute,
+experts, combine, rest; step_profile.py) and the loss curves side by side. ``flex-deepep`` (Megatron's flex
+dispatcher on DeepEP V1) runs only when ``deep_ep`` is importable (put its build on PYTHONPATH); otherwise it
+is reported as skipped.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+# name -> the train.py overrides that select it
+RUNS: dict[str, list[str]] = {
+    "ours": ["model.moe_token_dispatcher_type=moe_dispatcher"],
+    "alltoall": ["model.moe_token_dispatcher_type=alltoall"],
+    "allgather": ["model.moe_token_dispatcher_type=allgather"],
+    "flex-deepep": ["model.moe_token_dispatcher_type=flex", "model.moe_flex_dispatcher_backend=deepep"],
+}
+PARTS = ("router", "dispatch", "permute", "experts", "combine", "rest")
+
+
+def _nproc(requested: int | None) -> int:
+    if requested:
+        return requested
+    import torch
+    return torch.cuda.device_count() or 2
+
+
+def _unavailable(name: str) -> str | None:
+    """Why `name` cannot run here, or None."""
+    import torch
+    if name == "flex-deepep" and importlib.util.find_spec("deep_ep") is None:
+        return "deep_ep is not importable (put DeepEP V1's build on PYTHONPATH)"
+    if name in ("alltoall", "flex-deepep") and not torch.cuda.is_available():
+        return "needs CUDA (Megatron's dispatcher uses CUDA streams)"
+    return None
+
+
+def _launch(config: str, overrides: list[str], name: str, nproc: int, log: str) -> int:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "moe_dispatcher.integrations.megatron.train", "--config", config, "--no-progress",
+           "--log-json", log]
+    for item in [*overrides, *RUNS[name]]:
+        cmd += ["--set", item]
+    print(f"\n=== {name}: {' '.join(cmd[3:])}", flush=True)
+    return subprocess.run(cmd, check=False, env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode
+
+
+def run(config: str, overrides: list[str], names: list[str], nproc: int | None,
+        log_json: str | None = None) -> bool:
+    """Run each named dispatcher (RUNS) in turn, print the comparison; True when every run that could run
+    succeeded. log_json: write {name: result} there."""
+    unknown = [n for n in names if n not in RUNS]
+    if unknown:
+        raise SystemExit(f"--compare: unknown {unknown}; choose from {', '.join(RUNS)}")
+    nproc = _nproc(nproc)
+    results: dict[str, dict[str, Any]] = {}
+    skipped: dict[str, str] = {}
+    failed: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="moe_compare_") as tmp:
+        for name in names:
+            why = _unavailable(name)
+            if why:
+                skipped[name] = why
+                print(f"\n=== {name}: skipped: {why}", flush=True)
+                continue
+            log = os.path.join(tmp, f"{name}.json")
+            if _launch(config, overrides, name, nproc, log) != 0 or not os.path.exists(log):
+                failed.append(name)
+                continue
+            with open(log, encoding="utf-8") as f:
+                results[name] = json.load(f)
+    print(report(results, skipped, failed), flush=True)
+    if log_json:
+        with open(log_json, "w", encoding="utf-8") as f:
+            json.dump({"results": results, "skipped": skipped, "failed": failed}, f, indent=1)
+    return not failed
+
+
+def report(results: dict[str, dict[str, Any]], skipped: dict[str, str], failed: list[str]) -> str:
+    """The comparison as text: throughput table, step breakdown, loss curves."""
+    lines = ["", "=== comparison (same config, seed and data; one run each, in turn)"]
+    ours = (results.get("ours") or {}).get("tokens_per_s")
+    lines.append(f"{'dispatcher':<14}{'tokens/s':>10}{'ms/step':>9}{'ours x':>8}{'loss first':>12}{'loss last':>11}"
+                 f"{'re-runs':>9}")
+    for name, r in results.items():
+        tps = r.get("tokens_per_s")
+        speedup = f"{ours / tps:.3f}" if ours and tps else "-"
+        lines.append(f"{name:<14}{tps or 0:>10.0f}{r.get('step_ms') or 0:>9.1f}{speedup:>8}{r['losses'][0]:>12.4f}"
+                     f"{r['losses'][-1]:>11.4f}{r.get('steps_rerun', 0):>9}")
+    for name, why in skipped.items():
+        lines.append(f"{name:<14} skipped: {why}")
+    for name in failed:
+        lines.append(f"{name:<14} FAILED (its output is above)")
+    profiled = {n: r for n, r in results.items() if r.get("breakdown_ms")}
+    if profiled:
+        first = next(iter(profiled.values()))
+        lines += ["", (f"step breakdown, {first.get('breakdown_unit')} on rank 0 over {first.get('profiled_steps')} "
+                       "profiled steps (concurrent streams add up; step_profile.py)"),
+                  f"{'dispatcher':<14}" + "".join(f"{p:>10}" for p in PARTS) + f"{'sum':>10}{'wall':>10}"]
+        for name, r in profiled.items():
+            b = r["breakdown_ms"]
+            lines.append(f"{name:<14}" + "".join(f"{b.get(p, 0):>10.2f}" for p in PARTS)
+                         + f"{sum(b.values()):>10.2f}{r.get('step_ms') or 0:>10.1f}")
+    if results:
+        names = list(results)
+        steps = max(len(r["losses"]) for r in results.values())
+        every = max(1, steps // 20)
+        lines += ["", f"loss curves (mean over all ranks, every {every} steps)", f"{'step':>6}" + "".join(f"{n:>14}" for n in names)]
+        for i in list(range(0, steps, every)) + ([steps - 1] if (steps - 1) % every else []):
+            lines.append(f"{i + 1:>6}" + "".join(f"{results[n]['losses'][i]:>14.4f}" if i < len(results[n]['losses'])
+                                                else f"{'':>14}" for n in names))
+    return "\n".join(lines)

@@ -1,0 +1,158 @@
+"""Where a training step's time goes, from torch.profiler: router, dispatch, permute, experts, combine, rest.
+
+``StepProfile(model)`` marks, in every MoE layer of the model, the work of each part, forward and backward,
+as a profiler range named ``moe.<part>``:
+
+  router    the router module (gating GEMM, top-k, aux losses)
+  dispatch  token_dispatcher.token_dispatch (the exchange on the way in; ours includes its expert-major
+            permutation, which it does inside the exchange)
+  permute   dispatch_preprocess, dispatch_postprocess, combine_preprocess, combine_postprocess (the
+            dispatchers' own permutations and layout work outside the exchange)
+  experts   the experts module
+  combine   token_combine (the exchange on the way back)
+
+Forward ranges bracket the call. Backward ranges are opened by an identity autograd node on the call's
+outputs (its backward runs when all their gradients are ready: the call's backward begins) and closed by
+one on its inputs (its backward runs when their gradients are done), on the autograd thread that runs
+both. Only calls whose inputs and outputs take part in autograd get a backward range.
+
+``with profile.steps(): ...`` profiles the steps run inside; ``breakdown()`` then charges every GPU kernel
+(CPU: every op's own CPU time) to the innermost ``moe.*`` range its launch sits in, and everything else
+to "rest" (attention, dense layers, loss, gradient reduction, optimizer). Kernel times on concurrent
+streams add up, so the parts can sum to more than the step's wall time.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections import defaultdict
+
+import torch
+
+PARTS = ("router", "dispatch", "permute", "experts", "combine", "rest")
+_DISPATCHER_PARTS = {"dispatch_preprocess": "permute", "token_dispatch": "dispatch", "dispatch_postprocess": "permute",
+                     "combine_preprocess": "permute", "token_combine": "combine", "combine_postprocess": "permute"}
+
+
+class _Range:
+    """A profiler range opened in one place and closed in another (same thread)."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.handle = name, None
+
+    def open(self) -> None:
+        self.handle = torch.ops.profiler._record_function_enter_new(self.name, None)
+
+    def close(self) -> None:
+        if self.handle is not None:
+            torch.ops.profiler._record_function_exit._RecordFunction(self.handle)
+            self.handle = None
+
+
+class _Mark(torch.autograd.Function):
+    """Identity on tensors; its backward opens (is_open) or closes the shared range."""
+
+    @staticmethod
+    def forward(ctx, span: _Range, is_open: bool, *tensors: torch.Tensor):
+        ctx.span, ctx.is_open = span, is_open
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.span.open() if ctx.is_open else ctx.span.close()
+        return (None, None, *grads)
+
+
+def _mark(span: _Range, is_open: bool, values):
+    """Pass `values` (a tensor, or a tuple/list holding tensors) through a _Mark; others unchanged."""
+    single = isinstance(values, torch.Tensor)
+    items = [values] if single else list(values)
+    where = [i for i, v in enumerate(items) if isinstance(v, torch.Tensor) and v.requires_grad]
+    if not where:
+        return values
+    marked = _Mark.apply(span, is_open, *[items[i] for i in where])
+    for i, t in zip(where, marked):
+        items[i] = t
+    return items[0] if single else type(values)(items)
+
+
+def _differentiable(values) -> bool:
+    items = [values] if isinstance(values, torch.Tensor) else values if isinstance(values, (tuple, list)) else []
+    return any(isinstance(v, torch.Tensor) and v.requires_grad for v in items)
+
+
+def _wrap(fn, part: str):
+    """fn(*args) inside a forward range moe.<part>; its backward inside moe.<part>.backward."""
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        if not torch.autograd.profiler._is_profiler_enabled:
+            return fn(*args, **kwargs)
+        span = _Range(f"moe.{part}.backward")
+        grad_in = torch.is_grad_enabled() and _differentiable(args)
+        if grad_in:
+            args = _mark(span, False, args)
+        with torch.profiler.record_function(f"moe.{part}"):
+            out = fn(*args, **kwargs)
+        if grad_in and _differentiable(out):
+            out = _mark(span, True, out)
+        return out
+
+    return wrapped
+
+
+class StepProfile:
+    """Profiler ranges on every MoE layer of `model` (module docstring) and the step breakdown."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        from megatron.core.transformer.moe.moe_layer import MoELayer
+
+        self.layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+        for layer in self.layers:
+            for module, part in ((layer.router, "router"), (layer.experts, "experts")):
+                module.forward = _wrap(module.forward, part)
+            dispatcher = layer.token_dispatcher
+            for method, part in _DISPATCHER_PARTS.items():
+                setattr(dispatcher, method, _wrap(getattr(dispatcher, method), part))
+        self.profiler: torch.profiler.profile | None = None
+        self.num_steps = 0
+
+    @contextlib.contextmanager
+    def steps(self, num_steps: int):
+        """Profile what runs inside as `num_steps` training steps."""
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.num_steps = num_steps
+        with torch.profiler.profile(activities=activities) as prof:
+            yield
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+        self.profiler = prof
+
+    def breakdown(self) -> dict[str, float]:
+        """Milliseconds per step charged to each of PARTS (module docstring)."""
+        if self.profiler is None or not self.num_steps:
+            return {}
+        totals: dict[str, float] = defaultdict(float)
+        on_gpu = torch.cuda.is_available()
+        for event in self.profiler.events():
+            if on_gpu:
+                us = sum(k.duration for k in event.kernels)
+            else:
+                us = event.self_cpu_time_total if event.device_type == torch.autograd.DeviceType.CPU else 0
+            if us:
+                totals[_part_of(event)] += us
+        return {part: totals.get(part, 0.0) / 1e3 / self.num_steps for part in PARTS}
+
+
+def _part_of(event) -> str:
+    """The part of the innermost moe.* range around a profiler event (itself included), else "rest"."""
+    while event is not None:
+        name = event.name
+        if name.startswith("moe."):
+            part = name[4:].split(".")[0]
+            if part in PARTS:
+                return part
+        event = event.cpu_parent
+    return "rest"
