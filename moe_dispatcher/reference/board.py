@@ -74,9 +74,9 @@ class Board:
     def __init__(self, group: dist.ProcessGroup, rank: int, num_ranks: int) -> None:
         self.group, self.rank, self.num_ranks = group, rank, num_ranks
         self.timeout_s = timeout_s()
-        # NCCL's Work.wait(timeout) aborts the communicator when the timeout passes; its works are polled
-        # instead (is_completed). Gloo's wait(timeout) only raises, and is used as it is.
-        self._poll = "nccl" in str(dist.get_backend(group)).lower()
+        # Works are polled (is_completed), never waited for with a timeout: NCCL's Work.wait(timeout) aborts the
+        # communicator when the timeout passes, and gloo's may block past its timeout.
+        self._poll = True
         ordinal = _boards_per_group.get(group, 0)
         _boards_per_group[group] = ordinal + 1
         store = _group_store(group)
