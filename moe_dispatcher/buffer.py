@@ -21,15 +21,16 @@ from . import config as _config
 from .compiled import JOIN_BEFORE, JOIN_BOTH, HandleState, buffer_view
 from .backend import Backend, Capabilities
 from .config import Config
-from .env import env_choice
+from .env import env_choice, env_int
 from .event import EventOverlap
 from .expert_major import ExpertMajorHandle
 from .handle import DispatchHandle, LowLatencyHandle
 from .reference import ReferenceLowLatency, ReferenceNormal
 from .reference.board import Board
-from .reference.comm import all_gather_rows
+from .reference.comm import agree, all_gather_rows
 from .runtime import ll_layout
-from .topology import Topology
+from .signature import Signature
+from .topology import NVL_SIZE_ENV, Topology
 from .validation import (check_combine_weights, check_count, check_flag_exclusive, check_num_experts, check_row_bytes,
                          check_tensor, check_topk_idx, check_topk_weights, normalise_bias, split_x)
 
@@ -92,6 +93,14 @@ class Buffer:
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.group_size = dist.get_world_size(self.group)
+        # The reference backend's deadline and arrival board (MOE_DISPATCHER_TIMEOUT_S; reference/board.py).
+        self._board = Board(self.group, self.rank, self.group_size)
+        # Every rank must make the same Buffer: sizes that differ would let a kernel write past a peer's
+        # allocation, and a domain size set on some ranks only would split the hostname exchange below.
+        nvl_size = topology.nvl_size if topology is not None else env_int(NVL_SIZE_ENV, 0, minimum=1)
+        self._agree(Signature("Buffer creation", (
+            num_nvl_bytes, num_rdma_bytes, bool(low_latency_mode), nvl_size, backend, num_qps_per_rank,
+            bool(allow_nvlink_for_low_latency_mode), bool(explicitly_destroy))))
         self.topology = topology if topology is not None else Topology.from_group(self.group)
         if (self.topology.rank, self.topology.num_ranks) != (self.rank, self.group_size):
             raise ValueError(f"topology describes rank {self.topology.rank} of {self.topology.num_ranks}, but this "
@@ -111,8 +120,6 @@ class Buffer:
         self._events: Optional[Tuple[torch.cuda.Event, torch.cuda.Event]] = None
         self._local_buffers: dict = {}
         nvl = self.topology.nvl_size
-        # The reference backend's deadline and arrival board (MOE_DISPATCHER_TIMEOUT_S; reference/board.py).
-        self._board = Board(self.group, self.rank, self.group_size)
         self._reference_normal = ReferenceNormal(self.group, self.rank, self.group_size, nvl, self._token,
                                                  self._board)
         self._reference_ll = ReferenceLowLatency(self.group, self.rank, self.group_size, self._token,
@@ -132,6 +139,14 @@ class Buffer:
         self._ll_combine_runs: dict = {}
         self._resolved: dict = {}  # (mode, device type, call facts) -> Backend: _resolve's decisions
         self._pending_row_checks: List[Tuple[Tensor, int]] = []
+
+    def _agree(self, signature: Signature) -> None:
+        """Collective: raise SignatureMismatch on every rank unless every rank passed an equal `signature` (one
+        small all-gather under the Board's deadline, the reference backend's agreement row)."""
+        device = torch.device("cpu")
+        if torch.cuda.is_available() and "nccl" in str(dist.get_backend(self.group)).lower():
+            device = torch.device("cuda", torch.cuda.current_device())
+        agree(self._board, signature, device)
 
     @property
     def low_latency_combine_reduction(self) -> str:
@@ -367,7 +382,7 @@ class Buffer:
             check_num_experts(num_experts, self.group_size)
             backend = self._resolve("normal", topk_idx.device)
             check_topk_idx(topk_idx, num_experts,
-                           values=topk_idx.device.type == "cpu" or backend is self._reference_normal)
+                           values=topk_idx.device.type == "cpu" or backend is self._reference_normal, distinct=True)
             results, event = self._stream_scope(topk_idx.device, previous_event, async_finish, allocate_on_comm_stream,
                                                 lambda: backend.get_dispatch_layout(topk_idx, num_experts), [topk_idx])
             return (*results, event)
@@ -384,7 +399,8 @@ class Buffer:
             return
         check_num_experts(num_experts, self.group_size)
         values = data.device.type == "cpu" or backend is self._reference_normal
-        check_topk_idx(topk_idx, num_experts, num_tokens=data.shape[0], device=data.device, values=values)
+        check_topk_idx(topk_idx, num_experts, num_tokens=data.shape[0], device=data.device, values=values,
+                       distinct=True)
         if topk_weights is not None:
             check_topk_weights(topk_weights, topk_idx)
 
