@@ -88,6 +88,19 @@ py::object take_worst_overflow(IpcBuffer& b) {
   return out;
 }
 
+// (seq, [problem word of each source]) of the first notify since the last call whose sources' signatures
+// disagreed (every rank records the same), or None; cleared once taken.
+py::object take_signature_mismatch(IpcBuffer& b) {
+  volatile Mailbox* box = b.host_mailbox();
+  MOE_CHECK(box != nullptr, "buffer destroyed");
+  const int seq = box->signature_mismatch;
+  if (seq == 0) return py::none();
+  std::vector<int> problems(b.num_ranks());
+  for (int s = 0; s < b.num_ranks(); ++s) problems[s] = box->signature_problems[s];
+  box->signature_mismatch = 0;
+  return py::make_tuple(seq, problems);
+}
+
 std::vector<int> expert_counts(const IpcBuffer& b, int n) {
   MOE_CHECK(n >= 0 && n <= kMaxLocalExperts, "too many local experts");
   const volatile Mailbox* box = b.host_mailbox();
@@ -111,7 +124,8 @@ int row_bytes(const at::Tensor& t) { return static_cast<int>(t.size(1) * t.eleme
 int columns(const c10::optional<at::Tensor>& t) { return t.has_value() ? static_cast<int>(t->size(1)) : 0; }
 
 void layout(const at::Tensor& topk_idx, int num_experts, int num_ranks, const at::Tensor& num_tokens_per_rank,
-            const at::Tensor& num_tokens_per_expert, const at::Tensor& is_token_in_rank) {
+            const at::Tensor& num_tokens_per_expert, const at::Tensor& is_token_in_rank,
+            const c10::optional<at::Tensor>& bad_expert_ids) {
   const auto device = topk_idx.get_device();
   expect_cuda(topk_idx, device, "topk_idx");
   const c10::cuda::CUDAGuard guard(device);
@@ -120,6 +134,8 @@ void layout(const at::Tensor& topk_idx, int num_experts, int num_ranks, const at
                        static_cast<int>(topk_idx.size(1)), num_experts, num_ranks, num_ranks,
                        data_of<int>(num_tokens_per_rank), nullptr, data_of<int>(num_tokens_per_expert),
                        data_of<bool>(is_token_in_rank)};
+  expect_cuda(bad_expert_ids, device, "layout: bad_expert_ids");
+  a.bad_expert_ids = data_of<int>(bad_expert_ids);
   launch_dispatch_layout(a, current_stream(device).stream());
 }
 
@@ -128,16 +144,21 @@ void layout(const at::Tensor& topk_idx, int num_experts, int num_ranks, const at
 void notify(const IpcBuffer& b, uint64_t timeout_ns, const at::Tensor& is_token_in_rank,
             const at::Tensor& num_tokens_per_rank, const at::Tensor& num_tokens_per_expert, int num_channels,
             int expert_alignment, int num_worst_tokens, int seq, const at::Tensor& rank_prefix_matrix,
-            const at::Tensor& recv_channel_offset, const c10::optional<at::Tensor>& em_layout) {
+            const at::Tensor& recv_channel_offset, const c10::optional<at::Tensor>& em_layout, int signature_hash,
+            int problem, const c10::optional<at::Tensor>& bad_expert_ids) {
   const auto device = is_token_in_rank.get_device();
   for (const at::Tensor* t : {&is_token_in_rank, &num_tokens_per_rank, &num_tokens_per_expert, &rank_prefix_matrix,
                               &recv_channel_offset}) {
     expect_cuda(*t, device, "notify");
   }
   expect_cuda(em_layout, device, "notify: em_layout");
+  expect_cuda(bad_expert_ids, device, "notify: bad_expert_ids");
   const c10::cuda::CUDAGuard guard(device);
   NotifyArgs a{};
   a.em_layout = data_of<int>(em_layout);
+  a.signature_hash = signature_hash;
+  a.problem = problem;
+  a.bad_expert_ids = data_of<int>(bad_expert_ids);
   a.c = b.common(timeout_ns);
   set_notify_counts(a, reinterpret_cast<uintptr_t>(is_token_in_rank.data_ptr()),
                     reinterpret_cast<uintptr_t>(num_tokens_per_rank.data_ptr()),
@@ -440,6 +461,7 @@ void register_intranode(py::module_& m) {
   sub.attr("MAX_CHUNK") = kMaxChunk;
   sub.attr("RINGS_OFFSET") = kRingsOffset;
   sub.attr("FLAG_LAYOUT_MISMATCH") = kFlagLayoutMismatch;
+  sub.attr("FLAG_SIGNATURE_MISMATCH") = kFlagSignatureMismatch;
   sub.def("em_layout_words", [](int r, int l) { return ExpertMajorLayout::words(r, l); });
 
   py::class_<IpcBuffer>(sub, "IpcBuffer")
@@ -457,7 +479,8 @@ void register_intranode(py::module_& m) {
       .def("timeout_info", &timeout_info)
       .def("wait_notify", &wait_notify, py::arg("seq"), py::arg("timeout_s"))
       .def("expert_counts", &expert_counts, py::arg("n"))
-      .def("take_worst_overflow", &take_worst_overflow);
+      .def("take_worst_overflow", &take_worst_overflow)
+      .def("take_signature_mismatch", &take_signature_mismatch);
 
   py::class_<CommStream>(sub, "CommStream")
       .def(py::init<const c10::Stream&>(), py::arg("stream"));
@@ -478,11 +501,13 @@ void register_intranode(py::module_& m) {
           py::arg("num_sms"), py::keep_alive<0, 1>(), py::keep_alive<0, 2>());
 
   sub.def("layout", &layout, py::arg("topk_idx"), py::arg("num_experts"), py::arg("num_ranks"),
-          py::arg("num_tokens_per_rank"), py::arg("num_tokens_per_expert"), py::arg("is_token_in_rank"));
+          py::arg("num_tokens_per_rank"), py::arg("num_tokens_per_expert"), py::arg("is_token_in_rank"),
+          py::arg("bad_expert_ids") = py::none());
   sub.def("notify", &notify, py::arg("buffer"), py::arg("timeout_ns"), py::arg("is_token_in_rank"),
           py::arg("num_tokens_per_rank"), py::arg("num_tokens_per_expert"), py::arg("num_channels"),
           py::arg("expert_alignment"), py::arg("num_worst_tokens"), py::arg("seq"), py::arg("rank_prefix_matrix"),
-          py::arg("recv_channel_offset"), py::arg("em_layout") = py::none());
+          py::arg("recv_channel_offset"), py::arg("em_layout") = py::none(), py::arg("signature_hash") = 0,
+          py::arg("problem") = 0, py::arg("bad_expert_ids") = py::none());
   sub.def("dispatch", &dispatch, py::arg("buffer"), py::arg("timeout_ns"), py::arg("x"), py::arg("scales"),
           py::arg("topk_idx"), py::arg("topk_weights"), py::arg("is_token_in_rank"), py::arg("recv_channel_offset"),
           py::arg("recv_x"), py::arg("recv_scales"), py::arg("recv_topk_idx"), py::arg("recv_topk_weights"),
