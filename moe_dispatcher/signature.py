@@ -25,7 +25,7 @@ SIGNATURE_WORDS = 16
 
 # Operation codes (word 0) and the fields each one compares (words 2.., at most SIGNATURE_WORDS - 2).
 OPERATIONS = {1: "Buffer creation", 2: "dispatch", 3: "cached dispatch", 4: "combine", 5: "low-latency dispatch",
-              6: "low-latency combine"}
+              6: "low-latency combine", 7: "expert-major dispatch"}
 _CODES = {name: code for code, name in OPERATIONS.items()}
 _CONFIG = ("config.num_sms", "config.num_max_nvl_chunked_send_tokens", "config.num_max_nvl_chunked_recv_tokens",
            "config.num_max_rdma_chunked_send_tokens", "config.num_max_rdma_chunked_recv_tokens")
@@ -34,6 +34,8 @@ FIELDS: Dict[str, Tuple[str, ...]] = {
                         "num_qps_per_rank", "allow_nvlink_for_low_latency_mode", "explicitly_destroy"),
     "dispatch": ("hidden", "x dtype", "x_scales dtype", "x_scales columns", "top-k", "topk_weights given",
                  "num_experts") + _CONFIG,
+    "expert-major dispatch": ("hidden", "x dtype", "x_scales dtype", "x_scales columns", "top-k",
+                              "topk_weights given", "num_experts") + _CONFIG,
     "cached dispatch": ("handle", "hidden", "x dtype", "x_scales dtype", "x_scales columns") + _CONFIG,
     "combine": ("handle", "hidden", "x dtype", "topk_weights columns") + _CONFIG,
     "low-latency dispatch": ("hidden", "num_max_dispatch_tokens_per_rank", "num_experts", "top-k", "use_fp8",
@@ -60,6 +62,9 @@ PROBLEMS = {
        "get_dispatch_layout gives for its topk_idx",
     3: "num_tokens_per_expert does not add up to num_tokens_per_rank (each token sent to a rank counts once "
        "there, and at most once per expert of that rank)",
+    # Found on the GPU by the layout kernel (get_dispatch_layout) and reported by the next dispatch's notify.
+    4: "get_dispatch_layout was given expert ids outside [-1, num_experts) (their slots were dropped)",
+    5: "get_dispatch_layout was given a token naming one expert twice (it was counted twice)",
 }
 
 
@@ -169,6 +174,49 @@ def check_agreement(table: torch.Tensor) -> None:
     text = disagreement(table)
     if text:
         raise SignatureMismatch(text)
+
+
+def dispatch_signature(operation: str, x: torch.Tensor, x_scales: Optional[torch.Tensor],
+                       topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor], num_experts: int,
+                       config, problem: int = 0) -> Signature:
+    """The Signature of a fresh dispatch ("dispatch" or "expert-major dispatch"); config: the effective one."""
+    return Signature(operation, (
+        x.shape[1], x.dtype, x_scales.dtype if x_scales is not None else None,
+        x_scales.shape[1] if x_scales is not None else 0, topk_idx.shape[1] if topk_idx is not None else 0,
+        topk_weights is not None, num_experts, *config_values(config)), problem)
+
+
+def signature_hash(signature: Signature) -> int:
+    """A signed 32-bit FNV-1a hash of the words every rank must pass alike (all but the problem word): what the
+    compiled kernels' notify messages carry."""
+    h = 0x811C9DC5
+    words = signature.words()
+    for word in words[:1] + words[2:]:
+        for byte in (word & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "little"):
+            h = ((h ^ byte) * 0x01000193) & 0xFFFFFFFF
+    return h - (1 << 32) if h >= 1 << 31 else h
+
+
+def raise_disagreement(group, device: torch.device, signatures: Dict[int, Signature], seq: int,
+                       problems: Sequence[int]) -> None:
+    """Collective, on every rank of `group` alike: a compiled notify found call `seq`'s signatures differing
+    (hashes) or a rank's problem word set (`problems`, one per rank, from the mailbox). One all-gather of the
+    full signatures (`signatures`: this rank's by seq; every rank kept the same seqs) names the fields; raises
+    SignatureMismatch."""
+    import torch.distributed as dist
+
+    mine = signatures.get(seq)
+    row = (mine.tensor(device) if mine is not None
+           else torch.zeros(SIGNATURE_WORDS, dtype=torch.int64, device=device))
+    table = torch.empty(dist.get_world_size(group), SIGNATURE_WORDS, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(table, row, group=group)
+    table = table.cpu()
+    table[:, 1] = torch.tensor(list(problems), dtype=torch.int64)  # the kernels' problem words are the ones sent
+    text = disagreement(table) if mine is not None else ""
+    if not text:
+        text = "the ranks' calls do not agree (their signature hashes differ)"
+    raise SignatureMismatch(f"{text} (found by the notify of fresh dispatch {seq} of this Buffer; a call with "
+                            f"num_worst_tokens reports at the next dispatch without it)")
 
 
 def config_values(config) -> Tuple[int, int, int, int, int]:

@@ -19,6 +19,7 @@ waiting rank and the peer; the next call (or the notify wait) raises RuntimeErro
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -29,11 +30,23 @@ from ..backend import Backend, Capabilities
 from ..config import Config, align_slot
 from ..expert_major import ExpertMajorHandle, compose_expert_major_dispatch, gather_rows, unpermute
 from ..handle import DispatchHandle
-from . import (TIMEOUT_ENV, HandleState, buffer_view, kernel_timeout_s, recv_tensors, run_cached, timeout_message,
-               wait_counts)
+from ..signature import Signature, dispatch_signature, raise_disagreement, signature_hash
+from . import (
+    TIMEOUT_ENV,
+    HandleState,
+    buffer_view,
+    kernel_timeout_s,
+    recv_tensors,
+    run_cached,
+    timeout_message,
+    wait_counts,
+)
 
 # Dtypes of combine input the kernels reduce (others go to the reference backend: capabilities.combine_dtypes).
 COMBINE_DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32})
+# Signatures of fresh calls kept for the error of a disagreement reported later (num_worst_tokens calls do not
+# wait for notify; the next synchronised dispatch reports): the latest this many.
+KEPT_SIGNATURES = 64
 
 
 def _align16(n: int) -> int:
@@ -107,6 +120,11 @@ class IntranodeBackend(Backend):
         # The Buffer's comm stream, with the events that join it to the caller's stream in cached calls.
         self._comm = self._mod.CommStream(buffer.get_comm_stream())
         self._seq = 0
+        # Agreement (moe_dispatcher.signature): the layout kernel's bad-id word (read and cleared by the next
+        # notify), and the signatures of the latest fresh calls by seq, for the error of a disagreement that
+        # notify recorded (one all-gather of them then names the fields).
+        self._bad_expert_ids: Optional[torch.Tensor] = None  # int32 [1] on the device, made by the first call
+        self._signatures: "OrderedDict[int, Signature]" = OrderedDict()
         self._broken: Optional[str] = None
         self._rdma_emulation: Optional[torch.Tensor] = None
 
@@ -171,20 +189,33 @@ class IntranodeBackend(Backend):
         per_rank = torch.zeros(r, dtype=torch.int32, device=dev)
         per_expert = torch.zeros(num_experts, dtype=torch.int32, device=dev)
         in_rank = torch.empty(t, r, dtype=torch.bool, device=dev)
-        self._mod.layout(topk_idx, num_experts, r, per_rank, per_expert, in_rank)
+        self._mod.layout(topk_idx, num_experts, r, per_rank, per_expert, in_rank, bad_expert_ids=self._bad_ids(dev))
         return per_rank, None, per_expert, in_rank
+
+    def _bad_ids(self, device: torch.device) -> torch.Tensor:
+        """The layout kernel's bad-id word (int32 [1], zeroed once; notify clears what it read)."""
+        if self._bad_expert_ids is None:
+            self._bad_expert_ids = torch.zeros(1, dtype=torch.int32, device=device)
+        return self._bad_expert_ids
 
     # ------------------------------------------------------------------ dispatch
     def _notify(self, is_token_in_rank: torch.Tensor, num_tokens_per_rank: torch.Tensor,
                 num_tokens_per_expert: torch.Tensor, channels: int, expert_alignment: int, num_worst_tokens: int,
-                em_layout: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, int]:
-        """Launch notify: -> (rank_prefix_matrix int32 [R, R], recv_channel_offset int32 [R, C + 1], its seq)."""
+                signature: Signature, em_layout: Optional[torch.Tensor] = None
+                ) -> Tuple[torch.Tensor, torch.Tensor, int]:
+        """Launch notify, which also compares every rank's `signature`: -> (rank_prefix_matrix int32 [R, R],
+        recv_channel_offset int32 [R, C + 1], its seq)."""
         r, dev = self.num_ranks, is_token_in_rank.device
         prefix = torch.empty(r, r, dtype=torch.int32, device=dev)
         offsets = torch.empty(r, channels + 1, dtype=torch.int32, device=dev)
         self._seq = self._seq % 2_000_000_000 + 1
+        self._signatures[self._seq] = signature
+        if len(self._signatures) > KEPT_SIGNATURES:
+            self._signatures.popitem(last=False)
         self._mod.notify(self._ipc, self._timeout_ns, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert,
-                         channels, expert_alignment, num_worst_tokens, self._seq, prefix, offsets, em_layout)
+                         channels, expert_alignment, num_worst_tokens, self._seq, prefix, offsets, em_layout,
+                         signature_hash=signature_hash(signature), problem=signature.problem,
+                         bad_expert_ids=self._bad_ids(dev))
         return prefix, offsets, self._seq
 
     def dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
@@ -200,9 +231,11 @@ class IntranodeBackend(Backend):
         channels, chunk, slots, slot_bytes = self._ring(
             config, False, dispatch_slot_bytes(_row_bytes(x), _columns(x_scales), num_topk), "dispatch")
         is_token_in_rank = is_token_in_rank.contiguous()
+        signature = dispatch_signature("dispatch", x, x_scales, topk_idx, topk_weights, num_tokens_per_expert.numel(),
+                                       config or self._buffer_cls.get_dispatch_config(self.num_ranks))
         prefix, offsets, seq = self._notify(is_token_in_rank, num_tokens_per_rank.contiguous(),
                                             num_tokens_per_expert.contiguous(), channels, expert_alignment,
-                                            num_worst_tokens)
+                                            num_worst_tokens, signature)
         counts: List[int] = []
         num_recv: Optional[int] = None
         if num_worst_tokens:
@@ -225,8 +258,13 @@ class IntranodeBackend(Backend):
 
     def _wait_counts(self, seq: int) -> int:
         """The host's wait for notify call `seq` (fresh dispatch without num_worst_tokens): rows received (one
-        method, so that tools/profile_round_trip.py can count the waits)."""
-        return wait_counts(self, seq, self._mod.FLAG_LAYOUT_MISMATCH)
+        method, so that tools/profile_round_trip.py can count the waits). Raises SignatureMismatch on every rank
+        when notify recorded a disagreement in this call or an earlier unsynchronised one."""
+        num_recv = wait_counts(self, seq, self._mod.FLAG_LAYOUT_MISMATCH)
+        mismatch = self._ipc.take_signature_mismatch()
+        if mismatch is not None:
+            raise_disagreement(self.group, self.device, self._signatures, *mismatch)
+        return num_recv
 
     # ------------------------------------------------------------------ cached calls
     def cached_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], handle: DispatchHandle,
@@ -303,7 +341,10 @@ class IntranodeBackend(Backend):
         layout = torch.empty(self._mod.em_layout_words(r, local), dtype=torch.int32, device=dev)
         # num_worst_tokens bounds the expert-major rows here, not the received rows (fewer: each holds at least
         # one pair), so notify's received-rows check is off (0); the Buffer checks rows_needed instead.
-        prefix, offsets, seq = self._notify(in_rank, per_rank, per_expert, channels, expert_alignment, 0, layout)
+        signature = dispatch_signature("expert-major dispatch", x, x_scales, topk_idx, topk_weights, num_experts,
+                                       config or self._buffer_cls.get_dispatch_config(self.num_ranks))
+        prefix, offsets, seq = self._notify(in_rank, per_rank, per_expert, channels, expert_alignment, 0, signature,
+                                            layout)
         counts: List[int] = []
         num_recv: Optional[int] = None
         if num_worst_tokens:

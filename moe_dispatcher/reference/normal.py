@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ..backend import Backend, Capabilities
-from ..signature import Signature, config_values
+from ..signature import Signature, config_values, dispatch_signature
 from .board import Board
 from .comm import agree, all_gather_rows, exchange_rows, pack_rows, unpack_rows
 
@@ -79,10 +79,8 @@ class ReferenceNormal(Backend):
         # sends to each rank and its num_worst_tokens. A signature mismatch, or a layout of one rank that does
         # not match its own topk_idx, raises on every rank here, before any row moves.
         sent_by_me = is_token_in_rank.sum(0).to(torch.int64)
-        signature = Signature("dispatch", (
-            x.shape[1], x.dtype, x_scales.dtype if x_scales is not None else None,
-            x_scales.shape[1] if x_scales is not None else 0, topk_idx.shape[1] if topk_idx is not None else 0,
-            topk_weights is not None, num_experts, *config_values(self._effective(config, combine=False))),
+        signature = dispatch_signature(
+            "dispatch", x, x_scales, topk_idx, topk_weights, num_experts, self._effective(config, combine=False),
             layout_problem(topk_idx, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, r, self.nvl_size))
         dev = sent_by_me.device
         worst = torch.tensor([num_worst_tokens], dtype=torch.int64, device=dev)
