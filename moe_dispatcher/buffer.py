@@ -21,15 +21,16 @@ from . import config as _config
 from .compiled import JOIN_BEFORE, JOIN_BOTH, HandleState, buffer_view
 from .backend import Backend, Capabilities
 from .config import Config
-from .env import env_choice, env_int
+from .env import env_choice, env_flag, env_int
 from .event import EventOverlap
 from .expert_major import ExpertMajorHandle
 from .handle import DispatchHandle, LowLatencyHandle
 from .reference import ReferenceLowLatency, ReferenceNormal
+from .reference.normal import layout_problem
 from .reference.board import Board
 from .reference.comm import agree, all_gather_rows
 from .runtime import ll_layout
-from .signature import Signature
+from .signature import Signature, dispatch_signature
 from .topology import NVL_SIZE_ENV, Topology
 from .validation import (check_combine_weights, check_count, check_flag_exclusive, check_num_experts, check_row_bytes,
                          check_tensor, check_topk_idx, check_topk_weights, normalise_bias, split_x)
@@ -40,6 +41,9 @@ BACKENDS = ("auto", "reference", "kernels")
 # low_latency_combine_reduction argument is not given: "per_rank" (the default) or "per_expert".
 LL_COMBINE_ENV = "MOE_DISPATCHER_LL_COMBINE"
 LL_COMBINE_REDUCTIONS = ("per_rank", "per_expert")
+# Debug switch: a fresh dispatch served by the compiled kernels checks its layout against topk_idx in full and
+# agrees on its whole signature in one all-gather (moe_dispatcher.signature); the reference backend always does.
+CHECK_LAYOUT_ENV = "MOE_DISPATCHER_CHECK_LAYOUT"
 _tokens = itertools.count(1)
 
 Tensor = torch.Tensor
@@ -90,6 +94,7 @@ class Buffer:
         backend = backend or env_choice(BACKEND_ENV, BACKENDS, "auto")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self._check_layout = env_flag(CHECK_LAYOUT_ENV)  # read before any collective: a bad value fails alike
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.group_size = dist.get_world_size(self.group)
@@ -486,6 +491,9 @@ class Buffer:
             if num_tokens_per_rdma_rank is not None:
                 check_tensor("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, dtypes=(torch.int32,),
                              shape=(self.topology.num_domains,), device=dev)
+            if self._check_layout and backend is not self._reference_normal:
+                self._agree_layout(data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
+                                   num_tokens_per_expert, config)
             inputs = [data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
                       num_tokens_per_expert]
             results, event = self._stream_scope(
@@ -540,6 +548,16 @@ class Buffer:
         except Exception as exc:  # a peer waiting in this call's collective fails fast (board.py)
             self._board.post_abort(exc)
             raise
+
+    def _agree_layout(self, data: Tensor, scales: Optional[Tensor], topk_idx: Optional[Tensor],
+                      topk_weights: Optional[Tensor], num_tokens_per_rank: Tensor, is_token_in_rank: Tensor,
+                      num_tokens_per_expert: Tensor, config: Optional[Config]) -> None:
+        """MOE_DISPATCHER_CHECK_LAYOUT: the reference backend's checks before a compiled fresh dispatch (host
+        syncs and one all-gather): the layout against topk_idx in full, the whole signature across ranks."""
+        problem = layout_problem(topk_idx, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
+                                 self.group_size, self.topology.nvl_size)
+        self._agree(dispatch_signature("dispatch", data, scales, topk_idx, topk_weights, num_tokens_per_expert.numel(),
+                                       config or self.get_dispatch_config(self.group_size), problem))
 
     def _note_pending_rows(self, need: Tensor, limit: int) -> None:
         """Remember (on the device, no sync) how far a num_worst_tokens call exceeded its limit. Folded into
