@@ -126,7 +126,7 @@ class Buffer:
         self._local_buffers: dict = {}
         nvl = self.topology.nvl_size
         self._reference_normal = ReferenceNormal(self.group, self.rank, self.group_size, nvl, self._token,
-                                                 self._board)
+                                                 self._board, type(self))
         self._reference_ll = ReferenceLowLatency(self.group, self.rank, self.group_size, self._token,
                                                  self._stream_scope, self._ll_combine_reduction == "per_rank",
                                                  self._board)

@@ -260,11 +260,20 @@ class IntranodeBackend(Backend):
         """The host's wait for notify call `seq` (fresh dispatch without num_worst_tokens): rows received (one
         method, so that tools/profile_round_trip.py can count the waits). Raises SignatureMismatch on every rank
         when notify recorded a disagreement in this call or an earlier unsynchronised one."""
-        num_recv = wait_counts(self, seq, self._mod.FLAG_LAYOUT_MISMATCH)
+        try:
+            num_recv = wait_counts(self, seq, self._mod.FLAG_LAYOUT_MISMATCH)
+        except ValueError:  # an all-rank verdict of notify (layout, overflow): a disagreement explains it first
+            self._raise_disagreement()
+            raise
+        self._raise_disagreement()
+        return num_recv
+
+    def _raise_disagreement(self) -> None:
+        """After a completed notify wait: raise SignatureMismatch (collective, every rank alike) if notify recorded
+        a disagreement since the last report."""
         mismatch = self._ipc.take_signature_mismatch()
         if mismatch is not None:
             raise_disagreement(self.group, self.device, self._signatures, *mismatch)
-        return num_recv
 
     # ------------------------------------------------------------------ cached calls
     def cached_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], handle: DispatchHandle,

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ..backend import Backend, Capabilities
+from ..config import get_combine_config, get_dispatch_config
 from ..signature import Signature, config_values, dispatch_signature
 from .board import Board
 from .comm import agree, all_gather_rows, exchange_rows, pack_rows, unpack_rows
@@ -53,11 +54,14 @@ class ReferenceNormal(Backend):
     capabilities = Capabilities(normal=True)
 
     def __init__(self, group: dist.ProcessGroup, rank: int, num_ranks: int, nvl_size: int, buffer_token: int,
-                 board: Optional[Board] = None):
+                 board: Optional[Board] = None, buffer_cls: Optional[type] = None):
         self.group, self.rank, self.num_ranks, self.nvl_size = group, rank, num_ranks, nvl_size
         self.buffer_token = buffer_token
         self.board = board if board is not None else Board(group, rank, num_ranks)
         self.dispatches = 0  # fresh dispatches so far (the same on every rank: they are collective)
+        # The Buffer class, whose get_dispatch_config / get_combine_config (its num_sms) give the Config a call
+        # without one runs with: part of the call's signature.
+        self.buffer_cls = buffer_cls
 
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
         return dispatch_layout(topk_idx, num_experts, self.num_ranks, self.nvl_size)
@@ -138,11 +142,13 @@ class ReferenceNormal(Backend):
         return recv_x, recv_scales, recv_idx, recv_w, counts, handle
 
     def _effective(self, config, combine: bool):
-        """The Config a compiled backend would run this call with (the Buffer's default when None)."""
+        """The Config a compiled backend would run this call with (the Buffer class's default when None)."""
         if config is not None:
             return config
-        from ..buffer import Buffer
-        return Buffer.get_combine_config(self.num_ranks) if combine else Buffer.get_dispatch_config(self.num_ranks)
+        if self.buffer_cls is None:
+            return get_combine_config(self.num_ranks) if combine else get_dispatch_config(self.num_ranks)
+        cls = self.buffer_cls
+        return cls.get_combine_config(self.num_ranks) if combine else cls.get_dispatch_config(self.num_ranks)
 
     def cached_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], handle, config=None):
         """Dispatch along the routing of `handle`; returns (recv_x, recv_x_scales)."""
