@@ -124,8 +124,7 @@ int row_bytes(const at::Tensor& t) { return static_cast<int>(t.size(1) * t.eleme
 int columns(const c10::optional<at::Tensor>& t) { return t.has_value() ? static_cast<int>(t->size(1)) : 0; }
 
 void layout(const at::Tensor& topk_idx, int num_experts, int num_ranks, const at::Tensor& num_tokens_per_rank,
-            const at::Tensor& num_tokens_per_expert, const at::Tensor& is_token_in_rank,
-            const c10::optional<at::Tensor>& bad_expert_ids) {
+            const at::Tensor& num_tokens_per_expert, const at::Tensor& is_token_in_rank, const IpcBuffer* buffer) {
   const auto device = topk_idx.get_device();
   expect_cuda(topk_idx, device, "topk_idx");
   const c10::cuda::CUDAGuard guard(device);
@@ -134,8 +133,8 @@ void layout(const at::Tensor& topk_idx, int num_experts, int num_ranks, const at
                        static_cast<int>(topk_idx.size(1)), num_experts, num_ranks, num_ranks,
                        data_of<int>(num_tokens_per_rank), nullptr, data_of<int>(num_tokens_per_expert),
                        data_of<bool>(is_token_in_rank)};
-  expect_cuda(bad_expert_ids, device, "layout: bad_expert_ids");
-  a.bad_expert_ids = data_of<int>(bad_expert_ids);
+  // Bad ids are flagged into the buffer's Control word, which the next notify reports (None: not flagged).
+  a.bad_expert_ids = buffer != nullptr ? &reinterpret_cast<Control*>(buffer->local())->bad_expert_ids : nullptr;
   launch_dispatch_layout(a, current_stream(device).stream());
 }
 
@@ -145,20 +144,19 @@ void notify(const IpcBuffer& b, uint64_t timeout_ns, const at::Tensor& is_token_
             const at::Tensor& num_tokens_per_rank, const at::Tensor& num_tokens_per_expert, int num_channels,
             int expert_alignment, int num_worst_tokens, int seq, const at::Tensor& rank_prefix_matrix,
             const at::Tensor& recv_channel_offset, const c10::optional<at::Tensor>& em_layout, int signature_hash,
-            int problem, const c10::optional<at::Tensor>& bad_expert_ids) {
+            int problem) {
   const auto device = is_token_in_rank.get_device();
   for (const at::Tensor* t : {&is_token_in_rank, &num_tokens_per_rank, &num_tokens_per_expert, &rank_prefix_matrix,
                               &recv_channel_offset}) {
     expect_cuda(*t, device, "notify");
   }
   expect_cuda(em_layout, device, "notify: em_layout");
-  expect_cuda(bad_expert_ids, device, "notify: bad_expert_ids");
   const c10::cuda::CUDAGuard guard(device);
   NotifyArgs a{};
   a.em_layout = data_of<int>(em_layout);
   a.signature_hash = signature_hash;
   a.problem = problem;
-  a.bad_expert_ids = data_of<int>(bad_expert_ids);
+  a.bad_expert_ids = &reinterpret_cast<Control*>(b.local())->bad_expert_ids;
   a.c = b.common(timeout_ns);
   set_notify_counts(a, reinterpret_cast<uintptr_t>(is_token_in_rank.data_ptr()),
                     reinterpret_cast<uintptr_t>(num_tokens_per_rank.data_ptr()),
@@ -502,12 +500,12 @@ void register_intranode(py::module_& m) {
 
   sub.def("layout", &layout, py::arg("topk_idx"), py::arg("num_experts"), py::arg("num_ranks"),
           py::arg("num_tokens_per_rank"), py::arg("num_tokens_per_expert"), py::arg("is_token_in_rank"),
-          py::arg("bad_expert_ids") = py::none());
+          py::arg("buffer") = nullptr);
   sub.def("notify", &notify, py::arg("buffer"), py::arg("timeout_ns"), py::arg("is_token_in_rank"),
           py::arg("num_tokens_per_rank"), py::arg("num_tokens_per_expert"), py::arg("num_channels"),
           py::arg("expert_alignment"), py::arg("num_worst_tokens"), py::arg("seq"), py::arg("rank_prefix_matrix"),
           py::arg("recv_channel_offset"), py::arg("em_layout") = py::none(), py::arg("signature_hash") = 0,
-          py::arg("problem") = 0, py::arg("bad_expert_ids") = py::none());
+          py::arg("problem") = 0);
   sub.def("dispatch", &dispatch, py::arg("buffer"), py::arg("timeout_ns"), py::arg("x"), py::arg("scales"),
           py::arg("topk_idx"), py::arg("topk_weights"), py::arg("is_token_in_rank"), py::arg("recv_channel_offset"),
           py::arg("recv_x"), py::arg("recv_scales"), py::arg("recv_topk_idx"), py::arg("recv_topk_weights"),

@@ -14,6 +14,9 @@ notify's receive counts; cached dispatch, dispatch with num_worst_tokens, layout
 So a rank receiving more than num_worst_tokens rows cannot raise at that call: its extra rows are dropped
 (nothing hangs) and every rank raises ValueError at its next synchronised (fresh, no num_worst_tokens)
 dispatch.
+Agreement: notify compares every rank's signature hash and problem word (moe_dispatcher.signature, bad expert
+ids flagged by the layout kernel included); a disagreement raises SignatureMismatch on every rank at the same
+host wait (num_worst_tokens calls: at the next synchronised dispatch). Cached calls are not checked.
 A spin-wait that exceeds MOE_DISPATCHER_TIMEOUT_S seconds (default 10) in a kernel records the phase, the
 waiting rank and the peer; the next call (or the notify wait) raises RuntimeError naming them.
 """
@@ -120,10 +123,8 @@ class IntranodeBackend(Backend):
         # The Buffer's comm stream, with the events that join it to the caller's stream in cached calls.
         self._comm = self._mod.CommStream(buffer.get_comm_stream())
         self._seq = 0
-        # Agreement (moe_dispatcher.signature): the layout kernel's bad-id word (read and cleared by the next
-        # notify), and the signatures of the latest fresh calls by seq, for the error of a disagreement that
-        # notify recorded (one all-gather of them then names the fields).
-        self._bad_expert_ids: Optional[torch.Tensor] = None  # int32 [1] on the device, made by the first call
+        # Agreement (moe_dispatcher.signature): the signatures of the latest fresh calls by seq, for the error of
+        # a disagreement that notify recorded (one all-gather of them then names the fields).
         self._signatures: "OrderedDict[int, Signature]" = OrderedDict()
         self._broken: Optional[str] = None
         self._rdma_emulation: Optional[torch.Tensor] = None
@@ -189,14 +190,8 @@ class IntranodeBackend(Backend):
         per_rank = torch.zeros(r, dtype=torch.int32, device=dev)
         per_expert = torch.zeros(num_experts, dtype=torch.int32, device=dev)
         in_rank = torch.empty(t, r, dtype=torch.bool, device=dev)
-        self._mod.layout(topk_idx, num_experts, r, per_rank, per_expert, in_rank, bad_expert_ids=self._bad_ids(dev))
+        self._mod.layout(topk_idx, num_experts, r, per_rank, per_expert, in_rank, buffer=self._ipc)
         return per_rank, None, per_expert, in_rank
-
-    def _bad_ids(self, device: torch.device) -> torch.Tensor:
-        """The layout kernel's bad-id word (int32 [1], zeroed once; notify clears what it read)."""
-        if self._bad_expert_ids is None:
-            self._bad_expert_ids = torch.zeros(1, dtype=torch.int32, device=device)
-        return self._bad_expert_ids
 
     # ------------------------------------------------------------------ dispatch
     def _notify(self, is_token_in_rank: torch.Tensor, num_tokens_per_rank: torch.Tensor,
@@ -214,8 +209,7 @@ class IntranodeBackend(Backend):
             self._signatures.popitem(last=False)
         self._mod.notify(self._ipc, self._timeout_ns, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert,
                          channels, expert_alignment, num_worst_tokens, self._seq, prefix, offsets, em_layout,
-                         signature_hash=signature_hash(signature), problem=signature.problem,
-                         bad_expert_ids=self._bad_ids(dev))
+                         signature_hash=signature_hash(signature), problem=signature.problem)
         return prefix, offsets, self._seq
 
     def dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],

@@ -36,7 +36,8 @@ struct Control {
   uint64_t barrier_signal[kMaxRanks];  // [s]: epoch of rank s's latest barrier; written by s (st.release.sys), read here (ld.acquire.sys)
   uint64_t barrier_epoch;              // this rank's barrier count; notify's thread 0 only
   int32_t timeout_claim;               // first timed-out thread of this rank (atomicCAS, gpu scope)
-  int32_t pad0;
+  int32_t bad_expert_ids;              // kBadId* bits ORed in by this rank's layout kernels; this rank's next
+                                       // notify reads and clears it (same stream: kernel boundaries order it)
   uint64_t fifo_tail[kMaxChannels][kMaxRanks];   // [c][s]: rows s published into my ring (c, s)
   uint64_t fifo_head[kMaxChannels][kMaxRanks];   // [c][d]: rows d consumed from its ring (c, me)
   uint64_t tail_copy[kMaxChannels][kMaxRanks];   // [c][d]: rows I published into d's ring (c, me)

@@ -67,7 +67,7 @@ struct NotifyArgs {
   int* em_layout;                    // out, expert-major dispatch only (else null): see ExpertMajorLayout
   int signature_hash;                // hash of this call's signature words (moe_dispatcher/signature.py)
   int problem;                       // this rank's problem word (0: none); notify adds the layout kernel's
-  int* bad_expert_ids;               // device word of kBadId* bits from the layout kernel, read and cleared, or null
+  int* bad_expert_ids;               // Control::bad_expert_ids of this rank (read and cleared), or null
 };
 
 // Expert-major layout table, int32, computed by notify from every source's per-expert counts (L local
