@@ -61,3 +61,17 @@ def test_hash_ignores_the_problem_word_only() -> None:
     for other in (_dispatch(hidden=256), _dispatch(dtype=torch.float16), _dispatch(k=3), _dispatch(weights=False),
                   _dispatch(experts=16)):
         assert signature_hash(other) != base
+
+
+def test_hash_is_the_same_in_every_process() -> None:
+    """Ranks are separate processes: the hash must not depend on Python's per-process string salt."""
+    import os
+    import subprocess
+    import sys
+    code = ("import torch; from moe_dispatcher import Config; "
+            "from moe_dispatcher.signature import dispatch_signature, signature_hash; "
+            "x = torch.zeros(4, 128, dtype=torch.bfloat16); i = torch.zeros(4, 2, dtype=torch.int64); "
+            "print(signature_hash(dispatch_signature('dispatch', x, None, i, None, 8, Config())))")
+    seen = {subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONHASHSEED=seed), check=True,
+                           capture_output=True, text=True).stdout.strip() for seed in ("0", "1", "random")}
+    assert len(seen) == 1, seen
