@@ -102,7 +102,11 @@ class Buffer:
         self._board = Board(self.group, self.rank, self.group_size)
         # Every rank must make the same Buffer: sizes that differ would let a kernel write past a peer's
         # allocation, and a domain size set on some ranks only would split the hostname exchange below.
-        nvl_size = topology.nvl_size if topology is not None else env_int(NVL_SIZE_ENV, 0, minimum=1)
+        try:
+            nvl_size = topology.nvl_size if topology is not None else env_int(NVL_SIZE_ENV, 0, minimum=1)
+        except ValueError as exc:  # a bad value on some ranks only: their peers waiting below fail fast
+            self._board.post_abort(exc)
+            raise
         self._agree(Signature("Buffer creation", (
             num_nvl_bytes, num_rdma_bytes, bool(low_latency_mode), nvl_size, backend, num_qps_per_rank,
             bool(allow_nvlink_for_low_latency_mode), bool(explicitly_destroy))))
