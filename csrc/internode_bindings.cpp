@@ -131,7 +131,7 @@ int num_forward(const IpcBuffer& b) { return b.host_mailbox()->num_forward; }
 
 void layout(const at::Tensor& topk_idx, int num_experts, int num_ranks, int nvl_size,
             const at::Tensor& num_tokens_per_rank, const at::Tensor& num_tokens_per_domain,
-            const at::Tensor& num_tokens_per_expert, const at::Tensor& is_token_in_rank) {
+            const at::Tensor& num_tokens_per_expert, const at::Tensor& is_token_in_rank, const IpcBuffer* buffer) {
   const auto device = topk_idx.get_device();
   expect_cuda(topk_idx, device, "layout: topk_idx");
   const c10::cuda::CUDAGuard guard(device);
@@ -139,6 +139,9 @@ void layout(const at::Tensor& topk_idx, int num_experts, int num_ranks, int nvl_
                        static_cast<int>(topk_idx.size(1)), num_experts, num_ranks, nvl_size,
                        data_of<int>(num_tokens_per_rank), data_of<int>(num_tokens_per_domain),
                        data_of<int>(num_tokens_per_expert), data_of<bool>(is_token_in_rank)};
+  // Bad ids are flagged into the NVLink buffer's Control word, which the next notify reports (None: not flagged).
+  a.bad_expert_ids =
+      buffer != nullptr ? &reinterpret_cast<nvlink::Control*>(buffer->local())->bad_expert_ids : nullptr;
   launch_dispatch_layout(a, current_stream(device).stream());
 }
 
@@ -146,8 +149,9 @@ void layout(const at::Tensor& topk_idx, int num_experts, int num_ranks, int nvl_
 void notify(const Context& ctx, uint64_t timeout_ns, const at::Tensor& is_token_in_rank,
             const at::Tensor& num_tokens_per_rank, const at::Tensor& num_tokens_per_expert, int num_channels,
             int expert_alignment, int num_worst_tokens, int seq, const at::Tensor& rank_prefix_matrix,
-            const at::Tensor& recv_channel_offset, const at::Tensor& fwd_offset) {
+            const at::Tensor& recv_channel_offset, const at::Tensor& fwd_offset, int signature_hash, int problem) {
   const auto device = is_token_in_rank.get_device();
+  MOE_CHECK(problem >= 0 && problem < 8, "a problem word travels in 3 bits");
   for (const at::Tensor* t : {&is_token_in_rank, &num_tokens_per_rank, &num_tokens_per_expert, &rank_prefix_matrix,
                               &recv_channel_offset, &fwd_offset}) {
     expect_cuda(*t, device, "internode notify");
@@ -168,6 +172,8 @@ void notify(const Context& ctx, uint64_t timeout_ns, const at::Tensor& is_token_
                     num_worst_tokens, seq, reinterpret_cast<uintptr_t>(rank_prefix_matrix.data_ptr()),
                     reinterpret_cast<uintptr_t>(recv_channel_offset.data_ptr()));
   a.fwd_offset = data_of<int>(fwd_offset);
+  a.signature_hash = signature_hash;
+  a.problem = problem;
   launch_notify(a, current_stream(device).stream());
 }
 
@@ -408,11 +414,12 @@ void register_internode(py::module_& m) {
   sub.def("num_forward", &num_forward, py::arg("ipc"));
   sub.def("layout", &layout, py::arg("topk_idx"), py::arg("num_experts"), py::arg("num_ranks"), py::arg("nvl_size"),
           py::arg("num_tokens_per_rank"), py::arg("num_tokens_per_domain"), py::arg("num_tokens_per_expert"),
-          py::arg("is_token_in_rank"));
+          py::arg("is_token_in_rank"), py::arg("buffer") = nullptr);
   sub.def("notify", &notify, py::arg("ctx"), py::arg("timeout_ns"), py::arg("is_token_in_rank"),
           py::arg("num_tokens_per_rank"), py::arg("num_tokens_per_expert"), py::arg("num_channels"),
           py::arg("expert_alignment"), py::arg("num_worst_tokens"), py::arg("seq"), py::arg("rank_prefix_matrix"),
-          py::arg("recv_channel_offset"), py::arg("fwd_offset"));
+          py::arg("recv_channel_offset"), py::arg("fwd_offset"), py::arg("signature_hash") = 0,
+          py::arg("problem") = 0);
   sub.def("dispatch", &dispatch, py::arg("ctx"), py::arg("timeout_ns"), py::arg("x"), py::arg("scales"),
           py::arg("topk_idx"), py::arg("topk_weights"), py::arg("is_token_in_rank"), py::arg("recv_channel_offset"),
           py::arg("fwd_offset"), py::arg("fwd_mask"), py::arg("fwd_capacity"), py::arg("recv_x"),

@@ -14,6 +14,7 @@ native plans kept in the handle's HandleState, as the intranode backend's (the B
 from __future__ import annotations
 
 import socket
+from collections import OrderedDict
 from typing import List, Optional, Sequence
 
 import torch
@@ -23,9 +24,11 @@ from .. import _ext
 from ..backend import Backend, Capabilities
 from ..config import Config, align_slot
 from ..handle import DispatchHandle
+from ..signature import dispatch_signature, raise_disagreement, signature_hash
 from . import (TIMEOUT_ENV, HandleState, buffer_view, kernel_timeout_s, recv_tensors, run_cached, timeout_message,
                wait_counts)
-from .intranode import COMBINE_DTYPES, _columns, _contiguous, _DeviceMemory, _row_bytes, combine_slot_bytes
+from .intranode import (COMBINE_DTYPES, KEPT_SIGNATURES, _columns, _contiguous, _DeviceMemory, _row_bytes,
+                        combine_slot_bytes)
 
 
 def dispatch_slot_bytes(hidden_bytes: int, num_scales: int, num_topk: int) -> int:
@@ -90,10 +93,19 @@ class InternodeBackend(Backend):
         self._state.barrier()  # nobody sends before every PE zeroed its buffer
         torch.cuda.current_stream().synchronize()
         self._seq = 0
+        # The signatures of the latest fresh calls by seq, for the error of a disagreement notify recorded.
+        self._signatures: OrderedDict = OrderedDict()
         self._broken: Optional[str] = None
         self._alive = True
 
     # ------------------------------------------------------------------ errors
+    def _raise_disagreement(self) -> None:
+        """After a completed notify wait: raise SignatureMismatch (collective, every rank alike) if notify recorded
+        a disagreement since the last report (the flags words of internode notify carry the signatures)."""
+        mismatch = self._ipc.take_signature_mismatch()
+        if mismatch is not None:
+            raise_disagreement(self.group, self.device, self._signatures, *mismatch)
+
     def _check(self) -> None:
         if self._broken is not None:
             raise RuntimeError(self._broken)
@@ -146,7 +158,8 @@ class InternodeBackend(Backend):
         per_domain = torch.zeros(self.num_domains, dtype=torch.int32, device=dev)
         per_expert = torch.zeros(num_experts, dtype=torch.int32, device=dev)
         in_rank = torch.empty(t, r, dtype=torch.bool, device=dev)
-        self._mod.layout(topk_idx, num_experts, r, self.nvl_size, per_rank, per_domain, per_expert, in_rank)
+        self._mod.layout(topk_idx, num_experts, r, self.nvl_size, per_rank, per_domain, per_expert, in_rank,
+                         buffer=self._ipc)
         return per_rank, per_domain, per_expert, in_rank
 
     # ------------------------------------------------------------------ dispatch
@@ -174,8 +187,14 @@ class InternodeBackend(Backend):
         fwd_offset = torch.empty(self.num_domains, channels + 1, dtype=torch.int32, device=dev)
         self._seq = self._seq % 2_000_000_000 + 1
         seq = self._seq
+        signature = dispatch_signature("dispatch", x, x_scales, topk_idx, topk_weights, num_experts,
+                                       config or self._buffer_cls.get_dispatch_config(r))
+        self._signatures[seq] = signature
+        if len(self._signatures) > KEPT_SIGNATURES:
+            self._signatures.popitem(last=False)
         self._mod.notify(self._ctx, self._timeout_ns, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert,
-                         channels, expert_alignment, num_worst_tokens, seq, prefix, offsets, fwd_offset)
+                         channels, expert_alignment, num_worst_tokens, seq, prefix, offsets, fwd_offset,
+                         signature_hash=signature_hash(signature), problem=signature.problem)
         counts: List[int] = []
         num_recv: Optional[int] = None
         if num_worst_tokens:
@@ -183,7 +202,12 @@ class InternodeBackend(Backend):
             # Each forwarded token reaches >= 1 rank of this domain, each of which receives <= W rows.
             fwd_capacity = self.nvl_size * num_worst_tokens
         else:
-            num_recv = wait_counts(self, seq, self._intra.FLAG_LAYOUT_MISMATCH)
+            try:
+                num_recv = wait_counts(self, seq, self._intra.FLAG_LAYOUT_MISMATCH)
+            except ValueError:  # an all-rank verdict of notify: a disagreement explains it first
+                self._raise_disagreement()
+                raise
+            self._raise_disagreement()
             counts = self._ipc.expert_counts(local)
             rows = num_recv
             fwd_capacity = self._mod.num_forward(self._ipc)

@@ -34,16 +34,8 @@ from ..config import Config, align_slot
 from ..expert_major import ExpertMajorHandle, compose_expert_major_dispatch, gather_rows, unpermute
 from ..handle import DispatchHandle
 from ..signature import Signature, dispatch_signature, raise_disagreement, signature_hash
-from . import (
-    TIMEOUT_ENV,
-    HandleState,
-    buffer_view,
-    kernel_timeout_s,
-    recv_tensors,
-    run_cached,
-    timeout_message,
-    wait_counts,
-)
+from . import (TIMEOUT_ENV, HandleState, buffer_view, kernel_timeout_s, recv_tensors, run_cached, timeout_message,
+               wait_counts)
 
 # Dtypes of combine input the kernels reduce (others go to the reference backend: capabilities.combine_dtypes).
 COMBINE_DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32})

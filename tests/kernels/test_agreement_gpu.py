@@ -4,6 +4,7 @@ the same SignatureMismatch on every rank (naming the field, the values and the r
 the full signatures), before any row moves; the Buffer stays usable. Bad expert ids given to the GPU layout
 kernel are reported by the next dispatch on every rank. Calls with num_worst_tokens, which do not wait for
 notify, report at the next dispatch without it. MOE_DISPATCHER_CHECK_LAYOUT=1 adds the full layout check.
+The same world runs on the internode kernels (two emulated NVLink domains).
 
 The last rank is the odd one in every case (the CPU matrix, tests/reference/test_cross_rank_agreement_cpu.py,
 also covers every rank off).
@@ -14,7 +15,7 @@ import os
 
 import pytest
 import torch
-from dist import GPU_WORLD_SIZES, case, make_buffer, run_distributed
+from dist import GPU_WORLD_SIZES, case, make_buffer, nvl_env, run_distributed
 
 pytestmark = pytest.mark.gpu
 
@@ -40,13 +41,13 @@ def _round(buf, rank: int, num_ranks: int) -> None:
     assert torch.equal(out, want), "the round after the case gave wrong sums"
 
 
-def _world(rank: int, num_ranks: int) -> list[str]:
+def _world(rank: int, num_ranks: int, kernels: str) -> list[str]:
     from moe_dispatcher import Config
     from moe_dispatcher.signature import SignatureMismatch
     odd = rank == num_ranks - 1
     e = L * num_ranks
     buf = make_buffer(hidden_bytes=4 * H * 4, backend="kernels", explicitly_destroy=True)
-    assert buf._kernels is not None and buf._kernels.name == "intranode", "the kernels must serve this Buffer"
+    assert buf._kernels is not None and buf._kernels.name == kernels, f"the {kernels} kernels must serve this Buffer"
     idx = _routing(rank, num_ranks)
     w = torch.rand(T, K, device="cuda")
     x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
@@ -89,7 +90,8 @@ def _world(rank: int, num_ranks: int) -> list[str]:
             dispatch()
         _round(buf, rank, num_ranks)
     with case("expert-major dispatch with a different hidden"):
-        with pytest.raises(SignatureMismatch, match=r"expert-major dispatch: .*hidden differs"):
+        # (internode composes expert-major calls from its rank-major dispatch: its operation reads "dispatch")
+        with pytest.raises(SignatureMismatch, match=r"dispatch: .*hidden differs"):
             buf.expert_major_dispatch(x.repeat(1, 2) if odd else x, topk_idx=idx, topk_weights=w, num_experts=e)
         _round(buf, rank, num_ranks)
     with case("Buffer creation: num_nvl_bytes on one rank"):
@@ -114,5 +116,13 @@ def _world(rank: int, num_ranks: int) -> list[str]:
 
 @pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
 def test_disagreeing_ranks_raise_on_every_rank(world_size: int) -> None:
-    for line in run_distributed(_world, world_size, backend="nccl", timeout=300)[0]:
+    for line in run_distributed(_world, world_size, "intranode", backend="nccl", timeout=300)[0]:
+        print(line)
+
+
+@pytest.mark.parametrize("world_size", [4])
+def test_disagreeing_ranks_raise_on_every_rank_internode(world_size: int) -> None:
+    """The same through the internode kernels (2 NVLink domains of 2 emulated with MOE_DISPATCHER_NVL_SIZE):
+    their notify carries the signature in each source's flags word."""
+    for line in run_distributed(_world, world_size, "internode", backend="nccl", env=nvl_env(2), timeout=300)[0]:
         print(line)

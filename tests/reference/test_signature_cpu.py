@@ -6,15 +6,8 @@ import pytest
 import torch
 
 from moe_dispatcher import Config
-from moe_dispatcher.signature import (
-    SIGNATURE_WORDS,
-    Signature,
-    SignatureMismatch,
-    check_agreement,
-    disagreement,
-    dispatch_signature,
-    signature_hash,
-)
+from moe_dispatcher.signature import (SIGNATURE_WORDS, Signature, SignatureMismatch, check_agreement,
+                                      disagreement, dispatch_signature, signature_hash)
 
 
 def _dispatch(hidden=128, dtype=torch.bfloat16, k=2, weights=True, experts=8, problem=0) -> Signature:

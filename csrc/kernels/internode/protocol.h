@@ -93,6 +93,8 @@ struct NotifyArgs {
   int* rank_prefix_matrix;           // out [R, R]
   int* recv_channel_offset;          // out [R, C + 1]: first row here of channel c from source s
   int* fwd_offset;                   // out [D, C + 1]: first forwarded token of (source domain x, channel c)
+  int signature_hash;                // hash of this call's signature (moe_dispatcher/signature.py); 24 bits travel
+  int problem;                       // this rank's problem word (0: none; < 8); notify adds the layout kernel's
 };
 
 struct DispatchArgs {
