@@ -131,13 +131,15 @@ py::object timeout_info(const IpcBuffer& b) { return mailbox_timeout_info(b, pha
 int num_forward(const IpcBuffer& b) { return b.host_mailbox()->num_forward; }
 
 // notify of a fresh dispatch: T = rows of is_token_in_rank, E = elements of num_tokens_per_expert;
-// recv_expert_counts (int32 [E / R], or None) receives the padded per-local-expert counts on the device.
+// recv_expert_counts (int32 [E / R], or None) receives the padded per-local-expert counts on the device;
+// signature_hash / problem: this rank's call signature and problem word (moe_dispatcher/signature.py).
 void notify(const Context& ctx, uint64_t timeout_ns, const at::Tensor& is_token_in_rank,
             const at::Tensor& num_tokens_per_rank, const at::Tensor& num_tokens_per_expert, int num_channels,
             int expert_alignment, int num_worst_tokens, int seq, const at::Tensor& rank_prefix_matrix,
             const at::Tensor& recv_channel_offset, const at::Tensor& fwd_offset,
-            const c10::optional<at::Tensor>& recv_expert_counts) {
+            const c10::optional<at::Tensor>& recv_expert_counts, int signature_hash, int problem) {
   const auto device = is_token_in_rank.get_device();
+  MOE_CHECK(problem >= 0 && problem < 8, "a problem word travels in 3 bits");
   for (const at::Tensor* t : {&is_token_in_rank, &num_tokens_per_rank, &num_tokens_per_expert, &rank_prefix_matrix,
                               &recv_channel_offset, &fwd_offset}) {
     expect_cuda(*t, device, "internode notify");
@@ -163,6 +165,8 @@ void notify(const Context& ctx, uint64_t timeout_ns, const at::Tensor& is_token_
                                                 recv_expert_counts->numel() == num_experts / a.c.num_ranks),
             "internode notify: recv_expert_counts must be int32 [num_experts / num_ranks]");
   a.recv_expert_counts = data_of<int>(recv_expert_counts);
+  a.signature_hash = signature_hash;
+  a.problem = problem;
   launch_notify(a, current_stream(device).stream());
 }
 
@@ -401,12 +405,21 @@ void register_internode(py::module_& m) {
       py::arg("num_ranks"), py::arg("nvl_size"), py::arg("num_rdma_bytes"), py::arg("num_nvl_bytes"));
   sub.def("timeout_info", &timeout_info, py::arg("ipc"));
   sub.def("num_forward", &num_forward, py::arg("ipc"));
-  sub.def("layout_call", &layout_call, py::arg("topk_idx"), py::arg("num_experts"), py::arg("num_ranks"),
-          py::arg("nvl_size"));
+  // get_dispatch_layout (layout_call.h); bad expert ids are flagged into the NVLink buffer's Control word, which
+  // the next notify reports (buffer None: not flagged).
+  sub.def(
+      "layout_call",
+      [](const at::Tensor& topk_idx, int64_t num_experts, int num_ranks, int nvl_size, const IpcBuffer* buffer) {
+        int* bad = buffer != nullptr ? &reinterpret_cast<nvlink::Control*>(buffer->local())->bad_expert_ids : nullptr;
+        return layout_call(topk_idx, num_experts, num_ranks, nvl_size, bad);
+      },
+      py::arg("topk_idx"), py::arg("num_experts"), py::arg("num_ranks"), py::arg("nvl_size"),
+      py::arg("buffer") = nullptr);
   sub.def("notify", &notify, py::arg("ctx"), py::arg("timeout_ns"), py::arg("is_token_in_rank"),
           py::arg("num_tokens_per_rank"), py::arg("num_tokens_per_expert"), py::arg("num_channels"),
           py::arg("expert_alignment"), py::arg("num_worst_tokens"), py::arg("seq"), py::arg("rank_prefix_matrix"),
-          py::arg("recv_channel_offset"), py::arg("fwd_offset"), py::arg("recv_expert_counts") = py::none());
+          py::arg("recv_channel_offset"), py::arg("fwd_offset"), py::arg("recv_expert_counts") = py::none(),
+          py::arg("signature_hash") = 0, py::arg("problem") = 0);
   sub.def("dispatch", &dispatch, py::arg("ctx"), py::arg("timeout_ns"), py::arg("x"), py::arg("scales"),
           py::arg("topk_idx"), py::arg("topk_weights"), py::arg("is_token_in_rank"), py::arg("recv_channel_offset"),
           py::arg("fwd_offset"), py::arg("fwd_mask"), py::arg("fwd_capacity"), py::arg("recv_x"),

@@ -89,6 +89,19 @@ py::object take_worst_overflow(IpcBuffer& b) {
   return out;
 }
 
+// (seq, [problem word of each source]) of the first notify since the last call whose sources' signatures
+// disagreed (every rank records the same), or None; cleared once taken.
+py::object take_signature_mismatch(IpcBuffer& b) {
+  volatile Mailbox* box = b.host_mailbox();
+  MOE_CHECK(box != nullptr, "buffer destroyed");
+  const int seq = box->signature_mismatch;
+  if (seq == 0) return py::none();
+  std::vector<int> problems(b.num_ranks());
+  for (int s = 0; s < b.num_ranks(); ++s) problems[s] = box->signature_problems[s];
+  box->signature_mismatch = 0;
+  return py::make_tuple(seq, problems);
+}
+
 std::vector<int> expert_counts(const IpcBuffer& b, int n) {
   MOE_CHECK(n >= 0 && n <= kMaxLocalExperts, "too many local experts");
   const volatile Mailbox* box = b.host_mailbox();
@@ -116,7 +129,8 @@ int columns(const c10::optional<at::Tensor>& t) { return t.has_value() ? static_
 void notify(const IpcBuffer& b, uint64_t timeout_ns, const at::Tensor& is_token_in_rank,
             const at::Tensor& num_tokens_per_rank, const at::Tensor& num_tokens_per_expert, int num_channels,
             int expert_alignment, int num_worst_tokens, int seq, const at::Tensor& rank_prefix_matrix,
-            const at::Tensor& recv_channel_offset, const c10::optional<at::Tensor>& em_layout) {
+            const at::Tensor& recv_channel_offset, const c10::optional<at::Tensor>& em_layout, int signature_hash,
+            int problem) {
   const auto device = is_token_in_rank.get_device();
   for (const at::Tensor* t : {&is_token_in_rank, &num_tokens_per_rank, &num_tokens_per_expert, &rank_prefix_matrix,
                               &recv_channel_offset}) {
@@ -126,6 +140,9 @@ void notify(const IpcBuffer& b, uint64_t timeout_ns, const at::Tensor& is_token_
   const c10::cuda::CUDAGuard guard(device);
   NotifyArgs a{};
   a.em_layout = data_of<int>(em_layout);
+  a.signature_hash = signature_hash;
+  a.problem = problem;
+  a.bad_expert_ids = &reinterpret_cast<Control*>(b.local())->bad_expert_ids;
   a.c = b.common(timeout_ns);
   set_notify_counts(a, reinterpret_cast<uintptr_t>(is_token_in_rank.data_ptr()),
                     reinterpret_cast<uintptr_t>(num_tokens_per_rank.data_ptr()),
@@ -428,6 +445,7 @@ void register_intranode(py::module_& m) {
   sub.attr("MAX_CHUNK") = kMaxChunk;
   sub.attr("RINGS_OFFSET") = kRingsOffset;
   sub.attr("FLAG_LAYOUT_MISMATCH") = kFlagLayoutMismatch;
+  sub.attr("FLAG_SIGNATURE_MISMATCH") = kFlagSignatureMismatch;
   sub.def("em_layout_words", [](int r, int l) { return ExpertMajorLayout::words(r, l); });
 
   py::class_<IpcBuffer>(sub, "IpcBuffer")
@@ -447,7 +465,8 @@ void register_intranode(py::module_& m) {
       .def("timeout_info", &timeout_info)
       .def("wait_notify", &wait_notify, py::arg("seq"), py::arg("timeout_s"))
       .def("expert_counts", &expert_counts, py::arg("n"))
-      .def("take_worst_overflow", &take_worst_overflow);
+      .def("take_worst_overflow", &take_worst_overflow)
+      .def("take_signature_mismatch", &take_signature_mismatch);
 
   py::class_<CommStream>(sub, "CommStream")
       .def(py::init<const c10::Stream&>(), py::arg("stream"))
@@ -470,12 +489,21 @@ void register_intranode(py::module_& m) {
           py::arg("num_channels"), py::arg("chunk"), py::arg("num_slots"), py::arg("slot_bytes"), py::arg("config"),
           py::arg("num_sms"), py::keep_alive<0, 1>(), py::keep_alive<0, 2>());
 
-  sub.def("layout_call", &layout_call, py::arg("topk_idx"), py::arg("num_experts"), py::arg("num_ranks"),
-          py::arg("nvl_size"));
+  // get_dispatch_layout (layout_call.h); bad expert ids are flagged into the NVLink buffer's Control word, which
+  // the next notify reports (buffer None: not flagged).
+  sub.def(
+      "layout_call",
+      [](const at::Tensor& topk_idx, int64_t num_experts, int num_ranks, int nvl_size, const IpcBuffer* buffer) {
+        int* bad = buffer != nullptr ? &reinterpret_cast<Control*>(buffer->local())->bad_expert_ids : nullptr;
+        return layout_call(topk_idx, num_experts, num_ranks, nvl_size, bad);
+      },
+      py::arg("topk_idx"), py::arg("num_experts"), py::arg("num_ranks"), py::arg("nvl_size"),
+      py::arg("buffer") = nullptr);
   sub.def("notify", &notify, py::arg("buffer"), py::arg("timeout_ns"), py::arg("is_token_in_rank"),
           py::arg("num_tokens_per_rank"), py::arg("num_tokens_per_expert"), py::arg("num_channels"),
           py::arg("expert_alignment"), py::arg("num_worst_tokens"), py::arg("seq"), py::arg("rank_prefix_matrix"),
-          py::arg("recv_channel_offset"), py::arg("em_layout") = py::none());
+          py::arg("recv_channel_offset"), py::arg("em_layout") = py::none(), py::arg("signature_hash") = 0,
+          py::arg("problem") = 0);
   sub.def("dispatch", &dispatch, py::arg("buffer"), py::arg("timeout_ns"), py::arg("x"), py::arg("scales"),
           py::arg("topk_idx"), py::arg("topk_weights"), py::arg("is_token_in_rank"), py::arg("recv_channel_offset"),
           py::arg("recv_x"), py::arg("recv_scales"), py::arg("recv_topk_idx"), py::arg("recv_topk_weights"),

@@ -22,15 +22,17 @@ from .compiled import LAUNCH_ASYNC, LAUNCH_SYNC, HandleState, buffer_view
 from .compiled import kernel_timeout_s as _kernel_timeout_s
 from .backend import Backend, Capabilities
 from .config import Config
-from .env import env_choice
+from .env import env_choice, env_flag, env_int
 from .event import EventOverlap
 from .expert_major import ExpertMajorHandle
 from .handle import DispatchHandle, LowLatencyHandle
 from .reference import ReferenceLowLatency, ReferenceNormal
+from .reference.normal import layout_problem
 from .reference.board import Board
-from .reference.comm import all_gather_rows
+from .reference.comm import agree, all_gather_rows
 from .runtime import ll_layout, release
-from .topology import Topology
+from .signature import Signature, dispatch_signature
+from .topology import NVL_SIZE_ENV, Topology
 from .validation import (check_combine_weights, check_count, check_flag_exclusive, check_num_experts, check_row_bytes,
                          check_tensor, check_topk_idx, check_topk_weights, normalise_bias, split_x)
 
@@ -40,6 +42,9 @@ BACKENDS = ("auto", "reference", "kernels")
 # low_latency_combine_reduction argument is not given: "per_rank" (the default) or "per_expert".
 LL_COMBINE_ENV = "MOE_DISPATCHER_LL_COMBINE"
 LL_COMBINE_REDUCTIONS = ("per_rank", "per_expert")
+# Debug switch: a fresh dispatch served by the compiled kernels checks its layout against topk_idx in full and
+# agrees on its whole signature in one all-gather (moe_dispatcher.signature); the reference backend always does.
+CHECK_LAYOUT_ENV = "MOE_DISPATCHER_CHECK_LAYOUT"
 # The EventOverlap of a synchronous fast-path call (nothing to wait for): one shared, eventless instance, since
 # making one per call is a measurable share of a cached call's host time.
 _NO_EVENT = EventOverlap()
@@ -97,9 +102,22 @@ class Buffer:
         backend = backend or env_choice(BACKEND_ENV, BACKENDS, "auto")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self._check_layout = env_flag(CHECK_LAYOUT_ENV)  # read before any collective: a bad value fails alike
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.group_size = dist.get_world_size(self.group)
+        # The reference backend's deadline and arrival board (MOE_DISPATCHER_TIMEOUT_S; reference/board.py).
+        self._board = Board(self.group, self.rank, self.group_size)
+        # Every rank must make the same Buffer: sizes that differ would let a kernel write past a peer's
+        # allocation, and a domain size set on some ranks only would split the hostname exchange below.
+        try:
+            nvl_size = topology.nvl_size if topology is not None else env_int(NVL_SIZE_ENV, 0, minimum=1)
+        except ValueError as exc:  # a bad value on some ranks only: their peers waiting below fail fast
+            self._board.post_abort(exc)
+            raise
+        self._agree(Signature("Buffer creation", (
+            num_nvl_bytes, num_rdma_bytes, bool(low_latency_mode), nvl_size, backend, num_qps_per_rank,
+            bool(allow_nvlink_for_low_latency_mode), bool(explicitly_destroy))))
         self.topology = topology if topology is not None else Topology.from_group(self.group)
         if (self.topology.rank, self.topology.num_ranks) != (self.rank, self.group_size):
             raise ValueError(f"topology describes rank {self.topology.rank} of {self.topology.num_ranks}, but this "
@@ -119,10 +137,8 @@ class Buffer:
         self._events: Optional[Tuple[torch.cuda.Event, torch.cuda.Event]] = None
         self._local_buffers: dict = {}
         nvl = self.topology.nvl_size
-        # The reference backend's deadline and arrival board (MOE_DISPATCHER_TIMEOUT_S; reference/board.py).
-        self._board = Board(self.group, self.rank, self.group_size)
         self._reference_normal = ReferenceNormal(self.group, self.rank, self.group_size, nvl, self._token,
-                                                 self._board)
+                                                 self._board, type(self))
         self._reference_ll = ReferenceLowLatency(self.group, self.rank, self.group_size, self._token,
                                                  self._stream_scope, self._ll_combine_reduction == "per_rank",
                                                  self._board)
@@ -148,6 +164,14 @@ class Buffer:
         self._pending_row_checks: List[Tuple[Tensor, int]] = []
         if self._kernels is not None or self._kernels_ll is not None:
             release.register(self, any(k is not None and k.symmetric for k in (self._kernels, self._kernels_ll)))
+
+    def _agree(self, signature: Signature) -> None:
+        """Collective: raise SignatureMismatch on every rank unless every rank passed an equal `signature` (one
+        small all-gather under the Board's deadline, the reference backend's agreement row)."""
+        device = torch.device("cpu")
+        if torch.cuda.is_available() and "nccl" in str(dist.get_backend(self.group)).lower():
+            device = torch.device("cuda", torch.cuda.current_device())
+        agree(self._board, signature, device)
 
     @property
     def low_latency_combine_reduction(self) -> str:
@@ -448,7 +472,7 @@ class Buffer:
             check_num_experts(num_experts, self.group_size)
             backend = self._resolve("normal", topk_idx.device)
             check_topk_idx(topk_idx, num_experts,
-                           values=topk_idx.device.type == "cpu" or backend is self._reference_normal)
+                           values=topk_idx.device.type == "cpu" or backend is self._reference_normal, distinct=True)
             results, event = self._stream_scope(topk_idx.device, previous_event, async_finish, allocate_on_comm_stream,
                                                 lambda: backend.get_dispatch_layout(topk_idx, num_experts), [topk_idx])
             return (*results, event)
@@ -465,7 +489,8 @@ class Buffer:
             return
         check_num_experts(num_experts, self.group_size)
         values = data.device.type == "cpu" or backend is self._reference_normal
-        check_topk_idx(topk_idx, num_experts, num_tokens=data.shape[0], device=data.device, values=values)
+        check_topk_idx(topk_idx, num_experts, num_tokens=data.shape[0], device=data.device, values=values,
+                       distinct=True)
         if topk_weights is not None:
             check_topk_weights(topk_weights, topk_idx)
 
@@ -552,6 +577,9 @@ class Buffer:
             if num_tokens_per_rdma_rank is not None:
                 check_tensor("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, dtypes=(torch.int32,),
                              shape=(self.topology.num_domains,), device=dev)
+            if self._check_layout and backend is not self._reference_normal:
+                self._agree_layout(data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
+                                   num_tokens_per_expert, config)
             inputs = [data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
                       num_tokens_per_expert]
             results, event = self._stream_scope(
@@ -608,6 +636,16 @@ class Buffer:
         except Exception as exc:  # a peer waiting in this call's collective fails fast (board.py)
             self._board.post_abort(exc)
             raise
+
+    def _agree_layout(self, data: Tensor, scales: Optional[Tensor], topk_idx: Optional[Tensor],
+                      topk_weights: Optional[Tensor], num_tokens_per_rank: Tensor, is_token_in_rank: Tensor,
+                      num_tokens_per_expert: Tensor, config: Optional[Config]) -> None:
+        """MOE_DISPATCHER_CHECK_LAYOUT: the reference backend's checks before a compiled fresh dispatch (host
+        syncs and one all-gather): the layout against topk_idx in full, the whole signature across ranks."""
+        problem = layout_problem(topk_idx, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
+                                 self.group_size, self.topology.nvl_size)
+        self._agree(dispatch_signature("dispatch", data, scales, topk_idx, topk_weights, num_tokens_per_expert.numel(),
+                                       config or self.get_dispatch_config(self.group_size), problem))
 
     def _note_pending_rows(self, need: Tensor, limit: int) -> None:
         """Remember (on the device, no sync) how far a num_worst_tokens call exceeded its limit. Folded into

@@ -90,8 +90,8 @@ def check_topk_idx(topk_idx, num_experts: int, *, num_tokens: Optional[int] = No
         if distinct and k > 1:
             s = topk_idx.sort(dim=1).values
             if bool(((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)).any()):
-                raise ValueError("topk_idx names the same expert twice in one token; low-latency dispatch sends a "
-                                 "token to each expert once")
+                raise ValueError("topk_idx names the same expert twice in one token; a token goes to each of its "
+                                 "experts once (a repeated id would count it twice)")
     return topk_idx
 
 

@@ -16,9 +16,11 @@ namespace moe_ep {
 // (num_tokens_per_rank int32 [R], num_tokens_per_domain int32 [R / nvl_size] or None, num_tokens_per_expert
 // int32 [E], is_token_in_rank bool [T, R]); None when topk_idx or E is not one the kernel takes: the Buffer's
 // full path then validates and raises the user's error. The three count vectors are views of one zeroed
-// allocation (one memset). Ids outside [0, E) are unused slots, as -1 is (moe_dispatcher.validation checks
-// ids by value where that needs no sync).
-inline pybind11::object layout_call(const at::Tensor& topk_idx, int64_t num_experts, int num_ranks, int nvl_size) {
+// allocation (one memset). The kernel counts ids outside [-1, E) (and repeated ids) into bad_expert_ids (a
+// word of the Buffer's NVLink Control block, reported by the next notify; null: not counted) and otherwise
+// skips them as it skips -1.
+inline pybind11::object layout_call(const at::Tensor& topk_idx, int64_t num_experts, int num_ranks, int nvl_size,
+                                    int* bad_expert_ids) {
   if (!topk_idx.defined() || !topk_idx.is_cuda() || topk_idx.scalar_type() != at::kLong || topk_idx.dim() != 2 ||
       !topk_idx.is_contiguous() || topk_idx.size(1) < 1 || topk_idx.size(1) > nvlink::kMaxTopk ||
       topk_idx.size(0) > INT32_MAX / 64 || num_experts <= 0 || num_experts % num_ranks != 0 ||
@@ -39,6 +41,7 @@ inline pybind11::object layout_call(const at::Tensor& topk_idx, int64_t num_expe
   RoutingLayoutArgs a{data_of<const int64_t>(topk_idx), static_cast<int>(t), static_cast<int>(topk_idx.size(1)),
                       static_cast<int>(num_experts), num_ranks, nvl_size, data_of<int>(per_rank),
                       data_of<int>(per_domain), data_of<int>(per_expert), data_of<bool>(in_rank)};
+  a.bad_expert_ids = bad_expert_ids;
   launch_dispatch_layout(a, stream);
   pybind11::object domain_result = per_domain.has_value() ? pybind11::cast(std::move(*per_domain)) : pybind11::none();
   return pybind11::make_tuple(std::move(per_rank), std::move(domain_result), std::move(per_expert),

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import socket
 import weakref
+from collections import OrderedDict
 from typing import List, Optional, Sequence
 
 import torch
@@ -24,9 +25,11 @@ from .. import _ext
 from ..backend import Backend, Capabilities
 from ..config import Config, align_slot
 from ..handle import DispatchHandle
+from ..signature import dispatch_signature, raise_disagreement, signature_hash
 from . import (TIMEOUT_ENV, HandleState, buffer_view, kernel_timeout_s, recv_tensors, run_cached, timeout_message,
                wait_counts)
-from .intranode import COMBINE_DTYPES, _columns, _contiguous, _DeviceMemory, _row_bytes, combine_slot_bytes
+from .intranode import (COMBINE_DTYPES, KEPT_SIGNATURES, _columns, _contiguous, _DeviceMemory, _row_bytes,
+                        combine_slot_bytes)
 
 
 def dispatch_slot_bytes(hidden_bytes: int, num_scales: int, num_topk: int) -> int:
@@ -76,7 +79,7 @@ class InternodeBackend(Backend):
         # The Buffer's comm stream, with the events that join it to the caller's stream in cached calls.
         self._comm = self._intra.CommStream(buffer.get_comm_stream())
         self.launch_order = self._comm
-        self.layout_call, self.layout_args = self._mod.layout_call, (self.num_ranks, self.nvl_size)
+        self.layout_call, self.layout_args = self._mod.layout_call, (self.num_ranks, self.nvl_size, self._ipc)
         single_host = len({g[1] for g in gathered}) == 1  # only chooses NVSHMEM's transports (P2P here)
         from ..runtime import nvshmem
         self._state = nvshmem.bootstrap(self.group, self.device.index, single_host=single_host)
@@ -95,10 +98,19 @@ class InternodeBackend(Backend):
         self._state.barrier()  # nobody sends before every PE zeroed its buffer
         torch.cuda.current_stream().synchronize()
         self._seq = 0
+        # The signatures of the latest fresh calls by seq, for the error of a disagreement notify recorded.
+        self._signatures: OrderedDict = OrderedDict()
         self._broken: Optional[str] = None
         self._alive = True
 
     # ------------------------------------------------------------------ errors
+    def _raise_disagreement(self) -> None:
+        """After a completed notify wait: raise SignatureMismatch (collective, every rank alike) if notify recorded
+        a disagreement since the last report (the flags words of internode notify carry the signatures)."""
+        mismatch = self._ipc.take_signature_mismatch()
+        if mismatch is not None:
+            raise_disagreement(self.group, self.device, self._signatures, *mismatch)
+
     def _check(self) -> None:
         if self._broken is not None:
             raise RuntimeError(self._broken)
@@ -175,10 +187,16 @@ class InternodeBackend(Backend):
         fwd_offset = torch.empty(self.num_domains, channels + 1, dtype=torch.int32, device=dev)
         self._seq = self._seq % 2_000_000_000 + 1
         seq = self._seq
+        signature = dispatch_signature("dispatch", x, x_scales, topk_idx, topk_weights, num_experts,
+                                       config or self._buffer_cls.get_dispatch_config(r))
+        self._signatures[seq] = signature
+        if len(self._signatures) > KEPT_SIGNATURES:
+            self._signatures.popitem(last=False)
         # With num_worst_tokens the per-expert counts stay on the device (Backend.dispatch): notify writes them.
         device_counts = torch.empty(local, dtype=torch.int32, device=dev) if num_worst_tokens else None
         self._mod.notify(self._ctx, self._timeout_ns, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert,
-                         channels, expert_alignment, num_worst_tokens, seq, prefix, offsets, fwd_offset, device_counts)
+                         channels, expert_alignment, num_worst_tokens, seq, prefix, offsets, fwd_offset, device_counts,
+                         signature_hash=signature_hash(signature), problem=signature.problem)
         counts = device_counts
         num_recv: Optional[int] = None
         if num_worst_tokens:
@@ -186,7 +204,12 @@ class InternodeBackend(Backend):
             # Each forwarded token reaches >= 1 rank of this domain, each of which receives <= W rows.
             fwd_capacity = self.nvl_size * num_worst_tokens
         else:
-            num_recv = wait_counts(self, seq, self._intra.FLAG_LAYOUT_MISMATCH)
+            try:
+                num_recv = wait_counts(self, seq, self._intra.FLAG_LAYOUT_MISMATCH)
+            except ValueError:  # an all-rank verdict of notify: a disagreement explains it first
+                self._raise_disagreement()
+                raise
+            self._raise_disagreement()
             counts = self._ipc.expert_counts(local)
             rows = num_recv
             fwd_capacity = self._mod.num_forward(self._ipc)

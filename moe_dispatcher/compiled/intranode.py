@@ -14,11 +14,15 @@ notify's receive counts; cached dispatch, dispatch with num_worst_tokens, layout
 So a rank receiving more than num_worst_tokens rows cannot raise at that call: its extra rows are dropped
 (nothing hangs) and every rank raises ValueError at its next synchronised (fresh, no num_worst_tokens)
 dispatch.
+Agreement: notify compares every rank's signature hash and problem word (moe_dispatcher.signature, bad expert
+ids flagged by the layout kernel included); a disagreement raises SignatureMismatch on every rank at the same
+host wait (num_worst_tokens calls: at the next synchronised dispatch). Cached calls are not checked.
 A spin-wait that exceeds MOE_DISPATCHER_TIMEOUT_S seconds (default 10) in a kernel records the phase, the
 waiting rank and the peer; the next call (or the notify wait) raises RuntimeError naming them.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -29,11 +33,15 @@ from ..backend import Backend, Capabilities
 from ..config import Config, align_slot
 from ..expert_major import ExpertMajorHandle, compose_expert_major_dispatch, gather_rows, unpermute
 from ..handle import DispatchHandle
+from ..signature import Signature, dispatch_signature, raise_disagreement, signature_hash
 from . import (TIMEOUT_ENV, HandleState, buffer_view, kernel_timeout_s, recv_tensors, run_cached, timeout_message,
                wait_counts)
 
 # Dtypes of combine input the kernels reduce (others go to the reference backend: capabilities.combine_dtypes).
 COMBINE_DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32})
+# Signatures of fresh calls kept for the error of a disagreement reported later (num_worst_tokens calls do not
+# wait for notify; the next synchronised dispatch reports): the latest this many.
+KEPT_SIGNATURES = 64
 
 
 def _align16(n: int) -> int:
@@ -110,8 +118,11 @@ class IntranodeBackend(Backend):
         # The Buffer's comm stream, with the events that join it to the caller's stream in cached calls.
         self._comm = self._mod.CommStream(buffer.get_comm_stream())
         self.launch_order = self._comm
-        self.layout_call, self.layout_args = self._mod.layout_call, (self.num_ranks, self.num_ranks)
+        self.layout_call, self.layout_args = self._mod.layout_call, (self.num_ranks, self.num_ranks, self._ipc)
         self._seq = 0
+        # Agreement (moe_dispatcher.signature): the signatures of the latest fresh calls by seq, for the error of
+        # a disagreement that notify recorded (one all-gather of them then names the fields).
+        self._signatures: "OrderedDict[int, Signature]" = OrderedDict()
         self._broken: Optional[str] = None
         self._rdma_emulation: Optional[torch.Tensor] = None
 
@@ -180,14 +191,20 @@ class IntranodeBackend(Backend):
     # ------------------------------------------------------------------ dispatch
     def _notify(self, is_token_in_rank: torch.Tensor, num_tokens_per_rank: torch.Tensor,
                 num_tokens_per_expert: torch.Tensor, channels: int, expert_alignment: int, num_worst_tokens: int,
-                em_layout: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, int]:
-        """Launch notify: -> (rank_prefix_matrix int32 [R, R], recv_channel_offset int32 [R, C + 1], its seq)."""
+                signature: Signature, em_layout: Optional[torch.Tensor] = None
+                ) -> Tuple[torch.Tensor, torch.Tensor, int]:
+        """Launch notify, which also compares every rank's `signature`: -> (rank_prefix_matrix int32 [R, R],
+        recv_channel_offset int32 [R, C + 1], its seq)."""
         r, dev = self.num_ranks, is_token_in_rank.device
         prefix = torch.empty(r, r, dtype=torch.int32, device=dev)
         offsets = torch.empty(r, channels + 1, dtype=torch.int32, device=dev)
         self._seq = self._seq % 2_000_000_000 + 1
+        self._signatures[self._seq] = signature
+        if len(self._signatures) > KEPT_SIGNATURES:
+            self._signatures.popitem(last=False)
         self._mod.notify(self._ipc, self._timeout_ns, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert,
-                         channels, expert_alignment, num_worst_tokens, self._seq, prefix, offsets, em_layout)
+                         channels, expert_alignment, num_worst_tokens, self._seq, prefix, offsets, em_layout,
+                         signature_hash=signature_hash(signature), problem=signature.problem)
         return prefix, offsets, self._seq
 
     def dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
@@ -207,9 +224,11 @@ class IntranodeBackend(Backend):
         # expert-major table holds them.
         layout = (torch.empty(self._mod.em_layout_words(self.num_ranks, local), dtype=torch.int32, device=x.device)
                   if num_worst_tokens else None)
+        signature = dispatch_signature("dispatch", x, x_scales, topk_idx, topk_weights, num_tokens_per_expert.numel(),
+                                       config or self._buffer_cls.get_dispatch_config(self.num_ranks))
         prefix, offsets, seq = self._notify(is_token_in_rank, num_tokens_per_rank.contiguous(),
                                             num_tokens_per_expert.contiguous(), channels, expert_alignment,
-                                            num_worst_tokens, layout)
+                                            num_worst_tokens, signature, layout)
         counts: List[int] = []
         num_recv: Optional[int] = None
         if num_worst_tokens:
@@ -234,8 +253,22 @@ class IntranodeBackend(Backend):
 
     def _wait_counts(self, seq: int) -> int:
         """The host's wait for notify call `seq` (fresh dispatch without num_worst_tokens): rows received (one
-        method, so that tools/profile_round_trip.py can count the waits)."""
-        return wait_counts(self, seq, self._mod.FLAG_LAYOUT_MISMATCH)
+        method, so that tools/profile_round_trip.py can count the waits). Raises SignatureMismatch on every rank
+        when notify recorded a disagreement in this call or an earlier unsynchronised one."""
+        try:
+            num_recv = wait_counts(self, seq, self._mod.FLAG_LAYOUT_MISMATCH)
+        except ValueError:  # an all-rank verdict of notify (layout, overflow): a disagreement explains it first
+            self._raise_disagreement()
+            raise
+        self._raise_disagreement()
+        return num_recv
+
+    def _raise_disagreement(self) -> None:
+        """After a completed notify wait: raise SignatureMismatch (collective, every rank alike) if notify recorded
+        a disagreement since the last report."""
+        mismatch = self._ipc.take_signature_mismatch()
+        if mismatch is not None:
+            raise_disagreement(self.group, self.device, self._signatures, *mismatch)
 
     # ------------------------------------------------------------------ cached calls
     def cached_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], handle: DispatchHandle,
@@ -312,7 +345,10 @@ class IntranodeBackend(Backend):
         layout = torch.empty(self._mod.em_layout_words(r, local), dtype=torch.int32, device=dev)
         # num_worst_tokens bounds the expert-major rows here, not the received rows (fewer: each holds at least
         # one pair), so notify's received-rows check is off (0); the Buffer checks rows_needed instead.
-        prefix, offsets, seq = self._notify(in_rank, per_rank, per_expert, channels, expert_alignment, 0, layout)
+        signature = dispatch_signature("expert-major dispatch", x, x_scales, topk_idx, topk_weights, num_experts,
+                                       config or self._buffer_cls.get_dispatch_config(self.num_ranks))
+        prefix, offsets, seq = self._notify(in_rank, per_rank, per_expert, channels, expert_alignment, 0, signature,
+                                            layout)
         counts: List[int] = []
         num_recv: Optional[int] = None
         if num_worst_tokens:

@@ -120,8 +120,10 @@ class Board:
 
     # ------------------------------------------------------------------ errors of this rank
     def post_abort(self, exc: BaseException) -> None:
-        """This rank raises `exc` in a Buffer call: let peers waiting in its next collective fail fast."""
-        if self.store is None or isinstance(exc, PeerError):
+        """This rank raises `exc` in a Buffer call: let peers waiting in its next collective fail fast. Errors
+        that every rank raises after the same collective (PeerError, moe_dispatcher.signature's
+        SignatureMismatch) post nothing: no peer is left waiting."""
+        if self.store is None or isinstance(exc, PeerError) or getattr(exc, "raised_on_every_rank", False):
             return
         with contextlib.suppress(Exception):  # never hide the caller's error behind a store failure
             self.store.set(f"abort/{self.rank}", f"{self.next_collective}|{type(exc).__name__}: {exc}")

@@ -4,11 +4,12 @@ Each runs under its Buffer's Board (board.py): a deadline, and names for the ran
 from __future__ import annotations
 
 import math
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from ..signature import SIGNATURE_WORDS, Signature, check_agreement
 from .board import Board
 
 
@@ -30,6 +31,24 @@ def all_gather_rows(board: Board, row: torch.Tensor, phase: str) -> torch.Tensor
     parts = [torch.empty_like(r) for _ in range(board.num_ranks)]
     board.run(phase, lambda: dist.all_gather(parts, r, group=board.group, async_op=True))
     return torch.stack(parts).to(row.device)
+
+
+def agree(board: Board, signature: Signature, device: torch.device, payload: Optional[torch.Tensor] = None,
+          phase: str = "signature all-gather") -> torch.Tensor:
+    """Collective: all-gather this rank's call `signature` (moe_dispatcher.signature) with an optional int64
+    `payload` of at most num_ranks + 1 words, and raise SignatureMismatch on every rank when the signatures
+    differ. Every agreement of the reference backend gathers rows of one length (SIGNATURE_WORDS + num_ranks
+    + 1), whatever the call, so ranks in different calls exchange rows of equal size and learn it. phase names
+    the step in timeout messages (after the operation's name). Returns the ranks' payloads, int64
+    [R, num_ranks + 1] on the CPU (zero-padded)."""
+    width = board.num_ranks + 1
+    row = torch.zeros(SIGNATURE_WORDS + width, dtype=torch.int64, device=device)
+    row[:SIGNATURE_WORDS] = signature.tensor(device)
+    if payload is not None:
+        row[SIGNATURE_WORDS: SIGNATURE_WORDS + payload.numel()] = payload.to(device, torch.int64)
+    table = all_gather_rows(board, row, f"{signature.operation}: {phase}").cpu()
+    check_agreement(table[:, :SIGNATURE_WORDS])
+    return table[:, SIGNATURE_WORDS:]
 
 
 def _row_bytes(t: torch.Tensor) -> int:

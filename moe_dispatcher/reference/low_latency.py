@@ -21,8 +21,9 @@ import torch.distributed as dist
 
 from ..backend import Backend, Capabilities
 from ..event import EventOverlap
+from ..signature import Signature
 from .board import Board
-from .comm import exchange_rows, pack_rows, unpack_rows
+from .comm import agree, exchange_rows, pack_rows, unpack_rows
 from .fp8 import per_token_cast_to_fp8
 
 _NO_EVENT = EventOverlap()
@@ -164,9 +165,9 @@ class ReferenceLowLatency(Backend):
             if self._half_owner[half] != call:
                 raise RuntimeError("stale low-latency hook: its buffer half was reused by a later call; call each "
                                    "hook before making two more low-latency calls")
-            receive()
-            done.append(True)
+            done.append(True)  # before receiving: a receive that raises (a signature mismatch) ends the call too
             self._pending_hooks.discard(call)
+            receive()
         return hook
 
     def _run(self, device: torch.device, async_finish: bool, hook: Callable[[], None], keep: list) -> EventOverlap:
@@ -204,6 +205,9 @@ class ReferenceLowLatency(Backend):
         order = torch.argsort(expert * max(t, 1) + tok, stable=True)
         tok, expert = tok[order], expert[order]
         per_expert = torch.bincount(expert, minlength=num_experts)
+        # Agreement first (the counts all-to-all's rows are sized by the expert count): raises on every rank.
+        agree(self.board, Signature("low-latency dispatch", (h, max_tokens, num_experts, topk_idx.shape[1], use_fp8,
+                                                       round_scale, use_ue8m0)), dev)
         begin_ns = time.perf_counter_ns()
         # counts[s, l]: rows source s sends to my local expert l.
         counts = unpack_rows(exchange_rows(self.board, pack_rows([per_expert.view(r, local)]), [1] * r, [1] * r,
@@ -261,6 +265,10 @@ class ReferenceLowLatency(Backend):
         pieces = [x[l_of, row_of], handle.src_info[l_of, row_of], (me * local + l_of).to(torch.int32)]
         t, k = topk_idx.shape
         per_dst = torch.bincount(topk_idx[topk_idx >= 0] // local, minlength=r)
+        agree(self.board, Signature("low-latency combine", (
+            handle.backend_state if type(handle.backend_state) is int else 0, handle.hidden,
+            handle.num_max_dispatch_tokens_per_rank, handle.num_experts, k,
+            "per_rank" if rank_partials else "per_expert")), dev)
         begin_ns = time.perf_counter_ns()
         back = unpack_rows(exchange_rows(self.board, pack_rows(pieces), counts.sum(1).tolist(), per_dst.tolist(),
                                          "low-latency combine: rows all-to-all"), pieces)

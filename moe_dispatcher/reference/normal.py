@@ -11,9 +11,11 @@ import torch
 import torch.distributed as dist
 
 from ..backend import Backend, Capabilities
+from ..config import get_combine_config, get_dispatch_config
 from ..expert_major import compose_expert_major_dispatch
+from ..signature import Signature, config_values, dispatch_signature
 from .board import Board
-from .comm import all_gather_rows, exchange_rows, pack_rows, unpack_rows
+from .comm import agree, all_gather_rows, exchange_rows, pack_rows, unpack_rows
 
 
 def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, nvl_size: int):
@@ -53,10 +55,14 @@ class ReferenceNormal(Backend):
     capabilities = Capabilities(normal=True)
 
     def __init__(self, group: dist.ProcessGroup, rank: int, num_ranks: int, nvl_size: int, buffer_token: int,
-                 board: Optional[Board] = None):
+                 board: Optional[Board] = None, buffer_cls: Optional[type] = None):
         self.group, self.rank, self.num_ranks, self.nvl_size = group, rank, num_ranks, nvl_size
         self.buffer_token = buffer_token
         self.board = board if board is not None else Board(group, rank, num_ranks)
+        self.dispatches = 0  # fresh dispatches so far (the same on every rank: they are collective)
+        # The Buffer class, whose get_dispatch_config / get_combine_config (its num_sms) give the Config a call
+        # without one runs with: part of the call's signature.
+        self.buffer_cls = buffer_cls
 
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
         return dispatch_layout(topk_idx, num_experts, self.num_ranks, self.nvl_size)
@@ -73,21 +79,27 @@ class ReferenceNormal(Backend):
         r, me = self.num_ranks, self.rank
         num_experts = num_tokens_per_expert.numel()
         local = num_experts // r
-        # 1. Counts: every rank learns what every rank sends where, and per-expert totals.
+        # 1. Agreement and counts, in one all-gather of a fixed length (so that ranks disagreeing on the expert
+        # count still exchange rows of one size): each rank's call signature (moe_dispatcher.signature), what it
+        # sends to each rank and its num_worst_tokens. A signature mismatch, or a layout of one rank that does
+        # not match its own topk_idx, raises on every rank here, before any row moves.
         sent_by_me = is_token_in_rank.sum(0).to(torch.int64)
-        if not torch.equal(sent_by_me.cpu(), num_tokens_per_rank.to(torch.int64).cpu()):
-            raise ValueError("dispatch: num_tokens_per_rank does not match is_token_in_rank (pass the layout "
-                             "that get_dispatch_layout returned for these topk_idx)")
-        worst = torch.tensor([num_worst_tokens], dtype=torch.int64, device=sent_by_me.device)
-        table = all_gather_rows(self.board, torch.cat([sent_by_me, num_tokens_per_expert.to(torch.int64).to(
-            sent_by_me.device), worst]), "dispatch: counts all-gather")
-        table = table.cpu()
+        signature = dispatch_signature(
+            "dispatch", x, x_scales, topk_idx, topk_weights, num_experts, self._effective(config, combine=False),
+            layout_problem(topk_idx, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, r, self.nvl_size))
+        dev = sent_by_me.device
+        worst = torch.tensor([num_worst_tokens], dtype=torch.int64, device=dev)
+        table = agree(self.board, signature, dev, torch.cat([sent_by_me, worst]), "counts all-gather")
         send_matrix = table[:, :r]
         rank_prefix_matrix = send_matrix.cumsum(0).to(torch.int32)
-        per_local_expert = table[:, r + me * local: r + (me + 1) * local].sum(0)
+        # Per-expert totals, now that every rank has the same number of experts.
+        per_expert = all_gather_rows(self.board, num_tokens_per_expert.to(torch.int64),
+                                     "dispatch: per-expert counts all-gather").cpu()
+        per_local_expert = per_expert[:, me * local: (me + 1) * local].sum(0)
+        self.dispatches += 1
         num_recv = int(rank_prefix_matrix[-1, me])
         # Every rank checks every rank's limit, so all raise together before any rows move.
-        received, limits = send_matrix.sum(0), table[:, -1]
+        received, limits = send_matrix.sum(0), table[:, r]
         over = [(j, int(received[j]), int(limits[j])) for j in range(r) if limits[j] and received[j] > limits[j]]
         if over:
             j, got, limit = over[0]
@@ -123,8 +135,10 @@ class ReferenceNormal(Backend):
             recv_x, recv_scales, recv_idx, recv_w, recv_src_idx = (
                 _pad(t, num_worst_tokens, fill) for t, fill in
                 ((recv_x, 0), (recv_scales, 0), (recv_idx, -1), (recv_w, 0), (recv_src_idx, -1)))
+        # backend_state: the number of this dispatch in the Buffer, which cached calls exchange in their
+        # signature (every rank must pass the handle of the same dispatch).
         handle = DispatchHandle(rank_prefix_matrix.to(x.device), is_token_in_rank, recv_src_idx, num_recv,
-                                x.shape[0], num_worst_tokens, self.name, self.buffer_token)
+                                x.shape[0], num_worst_tokens, self.name, self.buffer_token, self.dispatches)
         return recv_x, recv_scales, recv_idx, recv_w, counts, handle
 
     def expert_major_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: torch.Tensor,
@@ -138,8 +152,21 @@ class ReferenceNormal(Backend):
                                              num_experts // self.num_ranks, expert_alignment, num_worst_tokens,
                                              config, bounded_exchange=False)
 
+    def _effective(self, config, combine: bool):
+        """The Config a compiled backend would run this call with (the Buffer class's default when None)."""
+        if config is not None:
+            return config
+        if self.buffer_cls is None:
+            return get_combine_config(self.num_ranks) if combine else get_dispatch_config(self.num_ranks)
+        cls = self.buffer_cls
+        return cls.get_combine_config(self.num_ranks) if combine else cls.get_dispatch_config(self.num_ranks)
+
     def cached_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], handle, config=None):
         """Dispatch along the routing of `handle`; returns (recv_x, recv_x_scales)."""
+        agree(self.board, Signature("cached dispatch", (
+            _serial(handle), x.shape[1], x.dtype, x_scales.dtype if x_scales is not None else None,
+            x_scales.shape[1] if x_scales is not None else 0, *config_values(self._effective(config, combine=False)))),
+            x.device)
         send_matrix = _send_matrix(handle.rank_prefix_matrix.cpu())
         src = _send_order(handle.is_token_in_rank)
         pieces = [x[src]] + ([x_scales[src]] if x_scales is not None else [])
@@ -153,6 +180,9 @@ class ReferenceNormal(Backend):
                 bias: Sequence[torch.Tensor], config=None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Sum the rows of each source token over the ranks that received it (ascending rank order)."""
         me = self.rank
+        agree(self.board, Signature("combine", (
+            _serial(handle), x.shape[1], x.dtype, topk_weights.shape[1] if topk_weights is not None else 0,
+            *config_values(self._effective(config, combine=True)))), x.device)
         prefix = handle.rank_prefix_matrix.cpu()
         send_matrix = _send_matrix(prefix)
         # Rows received (a compiled backend's handle may leave it on the device: then the prefix matrix says).
@@ -179,6 +209,32 @@ class ReferenceNormal(Backend):
                 w_out.index_add_(0, src[rows], got[1][rows].float())
             start += count
         return out.to(x.dtype), w_out
+
+
+def _serial(handle) -> int:
+    """The dispatch number a handle of this backend carries (0 for a compiled backend's handle)."""
+    return handle.backend_state if type(handle.backend_state) is int else 0
+
+
+def layout_problem(topk_idx: Optional[torch.Tensor], num_tokens_per_rank: torch.Tensor,
+                   is_token_in_rank: torch.Tensor, num_tokens_per_expert: torch.Tensor, num_ranks: int,
+                   nvl_size: int) -> int:
+    """A moe_dispatcher.signature PROBLEMS code for a dispatch's layout (0: consistent). With topk_idx, the
+    layout must be exactly get_dispatch_layout's for it (a layout of other routing sends tokens to ranks that
+    hold none of their experts); without, its sums must be consistent."""
+    sent = is_token_in_rank.sum(0).to(torch.int64).cpu()
+    per_rank = num_tokens_per_rank.to(torch.int64).cpu()
+    if not torch.equal(sent, per_rank):
+        return 1
+    per_expert = num_tokens_per_expert.to(torch.int64).cpu()
+    if topk_idx is not None:
+        want = dispatch_layout(topk_idx, per_expert.numel(), num_ranks, nvl_size)
+        same = (torch.equal(want[0].cpu(), num_tokens_per_rank.cpu()) and torch.equal(want[2].cpu(), per_expert.int())
+                and torch.equal(want[3].cpu(), is_token_in_rank.cpu()))
+        return 0 if same else 2
+    local = per_expert.view(num_ranks, -1)
+    pairs = local.sum(1)
+    return 0 if bool(((pairs >= per_rank) & (pairs <= per_rank * local.shape[1])).all()) else 3
 
 
 def _pad(t: Optional[torch.Tensor], rows: int, fill: int) -> Optional[torch.Tensor]:

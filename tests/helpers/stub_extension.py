@@ -62,6 +62,9 @@ def stub_intranode(rows: int) -> types.SimpleNamespace:
         def take_worst_overflow(self):
             return None
 
+        def take_signature_mismatch(self):
+            return None
+
         def expert_counts(self, n):
             return [0] * n
 

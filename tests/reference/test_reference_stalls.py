@@ -109,7 +109,7 @@ def _low_latency_worker(rank: int, num_ranks: int, culprit: int) -> float:
             took = _expect_peer_error(
                 lambda: la.low_latency_dispatch(x, idx, MAX_T, e, use_fp8=False),
                 rf"rank {culprit} raised: ValueError: x has {MAX_T + 1} tokens.*rank {rank} was waiting in "
-                r"low-latency dispatch: counts all-to-all", FAST_S, "low-latency tokens")
+                r"low-latency dispatch: signature all-gather", FAST_S, "low-latency tokens")
         _peers_done(store, rank, num_ranks, culprit)
     return took
 

@@ -6,11 +6,14 @@
 
 #include "kernels/common/layout.h"
 #include "kernels/common/launch_check.cuh"
+#include "kernels/common/nvlink_buffer.h"
 
 namespace moe_ep {
 namespace {
 
 constexpr int kLayoutThreads = 256;
+using nvlink::kBadIdOutOfRange;
+using nvlink::kBadIdRepeated;
 constexpr int kMaxSharedExperts = 4096;  // more experts: counted straight into global memory
 
 __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(RoutingLayoutArgs a) {
@@ -25,11 +28,19 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(RoutingLayoutArg
 
   const int experts_per_rank = a.num_experts / a.num_ranks;
   const uint64_t domain_mask = a.nvl_size >= 64 ? ~0ull : (1ull << a.nvl_size) - 1;
+  int bad = 0;  // kBadId* bits of this thread's tokens
   for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < a.num_tokens; t += gridDim.x * blockDim.x) {
     uint64_t ranks = 0;
+    const int64_t* row = a.topk_idx + static_cast<int64_t>(t) * a.num_topk;
     for (int k = 0; k < a.num_topk; ++k) {
-      const int64_t e = a.topk_idx[static_cast<int64_t>(t) * a.num_topk + k];
-      if (e < 0 || e >= a.num_experts) continue;
+      const int64_t e = row[k];
+      if (e < 0 || e >= a.num_experts) {
+        if (e < -1 || e >= a.num_experts) bad |= kBadIdOutOfRange;
+        continue;
+      }
+      for (int j = 0; j < k; ++j) {
+        if (row[j] == e) bad |= kBadIdRepeated;  // K <= 16: a few compares per slot
+      }
       ranks |= 1ull << (e / experts_per_rank);
       atomicAdd(shared_experts ? &expert_count[e] : &a.num_tokens_per_expert[e], 1);
     }
@@ -42,6 +53,9 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(RoutingLayoutArg
       if (ranks & (domain_mask << (d * a.nvl_size))) atomicAdd(&domain_count[d], 1);
     }
   }
+  // Only threads that saw a bad id touch the word (read by the next notify on this stream: the kernel
+  // boundary orders it).
+  if (bad && a.bad_expert_ids != nullptr) atomicOr(a.bad_expert_ids, bad);
   __syncthreads();
   for (int i = threadIdx.x; i < (shared_experts ? a.num_experts : 0); i += blockDim.x) {
     if (expert_count[i]) atomicAdd(&a.num_tokens_per_expert[i], expert_count[i]);

@@ -19,6 +19,10 @@ struct RoutingLayoutArgs {
   int* num_tokens_per_domain;  // [R / nvl_size], zeroed by the caller; null: not counted
   int* num_tokens_per_expert;  // [E], zeroed by the caller
   bool* is_token_in_rank;      // [T, R]
+  // Device word or null (the NVLink buffer's Control::bad_expert_ids): the kernel ORs in
+  // nvlink::kBadIdOutOfRange for an id outside [-1, E) (such a slot is not counted) and nvlink::kBadIdRepeated
+  // for a token naming one expert twice (counted twice); the next notify reports it on every rank.
+  int* bad_expert_ids;
 };
 
 void launch_dispatch_layout(const RoutingLayoutArgs& args, cudaStream_t stream);

@@ -23,6 +23,12 @@ constexpr int kNotifyCounts = 1;                              // [R] rows the so
 constexpr int kNotifyChannels = kNotifyCounts + kMaxRanks;    // [C] inclusive prefix over channels of rows to me
 constexpr int kNotifyExperts = kNotifyChannels + kMaxChannels;  // [L] the source's count for each of my experts
 constexpr int kNotifyStride = (kNotifyExperts + kMaxLocalExperts + 15) / 16 * 16;
+// The source's call signature (moe_dispatcher/signature.py), in the message's spare words after the expert
+// counts: a 32-bit hash of the words every rank must pass alike, and the source's problem word (a local
+// problem of its inputs, 0 for none). Every rank reads every source's pair, so all reach the same verdict.
+constexpr int kNotifySignatureHash = kNotifyExperts + kMaxLocalExperts;
+constexpr int kNotifySignatureProblem = kNotifySignatureHash + 1;
+static_assert(kNotifySignatureProblem < kNotifyStride, "the signature words fit the message's spare words");
 
 // Control words at the start of every rank's NVLink buffer; the rings follow at kRingsOffset.
 // Writers/readers and scopes (channel.cuh describes the FIFO words):
@@ -30,7 +36,8 @@ struct Control {
   uint64_t barrier_signal[kMaxRanks];  // [s]: epoch of rank s's latest barrier; written by s (st.release.sys), read here (ld.acquire.sys)
   uint64_t barrier_epoch;              // this rank's barrier count; notify's thread 0 only
   int32_t timeout_claim;               // first timed-out thread of this rank (atomicCAS, gpu scope)
-  int32_t pad0;
+  int32_t bad_expert_ids;              // kBadId* bits ORed in by this rank's layout kernels; this rank's next
+                                       // notify reads and clears it (same stream: kernel boundaries order it)
   uint64_t fifo_tail[kMaxChannels][kMaxRanks];   // [c][s]: rows s published into my ring (c, s)
   uint64_t fifo_head[kMaxChannels][kMaxRanks];   // [c][d]: rows d consumed from its ring (c, me)
   uint64_t tail_copy[kMaxChannels][kMaxRanks];   // [c][d]: rows I published into d's ring (c, me)
@@ -50,9 +57,19 @@ struct Mailbox {
   // rows were dropped); the host reports and clears it at its next synchronised dispatch.
   int32_t overflow_rank, overflow_rows, overflow_worst;
   int32_t num_forward;  // internode notify only: rows this rank forwards as the team's forwarder (else 0)
-  int32_t pad;
+  // Sticky, set by every rank alike (intranode notify) when the sources' signatures differ or one reports a
+  // problem: the seq of the first such call; the host reports and clears it at its next synchronised dispatch.
+  int32_t signature_mismatch;
   int32_t expert_counts[kMaxLocalExperts];  // per local expert, rounded up to expert_alignment
+  int32_t signature_problems[kMaxRanks];    // each source's problem word in call signature_mismatch
 };
 constexpr int32_t kFlagLayoutMismatch = 1;
+constexpr int32_t kFlagSignatureMismatch = 2;  // this call's sources disagree (also recorded in signature_mismatch)
+// Bits of the layout kernel's bad-id word (common/layout.h), turned into problem words by notify.
+constexpr int32_t kBadIdOutOfRange = 1;
+constexpr int32_t kBadIdRepeated = 2;
+// Problem words notify makes of them (the codes of moe_dispatcher/signature.py's PROBLEMS).
+constexpr int32_t kProblemIdOutOfRange = 4;
+constexpr int32_t kProblemIdRepeated = 5;
 
 }  // namespace moe_ep::nvlink

@@ -22,6 +22,12 @@
 // each member sent after finishing notify e (including reading the parity-p slot); the domain
 // messages follow the intranode argument (two barriers). The staging area is double-buffered by
 // parity too, and each put is completed (quiet) inside the kernel.
+//
+// Agreement: a source's flags word (word 0 of both its messages, relayed unchanged) also carries its problem
+// word in bits 1-3 (the host's, else one made from the layout kernel's bad-id bits in Control::bad_expert_ids,
+// read and cleared here) and 24 bits of its signature hash in bits 8-31. After the domain barrier every rank
+// holds every source's flags word, so all reach the same verdict; a disagreement is recorded like intranode
+// notify's (kFlagSignatureMismatch, and sticky in the mailbox: the seq and each source's problem word).
 #include "kernels/common/launch_check.cuh"
 #include "kernels/internode/common.cuh"
 
@@ -29,6 +35,7 @@ namespace moe_ep::internode {
 namespace {
 
 constexpr int kNotifyThreads = 1024;
+constexpr unsigned kProblemMask = 7;  // problem words travel in bits 1-3 of the flags word
 
 __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a) {
   const Common& c = a.c;
@@ -41,11 +48,21 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a)
   __shared__ int count[kMaxChannels][kMaxRanks];     // my rows per (channel, destination rank)
   __shared__ int dcount[kMaxChannels][kMaxDomains];  // my tokens per (channel, destination domain)
   __shared__ int flags, arrived;
+  __shared__ int problem;  // this rank's problem word (bits 1-3 of its flags word)
   for (int i = threadIdx.x; i < kMaxChannels * kMaxRanks; i += blockDim.x) (&count[0][0])[i] = 0;
   for (int i = threadIdx.x; i < kMaxChannels * kMaxDomains; i += blockDim.x) (&dcount[0][0])[i] = 0;
   if (threadIdx.x == 0) {
     flags = 0;
     arrived = 1;
+    problem = a.problem;
+    // Written by earlier layout kernels of this stream (ordered by the kernel boundary); cleared once read.
+    const int bad = nctl->bad_expert_ids;
+    if (bad != 0) {
+      nctl->bad_expert_ids = 0;
+      if (problem == 0) {
+        problem = (bad & nvlink::kBadIdOutOfRange) ? nvlink::kProblemIdOutOfRange : nvlink::kProblemIdRepeated;
+      }
+    }
   }
   __syncthreads();
 
@@ -89,7 +106,8 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a)
     const int x = i / words, w = i % words;
     int v;
     if (w == 0) {
-      v = flags;
+      v = (flags & nvlink::kFlagLayoutMismatch) | ((problem & kProblemMask) << 1) |
+          static_cast<int>((static_cast<unsigned>(a.signature_hash) & 0xFFFFFFu) << 8);
     } else if (w < 1 + R) {
       v = count[C - 1][w - 1];  // inclusive prefix at the last channel = total
     } else if (w < head_words) {
@@ -189,9 +207,23 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a)
   }
   if (threadIdx.x == 0) {
     int recv = 0, any = 0, fwd = 0;
+    int disagree = 0;
     for (int s = 0; s < R; ++s) {
       recv += word(s, 1 + me);
-      any |= word(s, 0);
+      const unsigned f = static_cast<unsigned>(word(s, 0));
+      any |= static_cast<int>(f) & nvlink::kFlagLayoutMismatch;
+      // Agreement: the same R flags words on every rank, so the same verdict everywhere.
+      disagree |= (f >> 8) != (static_cast<unsigned>(word(0, 0)) >> 8);
+      disagree |= ((f >> 1) & kProblemMask) != 0;
+    }
+    if (disagree) {
+      any |= nvlink::kFlagSignatureMismatch;
+      if (*reinterpret_cast<volatile int32_t*>(&box->signature_mismatch) == 0) {  // keep the first one
+        for (int s = 0; s < R; ++s) {
+          box->signature_problems[s] = static_cast<int>((static_cast<unsigned>(word(s, 0)) >> 1) & kProblemMask);
+        }
+        box->signature_mismatch = a.seq;  // host-visible with the results, after the fence below
+      }
     }
     for (int x = 0; x < D; ++x) fwd += team_word(x, 1 + R + C - 1);
     for (int j = 0; j < R && a.num_worst_tokens > 0; ++j) {

@@ -95,6 +95,8 @@ struct NotifyArgs {
   int* fwd_offset;                   // out [D, C + 1]: first forwarded token of (source domain x, channel c)
   int* recv_expert_counts;           // out [L] or null: pairs received per local expert, rounded up to the
                                      // alignment (the mailbox's expert_counts, for the stream's later kernels)
+  int signature_hash;                // hash of this call's signature (moe_dispatcher/signature.py); 24 bits travel
+  int problem;                       // this rank's problem word (0: none; < 8), with the layout kernel's bad-id bits
 };
 
 struct DispatchArgs {

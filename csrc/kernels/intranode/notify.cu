@@ -9,6 +9,12 @@
 // peer's signal (ld.acquire.sys) before the block barrier that precedes its volatile reads.
 // A message slot of parity p is rewritten two barriers later, after its reader passed the barrier
 // in between, so no cleaning is needed.
+//
+// Agreement: each message also carries the source's signature hash and problem word (nvlink_buffer.h). After
+// the barrier every rank compares all sources' pairs, so every rank reaches the same verdict; a disagreement
+// sets kFlagSignatureMismatch in this call's flags and, sticky, the call's seq and the problem words in the
+// mailbox, which the host reports (after one all-gather of the full signatures, on every rank) at its next
+// synchronised dispatch.
 #include "kernels/common/launch_check.cuh"
 #include "kernels/common/wait.cuh"
 #include "kernels/intranode/protocol.h"
@@ -28,8 +34,20 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a)
   __shared__ int total[kMaxRanks];
   __shared__ int flags;
   __shared__ int arrived;
+  __shared__ int problem;  // this rank's problem word: the host's, else one from the layout kernel's bad ids
   for (int i = threadIdx.x; i < kMaxChannels * kMaxRanks; i += blockDim.x) (&count[0][0])[i] = 0;
-  if (threadIdx.x == 0) flags = 0;
+  if (threadIdx.x == 0) {
+    flags = 0;
+    problem = a.problem;
+    if (a.bad_expert_ids != nullptr) {
+      // Written by earlier layout kernels of this stream (ordered by the kernel boundary); cleared once read.
+      const int bad = *a.bad_expert_ids;
+      if (bad != 0) {
+        *a.bad_expert_ids = 0;
+        if (problem == 0) problem = (bad & kBadIdOutOfRange) ? kProblemIdOutOfRange : kProblemIdRepeated;
+      }
+    }
+  }
   __syncthreads();
 
   // 1. Rows per (channel, destination): channel c holds tokens [c * per, (c + 1) * per). A warp takes 32
@@ -80,6 +98,11 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a)
       value = a.num_tokens_per_expert[d * num_local + (w - kNotifyExperts)];
     }
     reinterpret_cast<Control*>(a.c.peers[d])->notify[parity][me][w] = value;
+  }
+  if (threadIdx.x < num_ranks) {  // the signature words, after the expert counts (a plain store each, like above)
+    int* dst = reinterpret_cast<Control*>(a.c.peers[threadIdx.x])->notify[parity][me];
+    dst[kNotifySignatureHash] = a.signature_hash;
+    dst[kNotifySignatureProblem] = problem;
   }
   __threadfence_system();
   __syncthreads();
@@ -172,6 +195,19 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a)
         box->overflow_rank = j;
         box->overflow_worst = a.num_worst_tokens;
         box->overflow_rows = rows;
+      }
+    }
+    // Agreement: the same sources' words on every rank, so the same verdict everywhere.
+    int disagree = 0;
+    for (int s = 0; s < num_ranks; ++s) {
+      disagree |= word(s, kNotifySignatureHash) != word(0, kNotifySignatureHash);
+      disagree |= word(s, kNotifySignatureProblem) != 0;
+    }
+    if (disagree) {
+      any |= kFlagSignatureMismatch;
+      if (*reinterpret_cast<volatile int32_t*>(&box->signature_mismatch) == 0) {  // keep the first one
+        for (int s = 0; s < num_ranks; ++s) box->signature_problems[s] = word(s, kNotifySignatureProblem);
+        box->signature_mismatch = a.seq;  // host-visible with the results, after the fence below
       }
     }
     box->num_recv = recv;

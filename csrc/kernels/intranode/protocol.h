@@ -14,7 +14,10 @@ namespace moe_ep::intranode {
 
 // The NVLink buffer's layout and the mailbox are shared with the internode kernels (common/nvlink_buffer.h).
 using nvlink::Control;
+using nvlink::kBadIdOutOfRange;
+using nvlink::kBadIdRepeated;
 using nvlink::kFlagLayoutMismatch;
+using nvlink::kFlagSignatureMismatch;
 using nvlink::kMaxChannels;
 using nvlink::kMaxChunk;
 using nvlink::kMaxLocalExperts;
@@ -24,6 +27,10 @@ using nvlink::kNotifyChannels;
 using nvlink::kNotifyCounts;
 using nvlink::kNotifyExperts;
 using nvlink::kNotifyFlags;
+using nvlink::kNotifySignatureHash;
+using nvlink::kNotifySignatureProblem;
+using nvlink::kProblemIdOutOfRange;
+using nvlink::kProblemIdRepeated;
 using nvlink::kNotifyStride;
 using nvlink::kRingsOffset;
 using nvlink::Mailbox;
@@ -58,6 +65,9 @@ struct NotifyArgs {
   int* rank_prefix_matrix;           // out [R, R]
   int* recv_channel_offset;          // out [R, C + 1]: first row of channel c from source s; [s][C] = end
   int* em_layout;                    // out, expert-major dispatch only (else null): see ExpertMajorLayout
+  int signature_hash;                // hash of this call's signature words (moe_dispatcher/signature.py)
+  int problem;                       // this rank's problem word (0: none); notify adds the layout kernel's
+  int* bad_expert_ids;               // Control::bad_expert_ids of this rank (read and cleared), or null
 };
 
 // Expert-major layout table, int32, computed by notify from every source's per-expert counts (L local

@@ -1,0 +1,222 @@
+"""Cross-rank agreement: the facts of a collective call that every rank must pass alike, as a small int64 vector.
+
+A call's ranks pass their own arguments; nothing but a collective can tell that rank 1 has another hidden size,
+dtype, top-k or expert count than rank 0. Before this module such a call crashed gloo (rows of different
+widths), or moved bytes that the receivers misread without a word. Now every call that exchanges counts
+carries its Signature in that exchange (or, where no exchange of fixed size exists, in one small all-gather of
+the signature alone), and `check_agreement` raises the same ValueError on every rank: the operation, each field
+that differs, its value on each rank, and the ranks holding each value. Since every rank completed the same
+collective before raising, the process group stays usable after a mismatch.
+
+The vector has SIGNATURE_WORDS int64 words, whatever the operation, so that ranks in different operations (one
+rank in combine while its peers dispatch) still exchange vectors of one length and learn it:
+    word 0: the operation (OPERATIONS);
+    word 1: a local problem of this rank (PROBLEMS: 0 none, e.g. a layout that does not match its topk_idx),
+            exchanged so that every rank raises it, naming the rank;
+    words 2..: the operation's fields, in the order of its FIELDS entry; unused words are 0.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+SIGNATURE_WORDS = 16
+
+# Operation codes (word 0) and the fields each one compares (words 2.., at most SIGNATURE_WORDS - 2).
+OPERATIONS = {1: "Buffer creation", 2: "dispatch", 3: "cached dispatch", 4: "combine", 5: "low-latency dispatch",
+              6: "low-latency combine", 7: "expert-major dispatch"}
+_CODES = {name: code for code, name in OPERATIONS.items()}
+_CONFIG = ("config.num_sms", "config.num_max_nvl_chunked_send_tokens", "config.num_max_nvl_chunked_recv_tokens",
+           "config.num_max_rdma_chunked_send_tokens", "config.num_max_rdma_chunked_recv_tokens")
+FIELDS: Dict[str, Tuple[str, ...]] = {
+    "Buffer creation": ("num_nvl_bytes", "num_rdma_bytes", "low_latency_mode", "NVLink domain size", "backend",
+                        "num_qps_per_rank", "allow_nvlink_for_low_latency_mode", "explicitly_destroy"),
+    "dispatch": ("hidden", "x dtype", "x_scales dtype", "x_scales columns", "top-k", "topk_weights given",
+                 "num_experts") + _CONFIG,
+    "expert-major dispatch": ("hidden", "x dtype", "x_scales dtype", "x_scales columns", "top-k",
+                              "topk_weights given", "num_experts") + _CONFIG,
+    "cached dispatch": ("handle", "hidden", "x dtype", "x_scales dtype", "x_scales columns") + _CONFIG,
+    "combine": ("handle", "hidden", "x dtype", "topk_weights columns") + _CONFIG,
+    "low-latency dispatch": ("hidden", "num_max_dispatch_tokens_per_rank", "num_experts", "top-k", "use_fp8",
+                             "round_scale", "use_ue8m0"),
+    "low-latency combine": ("handle", "hidden", "num_max_dispatch_tokens_per_rank", "num_experts", "top-k",
+                            "reduction"),
+}
+assert all(len(f) <= SIGNATURE_WORDS - 2 for f in FIELDS.values())
+
+# Codes of the fields that are not plain numbers, and how they read in messages.
+DTYPES = (None, torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.int32,
+          torch.int64)
+_DTYPE_CODES = {d: i for i, d in enumerate(DTYPES)}
+BACKENDS = ("auto", "reference", "kernels")
+REDUCTIONS = ("per_rank", "per_expert")
+_NAMED = {"x dtype": DTYPES, "x_scales dtype": DTYPES, "backend": BACKENDS, "reduction": REDUCTIONS}
+_FLAGS = {"topk_weights given", "low_latency_mode", "allow_nvlink_for_low_latency_mode", "explicitly_destroy",
+          "use_fp8", "round_scale", "use_ue8m0"}
+
+# Local problems (word 1): found by one rank in its own arguments, raised by every rank.
+PROBLEMS = {
+    1: "num_tokens_per_rank does not match is_token_in_rank",
+    2: "the layout (num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert) is not the one "
+       "get_dispatch_layout gives for its topk_idx",
+    3: "num_tokens_per_expert does not add up to num_tokens_per_rank (each token sent to a rank counts once "
+       "there, and at most once per expert of that rank)",
+    # Found on the GPU by the layout kernel (get_dispatch_layout) and reported by the next dispatch's notify.
+    4: "get_dispatch_layout was given expert ids outside [-1, num_experts) (their slots were dropped)",
+    5: "get_dispatch_layout was given a token naming one expert twice (it was counted twice)",
+}
+
+
+def dtype_code(dtype: Optional[torch.dtype]) -> int:
+    """The signature code of a dtype (0: no tensor); dtypes outside DTYPES get codes past its end, by name."""
+    code = _DTYPE_CODES.get(dtype)
+    return code if code is not None else len(DTYPES) + sum(map(ord, str(dtype)))
+
+
+class Signature:
+    """One call's facts: `operation` (a name of OPERATIONS), its fields' values (ints, or dtypes / names of
+    _NAMED fields) in FIELDS order, and `problem` (a PROBLEMS code, 0 for none)."""
+
+    __slots__ = ("operation", "values", "problem")
+
+    def __init__(self, operation: str, values: Sequence, problem: int = 0) -> None:
+        fields = FIELDS[operation]
+        if len(values) != len(fields):
+            raise ValueError(f"signature of {operation}: {len(values)} values for {len(fields)} fields")
+        self.operation, self.problem = operation, problem
+        self.values = [_encode(name, v) for name, v in zip(fields, values)]
+
+    def words(self) -> List[int]:
+        """The SIGNATURE_WORDS int64 words exchanged (module docstring)."""
+        out = [_CODES[self.operation], self.problem] + self.values
+        return out + [0] * (SIGNATURE_WORDS - len(out))
+
+    def tensor(self, device: torch.device = torch.device("cpu")) -> torch.Tensor:
+        """int64 [SIGNATURE_WORDS]."""
+        return torch.tensor(self.words(), dtype=torch.int64, device=device)
+
+
+def _encode(field: str, value) -> int:
+    if field in ("x dtype", "x_scales dtype"):
+        return dtype_code(value)
+    if field in _NAMED:
+        return _NAMED[field].index(value)
+    if isinstance(value, torch.dtype):
+        raise TypeError(f"signature field {field} takes no dtype")
+    return int(value)
+
+
+def _show(field: str, code: int) -> str:
+    """How a field's value reads in messages."""
+    if field in _NAMED:
+        names = _NAMED[field]
+        if 0 <= code < len(names):
+            value = names[code]
+            if value is None:
+                return "none"
+            return str(value).replace("torch.", "")
+        return f"code {code}"
+    if field in _FLAGS:
+        return "yes" if code else "no"
+    if field == "NVLink domain size" and code == 0:
+        return "from hostnames"
+    return str(code)
+
+
+def _by_value(column: Sequence[int]) -> Dict[int, List[int]]:
+    """value -> ranks holding it, values in order of first appearance."""
+    groups: Dict[int, List[int]] = {}
+    for rank, v in enumerate(column):
+        groups.setdefault(v, []).append(rank)
+    return groups
+
+
+def _values_text(field: str, column: Sequence[int]) -> str:
+    groups = _by_value(column)
+    return "; ".join(f"{_show(field, v)} on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}"
+                     for v, r in groups.items())
+
+
+def disagreement(table: torch.Tensor) -> str:
+    """The error text of a [R, SIGNATURE_WORDS] table of the ranks' signatures ("" when they agree): every field
+    that differs, with its values and the ranks holding each; a local problem of any rank, naming the rank."""
+    rows = table.to(torch.int64).cpu().tolist()
+    ops = [row[0] for row in rows]
+    if len(set(ops)) > 1:
+        groups = _by_value(ops)
+        where = "; ".join(f"{OPERATIONS.get(op, f'operation {op}')} on rank{'s' if len(r) > 1 else ''} "
+                          f"{', '.join(map(str, r))}" for op, r in groups.items())
+        return f"the ranks are in different calls: {where}"
+    operation = OPERATIONS[ops[0]]
+    parts = []
+    for i, field in enumerate(FIELDS[operation]):
+        column = [row[2 + i] for row in rows]
+        if len(set(column)) > 1:
+            parts.append(f"{field} differs: {_values_text(field, column)}")
+    for rank, row in enumerate(rows):
+        if row[1]:
+            parts.append(f"on rank {rank}, {PROBLEMS.get(row[1], f'problem {row[1]}')}")
+    if not parts:
+        return ""
+    return f"{operation}: the ranks' calls do not agree: " + "; ".join(parts)
+
+
+class SignatureMismatch(ValueError):
+    """The ranks of a call passed arguments that do not agree (raised alike on every rank, after the same
+    collective: the process group stays usable, and no rank posts it as an abort to its peers)."""
+
+    raised_on_every_rank = True
+
+
+def check_agreement(table: torch.Tensor) -> None:
+    """Raise SignatureMismatch on this rank (every rank calls it on the same table, so all raise alike)."""
+    text = disagreement(table)
+    if text:
+        raise SignatureMismatch(text)
+
+
+def dispatch_signature(operation: str, x: torch.Tensor, x_scales: Optional[torch.Tensor],
+                       topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor], num_experts: int,
+                       config, problem: int = 0) -> Signature:
+    """The Signature of a fresh dispatch ("dispatch" or "expert-major dispatch"); config: the effective one."""
+    return Signature(operation, (
+        x.shape[1], x.dtype, x_scales.dtype if x_scales is not None else None,
+        x_scales.shape[1] if x_scales is not None else 0, topk_idx.shape[1] if topk_idx is not None else 0,
+        topk_weights is not None, num_experts, *config_values(config)), problem)
+
+
+def signature_hash(signature: Signature) -> int:
+    """A signed 32-bit hash of the words every rank must pass alike (all but the problem word): what the compiled
+    kernels' notify messages carry. Python's hash of a tuple of ints is the same in every process (only str and
+    bytes hashes are salted), and cheap (about 1 us; a fresh dispatch computes one)."""
+    h = hash((_CODES[signature.operation], *signature.values)) & 0xFFFFFFFF
+    return h - (1 << 32) if h >= 1 << 31 else h
+
+
+def raise_disagreement(group, device: torch.device, signatures: Dict[int, Signature], seq: int,
+                       problems: Sequence[int]) -> None:
+    """Collective, on every rank of `group` alike: a compiled notify found call `seq`'s signatures differing
+    (hashes) or a rank's problem word set (`problems`, one per rank, from the mailbox). One all-gather of the
+    full signatures (`signatures`: this rank's by seq; every rank kept the same seqs) names the fields; raises
+    SignatureMismatch."""
+    import torch.distributed as dist
+
+    mine = signatures.get(seq)
+    row = (mine.tensor(device) if mine is not None
+           else torch.zeros(SIGNATURE_WORDS, dtype=torch.int64, device=device))
+    table = torch.empty(dist.get_world_size(group), SIGNATURE_WORDS, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(table, row, group=group)
+    table = table.cpu()
+    table[:, 1] = torch.tensor(list(problems), dtype=torch.int64)  # the kernels' problem words are the ones sent
+    text = disagreement(table) if mine is not None else ""
+    if not text:
+        text = "the ranks' calls do not agree (their signature hashes differ)"
+    raise SignatureMismatch(f"{text} (found by the notify of fresh dispatch {seq} of this Buffer; a call with "
+                            f"num_worst_tokens reports at the next dispatch without it)")
+
+
+def config_values(config) -> Tuple[int, int, int, int, int]:
+    """The Config fields a signature carries (the call's effective config)."""
+    return (config.num_sms, config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
+            config.num_max_rdma_chunked_send_tokens, config.num_max_rdma_chunked_recv_tokens)
