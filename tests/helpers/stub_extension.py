@@ -150,8 +150,8 @@ def stub_intranode(rows: int) -> types.SimpleNamespace:
         w_out = None if topk_weights is None else (torch.float32, t, topk_weights.shape[1])
         return CachedCombine(buffer, handle, spec(x, x.shape[0]), w, spec(x, t), w_out, config, num_sms)
 
-    def layout_call(topk_idx, num_experts, num_ranks, nvl_size):
-        launches.append(("layout", (topk_idx, num_experts, num_ranks, nvl_size)))
+    def layout_call(topk_idx, num_experts, num_ranks, nvl_size, buffer=None):
+        launches.append(("layout", (topk_idx, num_experts, num_ranks, nvl_size, buffer)))
         return (torch.zeros(num_ranks, dtype=torch.int32), None, torch.zeros(num_experts, dtype=torch.int32),
                 torch.zeros(topk_idx.shape[0], num_ranks, dtype=torch.bool))
 
