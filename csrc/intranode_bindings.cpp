@@ -91,13 +91,16 @@ py::object take_worst_overflow(IpcBuffer& b) {
 
 // (seq, [problem word of each source]) of the first notify since the last call whose sources' signatures
 // disagreed (every rank records the same), or None; cleared once taken.
-py::object take_signature_mismatch(IpcBuffer& b) {
+// (seq, the problem word of each of the group's num_ranks ranks) of the first disagreement notify recorded since
+// the last call, or None. num_ranks: ranks of the Buffer's group (internode: more than the domain's IpcBuffer).
+py::object take_signature_mismatch(IpcBuffer& b, int num_ranks) {
   volatile Mailbox* box = b.host_mailbox();
   MOE_CHECK(box != nullptr, "buffer destroyed");
+  MOE_CHECK(num_ranks >= 1 && num_ranks <= nvlink::kMaxGroupRanks, "take_signature_mismatch: bad num_ranks");
   const int seq = box->signature_mismatch;
   if (seq == 0) return py::none();
-  std::vector<int> problems(b.num_ranks());
-  for (int s = 0; s < b.num_ranks(); ++s) problems[s] = box->signature_problems[s];
+  std::vector<int> problems(num_ranks);
+  for (int s = 0; s < num_ranks; ++s) problems[s] = box->signature_problems[s];
   box->signature_mismatch = 0;
   return py::make_tuple(seq, problems);
 }
@@ -466,7 +469,7 @@ void register_intranode(py::module_& m) {
       .def("wait_notify", &wait_notify, py::arg("seq"), py::arg("timeout_s"))
       .def("expert_counts", &expert_counts, py::arg("n"))
       .def("take_worst_overflow", &take_worst_overflow)
-      .def("take_signature_mismatch", &take_signature_mismatch);
+      .def("take_signature_mismatch", &take_signature_mismatch, py::arg("num_ranks"));
 
   py::class_<CommStream>(sub, "CommStream")
       .def(py::init<const c10::Stream&>(), py::arg("stream"))

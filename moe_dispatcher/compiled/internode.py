@@ -107,7 +107,7 @@ class InternodeBackend(Backend):
     def _raise_disagreement(self) -> None:
         """After a completed notify wait: raise SignatureMismatch (collective, every rank alike) if notify recorded
         a disagreement since the last report (the flags words of internode notify carry the signatures)."""
-        mismatch = self._ipc.take_signature_mismatch()
+        mismatch = self._ipc.take_signature_mismatch(self.num_ranks)
         if mismatch is not None:
             raise_disagreement(self.group, self.device, self._signatures, *mismatch)
 

@@ -266,7 +266,7 @@ class IntranodeBackend(Backend):
     def _raise_disagreement(self) -> None:
         """After a completed notify wait: raise SignatureMismatch (collective, every rank alike) if notify recorded
         a disagreement since the last report."""
-        mismatch = self._ipc.take_signature_mismatch()
+        mismatch = self._ipc.take_signature_mismatch(self.num_ranks)
         if mismatch is not None:
             raise_disagreement(self.group, self.device, self._signatures, *mismatch)
 

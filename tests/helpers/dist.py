@@ -335,17 +335,20 @@ def make_buffer(*, hidden_bytes: int = 0, low_latency: bool = False, max_tokens:
                 num_experts: int = 0, group: Any = None, **kwargs: Any):
     """A Buffer for this rank's world, sized like DeepEP's tests size theirs.
 
-    Normal mode: NVLink/RDMA bytes from the tuned configs for rows of `hidden_bytes`. Low-latency mode:
+    Normal mode: NVLink/RDMA bytes from the tuned configs for rows of `hidden_bytes` (RDMA bytes for the NVLink
+    domains of `topology=` when given, else of MOE_DISPATCHER_NVL_SIZE / the default). Low-latency mode:
     num_rdma_bytes from get_low_latency_rdma_size_hint(max_tokens, hidden, R, num_experts)."""
     import torch.distributed as dist
 
     from moe_dispatcher import Buffer
     num_ranks = dist.get_world_size(group)
+    topology = kwargs.get("topology")  # a given topology's NVLink domains size the RDMA buffer
+    nvl_size = topology.nvl_size if topology is not None else None
     nvl = rdma = 0
     if hidden_bytes:
         for cfg in (Buffer.get_dispatch_config(num_ranks), Buffer.get_combine_config(num_ranks)):
             nvl = max(nvl, cfg.get_nvl_buffer_size_hint(hidden_bytes, num_ranks))
-            rdma = max(rdma, cfg.get_rdma_buffer_size_hint(hidden_bytes, num_ranks))
+            rdma = max(rdma, cfg.get_rdma_buffer_size_hint(hidden_bytes, num_ranks, nvl_size))
     if low_latency:
         rdma = max(rdma, Buffer.get_low_latency_rdma_size_hint(max_tokens, hidden, num_ranks, num_experts))
     return Buffer(group, num_nvl_bytes=nvl, num_rdma_bytes=rdma, low_latency_mode=low_latency, **kwargs)

@@ -62,7 +62,7 @@ def stub_intranode(rows: int) -> types.SimpleNamespace:
         def take_worst_overflow(self):
             return None
 
-        def take_signature_mismatch(self):
+        def take_signature_mismatch(self, num_ranks):
             return None
 
         def expert_counts(self, n):

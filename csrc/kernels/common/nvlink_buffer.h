@@ -12,6 +12,7 @@
 namespace moe_ep::nvlink {
 
 constexpr int kMaxRanks = 8;
+constexpr int kMaxGroupRanks = 64;  // ranks of a group the internode kernels serve (internode/protocol.h)
 constexpr int kMaxChannels = 32;        // num_sms <= 64
 constexpr int kMaxLocalExperts = 1024;  // experts per rank
 constexpr int kMaxTopk = 16;
@@ -61,7 +62,9 @@ struct Mailbox {
   // problem: the seq of the first such call; the host reports and clears it at its next synchronised dispatch.
   int32_t signature_mismatch;
   int32_t expert_counts[kMaxLocalExperts];  // per local expert, rounded up to expert_alignment
-  int32_t signature_problems[kMaxRanks];    // each source's problem word in call signature_mismatch
+  // Each source rank's problem word in call signature_mismatch: every rank of the group (internode notify
+  // records the whole group's, up to kMaxGroupRanks; intranode the domain's).
+  int32_t signature_problems[kMaxGroupRanks];
 };
 constexpr int32_t kFlagLayoutMismatch = 1;
 constexpr int32_t kFlagSignatureMismatch = 2;  // this call's sources disagree (also recorded in signature_mismatch)

@@ -21,6 +21,7 @@
 namespace moe_ep::internode {
 
 constexpr int kMaxRanks = 64;
+static_assert(kMaxRanks <= nvlink::kMaxGroupRanks, "the mailbox keeps a problem word per rank of the group");
 constexpr int kMaxDomains = 64;
 constexpr int kMaxNvl = nvlink::kMaxRanks;  // 8
 constexpr int kMaxChannels = nvlink::kMaxChannels;
