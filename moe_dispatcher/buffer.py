@@ -458,9 +458,10 @@ class Buffer:
         Returns (num_tokens_per_rank int32 [R], num_tokens_per_rdma_rank int32 [D] or None for one domain,
         num_tokens_per_expert int32 [E], is_token_in_rank bool [T, R], EventOverlap).
         """
-        # Fast path: a synchronous layout on the compiled backend is one native call on the caller's stream (it
-        # uses no Buffer memory, so it needs no launch order); it answers None for arguments it does not take,
-        # and the full path below validates them.
+        # Fast path: a synchronous layout on the compiled backend is one native call on the caller's stream; it
+        # answers None for arguments it does not take, and the full path below validates them. It joins no launch
+        # order: its only write to Buffer memory is the atomic bad-id word, which notify reads and clears
+        # atomically (a bad id found beside an unfinished dispatch is reported by the next notify).
         if previous_event is None and not async_finish and not allocate_on_comm_stream and type(topk_idx) is Tensor:
             kernels = self._kernels
             if kernels is not None and kernels.layout_call is not None and type(num_experts) is int:

@@ -55,10 +55,10 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a)
     flags = 0;
     arrived = 1;
     problem = a.problem;
-    // Written by earlier layout kernels of this stream (ordered by the kernel boundary); cleared once read.
-    const int bad = nctl->bad_expert_ids;
+    // Set (atomicOr) by layout kernels, which may run on another stream at the same time: read and cleared in
+    // one atomic, so a bit set meanwhile is kept for the next notify, never lost between a read and a clear.
+    const int bad = atomicExch(&nctl->bad_expert_ids, 0);
     if (bad != 0) {
-      nctl->bad_expert_ids = 0;
       if (problem == 0) {
         problem = (bad & nvlink::kBadIdOutOfRange) ? nvlink::kProblemIdOutOfRange : nvlink::kProblemIdRepeated;
       }

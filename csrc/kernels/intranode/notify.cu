@@ -40,10 +40,11 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a)
     flags = 0;
     problem = a.problem;
     if (a.bad_expert_ids != nullptr) {
-      // Written by earlier layout kernels of this stream (ordered by the kernel boundary); cleared once read.
-      const int bad = *a.bad_expert_ids;
+      // Set (atomicOr) by layout kernels, which may run on another stream at the same time (a layout on the
+      // caller's stream beside an async dispatch's notify): read and cleared in one atomic, so a bit set
+      // meanwhile is kept for the next notify, never lost between a read and a clear.
+      const int bad = atomicExch(a.bad_expert_ids, 0);
       if (bad != 0) {
-        *a.bad_expert_ids = 0;
         if (problem == 0) problem = (bad & kBadIdOutOfRange) ? kProblemIdOutOfRange : kProblemIdRepeated;
       }
     }
