@@ -114,7 +114,8 @@ def run_step(step: Callable[[], Any], zero_grad: Callable[[], None]) -> Any:
     if rows_setting() != "auto":  # fixed sizing chosen: nothing to re-run, but nothing left unchecked
         result = step()
         check_expert_rows()
-        _discard_buffer_row_checks()
+        if rows_setting() == "bound":  # exact sizing drops nothing: other users' overflow records stay
+            _discard_buffer_row_checks()
         return result
     guard_phase.depth += 1
     try:
