@@ -19,8 +19,10 @@ holds a view of the NVSHMEM buffer. Three ways to release:
 
 * Buffer.destroy() (collective): quiesce, post, wait for every peer's post (MOE_DISPATCHER_TIMEOUT_S; the compiled
   kernels' shorter timeout when a backend is broken). All posted: free (the NVSHMEM buffer only when nobody posted
-  "views": otherwise it is left allocated, so the views stay valid, until the process exits). A peer missing:
-  abandon and raise naming it.
+  "views", and every rank then posts "verdict/<rank>" = "go": a rank that saw a post missing posts "stop", and
+  the others leave the NVSHMEM buffer allocated rather than enter a collective free without it; a rank that
+  posts "go" and dies before the free can still hang the others' free). A peer missing: abandon and raise
+  naming it.
 * Garbage collection (ranks collect at different moments, so it never waits): quiesce, post, and park the backends
   in this module's pending list. A parked IPC-only Buffer is freed by the first poll (at every Buffer creation,
   destroy and collection, and at exit) that finds every peer's post. A parked Buffer with NVSHMEM memory is freed
@@ -153,13 +155,21 @@ class Release:
             return
         timeout = self._timeout()
         values, missing = wait_for_posts(self.store, self._keys(), timeout)
+        if self.symmetric:
+            # nvshmem_free waits for every rank: free it only where every rank saw every post. Each rank posts
+            # what it saw ("go" / "stop") and frees the NVSHMEM buffer only on all "go", so a rank whose wait
+            # timed out (its timeout may be shorter: a broken backend) keeps the others from a free it will not
+            # join. (The ranks post this right after the wait above, so the second wait is short.)
+            self.store.set(f"verdict/{self.rank}", "stop" if missing else "go")
+            verdicts, late = wait_for_posts(self.store, [f"verdict/{q}" for q in range(self.num_ranks)], timeout)
+            all_go = not late and all(v == "go" for v in verdicts.values())
         if missing:
             self._abandon()
             raise PeerMissing(f"moe_dispatcher: Buffer.destroy() on rank {self.rank}: ranks {missing} did not "
                               f"destroy this Buffer within {timeout:g} s (dead, or not calling destroy()); its "
                               f"memory stays allocated until this process exits (MOE_DISPATCHER_TIMEOUT_S sets the "
                               f"wait)")
-        self._free(symmetric=all(v == "free" for v in values.values()))
+        self._free(symmetric=all(v == "free" for v in values.values()) and (not self.symmetric or all_go))
 
     def park(self, backends: Sequence) -> None:
         """Garbage collection or exit of `backends`: quiesce and post without waiting; the pending list frees them

@@ -104,6 +104,28 @@ def test_destroy_is_collective_and_bounded() -> None:
         assert TIMEOUT_S - 0.2 <= took <= TIMEOUT_S + 3.0, f"rank {rank} gave up after {took:.1f} s"
 
 
+def _world_late_symmetric(rank: int, world_size: int) -> list:
+    """Rank 0 destroys a Buffer holding NVSHMEM memory after rank 1's wait for it timed out: rank 0 sees every
+    post, rank 1 does not."""
+    s = FakeBackend(symmetric=True)
+    buf = _buffer(s)
+    if rank == 0:  # later than rank 1's two waits (the collective point, then the release posts)
+        time.sleep(2 * TIMEOUT_S + 0.5)
+        buf.destroy()
+    else:
+        with pytest.raises(RuntimeError, match=r"ranks \[0\] did not destroy this Buffer"):
+            buf.destroy()
+    return s.kinds()
+
+
+def test_no_lone_collective_free_after_a_peer_gave_up() -> None:
+    """nvshmem_free waits for every rank: a rank that saw every post must not free the NVSHMEM buffer when a peer
+    gave up waiting (that peer will never join the free, so the free would hang). It frees what is local only."""
+    kinds = run_distributed(_world_late_symmetric, 2, env=ENV)
+    assert kinds[1] == ["quiesce", "abandon"], kinds[1]
+    assert kinds[0] == ["quiesce", "free-ipc-only"], f"rank 0 entered a collective free alone: {kinds[0]}"
+
+
 def _world_gc(rank: int, world_size: int) -> dict:
     from moe_dispatcher.runtime import release
     store = _store()
