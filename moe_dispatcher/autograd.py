@@ -19,6 +19,7 @@ from .buffer import Buffer
 from .config import Config
 from .expert_major import ExpertMajorHandle
 from .handle import DispatchHandle, LowLatencyHandle
+from .reference.fp8 import dequantize, per_token_cast_to_fp8
 
 Tensor = torch.Tensor
 
@@ -89,10 +90,16 @@ def combine(buffer: Buffer, x: Tensor, handle: DispatchHandle, *, config: Option
 class _ExpertMajorDispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, topk_weights: Optional[Tensor], buffer: Buffer, topk_idx: Tensor, num_experts: int,
-                expert_alignment: int, num_worst_tokens: int, config: Optional[Config], out: dict):
+                expert_alignment: int, num_worst_tokens: int, config: Optional[Config], fp8: bool, out: dict):
+        # fp8: the rows travel as e4m3 per 128-channel block with float32 scales (half the bytes of bf16) and are
+        # cast back to x's dtype on arrival. The backward treats the cast as the identity (straight-through):
+        # the gradient of the received rows goes back through the same combine as without fp8, in its dtype.
+        sent = per_token_cast_to_fp8(x) if fp8 else x
         px, pw, counts, tpe, handle, _ = buffer.expert_major_dispatch(
-            x, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts,
+            sent, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts,
             expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens, config=config)
+        if fp8:
+            px = dequantize(*px).to(x.dtype)
         ctx.buffer, ctx.handle, ctx.config, ctx.has_weights = buffer, handle, config, topk_weights is not None
         out["counts"], out["tokens_per_expert"], out["handle"] = counts, tpe, handle
         return (px, pw) if pw is not None else (px,)
@@ -102,7 +109,7 @@ class _ExpertMajorDispatch(torch.autograd.Function):
         gw_pairs = grad_w.contiguous() if ctx.has_weights and grad_w is not None else None
         gx, gw, _ = ctx.buffer.expert_major_combine(grad_x.contiguous(), ctx.handle, topk_weights=gw_pairs,
                                                     config=ctx.config)
-        return gx, gw, None, None, None, None, None, None, None
+        return gx, gw, None, None, None, None, None, None, None, None
 
 
 class _ExpertMajorCombine(torch.autograd.Function):
@@ -127,16 +134,20 @@ class _ExpertMajorCombine(torch.autograd.Function):
 
 def expert_major_dispatch(buffer: Buffer, x: Tensor, topk_idx: Tensor, topk_weights: Optional[Tensor],
                           num_experts: int, *, expert_alignment: int = 1, num_worst_tokens: int = 0,
-                          config: Optional[Config] = None
+                          config: Optional[Config] = None, fp8: bool = False
                           ) -> Tuple[Tensor, Optional[Tensor], List[int], Tensor, ExpertMajorHandle]:
     """Differentiable dispatch into expert-major layout (in x [T, H] and topk_weights float32 [T, K]).
 
-    Returns (permuted_x [M, H], permuted_weights float32 [M] or None, tokens_per_expert_list (python ints;
-    empty with num_worst_tokens), tokens_per_expert int32 [L] on the device, handle).
+    fp8: send x as e4m3 [T, H] with float32 scales [T, H/128] (amax / 448 per 128-channel block,
+    moe_dispatcher.reference.fp8; H a multiple of 128) and cast the received rows back to x's dtype; the
+    backward (a combine of the gradient, in its own dtype) is the same as without fp8 (straight-through).
+
+    Returns (permuted_x [M, H] in x's dtype, permuted_weights float32 [M] or None, tokens_per_expert_list
+    (python ints; empty with num_worst_tokens), tokens_per_expert int32 [L] on the device, handle).
     """
     out: dict = {}
     res = _ExpertMajorDispatch.apply(x, topk_weights, buffer, topk_idx, num_experts, expert_alignment,
-                                     num_worst_tokens, config, out)
+                                     num_worst_tokens, config, fp8, out)
     pw = res[1] if len(res) == 2 else None
     return res[0], pw, out["counts"], out["tokens_per_expert"], out["handle"]
 

@@ -27,7 +27,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from moe_dispatcher import Buffer
 from moe_dispatcher import autograd as md_autograd
-from moe_dispatcher.env import env_int
+from moe_dispatcher.env import env_flag, env_int
 
 from . import guard
 from .buffers import buffer_backend, get_buffer
@@ -36,6 +36,8 @@ from .sizing import ExpertRowBudget, rows_mode, tokens_per_expert_covering
 from .timing import comm_timer
 
 LL_MAX_TOKENS_ENV = "MOE_DISPATCHER_LL_MAX_TOKENS_PER_RANK"
+FP8_DISPATCH_ENV = "MOE_DISPATCHER_FP8_DISPATCH"
+FP8_BLOCK = 128  # channels per FP8 scale (moe_dispatcher.reference.fp8)
 
 
 def fixed_max_tokens_per_rank() -> int | None:
@@ -79,6 +81,12 @@ class MoEDispatcherTokenDispatcher(MoETokenDispatcher):
         if num_sms is not None:
             Buffer.set_num_sms(num_sms)
         self.buffer_backend = buffer_backend()  # an unknown name fails here, not mid-step
+        # Forward dispatch in FP8 (per-128-channel e4m3 + float32 scales), cast back to the activation dtype on
+        # arrival; the backward and the combine stay in the activation dtype (docs/megatron.md).
+        self.fp8_dispatch = env_flag(FP8_DISPATCH_ENV)
+        if self.fp8_dispatch and config.hidden_size % FP8_BLOCK:
+            raise ValueError(f"{FP8_DISPATCH_ENV}=1 needs a hidden size that is a multiple of {FP8_BLOCK}, got "
+                             f"{config.hidden_size}")
         self.cudagraph_attrs = []
         self._buffer: Buffer | None = None
         self._topk_idx: torch.Tensor | None = None
@@ -140,7 +148,7 @@ class MoEDispatcherTokenDispatcher(MoETokenDispatcher):
         with comm_timer.forward("dispatch", hidden_states.device):
             permuted, permuted_probs, counts, tpe, handle = md_autograd.expert_major_dispatch(
                 buffer, x, self._topk_idx, weights, self.num_dispatch_experts, expert_alignment=self.pad_multiple,
-                num_worst_tokens=worst)
+                num_worst_tokens=worst, fp8=self.fp8_dispatch)
         permuted, permuted_probs = comm_timer.backward_start("dispatch", permuted, permuted_probs)
         if worst:  # M = worst rows, counts on the device only; the need is checked later (sizing.py, guard.py)
             if mode == "guarded" and self._row_budget.capacity_factor is None:  # (a capacity factor may drop)
@@ -205,6 +213,9 @@ class MoEDispatcherLowLatencyTokenDispatcher(MoEDispatcherTokenDispatcher):
     def __init__(self, num_local_experts: int, local_expert_indices: list[int], config,
                  pg_collection=None) -> None:
         super().__init__(num_local_experts, local_expert_indices, config, pg_collection)
+        if self.fp8_dispatch:
+            raise NotImplementedError(f"{type(self).__name__} does not support {FP8_DISPATCH_ENV}: it is for "
+                                      "moe_token_dispatcher_type 'moe_dispatcher' (normal mode)")
         refused = [name for name in ("moe_apply_probs_on_input", "add_bias_linear", "overlap_moe_expert_parallel_comm")
                    if getattr(config, name, False)]
         if refused:
