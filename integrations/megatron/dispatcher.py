@@ -13,6 +13,9 @@ Each step reads its tensors from its arguments, not from state an earlier step s
 EP-overlap schedule (which detaches the tensors between steps) gets correct gradients. Only index
 bookkeeping (top-k ids, handles, the permutation) is kept on the dispatcher between steps.
 
+With MOE_DISPATCHER_FP8_DISPATCH on, the forward dispatch sends FP8 rows (e4m3 per 128-channel block + float32
+scales) and casts them back on arrival; everything else stays in the activation dtype (docs/megatron.md).
+
 Expert tensor parallelism follows Megatron's flex dispatcher: the tp_ep group holds ETP x EP ranks, every
 expert has one copy per expert-TP rank, a token goes to all copies of its experts, and combine sums their
 partial outputs (see permutation.routing_to_topk).

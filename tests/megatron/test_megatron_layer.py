@@ -300,6 +300,13 @@ def _gpu_worker(rank: int, world: int) -> dict[str, Any]:
         res["overlap"] = _parity("moe_dispatcher", "alltoall", 1, world, dtype=torch.bfloat16, bf16=True,
                                  params_dtype=torch.bfloat16, moe_shared_expert_intermediate_size=FFN,
                                  moe_shared_expert_overlap=True)
+    with case("moe_dispatcher with fp8 dispatch vs without, bf16"):
+        res["fp8_dispatch"] = _parity("moe_dispatcher", "moe_dispatcher", 1, world, dtype=torch.bfloat16,
+                                      num_tokens=tokens, fp8_dispatch=True, bf16=True, params_dtype=torch.bfloat16)
+    with case("moe_dispatcher with fp8 dispatch vs without, in the rerun guard (fixed rows), bf16"):
+        res["fp8_dispatch_guarded"] = _parity("moe_dispatcher", "moe_dispatcher", 1, world, dtype=torch.bfloat16,
+                                              guarded=True, num_tokens=tokens, fp8_dispatch=True, bf16=True,
+                                              params_dtype=torch.bfloat16)
     return res
 
 
@@ -424,6 +431,9 @@ def test_layer_matches_alltoall_on_gpus():
             _check_parity(res[key], 3e-2, f"rank {rank} {key} (NCCL, kernels, bf16)")
         assert res["guarded_fits"]["reruns"] == 0 and res["guarded_overflow"]["reruns"] == 1, res
         assert res["guarded_fits"]["high_water"] is not None  # the step's check read the rows needed
+        for key in ("fp8_dispatch", "fp8_dispatch_guarded"):  # the CPU test's bound (e4m3 rounding of the rows)
+            assert res[key]["out"][0] > 0, f"rank {rank} {key}: the rows were not quantised"
+            _check_parity(res[key], 0.08, f"rank {rank} {key} (NCCL, kernels, bf16)")
 
 
 def test_fp8_dispatch_matches_bf16_dispatch(ep2):

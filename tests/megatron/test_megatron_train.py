@@ -51,10 +51,11 @@ def test_tiny_cpu_training(tmp_path, dispatcher):
 
 
 def test_tiny_cpu_fp8_dispatch_loss_matches_bf16_dispatch(tmp_path):
-    """MOE_DISPATCHER_FP8_DISPATCH=1 against the same run without it (fp32 rows on CPU): 200 steps of configs/tiny_cpu.yaml on 2 gloo
-    ranks (about 25 s each here). The losses are not bit-identical (the dispatched rows were quantised) but
-    follow the same curve (5.56 -> 0.8): averages over windows of 10 steps agree within 3% + 0.01 and every step
-    within 8% (measured on CPU: at most 0.65% / 0.008 over windows, 2.9% / 0.03 per step)."""
+    """MOE_DISPATCHER_FP8_DISPATCH=1 against the same run without it (fp32 rows on CPU): 200 steps of
+    configs/tiny_cpu.yaml on 2 gloo ranks (about 20 s each here). The losses are not bit-identical (the
+    dispatched rows were quantised) but follow the same curve (5.56 -> 0.8): averages over windows of 10 steps
+    agree within 3% + 0.01 and every step within 8% (measured on CPU: at most 0.65% / 0.008 over windows,
+    2.9% / 0.03 per step)."""
     steps = 200
     runs = {flag: _train(tmp_path, "configs/tiny_cpu.yaml", 2, "--steps", str(steps),
                          "--set", "train.log_interval=50", env={"MOE_DISPATCHER_FP8_DISPATCH": flag})
