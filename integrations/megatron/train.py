@@ -390,9 +390,16 @@ def train(cfg: dict[str, dict[str, Any]], show_progress: bool = True, log_json: 
 
 
 def dispatcher_label(config) -> str:
-    """"alltoall", "allgather" or "flex/<backend>" (how the config's dispatcher reads after registration)."""
+    """"alltoall", "allgather" or "flex/<backend>" (how the config's dispatcher reads after registration), with
+    " fp8-dispatch" when ours dispatches FP8 rows ($MOE_DISPATCHER_FP8_DISPATCH)."""
+    from moe_dispatcher.env import env_flag
+    from moe_dispatcher.integrations.megatron.dispatcher import FP8_DISPATCH_ENV
+
     if config.moe_token_dispatcher_type == "flex":
-        return f"flex/{config.moe_flex_dispatcher_backend}"
+        label = f"flex/{config.moe_flex_dispatcher_backend}"
+        if config.moe_flex_dispatcher_backend == "moe_dispatcher" and env_flag(FP8_DISPATCH_ENV):
+            label += " fp8-dispatch"
+        return label
     return config.moe_token_dispatcher_type
 
 

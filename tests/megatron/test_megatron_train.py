@@ -62,6 +62,8 @@ def test_tiny_cpu_fp8_dispatch_loss_matches_bf16_dispatch(tmp_path):
             for flag in ("0", "1")}
     a, b = torch.tensor(runs["1"]["losses"]), torch.tensor(runs["0"]["losses"])
     assert a.shape == b.shape == (steps,)
+    assert runs["1"]["dispatcher"] == "flex/moe_dispatcher fp8-dispatch", runs["1"]["dispatcher"]
+    assert runs["0"]["dispatcher"] == "flex/moe_dispatcher", runs["0"]["dispatcher"]
     assert b[-20:].mean() < b[:5].mean() - 2.0, "the unquantised-dispatch run did not learn"
     assert not torch.equal(a, b), "MOE_DISPATCHER_FP8_DISPATCH=1 changed nothing: the rows were not quantised"
     assert bool(((a - b).abs() <= 0.08 * b).all()), f"per-step losses differ: {(a - b).abs().max().item()}"
