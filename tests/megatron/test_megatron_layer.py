@@ -134,10 +134,31 @@ def _fp8_dispatch(ep: int) -> dict[str, Any]:
     os.environ["MOE_DISPATCHER_FP8_DISPATCH"] = "1"
     try:
         res["round_trip"] = _round_trip(ep)
+        refusals = {}
+        for name, build in (("hidden 192", lambda: _dispatcher(_config("moe_dispatcher", 1, ep, hidden_size=192), ep)),
+                            ("low-latency", lambda: _low_latency_dispatcher(_config("moe_dispatcher_ll", 1, ep), ep))):
+            try:
+                build()
+                refusals[name] = None
+            except (ValueError, NotImplementedError) as e:
+                refusals[name] = str(e)
+        res["refusals"] = refusals
     finally:
         del os.environ["MOE_DISPATCHER_FP8_DISPATCH"]
     res["fp8_dispatch_flag"] = _dispatcher(_config("moe_dispatcher", 1, ep), ep).fp8_dispatch
     return res
+
+
+def _low_latency_dispatcher(config, ep: int):
+    import torch.distributed as dist
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+    from moe_dispatcher.integrations.megatron import MoEDispatcherLowLatencyTokenDispatcher
+    pg = get_default_pg_collection()
+    local = E // ep
+    first = dist.get_rank(pg.ep) * local
+    return MoEDispatcherLowLatencyTokenDispatcher(local, list(range(first, first + local)), config=config,
+                                                  pg_collection=pg)
 
 
 def _round_trip(ep: int, fp8_recipe: str | None = None) -> dict[str, Any]:
@@ -455,3 +476,6 @@ def test_fp8_dispatch_matches_bf16_dispatch(ep2):
         _close(rt["probs_grad"], 2 ** -4, f"rank {rank} fp8 round trip probs grad")
         assert rt["x_grad"] == res["round_trip"]["x_grad"], (rt["x_grad"], res["round_trip"]["x_grad"])
         assert fp8["fp8_dispatch_flag"] is False  # off by default
+        refusals = fp8["refusals"]
+        assert refusals["hidden 192"] and "multiple of 128" in refusals["hidden 192"], refusals
+        assert refusals["low-latency"] and "MOE_DISPATCHER_FP8_DISPATCH" in refusals["low-latency"], refusals
