@@ -113,6 +113,17 @@ def recv_tensors(rows: int, x: torch.Tensor, x_scales: Optional[torch.Tensor], n
     return [recv_x, recv_scales, recv_idx, recv_w, recv_src]
 
 
+def combine_tensors(num_tokens: int, x: torch.Tensor, topk_weights: Optional[torch.Tensor], bias: Sequence[torch.Tensor]
+                    ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """The outputs and biases of a combine with a bias (the launcher's full path): -> (out [T, H] x.dtype,
+    out_topk_weights float32 [T, K] or None (no topk_weights), bias0, bias1 (contiguous, or None))."""
+    out = torch.empty(num_tokens, x.shape[1], dtype=x.dtype, device=x.device)
+    out_w = (torch.empty(num_tokens, topk_weights.shape[1], dtype=torch.float32, device=x.device)
+             if topk_weights is not None else None)
+    biases = [b.contiguous() for b in bias] + [None, None]
+    return out, out_w, biases[0], biases[1]
+
+
 def buffer_view(raw: Callable[[], torch.Tensor], total: int, dtype: torch.dtype, size: Optional[Sequence[int]],
                 offset: int, kind: str) -> torch.Tensor:
     """get_local_buffer_tensor's view: `size` (None: the rest of the buffer) elements of `dtype` from byte

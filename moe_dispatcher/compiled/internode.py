@@ -26,8 +26,8 @@ from ..backend import Backend, Capabilities
 from ..config import Config, align_slot
 from ..handle import DispatchHandle
 from ..signature import dispatch_signature, raise_disagreement, signature_hash
-from . import (TIMEOUT_ENV, HandleState, buffer_view, kernel_timeout_s, recv_tensors, run_cached, timeout_message,
-               wait_counts)
+from . import (TIMEOUT_ENV, HandleState, buffer_view, combine_tensors, kernel_timeout_s, recv_tensors, run_cached,
+               timeout_message, wait_counts)
 from .intranode import (COMBINE_DTYPES, KEPT_SIGNATURES, _columns, _contiguous, _DeviceMemory, _row_bytes,
                         combine_slot_bytes)
 
@@ -260,13 +260,8 @@ class InternodeBackend(Backend):
         channels, offsets, fwd_offset, fwd_mask, fwd_capacity = handle.backend_state.routing
         geo = self._geometry(config, True, combine_slot_bytes(_row_bytes(x), _columns(topk_weights)), channels,
                              "combine")
-        biases = [b.contiguous() for b in bias]
-        t, dev = handle.num_tokens, x.device
-        out = torch.empty(t, x.shape[1], dtype=x.dtype, device=dev)
-        out_w = torch.empty(t, topk_weights.shape[1], dtype=torch.float32, device=dev) if topk_weights is not None \
-            else None
-        bias1 = biases[1] if len(biases) > 1 else None
-        self._mod.combine(self._ctx, self._timeout_ns, x, topk_weights, biases[0], bias1,
+        out, out_w, bias0, bias1 = combine_tensors(handle.num_tokens, x, topk_weights, bias)
+        self._mod.combine(self._ctx, self._timeout_ns, x, topk_weights, bias0, bias1,
                           handle.is_token_in_rank, offsets, fwd_offset, fwd_mask, fwd_capacity, out, out_w, geo)
         return out, out_w
 

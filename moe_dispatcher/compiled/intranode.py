@@ -34,8 +34,8 @@ from ..config import Config, align_slot
 from ..expert_major import ExpertMajorHandle, compose_expert_major_dispatch, gather_rows, unpermute
 from ..handle import DispatchHandle
 from ..signature import Signature, dispatch_signature, raise_disagreement, signature_hash
-from . import (TIMEOUT_ENV, HandleState, buffer_view, kernel_timeout_s, recv_tensors, run_cached, timeout_message,
-               wait_counts)
+from . import (TIMEOUT_ENV, HandleState, buffer_view, combine_tensors, kernel_timeout_s, recv_tensors, run_cached,
+               timeout_message, wait_counts)
 
 # Dtypes of combine input the kernels reduce (others go to the reference backend: capabilities.combine_dtypes).
 COMBINE_DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32})
@@ -300,13 +300,8 @@ class IntranodeBackend(Backend):
         # With a bias (rare: no plan, and the Buffer's fast path does not take it).
         channels, offsets = handle.backend_state.routing
         ring = self._ring(config, True, combine_slot_bytes(_row_bytes(x), _columns(topk_weights)), "combine", channels)
-        biases = [b.contiguous() for b in bias]
-        t, dev = handle.num_tokens, x.device
-        out = torch.empty(t, x.shape[1], dtype=x.dtype, device=dev)
-        out_w = torch.empty(t, topk_weights.shape[1], dtype=torch.float32, device=dev) if topk_weights is not None \
-            else None
-        bias1 = biases[1] if len(biases) > 1 else None
-        self._mod.combine(self._ipc, self._timeout_ns, x, topk_weights, biases[0], bias1,
+        out, out_w, bias0, bias1 = combine_tensors(handle.num_tokens, x, topk_weights, bias)
+        self._mod.combine(self._ipc, self._timeout_ns, x, topk_weights, bias0, bias1,
                           handle.is_token_in_rank, offsets, out, out_w, *ring)
         return out, out_w
 
