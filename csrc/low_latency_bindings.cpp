@@ -11,7 +11,8 @@
 //
 // Kernels chosen per plan (no switch, low_latency.h): the dedup dispatch and, for the per-rank
 // reduction order, the per-rank combine when every peer is reachable through NVLink and there are two
-// local experts or more; the per-expert kernels otherwise.
+// local experts or more; the per-expert kernels otherwise, and for a combine with return_recv_hook (its
+// send phase must not wait on peers).
 //
 // Timeouts: the kernels record the first timed-out wait in a host-mapped TimeoutRecord this runtime
 // allocates, and exit. Every later call (hooks included) raises a RuntimeError naming the waiting rank,
@@ -286,7 +287,10 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
     at::Tensor result = out ? *out : empty_on(static_cast<c10::DeviceIndex>(device_), at::kBFloat16, {t, s.hidden});
 
     Common c = common(p, half, 1);
-    c.per_rank_combine = p.per_rank_ok && rank_partials_;
+    // The per-rank send waits for every peer's routing; a hooked send must not wait on peers (the caller
+    // overlaps it with its own work, as with DeepEP), so it runs the per-expert send, whose receiver computes
+    // the same order (rank_partials) from the per-expert rows: the same bits either way.
+    c.per_rank_combine = p.per_rank_ok && rank_partials_ && !return_recv_hook;
     CombineArgs a{};
     a.x = zero_copy ? nullptr : x.data_ptr();
     a.topk_idx = topk_idx.data_ptr<int64_t>();

@@ -418,6 +418,42 @@ def _timeout_worker(rank: int, num_ranks: int) -> None:
     kb.destroy()
 
 
+LATE_S = 0.5
+
+
+def _hooked_send_worker(rank: int, num_ranks: int) -> None:
+    """Rank 1 enters its combine LATE_S late. The others' hooked combine send must finish on their GPU without
+    it (a send never waits on peers); their hook() then receives rank 1's rows once it sends, and the result
+    equals an unhooked combine's, bit for bit."""
+    dev = device()
+    kb = _kernel_buffer()
+    h, e, k = 2048, 32, 4  # L >= 2: the default order's kernels are the per-rank ones
+    assert kb._kernels_ll.kernels_for(MAX_T, h, e) == "dedup+rank_combine"
+    gen = torch.Generator(device=dev).manual_seed(rank)
+    x = torch.randn(MAX_T, h, device=dev, generator=gen).to(torch.bfloat16)
+    idx = torch.rand(MAX_T, e, device=dev, generator=gen).topk(k, dim=1).indices
+    w = torch.rand(MAX_T, k, device=dev, generator=gen)
+    recv, _, handle, _, _ = kb.low_latency_dispatch(x, idx, MAX_T, e, use_fp8=False)
+    want = kb.low_latency_combine(recv, idx, w, handle)[0].clone()
+    recv, _, handle, _, _ = kb.low_latency_dispatch(x, idx, MAX_T, e, use_fp8=False)
+    torch.cuda.synchronize()
+    dist.barrier()
+    with case("a hooked combine send does not wait for a late peer"):
+        if rank == 1:
+            time.sleep(LATE_S)
+        start = time.monotonic()
+        out, _, hook = kb.low_latency_combine(recv, idx, w, handle, return_recv_hook=True)
+        torch.cuda.synchronize()  # the send phase alone
+        sent = time.monotonic() - start
+        if rank != 1:
+            assert sent < LATE_S / 2, f"rank {rank}: the hooked send took {sent:.3f} s, waiting for rank 1"
+        hook()
+        torch.cuda.synchronize()
+        assert_equal(out, want, "hooked combine vs unhooked", bitwise=True)
+    dist.barrier()
+    kb.destroy()
+
+
 def _bench_worker(rank: int, num_ranks: int, num_experts: int, iterations: int) -> dict:
     dev = device()
     kb = _kernel_buffer()
@@ -485,6 +521,13 @@ def test_low_latency_timeout_names_rank_and_phase(world_size: int) -> None:
     """One rank skips a low-latency call: every other rank's next call raises a RuntimeError naming the waiting
     rank, the phase and the missing peer, within the timeout (no __trap: the CUDA context survives)."""
     run_distributed(_timeout_worker, world_size, backend="nccl", env={"MOE_DISPATCHER_TIMEOUT_S": str(TIMEOUT_S)})
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_low_latency_hooked_send_does_not_wait(world_size: int) -> None:
+    """A hooked combine's send phase finishes while a peer has not entered its combine (DeepEP's hook
+    semantics), and the hooked result equals the unhooked one bitwise."""
+    run_distributed(_hooked_send_worker, world_size, backend="nccl")
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
