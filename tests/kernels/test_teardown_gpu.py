@@ -71,7 +71,7 @@ def _run_ranks(world_size: int, scenario: str, victim: int, limit_s: float, env:
     return codes, results, errs
 
 
-@pytest.mark.parametrize("world_size", [4])
+@pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("scenario", ["dispatch", "combine", "low_latency"])
 def test_sigkill_one_rank(world_size: int, scenario: str) -> None:
     victim = 1
@@ -225,7 +225,7 @@ def _world_soak(rank: int, world_size: int, calls: int, check_every: int = 100) 
     return {"counts": counts, "checked": checked}
 
 
-@pytest.mark.parametrize("world_size", [4])
+@pytest.mark.parametrize("world_size", [2, 4])
 def test_randomized_soak(world_size: int) -> None:
     t0 = time.monotonic()
     res = run_distributed(_world_soak, world_size, SOAK_CALLS, backend="nccl", timeout=max(300.0, SOAK_CALLS / 20))
