@@ -406,10 +406,12 @@ void register_internode(py::module_& m) {
   sub.def("timeout_info", &timeout_info, py::arg("ipc"));
   sub.def("num_forward", &num_forward, py::arg("ipc"));
   // get_dispatch_layout (layout_call.h); bad expert ids are flagged into the NVLink buffer's Control word, which
-  // the next notify reports (buffer None: not flagged).
+  // the next notify reports (buffer None: not flagged). None once the buffer is destroyed or timed out.
   sub.def(
       "layout_call",
       [](const at::Tensor& topk_idx, int64_t num_experts, int num_ranks, int nvl_size, const IpcBuffer* buffer) {
+        // A destroyed or timed-out buffer: None, so that the Buffer's full path raises why.
+        if (buffer != nullptr && !usable(*buffer)) return py::object(py::none());
         int* bad = buffer != nullptr ? &reinterpret_cast<nvlink::Control*>(buffer->local())->bad_expert_ids : nullptr;
         return layout_call(topk_idx, num_experts, num_ranks, nvl_size, bad);
       },

@@ -151,6 +151,8 @@ def stub_intranode(rows: int) -> types.SimpleNamespace:
         return CachedCombine(buffer, handle, spec(x, x.shape[0]), w, spec(x, t), w_out, config, num_sms)
 
     def layout_call(topk_idx, num_experts, num_ranks, nvl_size, buffer=None):
+        if buffer is not None and (not buffer.alive or buffer.timeout is not None):
+            return None  # refused, as the native call does: the Buffer's full path raises why
         launches.append(("layout", (topk_idx, num_experts, num_ranks, nvl_size, buffer)))
         return (torch.zeros(num_ranks, dtype=torch.int32), None, torch.zeros(num_experts, dtype=torch.int32),
                 torch.zeros(topk_idx.shape[0], num_ranks, dtype=torch.bool))

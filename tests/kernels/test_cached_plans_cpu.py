@@ -222,12 +222,18 @@ def test_timeout_and_destroy_stop_the_fast_path(world):
     for _ in range(2):
         w.buf.dispatch(w.x, handle=w.handle)
         w.buf.combine(w.y, w.handle)
+    w.buf.get_dispatch_layout(w.idx, E)
     w.backend._ipc.timeout = (1, "combine (receiver waiting for rows)", 0, 0)
     for _ in range(2):
         with pytest.raises(RuntimeError, match="rank 0 timed out .* in combine"):
             w.buf.dispatch(w.x, handle=w.handle)
         with pytest.raises(RuntimeError, match="rank 0 timed out"):
             w.buf.combine(w.y, w.handle)
+        # The native layout call refuses too (on GPUs the full path then raises; here CPU tensors resolve to the
+        # reference backend, which serves the layout).
+        layouts = sum(kind == "layout" for kind, _ in w.ext.launches)
+        w.buf.get_dispatch_layout(w.idx, E)
+        assert sum(kind == "layout" for kind, _ in w.ext.launches) == layouts
     w.backend._ipc.timeout = None
     w.backend._broken = None
     w.buf.dispatch(w.x, handle=w.handle)
