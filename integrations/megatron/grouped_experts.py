@@ -67,7 +67,7 @@ class GroupedGemmExperts(MegatronModule):
     rows in expert-major order (expert e's rows contiguous, experts in local order), as every Megatron
     dispatcher hands them over. Rows past sum(tokens_per_expert) come out as zeros on the loop and are
     never read by combine on the grouped path (dispatchers with fixed row counts count them in the last
-    expert).
+    expert; ours also hands the counts without them, which this module uses: forward).
     """
 
     def __init__(self, num_local_experts: int, config, submodules=None, pg_collection=None,
@@ -101,6 +101,11 @@ class GroupedGemmExperts(MegatronModule):
 
     def forward(self, hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor) -> tuple[torch.Tensor, None]:
+        # Our dispatcher's fixed row counts (sizing.py) count the rows past the last expert's in the last
+        # expert, for Megatron's experts; their ``without_tail`` leaves them out, so the grouped GEMMs compute
+        # only rows of some expert (the tail's outputs are never read: zeros on the loop, unspecified on the
+        # grouped path, as for any rows past offsets[-1]).
+        tokens_per_expert = getattr(tokens_per_expert, "without_tail", tokens_per_expert)
         counts = None
         if not grouped_mm_available(hidden_states):
             counts = tokens_per_expert.tolist()

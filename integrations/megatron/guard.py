@@ -15,7 +15,7 @@ mode uses fixed M only there, on GPUs):
 3. if any dispatch overflowed, the Buffers forget the drops they would report at their next synchronised
    dispatch (the re-run's first), ``zero_grad()`` is called and the step runs again with exact
    (synchronised) sizing everywhere, so its result is what an exact step gives. Later steps use fixed M
-   again, sized from the raised high-water marks. Every backend takes part alike: the reference drops the
+   again, sized from the raised high-water marks with a wider headroom (sizing.ExpertRowBudget.widen). Every backend takes part alike: the reference drops the
    rows past M and reports them as the kernels do.
 
 With ``bound`` sizing run_step runs the step once and then reads every call's need not read yet
@@ -76,11 +76,14 @@ def _check_step() -> bool:
         dist.all_reduce(overflow, op=dist.ReduceOp.MAX)
     host = torch.cat([overflow] + [needs.to(device) for _, needs in reduced]).tolist()  # the one host read
     pos = 1
+    overflowed = host[0] > 0
     for entries, _ in reduced:
         for d, _ in entries:
             d._row_budget.observe(int(host[pos]))
+            if overflowed:  # the same on every rank (the overflow flag is reduced over the world)
+                d._row_budget.widen()
             pos += 1
-    return host[0] > 0
+    return overflowed
 
 
 def _discard_buffer_row_checks() -> None:

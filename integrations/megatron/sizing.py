@@ -11,7 +11,9 @@ everything that touches the tensor (the experts, the probs multiply, their backw
   seeds a high-water mark of the rows needed; later calls use M = max(mark x headroom, mark + 2 x alignment x
   local experts) ($MOE_DISPATCHER_EXPERT_ROWS_HEADROOM, default 1.1), rounded up to 128. Every element-wise
   op over the expert rows (the experts, h * probs in float32 and its casts, their backward) scales with M,
-  so the headroom is kept small. Each call's need is reduced to its maximum over the group (an all-reduce
+  so the headroom is kept small; a guarded
+  step that overflows widens it (x1.1 per overflow, up to 1.5: ExpertRowBudget.widen), since re-running a
+  step costs more than the extra rows. Each call's need is reduced to its maximum over the group (an all-reduce
   on a side stream, which the compute stream does not wait for), copied to pinned host memory, and read
   LAG (2) calls later: by then it is complete in practice, so reading it does not wait. Every rank reads the
   same group-wide value at the same call, so all ranks raise the mark alike and, when some rank needed
@@ -48,6 +50,8 @@ HEADROOM_ENV = "MOE_DISPATCHER_EXPERT_ROWS_HEADROOM"
 INITIAL_ENV = "MOE_DISPATCHER_EXPERT_ROWS_INITIAL"
 ROWS_MODES = ("auto", "exact", "bound")
 DEFAULT_HEADROOM = 1.1
+MAX_HEADROOM = 1.5  # a guarded overflow widens the headroom by OVERFLOW_GROWTH, up to this
+OVERFLOW_GROWTH = 1.1
 LAG = 2  # calls between a dispatch and the reading of its need (see the module docstring)
 ROW_QUANTUM = 128  # M is a multiple of this (and of the alignment), so M changes rarely
 _PINNED_SLOTS = 64
@@ -171,6 +175,13 @@ class ExpertRowBudget:
         else:
             torch.maximum(self._step_need, pair, out=self._step_need)
 
+    def widen(self) -> None:
+        """A guarded step overflowed (guard.py, on every rank alike): the router is still sharpening, so the
+        next steps get OVERFLOW_GROWTH x the headroom (up to MAX_HEADROOM, never below the setting). A re-run
+        costs a whole step; rows past the need cost far less (none in the grouped GEMMs of
+        GroupedGemmExperts, which skip the tail: tokens_per_expert_covering)."""
+        self.headroom = max(self.headroom, min(MAX_HEADROOM, self.headroom * OVERFLOW_GROWTH))
+
     def take_step(self) -> torch.Tensor | None:
         """The step's (most rows needed, most excess over M) on the device, or None if no call was guarded;
         resets them for the next step."""
@@ -211,7 +222,14 @@ class ExpertRowBudget:
 
 def tokens_per_expert_covering(tokens_per_expert: torch.Tensor, rows: int) -> torch.Tensor:
     """int64 [L] counts that add up to exactly `rows` (what torch.split in Megatron's experts needs): the
-    rows past the last expert (zero rows, prob 0) are counted in the last expert; device ops only."""
+    rows past the last expert (zero rows, prob 0) are counted in the last expert; device ops only.
+
+    The result carries the counts without that tail as its attribute ``without_tail`` (int64 [L], clamped
+    to `rows`): experts that can leave the tail out (GroupedGemmExperts: its grouped GEMMs then compute only
+    the rows of some expert; combine never reads the tail) read it, Megatron's experts never see it."""
     ends = tokens_per_expert.to(torch.int64).cumsum(0).clamp_max(rows)
+    without_tail = torch.diff(ends, prepend=ends.new_zeros(1))
     ends[-1:] = rows
-    return torch.diff(ends, prepend=ends.new_zeros(1))
+    covering = torch.diff(ends, prepend=ends.new_zeros(1))
+    covering.without_tail = without_tail
+    return covering

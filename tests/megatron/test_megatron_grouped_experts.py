@@ -96,6 +96,16 @@ def _experts_vs_sequential(rank: int, world: int, dtype_name: str) -> dict:
         x = torch.randn(10, H, dtype=dtype, device=dev)
         y, _ = grouped(x, torch.tensor([2, 0, 3, 1], device=dev), torch.ones(10, device=dev))
         out["tail"] = y[6:].float().abs().max().item() if not x.is_cuda else 0.0
+    # Our dispatcher's fixed row counts cover the tail in the last expert and carry the counts without it
+    # (sizing.tokens_per_expert_covering): the experts leave the tail out of every expert.
+    with case("counts covering a tail, with the counts without it"):
+        from moe_dispatcher.integrations.megatron.sizing import tokens_per_expert_covering
+        covering = tokens_per_expert_covering(torch.tensor([2, 0, 3, 1], device=dev), 10)
+        assert covering.tolist() == [2, 0, 3, 5]
+        y, _ = grouped(x, covering, torch.ones(10, device=dev))
+        want, _ = grouped(x[:6], torch.tensor([2, 0, 3, 1], device=dev), torch.ones(6, device=dev))
+        out["covered tail"] = y[6:].float().abs().max().item() if not x.is_cuda else 0.0
+        out["covered rows"] = (y[:6].float() - want.float()).abs().max().item()
     out["allreduce"] = [grouped.weight1.allreduce, grouped.weight2.allreduce]
     return out
 
@@ -106,6 +116,8 @@ NAMES = ["output", "input grad", "probs grad", "fc1 weight grad", "fc2 weight gr
 def test_grouped_experts_match_sequential_mlp_cpu():
     (res,) = run_distributed(_experts_vs_sequential, 1, "float32")
     assert res.pop("tail") == 0.0, "rows past the counts must be zero"
+    assert res.pop("covered tail") == 0.0, "the tail a covering count adds must be left out (zeros on the loop)"
+    assert res.pop("covered rows") == 0.0, "the rows of the experts must not change"
     assert res.pop("allreduce") == [True, True], "EP=1: expert weights are reduced over all data parallel"
     for counts, r in res.items():
         for name, got, want in zip(NAMES, r["got"], r["want"]):

@@ -40,6 +40,19 @@ def test_tokens_per_expert_covering():
     tpe = torch.tensor([3, 0, 5], dtype=torch.int32)
     assert sizing.tokens_per_expert_covering(tpe, 12).tolist() == [3, 0, 9]
     assert sizing.tokens_per_expert_covering(tpe, 6).tolist() == [3, 0, 3]  # overflow: still adds up
+    # The counts without the tail, for experts that leave it out (GroupedGemmExperts).
+    assert sizing.tokens_per_expert_covering(tpe, 12).without_tail.tolist() == [3, 0, 5]
+    assert sizing.tokens_per_expert_covering(tpe, 6).without_tail.tolist() == [3, 0, 3]
+
+
+def test_overflow_widens_the_headroom():
+    b = sizing.ExpertRowBudget(align=1, headroom=1.1)
+    for want in (1.21, 1.331, 1.4641, 1.5, 1.5):
+        b.widen()
+        assert b.headroom == pytest.approx(want)
+    c = sizing.ExpertRowBudget(align=1, headroom=2.0)  # a setting above the cap is kept
+    c.widen()
+    assert c.headroom == 2.0
 
 
 def test_rows_mode(monkeypatch):
@@ -86,8 +99,9 @@ def test_guard_reruns_an_overflowed_step_exactly(monkeypatch):
 
     assert guard.run_step(step(300), lambda: zeroed.append(1)) == 2  # M = 128 < 300: re-run, exact
     assert modes == ["guarded", "exact"] and zeroed == [1] and d._row_budget.high_water == 300
+    assert d._row_budget.headroom == pytest.approx(1.1)  # the overflow widened it
     assert guard.run_step(step(300), lambda: zeroed.append(1)) == 3  # M = 384 now: fits, no re-run
-    assert modes[2:] == ["guarded"] and zeroed == [1]
+    assert modes[2:] == ["guarded"] and zeroed == [1] and d._row_budget.headroom == pytest.approx(1.1)
     assert sizing.rows_mode(torch.device("cuda", 0)) == "exact"  # outside a guard
     assert sizing.rows_mode(torch.device("cpu")) == "exact"
     monkeypatch.setenv(sizing.ROWS_ENV, "exact")  # a chosen mode: run_step only runs the step
