@@ -125,10 +125,13 @@ class _ExpertMajorCombine(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         x, weights = ctx.saved_tensors
         rows, *_ = ctx.buffer.expert_major_dispatch(grad.contiguous(), handle=ctx.handle, config=ctx.config)
-        gx = rows if weights is None else (rows.to(torch.float32) * weights.unsqueeze(1)).to(x.dtype)
-        gw = None
-        if weights is not None and ctx.needs_input_grad[1]:
-            gw = (rows.to(torch.float32) * x.to(torch.float32)).sum(1)
+        if weights is None:
+            return rows, None, None, None, None
+        # One pass each over the [M, H] rows (no float32 copies of them): d/dx is each row times its weight
+        # (float32 product, rounded once to x's dtype); d/dweights the row's dot product with x (products in
+        # x's dtype, exact in float32 rows, summed in float32).
+        gx = torch.mul(rows, weights.unsqueeze(1), out=torch.empty_like(rows, dtype=x.dtype))
+        gw = (rows * x).sum(1, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         return gx, gw, None, None, None
 
 
