@@ -117,8 +117,9 @@ class _ExpertMajorCombine(torch.autograd.Function):
     def forward(ctx, x: Tensor, weights: Optional[Tensor], buffer: Buffer, handle: ExpertMajorHandle,
                 config: Optional[Config]):
         combined, _, _ = buffer.expert_major_combine(x, handle, weights=weights, config=config)
-        ctx.buffer, ctx.handle, ctx.config = buffer, handle, config
-        ctx.save_for_backward(x, weights)
+        ctx.buffer, ctx.handle, ctx.config, ctx.x_dtype = buffer, handle, config, x.dtype
+        # x [M, H] is kept only for the weights' gradient (an unweighted combine keeps no activation).
+        ctx.save_for_backward(x if weights is not None and ctx.needs_input_grad[1] else None, weights)
         return combined
 
     @staticmethod
@@ -130,8 +131,8 @@ class _ExpertMajorCombine(torch.autograd.Function):
         # One pass each over the [M, H] rows (no float32 copies of them): d/dx is each row times its weight
         # (float32 product, rounded once to x's dtype); d/dweights the row's dot product with x (products in
         # x's dtype, exact in float32 rows, summed in float32).
-        gx = torch.mul(rows, weights.unsqueeze(1), out=torch.empty_like(rows, dtype=x.dtype))
-        gw = (rows * x).sum(1, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        gx = torch.mul(rows, weights.unsqueeze(1), out=torch.empty_like(rows, dtype=ctx.x_dtype))
+        gw = (rows * x).sum(1, dtype=torch.float32) if x is not None else None
         return gx, gw, None, None, None
 
 
