@@ -289,8 +289,8 @@ def test_grouped_experts_in_moe_layer_leave_probs_to_our_combine():
 @pytest.mark.gpu(2)
 def test_grouped_experts_leave_probs_to_our_combine_gpu():
     """The same on GPUs (NCCL, compiled kernels, bf16, torch's grouped matmul, 256 tokens per rank): the
-    weighted combine against the same experts declining the offer within bf16 rounding (2e-2 of the largest
-    value), and the declining / EP-overlap paths against each other bit for bit."""
+    weighted combine against the same experts declining the offer within bf16 rounding (3e-2 of the largest
+    value, the bound of the other bf16 layer parities), and the declining / EP-overlap paths against each other bit for bit."""
     n = min(torch.cuda.device_count(), 4)
     results = run_distributed(_layer_vs_sequential, n, "bfloat16", 256, backend="nccl",
                               env={"MOE_DISPATCHER_BACKEND": "kernels"}, timeout=300)
@@ -299,9 +299,9 @@ def test_grouped_experts_leave_probs_to_our_combine_gpu():
         assert res["declined_calls"] == res["overlap_calls"] == ([False], [True]), res
         assert res["sequential_calls"] == ([False], []) and res["megatron_probs"] == [1, True], res
         for name, (diff, scale) in zip(LAYER_NAMES, res["grouped_vs_declined"]):
-            assert diff <= 2e-2 * scale, f"rank {rank}: {name} differs by {diff:.3g} (max |ref| {scale:.3g})"
+            assert diff <= 3e-2 * scale, f"rank {rank}: {name} differs by {diff:.3g} (max |ref| {scale:.3g})"
         for name, (diff, scale) in zip(LAYER_NAMES, res["declined"]):  # grouped matmul vs per-expert F.linear
-            assert diff <= 2e-2 * scale, f"rank {rank}: {name} vs SequentialMLP differs by {diff:.3g} ({scale:.3g})"
+            assert diff <= 3e-2 * scale, f"rank {rank}: {name} vs SequentialMLP differs by {diff:.3g} ({scale:.3g})"
         assert all(diff == 0 for diff, _ in res["overlap_vs_declined"]), res["overlap_vs_declined"]
 
 
