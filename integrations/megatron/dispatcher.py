@@ -13,7 +13,8 @@ Both implement Megatron's MoETokenDispatcher interface (megatron-core 0.19.x) ov
 
 Each step reads its tensors from its arguments, not from state an earlier step stashed, so Megatron's
 EP-overlap schedule (which detaches the tensors between steps) gets correct gradients. Only index
-bookkeeping (top-k ids, handles, the permutation) is kept on the dispatcher between steps.
+bookkeeping (top-k ids, handles, the permutation) is kept on the dispatcher between steps, and, outside
+that schedule, the permuted probs that token_combine applies when the experts left them to it.
 
 With MOE_DISPATCHER_FP8_DISPATCH on, the forward dispatch sends FP8 rows (e4m3 per 128-channel block + float32
 scales) and casts them back on arrival; everything else stays in the activation dtype (docs/megatron.md).

@@ -73,9 +73,9 @@ class GroupedGemmExperts(MegatronModule):
     ``forward(rows [M, H], tokens_per_expert int64 [E_local] (host or device), probs [M]) -> ([M, H], None)``,
     rows in expert-major order (expert e's rows contiguous, experts in local order), as every Megatron
     dispatcher hands them over. The output rows are multiplied by their probs unless the dispatcher offered
-    to do it in its combine (probs_offer.leave_probs_to_combine; our normal-mode dispatcher). Rows past sum(tokens_per_expert) come out as zeros on the loop and are
-    never read by combine on the grouped path (dispatchers with fixed row counts count them in the last
-    expert).
+    to do it in its combine (probs_offer.leave_probs_to_combine; our normal-mode dispatcher). Rows past
+    sum(tokens_per_expert) come out as zeros on the loop and are never read by combine on the grouped path
+    (dispatchers with fixed row counts count them in the last expert).
     """
 
     def __init__(self, num_local_experts: int, config, submodules=None, pg_collection=None,
