@@ -128,9 +128,9 @@ class _ExpertMajorCombine(torch.autograd.Function):
         rows, *_ = ctx.buffer.expert_major_dispatch(grad.contiguous(), handle=ctx.handle, config=ctx.config)
         if weights is None:
             return rows, None, None, None, None
-        # One pass each over the [M, H] rows (no float32 copies of them): d/dx is each row times its weight
-        # (float32 product, rounded once to x's dtype); d/dweights the row's dot product with x (products in
-        # x's dtype, exact in float32 rows, summed in float32).
+        # No float32 copies of the [M, H] rows: d/dx is each row times its weight in one pass (float32 product,
+        # rounded once to x's dtype); d/dweights is the row's dot product with x (the products rounded to x's
+        # dtype, exact for float32 rows, then summed in float32).
         gx = torch.mul(rows, weights.unsqueeze(1), out=torch.empty_like(rows, dtype=ctx.x_dtype))
         gw = (rows * x).sum(1, dtype=torch.float32) if x is not None else None
         return gx, gw, None, None, None
