@@ -13,11 +13,28 @@
 // the slot accesses follow. Each call site names its word's writer.
 //
 // Timeout (Watchdog): the deadline is taken at kernel start (make_watchdog). The first thread of the rank
-// whose wait passes it wins the rank's claim word (atomicCAS, gpu scope, in the rank's own buffer) and fills
-// the host-mapped TimeoutRecord: phase, rank, peer, a system fence, then status, so the host reads
-// consistent fields once it sees status != 0. Every timed-out wait returns false, and the caller leaves its
-// loop without publishing anything it did not finish. The claim word is sticky (never reset): the internode
-// kernels and the host check it, so later calls of a Buffer that timed out fail fast.
+// whose wait passes it (or honours a peer's abort, below) wins the rank's claim word (atomicCAS, gpu scope,
+// in the rank's own buffer) and fills the host-mapped TimeoutRecord: phase, rank, peer, a system fence, then
+// status, so the host reads consistent fields once it sees status != 0. Every timed-out wait returns false,
+// and the caller leaves its loop without publishing anything it did not finish. The claim word is sticky
+// (never reset): the internode kernels and the host check it, so later calls of a Buffer that timed out (or
+// honoured an abort) fail fast.
+//
+// Peer abort (docs/intranode.md, "Errors on every rank"): a rank that raises in a Buffer call writes 1 into
+// its byte of every peer's abort bytes (timeout_record.h; the host copies it over NVLink, runtime/peer_abort.h)
+// and writes 0 there again at its next call. The Watchdog honours a peer's abort like a timeout: the first
+// thread of the rank that gives up records (kStatusPeerAborted, phase, this rank, the aborted peer) through the
+// same claim word, and every wait that gives up returns false. The rule, as the reference board's: an abort is
+// honoured only by a thread that has seen it set on every look for kAbortHoldNs (a rank that raised, caught
+// the error and came back within that time clears its byte and is waited for, not reported), and any peer's
+// abort counts, not only the waited-for one's (a wait on a rank that itself waits for the raising one ends too).
+// Cost: none on the spin itself. Each spin already reads %globaltimer and compares it with one register
+// (next_look_ns, formerly the deadline); only when that passes, every kAbortLookNs, does the thread read the
+// abort bytes (num_ranks / 8 words, relaxed) in a non-inlined slow path. A wait that ends within
+// kAbortLookNs of the watchdog's start never reads them.
+// Memory ordering: the abort byte publishes no data; the writer is a peer's copy engine (cudaMemcpyAsync), the
+// reader this thread with volatile (relaxed, system-coherent L2) loads. Seeing it late only delays the give-up;
+// a stale 1 from a rank that already came back is covered by the hold (its clear lands within its next call).
 //
 // Abort: a wait may also end early, unrecorded, when abort() returns true (AbortFlag: another warp of the
 // block gave up and recorded its own wait).
@@ -33,29 +50,77 @@
 
 namespace moe_ep {
 
+// How long a peer's abort must be seen before a wait honours it, and how often a waiting thread looks.
+constexpr uint64_t kAbortHoldNs = 1000000000ull;  // 1 s
+constexpr uint64_t kAbortLookNs = 100000ull;      // 100 us
+
 struct Watchdog {
   uint64_t deadline_ns;    // %globaltimer value after which a wait gives up
   int rank;
-  int* claim;              // in this rank's own buffer: first timed-out thread wins (atomicCAS, gpu scope)
+  int* claim;              // in this rank's own buffer: first thread to give up wins (atomicCAS, gpu scope)
   TimeoutRecord* record;   // host-mapped
+  const volatile uint64_t* peer_aborts;  // this rank's abort bytes [num_ranks rounded up to 8], or null: none
+  int num_ranks;
+  // Per thread (each thread holds its own Watchdog): when to read the clock's slow path next, and since when
+  // this thread has seen some peer's abort byte set on every look (0: not set at the last look).
+  mutable uint64_t next_look_ns;
+  mutable uint64_t abort_seen_ns;
 
-  // True once the deadline has passed; the first caller of the rank records (phase, rank, peer).
-  __device__ bool expired(int phase, int peer) const {
-    if (ptx::globaltimer_ns() < deadline_ns) return false;
+  // True once the deadline has passed or a peer's abort has been seen for kAbortHoldNs; the first caller of
+  // the rank records it. One clock read and one compare unless a look is due.
+  __device__ __forceinline__ bool expired(int phase, int peer) const {
+    const uint64_t now = ptx::globaltimer_ns();
+    if (now < next_look_ns) return false;
+    return look(now, phase, peer);
+  }
+
+  __device__ __noinline__ bool look(uint64_t now, int phase, int peer) const {
+    if (now >= deadline_ns) return give_up(kStatusTimeout, phase, peer);
+    const int aborted = aborted_peer();
+    if (aborted < 0) {
+      abort_seen_ns = 0;
+    } else if (abort_seen_ns == 0) {
+      abort_seen_ns = now;
+    } else if (now - abort_seen_ns >= kAbortHoldNs) {
+      return give_up(kStatusPeerAborted, phase, aborted);
+    }
+    next_look_ns = now + kAbortLookNs < deadline_ns ? now + kAbortLookNs : deadline_ns;
+    return false;
+  }
+
+  // The lowest peer whose abort byte is set, or -1.
+  __device__ int aborted_peer() const {
+    if (peer_aborts == nullptr) return -1;
+    for (int w = 0; w < (num_ranks + 7) / 8; ++w) {
+      uint64_t bytes = peer_aborts[w];
+      if (w == rank / 8) bytes &= ~(0xffull << (8 * (rank % 8)));  // never our own byte (peers do not write it)
+      if (bytes != 0) return w * 8 + (__ffsll(static_cast<long long>(bytes)) - 1) / 8;
+    }
+    return -1;
+  }
+
+  // The first thread of the rank to give up fills the record (phase, rank, peer, a system fence, then status).
+  __device__ bool give_up(int32_t status, int phase, int peer) const {
     if (atomicCAS(claim, 0, 1) == 0) {
       record->phase = phase;
       record->rank = rank;
       record->peer = peer;
       __threadfence_system();
-      *reinterpret_cast<volatile int32_t*>(&record->status) = kStatusTimeout;
+      *reinterpret_cast<volatile int32_t*>(&record->status) = status;
       __threadfence_system();
     }
     return true;
   }
 };
 
-__device__ __forceinline__ Watchdog make_watchdog(uint64_t timeout_ns, int rank, int* claim, TimeoutRecord* record) {
-  return Watchdog{ptx::globaltimer_ns() + timeout_ns, rank, claim, record};
+// peer_aborts: this rank's abort bytes (kMaxAbortRanks, 8-byte aligned) or null; num_ranks: the ranks that may
+// write them (the group's).
+__device__ __forceinline__ Watchdog make_watchdog(uint64_t timeout_ns, int rank, int* claim, TimeoutRecord* record,
+                                                  const uint8_t* peer_aborts, int num_ranks) {
+  const uint64_t now = ptx::globaltimer_ns(), deadline = now + timeout_ns;
+  const uint64_t first_look = peer_aborts != nullptr && now + kAbortLookNs < deadline ? now + kAbortLookNs : deadline;
+  return Watchdog{deadline, rank, claim, record, reinterpret_cast<const volatile uint64_t*>(peer_aborts), num_ranks,
+                  first_look, 0};
 }
 
 struct NoAbort {
