@@ -1,12 +1,13 @@
 // This rank's side of the peer abort (kernels/common/wait.cuh, "Peer abort"): writing this rank's abort byte in
 // every peer's abort bytes, 1 when this rank raises in a Buffer call, 0 again at its next call. Torch-free.
 //
-// The write is a 1-byte cudaMemcpyAsync from pinned host memory to the byte's address as mapped in this
-// process (a CUDA IPC mapping of the peer's NVLink buffer, or nvshmem_ptr of its symmetric buffer), on a private
+// The write is a 1-byte cudaMemcpyAsync to the byte's address as mapped in this process (a CUDA IPC mapping of
+// the peer's NVLink buffer, or nvshmem_ptr of its symmetric buffer) from a 2-byte {0, 1} source in this GPU's
+// memory (a peer-to-peer copy; should the driver refuse it, from pinned host memory instead), on a private
 // non-blocking stream: a copy-engine transfer, ordered after nothing this rank queued on its other streams (a
 // kernel of its own that waits for a peer cannot hold it back) and needing no SM. The host then polls that
 // stream for at most kWriteWaitS and gives up silently past it (the peers fall back to their timeout): raising
-// never turns into a hang.
+// never turns into a hang. Ordering: the byte publishes no data, so no fence goes with it (wait.cuh).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -49,7 +50,8 @@ class PeerAbort {
   std::vector<uint8_t*> targets_;
   int device_ = -1;
   cudaStream_t stream_ = nullptr;
-  uint8_t* source_ = nullptr;  // pinned host bytes {0, 1}
+  uint8_t* device_source_ = nullptr;  // {0, 1} in this GPU's memory
+  uint8_t* host_source_ = nullptr;    // {0, 1}, pinned
   bool posted_ = false;
   bool pending_ = false;       // a write did not finish within kWriteWaitS: the stream and source stay allocated
 };
