@@ -21,7 +21,7 @@ A spin-wait that exceeds MOE_DISPATCHER_TIMEOUT_S seconds (default 10) in a kern
 waiting rank and the peer; the next call (or the notify wait) raises RuntimeError naming them. A rank that raises
 in a Buffer call writes its abort byte on every peer (post_abort), and a peer's kernel waiting for it gives up
 after seeing that for 1 s: its next call (or notify wait) raises PeerError "rank r raised: ..." with the message
-the raising rank posted on the Board (docs/intranode.md, "Timeouts and errors").
+the raising rank posted on the Board (docs/intranode.md, "Errors on one rank: the peer abort").
 """
 from __future__ import annotations
 

@@ -20,21 +20,22 @@
 // (never reset): the internode kernels and the host check it, so later calls of a Buffer that timed out (or
 // honoured an abort) fail fast.
 //
-// Peer abort (docs/intranode.md, "Errors on every rank"): a rank that raises in a Buffer call writes 1 into
-// its byte of every peer's abort bytes (timeout_record.h; the host copies it over NVLink, runtime/peer_abort.h)
-// and writes 0 there again at its next call. The Watchdog honours a peer's abort like a timeout: the first
-// thread of the rank that gives up records (kStatusPeerAborted, phase, this rank, the aborted peer) through the
-// same claim word, and every wait that gives up returns false. The rule, as the reference board's: an abort is
-// honoured only by a thread that has seen it set on every look for kAbortHoldNs (a rank that raised, caught
-// the error and came back within that time clears its byte and is waited for, not reported), and any peer's
-// abort counts, not only the waited-for one's (a wait on a rank that itself waits for the raising one ends too).
-// Cost: none on the spin itself. Each spin already reads %globaltimer and compares it with one register
-// (next_look_ns, formerly the deadline); only when that passes, every kAbortLookNs, does the thread read the
-// abort bytes (num_ranks / 8 words, relaxed) in a non-inlined slow path. A wait that ends within
-// kAbortLookNs of the watchdog's start never reads them.
-// Memory ordering: the abort byte publishes no data; the writer is a peer's copy engine (cudaMemcpyAsync), the
-// reader this thread with volatile (relaxed, system-coherent L2) loads. Seeing it late only delays the give-up;
-// a stale 1 from a rank that already came back is covered by the hold (its clear lands within its next call).
+// Peer abort (docs/intranode.md, "Errors on one rank: the peer abort"). A rank whose Buffer call raises writes
+// 1 into its byte of every peer's abort bytes (timeout_record.h), and 0 again at its next launch. Writer: that
+// rank's host, a 1-byte copy-engine copy to the peer's mapped memory (runtime/peer_abort.h). Reader: every
+// waiting thread here, with volatile 8-byte loads (relaxed, coherent at L2, where NVLink writes land). The byte
+// publishes no data, so no fence goes with either side; seeing it late only delays the give-up.
+// The Watchdog honours a peer's abort as it does its deadline: the first thread of the rank to give up records
+// (kStatusPeerAborted, phase, this rank, the aborted peer) through the same claim word, and every wait that
+// gives up returns false. The rule, as the reference board's: an abort counts only once this thread has seen it
+// set at every look for kAbortHoldNs (a rank that raised, caught the error and came back within that time has
+// cleared its byte and is waited for, not reported); any peer's abort counts, not only the waited-for one's (a
+// wait for a rank that itself waits for the raising one ends too).
+// Cost on the hot waits: nothing measurable. A spin already read %globaltimer and compared it with the deadline;
+// it now compares it with next_look_ns instead (at most the deadline). Only when that passes, every
+// kAbortLookNs, does the thread take the non-inlined slow path (look) that checks the deadline and loads the
+// abort bytes (num_ranks / 8 words). A wait that ends within kAbortLookNs of its watchdog's start never reads
+// them. The look state (next_look_ns, abort_seen_ns) is per thread: every thread holds its own Watchdog.
 //
 // Abort: a wait may also end early, unrecorded, when abort() returns true (AbortFlag: another warp of the
 // block gave up and recorded its own wait).
