@@ -297,6 +297,9 @@ class Buffer:
         self._board.post_abort(exc)
         if not posts_abort(exc):
             return
+        with contextlib.suppress(Exception):
+            if torch.cuda.is_current_stream_capturing():  # no CUDA work outside a capture in progress: the peers
+                return                                     # (capturing too, launching nothing) wait for no one
         for kernels in (self._kernels, self._kernels_ll):
             if kernels is not None:
                 with contextlib.suppress(Exception):

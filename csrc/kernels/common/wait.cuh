@@ -33,9 +33,11 @@
 // wait for a rank that itself waits for the raising one ends too).
 // Cost on the hot waits: nothing measurable. A spin already read %globaltimer and compared it with the deadline;
 // it now compares it with next_look_ns instead (at most the deadline). Only when that passes, every
-// kAbortLookNs, does the thread take the non-inlined slow path (look) that checks the deadline and loads the
-// abort bytes (num_ranks / 8 words). A wait that ends within kAbortLookNs of its watchdog's start never reads
-// them. The look state (next_look_ns, abort_seen_ns) is per thread: every thread holds its own Watchdog.
+// kAbortLookNs, does the thread take the slow path (look) that checks the deadline and loads the abort bytes
+// (num_ranks / 8 words). A wait that ends within kAbortLookNs of its watchdog's start never reads them. The
+// look state (next_look_ns, abort_seen_ns) is per thread: every thread holds its own Watchdog, in registers
+// (look is inlined: a call would put the Watchdog on the stack, and ptxas then spills in the low-latency
+// kernels; inlined, they use 1 register more than before and spill nothing).
 //
 // Abort: a wait may also end early, unrecorded, when abort() returns true (AbortFlag: another warp of the
 // block gave up and recorded its own wait).
@@ -75,7 +77,7 @@ struct Watchdog {
     return look(now, phase, peer);
   }
 
-  __device__ __noinline__ bool look(uint64_t now, int phase, int peer) const {
+  __device__ __forceinline__ bool look(uint64_t now, int phase, int peer) const {
     if (now >= deadline_ns) return give_up(kStatusTimeout, phase, peer);
     const int aborted = aborted_peer();
     if (aborted < 0) {
