@@ -17,11 +17,11 @@ dispatch.
 Agreement: notify compares every rank's signature hash and problem word (moe_dispatcher.signature, bad expert
 ids flagged by the layout kernel included); a disagreement raises SignatureMismatch on every rank at the same
 host wait (num_worst_tokens calls: at the next synchronised dispatch). Cached calls are not checked.
-A spin-wait that exceeds MOE_DISPATCHER_TIMEOUT_S seconds (default 10) in a kernel records the phase, the
-waiting rank and the peer; the next call (or the notify wait) raises RuntimeError naming them. A rank that raises
-in a Buffer call writes its abort byte on every peer (post_abort), and a peer's kernel waiting for it gives up
-after seeing that for 1 s: its next call (or notify wait) raises PeerError "rank r raised: ..." with the message
-the raising rank posted on the Board (docs/intranode.md, "Errors on one rank: the peer abort").
+A spin-wait that exceeds MOE_DISPATCHER_TIMEOUT_S seconds (default 10) in a kernel records the phase, the waiting
+rank and the peer; the next call (or the notify wait) raises RuntimeError naming them. A rank that raises in a
+Buffer call writes its abort byte on every peer (post_abort), and a peer's kernel waiting for it gives up after
+seeing it at two looks ~1 s apart: its next call (or notify wait) raises PeerError "rank r raised: ..." with the
+message the raising rank posted on the Board (docs/intranode.md, "Errors on one rank: the peer abort").
 """
 from __future__ import annotations
 

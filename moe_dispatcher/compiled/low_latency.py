@@ -15,11 +15,11 @@ at that time. Nothing synchronises with the host, except when the (max_tokens, h
 differ from the previous call's: then the signal words of the new layout are cleared with NVSHMEM barriers
 around (collective, like clean_low_latency_buffer), which must not happen inside a CUDA graph capture (warm
 up with the same shapes first).
-A wait longer than MOE_DISPATCHER_TIMEOUT_S seconds (default 10) in a kernel records which rank waited for
-which peer in which phase and ends the kernel (no trap: the CUDA context survives); the next call on that
-rank raises a RuntimeError saying so, and the Buffer is unusable from then on. A rank that raises in a Buffer call
-writes its abort byte (after the two halves of every peer's symmetric buffer; post_abort), and a peer's wait that
-sees it for 1 s gives up the same way: that peer's next call raises "rank r raised: ..." (docs/low_latency.md).
+A wait longer than MOE_DISPATCHER_TIMEOUT_S seconds (default 10) in a kernel records which rank waited for which
+peer in which phase and ends the kernel (no trap: the CUDA context survives); the next call on that rank raises a
+RuntimeError saying so, and the Buffer is unusable from then on. A rank that raises in a Buffer call writes its
+abort byte (after the two halves of every peer's symmetric buffer; post_abort), and a peer's wait that sees it at
+two looks ~1 s apart gives up the same way: that peer's next call raises "rank r raised: ..." (docs/low_latency.md).
 
 Phase trace (diagnostics, docs/low_latency.md "Phase trace"): MOE_DISPATCHER_LL_TRACE=1 when the backend is
 created makes it keep one device record per (kernel, buffer half) and pass it to every launch; the kernels then

@@ -202,7 +202,7 @@ __device__ __forceinline__ bool commit_idle_ok(const Watchdog& dog, int phase, i
                                                int lane) {
   int ok = 1;
   if (lane == 0) {
-    ok = !*stop && !(ptx::globaltimer_ns() > dog.deadline_ns + 1000000000ull && dog.expired(phase, rank));
+    ok = !*stop && !(reached(watchdog_ticks(), dog.deadline + (1u << 20)) && dog.expired(phase, rank));  // ~1 s
   }
   return __shfl_sync(0xffffffffu, ok, 0) != 0;
 }
