@@ -28,7 +28,7 @@ from .expert_major import ExpertMajorHandle
 from .handle import DispatchHandle, LowLatencyHandle
 from .reference import ReferenceLowLatency, ReferenceNormal
 from .reference.normal import layout_problem
-from .reference.board import Board, posts_abort
+from .reference.board import Board, on_every_rank, posts_abort
 from .reference.comm import agree, all_gather_rows
 from .runtime import ll_layout, release
 from .signature import Signature, dispatch_signature
@@ -697,8 +697,9 @@ class Buffer:
             # the backend too (its notify finished: the excess just read came from its counts).
             if self._kernels is not None:
                 self._kernels.forget_overflow()
-            raise ValueError(f"expert_major_dispatch: on rank {rank}, {int(worst.max())} more expert rows arrived than "
-                             f"num_worst_tokens allowed; they were dropped (raise num_worst_tokens)")
+            raise on_every_rank(ValueError(  # every rank raises it after the same all-gather: no abort (board.py)
+                f"expert_major_dispatch: on rank {rank}, {int(worst.max())} more expert rows arrived than "
+                f"num_worst_tokens allowed; they were dropped (raise num_worst_tokens)"))
 
     # ------------------------------------------------------------------ expert-major (fused permutation)
     def expert_major_dispatch(self, x: XType, handle: Optional[ExpertMajorHandle] = None,

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from .. import _ext
 from ..env import env_float
+from ..reference.board import on_every_rank
 
 # A compiled kernel that waits longer than this for a peer records what it waited for and stops (the
 # backends' timeout_message says which rank); one setting for every compiled backend.
@@ -85,15 +86,16 @@ def wait_counts(backend, seq: int, flag_layout_mismatch: int) -> int:
     if num_recv < 0:
         backend._check()
         raise RuntimeError(f"moe_dispatcher {backend.name}: rank {backend.rank}: notify gave up")
+    # Both errors below are every rank's alike (notify reported them to all): they post no abort (board.py).
     if flags & flag_layout_mismatch:
-        raise ValueError("dispatch: num_tokens_per_rank does not match is_token_in_rank on some rank (pass "
-                         "the layout that get_dispatch_layout returned for these topk_idx)")
+        raise on_every_rank(ValueError("dispatch: num_tokens_per_rank does not match is_token_in_rank on some rank "
+                                       "(pass the layout that get_dispatch_layout returned for these topk_idx)"))
     overflow = backend._ipc.take_worst_overflow()
     if overflow is not None:
-        raise ValueError(f"dispatch: in an earlier dispatch with num_worst_tokens={overflow[2]}, rank "
-                         f"{overflow[0]} received {overflow[1]} rows; the rows past num_worst_tokens were "
-                         f"dropped (the compiled backend reports this at the next synchronised dispatch, "
-                         f"on every rank; raise num_worst_tokens)")
+        raise on_every_rank(ValueError(
+            f"dispatch: in an earlier dispatch with num_worst_tokens={overflow[2]}, rank {overflow[0]} received "
+            f"{overflow[1]} rows; the rows past num_worst_tokens were dropped (the compiled backend reports this at "
+            f"the next synchronised dispatch, on every rank; raise num_worst_tokens)"))
     return num_recv
 
 

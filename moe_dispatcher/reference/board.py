@@ -63,6 +63,12 @@ def posts_abort(exc: BaseException) -> bool:
     return not isinstance(exc, PeerError) and not getattr(exc, "raised_on_every_rank", False)
 
 
+def on_every_rank(exc: BaseException) -> BaseException:
+    """Mark `exc` as raised by every rank alike after the same collective (posts_abort then posts nothing)."""
+    exc.raised_on_every_rank = True
+    return exc
+
+
 def _group_store(group: dist.ProcessGroup):
     """The store of `group` (shared by its ranks), or None when this torch does not expose one."""
     c10d = dist.distributed_c10d
