@@ -12,13 +12,13 @@
 // outcome and extends the ordering to the group with a barrier (__syncwarp, bar.sync, __syncthreads), which
 // the slot accesses follow. Each call site names its word's writer.
 //
-// Timeout (Watchdog): the deadline is taken at kernel start (make_watchdog; at most kMaxTimeoutTicks, ~18 min). The first thread of the rank
-// whose wait passes it (or honours a peer's abort, below) wins the rank's claim word (atomicCAS, gpu scope,
-// in the rank's own buffer) and fills the host-mapped TimeoutRecord: phase, rank, peer, a system fence, then
-// status, so the host reads consistent fields once it sees status != 0. Every timed-out wait returns false,
-// and the caller leaves its loop without publishing anything it did not finish. The claim word is sticky
-// (never reset): the internode kernels and the host check it, so later calls of a Buffer that timed out (or
-// honoured an abort) fail fast.
+// Timeout (Watchdog): the deadline is taken at kernel start (make_watchdog; at most kMaxTimeoutTicks, ~18
+// minutes). The first thread of the rank whose wait passes it (or honours a peer's abort, below) wins the
+// rank's claim word (atomicCAS, gpu scope, in the rank's own buffer) and fills the host-mapped TimeoutRecord:
+// phase, rank, peer, a system fence, then status, so the host reads consistent fields once it sees status != 0.
+// Every timed-out wait returns false, and the caller leaves its loop without publishing anything it did not
+// finish. The claim word is sticky (never reset): the internode kernels and the host check it, so later calls
+// of a Buffer that timed out (or honoured an abort) fail fast.
 //
 // Peer abort (docs/intranode.md, "Errors on one rank: the peer abort"). A rank whose Buffer call raises writes
 // 1 into its byte of every peer's abort bytes (timeout_record.h), and 0 again at its next launch. Writer: that
@@ -64,7 +64,7 @@ constexpr uint32_t kAbortHoldTicks = 1u << 20;   // ~1.07 s: an abort seen twice
 
 // The lowest peer (other than `rank`) whose abort byte is set, or -1 (none, or no abort bytes). Not inlined: the
 // slow path's loop stays out of the waits' register budget.
-__device__ __noinline__ int first_aborted_peer(const volatile uint64_t* peer_aborts, int num_ranks, int rank) {
+__device__ __noinline__ inline int first_aborted_peer(const volatile uint64_t* peer_aborts, int num_ranks, int rank) {
   if (peer_aborts == nullptr) return -1;
   for (int w = 0; w < (num_ranks + 7) / 8; ++w) {
     uint64_t bytes = peer_aborts[w];
