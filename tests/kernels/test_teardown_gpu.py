@@ -114,7 +114,7 @@ def test_a_raising_rank_lets_its_peers_fail_fast(world_size: int, kind: str, ret
     if kind == "internode" and world_size < 4:
         pytest.skip("the internode emulation needs 2 NVLink domains of 2 ranks")
     victim = 0
-    codes, results, errs = _run_ranks(world_size, f"{'retry' if retry else 'raise'}_{kind}", victim, 150,
+    codes, results, errs = _run_ranks(world_size, f"{'retry' if retry else 'raise'}_{kind}", victim, 100,
                                       {"MOE_DISPATCHER_TIMEOUT_S": str(RAISE_TIMEOUT_S)})
     print(f"\n[{'retry' if retry else 'raise'} {kind}] return codes {codes}; " + "; ".join(
         f"rank {r}: {res['elapsed']:.2f} s" for r, res in sorted(results.items())))
