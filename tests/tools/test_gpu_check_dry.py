@@ -22,7 +22,7 @@ def _check(tmp_path, n, **env):
 def test_four_gpus_run_every_family(tmp_path):
     text = _check(tmp_path, 4)
     for step in ("build", "test_intranode", "test_expert_major", "test_low_latency", "test_internode",
-                 "test_teardown_faults", "test_peer_abort", "test_teardown", "test_soak", "test_megatron_layer", "test_megatron_train",
+                 "test_teardown_faults", "test_teardown", "test_soak", "test_megatron_layer", "test_megatron_train",
                  "bench_normal_4", "bench_normal_2", "bench_ll_4",
                  "bench_ll_2", "bench_internode", "host_profile"):
         assert f"DRY  {step} " in text, step
