@@ -126,13 +126,10 @@ class _ExpertMajorCombine(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         x, weights = ctx.saved_tensors
         rows, *_ = ctx.buffer.expert_major_dispatch(grad.contiguous(), handle=ctx.handle, config=ctx.config)
-        if weights is None:
-            return rows, None, None, None, None
-        # No float32 copies of the [M, H] rows: d/dx is each row times its weight in one pass (float32 product,
-        # rounded once to x's dtype); d/dweights is the row's dot product with x (the products rounded to x's
-        # dtype, exact for float32 rows, then summed in float32).
-        gx = torch.mul(rows, weights.unsqueeze(1), out=torch.empty_like(rows, dtype=ctx.x_dtype))
-        gw = (rows * x).sum(1, dtype=torch.float32) if x is not None else None
+        gx = rows if weights is None else (rows.to(torch.float32) * weights.unsqueeze(1)).to(ctx.x_dtype)
+        gw = None
+        if weights is not None and ctx.needs_input_grad[1]:
+            gw = (rows.to(torch.float32) * x.to(torch.float32)).sum(1)
         return gx, gw, None, None, None
 
 

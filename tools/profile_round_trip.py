@@ -4,9 +4,7 @@
 
 The round trip of one Megatron-Core MoELayer (bench/results/h200x4.md): router + dispatch_preprocess +
 token_dispatch + dispatch_postprocess + (h * probs) + combine_preprocess + token_combine +
-combine_postprocess, forward and backward, identity experts; and the same with the probs applied by the
-combine instead (identity experts that accept the dispatcher's offer, as GroupedGemmExperts do:
-integrations/megatron/probs_offer.py). Rank 0 writes to $OUT:
+combine_postprocess, forward and backward, identity experts. Rank 0 writes to $OUT:
   round_trip_profile.txt   the event-timed round trip, host syncs seen in steady state (CUDA sync debug
                            mode warnings + notify waits), and torch.profiler's top ops by CUDA and CPU time;
   round_trip_trace.json.gz the chrome trace of the profiled iterations.
@@ -51,13 +49,12 @@ x = torch.randn(T, 1, H, device="cuda", dtype=torch.bfloat16, requires_grad=True
 d = layer.token_dispatcher
 
 
-def rt(probs_in_combine=False):
+def rt():
     probs, rmap = layer.router(x)
     h, p = d.dispatch_preprocess(x, rmap, probs)
     h, p = d.token_dispatch(h, p)
     h, tpe, pp = d.dispatch_postprocess(h, p)
-    if not (probs_in_combine and leave_probs_to_combine(pp)):
-        h = (h * pp.unsqueeze(-1)).to(x.dtype)
+    h = (h * pp.unsqueeze(-1)).to(x.dtype)
     h = d.combine_preprocess(h)
     h = d.token_combine(h)
     h = d.combine_postprocess(h)
@@ -78,7 +75,6 @@ def timed(fn, iters=20):
 
 from moe_dispatcher.integrations.megatron import guard  # noqa: E402
 from moe_dispatcher.integrations.megatron.buffers import _buffers  # noqa: E402
-from moe_dispatcher.integrations.megatron.probs_offer import leave_probs_to_combine  # noqa: E402
 from moe_dispatcher.integrations.megatron.sizing import ROWS_ENV  # noqa: E402
 
 
@@ -91,21 +87,18 @@ def zero_grad():
 #   exact       every dispatch waits for notify's counts (the default outside a rerun guard);
 #   bound       fixed M, no guard (overflow would raise two calls later);
 #   auto+guard  the default inside guard.run_step: fixed M, one check of the rows needed per step;
-#   ... h1.03   the same with 3% headroom instead of 10% (fewer zero rows for every op over the expert rows);
-#   ... pic     the same with the probs applied by the combine (no h * probs on the expert rows).
-# The default with Megatron's experts goes last: the profile below runs it.
-VARIANTS = [("exact", "exact", False, None, False), ("bound", "bound", False, None, False),
-            ("auto+guard h1.03", "auto", True, 1.03, False), ("auto+guard pic", "auto", True, None, True),
-            ("auto+guard", "auto", True, None, False)]
+#   ... h1.03   the same with 3% headroom instead of 10% (fewer zero rows for every op over the expert rows).
+# The default goes last: the profile below runs it.
+VARIANTS = [("exact", "exact", False, None), ("bound", "bound", False, None),
+            ("auto+guard h1.03", "auto", True, 1.03), ("auto+guard", "auto", True, None)]
 DEFAULT_HEADROOM = d._row_budget.headroom
 
 
 def use(variant):
-    _, env, guarded, headroom, probs_in_combine = variant
+    _, env, guarded, headroom = variant
     os.environ[ROWS_ENV] = env
     d._row_budget.headroom = headroom or DEFAULT_HEADROOM
-    step = (lambda: rt(probs_in_combine))
-    return (lambda: guard.run_step(step, zero_grad)) if guarded else step
+    return (lambda: guard.run_step(rt, zero_grad)) if guarded else rt
 
 
 waits = {"n": 0}
@@ -151,7 +144,6 @@ for variant in VARIANTS:
     syncs, notify_waits, msgs = host_syncs(fn)
     rows = d._row_budget.high_water if variant[1] == "exact" else d._row_budget.rows_for(T, K)
     results[variant[0]] = (gpu_ms, host_ms, syncs, notify_waits, msgs, rows)
-multiplied = {name: not pic for name, *_, pic in VARIANTS}
 
 
 # The round trip's own work, with no exchange at all: router forward/backward, and the float32 probs multiply
@@ -184,8 +176,7 @@ def floor_ms(rows, iters=20):
     return s.elapsed_time(e) / iters
 
 
-# per variant: the same calls on every rank; no multiply (router alone) where the combine applies the probs
-floors = {name: floor_ms(r[-1] if multiplied[name] else 0) for name, r in results.items()}
+floors = {name: floor_ms(r[-1]) for name, r in results.items()}  # per variant: the same calls on every rank
 x.grad = None
 profiled = use(VARIANTS[-1])  # the profile below: the default of a training step (auto sizing in the rerun guard)
 
@@ -201,8 +192,7 @@ if rank == 0:
     with open(os.path.join(OUT, "round_trip_profile.txt"), "w") as f:
         f.write(f"EP={world} T={T} H={H} E={E} top{K} bf16: our dispatcher round trip (fwd+bwd, identity experts)\n")
         f.write("  floor: the round trip's own work on the M expert rows (router + float32 probs multiply, fwd+bwd, "
-                "no exchange; router alone for 'pic', whose combine applies the probs); own share = round trip - "
-                "floor\n")
+                "no exchange); own share = round trip - floor\n")
         for name, (gpu_ms, host_ms, syncs, notify_waits, msgs, rows) in results.items():
             f.write(f"  {name:16s} M {rows:6d} | round trip GPU {gpu_ms:.3f} ms/iter (events), floor {floors[name]:.3f}, "
                     f"own share {gpu_ms - floors[name]:.3f} ms | host enqueue {host_ms:.3f} ms/iter | host syncs/iter "

@@ -23,7 +23,6 @@ with warnings.catch_warnings():
     from .buffers import dispatch_group, get_buffer, megatron_topology, release_buffers
     from .dispatcher import MoEDispatcherLowLatencyTokenDispatcher, MoEDispatcherTokenDispatcher
     from .guard import check_expert_rows, run_step
-    from .probs_offer import leave_probs_to_combine
     from .registration import (DISPATCHER_NAMES, LOW_LATENCY, NORMAL, guard_forward_backward, guard_training_steps,
                                is_registered, register)
     from .timing import comm_timer
@@ -43,7 +42,6 @@ __all__ = [
     "guard_forward_backward",
     "guard_training_steps",
     "is_registered",
-    "leave_probs_to_combine",
     "megatron_topology",
     "register",
     "release_buffers",

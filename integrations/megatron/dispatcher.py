@@ -4,17 +4,14 @@ Both implement Megatron's MoETokenDispatcher interface (megatron-core 0.19.x) ov
 
   dispatch_preprocess   routing map / probs [T, E] -> top-k ids / weights (local work only)
   token_dispatch        the differentiable Buffer dispatch (the only communication on the way in)
-  dispatch_postprocess  received rows -> expert-major rows, tokens_per_expert (CPU), permuted probs (offered:
-                        experts that accept leave the probs to the combine, probs_offer.py)
+  dispatch_postprocess  received rows -> expert-major rows, tokens_per_expert (CPU), permuted probs
   combine_preprocess    expert-major outputs -> one row per received row (a token's local experts summed)
-  token_combine         the differentiable Buffer combine (sum per source token, weighted by the permuted
-                        probs when the experts accepted the offer)
+  token_combine         the differentiable Buffer combine (plain sum per source token)
   combine_postprocess   back to the input's shape (plus the overlapped shared experts' output)
 
 Each step reads its tensors from its arguments, not from state an earlier step stashed, so Megatron's
 EP-overlap schedule (which detaches the tensors between steps) gets correct gradients. Only index
-bookkeeping (top-k ids, handles, the permutation) is kept on the dispatcher between steps, and, outside
-that schedule, the permuted probs that token_combine applies when the experts left them to it.
+bookkeeping (top-k ids, handles, the permutation) is kept on the dispatcher between steps.
 
 With MOE_DISPATCHER_FP8_DISPATCH on, the forward dispatch sends FP8 rows (e4m3 per 128-channel block + float32
 scales) and casts them back on arrival; everything else stays in the activation dtype (docs/megatron.md).
@@ -38,7 +35,6 @@ from moe_dispatcher.env import env_flag, env_int
 from . import guard
 from .buffers import buffer_backend, get_buffer
 from .permutation import LowLatencyPacking, routing_to_topk
-from .probs_offer import ProbsOffer, offer_probs
 from .sizing import ExpertRowBudget, rows_mode, tokens_per_expert_covering
 from .timing import comm_timer
 
@@ -101,12 +97,6 @@ class MoEDispatcherTokenDispatcher(MoETokenDispatcher):
         self._recv_counts: list[int] | None = None
         self._tokens_per_expert: torch.Tensor | None = None
         self._probs_dtype = torch.float32
-        # The probs go to the combine when the experts accept (probs_offer.py), except under the EP-overlap
-        # schedule: it runs dispatch, experts and combine as separate graph pieces joined by detached tensors,
-        # so a combine weighted by the dispatch node's probs could not hand their gradient back.
-        self._offers_probs = not getattr(config, "overlap_moe_expert_parallel_comm", False)
-        self._probs_offer: ProbsOffer | None = None
-        self._combine_probs: torch.Tensor | None = None
         # Fixed expert-major row counts (no host sync in steady state; sizing.py).
         self._row_budget = ExpertRowBudget(self.pad_multiple,
                                            getattr(config, "moe_expert_rank_capacity_factor", None),
@@ -180,20 +170,13 @@ class MoEDispatcherTokenDispatcher(MoETokenDispatcher):
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """-> (expert-major rows, tokens_per_expert int64 (padded counts), permuted probs).
 
-        The permuted probs carry an offer (probs_offer.py): experts that accept it (GroupedGemmExperts) leave
-        the multiply by the probs to token_combine, which then weights each row by its float32 prob; experts
-        that ignore it (Megatron's) multiply as always and the combine is a plain sum.
-
         With moe_router_padding_for_quantization each expert's rows are padded with zero rows (prob 0) to a
         multiple of 16/32, so fp8/fp4 grouped GEMMs need no padding of their own. With fixed rows (sizing.py: the
         default inside a guarded training step, guard.py) tokens_per_expert stays on the device (experts that need
         it on the host read it there, as Megatron's SequentialMLP / GroupedMLP do with .tolist()) and the zero
         rows past the last expert's are counted in the last expert, so the counts add up to the rows."""
         tokens_per_expert, self._tokens_per_expert = self._tokens_per_expert, None
-        permuted_probs = probs.to(self._probs_dtype)
-        if self._offers_probs:
-            self._probs_offer, self._combine_probs = offer_probs(permuted_probs), probs
-        return hidden_states, tokens_per_expert, permuted_probs
+        return hidden_states, tokens_per_expert, probs.to(self._probs_dtype)
 
     def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Expert-major outputs go to combine as they are (the Buffer undoes the permutation)."""
@@ -201,18 +184,12 @@ class MoEDispatcherTokenDispatcher(MoETokenDispatcher):
 
     def token_combine(self, hidden_states: torch.Tensor, async_finish: bool = True,
                       allocate_on_comm_stream: bool = True) -> torch.Tensor:
-        """Return the expert rows to their tokens' ranks and sum them per token -> [T, H]; each row times its
-        permuted prob (float32 [M], differentiable) first if the experts left the probs to the combine."""
+        """Return the expert rows to their tokens' ranks and sum them per token -> [T, H]."""
         if self.shared_experts is not None:
             self.shared_experts.wait_current_stream()
-        offer, probs = self._probs_offer, self._combine_probs
-        self._probs_offer = self._combine_probs = None
-        if offer is not None and offer.accepted:
-            x, weights = comm_timer.backward_end("combine", hidden_states, probs)
-        else:
-            (x,), weights = comm_timer.backward_end("combine", hidden_states), None
+        (x,) = comm_timer.backward_end("combine", hidden_states)
         with comm_timer.forward("combine", hidden_states.device):
-            out = md_autograd.expert_major_combine(self._buffer, x.contiguous(), self._handle, weights)
+            out = md_autograd.expert_major_combine(self._buffer, x.contiguous(), self._handle)
         (out,) = comm_timer.backward_start("combine", out)
         self._handle = self._buffer = None
         return out

@@ -8,11 +8,6 @@ module computes the same function with one grouped GEMM per projection:
     act:  act(gate) * up (+ glu_linear_offset), times the row's prob (float32 multiply, cast back)
     fc2:  [M, F] rows of expert e  x  W2[e]^T  -> [M, H]
 
-Behind our normal-mode dispatcher the probs multiply is left out: the dispatcher offers to apply the probs
-in its combine (probs_offer.py), these experts accept, and the combine multiplies each output row by its
-prob while it sums the token's rows (fc2 is linear and bias-free, so p * fc2(act) == fc2(act * p) up to
-rounding). Behind any other dispatcher the probs are applied here, as Megatron's experts do.
-
 Weights are one parameter per projection: ``weight1`` [E_local, 2F or F, H] and ``weight2`` [E_local, H, F],
 expert e's slice being exactly SequentialMLP's ``local_experts[e].linear_fc{1,2}.weight``
 (``load_sequential_mlp_state`` copies one into the other). The row offsets of the experts stay on the device
@@ -34,8 +29,6 @@ import functools
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
-
-from .probs_offer import leave_probs_to_combine
 
 
 def grouped_mm_available(x: torch.Tensor) -> bool:
@@ -72,11 +65,9 @@ class GroupedGemmExperts(MegatronModule):
     Built by MoELayer as ``experts(num_local_experts, config, pg_collection=..., name=...)``; called as
     ``forward(rows [M, H], tokens_per_expert int64 [E_local] (host or device), probs [M]) -> ([M, H], None)``,
     rows in expert-major order (expert e's rows contiguous, experts in local order), as every Megatron
-    dispatcher hands them over. The output rows are multiplied by their probs unless the dispatcher offered
-    to do it in its combine (probs_offer.leave_probs_to_combine; our normal-mode dispatcher). Rows past
-    sum(tokens_per_expert) come out as zeros on the loop and are never read by combine on the grouped path
-    (dispatchers with fixed row counts count them in the last expert; ours also hands the counts without
-    them, which this module uses: forward).
+    dispatcher hands them over. Rows past sum(tokens_per_expert) come out as zeros on the loop and are
+    never read by combine on the grouped path (dispatchers with fixed row counts count them in the last
+    expert; ours also hands the counts without them, which this module uses: forward).
     """
 
     def __init__(self, num_local_experts: int, config, submodules=None, pg_collection=None,
@@ -126,20 +117,18 @@ class GroupedGemmExperts(MegatronModule):
         else:
             offsets = tokens_per_expert.to(hidden_states.device).cumsum(0).to(torch.int32)
         h = grouped_linear(hidden_states, self.weight1, offsets, counts)
-        h = self._activation(h, None if leave_probs_to_combine(permuted_probs) else permuted_probs)
+        h = self._activation(h, permuted_probs)
         return grouped_linear(h, self.weight2, offsets, counts), None
 
-    def _activation(self, h: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
-        """MLP.forward's unfused activation, with the probs (None: left to the combine) applied as Megatron's
-        MLP applies its per-token scale (the float32 multiply and cast back)."""
+    def _activation(self, h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """MLP.forward's unfused activation, with the probs applied as Megatron's MLP applies its
+        per-token scale (the float32 multiply and cast back)."""
         config = self.config
         if config.gated_linear_unit:
             gate, up = torch.chunk(h, 2, dim=-1)
             h = config.activation_func(gate) * (up + config.glu_linear_offset)
         else:
             h = config.activation_func(h)
-        if probs is None:
-            return h
         return (h * probs.unsqueeze(-1)).to(h.dtype)
 
     def backward_dw(self) -> None:
