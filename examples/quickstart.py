@@ -74,6 +74,7 @@ def main() -> None:
               f"{T} tokens each, top-{TOPK} of {num_experts} experts; rows received per rank {received}; "
               f"tokens per local expert on rank 0 {tokens_per_local_expert}")
     buffer.destroy()
+    dist.barrier()  # every rank is done with the group before any rank tears it down
     dist.destroy_process_group()
 
 
