@@ -492,16 +492,9 @@ void register_intranode(py::module_& m) {
           py::arg("num_channels"), py::arg("chunk"), py::arg("num_slots"), py::arg("slot_bytes"), py::arg("config"),
           py::arg("num_sms"), py::keep_alive<0, 1>(), py::keep_alive<0, 2>());
 
-  // get_dispatch_layout (layout_call.h); bad expert ids are flagged into the NVLink buffer's Control word, which
-  // the next notify reports (buffer None: not flagged). None once the buffer is destroyed or timed out.
+  // get_dispatch_layout (layout_call.h: layout_call_on).
   sub.def(
-      "layout_call",
-      [](const at::Tensor& topk_idx, int64_t num_experts, int num_ranks, int nvl_size, const IpcBuffer* buffer) {
-        // A destroyed or timed-out buffer: None, so that the Buffer's full path raises why.
-        if (buffer != nullptr && !usable(*buffer)) return py::object(py::none());
-        int* bad = buffer != nullptr ? &reinterpret_cast<Control*>(buffer->local())->bad_expert_ids : nullptr;
-        return layout_call(topk_idx, num_experts, num_ranks, nvl_size, bad);
-      },
+      "layout_call", &layout_call_on,
       py::arg("topk_idx"), py::arg("num_experts"), py::arg("num_ranks"), py::arg("nvl_size"),
       py::arg("buffer") = nullptr);
   sub.def("notify", &notify, py::arg("buffer"), py::arg("timeout_ns"), py::arg("is_token_in_rank"),

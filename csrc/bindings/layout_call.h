@@ -5,9 +5,11 @@
 #include <torch/extension.h>
 #include <pybind11/pybind11.h>
 
+#include "bindings/cached_call.h"
 #include "bindings/stream_join.h"
 #include "kernels/common/layout.h"
 #include "kernels/common/nvlink_buffer.h"
+#include "runtime/ipc_buffer.h"
 
 namespace moe_ep {
 
@@ -46,6 +48,16 @@ inline pybind11::object layout_call(const at::Tensor& topk_idx, int64_t num_expe
   pybind11::object domain_result = per_domain.has_value() ? pybind11::cast(std::move(*per_domain)) : pybind11::none();
   return pybind11::make_tuple(std::move(per_rank), std::move(domain_result), std::move(per_expert),
                               std::move(in_rank));
+}
+
+// The binding both normal-mode modules export: layout_call with the bad-id word of `buffer`'s NVLink Control block
+// (reported by the next notify; buffer null: not flagged). None once the buffer is destroyed or a kernel timed out,
+// so that the Buffer's full path raises why.
+inline pybind11::object layout_call_on(const at::Tensor& topk_idx, int64_t num_experts, int num_ranks, int nvl_size,
+                                       const IpcBuffer* buffer) {
+  if (buffer != nullptr && !usable(*buffer)) return pybind11::none();
+  int* bad = buffer != nullptr ? &reinterpret_cast<nvlink::Control*>(buffer->local())->bad_expert_ids : nullptr;
+  return layout_call(topk_idx, num_experts, num_ranks, nvl_size, bad);
 }
 
 }  // namespace moe_ep
