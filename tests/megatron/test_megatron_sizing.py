@@ -7,6 +7,20 @@ import torch
 from moe_dispatcher.integrations.megatron import sizing
 
 
+class _FakeDispatcher:
+    """What the guard reads of a dispatcher: its group and its row budget."""
+    group = None
+
+
+def _tracked_dispatcher(guard) -> _FakeDispatcher:
+    """A dispatcher the guard tracks, its budget exact (headroom 1) and seeded with a need of 100 rows."""
+    d = _FakeDispatcher()
+    d._row_budget = sizing.ExpertRowBudget(align=1, headroom=1.0)
+    d._row_budget.observe(100)
+    guard.track(d)
+    return d
+
+
 def test_first_call_exact_then_high_water_with_headroom():
     b = sizing.ExpertRowBudget(align=1, headroom=1.25)
     assert b.rows_for(4096, 8) == 0  # no history: a synchronised call
@@ -80,13 +94,7 @@ def test_guard_reruns_an_overflowed_step_exactly(monkeypatch):
 
     monkeypatch.delenv(sizing.ROWS_ENV, raising=False)
 
-    class FakeDispatcher:  # what the guard reads of a dispatcher: its group and its row budget
-        group = None
-
-    d = FakeDispatcher()
-    d._row_budget = sizing.ExpertRowBudget(align=1, headroom=1.0)
-    d._row_budget.observe(100)
-    guard.track(d)
+    d = _tracked_dispatcher(guard)
     modes, zeroed = [], []
 
     def step(need):
@@ -164,13 +172,7 @@ def test_bound_mode_checks_the_last_calls_at_the_step_end(monkeypatch):
 
     monkeypatch.setenv(sizing.ROWS_ENV, "bound")
 
-    class FakeDispatcher:
-        group = None
-
-    d = FakeDispatcher()
-    d._row_budget = sizing.ExpertRowBudget(align=1, headroom=1.0)
-    d._row_budget.observe(100)
-    guard.track(d)
+    d = _tracked_dispatcher(guard)
     returned = []
 
     def step(needs):
@@ -199,13 +201,7 @@ def test_bound_mode_checks_the_last_calls_on_a_gpu(monkeypatch):
 
     monkeypatch.setenv(sizing.ROWS_ENV, "bound")
 
-    class FakeDispatcher:
-        group = None
-
-    d = FakeDispatcher()
-    d._row_budget = sizing.ExpertRowBudget(align=1, headroom=1.0)
-    d._row_budget.observe(100)
-    guard.track(d)
+    d = _tracked_dispatcher(guard)
 
     def step(needs):
         def run():
