@@ -10,6 +10,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <string>
 #include <vector>
 
@@ -393,6 +394,8 @@ void register_internode(py::module_& m) {
   sub.attr("MAX_LOCAL_EXPERTS") = kMaxLocalExperts;
   sub.attr("MAX_TOPK") = kMaxTopk;
   sub.attr("MAX_CHUNK") = kMaxChunk;
+  // Byte offset of RdmaControl::peer_aborted in the symmetric buffer (the peer abort's targets: wait.cuh).
+  sub.attr("RDMA_ABORT_OFFSET") = offsetof(RdmaControl, peer_aborted);
 
   py::class_<Context>(sub, "Context");
   sub.def("make_context", &make_context, py::arg("ipc"), py::arg("rdma"), py::arg("rank"), py::arg("num_ranks"),

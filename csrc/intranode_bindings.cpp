@@ -466,6 +466,10 @@ void register_intranode(py::module_& m) {
       .def_property_readonly("local_ptr", [](const IpcBuffer& b) { return reinterpret_cast<uintptr_t>(b.local()); })
       .def_property_readonly("src_block_bytes", [](const IpcBuffer& b) { return b.common(0).src_block_bytes; })
       .def("timeout_info", &timeout_info)
+      // The peer abort (runtime/peer_abort.h): this rank raised in a Buffer call / its next call starts.
+      .def("post_abort", &IpcBuffer::post_abort)
+      .def("clear_abort_if_posted", &IpcBuffer::clear_abort_if_posted)
+      .def("set_abort_targets", &IpcBuffer::set_abort_targets, py::arg("targets"))
       .def("wait_notify", &wait_notify, py::arg("seq"), py::arg("timeout_s"))
       .def("expert_counts", &expert_counts, py::arg("n"))
       .def("take_worst_overflow", &take_worst_overflow)

@@ -12,12 +12,14 @@
 
 namespace moe_ep {
 
-// (status, phase name, waiting rank, peer) of the first timeout this rank recorded in `b`'s mailbox, or
-// None; phase_name(phase) words the backend's phase codes.
+// (status, phase name, waiting rank, peer) of the first wait of this rank that gave up, as recorded in `b`'s
+// mailbox (status kStatusTimeout: peer is the rank it waited for; kStatusPeerAborted: the rank whose abort it
+// honoured), or None; phase_name(phase) words the backend's phase codes.
 inline pybind11::object mailbox_timeout_info(const IpcBuffer& b, std::string (*phase_name)(int)) {
   const volatile TimeoutRecord* rec = &b.host_mailbox()->timeout;
   if (rec->status == 0) return pybind11::none();
-  return pybind11::make_tuple(rec->phase, phase_name(rec->phase), rec->rank, rec->peer);
+  return pybind11::make_tuple(static_cast<int>(rec->status), phase_name(rec->phase), static_cast<int>(rec->rank),
+                              static_cast<int>(rec->peer));
 }
 
 // The inputs and outputs of notify that the intranode and internode NotifyArgs name alike.

@@ -38,6 +38,7 @@
 #include "bindings/stream_join.h"
 #include "kernels/low_latency/low_latency.h"
 #include "runtime/cuda_check.h"
+#include "runtime/peer_abort.h"
 
 namespace py = pybind11;
 
@@ -122,13 +123,16 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   Runtime(const at::Tensor& buffer, size_t num_bytes, const std::vector<uint64_t>& peer_bases, int rank, int num_ranks,
           int device, int num_blocks, uint64_t timeout_ns, const py::object& comm_stream, bool rank_partials,
           const OptTensor& trace, py::object handle_cls, py::object event_cls, py::object no_event,
-          py::object barrier, py::object timeout_message, int64_t buffer_token)
+          py::object barrier, py::object timeout_message, int64_t buffer_token, uint64_t peer_aborts,
+          const std::vector<uint64_t>& abort_targets)
       : num_bytes_(num_bytes), rank_(rank), num_ranks_(num_ranks), device_(device), num_blocks_(num_blocks),
         timeout_ns_(timeout_ns), rank_partials_(rank_partials), buffer_token_(buffer_token),
         handle_cls_(std::move(handle_cls)), event_cls_(std::move(event_cls)), no_event_(std::move(no_event)),
         barrier_(std::move(barrier)), timeout_message_(std::move(timeout_message)) {
     MOE_CHECK(num_ranks >= 1 && num_ranks <= kMaxRanks, "low_latency: bad number of ranks");
     MOE_CHECK(static_cast<int>(peer_bases.size()) == num_ranks, "low_latency: one peer base per rank");
+    MOE_CHECK(static_cast<int>(abort_targets.size()) == num_ranks, "low_latency: one abort target per rank");
+    MOE_CHECK(peer_aborts != 0 && peer_aborts % 8 == 0, "low_latency: the abort bytes must be 8-byte aligned");
     MOE_CHECK(num_blocks >= 1, "low_latency: num_blocks must be positive");
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
     // The symmetric buffer as the backend's uint8 tensor: every view carved from it (the zero-copy combine buffer)
@@ -146,6 +150,10 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
                                  cudaHostAllocMapped));
     *host_timeout_ = TimeoutRecord{};
     MOE_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&device_timeout_), host_timeout_, 0));
+    peer_aborts_ = reinterpret_cast<const uint8_t*>(peer_aborts);
+    std::vector<uint8_t*> targets;
+    for (uint64_t t : abort_targets) targets.push_back(reinterpret_cast<uint8_t*>(t));
+    abort_.set_targets(targets);
     const auto id = comm_stream.attr("stream_id").cast<int64_t>();
     const auto index = comm_stream.attr("device_index").cast<int64_t>();
     const auto type = comm_stream.attr("device_type").cast<int64_t>();
@@ -355,6 +363,13 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   void destroy() {
     alive_ = false;
     raw_ = at::Tensor();
+    abort_.forget();
+  }
+
+  // The peer abort (kernels/common/wait.cuh, runtime/peer_abort.h): this rank raised in a Buffer call; common()
+  // clears it at the next launch (one branch unless posted).
+  void post_abort() {
+    if (alive_) abort_.post();
   }
 
   // (half, num_experts) of the last launch of `kind` (0 dispatch, 1 combine) while tracing, else None.
@@ -483,6 +498,8 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
     c.per_rank_combine = false;
     c.timeout_ns = timeout_ns_;
     c.timeout = device_timeout_;
+    c.peer_aborts = peer_aborts_;
+    abort_.clear_if_posted();  // every launch asks for its Common first
     c.trace = traces_[kind][half];
     if (c.trace != nullptr) trace_last_[kind] = {half, p.num_experts};
     return c;
@@ -557,6 +574,8 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   c10::cuda::CUDAEvent before_;  // comm stream waits for the current one (async_finish)
   TimeoutRecord* host_timeout_ = nullptr;
   TimeoutRecord* device_timeout_ = nullptr;
+  const uint8_t* peer_aborts_ = nullptr;  // this PE's abort bytes (after the two halves of the symmetric buffer)
+  PeerAbort abort_;                       // this PE's byte on every peer
   std::string broken_;
   std::vector<std::unique_ptr<Plan>> plans_;
   Plan* last_ = nullptr;
@@ -603,6 +622,7 @@ void register_low_latency(py::module_& parent) {
   m.attr("MAX_EXPERTS") = kMaxExperts;
   m.attr("MAX_HIDDEN") = kMaxHidden;
   m.attr("WORKSPACE_INTS") = kWorkspaceInts;
+  m.attr("ABORT_BYTES") = kMaxAbortRanks;  // the abort bytes after the two halves (timeout_record.h)
   // Phase trace (low_latency.h, kTrace*): one record is TRACE_WORDS int64 words; events of block b at
   // [b * TRACE_EVENTS + index], the SM id at TRACE_SMID, per-pair words from TRACE_PAIR_{SENT,WAIT,SEEN}.
   m.attr("TRACE_MAX_BLOCKS") = kTraceMaxBlocks;
@@ -649,11 +669,13 @@ void register_low_latency(py::module_& parent) {
   py::class_<Runtime, std::shared_ptr<Runtime>>(m, "LowLatencyRuntime",
                                                 "The low-latency calls of one backend (see the file comment).")
       .def(py::init<const at::Tensor&, size_t, const std::vector<uint64_t>&, int, int, int, int, uint64_t, const py::object&,
-                    bool, const OptTensor&, py::object, py::object, py::object, py::object, py::object, int64_t>(),
+                    bool, const OptTensor&, py::object, py::object, py::object, py::object, py::object, int64_t,
+                    uint64_t, const std::vector<uint64_t>&>(),
            py::arg("buffer"), py::arg("num_bytes"), py::arg("peer_bases"), py::arg("rank"), py::arg("num_ranks"),
            py::arg("device"), py::arg("num_blocks"), py::arg("timeout_ns"), py::arg("comm_stream"),
            py::arg("rank_partials"), py::arg("trace"), py::arg("handle_cls"), py::arg("event_cls"),
-           py::arg("no_event"), py::arg("barrier"), py::arg("timeout_message"), py::arg("buffer_token"))
+           py::arg("no_event"), py::arg("barrier"), py::arg("timeout_message"), py::arg("buffer_token"),
+           py::arg("peer_aborts"), py::arg("abort_targets"))
       .def("dispatch", &Runtime::dispatch,
            "dispatch(x, topk_idx, max_tokens, num_experts, cum_stats, wait_stats, use_fp8, round_scale, use_ue8m0, "
            "async_finish, return_recv_hook) -> (recv_x, recv_count, handle, EventOverlap, hook or None)")
@@ -667,6 +689,7 @@ void register_low_latency(py::module_& parent) {
       .def("timeout_info", &Runtime::timeout_info)
       .def("check_usable", &Runtime::check_usable)
       .def("destroy", &Runtime::destroy)
+      .def("post_abort", &Runtime::post_abort)
       .def("trace_last", &Runtime::trace_last, py::arg("kind"))
       .def("kernels_for", &Runtime::kernels_for, py::arg("max_tokens"), py::arg("hidden"), py::arg("num_experts"))
       .def_property_readonly("num_blocks", &Runtime::num_blocks)

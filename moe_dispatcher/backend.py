@@ -154,6 +154,14 @@ class Backend:
         """Reset the low-latency signal words (collective)."""
         raise NotImplementedError(f"the {self.name} backend has no low-latency mode")
 
+    # ------------------------------------------------------------------ errors
+    def post_abort(self) -> None:
+        """This rank raises in a Buffer call (an error its peers do not raise alike): let the peers' kernels that
+        wait for it give up instead of timing out. The compiled backends write this rank's abort byte in every
+        peer's memory (kernels/common/wait.cuh, "Peer abort") and clear it at their next launch; a backend whose own
+        kernels honoured a peer's abort posts nothing. Best effort, never raises. Default: nothing (the reference
+        backend's collectives read the Board instead)."""
+
     # ------------------------------------------------------------------ buffer access and lifetime
     def local_buffer_tensor(self, dtype: torch.dtype, size: Optional[Sequence[int]], offset: int,
                             use_rdma_buffer: bool) -> Tensor:
@@ -162,7 +170,7 @@ class Backend:
 
     # Teardown: what moe_dispatcher/runtime/release.py calls (the reference backend shares no memory).
     symmetric = False  # holds NVSHMEM memory (freed only collectively)
-    broken = False  # a kernel recorded a timeout
+    broken = False  # a kernel recorded a timeout (or honoured a peer's abort)
 
     def quiesce(self) -> None:
         """Local: wait for this GPU's work, stop using the peers' memory, refuse later calls."""

@@ -28,7 +28,7 @@ from .expert_major import ExpertMajorHandle
 from .handle import DispatchHandle, LowLatencyHandle
 from .reference import ReferenceLowLatency, ReferenceNormal
 from .reference.normal import layout_problem
-from .reference.board import Board
+from .reference.board import Board, on_every_rank, posts_abort
 from .reference.comm import agree, all_gather_rows
 from .runtime import ll_layout, release
 from .signature import Signature, dispatch_signature
@@ -288,6 +288,23 @@ class Buffer:
         if not self._destroyed:
             self._release.park(self._drop_backends())
 
+    def _post_abort(self, exc: BaseException) -> None:
+        """This rank raises `exc` in a Buffer call: let the peers waiting for it fail fast ("rank r raised: ...")
+        instead of waiting out their timeout. The reference collectives read the Board (reference/board.py); the
+        compiled kernels' waits read this rank's abort byte, which each compiled backend writes on every peer
+        (Backend.post_abort) and clears at its next launch. Errors every rank raises alike post nothing
+        (board.posts_abort). Never raises: the caller's error is what propagates."""
+        self._board.post_abort(exc)
+        if not posts_abort(exc):
+            return
+        with contextlib.suppress(Exception):
+            if torch.cuda.is_current_stream_capturing():  # no CUDA work outside a capture in progress: the peers
+                return                                     # (capturing too, launching nothing) wait for no one
+        for kernels in (self._kernels, self._kernels_ll):
+            if kernels is not None:
+                with contextlib.suppress(Exception):
+                    kernels.post_abort()
+
     def _check_alive(self) -> None:
         if self._destroyed:
             raise RuntimeError("this Buffer was destroyed")
@@ -477,8 +494,8 @@ class Buffer:
             results, event = self._stream_scope(topk_idx.device, previous_event, async_finish, allocate_on_comm_stream,
                                                 lambda: backend.get_dispatch_layout(topk_idx, num_experts), [topk_idx])
             return (*results, event)
-        except Exception as exc:  # a peer waiting in this call's collective fails fast (board.py)
-            self._board.post_abort(exc)
+        except Exception as exc:  # a peer waiting for this call fails fast (_post_abort)
+            self._post_abort(exc)
             raise
 
     def _check_routing(self, data: Tensor, backend, topk_idx: Optional[Tensor], topk_weights: Optional[Tensor],
@@ -591,8 +608,8 @@ class Buffer:
             if num_worst_tokens:  # the backend's device counts stay internal (Backend.dispatch)
                 counts = []
             return (recv_x if scales is None else (recv_x, recv_scales)), recv_idx, recv_w, counts, new_handle, event
-        except Exception as exc:  # a peer waiting in this call's collective fails fast (board.py)
-            self._board.post_abort(exc)
+        except Exception as exc:  # a peer waiting for this call fails fast (_post_abort)
+            self._post_abort(exc)
             raise
 
     def combine(self, x: Tensor, handle: DispatchHandle, topk_weights: Optional[Tensor] = None, bias=None,
@@ -634,8 +651,8 @@ class Buffer:
                                                 lambda: backend.combine(x, handle, topk_weights, biases, config),
                                                 [x, topk_weights, *biases])
             return (*results, event)
-        except Exception as exc:  # a peer waiting in this call's collective fails fast (board.py)
-            self._board.post_abort(exc)
+        except Exception as exc:  # a peer waiting for this call fails fast (_post_abort)
+            self._post_abort(exc)
             raise
 
     def _agree_layout(self, data: Tensor, scales: Optional[Tensor], topk_idx: Optional[Tensor],
@@ -680,8 +697,9 @@ class Buffer:
             # the backend too (its notify finished: the excess just read came from its counts).
             if self._kernels is not None:
                 self._kernels.forget_overflow()
-            raise ValueError(f"expert_major_dispatch: on rank {rank}, {int(worst.max())} more expert rows arrived than "
-                             f"num_worst_tokens allowed; they were dropped (raise num_worst_tokens)")
+            raise on_every_rank(ValueError(  # every rank raises it after the same all-gather: no abort (board.py)
+                f"expert_major_dispatch: on rank {rank}, {int(worst.max())} more expert rows arrived than "
+                f"num_worst_tokens allowed; they were dropped (raise num_worst_tokens)"))
 
     # ------------------------------------------------------------------ expert-major (fused permutation)
     def expert_major_dispatch(self, x: XType, handle: Optional[ExpertMajorHandle] = None,
@@ -738,8 +756,8 @@ class Buffer:
             (px, ps, pw, tpe, counts, new_handle), event = self._stream_scope(
                 dev, previous_event, async_finish, allocate_on_comm_stream, run, [data, scales, topk_idx, topk_weights])
             return (px if scales is None else (px, ps)), pw, counts, tpe, new_handle, event
-        except Exception as exc:  # a peer waiting in this call's collective fails fast (board.py)
-            self._board.post_abort(exc)
+        except Exception as exc:  # a peer waiting for this call fails fast (_post_abort)
+            self._post_abort(exc)
             raise
 
     def expert_major_combine(self, x: Tensor, handle: ExpertMajorHandle, weights: Optional[Tensor] = None,
@@ -773,8 +791,8 @@ class Buffer:
                 lambda: backend.expert_major_combine(x, handle, weights, topk_weights, biases, config),
                 [x, weights, topk_weights, *biases])
             return (*results, event)
-        except Exception as exc:  # a peer waiting in this call's collective fails fast (board.py)
-            self._board.post_abort(exc)
+        except Exception as exc:  # a peer waiting for this call fails fast (_post_abort)
+            self._post_abort(exc)
             raise
 
     # ------------------------------------------------------------------ low-latency mode
@@ -804,8 +822,8 @@ class Buffer:
                                               use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
             return run(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
                        dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
-        except Exception as exc:  # a peer waiting in this call's collective fails fast (board.py)
-            self._board.post_abort(exc)
+        except Exception as exc:  # a peer waiting for this call fails fast (_post_abort)
+            self._post_abort(exc)
             raise
 
     def low_latency_combine(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, handle: LowLatencyHandle,
@@ -828,8 +846,8 @@ class Buffer:
                                              return_recv_hook, out, combine_wait_recv_cost_stats)
             return run(x, topk_idx, topk_weights, handle, zero_copy, async_finish, return_recv_hook, out,
                        combine_wait_recv_cost_stats)
-        except Exception as exc:  # a peer waiting in this call's collective fails fast (board.py)
-            self._board.post_abort(exc)
+        except Exception as exc:  # a peer waiting for this call fails fast (_post_abort)
+            self._post_abort(exc)
             raise
 
     def _check_low_latency(self, max_tokens: int, hidden: int, num_experts: int) -> None:

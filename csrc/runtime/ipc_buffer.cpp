@@ -50,12 +50,25 @@ void IpcBuffer::open_peers(const std::vector<std::string>& handles) {
     MOE_CUDA_CHECK(cudaIpcOpenMemHandle(&ptr, handle, cudaIpcMemLazyEnablePeerAccess));
     peers_[r] = static_cast<uint8_t*>(ptr);
   }
+  std::vector<uint8_t*> aborts(num_ranks_, nullptr);
+  for (int r = 0; r < num_ranks_; ++r) {
+    if (r != rank_) aborts[r] = reinterpret_cast<intranode::Control*>(peers_[r])->peer_aborted + rank_;
+  }
+  abort_.set_targets(aborts);
   opened_ = true;
+}
+
+void IpcBuffer::set_abort_targets(const std::vector<uintptr_t>& targets) {
+  MOE_CHECK(alive(), "IpcBuffer is closed or destroyed");
+  std::vector<uint8_t*> aborts;
+  for (uintptr_t t : targets) aborts.push_back(reinterpret_cast<uint8_t*>(t));
+  abort_.set_targets(aborts);
 }
 
 void IpcBuffer::close() {
   if (local_ == nullptr || closed_) return;
   closed_ = true;  // first: a failure below must not leave launches allowed
+  abort_.forget();  // before the mappings it writes through go
   MOE_CUDA_CHECK(cudaDeviceSynchronize());  // this rank's kernels no longer touch any peer's buffer
   for (int r = 0; r < num_ranks_; ++r) {
     if (r != rank_ && peers_[r] != nullptr) MOE_CUDA_CHECK(cudaIpcCloseMemHandle(peers_[r]));

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "kernels/intranode/protocol.h"
+#include "runtime/peer_abort.h"
 
 namespace moe_ep {
 
@@ -38,6 +39,19 @@ class IpcBuffer {
   // map it, so it stays allocated until the process exits. The mailbox (not exported) is freed. Idempotent.
   void abandon();
 
+  // The peer abort (runtime/peer_abort.h). open_peers targets this rank's byte of Control::peer_aborted in every
+  // domain peer's buffer; the internode backend replaces the targets with the group's (RdmaControl's, over
+  // NVSHMEM). post_abort: this rank raised in a Buffer call (a no-op once closed). clear_abort_if_posted: every
+  // launch path calls it first (cached plans in usable(), fresh calls through the backend); one branch unless
+  // this rank posted.
+  void set_abort_targets(const std::vector<uintptr_t>& targets);
+  void post_abort() {
+    if (alive()) abort_.post();
+  }
+  void clear_abort_if_posted() const {
+    if (alive()) abort_.clear_if_posted();
+  }
+
   bool alive() const { return local_ != nullptr && !closed_; }
   bool opened() const { return opened_; }
   int rank() const { return rank_; }
@@ -57,6 +71,7 @@ class IpcBuffer {
   bool closed_ = false;
   intranode::Mailbox* host_mailbox_ = nullptr;
   intranode::Mailbox* device_mailbox_ = nullptr;
+  mutable PeerAbort abort_;  // mutable: a launch path holding a const IpcBuffer& clears this rank's abort
 };
 
 }  // namespace moe_ep

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from .. import _ext
 from ..env import env_float
+from ..reference.board import on_every_rank
 
 # A compiled kernel that waits longer than this for a peer records what it waited for and stops (the
 # backends' timeout_message says which rank); one setting for every compiled backend.
@@ -85,15 +86,16 @@ def wait_counts(backend, seq: int, flag_layout_mismatch: int) -> int:
     if num_recv < 0:
         backend._check()
         raise RuntimeError(f"moe_dispatcher {backend.name}: rank {backend.rank}: notify gave up")
+    # Both errors below are every rank's alike (notify reported them to all): they post no abort (board.py).
     if flags & flag_layout_mismatch:
-        raise ValueError("dispatch: num_tokens_per_rank does not match is_token_in_rank on some rank (pass "
-                         "the layout that get_dispatch_layout returned for these topk_idx)")
+        raise on_every_rank(ValueError("dispatch: num_tokens_per_rank does not match is_token_in_rank on some rank "
+                                       "(pass the layout that get_dispatch_layout returned for these topk_idx)"))
     overflow = backend._ipc.take_worst_overflow()
     if overflow is not None:
-        raise ValueError(f"dispatch: in an earlier dispatch with num_worst_tokens={overflow[2]}, rank "
-                         f"{overflow[0]} received {overflow[1]} rows; the rows past num_worst_tokens were "
-                         f"dropped (the compiled backend reports this at the next synchronised dispatch, "
-                         f"on every rank; raise num_worst_tokens)")
+        raise on_every_rank(ValueError(
+            f"dispatch: in an earlier dispatch with num_worst_tokens={overflow[2]}, rank {overflow[0]} received "
+            f"{overflow[1]} rows; the rows past num_worst_tokens were dropped (the compiled backend reports this at "
+            f"the next synchronised dispatch, on every rank; raise num_worst_tokens)"))
     return num_recv
 
 
@@ -138,12 +140,29 @@ def buffer_view(raw: Callable[[], torch.Tensor], total: int, dtype: torch.dtype,
     return view.view(*size) if size is not None else view
 
 
-def timeout_message(kernels: str, info, timeout_s: float, env: str) -> str:
-    """The error of a Buffer whose kernels recorded a timeout: info = (code, phase, waiting rank, peer)."""
-    _, phase, rank, peer = info
+# TimeoutRecord::status (csrc/kernels/common/timeout_record.h): why a kernel's wait gave up.
+STATUS_TIMEOUT = 1
+STATUS_PEER_ABORTED = 2  # a peer raised in a Buffer call and posted its abort byte (kernels/common/wait.cuh)
+
+
+def timeout_message(kernels: str, info, timeout_s: float, env: str, board=None) -> str:
+    """The error of a Buffer whose kernels recorded a wait that gave up: info = (status, phase, waiting rank, peer).
+    STATUS_PEER_ABORTED: `peer` raised in a Buffer call; its message comes from `board` (the Buffer's
+    reference/board.py Board, whose store holds "abort/<rank>") when it has one. Otherwise a timeout."""
+    status, phase, rank, peer = info
+    unusable = "this Buffer is unusable now: destroy it on every rank and create a new one"
+    if status == STATUS_PEER_ABORTED:
+        said = board.abort_message(peer) if board is not None else None
+        cause = f"rank {peer} raised: {said}" if said else f"rank {peer} raised (no message)"
+        return f"moe_dispatcher {kernels}: {cause} (rank {rank} was waiting in {phase}); {unusable}"
     return (f"moe_dispatcher {kernels}: rank {rank} timed out after {timeout_s:g} s in {phase} waiting for rank "
-            f"{peer} (a peer skipped a call, or calls differ between ranks); this Buffer is unusable now: destroy "
-            f"it on every rank and create a new one ({env} sets the timeout)")
+            f"{peer} (a peer skipped a call, or calls differ between ranks); {unusable} ({env} sets the timeout)")
+
+
+def posted_by_peer(info) -> bool:
+    """Whether a recorded failure (timeout_info's tuple or None) is a peer's abort: this rank then posts none of
+    its own (the reference board's rule for PeerError: every waiting rank sees the raising rank's abort itself)."""
+    return info is not None and info[0] == STATUS_PEER_ABORTED
 
 
 def _extension_with(buffer, submodule: str, what: str) -> Tuple[Optional[object], str]:

@@ -25,9 +25,10 @@ from .. import _ext
 from ..backend import Backend, Capabilities
 from ..config import Config, align_slot
 from ..handle import DispatchHandle
+from ..reference.board import PeerError
 from ..signature import dispatch_signature, raise_disagreement, signature_hash
-from . import (TIMEOUT_ENV, HandleState, buffer_view, combine_tensors, kernel_timeout_s, recv_tensors, run_cached,
-               timeout_message, wait_counts)
+from . import (STATUS_PEER_ABORTED, TIMEOUT_ENV, HandleState, buffer_view, combine_tensors, kernel_timeout_s,
+               posted_by_peer, recv_tensors, run_cached, timeout_message, wait_counts)
 from .intranode import (COMBINE_DTYPES, KEPT_SIGNATURES, _columns, _contiguous, _DeviceMemory, _row_bytes,
                         combine_slot_bytes)
 
@@ -95,6 +96,15 @@ class InternodeBackend(Backend):
         self._rdma_raw.zero_()  # every counter starts at 0 on every PE
         self._ctx = self._mod.make_context(self._ipc, self._rdma_ptr, self.rank, self.num_ranks, self.nvl_size,
                                            self.num_rdma_bytes)
+        # The peer abort (kernels/common/wait.cuh): this rank's byte of RdmaControl::peer_aborted on every rank of
+        # the group, through NVSHMEM's mapping of its buffer (0: not mapped here, that rank falls back to its
+        # timeout); it replaces the domain's targets open_peers set.
+        aborts = [self._state.peer_ptr(self._rdma_ptr + self._mod.RDMA_ABORT_OFFSET, pe) if pe != self.rank else 0
+                  for pe in range(self.num_ranks)]
+        self._ipc.set_abort_targets([p + self.rank if p else 0 for p in aborts])
+        self._board = buffer._board  # the message of a peer's abort (timeout_message)
+        self._abort_posted = False  # this rank posted an abort: its next full-path call clears it first
+        self._peer_aborted = False  # what _broken says: a peer's abort (PeerError) rather than a timeout
         self._state.barrier()  # nobody sends before every PE zeroed its buffer
         torch.cuda.current_stream().synchronize()
         self._seq = 0
@@ -112,14 +122,27 @@ class InternodeBackend(Backend):
             raise_disagreement(self.group, self.device, self._signatures, *mismatch)
 
     def _check(self) -> None:
+        """Raise if no call may be made (destroyed, or a kernel recorded a timeout or a peer's abort); clear this
+        rank's own abort first when it posted one (the cached plans clear it natively)."""
         if self._broken is not None:
-            raise RuntimeError(self._broken)
+            raise (PeerError if self._peer_aborted else RuntimeError)(self._broken)
         if not self._alive:
             raise RuntimeError("the internode backend was destroyed")
+        if self._abort_posted:
+            self._abort_posted = False
+            self._ipc.clear_abort_if_posted()
         info = self._mod.timeout_info(self._ipc)
         if info is not None:
-            self._broken = timeout_message(self.name, info, self.timeout_s, TIMEOUT_ENV)
-            raise RuntimeError(self._broken)
+            self._broken = timeout_message(self.name, info, self.timeout_s, TIMEOUT_ENV, self._board)
+            self._peer_aborted = info[0] == STATUS_PEER_ABORTED
+            raise (PeerError if self._peer_aborted else RuntimeError)(self._broken)
+
+    def post_abort(self) -> None:
+        """Backend.post_abort: this rank's abort byte on every rank of the group (not after this rank's kernels
+        honoured a peer's abort, nor once closed)."""
+        if self._alive and self._ipc.alive and not posted_by_peer(self._mod.timeout_info(self._ipc)):
+            self._ipc.post_abort()
+            self._abort_posted = True
 
     def refused(self) -> None:
         """A plan did not launch: raise why (destroyed, or a timeout recorded)."""
@@ -304,7 +327,7 @@ class InternodeBackend(Backend):
         if self._ipc.alive and self._broken is None:
             info = self._mod.timeout_info(self._ipc)
             if info is not None:
-                self._broken = timeout_message(self.name, info, self.timeout_s, TIMEOUT_ENV)
+                self._broken = timeout_message(self.name, info, self.timeout_s, TIMEOUT_ENV, self._board)
         self._alive = False
         self._rdma_raw = None
         self._ipc.close()

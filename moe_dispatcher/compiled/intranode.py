@@ -17,8 +17,11 @@ dispatch.
 Agreement: notify compares every rank's signature hash and problem word (moe_dispatcher.signature, bad expert
 ids flagged by the layout kernel included); a disagreement raises SignatureMismatch on every rank at the same
 host wait (num_worst_tokens calls: at the next synchronised dispatch). Cached calls are not checked.
-A spin-wait that exceeds MOE_DISPATCHER_TIMEOUT_S seconds (default 10) in a kernel records the phase, the
-waiting rank and the peer; the next call (or the notify wait) raises RuntimeError naming them.
+A spin-wait that exceeds MOE_DISPATCHER_TIMEOUT_S seconds (default 10) in a kernel records the phase, the waiting
+rank and the peer; the next call (or the notify wait) raises RuntimeError naming them. A rank that raises in a
+Buffer call writes its abort byte on every peer (post_abort), and a peer's kernel waiting for it gives up after
+seeing it at two looks ~1 s apart: its next call (or notify wait) raises PeerError "rank r raised: ..." with the
+message the raising rank posted on the Board (docs/intranode.md, "Errors on one rank: the peer abort").
 """
 from __future__ import annotations
 
@@ -30,12 +33,13 @@ import torch.distributed as dist
 
 from .. import _ext
 from ..backend import Backend, Capabilities
+from ..reference.board import PeerError
 from ..config import Config, align_slot
 from ..expert_major import ExpertMajorHandle, compose_expert_major_dispatch, gather_rows, unpermute
 from ..handle import DispatchHandle
 from ..signature import Signature, dispatch_signature, raise_disagreement, signature_hash
-from . import (TIMEOUT_ENV, HandleState, buffer_view, combine_tensors, kernel_timeout_s, recv_tensors, run_cached,
-               timeout_message, wait_counts)
+from . import (STATUS_PEER_ABORTED, TIMEOUT_ENV, HandleState, buffer_view, combine_tensors, kernel_timeout_s,
+               posted_by_peer, recv_tensors, run_cached, timeout_message, wait_counts)
 
 # Dtypes of combine input the kernels reduce (others go to the reference backend: capabilities.combine_dtypes).
 COMBINE_DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32})
@@ -101,6 +105,8 @@ class IntranodeBackend(Backend):
         self.num_rdma_bytes = buffer.num_rdma_bytes
         self._buffer_token = buffer._token
         self._buffer_cls = type(buffer)
+        self._board = buffer._board  # the message of a peer's abort (timeout_message)
+        self._abort_posted = False  # this rank posted an abort: its next full-path call clears it first
         self.capabilities = Capabilities(normal=True, expert_major=True, combine_dtypes=COMBINE_DTYPES,
                                          max_local_experts=self._mod.MAX_LOCAL_EXPERTS, devices=frozenset({"cuda"}))
         self.timeout_s = kernel_timeout_s()
@@ -124,21 +130,35 @@ class IntranodeBackend(Backend):
         # a disagreement that notify recorded (one all-gather of them then names the fields).
         self._signatures: "OrderedDict[int, Signature]" = OrderedDict()
         self._broken: Optional[str] = None
+        self._peer_aborted = False  # what _broken says: a peer's abort (PeerError) rather than a timeout
         self._rdma_emulation: Optional[torch.Tensor] = None
 
     # ------------------------------------------------------------------ errors
     def _check(self) -> None:
+        """Raise if no call may be made (destroyed, or a kernel recorded a timeout or a peer's abort); clear this
+        rank's own abort first when it posted one (the cached plans clear it natively)."""
         if self._broken is not None:
-            raise RuntimeError(self._broken)
+            raise (PeerError if self._peer_aborted else RuntimeError)(self._broken)
         if not self._ipc.alive:
             raise RuntimeError("the intranode backend was destroyed")
+        if self._abort_posted:
+            self._abort_posted = False
+            self._ipc.clear_abort_if_posted()
         info = self._ipc.timeout_info()
         if info is not None:
             self._fail(info)
 
     def _fail(self, info) -> None:
-        self._broken = timeout_message(self.name, info, self.timeout_s, TIMEOUT_ENV)
-        raise RuntimeError(self._broken)
+        self._broken = timeout_message(self.name, info, self.timeout_s, TIMEOUT_ENV, self._board)
+        self._peer_aborted = info[0] == STATUS_PEER_ABORTED
+        raise (PeerError if self._peer_aborted else RuntimeError)(self._broken)
+
+    def post_abort(self) -> None:
+        """Backend.post_abort: this rank's abort byte on every domain peer (not after this rank's kernels
+        honoured a peer's abort, nor once closed)."""
+        if self._ipc.alive and not posted_by_peer(self._ipc.timeout_info()):
+            self._ipc.post_abort()
+            self._abort_posted = True
 
     def refused(self) -> None:
         """A plan did not launch: raise why (destroyed, or a timeout recorded)."""
@@ -475,7 +495,8 @@ class IntranodeBackend(Backend):
         """Local: note a recorded timeout, wait for the device, close this rank's mappings of the peers' buffers;
         later calls raise."""
         if self._ipc.alive and self._broken is None and self._ipc.timeout_info() is not None:
-            self._broken = timeout_message(self.name, self._ipc.timeout_info(), self.timeout_s, TIMEOUT_ENV)
+            self._broken = timeout_message(self.name, self._ipc.timeout_info(), self.timeout_s, TIMEOUT_ENV,
+                                           self._board)
         self._rdma_emulation = None
         self._ipc.close()
 

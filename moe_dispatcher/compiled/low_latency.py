@@ -15,9 +15,11 @@ at that time. Nothing synchronises with the host, except when the (max_tokens, h
 differ from the previous call's: then the signal words of the new layout are cleared with NVSHMEM barriers
 around (collective, like clean_low_latency_buffer), which must not happen inside a CUDA graph capture (warm
 up with the same shapes first).
-A wait longer than MOE_DISPATCHER_TIMEOUT_S seconds (default 10) in a kernel records which rank waited for
-which peer in which phase and ends the kernel (no trap: the CUDA context survives); the next call on that
-rank raises a RuntimeError saying so, and the Buffer is unusable from then on.
+A wait longer than MOE_DISPATCHER_TIMEOUT_S seconds (default 10) in a kernel records which rank waited for which
+peer in which phase and ends the kernel (no trap: the CUDA context survives); the next call on that rank raises a
+RuntimeError saying so, and the Buffer is unusable from then on. A rank that raises in a Buffer call writes its
+abort byte (after the two halves of every peer's symmetric buffer; post_abort), and a peer's wait that sees it at
+two looks ~1 s apart gives up the same way: that peer's next call raises "rank r raised: ..." (docs/low_latency.md).
 
 Phase trace (diagnostics, docs/low_latency.md "Phase trace"): MOE_DISPATCHER_LL_TRACE=1 when the backend is
 created makes it keep one device record per (kernel, buffer half) and pass it to every launch; the kernels then
@@ -36,7 +38,7 @@ from ..env import env_flag
 from ..event import EventOverlap
 from ..handle import LowLatencyHandle
 from ..runtime import nvshmem
-from . import TIMEOUT_ENV, buffer_view, kernel_timeout_s, timeout_message
+from . import TIMEOUT_ENV, buffer_view, kernel_timeout_s, posted_by_peer, timeout_message
 
 # Phase trace (diagnostics): "1" when the backend is created turns the kernels' timestamps on.
 TRACE_ENV = "MOE_DISPATCHER_LL_TRACE"
@@ -78,17 +80,26 @@ class LowLatencyBackend(Backend):
         self.device = torch.device("cuda", torch.cuda.current_device())
         self._state = nvshmem.bootstrap(buffer.group, self.device.index,
                                         single_host=buffer.topology.is_single_domain)
+        # The symmetric allocation: num_rdma_bytes for the two halves, then (128-byte aligned) this PE's abort
+        # bytes, which the peers write (kernels/common/wait.cuh, "Peer abort").
+        abort_offset = (self.num_bytes + 127) // 128 * 128
+        total = abort_offset + self._mod.ABORT_BYTES
         try:
-            self._ptr = self._state.malloc(self.num_bytes)
+            self._ptr = self._state.malloc(total)
         except Exception:
             self._state.finalize()
             raise
-        memory = _DeviceMemory(self._ptr, self.num_bytes)
+        memory = _DeviceMemory(self._ptr, total)
         self._raw_memory = weakref.ref(memory)  # alive while a view of the buffer is (views_alive)
-        self._raw = torch.as_tensor(memory, device=self.device)
-        self._raw.zero_()  # every signal word of every layout starts at 0
+        whole = torch.as_tensor(memory, device=self.device)
+        whole.zero_()  # every signal word of every layout starts at 0, and every abort byte
+        self._raw = whole[:self.num_bytes]
         peers = [self._state.peer_ptr(self._ptr, pe) if buffer.allow_nvlink_for_low_latency_mode else 0
                  for pe in range(self.num_ranks)]
+        # This PE's abort byte in every peer's abort bytes, through NVSHMEM's mapping (whether or not the kernels
+        # may store over NVLink; 0: not mapped, that peer falls back to its timeout).
+        aborts = [self._state.peer_ptr(self._ptr + abort_offset, pe) if pe != self.rank else 0
+                  for pe in range(self.num_ranks)]
         self.nvlink_peers = sum(1 for p in peers if p)
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         # Phase trace: int64 [kind, half, TRACE_WORDS] on the device, or None (off: the kernels get null).
@@ -101,12 +112,14 @@ class LowLatencyBackend(Backend):
                                       device=self.device)
         state = self._state
         timeout_s = self.timeout_s
+        board = buffer._board  # the message of a peer's abort
         self.runtime = self._mod.LowLatencyRuntime(
             self._raw, self.num_bytes, peers, self.rank, self.num_ranks, self.device.index, sms,
             int(self.timeout_s * 1e9), buffer.get_comm_stream(),
             getattr(buffer, "low_latency_combine_reduction", "per_rank") == "per_rank", self._trace,
             LowLatencyHandle, EventOverlap, _NO_EVENT, lambda: state.barrier(),
-            lambda info: timeout_message("low-latency", info, timeout_s, TIMEOUT_ENV), buffer._token)
+            lambda info: timeout_message("low-latency", info, timeout_s, TIMEOUT_ENV, board), buffer._token,
+            self._ptr + abort_offset, [p + self.rank if p else 0 for p in aborts])
         # The calls: one native call each (see the class docstring).
         self.low_latency_dispatch = self.runtime.dispatch
         self.low_latency_combine = self.runtime.combine
@@ -130,8 +143,14 @@ class LowLatencyBackend(Backend):
         return ("dedup" if dedup else "per_expert") + ("+rank_combine" if per_rank else "")
 
     def timeout_info(self):
-        """None, or (status, phase, waiting rank, peer) of the first wait that timed out."""
+        """None, or (status, phase, waiting rank, peer) of the first wait that gave up (compiled.STATUS_*)."""
         return self.runtime.timeout_info()
+
+    def post_abort(self) -> None:
+        """Backend.post_abort: this PE's abort byte on every peer; the runtime clears it at its next launch (not
+        after this rank's kernels honoured a peer's abort, nor once destroyed)."""
+        if self._alive and not posted_by_peer(self.runtime.timeout_info()):
+            self.runtime.post_abort()
 
     # ------------------------------------------------------------------ phase trace
     @property

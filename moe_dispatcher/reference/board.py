@@ -53,7 +53,20 @@ def timeout_s() -> float:
 
 
 class PeerError(RuntimeError):
-    """A collective of the reference backend gave up: a peer timed out or raised (never re-posted as an abort)."""
+    """A collective of the reference backend gave up, or a compiled kernel honoured a peer's abort: a peer timed
+    out or raised (never re-posted as an abort)."""
+
+
+def posts_abort(exc: BaseException) -> bool:
+    """Whether a Buffer call raising `exc` posts an abort for its peers: not for errors every rank raises after
+    the same collective (PeerError, moe_dispatcher.signature's SignatureMismatch): no peer is left waiting."""
+    return not isinstance(exc, PeerError) and not getattr(exc, "raised_on_every_rank", False)
+
+
+def on_every_rank(exc: BaseException) -> BaseException:
+    """Mark `exc` as raised by every rank alike after the same collective (posts_abort then posts nothing)."""
+    exc.raised_on_every_rank = True
+    return exc
 
 
 def _group_store(group: dist.ProcessGroup):
@@ -121,13 +134,23 @@ class Board:
     # ------------------------------------------------------------------ errors of this rank
     def post_abort(self, exc: BaseException) -> None:
         """This rank raises `exc` in a Buffer call: let peers waiting in its next collective fail fast. Errors
-        that every rank raises after the same collective (PeerError, moe_dispatcher.signature's
-        SignatureMismatch) post nothing: no peer is left waiting."""
-        if self.store is None or isinstance(exc, PeerError) or getattr(exc, "raised_on_every_rank", False):
+        that every rank raises after the same collective post nothing (posts_abort)."""
+        if self.store is None or not posts_abort(exc):
             return
         with contextlib.suppress(Exception):  # never hide the caller's error behind a store failure
             self.store.set(f"abort/{self.rank}", f"{self.next_collective}|{type(exc).__name__}: {exc}")
             self._abort_posted = True
+
+    def abort_message(self, rank: int) -> Optional[str]:
+        """The message rank `rank` posted with its latest abort, or None (no store, no abort posted, or the rank
+        came back and deleted it). The compiled backends word a peer's device abort with it."""
+        if self.store is None:
+            return None
+        with contextlib.suppress(Exception):  # the error being built must not turn into a store error
+            key = f"abort/{rank}"
+            if self.store.check([key]):
+                return self.store.get(key).decode().partition("|")[2] or None
+        return None
 
     # ------------------------------------------------------------------ reading the board
     def _aborts(self, n: int) -> Dict[int, str]:

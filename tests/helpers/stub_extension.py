@@ -46,6 +46,20 @@ def stub_intranode(rows: int) -> types.SimpleNamespace:
         def __init__(self, rank, num_ranks, num_bytes):
             self.alive = True
             self.timeout: Optional[tuple] = None  # what timeout_info() reports (a test sets it)
+            # The peer abort as the native IpcBuffer keeps it: whether this rank's abort bytes are posted on its
+            # peers, and every write in order (1: post_abort, 0: cleared at the next launch).
+            self.abort_posted = False
+            self.abort_writes: List[int] = []
+
+        def post_abort(self):
+            if self.alive:
+                self.abort_posted = True
+                self.abort_writes.append(1)
+
+        def clear_abort_if_posted(self):
+            if self.alive and self.abort_posted:
+                self.abort_posted = False
+                self.abort_writes.append(0)
 
         def ipc_handle(self):
             return b""
@@ -120,6 +134,7 @@ def stub_intranode(rows: int) -> types.SimpleNamespace:
                 return None
             if not self.buffer.alive or self.buffer.timeout is not None:
                 return None  # refused, as the native plans do
+            self.buffer.clear_abort_if_posted()  # usable(): a rank that posted an abort clears it before launching
             out = torch.empty(self.out[1:], dtype=self.out[0])
             aux_out = torch.empty(self.aux_out[1:], dtype=self.aux_out[0]) if self.aux_out is not None else None
             launches.append((self.kind, (x, aux, out, aux_out, mode)))

@@ -38,7 +38,7 @@ class DispatchState:
 
 class StubRuntime:
     def __init__(self, num_bytes: int, num_ranks: int, rank_partials: bool = True, nvlink_all: bool = True,
-                 timeout_s: float = 10.0, buffer_token: int = 0):
+                 timeout_s: float = 10.0, buffer_token: int = 0, board=None):
         self.num_bytes, self.num_ranks, self._rank_partials, self.nvlink_all = (num_bytes, num_ranks, rank_partials,
                                                                                 nvlink_all)
         self.timeout_s, self.buffer_token = timeout_s, buffer_token
@@ -47,6 +47,11 @@ class StubRuntime:
         self.plans: List[tuple] = []
         self.cleans: List[tuple] = []
         self.timeout: Optional[tuple] = None  # (status, phase, rank, peer), as the kernels would record it
+        self.board = board  # the Buffer's Board: the message of a peer's abort
+        # The peer abort: whether this PE's abort bytes are posted on its peers, and every write in order
+        # (1: post_abort, 0: cleared by the next launch, as the native runtime's common() does).
+        self.abort_posted = False
+        self.abort_writes: List[int] = []
         self._broken: Optional[str] = None
         self._alive = True
         self._plans: dict = {}
@@ -137,11 +142,21 @@ class StubRuntime:
         if not self._alive:
             raise RuntimeError("the low-latency backend was destroyed")
         if self.timeout is not None:
-            self._broken = timeout_message("low-latency", self.timeout, self.timeout_s, TIMEOUT_ENV)
+            self._broken = timeout_message("low-latency", self.timeout, self.timeout_s, TIMEOUT_ENV, self.board)
             raise RuntimeError(self._broken)
 
     def destroy(self) -> None:
         self._alive = False
+
+    def post_abort(self) -> None:
+        if self._alive:
+            self.abort_posted = True
+            self.abort_writes.append(1)
+
+    def _clear_abort_if_posted(self) -> None:
+        if self.abort_posted:
+            self.abort_posted = False
+            self.abort_writes.append(0)
 
     def trace_last(self, kind: int):
         return None
@@ -189,6 +204,7 @@ class StubRuntime:
         return half
 
     def _launch(self, kind, half, plan, async_finish, return_recv_hook, keep):
+        self._clear_abort_if_posted()  # the native common() clears it before every launch
         shape = (kind, half, "dedup" if plan["dedup"] else "per_expert",
                  "per_rank" if plan["per_rank_ok"] and self._rank_partials else "per_expert")
         if return_recv_hook:
@@ -247,7 +263,7 @@ def attach_stub_low_latency(buf, runtime: Optional[StubRuntime] = None, make: Ca
     b._trace, b._alive, b.nvlink_peers = None, True, buf.group_size
     b.runtime = runtime if runtime is not None else make(buf.num_rdma_bytes, buf.group_size,
                                                          buf.low_latency_combine_reduction == "per_rank",
-                                                         buffer_token=buf._token)
+                                                         buffer_token=buf._token, board=buf._board)
     b.low_latency_dispatch = b.runtime.dispatch
     b.low_latency_combine = b.runtime.combine
     b._state = types.SimpleNamespace(release=lambda ptr, device: None)

@@ -3,6 +3,11 @@
 * One rank SIGKILLed in the middle of a normal dispatch, a combine and a low-latency call: every other rank raises
   within MOE_DISPATCHER_TIMEOUT_S + 5 s naming the killed rank, and every process exits.
 * A clean Python error on every rank (Buffers alive) exits with the interpreter's status 1, three times: no SIGABRT.
+* One rank raising on a bad argument (topk_idx int32) in a fresh intranode dispatch, a low-latency dispatch and an
+  internode-emulated dispatch while the others make the valid call (issue 16, item 3): every other rank raises
+  "rank 0 raised: <its error>" within RAISE_WITHIN_S, far below MOE_DISPATCHER_TIMEOUT_S = 10 (the peer abort,
+  kernels/common/wait.cuh); when rank 0 catches its error and makes the valid call 50 ms later, every call
+  succeeds. Every process exits with 0 after destroy().
 * A randomized soak mixing fresh normal, cached, expert-major, low-latency and internode-emulated calls (random
   shapes and routing) on one world, every 100th call checked against the reference: zero mismatches.
   MOE_SOAK_CALLS sets the number of calls (default 10,000).
@@ -34,6 +39,8 @@ pytestmark = pytest.mark.gpu
 HELPERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "helpers")
 KILL_TIMEOUT_S = 3.0  # MOE_DISPATCHER_TIMEOUT_S of the fault worlds
 SOAK_CALLS = int(os.environ.get("MOE_SOAK_CALLS", "10000"))
+RAISE_TIMEOUT_S = 10.0  # MOE_DISPATCHER_TIMEOUT_S of the raising-rank worlds
+RAISE_WITHIN_S = 3.0  # how soon the peers of a raising rank must raise (the abort is held 1 s first)
 
 
 # ------------------------------------------------------------------------------------------ separate processes
@@ -98,6 +105,36 @@ def test_clean_error_exits_cleanly(world_size: int) -> None:
         for r, (code, err) in enumerate(zip(codes, errs)):
             assert code == 1 and "ValueError: a clean Python error" in err, \
                 f"run {attempt}, rank {r}: exit {code} (1 expected: the Python error, no signal)\n{err}"
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("kind", ["dispatch", "low_latency", "internode"])
+@pytest.mark.parametrize("retry", [False, True], ids=["raise", "retry"])
+def test_a_raising_rank_lets_its_peers_fail_fast(world_size: int, kind: str, retry: bool) -> None:
+    if kind == "internode" and world_size < 4:
+        pytest.skip("the internode emulation needs 2 NVLink domains of 2 ranks")
+    victim = 0
+    codes, results, errs = _run_ranks(world_size, f"{'retry' if retry else 'raise'}_{kind}", victim, 100,
+                                      {"MOE_DISPATCHER_TIMEOUT_S": str(RAISE_TIMEOUT_S)})
+    print(f"\n[{'retry' if retry else 'raise'} {kind}] return codes {codes}; " + "; ".join(
+        f"rank {r}: {res['elapsed']:.2f} s" for r, res in sorted(results.items())))
+    for r in range(world_size):
+        assert codes[r] == 0, f"rank {r} ended with {codes[r]} (0 expected: it destroys its Buffer and exits):\n{errs[r]}"
+        assert r in results, f"rank {r} wrote no result:\n{errs[r]}"
+    own = results[victim]["own_error"]
+    assert own is not None and "topk_idx" in own, f"rank {victim} did not raise on its bad argument: {own}"
+    for r in range(world_size):
+        if r == victim:
+            continue
+        err, took = results[r]["error"], results[r]["elapsed"]
+        if retry:
+            assert err is None, f"rank {r} raised although rank {victim} came back within 50 ms: {err}"
+            continue
+        assert err is not None, f"rank {r} did not raise"
+        assert f"rank {victim} raised: " in err and "topk_idx" in err, \
+            f"rank {r}'s error does not carry rank {victim}'s: {err}"
+        assert f"rank {r} was waiting in" in err, f"rank {r}'s error does not say where it waited: {err}"
+        assert took <= RAISE_WITHIN_S, f"rank {r} raised after {took:.2f} s (the timeout is {RAISE_TIMEOUT_S:g} s): {err}"
 
 
 # ------------------------------------------------------------------------------------------------------- soak

@@ -21,7 +21,8 @@
 namespace moe_ep::internode {
 
 constexpr int kMaxRanks = 64;
-static_assert(kMaxRanks <= nvlink::kMaxGroupRanks, "the mailbox keeps a problem word per rank of the group");
+static_assert(kMaxRanks <= nvlink::kMaxGroupRanks && kMaxRanks <= kMaxAbortRanks,
+              "the mailbox keeps a problem word, RdmaControl an abort byte, per rank of the group");
 constexpr int kMaxDomains = 64;
 constexpr int kMaxNvl = nvlink::kMaxRanks;  // 8
 constexpr int kMaxChannels = nvlink::kMaxChannels;
@@ -57,6 +58,9 @@ struct RdmaControl {
   // Grid barrier of this rank's dispatch / combine kernel (local, gpu-scope atomics; common.cuh).
   uint32_t grid_arrived;  // blocks arrived at the current barrier (reset by the last one)
   uint32_t grid_gen;      // barrier generation, bumped by the last block to arrive
+  // [p]: group rank p raised in a Buffer call (1) or came back (0); written by p's host (runtime/peer_abort.h,
+  // a 1-byte copy to nvshmem_ptr of this word), read by this rank's Watchdog (wait.cuh).
+  alignas(8) uint8_t peer_aborted[kMaxAbortRanks];
 };
 static_assert(sizeof(RdmaControl) <= 69632, "RdmaControl must keep the size Python assumes (RDMA_CONTROL_BYTES)");
 constexpr size_t kRdmaControlBytes = (sizeof(RdmaControl) + 4095) / 4096 * 4096;

@@ -86,16 +86,17 @@ __device__ __forceinline__ void signal_peer(const Common& c, int* local_word, in
   }
 }
 
-// Timed waits. A wait that sees its word still 0 after c.timeout_ns records (phase, this rank, peer)
-// in the host-mapped TimeoutRecord through the common Watchdog (kernels/common/wait.cuh: the first
-// timed-out thread of this GPU wins the claim word, fills the record, fences, then sets its status)
+// Timed waits. A wait that sees its word still 0 after c.timeout_ns, or a peer's abort byte set for
+// kAbortHoldNs, records (status, phase, this rank, peer) in the host-mapped TimeoutRecord through the common
+// Watchdog (kernels/common/wait.cuh: the first thread of this GPU to give up wins the claim word, fills the
+// record, fences, then sets its status)
 // and returns `on_timeout` instead of trapping: the caller picks a value that makes the rest of the
 // kernel do no work for that peer (a count of 0, "no message"), so the kernel ends, the CUDA context
 // survives, and the runtime raises on this rank's next call. Once the claim word is set every later
 // wait (of this kernel or a later one) gives up within 64 polls (a spin reads the claim every 64th
 // poll only), so one missing peer costs one timeout.
 __device__ __forceinline__ Watchdog wait_watchdog(const Common& c) {
-  return make_watchdog(c.timeout_ns, c.rank, c.workspace + kWsTimeoutClaim, c.timeout);
+  return make_watchdog(c.timeout_ns, c.rank, c.workspace + kWsTimeoutClaim, c.timeout, c.peer_aborts, c.num_ranks);
 }
 __device__ __forceinline__ bool timed_out_before(const Common& c) {
   return *reinterpret_cast<const volatile int*>(c.workspace + kWsTimeoutClaim) != 0;

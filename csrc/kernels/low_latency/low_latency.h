@@ -106,6 +106,7 @@ struct Common {
   bool per_rank_combine;       // the per-rank combine kernels (NVLink to every peer, L >= 2, rank_partials)
   uint64_t timeout_ns;         // a wait longer than this records itself in `timeout` and gives up
   TimeoutRecord* timeout;      // host-mapped: the first timed-out wait's (phase, rank, peer)
+  const uint8_t* peer_aborts;  // this PE's abort bytes [kMaxAbortRanks] (timeout_record.h), after the two halves
   unsigned long long* trace;   // phase-trace record (kTraceWords) or null: off (see above)
 };
 
