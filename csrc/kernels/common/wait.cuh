@@ -155,10 +155,17 @@ struct AbortFlag {
 template <typename Word, typename Pending, typename Abort = NoAbort>
 __device__ __forceinline__ bool wait_while(const Word* word, Word& seen, Pending pending, const Watchdog& dog,
                                            int phase, int peer, Abort abort = {}) {
-  while (pending(seen = ptx::ld_acquire_sys(word))) {
-    if (abort() || dog.expired(phase, peer)) return false;
+  // The inner loop is the spin (load, condition, abort, one clock compare); a due look leaves it. Shaped so, the
+  // look stays out of the spin's body, and ptxas keeps the surrounding copy loops as they were without it.
+  for (;;) {
+    uint64_t now;
+    do {
+      if (!pending(seen = ptx::ld_acquire_sys(word))) return true;
+      if (abort()) return false;
+      now = ptx::globaltimer_ns();
+    } while (now < dog.next_look_ns);
+    if (dog.look(now, phase, peer)) return false;
   }
-  return true;
 }
 
 // The same with a cached value: `seen` holds a value this thread acquired earlier (or a lower bound of the
@@ -177,12 +184,19 @@ __device__ __forceinline__ bool wait_cached(const Word* word, Word& seen, Pendin
 template <typename Pending, typename Abort = NoAbort>
 __device__ __forceinline__ bool wait_while_relaxed(const int* word, int& seen, Pending pending, const Watchdog& dog,
                                                    int phase, int peer, unsigned sleep_ns, Abort abort = {}) {
-  while (pending(ptx::ld_relaxed_sys(word))) {
-    if (sleep_ns) __nanosleep(sleep_ns);
-    if (abort() || dog.expired(phase, peer)) return false;
+  for (;;) {  // shaped as wait_while's
+    uint64_t now;
+    do {
+      if (!pending(ptx::ld_relaxed_sys(word))) {
+        seen = ptx::ld_acquire_sys(word);
+        return true;
+      }
+      if (sleep_ns) __nanosleep(sleep_ns);
+      if (abort()) return false;
+      now = ptx::globaltimer_ns();
+    } while (now < dog.next_look_ns);
+    if (dog.look(now, phase, peer)) return false;
   }
-  seen = ptx::ld_acquire_sys(word);
-  return true;
 }
 
 // A monotonic counter or epoch reaching `target`.
