@@ -33,17 +33,18 @@
 // waited for, not reported. Any peer's abort counts, not only the waited-for one's (a wait for a rank that
 // itself waits for the raising one ends too).
 //
-// Cost on the hot waits: none. A spin reads %globaltimer and compares it with one 64-bit word, next_look_ns,
-// as it compared the deadline before the peer abort existed (the same instructions, the same two registers).
-// next_look_ns is the time of the thread's next look (the slow path, look): a multiple of kLookQuantumNs (~17
-// ms), never past the deadline, whose low bits (less than one quantum, so they delay the look by less than
-// that) hold the rest of the state: the deadline, as quanta after the next look, and whether the last look saw
-// an abort. A look checks the deadline, loads the abort bytes (8 words) and moves next_look_ns on: to the next
-// quantum boundary, or kAbortHoldNs further when it saw an abort, never past the deadline. So a waiting thread
-// looks every 8-17 ms on average; a wait that ends within one quantum of its watchdog's start never looks. The
-// slow path is inlined and laid out off the loop. No call: a call site makes ptxas keep the live values in
-// registers the callee saves, and an earlier version with the abort scan out of line spilled in the intranode
-// and internode dispatch/combine kernels, inside their copy loops.
+// Cost on the hot waits. A spin reads %globaltimer and compares it with one 64-bit word, next_look_ns, as it
+// compared the deadline before the peer abort existed (one clock read, one 64-bit compare, the word in two
+// registers); ptxas adds a BSSY/BSYNC pair per poll (where the look rejoins) and the Watchdog holds one pointer
+// more (the abort bytes). next_look_ns is the time of the thread's next look (the slow path, look): a multiple
+// of kLookQuantumNs (~17 ms), never past the deadline, whose low bits (less than one quantum, so they delay the
+// look by less than that) hold the rest of the state: the deadline, as quanta after the next look, and whether
+// the last look saw an abort. A look checks the deadline, loads the abort bytes (8 words) and moves
+// next_look_ns on: to the next quantum boundary (at most ~17 ms on), or kAbortHoldNs further when it saw an
+// abort, never past the deadline. A wait that ends within one quantum of its watchdog's start never looks. The
+// slow path is inlined and leaves the spin (wait_while's shape). No call: a call site makes ptxas keep the live
+// values in registers the callee saves, and an earlier version with the abort scan out of line spilled in the
+// intranode and internode dispatch/combine kernels, inside their copy loops, which lost 3-6% bandwidth.
 //
 // Abort: a wait may also end early, unrecorded, when abort() returns true (AbortFlag: another warp of the
 // block gave up and recorded its own wait).
