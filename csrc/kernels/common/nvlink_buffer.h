@@ -39,16 +39,17 @@ struct Control {
   int32_t timeout_claim;               // first timed-out thread of this rank (atomicCAS, gpu scope)
   int32_t bad_expert_ids;              // kBadId* bits ORed in by this rank's layout kernels; this rank's next
                                        // notify reads and clears it (same stream: kernel boundaries order it)
-  // [p]: peer p raised in a Buffer call (1) or came back (0); written by p's host (runtime/peer_abort.h, a
-  // 1-byte copy over NVLink), read by this rank's Watchdog (wait.cuh). Intranode only: the internode kernels use
-  // RdmaControl's, which every rank of the group writes.
-  alignas(8) uint8_t peer_aborted[kMaxAbortRanks];
   uint64_t fifo_tail[kMaxChannels][kMaxRanks];   // [c][s]: rows s published into my ring (c, s)
   uint64_t fifo_head[kMaxChannels][kMaxRanks];   // [c][d]: rows d consumed from its ring (c, me)
   uint64_t tail_copy[kMaxChannels][kMaxRanks];   // [c][d]: rows I published into d's ring (c, me)
   uint64_t head_copy[kMaxChannels][kMaxRanks];   // [c][s]: rows I consumed from my ring (c, s)
   int32_t notify[2][kMaxRanks][kNotifyStride];   // [epoch parity][source]: notify messages, plain stores
                                                  // published by the barrier's release
+  // [p]: peer p raised in a Buffer call (1) or came back (0); written by p's host (runtime/peer_abort.h, a
+  // 1-byte copy over NVLink), read by this rank's Watchdog (wait.cuh) when it looks, every ~10 ms of a wait.
+  // Last, so that no word above moves (the FIFO words keep their offsets and cache lines). Intranode only: the
+  // internode kernels use RdmaControl's, which every rank of the group writes.
+  alignas(8) uint8_t peer_aborted[kMaxAbortRanks];
 };
 constexpr size_t kRingsOffset = (sizeof(Control) + 4095) / 4096 * 4096;
 

@@ -12,8 +12,8 @@
 // outcome and extends the ordering to the group with a barrier (__syncwarp, bar.sync, __syncthreads), which
 // the slot accesses follow. Each call site names its word's writer.
 //
-// Timeout (Watchdog): the deadline is taken at kernel start (make_watchdog; at most kMaxTimeoutTicks, ~18
-// minutes). The first thread of the rank whose wait passes it (or honours a peer's abort, below) wins the
+// Timeout (Watchdog): the deadline is taken at kernel start (make_watchdog; rounded up to kLookQuantumNs, at most
+// kMaxTimeoutNs). The first thread of the rank whose wait passes it (or honours a peer's abort, below) wins the
 // rank's claim word (atomicCAS, gpu scope, in the rank's own buffer) and fills the host-mapped TimeoutRecord:
 // phase, rank, peer, a system fence, then status, so the host reads consistent fields once it sees status != 0.
 // Every timed-out wait returns false, and the caller leaves its loop without publishing anything it did not
@@ -22,22 +22,29 @@
 //
 // Peer abort (docs/intranode.md, "Errors on one rank: the peer abort"). A rank whose Buffer call raises writes
 // 1 into its byte of every peer's abort bytes (timeout_record.h), and 0 again at its next launch. Writer: that
-// rank's host, a 1-byte copy-engine copy to the peer's mapped memory (runtime/peer_abort.h). Reader: every
-// waiting thread here, with volatile 8-byte loads (relaxed, coherent at L2, where NVLink writes land). The byte
-// publishes no data, so no fence goes with either side; seeing it late only delays the give-up.
-// The Watchdog honours a peer's abort as it does its deadline: the first thread of the rank to give up records
-// (kStatusPeerAborted, phase, this rank, the aborted peer) through the same claim word, and every wait that
-// gives up returns false. The rule, as the reference board's (an abort seen on two polls in a row): a waiting
-// thread honours an abort it saw set at two looks kAbortHoldTicks (about 1 s) apart. A rank that raised, caught
-// the error and came back within that time has cleared its byte by the second look and is waited for, not
-// reported. Any peer's abort counts, not only the waited-for one's (a wait for a rank that itself waits for the
-// raising one ends too).
-// Cost on the hot waits: nothing measurable. A spin already read %globaltimer and compared it with the deadline;
-// it now compares it (32-bit ticks) with next_look instead, never later than the deadline. Only when that
-// passes, about every millisecond, does the thread take the slow path (look) that checks the deadline and loads
-// the abort bytes (num_ranks / 8 words). A wait that ends within a millisecond of its watchdog's start never
-// reads them. The per-thread state (deadline, next_look) fits the two registers the 64-bit deadline took; look
-// is inlined, which keeps the Watchdog in registers (a call would put it on the stack, and ptxas then spills).
+// rank's host, a 1-byte copy-engine copy to the peer's mapped memory (runtime/peer_abort.h); a rank never writes
+// its own byte. Reader: a waiting thread here, with volatile 8-byte loads (relaxed, coherent at L2, where NVLink
+// writes land). The byte publishes no data, so no fence goes with either side; seeing it late only delays the
+// give-up. The Watchdog honours a peer's abort as it does its deadline: the first thread of the rank to give up
+// records (kStatusPeerAborted, phase, this rank, the aborted peer) through the same claim word, and every wait
+// that gives up returns false. The rule, as the reference board's (an abort seen on two polls in a row): a
+// waiting thread honours an abort it saw set at two looks at least kAbortHoldNs (about 1 s) apart. A rank that
+// raised, caught the error and came back within that time has cleared its byte by the second look and is
+// waited for, not reported. Any peer's abort counts, not only the waited-for one's (a wait for a rank that
+// itself waits for the raising one ends too).
+//
+// Cost on the hot waits. A spin reads %globaltimer and compares it with one 64-bit word, next_look_ns, as it
+// compared the deadline before the peer abort existed (one clock read, one 64-bit compare, the word in two
+// registers); ptxas adds a BSSY/BSYNC pair per poll (where the look rejoins) and the Watchdog holds one pointer
+// more (the abort bytes). next_look_ns is the time of the thread's next look (the slow path, look): a multiple
+// of kLookQuantumNs (~17 ms), never past the deadline, whose low bits (less than one quantum, so they delay the
+// look by less than that) hold the rest of the state: the deadline, as quanta after the next look, and whether
+// the last look saw an abort. A look checks the deadline, loads the abort bytes (8 words) and moves
+// next_look_ns on: to the next quantum boundary (at most ~17 ms on), or kAbortHoldNs further when it saw an
+// abort, never past the deadline. A wait that ends within one quantum of its watchdog's start never looks. The
+// slow path is inlined and leaves the spin (wait_while's shape). No call: a call site makes ptxas keep the live
+// values in registers the callee saves, and an earlier version with the abort scan out of line spilled in the
+// intranode and internode dispatch/combine kernels, inside their copy loops, which lost 3-6% bandwidth.
 //
 // Abort: a wait may also end early, unrecorded, when abort() returns true (AbortFlag: another warp of the
 // block gave up and recorded its own wait).
@@ -53,58 +60,57 @@
 
 namespace moe_ep {
 
-// The watchdog's clock: %globaltimer in ticks of 1024 ns, 32 bits (it wraps every ~73 minutes; times are
-// compared through their signed difference, valid within +-36 minutes, hence kMaxTimeoutTicks). Two 32-bit
-// times per thread (the deadline and the next look) take the registers one 64-bit deadline took.
-__device__ __forceinline__ uint32_t watchdog_ticks() { return static_cast<uint32_t>(ptx::globaltimer_ns() >> 10); }
-__device__ __forceinline__ bool reached(uint32_t now, uint32_t when) { return static_cast<int32_t>(now - when) >= 0; }
-constexpr uint32_t kMaxTimeoutTicks = 1u << 30;  // ~18 minutes: longer timeouts act as this in the kernels
-constexpr uint32_t kAbortLookTicks = 1024;       // ~1 ms between looks at the abort bytes
-constexpr uint32_t kAbortHoldTicks = 1u << 20;   // ~1.07 s: an abort seen twice this far apart is honoured
+constexpr uint64_t kLookQuantumNs = 1ull << 24;   // ~16.8 ms: looks fall on multiples of it
+constexpr uint64_t kLookStateMask = kLookQuantumNs - 1;
+constexpr uint64_t kMaxTimeoutNs = ((1ull << 23) - 1) << 24;  // ~39 hours: what the 23 bits of quanta hold
+constexpr uint64_t kAbortHoldNs = 1ull << 30;     // ~1.07 s: an abort seen at two looks this far apart is honoured
 
-// The lowest peer (other than `rank`) whose abort byte is set, or -1 (none, or no abort bytes). Not inlined: the
-// slow path's loop stays out of the waits' register budget.
-__device__ __noinline__ inline int first_aborted_peer(const volatile uint64_t* peer_aborts, int num_ranks, int rank) {
+// The lowest peer whose abort byte is set, or -1 (none, or no abort bytes: null). A rank never writes its own
+// byte, and the bytes of ranks past the group stay 0, so the scan reads all kMaxAbortRanks bytes.
+__device__ __forceinline__ int first_aborted_peer(const volatile uint64_t* peer_aborts) {
   if (peer_aborts == nullptr) return -1;
-  for (int w = 0; w < (num_ranks + 7) / 8; ++w) {
-    uint64_t bytes = peer_aborts[w];
-    if (w == rank / 8) bytes &= ~(0xffull << (8 * (rank % 8)));  // never our own byte (peers do not write it)
+#pragma unroll 1
+  for (int w = 0; w < kMaxAbortRanks / 8; ++w) {
+    const uint64_t bytes = peer_aborts[w];
     if (bytes != 0) return w * 8 + (__ffsll(static_cast<long long>(bytes)) - 1) / 8;
   }
   return -1;
 }
 
 struct Watchdog {
-  uint32_t deadline;       // watchdog_ticks() after which a wait gives up
-  // When the next look is due (watchdog_ticks(), never past the deadline), and in bit 0 whether the last look
-  // saw some peer's abort byte set (then the next look is kAbortHoldTicks later). Per thread: every thread
-  // holds its own Watchdog.
-  mutable uint32_t next_look;
+  // The %globaltimer value from which a wait looks (takes the slow path): a multiple of kLookQuantumNs, plus in
+  // its low bits [23:1] the deadline as quanta after that multiple, [0] whether the last look saw an abort byte
+  // set. Per thread: every thread holds its own Watchdog, and only its own looks move this on.
+  mutable uint64_t next_look_ns;
   int rank;
   int* claim;              // in this rank's own buffer: first thread to give up wins (atomicCAS, gpu scope)
   TimeoutRecord* record;   // host-mapped
-  const volatile uint64_t* peer_aborts;  // this rank's abort bytes [num_ranks rounded up to 8], or null: none
-  int num_ranks;
+  const volatile uint64_t* peer_aborts;  // this rank's abort bytes [kMaxAbortRanks / 8 words], or null: none
 
-  // True once the deadline has passed or a peer's abort was seen at two looks kAbortHoldTicks apart; the first
-  // caller of the rank records it. One clock read and one compare unless a look is due.
+  // The %globaltimer value from which a wait gives up.
+  __device__ __forceinline__ uint64_t deadline_ns() const {
+    return (next_look_ns & ~kLookStateMask) + (((next_look_ns & kLookStateMask) >> 1) << 24);
+  }
+
+  // True once the deadline has passed or a peer's abort was seen at two looks kAbortHoldNs apart; the first
+  // caller of the rank records it. One clock read and one 64-bit compare unless a look is due.
   __device__ __forceinline__ bool expired(int phase, int peer) const {
-    const uint32_t now = watchdog_ticks();
-    if (!reached(now, next_look)) return false;
+    const uint64_t now = ptx::globaltimer_ns();
+    if (now < next_look_ns) return false;
     return look(now, phase, peer);
   }
 
-  __device__ __forceinline__ bool look(uint32_t now, int phase, int peer) const {
-    if (reached(now, deadline)) return give_up(kStatusTimeout, phase, peer);
-    const int aborted = aborted_peer();
-    if (aborted >= 0 && (next_look & 1u)) return give_up(kStatusPeerAborted, phase, aborted);
-    uint32_t next = now + (aborted >= 0 ? kAbortHoldTicks : kAbortLookTicks);
-    if (reached(next, deadline)) next = deadline;
-    next_look = (next & ~1u) | (aborted >= 0 ? 1u : 0u);
+  __device__ __forceinline__ bool look(uint64_t now, int phase, int peer) const {
+    const uint64_t deadline = deadline_ns();
+    if (now >= deadline) return give_up(kStatusTimeout, phase, peer);
+    const int aborted = first_aborted_peer(peer_aborts);
+    if (aborted >= 0 && (next_look_ns & 1)) return give_up(kStatusPeerAborted, phase, aborted);
+    // Both multiples of the quantum, next after now and never past the deadline.
+    uint64_t next = (now + (aborted >= 0 ? kAbortHoldNs : 0) + kLookQuantumNs) & ~kLookStateMask;
+    if (next > deadline) next = deadline;
+    next_look_ns = next | (((deadline - next) >> 24) << 1) | (aborted >= 0 ? 1 : 0);
     return false;
   }
-
-  __device__ __forceinline__ int aborted_peer() const { return first_aborted_peer(peer_aborts, num_ranks, rank); }
 
   // The first thread of the rank to give up fills the record (phase, rank, peer, a system fence, then status).
   __device__ __forceinline__ bool give_up(int32_t status, int phase, int peer) const {
@@ -120,17 +126,17 @@ struct Watchdog {
   }
 };
 
-// peer_aborts: this rank's abort bytes (kMaxAbortRanks, 8-byte aligned) or null; num_ranks: the ranks that may
-// write them (the group's).
+// peer_aborts: this rank's abort bytes (kMaxAbortRanks, 8-byte aligned; timeout_record.h) or null.
 __device__ __forceinline__ Watchdog make_watchdog(uint64_t timeout_ns, int rank, int* claim, TimeoutRecord* record,
-                                                  const uint8_t* peer_aborts, int num_ranks) {
-  const uint32_t now = watchdog_ticks();
-  const uint64_t ticks = (timeout_ns + 1023) >> 10;
-  const uint32_t deadline = now + static_cast<uint32_t>(ticks < kMaxTimeoutTicks ? ticks : kMaxTimeoutTicks);
-  uint32_t first = now + kAbortLookTicks;
-  if (peer_aborts == nullptr || reached(first, deadline)) first = deadline;
-  return Watchdog{deadline, first & ~1u, rank, claim, record, reinterpret_cast<const volatile uint64_t*>(peer_aborts),
-                  num_ranks};
+                                                  const uint8_t* peer_aborts) {
+  const uint64_t now = ptx::globaltimer_ns();
+  const uint64_t deadline =
+      (now + (timeout_ns < kMaxTimeoutNs ? timeout_ns : kMaxTimeoutNs) + kLookStateMask) & ~kLookStateMask;
+  // The first look one to two quanta on (a wait that ends sooner never looks), or at the deadline.
+  uint64_t first = (now + 2 * kLookQuantumNs) & ~kLookStateMask;
+  if (first > deadline) first = deadline;
+  return Watchdog{first | (((deadline - first) >> 24) << 1), rank, claim, record,
+                  reinterpret_cast<const volatile uint64_t*>(peer_aborts)};
 }
 
 struct NoAbort {
@@ -150,10 +156,17 @@ struct AbortFlag {
 template <typename Word, typename Pending, typename Abort = NoAbort>
 __device__ __forceinline__ bool wait_while(const Word* word, Word& seen, Pending pending, const Watchdog& dog,
                                            int phase, int peer, Abort abort = {}) {
-  while (pending(seen = ptx::ld_acquire_sys(word))) {
-    if (abort() || dog.expired(phase, peer)) return false;
+  // The inner loop is the spin (load, condition, abort, one clock compare); a due look leaves it. Shaped so, the
+  // look stays out of the spin's body, and ptxas keeps the surrounding copy loops as they were without it.
+  for (;;) {
+    uint64_t now;
+    do {
+      if (!pending(seen = ptx::ld_acquire_sys(word))) return true;
+      if (abort()) return false;
+      now = ptx::globaltimer_ns();
+    } while (now < dog.next_look_ns);
+    if (dog.look(now, phase, peer)) return false;
   }
-  return true;
 }
 
 // The same with a cached value: `seen` holds a value this thread acquired earlier (or a lower bound of the
@@ -172,12 +185,19 @@ __device__ __forceinline__ bool wait_cached(const Word* word, Word& seen, Pendin
 template <typename Pending, typename Abort = NoAbort>
 __device__ __forceinline__ bool wait_while_relaxed(const int* word, int& seen, Pending pending, const Watchdog& dog,
                                                    int phase, int peer, unsigned sleep_ns, Abort abort = {}) {
-  while (pending(ptx::ld_relaxed_sys(word))) {
-    if (sleep_ns) __nanosleep(sleep_ns);
-    if (abort() || dog.expired(phase, peer)) return false;
+  for (;;) {  // shaped as wait_while's
+    uint64_t now;
+    do {
+      if (!pending(ptx::ld_relaxed_sys(word))) {
+        seen = ptx::ld_acquire_sys(word);
+        return true;
+      }
+      if (sleep_ns) __nanosleep(sleep_ns);
+      if (abort()) return false;
+      now = ptx::globaltimer_ns();
+    } while (now < dog.next_look_ns);
+    if (dog.look(now, phase, peer)) return false;
   }
-  seen = ptx::ld_acquire_sys(word);
-  return true;
 }
 
 // A monotonic counter or epoch reaching `target`.

@@ -202,7 +202,7 @@ __device__ __forceinline__ bool commit_idle_ok(const Watchdog& dog, int phase, i
                                                int lane) {
   int ok = 1;
   if (lane == 0) {
-    ok = !*stop && !(reached(watchdog_ticks(), dog.deadline + (1u << 20)) && dog.expired(phase, rank));  // ~1 s
+    ok = !*stop && !(ptx::globaltimer_ns() > dog.deadline_ns() + 1000000000ull && dog.expired(phase, rank));
   }
   return __shfl_sync(0xffffffffu, ok, 0) != 0;
 }
@@ -536,7 +536,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int row_bytes = a.hidden * static_cast<int>(sizeof(T));
   const Watchdog dog = make_watchdog(c.timeout_ns, c.rank, &nvl_ctl(c, c.local)->timeout_claim, &c.mailbox->timeout,
-                                     rdma_ctl(c)->peer_aborted, c.num_ranks);
+                                     rdma_ctl(c)->peer_aborted);
   if (!drain_previous_calls(c, dog)) return;  // earlier calls drained; no ring written before this
   if (role == 1) {
     forward<T>(a, ch, warp, lane, dog, row_bytes);

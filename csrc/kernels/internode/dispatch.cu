@@ -357,7 +357,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a) {
   const int ch = blockIdx.x / 3, role = blockIdx.x % 3;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const Watchdog dog = make_watchdog(c.timeout_ns, c.rank, &nvl_ctl(c, c.local)->timeout_claim, &c.mailbox->timeout,
-                                     rdma_ctl(c)->peer_aborted, c.num_ranks);
+                                     rdma_ctl(c)->peer_aborted);
   if (!drain_previous_calls(c, dog)) return;  // earlier calls drained; no ring written before this
 
   if (role == 2 && a.pad_rows) {

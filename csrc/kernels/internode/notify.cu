@@ -128,8 +128,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a)
                                     NVSHMEM_SIGNAL_SET, team_pe(c, x));
   }
   if (warp < D) nvshmem_quiet();
-  const Watchdog dog = make_watchdog(c.timeout_ns, me, &nctl->timeout_claim, &box->timeout, rctl->peer_aborted,
-                                     c.num_ranks);
+  const Watchdog dog = make_watchdog(c.timeout_ns, me, &nctl->timeout_claim, &box->timeout, rctl->peer_aborted);
   if (threadIdx.x < D) {
     const int x = threadIdx.x;
     if (!wait_at_least(&rctl->notify_signal[x], epoch, dog, kPhaseNotifyTeam, team_pe(c, x))) atomicAnd(&arrived, 0);

@@ -287,7 +287,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
   const int ring = sender && !extra ? warp / warps : lane;
   const uint64_t base = ring_block_start(ctl, board, c, ring, num_ranks, sender);
   const Watchdog dog = make_watchdog(a.c.timeout_ns, me, &ctl->timeout_claim, &a.c.mailbox->timeout,
-                                     ctl->peer_aborted, a.c.num_ranks);
+                                     ctl->peer_aborted);
   if (!sender) {
     receive_channel<T, kRanks>(a, c, warp, lane, base, board, dog);
     return;

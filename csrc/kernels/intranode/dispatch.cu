@@ -217,7 +217,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
   const int gw = warp % warps;
   if (ring >= num_ranks) return;  // idle warps when 24 % R != 0
   const Watchdog dog = make_watchdog(a.c.timeout_ns, me, &ctl->timeout_claim, &a.c.mailbox->timeout,
-                                     ctl->peer_aborted, a.c.num_ranks);
+                                     ctl->peer_aborted);
   if (sender) {
     send_ring(a, c, ring, gw, warps, lane, base, board, &shared_ok[ring], dog);
   } else {

@@ -110,8 +110,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a)
 
   // 3. Barrier: publish my epoch to every rank, wait for every rank's.
   if (threadIdx.x == 0) {
-    const Watchdog dog = make_watchdog(a.c.timeout_ns, me, &ctl->timeout_claim, &box->timeout, ctl->peer_aborted,
-                                       a.c.num_ranks);
+    const Watchdog dog = make_watchdog(a.c.timeout_ns, me, &ctl->timeout_claim, &box->timeout, ctl->peer_aborted);
     ctl->barrier_epoch = epoch;
     for (int d = 0; d < num_ranks; ++d) {
       ptx::st_release_sys(&reinterpret_cast<Control*>(a.c.peers[d])->barrier_signal[me], epoch);

@@ -96,7 +96,7 @@ __device__ __forceinline__ void signal_peer(const Common& c, int* local_word, in
 // wait (of this kernel or a later one) gives up within 64 polls (a spin reads the claim every 64th
 // poll only), so one missing peer costs one timeout.
 __device__ __forceinline__ Watchdog wait_watchdog(const Common& c) {
-  return make_watchdog(c.timeout_ns, c.rank, c.workspace + kWsTimeoutClaim, c.timeout, c.peer_aborts, c.num_ranks);
+  return make_watchdog(c.timeout_ns, c.rank, c.workspace + kWsTimeoutClaim, c.timeout, c.peer_aborts);
 }
 __device__ __forceinline__ bool timed_out_before(const Common& c) {
   return *reinterpret_cast<const volatile int*>(c.workspace + kWsTimeoutClaim) != 0;
