@@ -15,12 +15,17 @@ What runs, per rank (the standard shape unless --tokens/--hidden/--num-experts/-
     launching stream, over an NCCL group whose internal stream is high priority (is_high_priority_stream).
 Launch order (together): round by round the exchange is issued before its GEMM, as Megatron-Core's combined
 1F1B schedule issues a communication node before the computation it hides.
+SMs left to the exchange: cuBLAS's GEMMs are persistent (a grid of one CTA per SM), so a kernel launched beside
+one waits for a GEMM to end before it gets an SM, whatever its stream's priority. Each "ours, s SMs" row therefore
+runs its GEMMs with an SM carveout of s (torch._C._set_sm_carveout_experimental: cuBLAS targets the other SMs), so
+the exchange's SMs are free whenever it launches; the GEMMs alone at that carveout are timed too. One row,
+"no carveout", runs ours at the default count beside uncarved GEMMs, for contrast; NCCL runs beside uncarved GEMMs.
 
 Timing: CUDA events around the whole batch (alone: GEMMs; alone: exchange; together: from one start event that
 both streams wait on to each stream's last event), after a device synchronize and a group barrier. Each
 measurement runs --repeats times after one warm-up; the figures are means over repeats and ranks.
 Efficiency = (GEMM alone + exchange alone) / together (2.0: the exchange is hidden entirely, 1.0: not at all);
-GEMM slowdown = GEMMs' span together / GEMMs alone - 1. On a CPU (gloo, reference backend) nothing runs
+GEMM slowdown = GEMMs' span together / GEMMs alone - 1, both against the uncarved GEMMs alone. On a CPU (gloo, reference backend) nothing runs
 concurrently: the mode runs its structure, and its figures are not overlap figures.
 """
 from __future__ import annotations
@@ -59,8 +64,21 @@ class Gemms:
         self.c = torch.empty(n, n, device=device, dtype=dtype)
         self.flops = 2.0 * n ** 3
 
+        self.carveout: Optional[int] = None  # SMs the GEMMs leave free (None: all SMs)
+
     def __call__(self, i: int) -> None:
-        torch.mm(self.a, self.b, out=self.c)
+        if self.carveout is None:
+            torch.mm(self.a, self.b, out=self.c)
+            return
+        # cuBLAS honours a carveout only through cuBLASLt (measured on H100: cuBLAS's plain GEMM kept ~all SMs).
+        backend = torch.backends.cuda.preferred_blas_library()
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        torch._C._set_sm_carveout_experimental(self.carveout)
+        try:
+            torch.mm(self.a, self.b, out=self.c)
+        finally:
+            torch._C._set_sm_carveout_experimental(None)
+            torch.backends.cuda.preferred_blas_library(backend)
 
 
 def ours_round(buffer: Buffer, w: Workload, handle, dcfg: Config, ccfg: Config) -> Callable[[int], None]:
@@ -195,19 +213,25 @@ def _record(ctx: Context, fields: Dict[str, Any], times: List[float], nbytes: fl
     return rec
 
 
-def _summary(ctx: Context, impl: str, sms: Optional[int], gemm: Dict, exch: Dict, span: Dict, gemm_span: Dict,
-             exch_span: Dict, default: int, rounds: int) -> Dict[str, Any]:
+def _summary(ctx: Context, impl: str, sms: Optional[int], carveout: Optional[int], gemm: Dict, carved: Optional[Dict],
+             exch: Dict, span: Dict, gemm_span: Dict, exch_span: Dict, is_default: bool, rounds: int) -> Dict[str, Any]:
     g, e, t = gemm["t_us"]["mean"], exch["t_us"]["mean"], span["t_us"]["mean"]
-    s = {"section": "overlap-summary", "impl": impl, "num_sms": sms, "default": sms == default and impl == "ours",
-         "gemm_us": g, "exchange_us": e, "together_us": t, "gemm_together_us": gemm_span["t_us"]["mean"],
+    s = {"section": "overlap-summary", "impl": impl, "num_sms": sms, "carveout": carveout,
+         "default": is_default,
+         "gemm_us": g, "gemm_carved_us": carved["t_us"]["mean"] if carved is not None else None,
+         "exchange_us": e, "together_us": t, "gemm_together_us": gemm_span["t_us"]["mean"],
          "exchange_together_us": exch_span["t_us"]["mean"], "round_us": e / rounds,
          "efficiency": (g + e) / t if t > 0 else float("nan"),
          "gemm_slowdown": gemm_span["t_us"]["mean"] / g - 1 if g > 0 else float("nan"),
          "together_ranks_us": [span["t_us"]["min"], span["t_us"]["max"]]}
     ctx.records.append(s)
-    label = f"ours {sms:2d} SMs{' (default)' if s['default'] else ''}" if impl == "ours" else "NCCL a2a"
-    ctx.say(f"[{SECTION}] {label:22s}: GEMMs {g / 1e3:7.2f} ms, exchange {e / 1e3:7.2f} ms, together "
-            f"{t / 1e3:7.2f} ms -> efficiency {s['efficiency']:.2f}, GEMM slowdown {100 * s['gemm_slowdown']:+.1f}%")
+    if impl == "ours":
+        label = f"ours {sms:2d} SMs{' (default)' if s['default'] else ''}{'' if carveout else ', no carveout'}"
+    else:
+        label = "NCCL a2a"
+    gemm_text = f"GEMMs {g / 1e3:7.2f} ms" + (f" ({s['gemm_carved_us'] / 1e3:.2f} carved)" if carved else "")
+    ctx.say(f"[{SECTION}] {label:32s}: {gemm_text}, exchange {e / 1e3:7.2f} ms, together {t / 1e3:7.2f} ms -> "
+            f"efficiency {s['efficiency']:.2f}, GEMM slowdown {100 * s['gemm_slowdown']:+.1f}%")
     return s
 
 
@@ -237,23 +261,38 @@ def _run(ctx: Context, buffer: Buffer, configs, default: int, group) -> None:
     tflops = gemms.flops * o.rounds / (gemm["t_us"]["mean"] * 1e-6) / 1e12
     ctx.say(f"[{SECTION}] GEMMs alone: {gemm['t_us']['mean'] / 1e3:.2f} ms ({tflops:.0f} TFLOP/s)")
 
-    rows: List[Tuple[str, Optional[int], Callable[[int], None], str]] = [
-        ("nccl", None, nccl_round(ctx, w, group), "nccl")]
+    # (impl, SMs, one round, backend, the GEMMs' carveout)
+    rows: List[Tuple[str, Optional[int], Callable[[int], None], str, Optional[int]]] = [
+        ("nccl", None, nccl_round(ctx, w, group), "nccl", None)]
     handles = []
     for sms, dcfg, ccfg in configs:
         _, handle = w.fresh(dcfg)
         handles.append(handle)
-        rows.append(("ours", sms, ours_round(buffer, w, handle, dcfg, ccfg), handle.backend))
-    for impl, sms, fn, used in rows:
-        fields = {**base, "impl": impl, "num_sms": sms, "backend": used}
-        (e_times,) = measure(ctx, streams, [(launch, fn)], o.rounds, o.repeats)
-        exch = _record(ctx, {**fields, "op": "exchange alone"}, e_times, round_bytes)
-        e_span, g_span = measure(ctx, streams, [(launch, fn), (compute, gemms)], o.rounds, o.repeats)
+        fn = ours_round(buffer, w, handle, dcfg, ccfg)
+        rows.append(("ours", sms, fn, handle.backend, sms if streams.cuda else None))
+        if sms == default and streams.cuda:
+            rows.append(("ours", sms, fn, handle.backend, None))
+    for impl, sms, fn, used, carveout in rows:
+        fields = {**base, "impl": impl, "num_sms": sms, "backend": used, "carveout": carveout}
+        carved = None
+        gemms.carveout = carveout
+        try:
+            if carveout is not None:
+                (c_times,) = measure(ctx, streams, [(compute, gemms)], o.rounds, o.repeats)
+                carved = _record(ctx, {**base, "op": "gemm alone", "impl": "torch.mm", "backend": None,
+                                       "carveout": carveout}, c_times, 0)
+            (e_times,) = measure(ctx, streams, [(launch, fn)], o.rounds, o.repeats)
+            exch = _record(ctx, {**fields, "op": "exchange alone"}, e_times, round_bytes)
+            e_span, g_span = measure(ctx, streams, [(launch, fn), (compute, gemms)], o.rounds, o.repeats)
+        finally:
+            gemms.carveout = None
         t_span = [max(a, b) for a, b in zip(e_span, g_span)]
         span = _record(ctx, {**fields, "op": "together"}, t_span, round_bytes)
         gs = _record(ctx, {**fields, "op": "gemm in together"}, g_span, 0)
         es = _record(ctx, {**fields, "op": "exchange in together"}, e_span, round_bytes)
-        _summary(ctx, impl, sms, gemm, exch, span, gs, es, default, o.rounds)
+        # The default row the goal reads: ours at the default count with its carveout (on a CPU, the only one).
+        is_default = impl == "ours" and sms == default and (carveout is not None or not streams.cuda)
+        _summary(ctx, impl, sms, carveout, gemm, carved, exch, span, gs, es, is_default, o.rounds)
     del handles
     if backend == "reference" and dev.type == "cuda":
         ctx.note("the reference backend ignores Config: the SM-count rows time the same code")
@@ -264,8 +303,9 @@ def _rule_point(ctx: Context, buffer: Buffer, default: int) -> None:
     """The NUM_SMS_SWEEPS entry this run measured (exchange alone per round, by SM count), and what the rule
     would choose from it."""
     o = ctx.opts
-    ours = {s["num_sms"]: round(s["round_us"]) for s in ctx.records
-            if s.get("section") == "overlap-summary" and s["impl"] == "ours"}
+    rows = [s for s in ctx.records if s.get("section") == "overlap-summary" and s["impl"] == "ours"]
+    carved = {s["num_sms"] for s in rows if s["carveout"]}  # the uncarved contrast row repeats its count
+    ours = {s["num_sms"]: round(s["round_us"]) for s in rows if s["carveout"] or s["num_sms"] not in carved}
     if len(ours) < 2:
         return
     key = (ctx.num_ranks, buffer.topology.is_single_domain)

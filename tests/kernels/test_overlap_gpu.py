@@ -86,7 +86,7 @@ def test_overlap_bench_runs(tmp_path):
     assert "## Overlap: GEMMs beside the exchange" in proc.stdout and "(default)" in proc.stdout
     doc = json.loads((tmp_path / "r.json").read_text())
     summary = [r for r in doc["records"] if r["section"] == "overlap-summary"]
-    assert {r["impl"] for r in summary} == {"nccl", "ours"} and doc["meta"]["backends_used"] == ["kernels"]
+    assert {r["impl"] for r in summary} == {"nccl", "ours"} and doc["meta"]["backends_used"] == ["intranode"]
     top = str(torch.cuda.Stream.priority_range()[1])
     streams = next(n for n in doc["notes"] if n.startswith("streams:"))
     assert f"comm stream (priority {top})" in streams and "is_high_priority_stream" in streams, streams
