@@ -93,8 +93,8 @@ def test_default_sizing_is_exact_in_a_training_step(monkeypatch):
 
     monkeypatch.delenv(sizing.ROWS_ENV, raising=False)
     d = _tracked_dispatcher(guard)
-    assert guard.run_step(lambda: d._row_budget.rows_for(4096, 8)) == 0
     assert d._row_budget.rows_for(4096, 8) == 0
+    assert guard.run_step(lambda: d._row_budget.rows_for(4096, 8)) == 0
     assert sizing.ExpertRowBudget(align=1, capacity_factor=1.5).rows_for(100, 8) == 1280  # the config's budget
 
 
