@@ -120,8 +120,9 @@ class Backend:
 
     def forget_overflow(self) -> None:
         """Drop the record of an earlier num_worst_tokens overflow that the next synchronised dispatch would raise
-        (the compiled backends keep one in their mailbox; the reference raises at the call instead). For a rerun
-        guard that undid the step that overflowed: call it on every rank, once that step's dispatches finished."""
+        (the compiled backends keep one in their mailbox; the reference raises at the call instead). For a caller
+        that checked those calls itself (Buffer._forget_dropped_rows): call it on every rank, once those
+        dispatches finished."""
 
     # ------------------------------------------------------------------ low-latency mode
     # A low-latency backend owns its double buffering (each call takes the buffer half after the previous

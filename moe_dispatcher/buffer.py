@@ -676,8 +676,8 @@ class Buffer:
     def _forget_dropped_rows(self) -> None:
         """Forget every overflow of earlier num_worst_tokens calls, so that the next synchronised dispatch does not
         raise it: for a caller that checked those calls' rows_needed itself (the Megatron integration's run_step,
-        integrations/megatron/guard.py, which re-runs a step that overflowed). Every rank calls it at the same
-        point, after those calls' dispatches finished."""
+        integrations/megatron/guard.py: a bound overflow has raised there already, a capacity factor's drops
+        are chosen). Every rank calls it at the same point, after those calls' dispatches finished."""
         self._pending_row_checks = []
         if self._kernels is not None:
             self._kernels.forget_overflow()

@@ -73,32 +73,19 @@ def timed(fn, iters=20):
     return s.elapsed_time(e) / iters, host_ms
 
 
-from moe_dispatcher.integrations.megatron import guard  # noqa: E402
 from moe_dispatcher.integrations.megatron.buffers import _buffers  # noqa: E402
 from moe_dispatcher.integrations.megatron.sizing import ROWS_ENV  # noqa: E402
 
-
-def zero_grad():
-    layer.zero_grad(set_to_none=True)
-    x.grad = None
-
-
 # Sizing variants of the same dispatcher, side by side ($MOE_DISPATCHER_EXPERT_ROWS, sizing.py):
-#   exact       every dispatch waits for notify's counts (the default outside a rerun guard);
-#   bound       fixed M, no guard (overflow would raise two calls later);
-#   auto+guard  the default inside guard.run_step: fixed M, one check of the rows needed per step;
-#   ... h1.03   the same with 3% headroom instead of 10% (fewer zero rows for every op over the expert rows).
+#   bound  fixed M (high-water mark x headroom), no host sync (an overflow would raise two calls later);
+#   exact  every dispatch waits for notify's counts (the default).
 # The default goes last: the profile below runs it.
-VARIANTS = [("exact", "exact", False, None), ("bound", "bound", False, None),
-            ("auto+guard h1.03", "auto", True, 1.03), ("auto+guard", "auto", True, None)]
-DEFAULT_HEADROOM = d._row_budget.headroom
+VARIANTS = ["bound", "exact"]
 
 
 def use(variant):
-    _, env, guarded, headroom = variant
-    os.environ[ROWS_ENV] = env
-    d._row_budget.headroom = headroom or DEFAULT_HEADROOM
-    return (lambda: guard.run_step(rt, zero_grad)) if guarded else rt
+    os.environ[ROWS_ENV] = variant
+    return rt
 
 
 waits = {"n": 0}
@@ -119,7 +106,7 @@ def count_notify_waits():
 
 def host_syncs(fn, iters=3):
     """Host syncs per iteration in steady state: notify waits (the intranode backend's only host wait) plus
-    the synchronising torch ops CUDA's sync debug mode reports (e.g. the guard's one read per step)."""
+    the synchronising torch ops CUDA's sync debug mode reports."""
     count_notify_waits()
     waits["n"] = 0
     torch.cuda.synchronize()
@@ -142,8 +129,8 @@ for variant in VARIANTS:
         fn()
     gpu_ms, host_ms = timed(fn)
     syncs, notify_waits, msgs = host_syncs(fn)
-    rows = d._row_budget.high_water if variant[1] == "exact" else d._row_budget.rows_for(T, K)
-    results[variant[0]] = (gpu_ms, host_ms, syncs, notify_waits, msgs, rows)
+    rows = d._row_budget.high_water if variant == "exact" else d._row_budget.rows_for(T, K)
+    results[variant] = (gpu_ms, host_ms, syncs, notify_waits, msgs, rows)
 
 
 # The round trip's own work, with no exchange at all: router forward/backward, and the float32 probs multiply
@@ -178,7 +165,7 @@ def floor_ms(rows, iters=20):
 
 floors = {name: floor_ms(r[-1]) for name, r in results.items()}  # per variant: the same calls on every rank
 x.grad = None
-profiled = use(VARIANTS[-1])  # the profile below: the default of a training step (auto sizing in the rerun guard)
+profiled = use(VARIANTS[-1])  # the profile below: the default (exact sizing)
 
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
@@ -198,7 +185,6 @@ if rank == 0:
                     f"own share {gpu_ms - floors[name]:.3f} ms | host enqueue {host_ms:.3f} ms/iter | host syncs/iter "
                     f"{syncs:.2f} "
                     f"(notify waits {notify_waits:.2f}){' | ' + '; '.join(msgs) if msgs else ''}\n")
-        f.write(f"  guard: {guard.stats['steps']} guarded steps, {guard.stats['reruns']} re-run\n")
         f.write("\n=== top ops by CUDA time (5 iterations) ===\n")
         try:
             f.write(prof.key_averages().table(sort_by="device_time_total", row_limit=30, max_name_column_width=60))

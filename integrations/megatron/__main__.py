@@ -1,5 +1,5 @@
 """Run a Megatron-LM script with moe_dispatcher registered (so its argparse accepts our dispatcher types) and
-its training steps in the rerun guard (guard_training_steps: sync-free expert-row sizing):
+each training step's fixed-size expert rows checked at its end (guard_training_steps; bound sizing):
 
     torchrun --nproc_per_node 8 -m moe_dispatcher.integrations.megatron pretrain_gpt.py \\
         --moe-token-dispatcher-type moe_dispatcher ...

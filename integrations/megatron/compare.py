@@ -92,13 +92,12 @@ def report(results: dict[str, dict[str, Any]], skipped: dict[str, str], failed: 
     """The comparison as text: throughput table, step breakdown, loss curves."""
     lines = ["", "=== comparison (same config, seed and data; one run each, in turn)"]
     ours = (results.get("ours") or {}).get("tokens_per_s")
-    lines.append(f"{'dispatcher':<14}{'tokens/s':>10}{'ms/step':>9}{'ours x':>8}{'loss first':>12}{'loss last':>11}"
-                 f"{'re-runs':>9}")
+    lines.append(f"{'dispatcher':<14}{'tokens/s':>10}{'ms/step':>9}{'ours x':>8}{'loss first':>12}{'loss last':>11}")
     for name, r in results.items():
         tps = r.get("tokens_per_s")
         speedup = f"{ours / tps:.3f}" if ours and tps else "-"
         lines.append(f"{name:<14}{tps or 0:>10.0f}{r.get('step_ms') or 0:>9.1f}{speedup:>8}{r['losses'][0]:>12.4f}"
-                     f"{r['losses'][-1]:>11.4f}{r.get('steps_rerun', 0):>9}")
+                     f"{r['losses'][-1]:>11.4f}")
     for name, why in skipped.items():
         lines.append(f"{name:<14} skipped: {why}")
     for name in failed:

@@ -35,7 +35,7 @@ from moe_dispatcher.env import env_flag, env_int
 from . import guard
 from .buffers import buffer_backend, get_buffer
 from .permutation import LowLatencyPacking, routing_to_topk
-from .sizing import ExpertRowBudget, rows_mode, tokens_per_expert_covering
+from .sizing import ExpertRowBudget, tokens_per_expert_covering
 from .timing import comm_timer
 
 LL_MAX_TOKENS_ENV = "MOE_DISPATCHER_LL_MAX_TOKENS_PER_RANK"
@@ -97,7 +97,7 @@ class MoEDispatcherTokenDispatcher(MoETokenDispatcher):
         self._recv_counts: list[int] | None = None
         self._tokens_per_expert: torch.Tensor | None = None
         self._probs_dtype = torch.float32
-        # Fixed expert-major row counts (no host sync in steady state; sizing.py).
+        # Expert-major row counts: exact by default, fixed with bound sizing or a capacity factor (sizing.py).
         self._row_budget = ExpertRowBudget(self.pad_multiple,
                                            getattr(config, "moe_expert_rank_capacity_factor", None),
                                            num_local_experts=num_local_experts, group=self.group)
@@ -144,22 +144,16 @@ class MoEDispatcherTokenDispatcher(MoETokenDispatcher):
         buffer = get_buffer(self.group, hidden=hidden_states.shape[-1], element_size=hidden_states.element_size(),
                             backend=self.buffer_backend)
         x, weights = comm_timer.backward_end("dispatch", hidden_states, probs)
-        worst = 0
-        mode = rows_mode(hidden_states.device)
-        if mode != "exact":
-            worst = self._row_budget.rows_for(hidden_states.shape[0], self._topk_idx.shape[1])
+        worst = self._row_budget.rows_for(hidden_states.shape[0], self._topk_idx.shape[1])  # 0: exact
         with comm_timer.forward("dispatch", hidden_states.device):
             permuted, permuted_probs, counts, tpe, handle = md_autograd.expert_major_dispatch(
                 buffer, x, self._topk_idx, weights, self.num_dispatch_experts, expert_alignment=self.pad_multiple,
                 num_worst_tokens=worst, fp8=self.fp8_dispatch)
         permuted, permuted_probs = comm_timer.backward_start("dispatch", permuted, permuted_probs)
         if worst:  # M = worst rows, counts on the device only; the need is checked later (sizing.py, guard.py)
-            if mode == "guarded" and self._row_budget.capacity_factor is None:  # (a capacity factor may drop)
-                self._row_budget.track(handle.rows_needed, worst)
-            else:
-                self._row_budget.watch(handle.rows_needed, worst)
+            self._row_budget.watch(handle.rows_needed, worst)
             self._tokens_per_expert = tokens_per_expert_covering(tpe, worst)
-        else:
+        else:  # exact: the counts came to the host (the dispatch's one host sync)
             self._row_budget.observe(sum(counts))
             self._tokens_per_expert = torch.tensor(counts, dtype=torch.int64)
         self._buffer, self._handle = buffer, handle
@@ -171,8 +165,8 @@ class MoEDispatcherTokenDispatcher(MoETokenDispatcher):
         """-> (expert-major rows, tokens_per_expert int64 (padded counts), permuted probs).
 
         With moe_router_padding_for_quantization each expert's rows are padded with zero rows (prob 0) to a
-        multiple of 16/32, so fp8/fp4 grouped GEMMs need no padding of their own. With fixed rows (sizing.py: the
-        default inside a guarded training step, guard.py) tokens_per_expert stays on the device (experts that need
+        multiple of 16/32, so fp8/fp4 grouped GEMMs need no padding of their own. With fixed rows (sizing.py:
+        bound sizing or a capacity factor) tokens_per_expert stays on the device (experts that need
         it on the host read it there, as Megatron's SequentialMLP / GroupedMLP do with .tolist()) and the zero
         rows past the last expert's are counted in the last expert, so the counts add up to the rows."""
         tokens_per_expert, self._tokens_per_expert = self._tokens_per_expert, None

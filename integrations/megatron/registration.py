@@ -22,11 +22,12 @@ to the experts as it is (dispatch_postprocess copies nothing), so the experts sa
 (Megatron keeps it for HybridEP and NCCL EP for the same reason).
 
 That is all ``register()`` changes: the config class (a wrapped ``__post_init__``, two widened annotations),
-one name in ``moe_layer`` and one function in ``models.common.utils``. Training steps are not wrapped: the
-rerun guard (guard.py), which lets the default expert-row sizing skip the host sync, is opt-in --
-``guard_training_steps()`` (our Megatron-LM runner, ``python -m moe_dispatcher.integrations.megatron``,
-calls it), ``guard_forward_backward(func)`` around one forward_backward function, or ``run_step`` in a
-loop of one's own (train.py). Unguarded steps size expert rows exactly: correct, one host sync per dispatch.
+one name in ``moe_layer`` and one function in ``models.common.utils``. Training steps are not wrapped at
+import. ``guard_training_steps()`` (our Megatron-LM runner, ``python -m moe_dispatcher.integrations.megatron``,
+calls it) wraps ``get_forward_backward_func`` so that each step's fixed-size expert rows (``bound`` sizing, a
+capacity factor; sizing.py) are checked at the step's end, before the optimizer applies it (guard.py);
+``guard_forward_backward(func)`` does it for one forward_backward function, ``run_step`` in a loop of one's
+own (train.py). With the default exact sizing there is nothing to check.
 """
 from __future__ import annotations
 
@@ -158,11 +159,10 @@ def register(backend: str | None = None) -> None:
 
 def guard_training_steps() -> None:
     """Opt-in: make ``megatron.core.pipeline_parallel.get_forward_backward_func`` return its schedule wrapped
-    in guard_forward_backward, so Megatron-LM's training loop runs every step of a model that uses our
-    normal-mode dispatcher in the rerun guard (no host sync for the expert-row sizing; a step that
-    overflowed is re-run exactly). Must run before ``megatron.training`` is imported (it binds the function
-    at import). Idempotent. Our Megatron-LM runner (``python -m moe_dispatcher.integrations.megatron``)
-    calls it."""
+    in guard_forward_backward, so Megatron-LM's training loop checks every step's fixed-size expert rows at
+    the step's end (guard.py; needed only with ``bound`` sizing or a capacity factor). Must run before
+    ``megatron.training`` is imported (it binds the function at import). Idempotent. Our Megatron-LM runner
+    (``python -m moe_dispatcher.integrations.megatron``) calls it."""
     from megatron.core import pipeline_parallel
     from megatron.core.pipeline_parallel import schedules
 
@@ -179,48 +179,17 @@ def guard_training_steps() -> None:
     pipeline_parallel.get_forward_backward_func = get_forward_backward_func
 
 
-def _model_chunks(model) -> list:
-    return list(model) if isinstance(model, (list, tuple)) else [model]
-
-
-def _uses_normal_dispatcher(model) -> bool:
-    """Whether the model's config selects our normal-mode dispatcher (a config field, the same on every rank,
-    so every rank decides alike whether to guard; a pipeline stage without MoE layers still takes part)."""
-    config = getattr(_model_chunks(model)[0], "config", None)
-    return (getattr(config, "moe_token_dispatcher_type", None) == "flex"
-            and getattr(config, "moe_flex_dispatcher_backend", None) == NORMAL)
-
-
 def guard_forward_backward(forward_backward_func: Callable) -> Callable:
     """Wrap one of Megatron-Core's forward_backward functions (what get_forward_backward_func returns) in
-    run_step when the model uses our normal-mode dispatcher. The microbatches are read from the data
-    iterator(s) first and replayed if the step re-runs (as Megatron's PagedStashRunner does); a re-run clears
-    the model chunks' gradient buffers (zero_grad_buffer, else zero_grad) first. guard_training_steps() wraps
-    get_forward_backward_func with this, so Megatron-LM training loops are guarded as they are."""
+    run_step: the step runs as it is, then its fixed-row dispatches are checked (guard.check_expert_rows:
+    no collective, nothing to do with exact sizing). guard_training_steps() wraps get_forward_backward_func
+    with this, so Megatron-LM training loops are checked as they are."""
     if getattr(forward_backward_func, "_moe_dispatcher_guarded", False):
         return forward_backward_func
 
     @functools.wraps(forward_backward_func)
     def guarded(*args, **kwargs):
-        model = kwargs.get("model")
-        if args or model is None or not _uses_normal_dispatcher(model):
-            return forward_backward_func(*args, **kwargs)
-        data, n = kwargs.get("data_iterator"), kwargs.get("num_microbatches", 1)
-        iterators = data if isinstance(data, list) else [data]
-        batches = [None if it is None else [next(it) for _ in range(n)] for it in iterators]
-
-        def step():
-            fresh = [None if b is None else iter(b) for b in batches]
-            return forward_backward_func(**{**kwargs, "data_iterator": fresh if isinstance(data, list) else fresh[0]})
-
-        def zero_grad():
-            for chunk in _model_chunks(model):
-                if hasattr(chunk, "zero_grad_buffer"):
-                    chunk.zero_grad_buffer()
-                else:
-                    chunk.zero_grad(set_to_none=True)
-
-        return run_step(step, zero_grad)
+        return run_step(lambda: forward_backward_func(*args, **kwargs))
 
     guarded._moe_dispatcher_guarded = True
     return guarded

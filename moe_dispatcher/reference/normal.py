@@ -146,8 +146,8 @@ class ReferenceNormal(Backend):
                               num_worst_tokens: int, config=None):
         """The composition (Backend's), with an exact exchange: this backend has the counts on the host anyway,
         so num_worst_tokens bounds only the expert rows. An expert-major overflow is then what the kernels'
-        is: the rows past num_worst_tokens are dropped and rows_needed says so (the Buffer reports it, a
-        rerun guard re-runs the step), never an error raised by the exchange."""
+        is: the rows past num_worst_tokens are dropped and rows_needed says so (the Buffer reports it, the
+        Megatron integration's step-end check reads it), never an error raised by the exchange."""
         return compose_expert_major_dispatch(self, x, x_scales, topk_idx, topk_weights, num_experts,
                                              num_experts // self.num_ranks, expert_alignment, num_worst_tokens,
                                              config, bounded_exchange=False)

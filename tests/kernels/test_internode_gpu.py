@@ -115,7 +115,8 @@ def _world_dropped_rows(rank: int, world_size: int) -> None:
     """No silent loss in the internode expert-major composition (rank-major exchange + permute): with one local
     pair per received row (top-1 routing; one expert per rank) the M rows kept need exactly M rows, so
     rows_needed must come from the counts notify exchanged. Then the drop is reported once, at the next
-    synchronised dispatch, and a rerun guard's forgetting it lets the exact re-run through."""
+    synchronised dispatch, and a caller that checked the drop itself (the Megatron integration's step-end
+    check) forgets it and lets the next synchronised dispatch through."""
     kb, rb = _buffers()
     dev = torch.device("cuda", torch.cuda.current_device())
     t, h = 256, 2048
@@ -143,7 +144,7 @@ def _world_dropped_rows(rank: int, world_size: int) -> None:
                 assert counts == want
                 y = kb.expert_major_combine(px, hk)[0]
                 assert_equal(y, x * (idx >= 0).sum(1, keepdim=True).to(x.dtype), "round trip after the drop")
-            with case(f"{name}, alignment {align}: a guard's re-run after forgetting the drop"):
+            with case(f"{name}, alignment {align}: a synchronised dispatch after forgetting the drop"):
                 kb.expert_major_dispatch(x, topk_idx=idx, num_experts=e, expert_alignment=align,
                                          num_worst_tokens=worst)
                 torch.cuda.synchronize()

@@ -5,11 +5,8 @@ from __future__ import annotations
 import re
 
 import pytest
-import torch
-from moe_dispatcher.integrations.megatron import buffers, guard, sizing
+from moe_dispatcher.integrations.megatron import buffers, sizing
 from moe_dispatcher.integrations.megatron.dispatcher import LL_MAX_TOKENS_ENV, fixed_max_tokens_per_rank
-
-CUDA = torch.device("cuda", 0)  # rows_mode only reads the device's type: nothing runs on it
 
 
 def _raises(name: str, raw: str, accepted: str, call) -> None:
@@ -20,22 +17,25 @@ def _raises(name: str, raw: str, accepted: str, call) -> None:
 @pytest.mark.parametrize("raw", ["sometimes", "exactly", "1"])
 def test_expert_rows_mode(monkeypatch, raw):
     monkeypatch.setenv(sizing.ROWS_ENV, raw)
-    _raises(sizing.ROWS_ENV, raw, "one of auto, exact, bound", lambda: sizing.rows_mode(CUDA))
+    _raises(sizing.ROWS_ENV, raw, "one of exact, bound", sizing.rows_setting)
 
 
-def test_guard_refuses_a_bad_rows_mode(monkeypatch):
-    """Before: run_step took any value but 'auto' as 'fixed sizing chosen' and ran the step unguarded."""
-    monkeypatch.setenv(sizing.ROWS_ENV, "bogus")
-    ran = []
-    _raises(sizing.ROWS_ENV, "bogus", "one of auto, exact, bound", lambda: guard.run_step(lambda: ran.append(1),
-                                                                                          lambda: None))
-    assert not ran
+@pytest.mark.parametrize("raw", ["auto", "AUTO"])
+def test_expert_rows_auto_is_refused(monkeypatch, raw):
+    """The guarded fixed-row mode is gone (exact sizing measured faster): its name is refused, naming the
+    variable and the accepted values, by the setting and by a dispatch's sizing. Before: 'auto' was the
+    default mode."""
+    monkeypatch.setenv(sizing.ROWS_ENV, raw)
+    _raises(sizing.ROWS_ENV, raw, "one of exact, bound", sizing.rows_setting)
+    budget = sizing.ExpertRowBudget(align=1)
+    budget.observe(100)
+    _raises(sizing.ROWS_ENV, raw, "one of exact, bound", lambda: budget.rows_for(10, 2))
 
 
 def test_expert_rows_mode_valid(monkeypatch):
     for raw, want in (("", "exact"), ("BOUND", "bound"), (" exact ", "exact")):
         monkeypatch.setenv(sizing.ROWS_ENV, raw)
-        assert sizing.rows_mode(CUDA) == want
+        assert sizing.rows_setting() == want
 
 
 @pytest.mark.parametrize("raw", ["nan", "inf", "-inf", "0.9", "1.1x", "abc"])
@@ -62,12 +62,14 @@ def test_headroom_valid(monkeypatch):
 
 @pytest.mark.parametrize("raw", ["200.5", "-1", "nan", "inf", "lots"])
 def test_initial_rows(monkeypatch, raw):
+    monkeypatch.setenv(sizing.ROWS_ENV, "bound")  # the initial row count is bound sizing's
     monkeypatch.setenv(sizing.INITIAL_ENV, raw)
     budget = sizing.ExpertRowBudget(align=1)
     _raises(sizing.INITIAL_ENV, raw, "an integer >= 0", lambda: budget.rows_for(10, 2))
 
 
 def test_initial_rows_valid(monkeypatch):
+    monkeypatch.setenv(sizing.ROWS_ENV, "bound")
     monkeypatch.setenv(sizing.INITIAL_ENV, "0")
     assert sizing.ExpertRowBudget(align=1).rows_for(10, 2) == 0  # 0: the first call is exact
     monkeypatch.setenv(sizing.INITIAL_ENV, "200")

@@ -10,6 +10,7 @@ the test functions check the numbers it returns.
 from __future__ import annotations
 
 import warnings
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -57,18 +58,20 @@ def _errors(got: torch.Tensor, want: torch.Tensor) -> list[float]:
     return [(got.float() - want.float()).abs().max().item(), want.float().abs().max().item()]
 
 
-def _parity(ours: str, reference: str, tp: int, ep: int, dtype: torch.dtype = torch.float32, guarded: bool = False,
+def _parity(ours: str, reference: str, tp: int, ep: int, dtype: torch.dtype = torch.float32, stepped: bool = False,
             num_tokens: int = T, fp8_dispatch: bool = False, **overrides: Any) -> dict[str, Any]:
-    """Run one MoELayer forward+backward with each dispatcher; return the errors of ours. guarded: ours runs
-    inside the rerun guard (guard.run_step; result["reruns"]: how many times it re-ran the step). fp8_dispatch:
-    ours is built with MOE_DISPATCHER_FP8_DISPATCH=1."""
+    """Run one MoELayer forward+backward with each dispatcher; return the errors of ours. stepped: ours runs
+    as a training step does, in guard.run_step, twice (the second time with the row budget's high-water mark
+    known), and result["rows_asked"] lists the num_worst_tokens of each of its dispatches (0: exact).
+    fp8_dispatch: ours is built with MOE_DISPATCHER_FP8_DISPATCH=1."""
     import os
     import torch.distributed as dist
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.spec_utils import get_submodules
 
-    from moe_dispatcher.integrations.megatron import guard
+    from moe_dispatcher import autograd as md_autograd
+    from moe_dispatcher.integrations.megatron import dispatcher, guard
     dev = device()
     submodules = get_submodules(get_gpt_layer_local_submodules(num_experts=E, moe_grouped_gemm=False).mlp)
     torch.manual_seed(0)
@@ -84,7 +87,7 @@ def _parity(ours: str, reference: str, tp: int, ep: int, dtype: torch.dtype = to
     x = torch.randn(num_tokens, 1, H, dtype=dtype).to(dev)
     upstream = torch.randn(num_tokens, 1, H, dtype=dtype).to(dev)
     runs = []
-    reruns = guard.stats["reruns"]
+    rows_asked = []
     for i, layer in enumerate(layers):
         layer.set_layer_number(1)
         xi = x.clone().requires_grad_()
@@ -94,18 +97,29 @@ def _parity(ours: str, reference: str, tp: int, ep: int, dtype: torch.dtype = to
             y.backward(upstream)
             return y
 
-        def zero_grad(layer=layer, xi=xi):
-            layer.zero_grad(set_to_none=True)
-            xi.grad = None
+        if stepped and i == 1:
+            def recording(*args, num_worst_tokens=0, **kwargs):
+                rows_asked.append(num_worst_tokens)
+                return md_autograd.expert_major_dispatch(*args, num_worst_tokens=num_worst_tokens, **kwargs)
 
-        y = guard.run_step(step, zero_grad) if guarded and i == 1 else step()
+            dispatcher.md_autograd = SimpleNamespace(expert_major_dispatch=recording,
+                                                     expert_major_combine=md_autograd.expert_major_combine)
+            try:
+                guard.run_step(step)
+                layer.zero_grad(set_to_none=True)
+                xi.grad = None
+                y = guard.run_step(step)
+            finally:
+                dispatcher.md_autograd = md_autograd
+        else:
+            y = step()
         runs.append((y.detach(), xi.grad, {n: p.grad for n, p in layer.named_parameters()}))
     (y0, g0, p0), (y1, g1, p1) = runs
     return {"dispatcher": type(layers[1].token_dispatcher).__name__, "out": _errors(y1, y0),
             "x_grad": _errors(g1, g0),
             "params": {n: (_errors(p1[n], p0[n]) if p0[n] is not None else None) for n in p0},
             "missing_grads": sorted(n for n in p0 if (p0[n] is None) != (p1[n] is None)),
-            "reruns": guard.stats["reruns"] - reruns,
+            "rows_asked": rows_asked,
             "high_water": getattr(getattr(layers[1].token_dispatcher, "_row_budget", None), "high_water", None)}
 
 
@@ -246,32 +260,8 @@ def _ep2_worker(rank: int, world: int) -> dict[str, Any]:
             res["bound"] = _parity("moe_dispatcher", "allgather", 1, world)
         finally:
             del os.environ["MOE_DISPATCHER_EXPERT_ROWS"], os.environ["MOE_DISPATCHER_EXPERT_ROWS_INITIAL"]
-    with case("normal vs allgather in the rerun guard, fixed expert rows (the GPU default, forced on CPU)"):
-        import os
-
-        from moe_dispatcher.integrations.megatron import dispatcher, guard
-        rows_mode = dispatcher.rows_mode
-        dispatcher.rows_mode = lambda device: "guarded" if guard.fixed_rows_allowed() else "exact"
-        os.environ["MOE_DISPATCHER_EXPERT_ROWS_INITIAL"] = "200"
-        try:
-            res["guarded"] = _parity("moe_dispatcher", "allgather", 1, world, guarded=True)
-        finally:
-            dispatcher.rows_mode = rows_mode
-            del os.environ["MOE_DISPATCHER_EXPERT_ROWS_INITIAL"]
-    with case("normal vs allgather in the rerun guard, M = 128 below the rows needed: re-run exactly"):
-        # The reference backend drops the expert rows past M and reports them (it used to raise in its
-        # exchange instead): the guard finds the overflow at the step's end and re-runs the step exactly.
-        import os
-
-        from moe_dispatcher.integrations.megatron import dispatcher, guard
-        rows_mode = dispatcher.rows_mode
-        dispatcher.rows_mode = lambda device: "guarded" if guard.fixed_rows_allowed() else "exact"
-        os.environ["MOE_DISPATCHER_EXPERT_ROWS_INITIAL"] = "1"
-        try:
-            res["guarded_overflow"] = _parity("moe_dispatcher", "allgather", 1, world, guarded=True, num_tokens=256)
-        finally:
-            dispatcher.rows_mode = rows_mode
-            del os.environ["MOE_DISPATCHER_EXPERT_ROWS_INITIAL"]
+    with case("normal vs allgather as a training step, default sizing"):
+        res["stepped"] = _parity("moe_dispatcher", "allgather", 1, world, stepped=True)
     with case("low-latency vs allgather"):
         res["ll"] = _parity("moe_dispatcher_ll", "allgather", 1, world)
     with case("round trip"):
@@ -306,17 +296,16 @@ def _gpu_worker(rank: int, world: int) -> dict[str, Any]:
                                 params_dtype=torch.bfloat16)
     import os
     tokens = 256
-    for name, initial in (("guarded_fits", tokens * K * world), ("guarded_overflow", 128)):
-        # Default sizing inside the rerun guard: fixed M = initial rows from the first call (no host sync).
-        # 128 rows cannot hold the ~512 pairs a rank receives: the overflow is found at the step's end and
-        # the step re-run exactly.
-        with case(f"moe_dispatcher vs alltoall in the rerun guard, M = {initial}, bf16"):
-            os.environ["MOE_DISPATCHER_EXPERT_ROWS_INITIAL"] = str(initial)
-            try:
-                res[name] = _parity("moe_dispatcher", "alltoall", 1, world, dtype=torch.bfloat16, guarded=True,
-                                    num_tokens=tokens, bf16=True, params_dtype=torch.bfloat16)
-            finally:
-                del os.environ["MOE_DISPATCHER_EXPERT_ROWS_INITIAL"]
+    with case("moe_dispatcher vs alltoall as a training step, default sizing, bf16"):
+        res["stepped"] = _parity("moe_dispatcher", "alltoall", 1, world, dtype=torch.bfloat16, stepped=True,
+                                 num_tokens=tokens, bf16=True, params_dtype=torch.bfloat16)
+    with case("moe_dispatcher vs alltoall, bound sizing (fixed rows), bf16"):
+        os.environ.update(MOE_DISPATCHER_EXPERT_ROWS="bound", MOE_DISPATCHER_EXPERT_ROWS_INITIAL=str(tokens * K * world))
+        try:
+            res["bound"] = _parity("moe_dispatcher", "alltoall", 1, world, dtype=torch.bfloat16, num_tokens=tokens,
+                                   bf16=True, params_dtype=torch.bfloat16)
+        finally:
+            del os.environ["MOE_DISPATCHER_EXPERT_ROWS"], os.environ["MOE_DISPATCHER_EXPERT_ROWS_INITIAL"]
     with case("moe_dispatcher vs alltoall, shared-expert overlap, bf16"):
         res["overlap"] = _parity("moe_dispatcher", "alltoall", 1, world, dtype=torch.bfloat16, bf16=True,
                                  params_dtype=torch.bfloat16, moe_shared_expert_intermediate_size=FFN,
@@ -324,10 +313,14 @@ def _gpu_worker(rank: int, world: int) -> dict[str, Any]:
     with case("moe_dispatcher with fp8 dispatch vs without, bf16"):
         res["fp8_dispatch"] = _parity("moe_dispatcher", "moe_dispatcher", 1, world, dtype=torch.bfloat16,
                                       num_tokens=tokens, fp8_dispatch=True, bf16=True, params_dtype=torch.bfloat16)
-    with case("moe_dispatcher with fp8 dispatch vs without, in the rerun guard (fixed rows), bf16"):
-        res["fp8_dispatch_guarded"] = _parity("moe_dispatcher", "moe_dispatcher", 1, world, dtype=torch.bfloat16,
-                                              guarded=True, num_tokens=tokens, fp8_dispatch=True, bf16=True,
-                                              params_dtype=torch.bfloat16)
+    with case("moe_dispatcher with fp8 dispatch vs without, bound sizing (fixed rows), bf16"):
+        os.environ.update(MOE_DISPATCHER_EXPERT_ROWS="bound", MOE_DISPATCHER_EXPERT_ROWS_INITIAL=str(tokens * K * world))
+        try:
+            res["fp8_dispatch_bound"] = _parity("moe_dispatcher", "moe_dispatcher", 1, world, dtype=torch.bfloat16,
+                                                num_tokens=tokens, fp8_dispatch=True, bf16=True,
+                                                params_dtype=torch.bfloat16)
+        finally:
+            del os.environ["MOE_DISPATCHER_EXPERT_ROWS"], os.environ["MOE_DISPATCHER_EXPERT_ROWS_INITIAL"]
     return res
 
 
@@ -368,21 +361,13 @@ def test_layer_matches_allgather_with_fixed_expert_rows(ep2):
         _check_parity(res["bound"], 0.0, f"rank {rank} fixed expert rows")
 
 
-def test_layer_matches_allgather_in_the_rerun_guard(ep2):
-    """Fixed rows inside guard.run_step: the step's check reads the rows needed (no overflow: no re-run)."""
+def test_default_sizing_is_exact_in_a_training_step(ep2):
+    """Two steps through guard.run_step with the default sizing: every dispatch is exact (num_worst_tokens 0,
+    one host sync), also once the high-water mark is known, and the layer matches allgather bit for bit."""
     for rank, res in enumerate(ep2):
-        _check_parity(res["guarded"], 0.0, f"rank {rank} guarded fixed expert rows")
-        assert res["guarded"]["reruns"] == 0
-        assert res["guarded"]["high_water"] is not None  # set by the step's check alone (the calls were fixed-M)
-
-
-def test_reference_guard_reruns_an_overflowed_step(ep2):
-    """M = 128 rows for ~256 pairs per rank on the reference backend: the step re-runs exactly (no error) and
-    matches allgather bit for bit; the mark is raised to the rows needed."""
-    for rank, res in enumerate(ep2):
-        _check_parity(res["guarded_overflow"], 0.0, f"rank {rank} guarded overflow")
-        assert res["guarded_overflow"]["reruns"] == 1, res["guarded_overflow"]
-        assert res["guarded_overflow"]["high_water"] > 128
+        _check_parity(res["stepped"], 0.0, f"rank {rank} training step")
+        assert res["stepped"]["rows_asked"] == [0, 0], res["stepped"]["rows_asked"]
+        assert res["stepped"]["high_water"] is not None  # the exact calls seeded it
 
 
 def test_layer_matches_allgather_with_dropped_tokens(ep2):
@@ -448,11 +433,10 @@ def test_layer_matches_alltoall_on_gpus():
     results = run_distributed(_gpu_worker, n, backend="nccl", env={"MOE_DISPATCHER_BACKEND": "kernels"},
                               timeout=300)
     for rank, res in enumerate(results):
-        for key in ("moe_dispatcher", "moe_dispatcher_ll", "overlap", "guarded_fits", "guarded_overflow"):
+        for key in ("moe_dispatcher", "moe_dispatcher_ll", "overlap", "stepped", "bound"):
             _check_parity(res[key], 3e-2, f"rank {rank} {key} (NCCL, kernels, bf16)")
-        assert res["guarded_fits"]["reruns"] == 0 and res["guarded_overflow"]["reruns"] == 1, res
-        assert res["guarded_fits"]["high_water"] is not None  # the step's check read the rows needed
-        for key in ("fp8_dispatch", "fp8_dispatch_guarded"):  # the CPU test's bound (e4m3 rounding of the rows)
+        assert res["stepped"]["rows_asked"] == [0, 0], res["stepped"]["rows_asked"]  # exact on GPUs too
+        for key in ("fp8_dispatch", "fp8_dispatch_bound"):  # the CPU test's bound (e4m3 rounding of the rows)
             assert res[key]["out"][0] > 0, f"rank {rank} {key}: the rows were not quantised"
             _check_parity(res[key], 0.08, f"rank {rank} {key} (NCCL, kernels, bf16)")
 

@@ -1,4 +1,5 @@
-"""The dispatcher's expert-row budget (integrations/megatron/sizing.py): no host sync, tight M, overflow."""
+"""The dispatcher's expert-row budget (integrations/megatron/sizing.py): exact by default; with bound sizing
+no host sync, a tight M, overflow raised by the step's end."""
 from __future__ import annotations
 
 import pytest
@@ -7,13 +8,20 @@ import torch
 from moe_dispatcher.integrations.megatron import sizing
 
 
+@pytest.fixture
+def bound(monkeypatch):
+    """$MOE_DISPATCHER_EXPERT_ROWS=bound: the fixed-row sizing these tests exercise."""
+    monkeypatch.setenv(sizing.ROWS_ENV, "bound")
+
+
 class _FakeDispatcher:
-    """What the guard reads of a dispatcher: its group and its row budget."""
+    """What the step-end check reads of a dispatcher: its group and its row budget."""
     group = None
 
 
 def _tracked_dispatcher(guard) -> _FakeDispatcher:
-    """A dispatcher the guard tracks, its budget exact (headroom 1) and seeded with a need of 100 rows."""
+    """A dispatcher the step-end check tracks, its budget tight (headroom 1) and seeded with a need of 100
+    rows."""
     d = _FakeDispatcher()
     d._row_budget = sizing.ExpertRowBudget(align=1, headroom=1.0)
     d._row_budget.observe(100)
@@ -21,7 +29,7 @@ def _tracked_dispatcher(guard) -> _FakeDispatcher:
     return d
 
 
-def test_first_call_exact_then_high_water_with_headroom():
+def test_first_call_exact_then_high_water_with_headroom(bound):
     b = sizing.ExpertRowBudget(align=1, headroom=1.25)
     assert b.rows_for(4096, 8) == 0  # no history: a synchronised call
     b.observe(1000)
@@ -32,7 +40,7 @@ def test_first_call_exact_then_high_water_with_headroom():
     assert b.high_water == 1200 and b.rows_for(4096, 8) == 1536
 
 
-def test_overflow_raises_and_capacity_factor_counts():
+def test_overflow_raises_and_capacity_factor_counts(bound):
     b = sizing.ExpertRowBudget(align=16, headroom=1.0)
     b.observe(100)
     b.watch(torch.tensor(300), 128)
@@ -45,7 +53,7 @@ def test_overflow_raises_and_capacity_factor_counts():
     assert c.dropped_calls == 1
 
 
-def test_initial_rows_env(monkeypatch):
+def test_initial_rows_env(monkeypatch, bound):
     monkeypatch.setenv(sizing.INITIAL_ENV, "300")
     assert sizing.ExpertRowBudget(align=1).rows_for(10, 2) == 384
 
@@ -59,28 +67,17 @@ def test_tokens_per_expert_covering():
     assert sizing.tokens_per_expert_covering(tpe, 6).without_tail.tolist() == [3, 0, 3]
 
 
-def test_overflow_widens_the_headroom():
-    b = sizing.ExpertRowBudget(align=1, headroom=1.1)
-    for want in (1.21, 1.331, 1.4641, 1.5, 1.5):
-        b.widen()
-        assert b.headroom == pytest.approx(want)
-    c = sizing.ExpertRowBudget(align=1, headroom=2.0)  # a setting above the cap is kept
-    c.widen()
-    assert c.headroom == 2.0
-
-
-def test_rows_mode(monkeypatch):
+def test_rows_setting(monkeypatch):
     monkeypatch.delenv(sizing.ROWS_ENV, raising=False)
-    assert sizing.rows_mode(torch.device("cpu")) == "exact"
-    assert sizing.rows_mode(torch.device("cuda", 0)) == "exact"  # training-safe default (see rows_mode)
+    assert sizing.rows_setting() == "exact"
     monkeypatch.setenv(sizing.ROWS_ENV, "bound")
-    assert sizing.rows_mode(torch.device("cuda", 0)) == "bound"
+    assert sizing.rows_setting() == "bound"
     monkeypatch.setenv(sizing.ROWS_ENV, "sometimes")
     with pytest.raises(ValueError):
-        sizing.rows_mode(torch.device("cuda", 0))
+        sizing.rows_setting()
 
 
-def test_default_headroom_and_alignment_slack():
+def test_default_headroom_and_alignment_slack(bound):
     b = sizing.ExpertRowBudget(align=1, num_local_experts=64)
     b.observe(32892)
     assert b.rows_for(4096, 8) == 36224  # 32892 x 1.1 = 36181.2 -> multiple of 128 (was 41216 at 1.25)
@@ -89,69 +86,42 @@ def test_default_headroom_and_alignment_slack():
     assert c.rows_for(4096, 8) == 3072  # 1000 + 2 x 16 x 64 beats 1000 x 1.1
 
 
-def test_guard_reruns_an_overflowed_step_exactly(monkeypatch):
+def test_default_sizing_is_exact_in_a_training_step(monkeypatch):
+    """Unset, every call is exact (M = 0: a synchronised dispatch), also in a step run by run_step and with a
+    high-water mark known. Before: fixed M (mark x 1.1) there on GPUs, an overflow re-running the step."""
     from moe_dispatcher.integrations.megatron import guard
 
     monkeypatch.delenv(sizing.ROWS_ENV, raising=False)
-
     d = _tracked_dispatcher(guard)
-    modes, zeroed = [], []
-
-    def step(need):
-        def run():
-            modes.append(sizing.rows_mode(torch.device("cuda", 0)))
-            if modes[-1] == "guarded":
-                d._row_budget.track(torch.tensor(need), d._row_budget.rows_for(10, 2))
-            return len(modes)
-        return run
-
-    assert guard.run_step(step(300), lambda: zeroed.append(1)) == 2  # M = 128 < 300: re-run, exact
-    assert modes == ["guarded", "exact"] and zeroed == [1] and d._row_budget.high_water == 300
-    assert d._row_budget.headroom == pytest.approx(1.1)  # the overflow widened it
-    assert guard.run_step(step(300), lambda: zeroed.append(1)) == 3  # M = 384 now: fits, no re-run
-    assert modes[2:] == ["guarded"] and zeroed == [1] and d._row_budget.headroom == pytest.approx(1.1)
-    assert sizing.rows_mode(torch.device("cuda", 0)) == "exact"  # outside a guard
-    assert sizing.rows_mode(torch.device("cpu")) == "exact"
-    monkeypatch.setenv(sizing.ROWS_ENV, "exact")  # a chosen mode: run_step only runs the step
-    assert guard.run_step(step(10_000), lambda: zeroed.append(1)) == 4 and modes[3] == "exact"
+    assert d._row_budget.rows_for(4096, 8) == 0
+    assert guard.run_step(lambda: d._row_budget.rows_for(4096, 8)) == 0
+    assert sizing.ExpertRowBudget(align=1, capacity_factor=1.5).rows_for(100, 8) == 1280  # the config's budget
 
 
-def test_guarded_forward_backward_replays_microbatches(monkeypatch):
-    """Megatron's forward_backward functions (guard_training_steps wraps get_forward_backward_func): guarded only when
-    the config selects our dispatcher; a re-run sees the same microbatches and cleared gradients."""
-    from types import SimpleNamespace
-
+def test_checked_forward_backward(monkeypatch, bound):
+    """Megatron's forward_backward functions (guard_training_steps wraps get_forward_backward_func): each call
+    runs once, on the data iterator it was given, and its fixed-row calls are checked at its end."""
     from moe_dispatcher.integrations.megatron import guard, registration
 
-    monkeypatch.delenv(sizing.ROWS_ENV, raising=False)
-    seen, cleared = [], []
-
-    class Chunk:
-        def __init__(self, backend):
-            self.config = SimpleNamespace(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend=backend)
-
-        def zero_grad_buffer(self):
-            cleared.append(1)
-
-    overflow = {"left": 1}
-    monkeypatch.setattr(guard, "_check_step", lambda: overflow.update(left=overflow["left"] - 1) or
-                        overflow["left"] == 0)
+    d = _tracked_dispatcher(guard)
+    seen = []
 
     def forward_backward(*, data_iterator, model, num_microbatches, forward_only=False):
         seen.append([next(data_iterator) for _ in range(num_microbatches)])
+        for need in seen[-1]:
+            d._row_budget.watch(torch.tensor(need), d._row_budget.rows_for(10, 2))
         return seen[-1]
 
     wrapped = registration.guard_forward_backward(forward_backward)
     assert registration.guard_forward_backward(wrapped) is wrapped
-    data = iter(range(100))
-    out = wrapped(data_iterator=data, model=[Chunk("moe_dispatcher")], num_microbatches=3)
-    assert out == [0, 1, 2] and seen == [[0, 1, 2], [0, 1, 2]] and cleared == [1]  # re-run on the same data
-    assert next(data) == 3
-    seen.clear()
-    assert wrapped(data_iterator=data, model=[Chunk("deepep")], num_microbatches=2) == [4, 5] and seen == [[4, 5]]
+    data = iter([50, 60, 70, 80, 300, 90])
+    assert wrapped(data_iterator=data, model=[], num_microbatches=3) == [50, 60, 70] and seen == [[50, 60, 70]]
+    with pytest.raises(RuntimeError, match="needed 300 rows"):  # the last call but one: read at the end
+        wrapped(data_iterator=data, model=[], num_microbatches=3)
+    assert seen[-1] == [80, 300, 90]
 
 
-def test_bound_overflow_is_read_lag_calls_later():
+def test_bound_overflow_is_read_lag_calls_later(bound):
     """bound sizing: a call's need is read LAG calls later, before that later call's dispatch (every rank
     reads the same call, so all raise alike)."""
     b = sizing.ExpertRowBudget(align=1, headroom=1.0)
@@ -164,13 +134,11 @@ def test_bound_overflow_is_read_lag_calls_later():
         b.rows_for(10, 2)  # call 4: reads call 1 before its dispatch
 
 
-def test_bound_mode_checks_the_last_calls_at_the_step_end(monkeypatch):
-    """bound sizing without a guard: the last LAG calls of a step (and of a run) are read nowhere else, so
+def test_bound_mode_checks_the_last_calls_at_the_step_end(bound):
+    """bound sizing: the last LAG calls of a step (and of a run) are read nowhere else, so
     run_step (and check_expert_rows, for loops without it) reads them at the step's end. The overflowing call
     itself must return (its need is only on the device); the error comes from the end of the step."""
     from moe_dispatcher.integrations.megatron import guard
-
-    monkeypatch.setenv(sizing.ROWS_ENV, "bound")
 
     d = _tracked_dispatcher(guard)
     returned = []
@@ -183,9 +151,9 @@ def test_bound_mode_checks_the_last_calls_at_the_step_end(monkeypatch):
             return len(returned)
         return run
 
-    assert guard.run_step(step([50, 60, 70]), lambda: None) == 3  # fits: nothing raised
+    assert guard.run_step(step([50, 60, 70])) == 3  # fits: nothing raised
     with pytest.raises(RuntimeError, match="needed 300 rows"):
-        guard.run_step(step([50, 300]), lambda: None)  # the step's last call overflowed
+        guard.run_step(step([50, 300]))  # the step's last call overflowed
     assert returned[-1] == 300  # the call returned; the step's end raised
     d._row_budget.watch(torch.tensor(400), d._row_budget.rows_for(10, 2))  # the last call of a run
     with pytest.raises(RuntimeError, match="needed 400 rows"):
@@ -194,12 +162,10 @@ def test_bound_mode_checks_the_last_calls_at_the_step_end(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_bound_mode_checks_the_last_calls_on_a_gpu(monkeypatch):
+def test_bound_mode_checks_the_last_calls_on_a_gpu(bound):
     """The same on a GPU, where a call's need travels through pinned memory on a side stream: before, the last
     LAG calls of a run were never read."""
     from moe_dispatcher.integrations.megatron import guard
-
-    monkeypatch.setenv(sizing.ROWS_ENV, "bound")
 
     d = _tracked_dispatcher(guard)
 
@@ -209,9 +175,9 @@ def test_bound_mode_checks_the_last_calls_on_a_gpu(monkeypatch):
                 d._row_budget.watch(torch.tensor(need, device="cuda"), d._row_budget.rows_for(10, 2))
         return run
 
-    guard.run_step(step([50, 60, 70]), lambda: None)
+    guard.run_step(step([50, 60, 70]))
     with pytest.raises(RuntimeError, match="needed 300 rows"):
-        guard.run_step(step([50, 60, 300]), lambda: None)
+        guard.run_step(step([50, 60, 300]))
     d._row_budget.watch(torch.tensor(400, device="cuda"), d._row_budget.rows_for(10, 2))
     with pytest.raises(RuntimeError, match="needed 400 rows"):
         guard.check_expert_rows()

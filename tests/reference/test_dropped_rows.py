@@ -101,7 +101,7 @@ def test_composition_knows_the_rows_its_exchange_dropped() -> None:
 
 def _reference_worker(rank: int, world: int) -> None:
     """The reference backend's expert-major overflow: reported like the kernels' (rows_needed, then the next
-    synchronised dispatch), never raised by its exchange, so a rerun guard can undo the step."""
+    synchronised dispatch), never raised by its exchange, so a caller can check it at its own step's end."""
     dev = device()
     buf = make_buffer(hidden_bytes=H * 4)
     x = torch.randn(T, H, device=dev)
@@ -112,7 +112,7 @@ def _reference_worker(rank: int, world: int) -> None:
         assert px.shape[0] == 32 and int(h.rows_needed) == (world * T if rank == 0 else 0)
         y, _, _ = buf.expert_major_combine(px, h)  # the rows kept still go home
         assert y.shape == x.shape
-    with case("reference: a rerun guard forgets the overflow it undid"):
+    with case("reference: a caller that checked the overflow itself forgets it"):
         buf._forget_dropped_rows()
         buf.expert_major_dispatch(x, topk_idx=idx.to(dev), num_experts=num_experts)
     dist.barrier()

@@ -91,7 +91,7 @@ def test_expert_major(world_size: int, backend: str) -> None:
 def _overflow_worker(rank: int, world: int) -> None:
     """Rank 0 receives 8 tokens (<= W) but 16 (token, expert) rows (> W): rows_needed says 16 and every rank
     raises at the next synchronised dispatch (on every backend: the reference drops and reports as the
-    kernels do, so that a rerun guard can undo the step), then the group must still work."""
+    kernels do, so that a caller can check it at its own step's end), then the group must still work."""
     dev = device()
     buf = make_buffer(hidden_bytes=128 * 2)
     x = torch.randn(4, 128, device=dev).bfloat16()
