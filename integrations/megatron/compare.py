@@ -8,7 +8,10 @@ the same config, seed and data; the runs go one after the other in this one call
 dispatcher: tokens/s, our speed-up over it, the profiler's step breakdown (router, dispatch, permute,
 experts, combine, rest; step_profile.py) and the loss curves side by side. ``flex-deepep`` (Megatron's flex
 dispatcher on DeepEP V1) runs only when ``deep_ep`` is importable (put its build on PYTHONPATH); otherwise it
-is reported as skipped.
+is reported as skipped. ``ours-overlap`` and ``alltoall-overlap`` run ours and Megatron's alltoall through
+Megatron's EP-overlap schedule (``overlap_moe_expert_parallel_comm``; GPUs only, with ``--set
+data.num_microbatches=2`` or more, which the plain runs then use as well, so that every run trains on the same
+microbatches).
 """
 from __future__ import annotations
 
@@ -20,10 +23,14 @@ import sys
 import tempfile
 from typing import Any
 
-# name -> the train.py overrides that select it
+# name -> the train.py overrides that select it; "-overlap": the steps run through Megatron's EP-overlap schedule
+# (schedule.py; GPUs, data.num_microbatches >= 2)
+EP_OVERLAP = "model.overlap_moe_expert_parallel_comm=true"
 RUNS: dict[str, list[str]] = {
     "ours": ["model.moe_token_dispatcher_type=moe_dispatcher"],
+    "ours-overlap": ["model.moe_token_dispatcher_type=moe_dispatcher", EP_OVERLAP],
     "alltoall": ["model.moe_token_dispatcher_type=alltoall"],
+    "alltoall-overlap": ["model.moe_token_dispatcher_type=alltoall", EP_OVERLAP],
     "allgather": ["model.moe_token_dispatcher_type=allgather"],
     "flex-deepep": ["model.moe_token_dispatcher_type=flex", "model.moe_flex_dispatcher_backend=deepep"],
 }
@@ -42,6 +49,8 @@ def _unavailable(name: str) -> str | None:
     import torch
     if name == "flex-deepep" and importlib.util.find_spec("deep_ep") is None:
         return "deep_ep is not importable (put DeepEP V1's build on PYTHONPATH)"
+    if name.endswith("-overlap") and not torch.cuda.is_available():
+        return "needs CUDA (Megatron's EP-overlap schedule uses CUDA streams)"
     if name in ("alltoall", "flex-deepep") and not torch.cuda.is_available():
         return "needs CUDA (Megatron's dispatcher uses CUDA streams)"
     return None
@@ -92,32 +101,32 @@ def report(results: dict[str, dict[str, Any]], skipped: dict[str, str], failed: 
     """The comparison as text: throughput table, step breakdown, loss curves."""
     lines = ["", "=== comparison (same config, seed and data; one run each, in turn)"]
     ours = (results.get("ours") or {}).get("tokens_per_s")
-    lines.append(f"{'dispatcher':<14}{'tokens/s':>10}{'ms/step':>9}{'ours x':>8}{'loss first':>12}{'loss last':>11}")
+    lines.append(f"{'dispatcher':<18}{'tokens/s':>10}{'ms/step':>9}{'ours x':>8}{'loss first':>12}{'loss last':>11}")
     for name, r in results.items():
         tps = r.get("tokens_per_s")
         speedup = f"{ours / tps:.3f}" if ours and tps else "-"
-        lines.append(f"{name:<14}{tps or 0:>10.0f}{r.get('step_ms') or 0:>9.1f}{speedup:>8}{r['losses'][0]:>12.4f}"
+        lines.append(f"{name:<18}{tps or 0:>10.0f}{r.get('step_ms') or 0:>9.1f}{speedup:>8}{r['losses'][0]:>12.4f}"
                      f"{r['losses'][-1]:>11.4f}")
     for name, why in skipped.items():
-        lines.append(f"{name:<14} skipped: {why}")
+        lines.append(f"{name:<18} skipped: {why}")
     for name in failed:
-        lines.append(f"{name:<14} FAILED (its output is above)")
+        lines.append(f"{name:<18} FAILED (its output is above)")
     profiled = {n: r for n, r in results.items() if r.get("breakdown_ms")}
     if profiled:
         first = next(iter(profiled.values()))
         lines += ["", (f"step breakdown, {first.get('breakdown_unit')} on rank 0 over {first.get('profiled_steps')} "
                        "profiled steps (concurrent streams add up; step_profile.py)"),
-                  f"{'dispatcher':<14}" + "".join(f"{p:>10}" for p in PARTS) + f"{'sum':>10}{'wall':>10}"]
+                  f"{'dispatcher':<18}" + "".join(f"{p:>10}" for p in PARTS) + f"{'sum':>10}{'wall':>10}"]
         for name, r in profiled.items():
             b = r["breakdown_ms"]
-            lines.append(f"{name:<14}" + "".join(f"{b.get(p, 0):>10.2f}" for p in PARTS)
+            lines.append(f"{name:<18}" + "".join(f"{b.get(p, 0):>10.2f}" for p in PARTS)
                          + f"{sum(b.values()):>10.2f}{r.get('step_ms') or 0:>10.1f}")
     if results:
         names = list(results)
         steps = max(len(r["losses"]) for r in results.values())
         every = max(1, steps // 20)
-        lines += ["", f"loss curves (mean over all ranks, every {every} steps)", f"{'step':>6}" + "".join(f"{n:>14}" for n in names)]
+        lines += ["", f"loss curves (mean over all ranks, every {every} steps)", f"{'step':>6}" + "".join(f"{n:>18}" for n in names)]
         for i in list(range(0, steps, every)) + ([steps - 1] if (steps - 1) % every else []):
-            lines.append(f"{i + 1:>6}" + "".join(f"{results[n]['losses'][i]:>14.4f}" if i < len(results[n]['losses'])
-                                                else f"{'':>14}" for n in names))
+            lines.append(f"{i + 1:>6}" + "".join(f"{results[n]['losses'][i]:>18.4f}" if i < len(results[n]['losses'])
+                                                else f"{'':>18}" for n in names))
     return "\n".join(lines)

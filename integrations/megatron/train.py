@@ -17,11 +17,13 @@ The config has four sections (configs/tiny_cpu.yaml shows them all):
             string, activation_func by name), plus vocab_size.
   parallel: tensor_model_parallel_size, expert_model_parallel_size ("world": all ranks),
             expert_tensor_parallel_size; the data-parallel size is what remains.
-  data:     seq_length, micro_batch_size (per data-parallel rank), max_stride.
+  data:     seq_length, micro_batch_size (sequences per microbatch and data-parallel rank), num_microbatches
+            (per step: their gradients add up before the optimizer step; 1), max_stride.
   train:    steps, lr, weight_decay, warmup_steps, seed, log_interval, clip_grad (gradient-norm clipping,
             1.0), profile_steps (the last N steps run under torch.profiler for the breakdown; 0: none).
 `--set section.key=value` overrides one entry (YAML syntax for the value); `--dispatcher NAME` is short for
-`--set model.moe_token_dispatcher_type=NAME`.
+`--set model.moe_token_dispatcher_type=NAME`. `model.overlap_moe_expert_parallel_comm: true` runs each step
+through Megatron-Core's EP-overlap schedule (GPUs, data.num_microbatches >= 2; schedule.py).
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import yaml
 
-from . import compare
+from . import compare, schedule
 
 ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu, "relu": F.relu, "squared_relu": lambda x: F.relu(x) ** 2}
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -49,7 +51,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "model": {"vocab_size": 256},
     "parallel": {"tensor_model_parallel_size": 1, "expert_model_parallel_size": "world",
                  "expert_tensor_parallel_size": 1},
-    "data": {"seq_length": 64, "micro_batch_size": 4, "max_stride": 8},
+    "data": {"seq_length": 64, "micro_batch_size": 4, "num_microbatches": 1, "max_stride": 8},
     "train": {"steps": 300, "lr": 1e-3, "weight_decay": 0.0, "warmup_steps": 10, "seed": 1234, "log_interval": 25,
               "clip_grad": 1.0, "profile_steps": 0},
 }
@@ -286,6 +288,9 @@ def train(cfg: dict[str, dict[str, Any]], show_progress: bool = True, log_json: 
     from moe_dispatcher.integrations.megatron.step_profile import StepProfile
     on_cpu = cpu.enable()
     model_cfg, parallel, data, train_cfg = cfg["model"], cfg["parallel"], cfg["data"], cfg["train"]
+    num_microbatches = data["num_microbatches"]
+    schedule.check_ep_overlap(bool(model_cfg.get("overlap_moe_expert_parallel_comm")), num_microbatches,
+                              device.type == "cuda")
     init_model_parallel(parallel, train_cfg["seed"])
     torch.manual_seed(train_cfg["seed"])
     config = transformer_config(model_cfg, parallel)
@@ -296,7 +301,7 @@ def train(cfg: dict[str, dict[str, Any]], show_progress: bool = True, log_json: 
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     kind = dispatcher_label(config)
     topo = megatron_topology()
-    tokens_per_step = data["micro_batch_size"] * data["seq_length"] * dp_size
+    tokens_per_step = data["micro_batch_size"] * data["seq_length"] * num_microbatches * dp_size
     steps, log_every = train_cfg["steps"], train_cfg["log_interval"]
     # The last profile_steps steps run under torch.profiler and are left out of tokens/s.
     profile_steps = min(train_cfg["profile_steps"], max(0, steps - 2 * log_every))
@@ -311,7 +316,8 @@ def train(cfg: dict[str, dict[str, Any]], show_progress: bool = True, log_json: 
                  f"({'gloo, CPU' if on_cpu else 'NCCL, GPU'}): TP {config.tensor_model_parallel_size}, EP "
                  f"{config.expert_model_parallel_size}, ETP {config.expert_tensor_parallel_size}, DP {dp_size} | "
                  f"dispatcher {kind} | optimizer {type(trainer.optimizer).__name__} | NVLink domains of "
-                 f"{topo.nvl_size} ({topo.source}) | {tokens_per_step} tokens/step")
+                 f"{topo.nvl_size} ({topo.source}) | {tokens_per_step} tokens/step in {num_microbatches} "
+                 f"microbatch{'es' if num_microbatches > 1 else ''}")
     comm_timer.enable()
     comm_timer.summary()
     losses: list[float] = []
@@ -321,17 +327,11 @@ def train(cfg: dict[str, dict[str, Any]], show_progress: bool = True, log_json: 
         if step == timed_steps and profile_steps:
             profiling = profile.steps(profile_steps)
             profiling.__enter__()
-        tokens, positions, mask, labels = synthetic_batch(step, data, model_cfg["vocab_size"], train_cfg["seed"],
-                                                          dp_rank, device)
-
-        def forward_backward(tokens=tokens, positions=positions, mask=mask, labels=labels):
-            loss = trainer.model(tokens, positions, mask, labels=labels).float().mean()
-            loss.backward()
-            return loss
-
+        microbatches = [synthetic_batch(step * num_microbatches + i, data, model_cfg["vocab_size"], train_cfg["seed"],
+                                        dp_rank, device) for i in range(num_microbatches)]
         trainer.zero_grad()
         # Fixed-size expert rows (bound sizing, a capacity factor) are checked at the step's end (guard.py).
-        loss = guard.run_step(forward_backward)
+        loss = guard.run_step(lambda: schedule.forward_backward(trainer.model, config, microbatches))
         trainer.step(step)
         reduced = loss.detach().clone()
         dist.all_reduce(reduced)
@@ -364,7 +364,8 @@ def train(cfg: dict[str, dict[str, Any]], show_progress: bool = True, log_json: 
         bar.close()
     comm_timer.enable(False)
     step_ms = 1e3 * measured["time"] / (measured["tokens"] / tokens_per_step) if measured["tokens"] else None
-    result = {"dispatcher": kind, "world_size": world, "steps": steps, "losses": losses,
+    result = {"dispatcher": kind, "world_size": world, "steps": steps, "num_microbatches": num_microbatches,
+              "losses": losses,
               "tokens_per_s": measured["tokens"] / measured["time"] if measured["time"] else None,
               "step_ms": step_ms, "breakdown_ms": profile.breakdown(), "profiled_steps": profile_steps,
               "breakdown_unit": "CPU op ms/step" if on_cpu else "GPU kernel ms/step",
@@ -389,7 +390,15 @@ def train(cfg: dict[str, dict[str, Any]], show_progress: bool = True, log_json: 
 
 def dispatcher_label(config) -> str:
     """"alltoall", "allgather" or "flex/<backend>" (how the config's dispatcher reads after registration), with
-    " fp8-dispatch" when ours dispatches FP8 rows ($MOE_DISPATCHER_FP8_DISPATCH)."""
+    " fp8-dispatch" when ours dispatches FP8 rows ($MOE_DISPATCHER_FP8_DISPATCH) and " ep-overlap" when the
+    steps run through Megatron's EP-overlap schedule."""
+    label = _dispatcher_name(config)
+    if config.overlap_moe_expert_parallel_comm:
+        label += " ep-overlap"
+    return label
+
+
+def _dispatcher_name(config) -> str:
     from moe_dispatcher.env import env_flag
     from moe_dispatcher.integrations.megatron.dispatcher import FP8_DISPATCH_ENV
 
