@@ -124,8 +124,9 @@ def _schedule_worker(rank: int, world: int) -> dict[str, Any]:
     warnings.filterwarnings("ignore")
     from megatron.core import parallel_state as ps
 
-    from moe_dispatcher.integrations.megatron import cpu, schedule
+    from moe_dispatcher.integrations.megatron import comm_timer, cpu, schedule
     cpu.enable()
+    comm_timer.enable()  # as the driver runs it: identity autograd nodes around dispatch and combine
     _cpu_streams()
     freed = _count_freed_inputs()
     ps.initialize_model_parallel(expert_model_parallel_size=world)
@@ -140,8 +141,10 @@ def _schedule_worker(rank: int, world: int) -> dict[str, Any]:
         runs[overlap] = (loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
     (loss_plain, grads_plain), (loss_overlap, grads_overlap) = runs[False], runs[True]
     errors = {n: [(grads_overlap[n] - g).abs().max().item(), g.abs().max().item()] for n, g in grads_plain.items()}
+    timed = comm_timer.summary()
+    comm_timer.enable(False)
     ps.destroy_model_parallel()
-    return {"loss": [loss_plain.item(), loss_overlap.item()], "errors": errors,
+    return {"timed": sorted(timed), "loss": [loss_plain.item(), loss_overlap.item()], "errors": errors,
             "missing": sorted(set(grads_plain) ^ set(grads_overlap)), "freed": dict(freed),
             "num_params": sum(1 for _ in model.parameters())}
 
@@ -160,6 +163,7 @@ def test_ep_overlap_schedule_matches_plain_loop_on_cpu():
             assert err == 0 and scale > 0, f"{name}: |overlap - plain| {err} vs max |plain| {scale}"
         # 2 MoE layers x 3 microbatches: the combine node's input freed each time, dispatch and mlp never.
         assert result["freed"] == {"moe_combine": 6}, result["freed"]
+        assert result["timed"] == ["combine", "combine.backward", "dispatch", "dispatch.backward"], result["timed"]
 
 
 def _driver(*extra: str) -> subprocess.CompletedProcess:
