@@ -16,10 +16,11 @@ communication backend with another on ``config.moe_flex_dispatcher_backend``. We
 
 Plus one schedule detail: Megatron's EP-overlap schedule frees the inputs of some schedule nodes after their
 forward. For our normal mode it must keep two that it frees for backends it does not know: the dispatch
-node's inputs (the conservative choice for a dispatch whose autograd graph reaches back to its inputs, as
-Megatron chooses for DeepEP) and the "mlp" node's input, which is the dispatch's expert-major output handed
-to the experts as it is (dispatch_postprocess copies nothing), so the experts saved it for their backward
-(Megatron keeps it for HybridEP and NCCL EP for the same reason).
+node's inputs (our dispatch's autograd graph reaches back to them, as Megatron assumes for DeepEP) and the
+"mlp" node's input, which is the dispatch's expert-major output handed to the experts as it is
+(dispatch_postprocess copies nothing), so the experts saved it for their backward (Megatron keeps it for
+HybridEP and NCCL EP for the same reason). Freeing either makes the schedule's backward read a freed tensor
+(tests/megatron/test_megatron_ep_overlap.py runs Megatron's schedule on CPU).
 
 That is all ``register()`` changes: the config class (a wrapped ``__post_init__``, two widened annotations),
 one name in ``moe_layer`` and one function in ``models.common.utils``. Training steps are not wrapped at
