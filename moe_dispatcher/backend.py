@@ -122,8 +122,7 @@ class Backend:
         """Drop the record of an earlier num_worst_tokens overflow that the next synchronised dispatch would raise
         (the compiled backends keep one in their mailbox; the reference raises at the call instead). For a caller
         that checked those calls itself (Buffer._forget_dropped_rows): call it on every rank, once those
-        dispatches finished. A disagreement of those calls' ranks is not forgotten: the compiled backends raise
-        its SignatureMismatch here (collective, every rank alike)."""
+        dispatches finished."""
 
     # ------------------------------------------------------------------ low-latency mode
     # A low-latency backend owns its double buffering (each call takes the buffer half after the previous

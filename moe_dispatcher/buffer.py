@@ -677,8 +677,7 @@ class Buffer:
         """Forget every overflow of earlier num_worst_tokens calls, so that the next synchronised dispatch does not
         raise it: for a caller that checked those calls' rows_needed itself (the Megatron integration's run_step,
         integrations/megatron/guard.py: a bound overflow has raised there already, a capacity factor's drops
-        are chosen). Every rank calls it at the same point, after those calls' dispatches finished. A disagreement
-        of those calls' ranks is not forgotten: the compiled backends raise its SignatureMismatch here."""
+        are chosen). Every rank calls it at the same point, after those calls' dispatches finished."""
         self._pending_row_checks = []
         if self._kernels is not None:
             self._kernels.forget_overflow()

@@ -99,15 +99,6 @@ def wait_counts(backend, seq: int, flag_layout_mismatch: int) -> int:
     return num_recv
 
 
-def settle_notifies(backend) -> None:
-    """Wait until the notify of a normal-mode backend's latest fresh call published its results (nothing before the
-    first): notifies run in stream order, so the mailbox's sticky records (a num_worst_tokens overflow, a
-    disagreement) of every earlier call are then final on this rank, as on every rank that waits likewise."""
-    if backend._seq and backend._ipc.wait_notify(backend._seq, backend.timeout_s + 30.0)[0] < 0:
-        backend._check()  # a timeout recorded: raises it
-        raise RuntimeError(f"moe_dispatcher {backend.name}: rank {backend.rank}: notify gave up")
-
-
 def recv_tensors(rows: int, x: torch.Tensor, x_scales: Optional[torch.Tensor], num_scales: int,
                  num_topk: Optional[int]) -> List[Optional[torch.Tensor]]:
     """The outputs of a fresh dispatch receiving `rows` rows: [recv_x, recv_scales or None, recv_topk_idx and

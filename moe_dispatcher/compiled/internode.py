@@ -30,7 +30,7 @@ from ..handle import DispatchHandle
 from ..reference.board import PeerError
 from ..signature import dispatch_signature, raise_disagreement, signature_hash
 from . import (STATUS_PEER_ABORTED, TIMEOUT_ENV, HandleState, buffer_view, combine_tensors, kernel_timeout_s,
-               posted_by_peer, recv_tensors, run_cached, settle_notifies, timeout_message, wait_counts)
+               posted_by_peer, recv_tensors, run_cached, timeout_message, wait_counts)
 from .intranode import (COMBINE_DTYPES, KEPT_SIGNATURES, _columns, _contiguous, _DeviceMemory, _row_bytes,
                         combine_slot_bytes)
 
@@ -314,10 +314,7 @@ class InternodeBackend(Backend):
         return buffer_view(raw, total, dtype, size, offset, "RDMA" if use_rdma_buffer else "NVLink")
 
     def forget_overflow(self) -> None:
-        """Backend.forget_overflow; raises a disagreement recorded since the last report, as IntranodeBackend's."""
-        settle_notifies(self)
         self._ipc.take_worst_overflow()
-        self._raise_disagreement()
 
     # Teardown (moe_dispatcher/runtime/release.py runs these, never one rank alone for the frees).
     symmetric = True  # the RDMA buffer is NVSHMEM memory: freed collectively

@@ -41,7 +41,7 @@ from ..expert_major import ExpertMajorHandle, compose_expert_major_dispatch, gat
 from ..handle import DispatchHandle
 from ..signature import Signature, dispatch_signature, raise_disagreement, signature_hash
 from . import (STATUS_PEER_ABORTED, TIMEOUT_ENV, HandleState, buffer_view, combine_tensors, kernel_timeout_s,
-               posted_by_peer, recv_tensors, run_cached, settle_notifies, timeout_message, wait_counts)
+               posted_by_peer, recv_tensors, run_cached, timeout_message, wait_counts)
 
 # Dtypes of combine input the kernels reduce (others go to the reference backend: capabilities.combine_dtypes).
 COMBINE_DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32})
@@ -469,12 +469,7 @@ class IntranodeBackend(Backend):
 
     # ------------------------------------------------------------------ buffer access and lifetime
     def forget_overflow(self) -> None:
-        """Backend.forget_overflow. A disagreement notify recorded since the last report is not the caller's to
-        forget (the refused calls returned padding rows): raised here, SignatureMismatch on every rank alike (every
-        rank calls this at the same point and first waits for its latest notify, so all read the same records)."""
-        settle_notifies(self)
         self._ipc.take_worst_overflow()
-        self._raise_disagreement()
 
     def local_buffer_tensor(self, dtype: torch.dtype, size: Optional[Sequence[int]] = None, offset: int = 0,
                             use_rdma_buffer: bool = False) -> torch.Tensor:

@@ -46,10 +46,6 @@ def stub_intranode(rows: int) -> types.SimpleNamespace:
         def __init__(self, rank, num_ranks, num_bytes):
             self.alive = True
             self.timeout: Optional[tuple] = None  # what timeout_info() reports (a test sets it)
-            # The mailbox's sticky disagreement record, (seq, problem words) or None (a test sets it; taken once),
-            # and the seqs the host waited for, in order.
-            self.mismatch: Optional[tuple] = None
-            self.waits: List[int] = []
             # The peer abort as the native IpcBuffer keeps it: whether this rank's abort bytes are posted on its
             # peers, and every write in order (1: post_abort, 0: cleared at the next launch).
             self.abort_posted = False
@@ -75,15 +71,13 @@ def stub_intranode(rows: int) -> types.SimpleNamespace:
             return self.timeout
 
         def wait_notify(self, seq, timeout_s):
-            self.waits.append(seq)
             return rows, 0
 
         def take_worst_overflow(self):
             return None
 
         def take_signature_mismatch(self, num_ranks):
-            taken, self.mismatch = self.mismatch, None
-            return taken
+            return None
 
         def expert_counts(self, n):
             return [0] * n
