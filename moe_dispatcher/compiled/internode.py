@@ -8,7 +8,9 @@ One InternodeBackend belongs to one Buffer whose topology has more than one NVLi
 
 Same methods and host-synchronisation rules as IntranodeBackend: only a fresh dispatch without
 num_worst_tokens waits (mapped mailbox) for the receive counts; cached dispatch, num_worst_tokens dispatch
-(CUDA-graph capturable), layout and combine never do. Timeouts name rank, phase and peer. Cached calls run from
+(CUDA-graph capturable), layout and combine never do. A call whose ranks disagree is refused by notify on every
+rank, moves nothing (nor do the calls along its handle) and raises SignatureMismatch at the notify wait or the
+next synchronised dispatch (docs/internode.md, "Notify"). Timeouts name rank, phase and peer. Cached calls run from
 native plans kept in the handle's HandleState, as the intranode backend's (the Buffer's fast path calls them).
 """
 from __future__ import annotations

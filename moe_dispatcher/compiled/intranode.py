@@ -16,7 +16,9 @@ So a rank receiving more than num_worst_tokens rows cannot raise at that call: i
 dispatch.
 Agreement: notify compares every rank's signature hash and problem word (moe_dispatcher.signature, bad expert
 ids flagged by the layout kernel included); a disagreement raises SignatureMismatch on every rank at the same
-host wait (num_worst_tokens calls: at the next synchronised dispatch). Cached calls are not checked.
+host wait (num_worst_tokens calls: at the next synchronised dispatch). Notify refuses such a call on every rank
+alike, so its kernels and those of the calls along its handle move nothing and return padding / zero rows
+(csrc/kernels/common/refused_call.cuh). Cached calls of an accepted call are not checked.
 A spin-wait that exceeds MOE_DISPATCHER_TIMEOUT_S seconds (default 10) in a kernel records the phase, the waiting
 rank and the peer; the next call (or the notify wait) raises RuntimeError naming them. A rank that raises in a
 Buffer call writes its abort byte on every peer (post_abort), and a peer's kernel waiting for it gives up after

@@ -3,8 +3,8 @@ compares every rank's signature hash and problem word, so a call whose ranks pas
 the same SignatureMismatch on every rank (naming the field, the values and the ranks, after one all-gather of
 the full signatures), before any row moves; the Buffer stays usable. Bad expert ids given to the GPU layout
 kernel are reported by the next dispatch on every rank. Calls with num_worst_tokens, which do not wait for
-notify, report at the next dispatch without it. MOE_DISPATCHER_CHECK_LAYOUT=1 adds the full layout check.
-The same world runs on the internode kernels (two emulated NVLink domains).
+notify, move nothing and report at the next dispatch without it. MOE_DISPATCHER_CHECK_LAYOUT=1 adds the full
+layout check. The same world runs on the internode kernels (two emulated NVLink domains).
 
 The last rank is the odd one in every case (the CPU matrix, tests/reference/test_cross_rank_agreement_cpu.py,
 also covers every rank off).
@@ -84,14 +84,13 @@ def _world(rank: int, num_ranks: int, kernels: str) -> list[str]:
             assert f"rank {num_ranks - 1}" in str(info.value), str(info.value)
             seen.append(f"{label}: {info.value}")
             _round(buf, rank, num_ranks)
-    # (Intranode only: the internode kernels' two hops run a call with mismatched rows into a timeout, reported
-    # as one naming the phase, before the next synchronised dispatch could name the field.)
-    if kernels == "intranode":
-        with case("num_worst_tokens call with a different hidden: reported by the next synchronised dispatch"):
-            dispatch(x_=x.repeat(1, 2) if odd else x, num_worst_tokens=T * num_ranks)  # does not wait: no error yet
-            with pytest.raises(SignatureMismatch, match=r"hidden differs"):
-                dispatch()
-            _round(buf, rank, num_ranks)
+    # Notify refuses the call on every rank, so its data kernels move nothing (tests/kernels/test_refused_calls_gpu.py
+    # checks its outputs and time); before that, the internode kernels' two hops ran into a timeout here.
+    with case("num_worst_tokens call with a different hidden: reported by the next synchronised dispatch"):
+        dispatch(x_=x.repeat(1, 2) if odd else x, num_worst_tokens=T * num_ranks)  # does not wait: no error yet
+        with pytest.raises(SignatureMismatch, match=r"hidden differs"):
+            dispatch()
+        _round(buf, rank, num_ranks)
     with case("expert-major dispatch with a different hidden"):
         # (internode composes expert-major calls from its rank-major dispatch: its operation reads "dispatch")
         with pytest.raises(SignatureMismatch, match=r"dispatch: .*hidden differs"):

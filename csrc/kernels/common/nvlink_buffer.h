@@ -73,6 +73,10 @@ struct Mailbox {
 };
 constexpr int32_t kFlagLayoutMismatch = 1;
 constexpr int32_t kFlagSignatureMismatch = 2;  // this call's sources disagree (also recorded in signature_mismatch)
+// recv_channel_offset[0][0] of a call that notify refused (its sources disagree, or its notify gave up): every
+// other word of the call's tables is 0, as for a call that received nothing. An accepted call has 0 there (the
+// first row of source 0's channel 0). The data kernels read it first and move nothing (common/refused_call.cuh).
+constexpr int32_t kRefusedCall = -1;
 // Bits of the layout kernel's bad-id word (common/layout.h), turned into problem words by notify.
 constexpr int32_t kBadIdOutOfRange = 1;
 constexpr int32_t kBadIdRepeated = 2;

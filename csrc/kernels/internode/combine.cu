@@ -52,6 +52,9 @@
 // chunk that holds the last partial of the receiver's oldest unfinished chunk always has credit.
 // Forwarders serve source domains ascending and receivers tokens ascending, so the oldest blocked
 // item can always be traced to a smaller source domain, which ends (docs/internode.md).
+// A call that notify refused (common/refused_call.cuh) moves nothing: every block returns before the drain and
+// the grid barrier (all blocks alike), after the source receivers wrote zero rows (and weights) for their
+// channel's tokens.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -59,6 +62,7 @@
 #include "kernels/common/copy.cuh"
 #include "kernels/common/launch_check.cuh"
 #include "kernels/common/progress_board.cuh"
+#include "kernels/common/refused_call.cuh"
 #include "kernels/common/ring_layout.cuh"
 #include "kernels/internode/common.cuh"
 
@@ -535,6 +539,14 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
   const int ch = blockIdx.x / 3, role = blockIdx.x % 3;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int row_bytes = a.hidden * static_cast<int>(sizeof(T));
+  if (call_refused(a.recv_channel_offset)) {  // the same word in every block: all leave, none reaches the barrier
+    if (role == 2) {
+      int begin, end;
+      channel_range(a.num_tokens, a.num_channels, ch, begin, end);
+      zero_refused_outputs(a.out, a.out_topk_weights, begin, end, row_bytes, a.num_topk);
+    }
+    return;  // no ring, counter, drain wait or grid barrier: the next call starts from the same counters
+  }
   const Watchdog dog = make_watchdog(c.timeout_ns, c.rank, &nvl_ctl(c, c.local)->timeout_claim, &c.mailbox->timeout,
                                      rdma_ctl(c)->peer_aborted);
   if (!drain_previous_calls(c, dog)) return;  // earlier calls drained; no ring written before this

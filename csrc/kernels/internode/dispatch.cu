@@ -16,8 +16,12 @@
 // drained of earlier calls' rows, then a grid barrier, before any block writes a ring.
 // Progress: receivers depend on nothing, forwarders only on receivers (NVL credits) and senders
 // only on forwarders (RDMA credits), so no cycle; each wait has a timeout naming rank and peer.
+// A call that notify refused (common/refused_call.cuh) moves nothing: every block returns before the drain and
+// the grid barrier (all blocks alike, so none waits there), after the receiver blocks padded every output row
+// (num_worst_tokens; a refused call received nothing).
 #include "kernels/common/copy.cuh"
 #include "kernels/common/launch_check.cuh"
+#include "kernels/common/refused_call.cuh"
 #include "kernels/common/ring_layout.cuh"
 #include "kernels/internode/common.cuh"
 
@@ -346,6 +350,25 @@ __device__ void nvl_receive(const DispatchArgs& a, int ch, int l, int group_warp
   rx.finish(leader);
 }
 
+// num_worst_tokens: rows past the received count are zero / -1 / 0 (as the intranode kernel). Every thread of the
+// receiver blocks takes its share (block of channel ch of C).
+__device__ void pad_worst_rows(const DispatchArgs& a, int ch) {
+  const int R = a.c.num_ranks;
+  const int received = a.recv_channel_offset[(R - 1) * (a.num_channels + 1) + a.num_channels];
+  const int64_t first = min(received, a.num_rows), extra = a.num_rows - first;
+  const int64_t stride = static_cast<int64_t>(a.num_channels) * blockDim.x;
+  const int64_t start = static_cast<int64_t>(ch) * blockDim.x + threadIdx.x;
+  const int vecs = a.hidden_bytes / 16;
+  auto* x_pad = reinterpret_cast<int4*>(a.recv_x + first * a.hidden_bytes);
+  for (int64_t i = start; i < extra * vecs; i += stride) x_pad[i] = make_int4(0, 0, 0, 0);
+  for (int64_t i = start; i < extra * a.num_scales; i += stride) a.recv_scales[first * a.num_scales + i] = 0;
+  for (int64_t i = start; a.recv_topk_idx != nullptr && i < extra * a.num_topk; i += stride) {
+    a.recv_topk_idx[first * a.num_topk + i] = -1;
+    a.recv_topk_weights[first * a.num_topk + i] = 0.f;
+  }
+  for (int64_t i = start; a.recv_src_idx != nullptr && i < extra; i += stride) a.recv_src_idx[first + i] = -1;
+}
+
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a) {
   __shared__ int chunk_tokens[kWarps][kMaxChunk];
   __shared__ int chunk_masks[kWarps][kMaxChunk];
@@ -356,27 +379,14 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a) {
   const Common& c = a.c;
   const int ch = blockIdx.x / 3, role = blockIdx.x % 3;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (call_refused(a.recv_channel_offset)) {  // the same word in every block: all leave, none reaches the barrier
+    if (role == 2 && a.pad_rows) pad_worst_rows(a, ch);
+    return;  // no ring, counter, drain wait or grid barrier: the next call starts from the same counters
+  }
   const Watchdog dog = make_watchdog(c.timeout_ns, c.rank, &nvl_ctl(c, c.local)->timeout_claim, &c.mailbox->timeout,
                                      rdma_ctl(c)->peer_aborted);
   if (!drain_previous_calls(c, dog)) return;  // earlier calls drained; no ring written before this
-
-  if (role == 2 && a.pad_rows) {
-    // num_worst_tokens: rows past the received count are zero / -1 / 0 (as the intranode kernel).
-    const int R = c.num_ranks;
-    const int received = a.recv_channel_offset[(R - 1) * (a.num_channels + 1) + a.num_channels];
-    const int64_t first = min(received, a.num_rows), extra = a.num_rows - first;
-    const int64_t stride = static_cast<int64_t>(a.num_channels) * blockDim.x;
-    const int64_t start = static_cast<int64_t>(ch) * blockDim.x + threadIdx.x;
-    const int vecs = a.hidden_bytes / 16;
-    auto* x_pad = reinterpret_cast<int4*>(a.recv_x + first * a.hidden_bytes);
-    for (int64_t i = start; i < extra * vecs; i += stride) x_pad[i] = make_int4(0, 0, 0, 0);
-    for (int64_t i = start; i < extra * a.num_scales; i += stride) a.recv_scales[first * a.num_scales + i] = 0;
-    for (int64_t i = start; a.recv_topk_idx != nullptr && i < extra * a.num_topk; i += stride) {
-      a.recv_topk_idx[first * a.num_topk + i] = -1;
-      a.recv_topk_weights[first * a.num_topk + i] = 0.f;
-    }
-    for (int64_t i = start; a.recv_src_idx != nullptr && i < extra; i += stride) a.recv_src_idx[first + i] = -1;
-  }
+  if (role == 2 && a.pad_rows) pad_worst_rows(a, ch);
 
   if (role == 1) {
     forward(a, ch, warp, lane, dog);

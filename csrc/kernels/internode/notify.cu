@@ -26,9 +26,15 @@
 // Agreement: a source's flags word (word 0 of both its messages, relayed unchanged) also carries its problem
 // word in bits 1-3 (the host's, else one made from the layout kernel's bad-id bits in Control::bad_expert_ids,
 // read and cleared here) and 24 bits of its signature hash in bits 8-31. After the domain barrier every rank
-// holds every source's flags word, so all reach the same verdict; a disagreement is recorded like intranode
-// notify's (kFlagSignatureMismatch, and sticky in the mailbox: the seq and each source's problem word).
+// holds every source's flags word, so all reach the same verdict, before any result is derived; a disagreement
+// refuses the call (common/refused_call.cuh: the tables of a call that received nothing, fwd_offset included,
+// and kRefusedCall in recv_channel_offset[0][0], so that its data kernels move nothing on any rank) and is
+// recorded like intranode notify's (kFlagSignatureMismatch, and sticky in the mailbox: the seq and each
+// source's problem word). A notify that gave up waiting (timeout, either stage) refuses its call on this rank.
+// fwd_offset is derived after the verdict (from the team messages, which stay in place until two notifies
+// later), so a refused call's forwarders see no tokens either.
 #include "kernels/common/launch_check.cuh"
+#include "kernels/common/refused_call.cuh"
 #include "kernels/internode/common.cuh"
 
 namespace moe_ep::internode {
@@ -48,12 +54,14 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a)
   __shared__ int count[kMaxChannels][kMaxRanks];     // my rows per (channel, destination rank)
   __shared__ int dcount[kMaxChannels][kMaxDomains];  // my tokens per (channel, destination domain)
   __shared__ int flags, arrived;
+  __shared__ int refused;  // the verdict on this call (refused_call.cuh): 1 refused, 0 accepted
   __shared__ int problem;  // this rank's problem word (bits 1-3 of its flags word)
   for (int i = threadIdx.x; i < kMaxChannels * kMaxRanks; i += blockDim.x) (&count[0][0])[i] = 0;
   for (int i = threadIdx.x; i < kMaxChannels * kMaxDomains; i += blockDim.x) (&dcount[0][0])[i] = 0;
   if (threadIdx.x == 0) {
     flags = 0;
     arrived = 1;
+    refused = 1;  // until the verdict after the domain barrier
     problem = a.problem;
     // Set (atomicOr) by layout kernels, which may run on another stream at the same time: read and cleared in
     // one atomic, so a bit set meanwhile is kept for the next notify, never lost between a read and a clear.
@@ -134,22 +142,15 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a)
     if (!wait_at_least(&rctl->notify_signal[x], epoch, dog, kPhaseNotifyTeam, team_pe(c, x))) atomicAnd(&arrived, 0);
   }
   __syncthreads();
-  if (!arrived) {
-    if (threadIdx.x == 0) *reinterpret_cast<volatile int32_t*>(&box->seq) = a.seq;  // wake the host
-    return;
-  }
+  const bool team_arrived = arrived != 0;  // block-uniform (read before the barrier below lets thread 0 rewrite it)
 
-  // 2. As the forwarder: fwd_offset [D][C + 1] over the flattened (source domain, channel) order.
+  // 2. Relay (when every team message arrived; else straight to the refused results): message [parity][s] into
+  // every local rank j's NVLink buffer, s = (x, my local index).
   auto team_word = [&](int x, int w) { return ptx::ld_volatile(inbox + static_cast<size_t>(x) * M + w); };
-  for (int i = threadIdx.x; i < D * (C + 1); i += blockDim.x) {
-    const int x = i / (C + 1), ch = i % (C + 1);
-    int base = 0;
-    for (int p = 0; p < x; ++p) base += team_word(p, 1 + R + C - 1);
-    a.fwd_offset[i] = base + (ch == 0 ? 0 : team_word(x, 1 + R + ch - 1));
-  }
-  // Relay: message [parity][s] into every local rank j's NVLink buffer, s = (x, my local index).
   const int N = c.layout.nvl_msg_ints, nwords = 1 + R + C + L;
-  for (int i = threadIdx.x; i < D * nvl * nwords; i += blockDim.x) {
+  const int* mine = reinterpret_cast<const int*>(c.nvl[c.local] + c.layout.nvl_msg_offset) + static_cast<size_t>(parity) * R * N;
+  auto word = [&](int s, int w) { return ptx::ld_volatile(mine + static_cast<size_t>(s) * N + w); };
+  for (int i = threadIdx.x; team_arrived && i < D * nvl * nwords; i += blockDim.x) {
     const int x = i / (nvl * nwords), j = (i / nwords) % nvl, w = i % nwords;
     int v;
     if (w < 1 + R) {
@@ -164,8 +165,9 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a)
   __threadfence_system();
   __syncthreads();
 
-  // Domain barrier (the intranode barrier's words).
-  if (threadIdx.x == 0) {
+  // Domain barrier (the intranode barrier's words). Then thread 0, whose acquires order the R messages before
+  // its reads, gives the verdict from their flags words: every source's 24 hash bits equal, no problem word.
+  if (threadIdx.x == 0 && team_arrived) {
     nctl->barrier_epoch = epoch;
     for (int j = 0; j < nvl; ++j) ptx::st_release_sys(&nvl_ctl(c, j)->barrier_signal[c.local], epoch);
     int ok = 1;
@@ -173,50 +175,64 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a)
       ok = wait_at_least(&nctl->barrier_signal[j], epoch, dog, kPhaseNotifyDomain, c.domain * nvl + j);
     }
     arrived = ok;
+    int disagree = 0;
+    for (int s = 0; s < R && ok; ++s) {
+      const unsigned f = static_cast<unsigned>(word(s, 0));
+      disagree |= (f >> 8) != (static_cast<unsigned>(word(0, 0)) >> 8);
+      disagree |= ((f >> 1) & kProblemMask) != 0;
+    }
+    refused = !ok || disagree;
   }
   __syncthreads();
-  if (!arrived) {
-    if (threadIdx.x == 0) *reinterpret_cast<volatile int32_t*>(&box->seq) = a.seq;
-    return;
-  }
 
-  // 3. Results from the R messages in my NVLink buffer.
-  const int* mine = reinterpret_cast<const int*>(c.nvl[c.local] + c.layout.nvl_msg_offset) + static_cast<size_t>(parity) * R * N;
-  auto word = [&](int s, int w) { return ptx::ld_volatile(mine + static_cast<size_t>(s) * N + w); };
+  // 3. Results from the R messages in my NVLink buffer (and, as the forwarder, the D team messages); a refused
+  // call's from no message at all (every count 0), and kRefusedCall in recv_channel_offset[0][0]: its data
+  // kernels, later on this stream, read it first.
+  const bool none = refused != 0;
+  auto sent = [&](int s, int w) { return none ? 0 : word(s, w); };  // source s's count word, 0 if refused
+  auto team_sent = [&](int x, int w) { return none ? 0 : team_word(x, w); };
+  // As the forwarder: fwd_offset [D][C + 1] over the flattened (source domain, channel) order.
+  for (int i = threadIdx.x; i < D * (C + 1); i += blockDim.x) {
+    const int x = i / (C + 1), ch = i % (C + 1);
+    int base = 0;
+    for (int p = 0; p < x; ++p) base += team_sent(p, 1 + R + C - 1);
+    a.fwd_offset[i] = base + (ch == 0 ? 0 : team_sent(x, 1 + R + ch - 1));
+  }
   for (int i = threadIdx.x; i < R * R; i += blockDim.x) {
     const int row = i / R, col = i % R;
     int sum = 0;
-    for (int s = 0; s <= row; ++s) sum += word(s, 1 + col);
+    for (int s = 0; s <= row; ++s) sum += sent(s, 1 + col);
     a.rank_prefix_matrix[i] = sum;
   }
   for (int i = threadIdx.x; i < R * (C + 1); i += blockDim.x) {
     const int s = i / (C + 1), ch = i % (C + 1);
     int base = 0;
-    for (int p = 0; p < s; ++p) base += word(p, 1 + me);
-    a.recv_channel_offset[i] = base + (ch == 0 ? 0 : word(s, 1 + R + ch - 1));
+    for (int p = 0; p < s; ++p) base += sent(p, 1 + me);
+    a.recv_channel_offset[i] = (none && i == 0) ? nvlink::kRefusedCall : base + (ch == 0 ? 0 : sent(s, 1 + R + ch - 1));
   }
   const int align = a.expert_alignment;
   for (int l = threadIdx.x; l < L; l += blockDim.x) {
     int sum = 0;
-    for (int s = 0; s < R; ++s) sum += word(s, 1 + R + C + l);
+    for (int s = 0; s < R; ++s) sum += sent(s, 1 + R + C + l);
     const int padded = (sum + align - 1) / align * align;
     box->expert_counts[l] = padded;
     // On the device too: they count every pair sent here, so with num_worst_tokens they say how many rows
     // were needed even where the dispatch drops rows (read by kernels later on this stream).
     if (a.recv_expert_counts != nullptr) a.recv_expert_counts[l] = padded;
   }
+  if (!arrived) {  // gave up waiting (a timeout, recorded): the refused tables above, no mailbox results
+    if (threadIdx.x == 0) *reinterpret_cast<volatile int32_t*>(&box->seq) = a.seq;  // wake the host
+    return;
+  }
   if (threadIdx.x == 0) {
     int recv = 0, any = 0, fwd = 0;
-    int disagree = 0;
     for (int s = 0; s < R; ++s) {
-      recv += word(s, 1 + me);
-      const unsigned f = static_cast<unsigned>(word(s, 0));
-      any |= static_cast<int>(f) & nvlink::kFlagLayoutMismatch;
-      // Agreement: the same R flags words on every rank, so the same verdict everywhere.
-      disagree |= (f >> 8) != (static_cast<unsigned>(word(0, 0)) >> 8);
-      disagree |= ((f >> 1) & kProblemMask) != 0;
+      recv += sent(s, 1 + me);
+      any |= word(s, 0) & nvlink::kFlagLayoutMismatch;
     }
-    if (disagree) {
+    // Agreement (the verdict after the domain barrier: arrived, so refused means the sources disagree; the same
+    // R flags words on every rank, so the same verdict everywhere).
+    if (none) {
       any |= nvlink::kFlagSignatureMismatch;
       if (*reinterpret_cast<volatile int32_t*>(&box->signature_mismatch) == 0) {  // keep the first one
         for (int s = 0; s < R; ++s) {
@@ -225,8 +241,8 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a)
         box->signature_mismatch = a.seq;  // host-visible with the results, after the fence below
       }
     }
-    for (int x = 0; x < D; ++x) fwd += team_word(x, 1 + R + C - 1);
-    for (int j = 0; j < R && a.num_worst_tokens > 0; ++j) {
+    for (int x = 0; x < D; ++x) fwd += team_sent(x, 1 + R + C - 1);
+    for (int j = 0; j < R && a.num_worst_tokens > 0 && !none; ++j) {  // a refused call received nothing
       int rows = 0;
       for (int s = 0; s < R; ++s) rows += word(s, 1 + j);
       if (rows > a.num_worst_tokens && *reinterpret_cast<volatile int32_t*>(&box->overflow_rows) == 0) {

@@ -8,12 +8,15 @@
 // warp takes tokens round robin and waits only for its own token's rows, and a release warp returns the
 // slots of every token below the smallest one still in progress. No block-wide barrier, so reducing overlaps
 // the arrival of later rows.
+// A call that notify refused (common/refused_call.cuh) moves nothing: every block returns at its start, after
+// the receiver blocks wrote zero rows (and weights) for their channel's tokens.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include "kernels/common/channel.cuh"
 #include "kernels/common/copy.cuh"
 #include "kernels/common/launch_check.cuh"
+#include "kernels/common/refused_call.cuh"
 #include "kernels/common/ring_layout.cuh"
 #include "kernels/common/vec.cuh"
 #include "kernels/intranode/protocol.h"
@@ -285,7 +288,16 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
   // The ring whose counter this thread starts from. Sender: the warp's ring (lane p's for the publisher);
   // receiver: lane d holds ring d's head.
   const int ring = sender && !extra ? warp / warps : lane;
+  const bool refused = call_refused(a.recv_channel_offset);  // tested after ring_block_start (as dispatch)
   const uint64_t base = ring_block_start(ctl, board, c, ring, num_ranks, sender);
+  if (refused) {
+    if (!sender) {
+      int begin, end;
+      channel_range(a.num_tokens, a.num_channels, c, begin, end);
+      zero_refused_outputs(a.out, a.out_topk_weights, begin, end, a.hidden * static_cast<int>(sizeof(T)), a.num_topk);
+    }
+    return;
+  }
   const Watchdog dog = make_watchdog(a.c.timeout_ns, me, &ctl->timeout_claim, &a.c.mailbox->timeout,
                                      ctl->peer_aborted);
   if (!sender) {

@@ -8,9 +8,12 @@
 // Receiver warps for source s: the k-th row of channel c from s goes to row
 // recv_channel_offset[s][c] + k (computed by notify, or kept in the handle for cached dispatch),
 // which gives exactly the (source rank, token) order of the contract.
+// A call that notify refused (common/refused_call.cuh) moves nothing: every block returns at its start, after
+// the receiver blocks padded every output row (num_worst_tokens; a refused call received nothing).
 #include "kernels/common/channel.cuh"
 #include "kernels/common/copy.cuh"
 #include "kernels/common/launch_check.cuh"
+#include "kernels/common/refused_call.cuh"
 #include "kernels/common/ring_layout.cuh"
 #include "kernels/intranode/protocol.h"
 #include "kernels/intranode/rings.cuh"
@@ -197,9 +200,13 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
   auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
   // The ring whose counter this thread starts from (the publisher's lane p: ring p).
   const int ring = publisher ? lane : warp / warps;
+  // Loaded before ring_block_start's counter load and barrier, tested after them (its latency hides behind
+  // theirs); the same word in every block, so all blocks of every rank leave alike.
+  const bool refused = call_refused(a.recv_channel_offset);
   const uint64_t base = ring_block_start(ctl, board, c, ring, num_ranks, sender);
 
   if (!sender && a.pad_rows) pad_worst_rows(a, c);
+  if (refused) return;  // no ring, counter or drain touched: the next call starts from the same counters
   if (publisher) {
     uint64_t* word = nullptr;
     if (lane < num_ranks) {

@@ -11,11 +11,15 @@
 // in between, so no cleaning is needed.
 //
 // Agreement: each message also carries the source's signature hash and problem word (nvlink_buffer.h). After
-// the barrier every rank compares all sources' pairs, so every rank reaches the same verdict; a disagreement
-// sets kFlagSignatureMismatch in this call's flags and, sticky, the call's seq and the problem words in the
-// mailbox, which the host reports (after one all-gather of the full signatures, on every rank) at its next
-// synchronised dispatch.
+// the barrier every rank compares all sources' pairs, so every rank reaches the same verdict, before it derives
+// any result. A disagreement refuses the call (common/refused_call.cuh): its tables are those of a call that
+// received nothing, with kRefusedCall in recv_channel_offset[0][0], so that its data kernels move nothing on any
+// rank; it sets kFlagSignatureMismatch in this call's flags and, sticky, the call's seq and the problem words in
+// the mailbox, which the host reports (after one all-gather of the full signatures, on every rank) at this
+// call's wait or, for a call that does not wait, at its next synchronised dispatch. A notify that gave up
+// waiting (timeout) refuses its call on this rank too, with the same tables.
 #include "kernels/common/launch_check.cuh"
+#include "kernels/common/refused_call.cuh"
 #include "kernels/common/wait.cuh"
 #include "kernels/intranode/protocol.h"
 
@@ -34,6 +38,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a)
   __shared__ int total[kMaxRanks];
   __shared__ int flags;
   __shared__ int arrived;
+  __shared__ int refused;  // the verdict on this call (refused_call.cuh): 1 refused, 0 accepted
   __shared__ int problem;  // this rank's problem word: the host's, else one from the layout kernel's bad ids
   for (int i = threadIdx.x; i < kMaxChannels * kMaxRanks; i += blockDim.x) (&count[0][0])[i] = 0;
   if (threadIdx.x == 0) {
@@ -108,7 +113,10 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a)
   __threadfence_system();
   __syncthreads();
 
-  // 3. Barrier: publish my epoch to every rank, wait for every rank's.
+  // 3. Barrier: publish my epoch to every rank, wait for every rank's. Then thread 0, whose acquires order the
+  // messages before its reads, gives the verdict: every source's signature hash equal and no problem word.
+  const int* msg = &ctl->notify[parity][0][0];
+  auto word = [&](int s, int w) { return ptx::ld_volatile(msg + s * kNotifyStride + w); };
   if (threadIdx.x == 0) {
     const Watchdog dog = make_watchdog(a.c.timeout_ns, me, &ctl->timeout_claim, &box->timeout, ctl->peer_aborted);
     ctl->barrier_epoch = epoch;
@@ -120,32 +128,35 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a)
       ok = wait_at_least(&ctl->barrier_signal[s], epoch, dog, kPhaseNotify, s);
     }
     arrived = ok;
+    int disagree = 0;
+    for (int s = 0; s < num_ranks && ok; ++s) {
+      disagree |= word(s, kNotifySignatureHash) != word(0, kNotifySignatureHash);
+      disagree |= word(s, kNotifySignatureProblem) != 0;
+    }
+    refused = !ok || disagree;
   }
   __syncthreads();
-  if (!arrived) {
-    if (threadIdx.x == 0) *reinterpret_cast<volatile int32_t*>(&box->seq) = a.seq;  // wake the host
-    return;
-  }
 
-  // 4. Results from the messages of every source.
-  const int* msg = &ctl->notify[parity][0][0];
-  auto word = [&](int s, int w) { return ptx::ld_volatile(msg + s * kNotifyStride + w); };
+  // 4. Results from the messages of every source; a refused call's from no message at all (every count 0), and
+  // kRefusedCall in recv_channel_offset[0][0]: its data kernels, later on this stream, read it first.
+  const bool none = refused != 0;
+  auto sent = [&](int s, int w) { return none ? 0 : word(s, w); };  // source s's count word, 0 if refused
   for (int i = threadIdx.x; i < num_ranks * num_ranks; i += blockDim.x) {
     const int row = i / num_ranks, col = i % num_ranks;
     int sum = 0;
-    for (int s = 0; s <= row; ++s) sum += word(s, kNotifyCounts + col);
+    for (int s = 0; s <= row; ++s) sum += sent(s, kNotifyCounts + col);
     a.rank_prefix_matrix[i] = sum;
   }
   for (int i = threadIdx.x; i < num_ranks * (num_channels + 1); i += blockDim.x) {
     const int s = i / (num_channels + 1), c = i % (num_channels + 1);
     int base = 0;
-    for (int p = 0; p < s; ++p) base += word(p, kNotifyCounts + me);
-    a.recv_channel_offset[i] = base + (c == 0 ? 0 : word(s, kNotifyChannels + c - 1));
+    for (int p = 0; p < s; ++p) base += sent(p, kNotifyCounts + me);
+    a.recv_channel_offset[i] = (none && i == 0) ? kRefusedCall : base + (c == 0 ? 0 : sent(s, kNotifyChannels + c - 1));
   }
   const int align = a.expert_alignment;
   for (int l = threadIdx.x; l < num_local; l += blockDim.x) {
     int sum = 0;
-    for (int s = 0; s < num_ranks; ++s) sum += word(s, kNotifyExperts + l);
+    for (int s = 0; s < num_ranks; ++s) sum += sent(s, kNotifyExperts + l);
     box->expert_counts[l] = (sum + align - 1) / align * align;
   }
   if (a.em_layout != nullptr) {
@@ -157,10 +168,10 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a)
     __shared__ int scan[kMaxLocalExperts];
     const ExpertMajorLayout lay{num_ranks, num_local};
     const int l = threadIdx.x;
-    int count = 0, padded = 0;
+    int n = 0, padded = 0;
     if (l < num_local) {
-      for (int s = 0; s < num_ranks; ++s) count += word(s, kNotifyExperts + l);
-      padded = (count + align - 1) / align * align;
+      for (int s = 0; s < num_ranks; ++s) n += sent(s, kNotifyExperts + l);
+      padded = (n + align - 1) / align * align;
       scan[l] = padded;
     }
     __syncthreads();
@@ -173,23 +184,28 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a)
     if (l < num_local) {
       int base = scan[l] - padded;
       a.em_layout[lay.start(l)] = base;
-      a.em_layout[lay.count(l)] = count;
+      a.em_layout[lay.count(l)] = n;
       a.em_layout[lay.padded(l)] = padded;
       for (int s = 0; s < num_ranks; ++s) {
         a.em_layout[lay.base(s, l)] = base;
-        base += word(s, kNotifyExperts + l);
+        base += sent(s, kNotifyExperts + l);
       }
     }
     if (l == 0) a.em_layout[lay.start(num_local)] = scan[num_local - 1];
   }
+  if (!arrived) {  // gave up waiting (a timeout, recorded): the refused tables above, no mailbox results
+    if (threadIdx.x == 0) *reinterpret_cast<volatile int32_t*>(&box->seq) = a.seq;  // wake the host
+    return;
+  }
   if (threadIdx.x == 0) {
     int recv = 0, any = 0;
     for (int s = 0; s < num_ranks; ++s) {
-      recv += word(s, kNotifyCounts + me);
+      recv += sent(s, kNotifyCounts + me);
       any |= word(s, kNotifyFlags);
     }
-    // Every rank checks every rank's total, so all of them report an overflow alike.
-    for (int j = 0; j < num_ranks && a.num_worst_tokens > 0; ++j) {
+    // Every rank checks every rank's total, so all of them report an overflow alike (none in a refused call:
+    // nothing was received).
+    for (int j = 0; j < num_ranks && a.num_worst_tokens > 0 && !none; ++j) {
       int rows = 0;
       for (int s = 0; s < num_ranks; ++s) rows += word(s, kNotifyCounts + j);
       if (rows > a.num_worst_tokens && *reinterpret_cast<volatile int32_t*>(&box->overflow_rows) == 0) {
@@ -198,13 +214,8 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a)
         box->overflow_rows = rows;
       }
     }
-    // Agreement: the same sources' words on every rank, so the same verdict everywhere.
-    int disagree = 0;
-    for (int s = 0; s < num_ranks; ++s) {
-      disagree |= word(s, kNotifySignatureHash) != word(0, kNotifySignatureHash);
-      disagree |= word(s, kNotifySignatureProblem) != 0;
-    }
-    if (disagree) {
+    // Agreement (the verdict of step 3: arrived, so refused means the sources disagree).
+    if (none) {
       any |= kFlagSignatureMismatch;
       if (*reinterpret_cast<volatile int32_t*>(&box->signature_mismatch) == 0) {  // keep the first one
         for (int s = 0; s < num_ranks; ++s) box->signature_problems[s] = word(s, kNotifySignatureProblem);
