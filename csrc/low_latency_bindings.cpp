@@ -249,8 +249,11 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
     at::Tensor layout_range = carve(block, off, at::kLong, {L, R}, {R, 1});
 
     Common c = common(p, half, 0);
-    c.signature = p.signatures[(use_fp8 ? 1 : 0) | (round_scale ? 2 : 0) | (use_ue8m0 ? 4 : 0)];
     DispatchArgs a{};
+    a.signature = p.signatures[(use_fp8 ? 1 : 0) | (round_scale ? 2 : 0) | (use_ue8m0 ? 4 : 0)];
+    a.signature_words = signature_words_;
+    a.mismatch = device_mismatch_;
+    a.call = calls_;
     a.x = x.data_ptr();
     a.topk_idx = topk_idx.data_ptr<int64_t>();
     a.num_tokens = t;
@@ -543,11 +546,6 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
     c.peer_aborts = peer_aborts_;
     abort_.clear_if_posted();  // every launch asks for its Common first
     c.trace = traces_[kind][half];
-    c.signature = 0;  // a dispatch sets its own (dispatch())
-    c.signature_words = signature_words_;
-    c.half = half;
-    c.mismatch = device_mismatch_;
-    c.call = calls_;
     if (c.trace != nullptr) trace_last_[kind] = {half, p.num_experts};
     return c;
   }
@@ -677,6 +675,9 @@ void register_low_latency(py::module_& parent) {
   // Bytes of the allocation from the abort bytes on: the abort bytes, then the signature words (low_latency.h).
   m.attr("CONTROL_BYTES") = kControlBytes;
   m.attr("MAX_TOKENS_PER_RANK") = kMaxTokensPerRank;
+  // The packing the kernels carry (low_latency.h); compiled/low_latency.py decodes it (tests compare the two).
+  m.def("dispatch_signature", &dispatch_signature, py::arg("hidden"), py::arg("max_tokens"), py::arg("num_experts"),
+        py::arg("num_topk"), py::arg("use_fp8"), py::arg("round_scale"), py::arg("use_ue8m0"));
   // Phase trace (low_latency.h, kTrace*): one record is TRACE_WORDS int64 words; events of block b at
   // [b * TRACE_EVENTS + index], the SM id at TRACE_SMID, per-pair words from TRACE_PAIR_{SENT,WAIT,SEEN}.
   m.attr("TRACE_MAX_BLOCKS") = kTraceMaxBlocks;

@@ -145,7 +145,8 @@ __device__ __forceinline__ int wait_flag(const Common& c, const int* word, int p
 // every layout) and gives up on a non-zero foreign one (SignatureOrTimeout). Either way record_mismatch
 // records the first one and the count is taken as 0: a source that does not agree contributes no rows (nothing
 // of its is read, so nothing is written out of bounds), the kernel ends, and the host raises at its next call.
-// Counts that match are capped at max_tokens (one min per word) so a stray value cannot index past a region.
+// A count that matches but lies outside [0, max_tokens] (a stray store that happened to carry our tag) counts
+// 0 too (one unsigned compare per word), so no count can index past a region.
 //
 // Memory ordering of the signature words: the sender's word publishes no data (relaxed system-scope store, or
 // an NVSHMEM atomic set on the put path), and the receiver compares a value, so seeing it late only delays
@@ -153,83 +154,85 @@ __device__ __forceinline__ int wait_flag(const Common& c, const int* word, int p
 // receiving block of the same kernel), so the count words' argument for the reset holds for it too.
 
 // This PE's signature word for source `source` on the call's half.
-__device__ __forceinline__ uint64_t* signature_word(const Common& c, int source) {
-  return c.signature_words + c.half * kMaxRanks + source;
+__device__ __forceinline__ uint64_t* signature_word(const Common& c, const DispatchArgs& a, int source) {
+  return a.signature_words + (c.half_offset != 0 ? kMaxRanks : 0) + source;
 }
 
 // A count word as the sender publishes it.
-__device__ __forceinline__ int pack_count(const Common& c, int count) {
-  return static_cast<int>((static_cast<uint32_t>(c.signature) << kCountBits) | static_cast<uint32_t>(count + 1));
+__device__ __forceinline__ int pack_count(const DispatchArgs& a, int count) {
+  return static_cast<int>((static_cast<uint32_t>(a.signature) << kCountBits) | static_cast<uint32_t>(count + 1));
 }
 
 // Send phase, at entry: block 0's threads r < R write this call's signature into word [half][me] of PE r.
-__device__ __forceinline__ void publish_signature(const Common& c) {
+__device__ __forceinline__ void publish_signature(const Common& c, const DispatchArgs& a) {
   const int r = threadIdx.x;
   if (blockIdx.x != 0 || r >= c.num_ranks) return;
-  uint64_t* local = signature_word(c, c.rank);
+  uint64_t* local = signature_word(c, a, c.rank);
   if (uint8_t* remote = peer_address(c, r, local)) {
-    *reinterpret_cast<volatile uint64_t*>(remote) = c.signature;  // relaxed: no data to publish (see above)
+    *reinterpret_cast<volatile uint64_t*>(remote) = a.signature;  // relaxed: no data to publish (see above)
   } else {
-    nvshmem_uint64_atomic_set(local, c.signature, r);
+    nvshmem_uint64_atomic_set(local, a.signature, r);
   }
 }
 
 // The first foreign signature of this GPU fills the host-mapped record (fields, a system fence, then status, as
 // the Watchdog does); every finder then sets the timeout claim, so that every later wait of this and later
 // kernels gives up within 64 polls (EarlierTimeout) instead of waiting for a peer whose call does not match.
-__device__ __forceinline__ void record_mismatch(const Common& c, int source, uint64_t seen) {
+__device__ __forceinline__ void record_mismatch(const Common& c, const DispatchArgs& a, int source, uint64_t seen) {
   if (atomicCAS(c.workspace + kWsSignatureClaim, 0, 1) == 0) {
-    c.mismatch->source = source;
-    c.mismatch->seen = seen;
-    c.mismatch->mine = c.signature;
-    c.mismatch->call = c.call;
+    a.mismatch->source = source;
+    a.mismatch->seen = seen;
+    a.mismatch->mine = a.signature;
+    a.mismatch->call = a.call;
     __threadfence_system();
-    *reinterpret_cast<volatile int32_t*>(&c.mismatch->status) = 1;
+    *reinterpret_cast<volatile int32_t*>(&a.mismatch->status) = 1;
     __threadfence_system();
   }
   atomicExch(c.workspace + kWsTimeoutClaim, 1);
 }
 
 // The count a count word carries: its tag compared with ours (one compare); a foreign tag records the mismatch
-// (with the source's full signature word when visible) and counts 0; a matching count is capped at max_tokens.
-__device__ __forceinline__ int count_of(const Common& c, int word, int source) {
+// (with the source's full signature word when visible) and counts 0, as a matching count past max_tokens does.
+__device__ __forceinline__ int count_of(const Common& c, const DispatchArgs& a, int word, int source) {
   const uint32_t w = static_cast<uint32_t>(word);
-  if ((w >> kCountBits) != (static_cast<uint32_t>(c.signature) & kCountMask)) {
-    const uint64_t full = *reinterpret_cast<const volatile uint64_t*>(signature_word(c, source));
-    record_mismatch(c, source, full != 0 ? full : (kSeenTagOnly | (w >> kCountBits)));
+  if ((w >> kCountBits) != (static_cast<uint32_t>(a.signature) & kCountMask)) {
+    const uint64_t full = *reinterpret_cast<const volatile uint64_t*>(signature_word(c, a, source));
+    record_mismatch(c, a, source, full != 0 ? full : (kSeenTagOnly | (w >> kCountBits)));
     return 0;
   }
-  const int n = static_cast<int>(w & kCountMask) - 1;
-  return n < c.max_tokens ? n : c.max_tokens;
+  const uint32_t n = (w & kCountMask) - 1u;  // count + 1 == 0 wraps past max_tokens
+  return n <= static_cast<uint32_t>(c.max_tokens) ? static_cast<int>(n) : 0;
 }
 
 // The abort of the count waits: EarlierTimeout's, plus (same 64th polls) the source's signature word: non-zero
 // and not ours means its count words went elsewhere (another layout) or carry another tag; record and give up.
 struct SignatureOrTimeout {
   const Common* c;
+  const DispatchArgs* a;
   int source;
   mutable unsigned polls = 0;
   __device__ bool operator()() const {
     if ((++polls & 63) != 0) return false;
     if (timed_out_before(*c)) return true;
-    const uint64_t seen = *reinterpret_cast<const volatile uint64_t*>(signature_word(*c, source));
-    if (seen == 0 || seen == c->signature) return false;
-    record_mismatch(*c, source, seen);
+    const uint64_t seen = *reinterpret_cast<const volatile uint64_t*>(signature_word(*c, *a, source));
+    if (seen == 0 || seen == a->signature) return false;
+    record_mismatch(*c, *a, source, seen);
     return true;
   }
 };
 
 // Wait for a dispatch count word of `source` (wait_signal with SignatureOrTimeout) and return its count
 // (count_of). A wait that gives up (timeout, an earlier give-up, a foreign signature) counts 0.
-__device__ __forceinline__ int wait_count(const Common& c, const int* word, int phase, int source) {
+__device__ __forceinline__ int wait_count(const Common& c, const DispatchArgs& a, const int* word, int phase,
+                                          int source) {
   int v = ld_acquire_sys(word);
   if (v == 0) {
     const Watchdog dog = wait_watchdog(c);
-    const bool arrived =
-        wait_while(word, v, [](int seen) { return seen == 0; }, dog, phase, source, SignatureOrTimeout{&c, source});
+    const bool arrived = wait_while(word, v, [](int seen) { return seen == 0; }, dog, phase, source,
+                                    SignatureOrTimeout{&c, &a, source});
     if (!arrived) return 0;
   }
-  return count_of(c, v, source);
+  return count_of(c, a, v, source);
 }
 
 // The int32 signal words of this call's half (low_latency.h, HalfLayout).

@@ -54,14 +54,14 @@ __device__ __forceinline__ void dispatch_dedup_recv_phase(const Common& c, const
   if (tid < kMaxRanks) s_wait[tid] = 0;
   for (int p = tid; p < E; p += blockDim.x) {
     const uint64_t start = now_ns();
-    s_begin[p] = wait_count(c, counts + p, kWaitDispatchCounts, p % R);
+    s_begin[p] = wait_count(c, a, counts + p, kWaitDispatchCounts, p % R);
     if (blockIdx.x == 0) {
       trace_pair(c, kTracePairWait, p, start);
       trace_pair_now(c, kTracePairSeen, p);
     }
   }
   for (int s = tid; s < R; s += blockDim.x)
-    s_first_unit[s + 1] = wait_count(c, token_counts + s, kWaitDispatchCounts, s);
+    s_first_unit[s + 1] = wait_count(c, a, token_counts + s, kWaitDispatchCounts, s);
   __syncthreads();
   for (int l = tid; l < L; l += blockDim.x) {
     const bool owner = l % gridDim.x == blockIdx.x;
@@ -204,7 +204,7 @@ __device__ __forceinline__ void dispatch_dedup_recv_phase(const Common& c, const
       for (int i = 0; i < E; ++i) counts[i] = 0;
       for (int s = 0; s < R; ++s) {
         token_counts[s] = 0;
-        *signature_word(c, s) = 0;
+        *signature_word(c, a, s) = 0;
       }
       *done = 0;
     }

@@ -154,9 +154,9 @@ __device__ __forceinline__ void dispatch_dedup_send_phase(const Common& c, const
   // every token's selections; the others only the earlier tokens of their own.
   const bool totals = static_cast<int>(blockIdx.x * blockDim.x) < E;
 
-  publish_signature(c);
+  publish_signature(c, a);
   if (blockIdx.x == 0 && tid < R)
-    st_relaxed_sys(reinterpret_cast<int*>(peer_address(c, tid, token_counts + me)), pack_count(c, T));
+    st_relaxed_sys(reinterpret_cast<int*>(peer_address(c, tid, token_counts + me)), pack_count(a, T));
   for (int e = tid; e < E; e += blockDim.x) {
     if (totals) sh.count[e] = 0;
     sh.k_of[e] = -1;
@@ -184,7 +184,7 @@ __device__ __forceinline__ void dispatch_dedup_send_phase(const Common& c, const
         // Counts of every expert (zeros too): relaxed stores (they publish no data; see the top).
         for (int e = blockIdx.x * blockDim.x + tid; e < E; e += gridDim.x * blockDim.x) {
           st_relaxed_sys(reinterpret_cast<int*>(peer_address(c, e / L, counts + (e % L) * R + me)),
-                         pack_count(c, sh.count[e]));
+                         pack_count(a, sh.count[e]));
           trace_pair_now(c, kTracePairSent, e);
         }
       }

@@ -37,7 +37,7 @@ __device__ __forceinline__ void dispatch_recv_phase(const Common& c, const Dispa
       uint64_t waited = 0;
       if (lane <= s) {
         const uint64_t start = now_ns();
-        count = wait_count(c, signals + l * R + lane, kWaitDispatchCounts, lane);
+        count = wait_count(c, a, signals + l * R + lane, kWaitDispatchCounts, lane);
         waited = now_ns() - start;
         if (part == 0 && lane == s) {
           trace_pair(c, kTracePairWait, l * R + s, start);
@@ -141,7 +141,7 @@ __device__ __forceinline__ void dispatch_recv_phase(const Common& c, const Dispa
     int* done = c.workspace + kWsDispatchRecvDone;
     if (atomicAdd(done, 1) == static_cast<int>(gridDim.x) - 1) {
       for (int i = 0; i < L * R; ++i) signals[i] = 0;
-      for (int s = 0; s < R; ++s) *signature_word(c, s) = 0;
+      for (int s = 0; s < R; ++s) *signature_word(c, a, s) = 0;
       *done = 0;
     }
   }

@@ -110,7 +110,7 @@ __device__ __forceinline__ void dispatch_send_phase(const Common& c, const Dispa
 
   // The block's first token: its row loads and its destinations go out before the counting pass,
   // which also counts the slots of that token (one pass over topk_idx instead of two).
-  publish_signature(c);
+  publish_signature(c, a);
   int4 raw[kRowVectors];
   const int first = blockIdx.x;
   if (first < T) load_row(x, first, H, raw);
@@ -132,7 +132,7 @@ __device__ __forceinline__ void dispatch_send_phase(const Common& c, const Dispa
   // Experts that get nothing from this rank: count 0 now (no data to order before it).
   for (int e = blockIdx.x * blockDim.x + tid; e < E; e += gridDim.x * blockDim.x) {
     if (sh.count[e] == 0) {
-      signal_peer(c, signals + (e % L) * R + c.rank, pack_count(c, 0), e / L);
+      signal_peer(c, signals + (e % L) * R + c.rank, pack_count(a, 0), e / L);
       trace_pair_now(c, kTracePairSent, e);
     }
   }
@@ -202,7 +202,7 @@ __device__ __forceinline__ void dispatch_send_phase(const Common& c, const Dispa
         if (done == sh.count[e]) {
           __threadfence_system();  // acquire: every other writer's fenced message of expert e
           finished[e] = 0;
-          signal_peer(c, signals + (e % L) * R + c.rank, pack_count(c, done), e / L);
+          signal_peer(c, signals + (e % L) * R + c.rank, pack_count(a, done), e / L);
           trace_pair_now(c, kTracePairSent, e);
         }
       }

@@ -158,13 +158,6 @@ struct Common {
   TimeoutRecord* timeout;      // host-mapped: the first timed-out wait's (phase, rank, peer)
   const uint8_t* peer_aborts;  // this PE's abort bytes [kMaxAbortRanks] (timeout_record.h), after the two halves
   unsigned long long* trace;   // phase-trace record (kTraceWords) or null: off (see above)
-  // Dispatch agreement (above): this call's signature (0 in a combine, which carries none), this PE's
-  // signature words [2][kMaxRanks], the half this call uses (0 or 1), the host-mapped record, the call number.
-  uint64_t signature;
-  uint64_t* signature_words;
-  int half;
-  SignatureRecord* mismatch;
-  uint64_t call;
 };
 
 struct DispatchArgs {
@@ -181,6 +174,11 @@ struct DispatchArgs {
   int* recv_count;             // [L]
   int* cumulative_recv_stats;  // [L] or null
   int64_t* wait_stats;         // [R] or null
+  // Dispatch agreement (above; here, not in Common: a larger Common costs the combine kernel a spill):
+  uint64_t signature;          // this call's dispatch_signature
+  uint64_t* signature_words;   // this PE's signature words [2][kMaxRanks] (the call's half: c.half_offset != 0)
+  SignatureRecord* mismatch;   // host-mapped
+  uint64_t call;               // the runtime's number of this call
 };
 
 struct CombineArgs {
