@@ -250,7 +250,10 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
 
     Common c = common(p, half, 0);
     DispatchArgs a{};
-    a.signature = p.signatures[(use_fp8 ? 1 : 0) | (round_scale ? 2 : 0) | (use_ue8m0 ? 4 : 0)];
+    // A CUDA graph replays the captured word (generation included) on every rank alike; a word an earlier
+    // replay of the same call left equals this one, so it cannot differ (low_latency.h, with_generation).
+    a.signature = with_generation(p.signatures[(use_fp8 ? 1 : 0) | (round_scale ? 2 : 0) | (use_ue8m0 ? 4 : 0)],
+                                  calls_);
     a.signature_words = signature_words_;
     a.mismatch = device_mismatch_;
     a.call = calls_;

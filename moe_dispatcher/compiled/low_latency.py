@@ -253,6 +253,7 @@ class LowLatencyBackend(Backend):
 # ------------------------------------------------------------------ agreement
 LL_DISPATCH_FIELDS = FIELDS["low-latency dispatch"]  # hidden, max tokens, experts, top-k, use_fp8, round_scale, ue8m0
 _TAG_ONLY = 1 << 63  # SignatureRecord.seen holds only the source's count-word tag (low_latency.h, kSeenTagOnly)
+_BAD_COUNT = 1 << 62  # SignatureRecord.seen: a count word with our tag and a count out of range (kSeenBadCount)
 _LAYOUT_FIELDS = LL_DISPATCH_FIELDS[:3]
 
 
@@ -267,8 +268,9 @@ def dispatch_signature(hidden: int, max_tokens: int, num_experts: int, num_topk:
 
 
 def decode_dispatch_signature(word: int) -> dict:
-    """{field: value} of a signature (LL_DISPATCH_FIELDS order); of a tag-only one (the source's count word
-    reached this rank before its signature word), only top-k and the FP8 flags."""
+    """{field: value} of a signature (LL_DISPATCH_FIELDS order; the call's generation in bits 52-61, as the
+    kernels carry it, is ignored); of a tag-only one (the source's count word reached this rank before its
+    signature word), only top-k and the FP8 flags."""
     fields = {"top-k": word & 0x3F, "use_fp8": bool(word >> 6 & 1), "round_scale": bool(word >> 7 & 1),
               "use_ue8m0": bool(word >> 8 & 1)}
     if not word & _TAG_ONLY:
@@ -288,6 +290,14 @@ def signature_mismatch(info, rank: int) -> SignatureMismatch:
     call, source, seen, mine = info
     unusable = "this Buffer is unusable now: destroy it on every rank and create a new one"
     ours, theirs = decode_dispatch_signature(mine), decode_dispatch_signature(seen)
+    if seen & _BAD_COUNT:  # a count word with this call's tag whose count is past num_max_dispatch_tokens_per_rank
+        count = (seen & 0xFFFF) - 1
+        return SignatureMismatch(
+            f"low-latency dispatch: rank {source}'s count word in rank {rank}'s buffer carried the tag of rank "
+            f"{rank}'s call ({_show(ours)}) but the count {count}, outside [0, "
+            f"{ours['num_max_dispatch_tokens_per_rank']}]: a rank whose call differs in a way the tag does not "
+            f"show, or a stray store, wrote it (found by rank {rank}'s low-latency call {call} of this Buffer); "
+            f"{unusable}")
     if seen == mine:  # rank `source` agrees, but a count word of its here carried another tag: another rank's
         # call, laid out differently, stored over it
         return SignatureMismatch(

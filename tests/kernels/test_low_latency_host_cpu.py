@@ -199,6 +199,18 @@ def test_signature_mismatch_from_a_count_word_names_what_the_tag_holds(world):
         _pair(w)
 
 
+def test_count_out_of_range_makes_every_later_call_raise(world):
+    w = world
+    # rank 0's receive found rank 1's count word with this call's tag but count MAXT + 3 (kSeenBadCount)
+    word = (_sig() & 0xFFFF) << 16 | (MAXT + 4)
+    w.rt.signature = (6, 1, (1 << 62) | word, (2 << 52) | _sig())  # `mine` with its generation, as the kernels'
+    for call in (lambda: _pair(w), lambda: _pair(w)):
+        with pytest.raises(SignatureMismatch, match=rf"rank 1's count word in rank 0's buffer carried the tag of "
+                                                    rf"rank 0's call \(hidden={H}, .*\) but the count {MAXT + 3}, "
+                                                    rf"outside \[0, {MAXT}\]"):
+            call()
+
+
 def test_destroyed_buffer_refuses_calls(world):
     w = world
     _pair(w)

@@ -145,13 +145,20 @@ __device__ __forceinline__ int wait_flag(const Common& c, const int* word, int p
 // every layout) and gives up on a non-zero foreign one (SignatureOrTimeout). Either way record_mismatch
 // records the first one and the count is taken as 0: a source that does not agree contributes no rows (nothing
 // of its is read, so nothing is written out of bounds), the kernel ends, and the host raises at its next call.
-// A count that matches but lies outside [0, max_tokens] (a stray store that happened to carry our tag) counts
-// 0 too (one unsigned compare per word), so no count can index past a region.
+// A count that matches but lies outside [0, max_tokens] (a stray store that happened to carry our tag, or a
+// layout whose 7-bit hash collides with ours) counts 0 too (one unsigned compare per word), so no count can
+// index past a region, and is recorded (kSeenBadCount) like a mismatch: the next call raises.
 //
 // Memory ordering of the signature words: the sender's word publishes no data (relaxed system-scope store, or
-// an NVSHMEM atomic set on the put path), and the receiver compares a value, so seeing it late only delays
-// the give-up by a few polls. Its lifetime is the count words' (same writer per call, reset by the same last
-// receiving block of the same kernel), so the count words' argument for the reset holds for it too.
+// an NVSHMEM atomic set on the put path) and is not ordered before the same call's count words (those come from
+// other threads and blocks, or with relaxed stores and no fence), so the receiver may see a count word first
+// (count_of then records the tag only) and the word itself may land after this call's last receiving block
+// reset it. Such a late word is the previous call's on this half when this half's next call reads it: every
+// store of a kernel is performed by the time the kernel completes, and the sender's next call on this half
+// comes after that. So the word carries its call's generation (low_latency.h, with_generation), and a word of
+// another generation is taken as not yet arrived (0): a late word can delay nothing and cannot be mistaken for
+// this call's. The reset (by the same last receiving block as the count words) keeps a word's lifetime the
+// count words' but is no longer needed for correctness.
 
 // This PE's signature word for source `source` on the call's half.
 __device__ __forceinline__ uint64_t* signature_word(const Common& c, const DispatchArgs& a, int source) {
@@ -175,6 +182,13 @@ __device__ __forceinline__ void publish_signature(const Common& c, const Dispatc
   }
 }
 
+// A signature word as this call reads it: 0 when absent or of another generation (a late word of the call
+// before on this half; see above).
+__device__ __forceinline__ uint64_t signature_seen(const Common& c, const DispatchArgs& a, int source) {
+  const uint64_t w = *reinterpret_cast<const volatile uint64_t*>(signature_word(c, a, source));
+  return (w >> kGenerationShift) == (a.signature >> kGenerationShift) ? w : 0;
+}
+
 // The first foreign signature of this GPU fills the host-mapped record (fields, a system fence, then status, as
 // the Watchdog does); every finder then sets the timeout claim, so that every later wait of this and later
 // kernels gives up within 64 polls (EarlierTimeout) instead of waiting for a peer whose call does not match.
@@ -192,20 +206,26 @@ __device__ __forceinline__ void record_mismatch(const Common& c, const DispatchA
 }
 
 // The count a count word carries: its tag compared with ours (one compare); a foreign tag records the mismatch
-// (with the source's full signature word when visible) and counts 0, as a matching count past max_tokens does.
+// (with the source's full signature word when visible: of this generation and non-zero) and counts 0; a
+// matching tag over a count outside [0, max_tokens] records the word (kSeenBadCount) and counts 0.
 __device__ __forceinline__ int count_of(const Common& c, const DispatchArgs& a, int word, int source) {
   const uint32_t w = static_cast<uint32_t>(word);
   if ((w >> kCountBits) != (static_cast<uint32_t>(a.signature) & kCountMask)) {
-    const uint64_t full = *reinterpret_cast<const volatile uint64_t*>(signature_word(c, a, source));
+    const uint64_t full = signature_seen(c, a, source);
     record_mismatch(c, a, source, full != 0 ? full : (kSeenTagOnly | (w >> kCountBits)));
     return 0;
   }
   const uint32_t n = (w & kCountMask) - 1u;  // count + 1 == 0 wraps past max_tokens
-  return n <= static_cast<uint32_t>(c.max_tokens) ? static_cast<int>(n) : 0;
+  if (n > static_cast<uint32_t>(c.max_tokens)) {
+    record_mismatch(c, a, source, kSeenBadCount | w);
+    return 0;
+  }
+  return static_cast<int>(n);
 }
 
-// The abort of the count waits: EarlierTimeout's, plus (same 64th polls) the source's signature word: non-zero
-// and not ours means its count words went elsewhere (another layout) or carry another tag; record and give up.
+// The abort of the count waits: EarlierTimeout's, plus (same 64th polls) the source's signature word: of this
+// generation, non-zero and not ours means its count words went elsewhere (another layout) or carry another tag;
+// record and give up.
 struct SignatureOrTimeout {
   const Common* c;
   const DispatchArgs* a;
@@ -214,7 +234,7 @@ struct SignatureOrTimeout {
   __device__ bool operator()() const {
     if ((++polls & 63) != 0) return false;
     if (timed_out_before(*c)) return true;
-    const uint64_t seen = *reinterpret_cast<const volatile uint64_t*>(signature_word(*c, *a, source));
+    const uint64_t seen = signature_seen(*c, *a, source);
     if (seen == 0 || seen == a->signature) return false;
     record_mismatch(*c, *a, source, seen);
     return true;

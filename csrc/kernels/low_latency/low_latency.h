@@ -67,6 +67,12 @@ constexpr int kWorkspaceInts = kWsSignatureClaim + 1;
 //   num_max_dispatch_tokens_per_rank, num_experts)   [16, 24) hidden / 128 (1..128)   [24, 35) num_experts
 //   (..1024)   [35, 52) num_max_dispatch_tokens_per_rank (..kMaxTokensPerRank).
 // Never 0 (hidden >= 128). The runtime computes it once per (plan, FP8 flags) on the host.
+// The word a call publishes and compares (DispatchArgs::signature) adds its generation in bits
+// [kGenerationShift, 62): the call's index on its buffer half, ((call number - 1) >> 1) mod 2^kGenerationBits
+// (the runtime numbers every dispatch and combine call from 1, and the halves alternate per call, so this is
+// how many calls used this half before; ranks that call in lockstep, as they must, agree on it). A receiver
+// takes a signature word of another generation as not yet arrived: a word of the call before on this half can
+// still land after that call's reset (it is published with no ordering), and must not pass for this call's.
 // Its low 16 bits, the tag, travel in every dispatch count word: (tag << 16) | (count + 1) (kCountBits). The
 // tag holds top-k and the FP8 flags exactly, so a difference in those (which leaves the buffer layout alike and
 // the count words where the receiver reads them) is always seen; a difference in the layout fields moves the
@@ -75,6 +81,11 @@ constexpr int kWorkspaceInts = kWsSignatureClaim + 1;
 constexpr int kCountBits = 16;
 constexpr int kMaxTokensPerRank = (1 << kCountBits) - 2;  // count + 1 must fit kCountBits
 constexpr unsigned kCountMask = (1u << kCountBits) - 1;
+constexpr int kGenerationShift = 52;
+constexpr int kGenerationBits = 10;  // bits 62 and 63 mark a SignatureRecord's `seen` (below)
+inline uint64_t with_generation(uint64_t signature, uint64_t call) {
+  return signature | (((call - 1) >> 1) & ((1ull << kGenerationBits) - 1)) << kGenerationShift;
+}
 inline uint64_t dispatch_signature(int hidden, int max_tokens, int num_experts, int num_topk, bool fp8,
                                    bool round_scale, bool ue8m0) {
   const uint64_t layout_hash = (static_cast<uint64_t>(hidden / 128) * 2654435761u +
@@ -106,6 +117,9 @@ struct SignatureRecord {
   uint64_t call;
 };
 constexpr uint64_t kSeenTagOnly = 1ull << 63;
+// `seen` is the count word itself (low 32 bits): its tag was this call's but its count lay outside
+// [0, max_tokens] (a stray store, or a layout whose tag collides with ours wrote there).
+constexpr uint64_t kSeenBadCount = 1ull << 62;
 
 // Opt-in phase trace (docs/low_latency.md, "Phase trace"). Common::trace null: off, and every trace
 // point is one uniform branch on it. Otherwise it points at one record of kTraceWords uint64 words (the
@@ -175,7 +189,7 @@ struct DispatchArgs {
   int* cumulative_recv_stats;  // [L] or null
   int64_t* wait_stats;         // [R] or null
   // Dispatch agreement (above; here, not in Common: a larger Common costs the combine kernel a spill):
-  uint64_t signature;          // this call's dispatch_signature
+  uint64_t signature;          // this call's dispatch_signature, with_generation
   uint64_t* signature_words;   // this PE's signature words [2][kMaxRanks] (the call's half: c.half_offset != 0)
   SignatureRecord* mismatch;   // host-mapped
   uint64_t call;               // the runtime's number of this call
