@@ -145,6 +145,8 @@ __device__ __forceinline__ int wait_flag(const Common& c, const int* word, int p
 // every layout) and gives up on a non-zero foreign one (SignatureOrTimeout). Either way record_mismatch
 // records the first one and the count is taken as 0: a source that does not agree contributes no rows (nothing
 // of its is read, so nothing is written out of bounds), the kernel ends, and the host raises at its next call.
+// Once per call and source, after the count waits, the full word is compared too (check_signatures), which the
+// tag's 7-bit layout hash alone could miss.
 // A count that matches but lies outside [0, max_tokens] (a stray store that happened to carry our tag, or a
 // layout whose 7-bit hash collides with ours) counts 0 too (one unsigned compare per word), so no count can
 // index past a region, and is recorded (kSeenBadCount) like a mismatch: the next call raises.
@@ -240,6 +242,30 @@ struct SignatureOrTimeout {
     return true;
   }
 };
+
+// The full signature check, once per call and source: the tag compares 7 hashed bits of the layout fields only,
+// so two layouts whose count words coincide could pass it. Thread 0 of block b checks the sources b, b + grid,
+// ..., after its count waits and before the block's arrival on kWsDispatchRecvDone: it waits for the source's
+// word of this generation (published at the source's entry into this very call, so it comes) and records it if
+// it differs. Its load is an acquire, performed before that arrival, so before the last block's reset. Skipped
+// once a wait gave up (a mismatch or timeout is recorded already); its wait gives up as the count waits do.
+__device__ __forceinline__ void check_signatures(const Common& c, const DispatchArgs& a) {
+  if (timed_out_before(c)) return;
+  const uint64_t generation = a.signature >> kGenerationShift;
+  const Watchdog dog = wait_watchdog(c);
+  for (int s = blockIdx.x; s < c.num_ranks; s += gridDim.x) {
+    uint64_t seen = 0;
+    const bool arrived = wait_while(
+        static_cast<const uint64_t*>(signature_word(c, a, s)), seen,
+        [generation](uint64_t v) { return v == 0 || (v >> kGenerationShift) != generation; }, dog,
+        kWaitDispatchCounts, s, EarlierTimeout{&c});
+    if (!arrived) return;
+    if (seen != a.signature) {
+      record_mismatch(c, a, s, seen);
+      return;
+    }
+  }
+}
 
 // Wait for a dispatch count word of `source` (wait_signal with SignatureOrTimeout) and return its count
 // (count_of). A wait that gives up (timeout, an earlier give-up, a foreign signature) counts 0.

@@ -199,6 +199,7 @@ __device__ __forceinline__ void dispatch_dedup_recv_phase(const Common& c, const
     atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + tid), s_wait[tid]);
   // Every block has finished polling when the counter reaches gridDim.x: the last one resets.
   if (tid == 0) {
+    check_signatures(c, a);  // common.cuh: each source's full word, once per call, before the reset below
     int* done = c.workspace + kWsDispatchRecvDone;
     if (atomicAdd(done, 1) == static_cast<int>(gridDim.x) - 1) {
       for (int i = 0; i < E; ++i) counts[i] = 0;

@@ -138,6 +138,7 @@ __device__ __forceinline__ void dispatch_recv_phase(const Common& c, const Dispa
 
   // Every block has finished polling when the counter reaches gridDim.x: the last one resets.
   if (tid == 0) {
+    check_signatures(c, a);  // common.cuh: each source's full word, once per call, before the reset below
     int* done = c.workspace + kWsDispatchRecvDone;
     if (atomicAdd(done, 1) == static_cast<int>(gridDim.x) - 1) {
       for (int i = 0; i < L * R; ++i) signals[i] = 0;

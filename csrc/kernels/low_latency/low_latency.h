@@ -100,7 +100,8 @@ inline uint64_t dispatch_signature(int hidden, int max_tokens, int num_experts, 
 // (kSignatureWordsOffset bytes after them; the allocation holds kControlBytes from the abort bytes on), so at
 // the same place whatever (maxT, hidden, experts) a rank uses. Word [h][s]: the signature of source s's
 // dispatch on half h, written by s's send phase at entry (block 0, one thread per destination), read by this
-// PE's receive phase only where a count word is late (the spin's slow path) or carried a foreign tag, and
+// PE's receive phase where a count word is late (the spin's slow path) or carried a foreign tag, and once per
+// call after the count waits (common.cuh, check_signatures: the tag's 7-bit layout hash can collide), and
 // put back to 0 with the count words by the last receiving block: the count words' lifetime exactly.
 constexpr size_t kSignatureWordsOffset = 128;
 constexpr size_t kControlBytes = kSignatureWordsOffset + 2 * kMaxRanks * sizeof(uint64_t);
