@@ -154,13 +154,14 @@ __device__ __forceinline__ int wait_flag(const Common& c, const int* word, int p
 // Memory ordering of the signature words: the sender's word publishes no data (relaxed system-scope store, or
 // an NVSHMEM atomic set on the put path) and is not ordered before the same call's count words (those come from
 // other threads and blocks, or with relaxed stores and no fence), so the receiver may see a count word first
-// (count_of then records the tag only) and the word itself may land after this call's last receiving block
-// reset it. Such a late word is the previous call's on this half when this half's next call reads it: every
-// store of a kernel is performed by the time the kernel completes, and the sender's next call on this half
-// comes after that. So the word carries its call's generation (low_latency.h, with_generation), and a word of
-// another generation is taken as not yet arrived (0): a late word can delay nothing and cannot be mistaken for
-// this call's. The reset (by the same last receiving block as the count words) keeps a word's lifetime the
-// count words' but is no longer needed for correctness.
+// (count_of then records the tag only), and where a wait gave up (so check_signatures below did not wait for
+// every source's word before the reset) the word may land after this call's last receiving block reset it.
+// Such a late word is of an earlier call on this half when a later call reads it (over NVLink the previous
+// one: every store of a kernel is performed by the time the kernel completes, and the sender's next call on
+// this half comes after that), so of another generation unless 1024 calls used this half in between. So the
+// word carries its call's generation (low_latency.h, with_generation), and a word of another generation is
+// taken as not yet arrived (0): a late word cannot be mistaken for this call's. The reset (by the same last
+// receiving block as the count words) keeps a word's lifetime the count words' but is not needed for this.
 
 // This PE's signature word for source `source` on the call's half.
 __device__ __forceinline__ uint64_t* signature_word(const Common& c, const DispatchArgs& a, int source) {
