@@ -17,6 +17,12 @@
 // Timeouts: the kernels record the first timed-out wait in a host-mapped TimeoutRecord this runtime
 // allocates, and exit. Every later call (hooks included) raises a RuntimeError naming the waiting rank,
 // the phase and the peer, and the runtime stays unusable.
+// Agreement (docs/low_latency.md, "Agreement"): every dispatch carries its signature (low_latency.h,
+// dispatch_signature: computed once per plan and FP8 flags, here) in its count words and signature words; a
+// receive that finds a source's differing records it in a host-mapped SignatureRecord, and every later call
+// (hooks included) raises the `signature_error` the backend gave (moe_dispatcher.signature.SignatureMismatch,
+// naming this rank's fields and the source's), with no collective: every rank receives from every rank, so
+// every rank finds it and raises at its own next call. It takes precedence over a recorded timeout.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -90,6 +96,7 @@ void check_shape(const at::Tensor& t, const char* name, std::initializer_list<in
 struct Plan {
   int max_tokens, hidden, num_experts, num_topk, local, rows;
   HalfLayout layout;
+  uint64_t signatures[8];  // dispatch_signature per (use_fp8, round_scale, use_ue8m0): index fp8 | rs << 1 | ue8m0 << 2
   bool dedup_dispatch;  // the dedup dispatch kernels serve this shape
   bool per_rank_ok;     // the per-rank combine kernels can serve it (used with the per-rank order)
 };
@@ -124,11 +131,12 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
           int device, int num_blocks, uint64_t timeout_ns, const py::object& comm_stream, bool rank_partials,
           const OptTensor& trace, py::object handle_cls, py::object event_cls, py::object no_event,
           py::object barrier, py::object timeout_message, int64_t buffer_token, uint64_t peer_aborts,
-          const std::vector<uint64_t>& abort_targets)
+          const std::vector<uint64_t>& abort_targets, py::object signature_error)
       : num_bytes_(num_bytes), rank_(rank), num_ranks_(num_ranks), device_(device), num_blocks_(num_blocks),
         timeout_ns_(timeout_ns), rank_partials_(rank_partials), buffer_token_(buffer_token),
         handle_cls_(std::move(handle_cls)), event_cls_(std::move(event_cls)), no_event_(std::move(no_event)),
-        barrier_(std::move(barrier)), timeout_message_(std::move(timeout_message)) {
+        barrier_(std::move(barrier)), timeout_message_(std::move(timeout_message)),
+        signature_error_(std::move(signature_error)) {
     MOE_CHECK(num_ranks >= 1 && num_ranks <= kMaxRanks, "low_latency: bad number of ranks");
     MOE_CHECK(static_cast<int>(peer_bases.size()) == num_ranks, "low_latency: one peer base per rank");
     MOE_CHECK(static_cast<int>(abort_targets.size()) == num_ranks, "low_latency: one abort target per rank");
@@ -150,6 +158,12 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
                                  cudaHostAllocMapped));
     *host_timeout_ = TimeoutRecord{};
     MOE_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&device_timeout_), host_timeout_, 0));
+    MOE_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&host_mismatch_), sizeof(SignatureRecord),
+                                 cudaHostAllocMapped));
+    *host_mismatch_ = SignatureRecord{};
+    MOE_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&device_mismatch_), host_mismatch_, 0));
+    // The signature words follow the abort bytes (low_latency.h, kControlBytes of the allocation from there).
+    signature_words_ = reinterpret_cast<uint64_t*>(peer_aborts + kSignatureWordsOffset);
     peer_aborts_ = reinterpret_cast<const uint8_t*>(peer_aborts);
     std::vector<uint8_t*> targets;
     for (uint64_t t : abort_targets) targets.push_back(reinterpret_cast<uint8_t*>(t));
@@ -174,6 +188,7 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
 
   ~Runtime() {
     if (host_timeout_ != nullptr) cudaFreeHost(host_timeout_);
+    if (host_mismatch_ != nullptr) cudaFreeHost(host_mismatch_);
   }
 
   // ---------------------------------------------------------------------------- calls
@@ -235,6 +250,13 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
 
     Common c = common(p, half, 0);
     DispatchArgs a{};
+    // A CUDA graph replays the captured word (generation included) on every rank alike; a word an earlier
+    // replay of the same call left equals this one, so it cannot differ (low_latency.h, with_generation).
+    a.signature = with_generation(p.signatures[(use_fp8 ? 1 : 0) | (round_scale ? 2 : 0) | (use_ue8m0 ? 4 : 0)],
+                                  calls_);
+    a.signature_words = signature_words_;
+    a.mismatch = device_mismatch_;
+    a.call = calls_;
     a.x = x.data_ptr();
     a.topk_idx = topk_idx.data_ptr<int64_t>();
     a.num_tokens = t;
@@ -349,14 +371,35 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
                           static_cast<int>(r->rank), static_cast<int>(r->peer));
   }
 
-  // Raise unless calls may be made: destroyed, or a timeout recorded (then forever).
+  // None, or (call, source, seen, mine) of the first dispatch receive that found a source's signature differing
+  // from its own (low_latency.h, SignatureRecord; seen / mine as dispatch_signature packs them).
+  py::object signature_info() const {
+    const volatile SignatureRecord* r = host_mismatch_;
+    if (r == nullptr || r->status == 0) return py::none();
+    return py::make_tuple(static_cast<uint64_t>(r->call), static_cast<int>(r->source), static_cast<uint64_t>(r->seen),
+                          static_cast<uint64_t>(r->mine));
+  }
+
+  // Raise unless calls may be made: destroyed, a signature mismatch or a timeout recorded (then forever). A
+  // mismatch raises signature_error_'s exception (a ValueError subclass) and wins over a timeout it caused.
   void check_usable() {
+    if (mismatch_) raise_mismatch();
     if (!broken_.empty()) fail(broken_);
     if (!alive_) fail("the low-latency backend was destroyed");
+    if (reinterpret_cast<const volatile SignatureRecord*>(host_mismatch_)->status != 0) {
+      mismatch_ = true;
+      raise_mismatch();
+    }
     if (reinterpret_cast<const volatile TimeoutRecord*>(host_timeout_)->status != 0) {
       broken_ = timeout_message_(timeout_info()).cast<std::string>();
       fail(broken_);
     }
+  }
+
+  [[noreturn]] void raise_mismatch() {
+    py::object error = signature_error_(signature_info(), rank_);
+    PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(error.ptr())), error.ptr());
+    throw py::error_already_set();
   }
 
   // Refuse every later call and hook, and drop this runtime's reference to the buffer (the backend frees it).
@@ -417,7 +460,9 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   }
 
   Plan* make_plan(int max_tokens, int hidden, int num_experts, int num_topk) {
-    if (max_tokens < 1) bad_value("num_max_dispatch_tokens_per_rank must be positive");
+    if (max_tokens < 1 || max_tokens > kMaxTokensPerRank)
+      bad_value("the low-latency kernels take num_max_dispatch_tokens_per_rank from 1 to " +
+                std::to_string(kMaxTokensPerRank) + ", got " + std::to_string(max_tokens));
     if (hidden < 128 || hidden % 128 || hidden > kMaxHidden)
       bad_value("the low-latency kernels take hidden sizes divisible by 128 up to " + std::to_string(kMaxHidden) +
                 ", got " + std::to_string(hidden));
@@ -440,6 +485,8 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
     p->local = num_experts / num_ranks_;
     p->rows = num_ranks_ * max_tokens;
     p->layout = lay;
+    for (int f = 0; f < 8; ++f)
+      p->signatures[f] = dispatch_signature(hidden, max_tokens, num_experts, num_topk, f & 1, f & 2, f & 4);
     // The dedup dispatch and the per-rank combine store into peers over NVLink and need two local
     // experts (with one, a per-expert message or row is already one per rank).
     p->dedup_dispatch = nvlink_all_ && p->local >= 2;
@@ -465,6 +512,7 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
       MOE_CUDA_CHECK(cudaMemsetAsync(begin, 0, p.layout.signal_bytes, stream));
     }
     MOE_CUDA_CHECK(cudaMemsetAsync(workspace_.data_ptr(), 0, kWorkspaceInts * sizeof(int), stream));
+    MOE_CUDA_CHECK(cudaMemsetAsync(signature_words_, 0, 2 * kMaxRanks * sizeof(uint64_t), stream));
     barrier_();  // nobody sends before every peer's signals are zero
     set_layout(p);
   }
@@ -574,6 +622,10 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   c10::cuda::CUDAEvent before_;  // comm stream waits for the current one (async_finish)
   TimeoutRecord* host_timeout_ = nullptr;
   TimeoutRecord* device_timeout_ = nullptr;
+  SignatureRecord* host_mismatch_ = nullptr;
+  SignatureRecord* device_mismatch_ = nullptr;
+  uint64_t* signature_words_ = nullptr;  // this PE's [2][kMaxRanks] (low_latency.h), after the abort bytes
+  bool mismatch_ = false;                // a SignatureRecord was seen: every later call raises it
   const uint8_t* peer_aborts_ = nullptr;  // this PE's abort bytes (after the two halves of the symmetric buffer)
   PeerAbort abort_;                       // this PE's byte on every peer
   std::string broken_;
@@ -587,7 +639,7 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   std::vector<uint64_t> pending_;  // call ids whose hook was returned and not called yet
   std::array<std::array<unsigned long long*, 2>, kTraceKinds> traces_{};
   std::array<std::pair<int, int>, kTraceKinds> trace_last_{{{-1, 0}, {-1, 0}}};
-  py::object handle_cls_, event_cls_, no_event_, barrier_, timeout_message_;
+  py::object handle_cls_, event_cls_, no_event_, barrier_, timeout_message_, signature_error_;
 
  public:
   // For the hook: the stale / already-called rules, then the receive phase on the current stream.
@@ -623,6 +675,12 @@ void register_low_latency(py::module_& parent) {
   m.attr("MAX_HIDDEN") = kMaxHidden;
   m.attr("WORKSPACE_INTS") = kWorkspaceInts;
   m.attr("ABORT_BYTES") = kMaxAbortRanks;  // the abort bytes after the two halves (timeout_record.h)
+  // Bytes of the allocation from the abort bytes on: the abort bytes, then the signature words (low_latency.h).
+  m.attr("CONTROL_BYTES") = kControlBytes;
+  m.attr("MAX_TOKENS_PER_RANK") = kMaxTokensPerRank;
+  // The packing the kernels carry (low_latency.h); compiled/low_latency.py decodes it (tests compare the two).
+  m.def("dispatch_signature", &dispatch_signature, py::arg("hidden"), py::arg("max_tokens"), py::arg("num_experts"),
+        py::arg("num_topk"), py::arg("use_fp8"), py::arg("round_scale"), py::arg("use_ue8m0"));
   // Phase trace (low_latency.h, kTrace*): one record is TRACE_WORDS int64 words; events of block b at
   // [b * TRACE_EVENTS + index], the SM id at TRACE_SMID, per-pair words from TRACE_PAIR_{SENT,WAIT,SEEN}.
   m.attr("TRACE_MAX_BLOCKS") = kTraceMaxBlocks;
@@ -670,12 +728,12 @@ void register_low_latency(py::module_& parent) {
                                                 "The low-latency calls of one backend (see the file comment).")
       .def(py::init<const at::Tensor&, size_t, const std::vector<uint64_t>&, int, int, int, int, uint64_t, const py::object&,
                     bool, const OptTensor&, py::object, py::object, py::object, py::object, py::object, int64_t,
-                    uint64_t, const std::vector<uint64_t>&>(),
+                    uint64_t, const std::vector<uint64_t>&, py::object>(),
            py::arg("buffer"), py::arg("num_bytes"), py::arg("peer_bases"), py::arg("rank"), py::arg("num_ranks"),
            py::arg("device"), py::arg("num_blocks"), py::arg("timeout_ns"), py::arg("comm_stream"),
            py::arg("rank_partials"), py::arg("trace"), py::arg("handle_cls"), py::arg("event_cls"),
            py::arg("no_event"), py::arg("barrier"), py::arg("timeout_message"), py::arg("buffer_token"),
-           py::arg("peer_aborts"), py::arg("abort_targets"))
+           py::arg("peer_aborts"), py::arg("abort_targets"), py::arg("signature_error"))
       .def("dispatch", &Runtime::dispatch,
            "dispatch(x, topk_idx, max_tokens, num_experts, cum_stats, wait_stats, use_fp8, round_scale, use_ue8m0, "
            "async_finish, return_recv_hook) -> (recv_x, recv_count, handle, EventOverlap, hook or None)")
@@ -687,6 +745,7 @@ void register_low_latency(py::module_& parent) {
       .def("set_rank_partials", &Runtime::set_rank_partials)
       .def_property_readonly("rank_partials", &Runtime::rank_partials)
       .def("timeout_info", &Runtime::timeout_info)
+      .def("signature_info", &Runtime::signature_info)
       .def("check_usable", &Runtime::check_usable)
       .def("destroy", &Runtime::destroy)
       .def("post_abort", &Runtime::post_abort)

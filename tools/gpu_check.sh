@@ -104,6 +104,7 @@ PYTEST=(python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short)
 run test_intranode 110 "${PYTEST[@]}" tests/kernels/test_intranode_gpu.py
 run test_expert_major 90 "${PYTEST[@]}" tests/kernels/test_expert_major_gpu.py
 run test_low_latency 120 "${PYTEST[@]}" -s tests/kernels/test_low_latency_gpu.py
+run test_ll_agreement 240 "${PYTEST[@]}" -s tests/kernels/test_ll_agreement_gpu.py
 if (( N >= 4 )); then
   run test_internode 90 "${PYTEST[@]}" -x -s tests/kernels/test_internode_gpu.py -k "$N-nvl$((N / 2)) or $N-nvl$((N / 4))"
 else

@@ -20,6 +20,10 @@ peer in which phase and ends the kernel (no trap: the CUDA context survives); th
 RuntimeError saying so, and the Buffer is unusable from then on. A rank that raises in a Buffer call writes its
 abort byte (after the two halves of every peer's symmetric buffer; post_abort), and a peer's wait that sees it at
 two looks ~1 s apart gives up the same way: that peer's next call raises "rank r raised: ..." (docs/low_latency.md).
+Agreement (docs/low_latency.md, "Agreement"): every dispatch carries its signature (hidden, max tokens, experts,
+top-k, FP8 flags) in the count words it sends; a receive that finds a source's differing records it, takes that
+source's counts as 0 and ends, and every rank (each receives from every rank) raises SignatureMismatch at its next
+call (signature_mismatch builds it), with no collective; the Buffer is unusable from then on.
 
 Phase trace (diagnostics, docs/low_latency.md "Phase trace"): MOE_DISPATCHER_LL_TRACE=1 when the backend is
 created makes it keep one device record per (kernel, buffer half) and pass it to every launch; the kernels then
@@ -38,6 +42,7 @@ from ..env import env_flag
 from ..event import EventOverlap
 from ..handle import LowLatencyHandle
 from ..runtime import nvshmem
+from ..signature import FIELDS, SignatureMismatch
 from . import TIMEOUT_ENV, buffer_view, kernel_timeout_s, posted_by_peer, timeout_message
 
 # Phase trace (diagnostics): "1" when the backend is created turns the kernels' timestamps on.
@@ -81,9 +86,10 @@ class LowLatencyBackend(Backend):
         self._state = nvshmem.bootstrap(buffer.group, self.device.index,
                                         single_host=buffer.topology.is_single_domain)
         # The symmetric allocation: num_rdma_bytes for the two halves, then (128-byte aligned) this PE's abort
-        # bytes, which the peers write (kernels/common/wait.cuh, "Peer abort").
+        # bytes, which the peers write (kernels/common/wait.cuh, "Peer abort"), and the dispatch signature words
+        # (low_latency.h): CONTROL_BYTES from the abort bytes on, at one place whatever the call's shapes.
         abort_offset = (self.num_bytes + 127) // 128 * 128
-        total = abort_offset + self._mod.ABORT_BYTES
+        total = abort_offset + self._mod.CONTROL_BYTES
         try:
             self._ptr = self._state.malloc(total)
         except Exception:
@@ -119,7 +125,7 @@ class LowLatencyBackend(Backend):
             getattr(buffer, "low_latency_combine_reduction", "per_rank") == "per_rank", self._trace,
             LowLatencyHandle, EventOverlap, _NO_EVENT, lambda: state.barrier(),
             lambda info: timeout_message("low-latency", info, timeout_s, TIMEOUT_ENV, board), buffer._token,
-            self._ptr + abort_offset, [p + self.rank if p else 0 for p in aborts])
+            self._ptr + abort_offset, [p + self.rank if p else 0 for p in aborts], signature_mismatch)
         # The calls: one native call each (see the class docstring).
         self.low_latency_dispatch = self.runtime.dispatch
         self.low_latency_combine = self.runtime.combine
@@ -145,6 +151,11 @@ class LowLatencyBackend(Backend):
     def timeout_info(self):
         """None, or (status, phase, waiting rank, peer) of the first wait that gave up (compiled.STATUS_*)."""
         return self.runtime.timeout_info()
+
+    def signature_info(self):
+        """None, or (call, source, seen, mine) of the first dispatch receive that found a source's signature differing
+        from its own (see signature_mismatch)."""
+        return self.runtime.signature_info()
 
     def post_abort(self) -> None:
         """Backend.post_abort: this PE's abort byte on every peer; the runtime clears it at its next launch (not
@@ -197,7 +208,7 @@ class LowLatencyBackend(Backend):
 
     @property
     def broken(self) -> bool:
-        return self.runtime.timeout_info() is not None
+        return self.runtime.timeout_info() is not None or self.runtime.signature_info() is not None
 
     def quiesce(self) -> None:
         """Local: refuse later calls and hooks, drop this backend's views of the buffer, wait for the device."""
@@ -237,6 +248,70 @@ class LowLatencyBackend(Backend):
         if not self._alive:
             raise RuntimeError("the low-latency backend was destroyed")
         return buffer_view(lambda: self._raw, self.num_bytes, dtype, size, offset, "NVSHMEM")
+
+
+# ------------------------------------------------------------------ agreement
+LL_DISPATCH_FIELDS = FIELDS["low-latency dispatch"]  # hidden, max tokens, experts, top-k, use_fp8, round_scale, ue8m0
+_TAG_ONLY = 1 << 63  # SignatureRecord.seen holds only the source's count-word tag (low_latency.h, kSeenTagOnly)
+_BAD_COUNT = 1 << 62  # SignatureRecord.seen: a count word with our tag and a count out of range (kSeenBadCount)
+_LAYOUT_FIELDS = LL_DISPATCH_FIELDS[:3]
+
+
+def dispatch_signature(hidden: int, max_tokens: int, num_experts: int, num_topk: int, use_fp8: bool,
+                       round_scale: bool, use_ue8m0: bool) -> int:
+    """The 64-bit signature a low-latency dispatch carries, as csrc/kernels/low_latency/low_latency.h's
+    dispatch_signature packs it (the fields exactly, plus a 7-bit hash of the layout fields in the 16-bit tag
+    that every count word carries)."""
+    layout_hash = ((hidden // 128) * 2654435761 + num_experts * 40503 + max_tokens) % 127
+    return (num_topk | int(bool(use_fp8)) << 6 | int(bool(round_scale)) << 7 | int(bool(use_ue8m0)) << 8 |
+            layout_hash << 9 | (hidden // 128) << 16 | num_experts << 24 | max_tokens << 35)
+
+
+def decode_dispatch_signature(word: int) -> dict:
+    """{field: value} of a signature (LL_DISPATCH_FIELDS order; the call's generation in bits 52-61, as the
+    kernels carry it, is ignored); of a tag-only one (the source's count word reached this rank before its
+    signature word), only top-k and the FP8 flags."""
+    fields = {"top-k": word & 0x3F, "use_fp8": bool(word >> 6 & 1), "round_scale": bool(word >> 7 & 1),
+              "use_ue8m0": bool(word >> 8 & 1)}
+    if not word & _TAG_ONLY:
+        fields = {"hidden": (word >> 16 & 0xFF) * 128, "num_max_dispatch_tokens_per_rank": word >> 35 & 0x1FFFF,
+                  "num_experts": word >> 24 & 0x7FF, **fields}
+    return {f: fields[f] for f in LL_DISPATCH_FIELDS if f in fields}
+
+
+def _show(fields: dict) -> str:
+    return ", ".join(f"{k}={('yes' if v else 'no') if isinstance(v, bool) else v}" for k, v in fields.items())
+
+
+def signature_mismatch(info, rank: int) -> SignatureMismatch:
+    """The error of a Buffer whose dispatch found a source whose call does not agree with its own: info = (call,
+    source, seen, mine) as the runtime's signature_info gives it. Every rank raises its own (no collective): each
+    names its own fields and the source's, so the ranks' messages together show every rank's call."""
+    call, source, seen, mine = info
+    unusable = "this Buffer is unusable now: destroy it on every rank and create a new one"
+    ours, theirs = decode_dispatch_signature(mine), decode_dispatch_signature(seen)
+    if seen & _BAD_COUNT:  # a count word with this call's tag whose count is past num_max_dispatch_tokens_per_rank
+        count = (seen & 0xFFFF) - 1
+        return SignatureMismatch(
+            f"low-latency dispatch: rank {source}'s count word in rank {rank}'s buffer carried the tag of rank "
+            f"{rank}'s call ({_show(ours)}) but the count {count}, outside [0, "
+            f"{ours['num_max_dispatch_tokens_per_rank']}]: a rank whose call differs in a way the tag does not "
+            f"show, or a stray store, wrote it (found by rank {rank}'s low-latency call {call} of this Buffer); "
+            f"{unusable}")
+    if seen == mine:  # rank `source` agrees, but a count word of its here carried another tag: another rank's
+        # call, laid out differently, stored over it
+        return SignatureMismatch(
+            f"low-latency dispatch: the ranks' calls do not agree: a rank whose call differs from rank {rank}'s "
+            f"({_show(ours)}) stored over rank {source}'s count word in rank {rank}'s buffer (found by rank "
+            f"{rank}'s low-latency call {call} of this Buffer); {unusable}")
+    differ = [f for f in theirs if theirs[f] != ours[f]]
+    if seen & _TAG_ONLY and (seen >> 9 & 0x7F) != (mine >> 9 & 0x7F):
+        differ.append(" or ".join(_LAYOUT_FIELDS))
+    what = "; ".join(f"{f} differs" for f in differ) or "the signatures differ"
+    return SignatureMismatch(
+        f"low-latency dispatch: the ranks' calls do not agree: {what}: rank {rank} called with {_show(ours)}; rank "
+        f"{source} with {_show(theirs)} (found by rank {rank}'s low-latency call {call} of this Buffer, in its "
+        f"receive from rank {source}); {unusable}")
 
 
 def parse_trace_record(words: torch.Tensor, kind: str, meta: dict) -> dict:

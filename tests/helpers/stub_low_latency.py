@@ -3,7 +3,9 @@
 StubRuntime has the runtime's methods and the same host-side rules (csrc/low_latency_bindings.cpp): the
 invariant checks against a per-shape plan (ValueError), one buffer half per call alternating, the hook rules
 (one call each, stale once its half was taken again, no shape change while one is pending), the
-timeout record (a test sets `timeout`; every later call and hook raises, and keeps raising), destroy. It
+timeout record (a test sets `timeout`; every later call and hook raises, and keeps raising), the signature record
+(a test sets `signature` as a receive that found a source's dispatch signature differing would record it; every
+later call and hook raises SignatureMismatch, before a timeout, and keeps raising), destroy. It
 launches nothing: it records (kind, phases, half, shape) in `launches` and the plans it made in `plans`, and
 allocates outputs on the CPU. attach_stub_low_latency() gives a Buffer the real LowLatencyBackend class
 over it, serving CPU tensors, so tests/kernels/test_low_latency_host_cpu.py exercises the Buffer's low-latency glue
@@ -18,7 +20,7 @@ import torch
 
 from moe_dispatcher.backend import Capabilities
 from moe_dispatcher.compiled import timeout_message
-from moe_dispatcher.compiled.low_latency import _NO_EVENT, TIMEOUT_ENV, LowLatencyBackend
+from moe_dispatcher.compiled.low_latency import _NO_EVENT, TIMEOUT_ENV, LowLatencyBackend, signature_mismatch
 from moe_dispatcher.event import EventOverlap
 from moe_dispatcher.handle import LowLatencyHandle
 from moe_dispatcher.runtime import ll_layout
@@ -38,7 +40,7 @@ class DispatchState:
 
 class StubRuntime:
     def __init__(self, num_bytes: int, num_ranks: int, rank_partials: bool = True, nvlink_all: bool = True,
-                 timeout_s: float = 10.0, buffer_token: int = 0, board=None):
+                 timeout_s: float = 10.0, buffer_token: int = 0, board=None, rank: int = 0):
         self.num_bytes, self.num_ranks, self._rank_partials, self.nvlink_all = (num_bytes, num_ranks, rank_partials,
                                                                                 nvlink_all)
         self.timeout_s, self.buffer_token = timeout_s, buffer_token
@@ -47,6 +49,8 @@ class StubRuntime:
         self.plans: List[tuple] = []
         self.cleans: List[tuple] = []
         self.timeout: Optional[tuple] = None  # (status, phase, rank, peer), as the kernels would record it
+        self.signature: Optional[tuple] = None  # (call, source, seen, mine), as the dispatch receive would record it
+        self.rank = rank
         self.board = board  # the Buffer's Board: the message of a peer's abort
         # The peer abort: whether this PE's abort bytes are posted on its peers, and every write in order
         # (1: post_abort, 0: cleared by the next launch, as the native runtime's common() does).
@@ -136,7 +140,12 @@ class StubRuntime:
     def timeout_info(self):
         return self.timeout
 
+    def signature_info(self):
+        return self.signature
+
     def check_usable(self) -> None:
+        if self.signature is not None:
+            raise signature_mismatch(self.signature, self.rank)
         if self._broken is not None:
             raise RuntimeError(self._broken)
         if not self._alive:
@@ -263,7 +272,7 @@ def attach_stub_low_latency(buf, runtime: Optional[StubRuntime] = None, make: Ca
     b._trace, b._alive, b.nvlink_peers = None, True, buf.group_size
     b.runtime = runtime if runtime is not None else make(buf.num_rdma_bytes, buf.group_size,
                                                          buf.low_latency_combine_reduction == "per_rank",
-                                                         buffer_token=buf._token, board=buf._board)
+                                                         buffer_token=buf._token, board=buf._board, rank=buf.rank)
     b.low_latency_dispatch = b.runtime.dispatch
     b.low_latency_combine = b.runtime.combine
     b._state = types.SimpleNamespace(release=lambda ptr, device: None)

@@ -4,7 +4,9 @@ Checked: a call is validated in Python on the first call of its key only (later 
 runtime, which still checks the tensors' invariants); a bad argument raises before anything launches; halves
 alternate per call; the hook rules (send now, receive in the hook, once, not when stale, no shape change while
 pending); the per-expert reduction order reaches the runtime; a recorded timeout makes every later call and
-hook raise with rank, phase and peer; a destroyed Buffer refuses calls.
+hook raise with rank, phase and peer; a recorded signature mismatch (a source's dispatch did not agree) makes
+every later call and hook raise SignatureMismatch naming the fields that differ with both ranks' values, before
+a timeout it caused, and posts no abort; a destroyed Buffer refuses calls.
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from stub_low_latency import PHASE_RECV, PHASE_SEND, attach_stub_low_latency
 
 from moe_dispatcher import Buffer
 from moe_dispatcher import buffer as buffer_module
+from moe_dispatcher.compiled.low_latency import decode_dispatch_signature, dispatch_signature
+from moe_dispatcher.signature import SignatureMismatch
 
 MAXT, H, E, K, T = 8, 256, 16, 4, 5
 BOTH = PHASE_SEND | PHASE_RECV
@@ -139,6 +143,71 @@ def test_timeout_makes_every_later_call_raise(world):
     for call in (hook, lambda: _pair(w), hook):
         with pytest.raises(RuntimeError, match=r"rank 0 timed out .* in low_latency_dispatch \(receive counts\) "
                                                r"waiting for rank 3"):
+            call()
+
+
+def _sig(hidden=H, max_tokens=MAXT, num_experts=E, num_topk=K, use_fp8=False, round_scale=False, use_ue8m0=False):
+    return dispatch_signature(hidden, max_tokens, num_experts, num_topk, use_fp8, round_scale, use_ue8m0)
+
+
+def test_signature_packs_every_field_exactly():
+    cases = [(128, 1, 2, 1, False, False, False), (7168, 128, 256, 8, True, True, True),
+             (16384, 65534, 1024, 32, True, False, False), (4096, 4096, 64, 6, False, True, False)]
+    for case in cases:
+        word = dispatch_signature(*case)
+        assert word != 0 and word < 1 << 52
+        assert tuple(decode_dispatch_signature(word).values()) == case
+    # the 16-bit tag a count word carries holds top-k and the FP8 flags exactly: any two of them differ there
+    tags = {_sig(num_topk=k, use_fp8=f, round_scale=r, use_ue8m0=u) & 0xFFFF
+            for k in range(1, 33) for f in (0, 1) for r in (0, 1) for u in (0, 1)}
+    assert len(tags) == 32 * 8
+
+
+def test_signature_mismatch_makes_every_later_call_raise(world):
+    w = world
+    _, handle, y = _pair(w)
+    hook = w.buf.low_latency_dispatch(w.x, w.idx, MAXT, E, use_fp8=False, return_recv_hook=True)[4]
+    n = len(w.rt.launches)
+    # rank 0's receive found rank 1's dispatch (call 2) with another hidden size; a timeout it caused came after
+    w.rt.signature = (2, 1, _sig(hidden=512), _sig())
+    w.rt.timeout = (1, "low_latency_combine (receive)", 0, 1)
+    calls = (hook, lambda: _pair(w), lambda: w.buf.low_latency_combine(y, w.idx, w.w, handle), hook)
+    for call in calls:
+        with pytest.raises(SignatureMismatch) as err:
+            call()
+        text = str(err.value)
+        assert isinstance(err.value, ValueError)
+        assert "low-latency dispatch: the ranks' calls do not agree: hidden differs" in text
+        assert f"rank 0 called with hidden={H}, num_max_dispatch_tokens_per_rank={MAXT}, num_experts={E}, " \
+               f"top-k={K}, use_fp8=no, round_scale=no, use_ue8m0=no" in text
+        assert f"rank 1 with hidden=512, num_max_dispatch_tokens_per_rank={MAXT}" in text
+        assert "low-latency call 2" in text and "timed out" not in text
+    assert len(w.rt.launches) == n  # nothing launched
+    assert w.rt.abort_writes == []  # raised on every rank alike: no abort posted to the peers
+    assert w.buf._kernels_ll.broken
+
+
+def test_signature_mismatch_from_a_count_word_names_what_the_tag_holds(world):
+    w = world
+    # the source's signature word was not visible yet: only its count word's tag (top-k, FP8 flags, layout hash)
+    w.rt.signature = (4, 1, (1 << 63) | (_sig(num_topk=2, use_fp8=True) & 0xFFFF), _sig())
+    with pytest.raises(SignatureMismatch, match=r"top-k differs; use_fp8 differs: rank 0 called with .*; rank 1 "
+                                                r"with top-k=2, use_fp8=yes, round_scale=no, use_ue8m0=no \("):
+        _pair(w)
+    w.rt.signature = (4, 1, (1 << 63) | (_sig(max_tokens=MAXT * 2) & 0xFFFF), _sig())
+    with pytest.raises(SignatureMismatch, match="hidden or num_max_dispatch_tokens_per_rank or num_experts differs"):
+        _pair(w)
+
+
+def test_count_out_of_range_makes_every_later_call_raise(world):
+    w = world
+    # rank 0's receive found rank 1's count word with this call's tag but count MAXT + 3 (kSeenBadCount)
+    word = (_sig() & 0xFFFF) << 16 | (MAXT + 4)
+    w.rt.signature = (6, 1, (1 << 62) | word, (2 << 52) | _sig())  # `mine` with its generation, as the kernels'
+    for call in (lambda: _pair(w), lambda: _pair(w)):
+        with pytest.raises(SignatureMismatch, match=rf"rank 1's count word in rank 0's buffer carried the tag of "
+                                                    rf"rank 0's call \(hidden={H}, .*\) but the count {MAXT + 3}, "
+                                                    rf"outside \[0, {MAXT}\]"):
             call()
 
 

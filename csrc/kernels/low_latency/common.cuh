@@ -134,6 +134,154 @@ __device__ __forceinline__ int wait_flag(const Common& c, const int* word, int p
   return arrived ? v : on_timeout;
 }
 
+// ---- Dispatch agreement (low_latency.h, "Dispatch agreement"; docs/low_latency.md, "Agreement").
+//
+// Protocol. Every dispatch count word carries the sender's tag: (tag << kCountBits) | (count + 1), still
+// non-zero, so the waits' "!= 0" is unchanged and the tag arrives with the count in the same word, under the
+// same release / acquire (or relaxed, for the dedup dispatch's early counts) as before. The receiver compares
+// the tag with its own once per count word it reads (count_of); no per-token work. A source whose layout
+// fields differ writes its count words at its own layout's offsets, so this PE's words stay 0: its wait then
+// reaches the spin's slow path, where every 64th poll also reads the source's signature word (same place in
+// every layout) and gives up on a non-zero foreign one (SignatureOrTimeout). Either way record_mismatch
+// records the first one and the count is taken as 0: a source that does not agree contributes no rows (nothing
+// of its is read, so nothing is written out of bounds), the kernel ends, and the host raises at its next call.
+// Once per call and source, after the count waits, the full word is compared too (check_signatures), which the
+// tag's 7-bit layout hash alone could miss.
+// A count that matches but lies outside [0, max_tokens] (a stray store that happened to carry our tag, or a
+// layout whose 7-bit hash collides with ours) counts 0 too (one unsigned compare per word), so no count can
+// index past a region, and is recorded (kSeenBadCount) like a mismatch: the next call raises.
+//
+// Memory ordering of the signature words: the sender's word publishes no data (relaxed system-scope store, or
+// an NVSHMEM atomic set on the put path) and is not ordered before the same call's count words (those come from
+// other threads and blocks, or with relaxed stores and no fence), so the receiver may see a count word first
+// (count_of then records the tag only), and where a wait gave up (so check_signatures below did not wait for
+// every source's word before the reset) the word may land after this call's last receiving block reset it.
+// Such a late word is of an earlier call on this half when a later call reads it (over NVLink the previous
+// one: every store of a kernel is performed by the time the kernel completes, and the sender's next call on
+// this half comes after that), so of another generation unless 1024 calls used this half in between. So the
+// word carries its call's generation (low_latency.h, with_generation), and a word of another generation is
+// taken as not yet arrived (0): a late word cannot be mistaken for this call's. The reset (by the same last
+// receiving block as the count words) keeps a word's lifetime the count words' but is not needed for this.
+
+// This PE's signature word for source `source` on the call's half.
+__device__ __forceinline__ uint64_t* signature_word(const Common& c, const DispatchArgs& a, int source) {
+  return a.signature_words + (c.half_offset != 0 ? kMaxRanks : 0) + source;
+}
+
+// A count word as the sender publishes it.
+__device__ __forceinline__ int pack_count(const DispatchArgs& a, int count) {
+  return static_cast<int>((static_cast<uint32_t>(a.signature) << kCountBits) | static_cast<uint32_t>(count + 1));
+}
+
+// Send phase, at entry: block 0's threads r < R write this call's signature into word [half][me] of PE r.
+__device__ __forceinline__ void publish_signature(const Common& c, const DispatchArgs& a) {
+  const int r = threadIdx.x;
+  if (blockIdx.x != 0 || r >= c.num_ranks) return;
+  uint64_t* local = signature_word(c, a, c.rank);
+  if (uint8_t* remote = peer_address(c, r, local)) {
+    *reinterpret_cast<volatile uint64_t*>(remote) = a.signature;  // relaxed: no data to publish (see above)
+  } else {
+    nvshmem_uint64_atomic_set(local, a.signature, r);
+  }
+}
+
+// A signature word as this call reads it: 0 when absent or of another generation (a late word of the call
+// before on this half; see above).
+__device__ __forceinline__ uint64_t signature_seen(const Common& c, const DispatchArgs& a, int source) {
+  const uint64_t w = *reinterpret_cast<const volatile uint64_t*>(signature_word(c, a, source));
+  return (w >> kGenerationShift) == (a.signature >> kGenerationShift) ? w : 0;
+}
+
+// The first foreign signature of this GPU fills the host-mapped record (fields, a system fence, then status, as
+// the Watchdog does); every finder then sets the timeout claim, so that every later wait of this and later
+// kernels gives up within 64 polls (EarlierTimeout) instead of waiting for a peer whose call does not match.
+__device__ __forceinline__ void record_mismatch(const Common& c, const DispatchArgs& a, int source, uint64_t seen) {
+  if (atomicCAS(c.workspace + kWsSignatureClaim, 0, 1) == 0) {
+    a.mismatch->source = source;
+    a.mismatch->seen = seen;
+    a.mismatch->mine = a.signature;
+    a.mismatch->call = a.call;
+    __threadfence_system();
+    *reinterpret_cast<volatile int32_t*>(&a.mismatch->status) = 1;
+    __threadfence_system();
+  }
+  atomicExch(c.workspace + kWsTimeoutClaim, 1);
+}
+
+// The count a count word carries: its tag compared with ours (one compare); a foreign tag records the mismatch
+// (with the source's full signature word when visible: of this generation and non-zero) and counts 0; a
+// matching tag over a count outside [0, max_tokens] records the word (kSeenBadCount) and counts 0.
+__device__ __forceinline__ int count_of(const Common& c, const DispatchArgs& a, int word, int source) {
+  const uint32_t w = static_cast<uint32_t>(word);
+  if ((w >> kCountBits) != (static_cast<uint32_t>(a.signature) & kCountMask)) {
+    const uint64_t full = signature_seen(c, a, source);
+    record_mismatch(c, a, source, full != 0 ? full : (kSeenTagOnly | (w >> kCountBits)));
+    return 0;
+  }
+  const uint32_t n = (w & kCountMask) - 1u;  // count + 1 == 0 wraps past max_tokens
+  if (n > static_cast<uint32_t>(c.max_tokens)) {
+    record_mismatch(c, a, source, kSeenBadCount | w);
+    return 0;
+  }
+  return static_cast<int>(n);
+}
+
+// The abort of the count waits: EarlierTimeout's, plus (same 64th polls) the source's signature word: of this
+// generation, non-zero and not ours means its count words went elsewhere (another layout) or carry another tag;
+// record and give up.
+struct SignatureOrTimeout {
+  const Common* c;
+  const DispatchArgs* a;
+  int source;
+  mutable unsigned polls = 0;
+  __device__ bool operator()() const {
+    if ((++polls & 63) != 0) return false;
+    if (timed_out_before(*c)) return true;
+    const uint64_t seen = signature_seen(*c, *a, source);
+    if (seen == 0 || seen == a->signature) return false;
+    record_mismatch(*c, *a, source, seen);
+    return true;
+  }
+};
+
+// The full signature check, once per call and source: the tag compares 7 hashed bits of the layout fields only,
+// so two layouts whose count words coincide could pass it. Thread 0 of block b checks the sources b, b + grid,
+// ..., after its count waits and before the block's arrival on kWsDispatchRecvDone: it waits for the source's
+// word of this generation (published at the source's entry into this very call, so it comes) and records it if
+// it differs. Its load is an acquire, performed before that arrival, so before the last block's reset. Skipped
+// once a wait gave up (a mismatch or timeout is recorded already); its wait gives up as the count waits do.
+__device__ __forceinline__ void check_signatures(const Common& c, const DispatchArgs& a) {
+  if (timed_out_before(c)) return;
+  const uint64_t generation = a.signature >> kGenerationShift;
+  const Watchdog dog = wait_watchdog(c);
+  for (int s = blockIdx.x; s < c.num_ranks; s += gridDim.x) {
+    uint64_t seen = 0;
+    const bool arrived = wait_while(
+        static_cast<const uint64_t*>(signature_word(c, a, s)), seen,
+        [generation](uint64_t v) { return v == 0 || (v >> kGenerationShift) != generation; }, dog,
+        kWaitDispatchCounts, s, EarlierTimeout{&c});
+    if (!arrived) return;
+    if (seen != a.signature) {
+      record_mismatch(c, a, s, seen);
+      return;
+    }
+  }
+}
+
+// Wait for a dispatch count word of `source` (wait_signal with SignatureOrTimeout) and return its count
+// (count_of). A wait that gives up (timeout, an earlier give-up, a foreign signature) counts 0.
+__device__ __forceinline__ int wait_count(const Common& c, const DispatchArgs& a, const int* word, int phase,
+                                          int source) {
+  int v = ld_acquire_sys(word);
+  if (v == 0) {
+    const Watchdog dog = wait_watchdog(c);
+    const bool arrived = wait_while(word, v, [](int seen) { return seen == 0; }, dog, phase, source,
+                                    SignatureOrTimeout{&c, &a, source});
+    if (!arrived) return 0;
+  }
+  return count_of(c, a, v, source);
+}
+
 // The int32 signal words of this call's half (low_latency.h, HalfLayout).
 __device__ __forceinline__ int* half_signals(const Common& c, const HalfLayout& lay) {
   return reinterpret_cast<int*>(c.buffer + c.half_offset + lay.signal_off);

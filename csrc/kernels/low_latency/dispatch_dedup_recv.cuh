@@ -13,9 +13,12 @@
 //    picks are read, src_info (and row_of, the per-rank combine's map) written, and each 16-byte vector of a body is loaded once and stored into
 //    every row its picks name (kCopyUnroll loads in flight per thread); FP8 scales (one word per
 //    thread, loaded with the picks) go to the token-minor layout (UE8M0: packed 4 per int32).
+// Agreement: the counts and token counts are read with wait_count (their signature tag compared with this
+// call's, common.cuh "Dispatch agreement"): a source that does not agree counts 0 everywhere, so no flag of
+// its is polled and none of its messages is read.
 // Resets: a flag is read by one block only, which zeroes it right after reading it; the counts and
 // token counts are read by every block, and the last block to finish (workspace kWsDispatchRecvDone)
-// zeroes them. No source writes them again before this kernel ends: its next use of this half comes
+// zeroes them, and the sources' signature words of this half. No source writes them again before this kernel ends: its next use of this half comes
 // two calls later, after it has received this PE's signals of the call in between.
 #pragma once
 
@@ -51,14 +54,14 @@ __device__ __forceinline__ void dispatch_dedup_recv_phase(const Common& c, const
   if (tid < kMaxRanks) s_wait[tid] = 0;
   for (int p = tid; p < E; p += blockDim.x) {
     const uint64_t start = now_ns();
-    s_begin[p] = wait_signal(c, counts + p, kWaitDispatchCounts, p % R, 1) - 1;
+    s_begin[p] = wait_count(c, a, counts + p, kWaitDispatchCounts, p % R);
     if (blockIdx.x == 0) {
       trace_pair(c, kTracePairWait, p, start);
       trace_pair_now(c, kTracePairSeen, p);
     }
   }
   for (int s = tid; s < R; s += blockDim.x)
-    s_first_unit[s + 1] = wait_signal(c, token_counts + s, kWaitDispatchCounts, s, 1) - 1;
+    s_first_unit[s + 1] = wait_count(c, a, token_counts + s, kWaitDispatchCounts, s);
   __syncthreads();
   for (int l = tid; l < L; l += blockDim.x) {
     const bool owner = l % gridDim.x == blockIdx.x;
@@ -196,10 +199,14 @@ __device__ __forceinline__ void dispatch_dedup_recv_phase(const Common& c, const
     atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + tid), s_wait[tid]);
   // Every block has finished polling when the counter reaches gridDim.x: the last one resets.
   if (tid == 0) {
+    check_signatures(c, a);  // common.cuh: each source's full word, once per call, before the reset below
     int* done = c.workspace + kWsDispatchRecvDone;
     if (atomicAdd(done, 1) == static_cast<int>(gridDim.x) - 1) {
       for (int i = 0; i < E; ++i) counts[i] = 0;
-      for (int s = 0; s < R; ++s) token_counts[s] = 0;
+      for (int s = 0; s < R; ++s) {
+        token_counts[s] = 0;
+        *signature_word(c, a, s) = 0;
+      }
       *done = 0;
     }
   }

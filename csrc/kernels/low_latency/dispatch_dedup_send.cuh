@@ -17,9 +17,10 @@
 // destination in one go, so that the flag's fence waits for one drain.
 //
 // Signals (words of the receiver's half, low_latency.h):
-//   token count [me] (value T + 1), at the message-count word: published by block 0 at entry; the
-//     receiver polls flags [me][0, T).
-//   counts [l][me] (value count + 1): this rank's tokens for each expert, published by the blocks that
+//   signature word [half][me] (common.cuh "Dispatch agreement"): this call's signature, block 0 at entry.
+//   token count [me] (value pack_count(T): the signature's tag over T + 1), at the message-count word:
+//     published by block 0 at entry; the receiver polls flags [me][0, T).
+//   counts [l][me] (value pack_count(count)): this rank's tokens for each expert, published by the blocks that
 //     count every token (the first min(grid, ceil(E / blockDim)) blocks), right after their count.
 //   Both with relaxed stores: they order no data (the receiver needs them to place rows and to know
 //   which flags to poll), so it can lay out its rows while the data is in flight.
@@ -153,8 +154,9 @@ __device__ __forceinline__ void dispatch_dedup_send_phase(const Common& c, const
   // every token's selections; the others only the earlier tokens of their own.
   const bool totals = static_cast<int>(blockIdx.x * blockDim.x) < E;
 
+  publish_signature(c, a);
   if (blockIdx.x == 0 && tid < R)
-    st_relaxed_sys(reinterpret_cast<int*>(peer_address(c, tid, token_counts + me)), T + 1);
+    st_relaxed_sys(reinterpret_cast<int*>(peer_address(c, tid, token_counts + me)), pack_count(a, T));
   for (int e = tid; e < E; e += blockDim.x) {
     if (totals) sh.count[e] = 0;
     sh.k_of[e] = -1;
@@ -181,7 +183,8 @@ __device__ __forceinline__ void dispatch_dedup_send_phase(const Common& c, const
       if (totals) {
         // Counts of every expert (zeros too): relaxed stores (they publish no data; see the top).
         for (int e = blockIdx.x * blockDim.x + tid; e < E; e += gridDim.x * blockDim.x) {
-          st_relaxed_sys(reinterpret_cast<int*>(peer_address(c, e / L, counts + (e % L) * R + me)), sh.count[e] + 1);
+          st_relaxed_sys(reinterpret_cast<int*>(peer_address(c, e / L, counts + (e % L) * R + me)),
+                         pack_count(a, sh.count[e]));
           trace_pair_now(c, kTracePairSent, e);
         }
       }

@@ -5,8 +5,10 @@
 // each spreading its rows over all of its threads. begin = the counts of
 // sources 0..s-1 for expert l, so a unit waits for the signals [l][0..s] (one lane each).
 // Signal words: written once per call by the source PE (signal_peer), read here with
-// ld_acquire_sys by every unit that needs them; the last block of the grid to finish polling
-// (atomic on the workspace word kWsDispatchRecvDone, GPU scope) writes them back to 0. No source
+// ld_acquire_sys by every unit that needs them (wait_count: the count, its signature tag compared
+// with this call's, common.cuh "Dispatch agreement"; a source that does not agree counts 0); the
+// last block of the grid to finish polling (atomic on the workspace word kWsDispatchRecvDone, GPU
+// scope) writes them back to 0, and the sources' signature words of this half with them. No source
 // can write them again before this kernel ends: its next use of this half comes two calls later,
 // after it has received this PE's signals of the call in between.
 #pragma once
@@ -35,7 +37,7 @@ __device__ __forceinline__ void dispatch_recv_phase(const Common& c, const Dispa
       uint64_t waited = 0;
       if (lane <= s) {
         const uint64_t start = now_ns();
-        count = wait_signal(c, signals + l * R + lane, kWaitDispatchCounts, lane, 1) - 1;
+        count = wait_count(c, a, signals + l * R + lane, kWaitDispatchCounts, lane);
         waited = now_ns() - start;
         if (part == 0 && lane == s) {
           trace_pair(c, kTracePairWait, l * R + s, start);
@@ -136,9 +138,11 @@ __device__ __forceinline__ void dispatch_recv_phase(const Common& c, const Dispa
 
   // Every block has finished polling when the counter reaches gridDim.x: the last one resets.
   if (tid == 0) {
+    check_signatures(c, a);  // common.cuh: each source's full word, once per call, before the reset below
     int* done = c.workspace + kWsDispatchRecvDone;
     if (atomicAdd(done, 1) == static_cast<int>(gridDim.x) - 1) {
       for (int i = 0; i < L * R; ++i) signals[i] = 0;
+      for (int s = 0; s < R; ++s) *signature_word(c, a, s) = 0;
       *done = 0;
     }
   }

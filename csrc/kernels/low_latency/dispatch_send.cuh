@@ -5,13 +5,15 @@
 // of the receiver's region [e % L][me][*]; the block counts the earlier selections of e itself,
 // so the layout is deterministic and equal to the reference's (sources ascending, then tokens).
 //
-// Counts (the dispatch signal [l][me] on the expert's PE, value count + 1): sent by whichever
+// Counts (the dispatch signal [l][me] on the expert's PE, value pack_count(count): the call's signature tag
+// over count + 1, common.cuh "Dispatch agreement"): sent by whichever
 // thread finishes the last message of that expert. Per message: the block's stores to the peer
 // (or the warp's puts + nvshmem_quiet), CTA barrier, then the slot owner does
 // __threadfence_system + atomicAdd on workspace finished[e] (GPU scope). The thread whose add
 // completes the count does __threadfence_system (acquiring every earlier writer's fenced stores
 // through the atomic's modification order), resets the counter and publishes the count with
-// signal_peer. Experts this rank sends nothing to get count 0 at once.
+// signal_peer. Experts this rank sends nothing to get count 0 at once. Block 0 first writes the call's
+// signature into this rank's signature word of every PE (publish_signature: no data, no ordering).
 #pragma once
 
 #include "kernels/low_latency/common.cuh"
@@ -108,6 +110,7 @@ __device__ __forceinline__ void dispatch_send_phase(const Common& c, const Dispa
 
   // The block's first token: its row loads and its destinations go out before the counting pass,
   // which also counts the slots of that token (one pass over topk_idx instead of two).
+  publish_signature(c, a);
   int4 raw[kRowVectors];
   const int first = blockIdx.x;
   if (first < T) load_row(x, first, H, raw);
@@ -129,7 +132,7 @@ __device__ __forceinline__ void dispatch_send_phase(const Common& c, const Dispa
   // Experts that get nothing from this rank: count 0 now (no data to order before it).
   for (int e = blockIdx.x * blockDim.x + tid; e < E; e += gridDim.x * blockDim.x) {
     if (sh.count[e] == 0) {
-      signal_peer(c, signals + (e % L) * R + c.rank, 1, e / L);
+      signal_peer(c, signals + (e % L) * R + c.rank, pack_count(a, 0), e / L);
       trace_pair_now(c, kTracePairSent, e);
     }
   }
@@ -199,7 +202,7 @@ __device__ __forceinline__ void dispatch_send_phase(const Common& c, const Dispa
         if (done == sh.count[e]) {
           __threadfence_system();  // acquire: every other writer's fenced message of expert e
           finished[e] = 0;
-          signal_peer(c, signals + (e % L) * R + c.rank, done + 1, e / L);
+          signal_peer(c, signals + (e % L) * R + c.rank, pack_count(a, done), e / L);
           trace_pair_now(c, kTracePairSent, e);
         }
       }

@@ -55,7 +55,72 @@ constexpr int kWsCombineRoutingDone = kWsCombineRecvDone + 1;  // per-rank combi
 // Set (atomicCAS 0 -> 1) by the first wait that times out, and never reset: later waits of any
 // kernel of this backend give up at once (the Buffer is unusable after a timeout anyway).
 constexpr int kWsTimeoutClaim = kWsCombineRoutingDone + 1;
-constexpr int kWorkspaceInts = kWsTimeoutClaim + 1;
+// Set (atomicCAS 0 -> 1) by the first receive that finds a source's dispatch signature differing from this
+// call's; its winner fills the SignatureRecord. Never reset by the kernels (the Buffer is unusable after it).
+constexpr int kWsSignatureClaim = kWsTimeoutClaim + 1;
+constexpr int kWorkspaceInts = kWsSignatureClaim + 1;
+
+// ---- Dispatch agreement (docs/low_latency.md, "Agreement").
+// The signature of a dispatch: the fields every rank must pass alike, packed exactly (no hash) into 64 bits,
+// so that a receiver that records a source's word can name that source's values:
+//   [0, 6) top-k (1..32)   6 use_fp8   7 round_scale   8 use_ue8m0   [9, 16) a 7-bit hash of (hidden,
+//   num_max_dispatch_tokens_per_rank, num_experts)   [16, 24) hidden / 128 (1..128)   [24, 35) num_experts
+//   (..1024)   [35, 52) num_max_dispatch_tokens_per_rank (..kMaxTokensPerRank).
+// Never 0 (hidden >= 128). The runtime computes it once per (plan, FP8 flags) on the host.
+// The word a call publishes and compares (DispatchArgs::signature) adds its generation in bits
+// [kGenerationShift, 62): the call's index on its buffer half, ((call number - 1) >> 1) mod 2^kGenerationBits
+// (the runtime numbers every dispatch and combine call from 1, and the halves alternate per call, so this is
+// how many calls used this half before; ranks that call in lockstep, as they must, agree on it). A receiver
+// takes a signature word of another generation as not yet arrived: a word of the call before on this half can
+// still land after that call's reset (it is published with no ordering), and must not pass for this call's.
+// Its low 16 bits, the tag, travel in every dispatch count word: (tag << 16) | (count + 1) (kCountBits). The
+// tag holds top-k and the FP8 flags exactly, so a difference in those (which leaves the buffer layout alike and
+// the count words where the receiver reads them) is always seen; a difference in the layout fields moves the
+// sender's count words elsewhere, and the receiver learns it from the sender's full word in the signature
+// words (below), which sit at one place whatever the layout.
+constexpr int kCountBits = 16;
+constexpr int kMaxTokensPerRank = (1 << kCountBits) - 2;  // count + 1 must fit kCountBits
+constexpr unsigned kCountMask = (1u << kCountBits) - 1;
+constexpr int kGenerationShift = 52;
+constexpr int kGenerationBits = 10;  // bits 62 and 63 mark a SignatureRecord's `seen` (below)
+inline uint64_t with_generation(uint64_t signature, uint64_t call) {
+  return signature | (((call - 1) >> 1) & ((1ull << kGenerationBits) - 1)) << kGenerationShift;
+}
+inline uint64_t dispatch_signature(int hidden, int max_tokens, int num_experts, int num_topk, bool fp8,
+                                   bool round_scale, bool ue8m0) {
+  const uint64_t layout_hash = (static_cast<uint64_t>(hidden / 128) * 2654435761u +
+                                static_cast<uint64_t>(num_experts) * 40503u + static_cast<uint64_t>(max_tokens)) %
+                               127u;
+  return static_cast<uint64_t>(num_topk) | (fp8 ? 1ull << 6 : 0) | (round_scale ? 1ull << 7 : 0) |
+         (ue8m0 ? 1ull << 8 : 0) | layout_hash << 9 | static_cast<uint64_t>(hidden / 128) << 16 |
+         static_cast<uint64_t>(num_experts) << 24 | static_cast<uint64_t>(max_tokens) << 35;
+}
+
+// The signature words: uint64 [2 halves][kMaxRanks] in this PE's symmetric allocation, after the abort bytes
+// (kSignatureWordsOffset bytes after them; the allocation holds kControlBytes from the abort bytes on), so at
+// the same place whatever (maxT, hidden, experts) a rank uses. Word [h][s]: the signature of source s's
+// dispatch on half h, written by s's send phase at entry (block 0, one thread per destination), read by this
+// PE's receive phase where a count word is late (the spin's slow path) or carried a foreign tag, and once per
+// call after the count waits (common.cuh, check_signatures: the tag's 7-bit layout hash can collide), and
+// put back to 0 with the count words by the last receiving block: the count words' lifetime exactly.
+constexpr size_t kSignatureWordsOffset = 128;
+constexpr size_t kControlBytes = kSignatureWordsOffset + 2 * kMaxRanks * sizeof(uint64_t);
+
+// Host-mapped: the first receive that saw a foreign signature (status 0 -> 1 last, after a system fence,
+// as TimeoutRecord). `seen` is the source's full signature word, or its count word's tag with kSeenTagOnly set
+// when that word was not visible yet. `call` is the runtime's number of the launch that recorded it (a CUDA
+// graph replay repeats the number of the call it captured).
+struct SignatureRecord {
+  int32_t status;
+  int32_t source;
+  uint64_t seen;
+  uint64_t mine;
+  uint64_t call;
+};
+constexpr uint64_t kSeenTagOnly = 1ull << 63;
+// `seen` is the count word itself (low 32 bits): its tag was this call's but its count lay outside
+// [0, max_tokens] (a stray store, or a layout whose tag collides with ours wrote there).
+constexpr uint64_t kSeenBadCount = 1ull << 62;
 
 // Opt-in phase trace (docs/low_latency.md, "Phase trace"). Common::trace null: off, and every trace
 // point is one uniform branch on it. Otherwise it points at one record of kTraceWords uint64 words (the
@@ -124,6 +189,11 @@ struct DispatchArgs {
   int* recv_count;             // [L]
   int* cumulative_recv_stats;  // [L] or null
   int64_t* wait_stats;         // [R] or null
+  // Dispatch agreement (above; here, not in Common: a larger Common costs the combine kernel a spill):
+  uint64_t signature;          // this call's dispatch_signature, with_generation
+  uint64_t* signature_words;   // this PE's signature words [2][kMaxRanks] (the call's half: c.half_offset != 0)
+  SignatureRecord* mismatch;   // host-mapped
+  uint64_t call;               // the runtime's number of this call
 };
 
 struct CombineArgs {
