@@ -367,7 +367,9 @@ def train(cfg: dict[str, dict[str, Any]], show_progress: bool = True, log_json: 
     result = {"dispatcher": kind, "world_size": world, "steps": steps, "num_microbatches": num_microbatches,
               "losses": losses,
               "tokens_per_s": measured["tokens"] / measured["time"] if measured["time"] else None,
-              "step_ms": step_ms, "breakdown_ms": profile.breakdown(), "profiled_steps": profile_steps,
+              "step_ms": step_ms, "breakdown_ms": profile.breakdown(), "top_kernels_ms": profile.top_kernels(),
+              "gpu_busy": profile.gpu_busy(),
+              "profiled_steps": profile_steps,
               "breakdown_unit": "CPU op ms/step" if on_cpu else "GPU kernel ms/step",
               "comm_seconds": comm_total, "measured_seconds": measured["time"]}
     if rank == 0:
@@ -380,6 +382,10 @@ def train(cfg: dict[str, dict[str, Any]], show_progress: bool = True, log_json: 
             parts = " | ".join(f"{part} {ms:.2f}" for part, ms in result["breakdown_ms"].items())
             print(f"step breakdown over {profile_steps} profiled steps ({result['breakdown_unit']}, rank 0): {parts}",
                   flush=True)
+        busy = result["gpu_busy"]
+        if busy:
+            print(f"GPU busy {busy['busy_ms']:.1f} of {busy['wall_ms']:.1f} ms per profiled step "
+                  f"({100 * busy['busy_fraction']:.0f}%, rank 0; the rest the GPU waits for the host)", flush=True)
         if log_json:
             with open(log_json, "w", encoding="utf-8") as f:
                 json.dump(result, f, indent=1)

@@ -117,6 +117,13 @@ def test_compare_cpu_grouped_experts(tmp_path):
         breakdown = res["breakdown_ms"]
         assert list(breakdown) == ["router", "dispatch", "permute", "experts", "combine", "rest"], breakdown
         assert all(breakdown[p] > 0 for p in ("router", "dispatch", "experts", "combine", "rest")), (name, breakdown)
+        # Each part's costliest kernels (CPU: ops), at most 8, costliest first, and within the part's total.
+        top = res["top_kernels_ms"]
+        assert list(top) == list(breakdown), top
+        for part, rows in top.items():
+            assert len(rows) <= 8 and [ms for _, ms in rows] == sorted((ms for _, ms in rows), reverse=True), rows
+            assert sum(ms for _, ms in rows) <= breakdown[part] + 1e-3 * len(rows), (part, rows, breakdown[part])
+        assert top["experts"] and top["dispatch"], top
     # Same model, data and seed, float32 on CPU: both dispatchers train alike.
     a, b = torch.tensor(results["ours"]["losses"]), torch.tensor(results["allgather"]["losses"])
     assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), (a, b)
@@ -124,3 +131,35 @@ def test_compare_cpu_grouped_experts(tmp_path):
     for text in ("=== comparison", "step breakdown", "loss curves", "skipped: deep_ep is not importable"):
         assert text in stdout, f"{text!r} not in:\n{stdout[-3000:]}"
 
+
+
+def test_gpu_busy_is_the_union_of_kernel_intervals():
+    """The step profile's GPU-busy time counts overlapping kernels (concurrent streams) once and gaps not at all."""
+    from moe_dispatcher.integrations.megatron.step_profile import covered
+
+    assert covered([]) == 0.0
+    assert covered([(0.0, 10.0)]) == 10.0
+    assert covered([(5.0, 8.0), (0.0, 10.0), (12.0, 15.0)]) == 13.0  # nested, then a gap of 2
+    assert covered([(0.0, 4.0), (3.0, 6.0), (6.0, 7.0)]) == 7.0      # overlapping and touching
+
+
+def test_compare_keeps_the_runs_done_when_cut_short(tmp_path, monkeypatch):
+    """--log-json is written after every run, so a call that times out keeps the dispatchers already measured."""
+    from moe_dispatcher.integrations.megatron import compare
+
+    log = tmp_path / "cmp.json"
+    seen = []
+
+    def fake_launch(config, overrides, name, nproc, out):
+        if name == "alltoall":  # the second run is cut short: by then the first must be on disk
+            seen.append(json.loads(log.read_text()))
+            raise KeyboardInterrupt
+        with open(out, "w", encoding="utf-8") as f:
+            json.dump({"losses": [1.0], "tokens_per_s": 10.0}, f)
+        return 0
+
+    monkeypatch.setattr(compare, "_launch", fake_launch)
+    monkeypatch.setattr(compare, "_unavailable", lambda name: None)
+    with pytest.raises(KeyboardInterrupt):
+        compare.run("cfg.yaml", [], ["ours", "alltoall"], 2, str(log))
+    assert seen and list(seen[0]["results"]) == ["ours"], seen
