@@ -28,6 +28,7 @@ through Megatron-Core's EP-overlap schedule (GPUs, data.num_microbatches >= 2; s
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -281,7 +282,25 @@ def say(bar, text: str) -> None:
 
 
 def train(cfg: dict[str, dict[str, Any]], show_progress: bool = True, log_json: str | None = None) -> dict[str, Any]:
+    """Train `cfg` on this rank (torchrun's environment) and return rank 0's result dict (every rank returns its
+    own); the process groups are destroyed at the end."""
     device = init_distributed()
+    result = _train(cfg, device, show_progress, log_json)
+    from megatron.core import parallel_state as ps
+
+    from moe_dispatcher.integrations.megatron.buffers import release_buffers
+    # The model, its dispatchers and our cached Buffers hold the process groups: drop them first. A group alive
+    # after destroy_process_group() is torn down during interpreter exit, after threads it needs (gloo then
+    # aborts the finished process with SIGABRT, and torchrun reports a failure).
+    release_buffers()
+    gc.collect()
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+    return result
+
+
+def _train(cfg: dict[str, dict[str, Any]], device: torch.device, show_progress: bool,
+           log_json: str | None) -> dict[str, Any]:
     from megatron.core import parallel_state as ps
 
     from moe_dispatcher.integrations.megatron import comm_timer, cpu, guard, megatron_topology
@@ -389,8 +408,6 @@ def train(cfg: dict[str, dict[str, Any]], show_progress: bool = True, log_json: 
         if log_json:
             with open(log_json, "w", encoding="utf-8") as f:
                 json.dump(result, f, indent=1)
-    ps.destroy_model_parallel()
-    dist.destroy_process_group()
     return result
 
 

@@ -61,8 +61,9 @@ _exit_registered = False
 _points: "weakref.WeakKeyDictionary[object, int]" = weakref.WeakKeyDictionary()
 _created: "weakref.WeakKeyDictionary[object, int]" = weakref.WeakKeyDictionary()
 # Groups whose Buffers have held NVSHMEM memory (rounds are posted on them) -> (rank, ranks, timeout_s, the group's
-# store or None), recorded while the group exists: exit may come after destroy_process_group().
-_symmetric_groups: Dict[object, tuple] = {}
+# store or None), recorded while the group exists: exit may come after destroy_process_group(). Weak keys too: an
+# entry goes only with the group, which every Buffer and parked Release of it keeps alive.
+_symmetric_groups: "weakref.WeakKeyDictionary[object, tuple]" = weakref.WeakKeyDictionary()
 
 
 class PeerMissing(RuntimeError):

@@ -50,6 +50,41 @@ def test_tiny_cpu_training(tmp_path, dispatcher):
     assert "tok/s" in out and "dispatch" in out and "done: loss" in out, out
 
 
+# One rank trains two steps; every group our dispatcher was built on must be gone once train() returns.
+_RELEASE_CHECK = """
+import gc, sys, weakref
+from moe_dispatcher.integrations.megatron import buffers, train
+seen = []
+topology_of = buffers.topology_of
+def spy(group):
+    seen.append(weakref.ref(group))
+    return topology_of(group)
+buffers.topology_of = spy
+cfg = train.load_config(sys.argv[1], ["train.steps=2", "train.log_interval=1", "train.warmup_steps=1"], None)
+train.train(cfg, show_progress=False)
+gc.collect()
+print("groups seen", len(seen), "alive", sum(r() is not None for r in seen))
+"""
+
+
+def test_training_releases_the_dispatch_group(tmp_path):
+    """train() drops the Buffers and Topologies it cached (and the model) before destroying the process groups:
+    a group alive after destroy_process_group() is torn down during interpreter exit, after threads it needs,
+    and gloo then aborts the finished rank (SIGABRT, a failed torchrun) at random."""
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", MASTER_PORT=str(port))
+    proc = subprocess.run([sys.executable, "-c", _RELEASE_CHECK, os.path.join(ROOT, "configs/tiny_cpu.yaml")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("groups seen ") and not last.startswith("groups seen 0 "), proc.stdout[-2000:]
+    assert last.endswith(" alive 0"), f"process groups outlive train(): {last}"
+
+
 def test_tiny_cpu_fp8_dispatch_loss_matches_bf16_dispatch(tmp_path):
     """MOE_DISPATCHER_FP8_DISPATCH=1 against the same run without it (fp32 rows on CPU): 200 steps of
     configs/tiny_cpu.yaml on 2 gloo ranks (about 20 s each here). The losses are not bit-identical (the
