@@ -288,11 +288,12 @@ def train(cfg: dict[str, dict[str, Any]], show_progress: bool = True, log_json: 
     result = _train(cfg, device, show_progress, log_json)
     from megatron.core import parallel_state as ps
 
-    from moe_dispatcher.integrations.megatron.buffers import release_buffers
-    # The model, its dispatchers and our cached Buffers hold the process groups: drop them first. A group alive
-    # after destroy_process_group() is torn down during interpreter exit, after threads it needs (gloo then
-    # aborts the finished process with SIGABRT, and torchrun reports a failure).
-    release_buffers()
+    from moe_dispatcher.integrations.megatron.buffers import destroy_buffers
+    # The model, its dispatchers and our cached Buffers hold the process groups: destroy and drop them first. A
+    # group alive after destroy_process_group() is torn down during interpreter exit, after threads it needs
+    # (gloo then aborts the finished process with SIGABRT, and torchrun reports a failure). (megatron-core 0.19
+    # itself keeps a few of its groups alive past destroy_model_parallel(); those are Megatron's.)
+    destroy_buffers()
     gc.collect()
     ps.destroy_model_parallel()
     dist.destroy_process_group()

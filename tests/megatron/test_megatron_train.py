@@ -191,12 +191,15 @@ def test_exposed_dispatcher_time_is_what_no_other_kernel_hides(monkeypatch):
     spans = [("dispatch", 0, 10), ("experts", 5, 20), ("combine", 20, 30), ("permute", 30, 32), ("rest", 40, 100)]
     got = exposed_share(spans, num_steps=1)
     assert got == {"dispatcher_ms": 0.022, "exposed_ms": 0.017, "moe_layer_ms": 0.032,
-                   "exposed_fraction": round(17 / 32, 3)}, got
+                   "exposed_fraction": round(17 / 32, 3), "unlinked_ms": 0.0}, got
     assert exposed_share(spans, num_steps=2)["dispatcher_ms"] == 0.011  # per step
     # attention overlapping the combine hides it as well (any other kernel counts), and a router kernel is MoE time
     got = exposed_share([("combine", 0, 10), ("rest", 0, 4), ("router", 8, 12)], num_steps=1)
     assert got["exposed_ms"] == 0.004 and got["moe_layer_ms"] == 0.012, got
     assert exposed_share([], 1) == {} and exposed_share([("rest", 0, 5)], 1) == {}
+    # a kernel with no recorded launching op hides nothing and is not MoE time; it is reported apart
+    got = exposed_share([("combine", 0, 10), (None, 0, 6)], num_steps=1)
+    assert got["exposed_ms"] == 0.01 and got["moe_layer_ms"] == 0.01 and got["unlinked_ms"] == 0.006, got
 
     # the part of a device event is that of its launching CPU op (correlation id), through the moe.* ranges
     cpu, cuda = step_profile.torch.autograd.DeviceType.CPU, step_profile.torch.autograd.DeviceType.CUDA
@@ -204,13 +207,18 @@ def test_exposed_dispatcher_time_is_what_no_other_kernel_hides(monkeypatch):
     scope = SimpleNamespace(name="moe.combine.backward", cpu_parent=None, id=1, device_type=cpu)
     launch = SimpleNamespace(name="aten::mm", cpu_parent=scope, id=2, device_type=cpu)
     plain = SimpleNamespace(name="aten::add", cpu_parent=None, id=3, device_type=cpu)
+    # a CUDA runtime event (CPU-side, linked, CUPTI's id counter) whose id collides with the op's: not a launch op
+    runtime = SimpleNamespace(name="cudaLaunchKernel", cpu_parent=None, id=2, device_type=cpu, linked_correlation_id=7)
     kernels = [SimpleNamespace(device_type=cuda, linked_correlation_id=2, time_range=rng(0, 10)),
                SimpleNamespace(device_type=cuda, linked_correlation_id=3, time_range=rng(2, 4)),
-               SimpleNamespace(device_type=cuda, linked_correlation_id=99, time_range=rng(20, 30))]
+               SimpleNamespace(device_type=cuda, linked_correlation_id=99, time_range=rng(20, 30)),
+               # the GPU-side span of a record_function range: not device work
+               SimpleNamespace(device_type=cuda, linked_correlation_id=1, time_range=rng(0, 40), is_user_annotation=True)]
     profile = StepProfile.__new__(StepProfile)
-    profile.profiler = SimpleNamespace(events=lambda: [scope, launch, plain, *kernels])
+    profile.profiler = SimpleNamespace(events=lambda: [scope, launch, plain, runtime, *kernels])
     profile.num_steps = 1
-    assert sorted(profile._device_spans()) == [("combine", 0, 10), ("rest", 2, 4), ("rest", 20, 30)]
+    spans = sorted(profile._device_spans(), key=lambda s: s[1])
+    assert spans == [("combine", 0, 10), ("rest", 2, 4), (None, 20, 30)], spans
     monkeypatch.setattr(step_profile.torch.cuda, "is_available", lambda: True)
     assert profile.exposed_dispatcher()["exposed_ms"] == 0.008
 
