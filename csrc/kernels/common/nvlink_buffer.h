@@ -50,6 +50,13 @@ struct Control {
   // Last, so that no word above moves (the FIFO words keep their offsets and cache lines). Intranode only: the
   // internode kernels use RdmaControl's, which every rank of the group writes.
   alignas(8) uint8_t peer_aborted[kMaxAbortRanks];
+  // Direct dispatch (intranode/dispatch_direct.cu), after every word above so that none of them moves:
+  uint64_t direct_ready[kMaxRanks];     // [d]: the number of d's latest direct call; written by d at its kernel's
+                                        // start (st.release.sys), read by my senders before they write into d
+  uint64_t direct_arrivals[kMaxRanks];  // [s]: blocks of s that finished writing their rows here in this call;
+                                        // added by s (red.release.sys), read and reset by my block 0
+  uint64_t direct_calls;                // my direct calls so far; read by my blocks at start, written by my block 0
+                                        // at the end, after every block of mine has read it (see the kernel)
 };
 constexpr size_t kRingsOffset = (sizeof(Control) + 4095) / 4096 * 4096;
 

@@ -46,6 +46,8 @@ enum Phase : int32_t {
   kPhaseCombineSend = 4,
   kPhaseCombineRecv = 5,
   kPhaseDrain = 6,         // sender: waiting for a peer to drain what an earlier call sent
+  kPhaseDirectReady = 7,   // direct dispatch sender: waiting for a peer's kernel to start (its staging free)
+  kPhaseDirectArrive = 8,  // direct dispatch receiver: waiting for a peer's blocks to finish writing rows here
 };
 
 struct Common {
@@ -66,6 +68,8 @@ struct NotifyArgs {
   int* rank_prefix_matrix;           // out [R, R]
   int* recv_channel_offset;          // out [R, C + 1]: first row of channel c from source s; [s][C] = end
   int* em_layout;                    // out, expert-major dispatch only (else null): see ExpertMajorLayout
+  int* send_row_offset;              // out [R, C] or null: the row of destination d's output where my channel
+                                     // c's rows to d start (direct dispatch); all 0 in a refused call
   int signature_hash;                // hash of this call's signature words (moe_dispatcher/signature.py)
   int problem;                       // this rank's problem word (0: none); notify adds the layout kernel's
   int* bad_expert_ids;               // Control::bad_expert_ids of this rank (read and cleared), or null
@@ -118,6 +122,47 @@ struct DispatchArgs {
   int chunk;                 // the sender publishes its tail every `chunk` rows at least (at most half a ring)
   int num_slots, slot_bytes;
 };
+
+// Direct dispatch (dispatch_direct.cu): every block a sender, rows written straight to their final row in the
+// destination's staging region (its NVLink buffer from kRingsOffset on), which the host then copies out.
+// Staging layout in every buffer, for `capacity` rows (the same on every rank): x [capacity, hidden_bytes],
+// then scales [capacity, S] int32, top-k idx [capacity, K] int64, weights [capacity, K] float32, source
+// index [capacity] int32, each array starting at a 16-byte multiple (DirectStaging).
+struct DirectStaging {
+  int64_t capacity, hidden_bytes, num_scales, num_topk;
+  __host__ __device__ static int64_t up16(int64_t n) { return (n + 15) / 16 * 16; }
+  __host__ __device__ int64_t x_offset() const { return 0; }
+  __host__ __device__ int64_t scales_offset() const { return x_offset() + up16(capacity * hidden_bytes); }
+  __host__ __device__ int64_t idx_offset() const { return scales_offset() + up16(capacity * num_scales * 4); }
+  __host__ __device__ int64_t weights_offset() const { return idx_offset() + up16(capacity * num_topk * 8); }
+  __host__ __device__ int64_t src_offset() const { return weights_offset() + up16(capacity * num_topk * 4); }
+  __host__ __device__ int64_t bytes() const { return src_offset() + up16(capacity * 4); }
+  // Rows of a region of `bytes` bytes (the largest capacity whose layout fits).
+  __host__ __device__ static int64_t rows_fitting(int64_t bytes, int64_t hidden_bytes, int64_t num_scales,
+                                                  int64_t num_topk) {
+    const int64_t per_row = hidden_bytes + num_scales * 4 + num_topk * 12 + 4;
+    int64_t rows = (bytes - 5 * 16) / per_row;
+    return rows > 0 ? rows : 0;
+  }
+};
+
+struct DirectDispatchArgs {
+  Common c;
+  const uint8_t* x;                // [T, hidden_bytes]
+  const int32_t* scales;           // [T, S] 4-byte scales or null
+  const int64_t* topk_idx;         // [T, K] or null (cached dispatch)
+  const float* topk_weights;       // [T, K] or null
+  const bool* is_token_in_rank;    // [T, R]
+  const int* recv_channel_offset;  // [R, C + 1] (only [0][0] is read: the refused-call word)
+  const int* send_row_offset;      // [R, C]: notify's, or kept in the handle for cached dispatch
+  int64_t capacity;                // staging rows (DirectStaging), the same on every rank
+  int num_tokens, hidden_bytes, num_scales, num_topk, experts_per_rank;
+  int num_rows;                    // rows of the outputs (num_worst_tokens, or the received count): rows at or
+                                   // past it are dropped (num_worst_tokens overflow, reported by notify)
+  int write_meta;                  // 1: top-k and source index too (fresh dispatch); 0: payload and scales only
+  int num_channels;
+};
+void launch_direct_dispatch(const DirectDispatchArgs& args, cudaStream_t stream);
 
 enum CombineDtype : int { kBf16 = 0, kFp16 = 1, kFp32 = 2 };
 

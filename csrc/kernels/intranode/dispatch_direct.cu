@@ -1,0 +1,142 @@
+// Direct dispatch (fresh and cached): every block is a sender. Block c walks channel c's tokens and writes each
+// row bound for rank d, exactly once and by one warp, straight to its final row in d's staging region (d's NVLink
+// buffer from kRingsOffset on, laid out as DirectStaging): the k-th row of channel c for d goes to row
+// send_row_offset[d][c] + k, which notify computed as (rows that ranks before me send to d) + (my rows to d in
+// channels before c), so the rows sit in the (source rank, token) order of the contract, the order the ring
+// kernel (dispatch.cu) gives. The host then copies staging -> output tensors on the same stream (copy engine).
+// Inside a block, 32 / R warps serve each destination; warp gw of them takes rows gw, gw + 32 / R, ... (TokenScan).
+// Rows at or past num_rows (more rows than num_worst_tokens) are dropped, as the ring receiver drops them.
+//
+// Protocol, per call n (n = my Control::direct_calls + 1; every rank makes the same direct calls in the same
+// order, so n is the same on every rank):
+//  1. Ready: my block 0 stores n into every peer's direct_ready[me] (st.release.sys) at my kernel's start. My
+//     kernel of call n runs after my copy out of staging of call n - 1 (same stream), so a peer that sees n may
+//     overwrite my staging. A sender warp for d first waits (lane 0, ld.acquire.sys) until d's direct_ready[d]
+//     in my Control reaches n.
+//  2. Rows: plain 16-byte stores (payload) and plain stores (scales, top-k, source) into d's staging.
+//  3. Arrival: after its rows to every destination, every thread of the block fences at system scope
+//     (__threadfence_system: its stores before any later store of it, at system scope), the block barrier
+//     collects the threads, then thread d adds 1 to d's direct_arrivals[me] (red.release.sys, cumulative over
+//     the barrier). A block that gave up waiting (timeout) does not arrive at that destination.
+//  4. Completion: my block 0 (thread s) waits with ld.acquire.sys until direct_arrivals[s] reaches num_channels,
+//     which orders every source's rows into my staging before the end of my kernel, hence before the copy that
+//     follows it on the stream. Then it resets direct_arrivals[s] to 0: no block of s adds to it again before
+//     s sees my direct_ready of call n + 1, which my next kernel stores only after this one ended. Last, thread
+//     0 stores n into my direct_calls: every block of mine read direct_calls before arriving at me (step 3),
+//     and block 0 saw all C of my arrivals, so no block of this call reads the new value.
+// A call that notify refused (common/refused_call.cuh) moves nothing and touches no word: every block returns at
+// its start, so the next call starts from the same counters on every rank.
+#include "kernels/common/copy.cuh"
+#include "kernels/common/launch_check.cuh"
+#include "kernels/common/refused_call.cuh"
+#include "kernels/common/ring_layout.cuh"
+#include "kernels/common/wait.cuh"
+#include "kernels/intranode/protocol.h"
+#include "kernels/intranode/rings.cuh"  // warp_outcome
+#include "kernels/intranode/token_scan.cuh"
+
+namespace moe_ep::intranode {
+namespace {
+
+constexpr int kDirectWarps = 32;
+constexpr int kDirectThreads = kDirectWarps * 32;
+constexpr int kDirectUnroll = 4;  // 16-byte loads in flight per lane while copying a row
+
+// Arrival (step 3): release at system scope, cumulative over the block barrier that precedes it.
+__device__ __forceinline__ void red_add_release_sys(uint64_t* p, uint64_t v) {
+  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// Whole warp: token t's row into row `row` of the staging region `stage` of the rank whose experts are
+// [lo, hi): payload, scales, top-k rebased to its local experts (weights zeroed elsewhere), source index.
+__device__ __forceinline__ void write_row(const DirectDispatchArgs& a, const DirectStaging& st, uint8_t* stage,
+                                          int64_t row, int t, int lo, int hi, int lane) {
+  warp_copy<false, kDirectUnroll>(
+      reinterpret_cast<int4*>(stage + st.x_offset() + row * a.hidden_bytes),
+      reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(t) * a.hidden_bytes), a.hidden_bytes / 16, lane);
+  auto* scales = reinterpret_cast<int32_t*>(stage + st.scales_offset()) + row * a.num_scales;
+  for (int j = lane; j < a.num_scales; j += 32) scales[j] = a.scales[static_cast<int64_t>(t) * a.num_scales + j];
+  if (!a.write_meta) return;
+  if (a.topk_idx != nullptr && lane < a.num_topk) {
+    const int64_t e = a.topk_idx[static_cast<int64_t>(t) * a.num_topk + lane];
+    const int local = (e >= lo && e < hi) ? static_cast<int>(e - lo) : -1;
+    reinterpret_cast<int64_t*>(stage + st.idx_offset())[row * a.num_topk + lane] = local;
+    reinterpret_cast<float*>(stage + st.weights_offset())[row * a.num_topk + lane] =
+        (local >= 0 && a.topk_weights != nullptr) ? a.topk_weights[static_cast<int64_t>(t) * a.num_topk + lane] : 0.f;
+  }
+  if (lane == 0) reinterpret_cast<int32_t*>(stage + st.src_offset())[row] = t;
+}
+
+__global__ void __launch_bounds__(kDirectThreads, 1) direct_dispatch_kernel(DirectDispatchArgs a) {
+  __shared__ uint64_t call;
+  __shared__ int ok_to[kMaxRanks];  // 0 once a warp for d gave up waiting (timeout): no arrival at d
+  const int num_ranks = a.c.num_ranks, me = a.c.rank, c = blockIdx.x;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
+  if (call_refused(a.recv_channel_offset)) return;  // the same word in every block of every rank
+  if (threadIdx.x == 0) call = *reinterpret_cast<volatile uint64_t*>(&ctl->direct_calls) + 1;
+  if (threadIdx.x < num_ranks) ok_to[threadIdx.x] = 1;
+  __syncthreads();
+  const uint64_t n = call;
+  if (c == 0 && threadIdx.x < num_ranks) {  // 1. ready for call n
+    ptx::st_release_sys(&reinterpret_cast<Control*>(a.c.peers[threadIdx.x])->direct_ready[me], n);
+  }
+  const Watchdog dog = make_watchdog(a.c.timeout_ns, me, &ctl->timeout_claim, &a.c.mailbox->timeout,
+                                     ctl->peer_aborted);
+
+  // 2. Rows.
+  const int warps = kDirectWarps / num_ranks;  // warps per destination
+  const int d = warp / warps, gw = warp % warps;
+  if (d < num_ranks) {
+    if (warp_outcome(lane != 0 || wait_at_least(&ctl->direct_ready[d], n, dog, kPhaseDirectReady, d))) {
+      const DirectStaging st{a.capacity, a.hidden_bytes, a.num_scales, a.num_topk};
+      uint8_t* stage = a.c.peers[d] + kRingsOffset;
+      const int lo = d * a.experts_per_rank, hi = lo + a.experts_per_rank;
+      const int64_t row0 = a.send_row_offset[d * a.num_channels + c];
+      int begin, end;
+      channel_range(a.num_tokens, a.num_channels, c, begin, end);
+      TokenScan scan{a.is_token_in_rank, num_ranks, d, end};
+      scan.start(begin, lane);
+      for (int k = gw;; k += warps) {
+        const int t = scan.find(k, lane);
+        const int64_t row = row0 + k;
+        if (t < 0 || row >= a.num_rows) break;  // rows grow with k: the rest are dropped too
+        write_row(a, st, stage, row, t, lo, hi, lane);
+      }
+    } else if (lane == 0) {
+      ok_to[d] = 0;
+    }
+  }
+
+  // 3. Arrival at every destination this block reached.
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x < num_ranks && ok_to[threadIdx.x]) {
+    red_add_release_sys(&reinterpret_cast<Control*>(a.c.peers[threadIdx.x])->direct_arrivals[me], 1);
+  }
+  if (c != 0) return;
+
+  // 4. Completion (block 0): every source's blocks arrived here.
+  __shared__ int all_arrived;
+  if (threadIdx.x == 0) all_arrived = 1;
+  __syncthreads();
+  if (threadIdx.x < num_ranks) {
+    const int s = threadIdx.x;
+    if (wait_at_least(&ctl->direct_arrivals[s], static_cast<uint64_t>(a.num_channels), dog, kPhaseDirectArrive, s)) {
+      ctl->direct_arrivals[s] = 0;
+    } else {
+      all_arrived = 0;  // a timeout (recorded): the counters are left as they are, the call fails
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0 && all_arrived) *reinterpret_cast<volatile uint64_t*>(&ctl->direct_calls) = n;
+}
+
+}  // namespace
+
+void launch_direct_dispatch(const DirectDispatchArgs& args, cudaStream_t stream) {
+  direct_dispatch_kernel<<<args.num_channels, kDirectThreads, 0, stream>>>(args);
+  check_launch("direct_dispatch_kernel");
+}
+
+}  // namespace moe_ep::intranode
