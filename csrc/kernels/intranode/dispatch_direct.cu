@@ -1,6 +1,7 @@
 // Direct dispatch (fresh and cached): every block is a sender. Block c walks channel c's tokens and writes each
-// row bound for rank d, exactly once and by one warp, straight to its final row in d's staging region (d's NVLink
-// buffer from kRingsOffset on, laid out as DirectStaging): the k-th row of channel c for d goes to row
+// row bound for rank d, exactly once and by one warp, straight to its final row in d's staging region (d's
+// NVLink buffer from staging_offset on, laid out as DirectStaging; bytes no ring uses, see protocol.h): the
+// k-th row of channel c for d goes to row
 // send_row_offset[d][c] + k, which notify computed as (rows that ranks before me send to d) + (my rows to d in
 // channels before c), so the rows sit in the (source rank, token) order of the contract, the order the ring
 // kernel (dispatch.cu) gives. The host then copies staging -> output tensors on the same stream (copy engine).
@@ -90,7 +91,7 @@ __global__ void __launch_bounds__(kDirectThreads, 1) direct_dispatch_kernel(Dire
   if (d < num_ranks) {
     if (warp_outcome(lane != 0 || wait_at_least(&ctl->direct_ready[d], n, dog, kPhaseDirectReady, d))) {
       const DirectStaging st{a.capacity, a.hidden_bytes, a.num_scales, a.num_topk};
-      uint8_t* stage = a.c.peers[d] + kRingsOffset;
+      uint8_t* stage = a.c.peers[d] + a.staging_offset;
       const int lo = d * a.experts_per_rank, hi = lo + a.experts_per_rank;
       const int64_t row0 = a.send_row_offset[d * a.num_channels + c];
       int begin, end;

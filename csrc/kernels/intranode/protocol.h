@@ -124,7 +124,10 @@ struct DispatchArgs {
 };
 
 // Direct dispatch (dispatch_direct.cu): every block a sender, rows written straight to their final row in the
-// destination's staging region (its NVLink buffer from kRingsOffset on), which the host then copies out.
+// destination's staging region (its NVLink buffer from staging_offset on), which the host then copies out.
+// The staging region must be bytes that no ring kernel writes: a peer's ring sender (a later combine or ring
+// dispatch) may write into this rank's rings while this rank has not yet copied its staging out, because ring
+// slots freed by earlier calls need no new handshake; so the region cannot overlap any ring of any Config.
 // Staging layout in every buffer, for `capacity` rows (the same on every rank): x [capacity, hidden_bytes],
 // then scales [capacity, S] int32, top-k idx [capacity, K] int64, weights [capacity, K] float32, source
 // index [capacity] int32, each array starting at a 16-byte multiple (DirectStaging).
@@ -155,6 +158,7 @@ struct DirectDispatchArgs {
   const bool* is_token_in_rank;    // [T, R]
   const int* recv_channel_offset;  // [R, C + 1] (only [0][0] is read: the refused-call word)
   const int* send_row_offset;      // [R, C]: notify's, or kept in the handle for cached dispatch
+  int64_t staging_offset;          // byte offset of the staging region in every rank's NVLink buffer (16-aligned)
   int64_t capacity;                // staging rows (DirectStaging), the same on every rank
   int num_tokens, hidden_bytes, num_scales, num_topk, experts_per_rank;
   int num_rows;                    // rows of the outputs (num_worst_tokens, or the received count): rows at or
