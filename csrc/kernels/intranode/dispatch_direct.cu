@@ -5,7 +5,7 @@
 // send_row_offset[d][c] + k, which notify computed as (rows that ranks before me send to d) + (my rows to d in
 // channels before c), so the rows sit in the (source rank, token) order of the contract, the order the ring
 // kernel (dispatch.cu) gives. The host then copies staging -> output tensors on the same stream (copy engine).
-// Inside a block, 32 / R warps serve each destination; warp gw of them takes rows gw, gw + 32 / R, ... (TokenScan).
+// Inside a block, 24 / R warps serve each destination; warp gw of them takes rows gw, gw + 24 / R, ... (TokenScan).
 // Rows at or past num_rows (more rows than num_worst_tokens) are dropped, as the ring receiver drops them.
 //
 // Protocol, per call n (n = my Control::direct_calls + 1; every rank makes the same direct calls in the same
@@ -39,7 +39,7 @@
 namespace moe_ep::intranode {
 namespace {
 
-constexpr int kDirectWarps = 32;
+constexpr int kDirectWarps = 24;  // as the ring kernel: 1024 threads would cap ptxas at 64 registers (it spilled)
 constexpr int kDirectThreads = kDirectWarps * 32;
 constexpr int kDirectUnroll = 4;  // 16-byte loads in flight per lane while copying a row
 
