@@ -216,6 +216,51 @@ def raise_disagreement(group, device: torch.device, signatures: Dict[int, Signat
                             f"num_worst_tokens reports at the next dispatch without it)")
 
 
+# The ring signature of a cached call (compiled intranode kernels, docs/intranode.md "Agreement"): the fields of
+# the call's signature that fix a ring's slot layout, packed into one nonzero 64-bit word (bit 63 clear) that
+# each sender stores next to its ring and each receiver compares with its own before it reads a slot. Fields in
+# FIELDS names, (first bit, width); values wider than their width are clamped to its maximum (far past every
+# kernel limit: such calls fail their checks first).
+RING_FIELDS: Tuple[Tuple[str, int, int], ...] = (
+    ("operation", 0, 3), ("x dtype", 3, 5), ("x_scales dtype", 8, 5), ("x_scales columns", 13, 10),
+    ("topk_weights columns", 23, 5), ("hidden", 28, 20), ("config.num_max_nvl_chunked_recv_tokens", 48, 15))
+
+
+def ring_signature_word(operation: str, hidden: int, x_dtype: torch.dtype, scales_dtype: Optional[torch.dtype],
+                        scales_columns: int, topk_weights_columns: int, ring_slots: int) -> int:
+    """The ring signature of a cached call: operation "cached dispatch" (top-k weights columns 0) or "combine"
+    (no scales); ring_slots: the call's config.num_max_nvl_chunked_recv_tokens."""
+    values = (_CODES[operation], dtype_code(x_dtype), dtype_code(scales_dtype), scales_columns, topk_weights_columns,
+              hidden, ring_slots)
+    word = 0
+    for (_, shift, width), v in zip(RING_FIELDS, values):
+        word |= min(int(v), (1 << width) - 1) << shift
+    return word
+
+
+def _ring_fields(word: int) -> Dict[str, int]:
+    return {name: (word >> shift) & ((1 << width) - 1) for name, shift, width in RING_FIELDS}
+
+
+def ring_disagreement(rank: int, records: Sequence[Tuple[int, int, int]]) -> str:
+    """The error text of the ring signatures this rank's receivers found differing: records (source rank, the
+    source's word, this rank's word) of one or more sources."""
+    parts = []
+    for source, sent, expected in records:
+        theirs, mine = _ring_fields(sent), _ring_fields(expected)
+        if theirs["operation"] != mine["operation"]:
+            ops = [OPERATIONS.get(v, f"operation {v}") for v in (mine["operation"], theirs["operation"])]
+            parts.append(f"the ranks are in different calls: {ops[0]} on rank {rank}; {ops[1]} on rank {source}")
+            continue
+        fields = [f"{name} differs: {_show(name, mine[name])} on rank {rank}; {_show(name, theirs[name])} on rank "
+                  f"{source}" for name, _, _ in RING_FIELDS[1:] if theirs[name] != mine[name]]
+        parts.append("; ".join(fields) or f"the ring signatures of ranks {rank} and {source} differ")
+    operation = OPERATIONS.get(_ring_fields(records[0][2])["operation"], "cached call")
+    return (f"{operation}: the ranks' calls do not agree: " + "; ".join(parts) +
+            f" (found by rank {rank}'s receivers in a cached call along a handle, which read no row of a "
+            f"disagreeing rank; raised at this rank's first call after that kernel finished)")
+
+
 def config_values(config) -> Tuple[int, int, int, int, int]:
     """The Config fields a signature carries (the call's effective config)."""
     return (config.num_sms, config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,

@@ -21,6 +21,7 @@ from stub_extension import StubEvent, attach_stub_backend
 from moe_dispatcher import Buffer, Config
 from moe_dispatcher.compiled import LAUNCH_ASYNC, LAUNCH_CURRENT, LAUNCH_SYNC
 from moe_dispatcher.compiled.intranode import combine_slot_bytes, dispatch_slot_bytes
+from moe_dispatcher.signature import SignatureMismatch, ring_signature_word
 
 T, H, E, K = 16, 256, 8, 2
 ROWS = 24  # rows notify "received" (the stub's answer)
@@ -67,7 +68,9 @@ def test_repeated_cached_calls_take_the_fast_path(world):
     channels, offsets = h.backend_state.routing
     _, chunk, slots = w.backend._config(None, combine=False)
     assert w.ext.plans[0] == ("CachedDispatch", (w.backend._timeout_ns, offsets, torch.bfloat16, (T, H), None, channels,
-                                                 chunk, slots, dispatch_slot_bytes(H * 2, 0, 0), None, Buffer.num_sms))
+                                                 chunk, slots, dispatch_slot_bytes(H * 2, 0, 0), None, Buffer.num_sms,
+                                                 ring_signature_word("cached dispatch", H, torch.bfloat16, None, 0, 0,
+                                                                     slots)))
     _, chunk, slots = w.backend._config(None, combine=True)
     assert w.ext.plans[1][1][4:9] == (None, channels, chunk, slots, combine_slot_bytes(H * 2, 0))
     assert w.ext.plans[2][1][4:9] == ((ROWS, K), channels, chunk, slots, combine_slot_bytes(H * 2, K))
@@ -192,7 +195,7 @@ def test_a_call_unlike_the_plan_checks_and_replans(world):
         Buffer.set_num_sms(sms + 2)  # the default config changes with it: checked again
         buf.dispatch(w.x, handle=h)
         assert len(w.ext.plans) == n + 1 and _modes(w, "CachedDispatch")[-2:] == [LAUNCH_CURRENT, LAUNCH_CURRENT]
-        assert w.ext.plans[-1][1][-1] == sms + 2
+        assert w.ext.plans[-1][1][-2] == sms + 2
     finally:
         Buffer.set_num_sms(sms)
 
@@ -289,3 +292,61 @@ def test_fixed_size_dispatch_gives_the_exchanged_counts_on_the_device(world):
     assert counts.data_ptr() == em_layout[padded:].data_ptr()
     assert w.backend.dispatch(w.x, None, w.idx, None, torch.full((1,), T, dtype=torch.int32),
                               torch.ones(T, 1, dtype=torch.bool), torch.zeros(E, dtype=torch.int32), 4, 0)[4] == [0] * E
+
+
+def test_plans_carry_the_ring_signature_of_their_slot_layout(world):
+    """Every cached plan (and the bias combine's launch) gets the ring signature word of its call: the fields that
+    fix its ring's slot layout (issue 16 item 2); calls that lay slots out differently get different words."""
+    w = world
+    buf, h = w.buf, w.handle
+    _, _, slots = w.backend._config(None, combine=False)
+    _, _, cslots = w.backend._config(None, combine=True)
+    scales = torch.ones(T, H // 128, dtype=torch.float32)
+    buf.dispatch(w.x, handle=h)
+    buf.dispatch(w.x[:, :128].contiguous(), handle=h)
+    buf.dispatch(w.x.float(), handle=h)
+    buf.dispatch((w.x.to(torch.float8_e4m3fn), scales), handle=h)
+    buf.combine(w.y, h)
+    buf.combine(w.y, h, topk_weights=w.w)
+    words = [args[-1] for _, args in w.ext.plans]
+    want = [ring_signature_word("cached dispatch", H, torch.bfloat16, None, 0, 0, slots),
+            ring_signature_word("cached dispatch", 128, torch.bfloat16, None, 0, 0, slots),
+            ring_signature_word("cached dispatch", H, torch.float32, None, 0, 0, slots),
+            ring_signature_word("cached dispatch", H, torch.float8_e4m3fn, torch.float32, H // 128, 0, slots),
+            ring_signature_word("combine", H, torch.bfloat16, None, 0, 0, cslots),
+            ring_signature_word("combine", H, torch.bfloat16, None, 0, K, cslots)]
+    assert words == want and len(set(words)) == len(words) and all(0 < v < 1 << 63 for v in words)
+    bias = torch.zeros(T, H, dtype=torch.bfloat16)
+    buf.combine(w.y, h, bias=bias)
+    assert [args[-1] for kind, args in w.ext.launches if kind == "combine"] == [want[4]]
+
+
+def test_a_recorded_ring_mismatch_stops_the_fast_path_and_raises_signature_mismatch(world):
+    """A cached call's receivers recorded a source's differing ring signature (the mailbox's ring_mismatch): the
+    next call takes no plan and raises SignatureMismatch naming the field, both values and both ranks; no abort is
+    posted (every rank exchanging rows with the disagreeing one raises alike); the record is taken, so the call
+    after it runs again, on the fast path."""
+    w = world
+    buf, h = w.buf, w.handle
+    _, _, slots = w.backend._config(None, combine=False)
+    buf.dispatch(w.x, handle=h)
+    launched = len(w.ext.launches)
+    mine = ring_signature_word("cached dispatch", H, torch.bfloat16, None, 0, 0, slots)
+    theirs = ring_signature_word("cached dispatch", 2 * H, torch.bfloat16, None, 0, 0, slots)
+    w.backend._ipc.ring_mismatch = [(1, theirs, mine)]
+    with pytest.raises(SignatureMismatch) as err:
+        buf.dispatch(w.x, handle=h)
+    text = str(err.value)
+    assert "cached dispatch" in text and f"hidden differs: {H} on rank 0; {2 * H} on rank 1" in text, text
+    assert len(w.ext.launches) == launched and not w.backend._ipc.abort_posted
+    buf.dispatch(w.x, handle=h)
+    assert _modes(w, "CachedDispatch")[-1] == LAUNCH_SYNC
+    # Combine: top-k weights on one rank only, another dtype.
+    cmine = ring_signature_word("combine", H, torch.bfloat16, None, 0, 0, slots)
+    ctheirs = ring_signature_word("combine", H, torch.float32, None, 0, K, slots)
+    w.backend._ipc.ring_mismatch = [(1, ctheirs, cmine)]
+    with pytest.raises(SignatureMismatch) as err:
+        buf.combine(w.y, h)
+    text = str(err.value)
+    assert text.startswith("combine: ") and "x dtype differs: bfloat16 on rank 0; float32 on rank 1" in text, text
+    assert f"topk_weights columns differs: 0 on rank 0; {K} on rank 1" in text, text

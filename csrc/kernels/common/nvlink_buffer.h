@@ -45,6 +45,13 @@ struct Control {
   uint64_t head_copy[kMaxChannels][kMaxRanks];   // [c][s]: rows I consumed from my ring (c, s)
   int32_t notify[2][kMaxRanks][kNotifyStride];   // [epoch parity][source]: notify messages, plain stores
                                                  // published by the barrier's release
+  // [c][s]: the ring signature of the cached call (dispatch along a handle, combine) whose rows source s is
+  // sending into my ring (c, s): the 64-bit word moe_dispatcher/signature.py packs (ring_signature_word), which
+  // fixes the ring's slot layout. Written by s's sender warp of row 0 (a plain store over NVLink) before that
+  // row's slot stores, so the tail release that publishes row 0 publishes it too; read by my receiver warps
+  // after their first tail acquire (common/ring_signature.cuh). Never reset: a call that sends no row on a ring
+  // neither writes nor reads it.
+  uint64_t ring_signature[kMaxChannels][kMaxRanks];
   // [p]: peer p raised in a Buffer call (1) or came back (0); written by p's host (runtime/peer_abort.h, a
   // 1-byte copy over NVLink), read by this rank's Watchdog (wait.cuh) when it looks, every ~10 ms of a wait.
   // Last, so that no word above moves (the FIFO words keep their offsets and cache lines). Intranode only: the
@@ -70,6 +77,13 @@ struct Mailbox {
   // Each source rank's problem word in call signature_mismatch: every rank of the group (internode notify
   // records the whole group's, up to kMaxGroupRanks; intranode the domain's).
   int32_t signature_problems[kMaxGroupRanks];
+  // Sticky, set by this rank's receivers when a cached call's sender wrote another ring signature than this
+  // rank's (Control::ring_signature): per source s, the first such pair (the source's word, this rank's word;
+  // 0: none), then ring_mismatch = 1 after a system fence. The host reads ring_mismatch at every call (the
+  // cached plans refuse to launch while it is set) and takes the pairs: SignatureMismatch on this rank.
+  int64_t ring_mismatch_sent[kMaxRanks];
+  int64_t ring_mismatch_expected[kMaxRanks];
+  int32_t ring_mismatch;
 };
 constexpr int32_t kFlagLayoutMismatch = 1;
 constexpr int32_t kFlagSignatureMismatch = 2;  // this call's sources disagree (also recorded in signature_mismatch)
