@@ -45,13 +45,14 @@ struct Control {
   uint64_t head_copy[kMaxChannels][kMaxRanks];   // [c][s]: rows I consumed from my ring (c, s)
   int32_t notify[2][kMaxRanks][kNotifyStride];   // [epoch parity][source]: notify messages, plain stores
                                                  // published by the barrier's release
-  // [c][s]: the ring signature of the cached call (dispatch along a handle, combine) whose rows source s is
-  // sending into my ring (c, s): the 64-bit word moe_dispatcher/signature.py packs (ring_signature_word), which
-  // fixes the ring's slot layout. Written by s's sender warp of row 0 (a plain store over NVLink) before that
-  // row's slot stores, so the tail release that publishes row 0 publishes it too; read by my receiver warps
-  // after their first tail acquire (common/ring_signature.cuh). Never reset: a call that sends no row on a ring
-  // neither writes nor reads it.
-  uint64_t ring_signature[kMaxChannels][kMaxRanks];
+  // [s]: the ring signature of the cached call (dispatch along a handle, combine) whose rows source s is sending
+  // into my rings: the 64-bit word moe_dispatcher/signature.py packs (ring_signature_word), which fixes the
+  // slot layout. Written by s's sender warp of row 0 of each of its rings to me (a plain store over NVLink, the
+  // same value from every channel of one call) before that row's slot stores, so the tail release that
+  // publishes row 0 publishes it too; read by my receiver warps after their first tail acquire of the call
+  // (common/ring_signature.cuh). One word per source, not per ring: it fits the Control block's spare bytes
+  // (kRingsOffset, which moe_dispatcher/config.py repeats, is unchanged).
+  uint64_t ring_signature[kMaxRanks];
   // [p]: peer p raised in a Buffer call (1) or came back (0); written by p's host (runtime/peer_abort.h, a
   // 1-byte copy over NVLink), read by this rank's Watchdog (wait.cuh) when it looks, every ~10 ms of a wait.
   // Last, so that no word above moves (the FIFO words keep their offsets and cache lines). Intranode only: the

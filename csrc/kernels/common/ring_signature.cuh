@@ -6,7 +6,8 @@
 // signature (Args::ring_signature: the word moe_dispatcher/signature.py packs with ring_signature_word; nonzero
 // for cached calls, 0 for a fresh dispatch, whose notify compared the full signatures), and:
 //   sender:   the warp that writes row 0 of a ring in this call first stores the word into
-//             Control::ring_signature[c][me] of the receiver (publish_ring_signature), then the row. Its
+//             Control::ring_signature[me] of the receiver (publish_ring_signature; every channel's sender of
+//             the call stores the same word), then the row. Its
 //             __syncwarp + st.release.cta on the board, the publisher's ld.acquire.cta and st.release.sys of
 //             the tail publish the word with row 0 (rings.cuh): a receiver that acquired a tail past row 0
 //             of the call sees this call's word.
@@ -16,10 +17,10 @@
 //             reads no slot of that ring in this call: dispatch writes zero rows instead, combine leaves the
 //             source out of its sums. It still waits for every row and releases it, so both sides finish the
 //             call and the counters stay in step: the next call starts from agreeing counters.
-// Why the word read is this call's: the sender stores it only after drain_previous (every row of earlier calls
-// on its rings to this receiver consumed; the receiver's warps read the word before they finish a row, and the
-// head release follows every row's finish), and the next call's sender stores it again only after this call's
-// rows were all consumed. A ring that carries no row in a call neither writes nor reads the word: its receiver
+// Why the word read is this call's: every sender block stores it only after drain_previous (every row of earlier
+// calls on all its rings to this receiver, every channel, consumed; the receiver's warps read the word before
+// they finish a row, and each head release follows the finish of the rows it releases), so no store of the
+// next call can overtake a read of this one, and all stores of this call carry the same value. A ring that carries no row in a call neither writes nor reads the word: its receiver
 // reads no slot, so nothing can be misread there (and no disagreement is found on it).
 #pragma once
 
@@ -31,11 +32,11 @@ namespace moe_ep {
 
 // The warp of row 0 of a ring (one lane): the call's word into the receiver's Control (remote, plain store),
 // before the row's slot stores and the board advance that orders both before the tail release.
-__device__ __forceinline__ void publish_ring_signature(nvlink::Control* receiver, int c, int me, uint64_t word) {
-  *reinterpret_cast<volatile uint64_t*>(&receiver->ring_signature[c][me]) = word;
+__device__ __forceinline__ void publish_ring_signature(nvlink::Control* receiver, int me, uint64_t word) {
+  *reinterpret_cast<volatile uint64_t*>(&receiver->ring_signature[me]) = word;
 }
 
-// The mailbox record of a disagreement found on ring (c, source -> me): the first pair per source stays (every
+// The mailbox record of a disagreement found on a ring from `source`: the first pair per source stays (every
 // warp of one call writes the same pair), then the flag the host polls, after a system fence.
 __device__ __forceinline__ void record_ring_mismatch(nvlink::Mailbox* box, int source, uint64_t sent,
                                                      uint64_t expected) {
@@ -48,12 +49,12 @@ __device__ __forceinline__ void record_ring_mismatch(nvlink::Mailbox* box, int s
   v->ring_mismatch = 1;
 }
 
-// A receiver thread, after its first tail acquire of the call on ring (c, source -> me) (its own ld.acquire.sys,
+// A receiver thread, after its first tail acquire of the call on a ring from `source` (its own ld.acquire.sys,
 // or lane 0's followed by a __syncwarp): whether the sender's word differs from `mine`; records a difference
 // when `record` (one thread per warp suffices: all read the same word).
-__device__ __forceinline__ bool ring_disagrees(const nvlink::Control* ctl, nvlink::Mailbox* box, int c, int source,
+__device__ __forceinline__ bool ring_disagrees(const nvlink::Control* ctl, nvlink::Mailbox* box, int source,
                                                uint64_t mine, bool record) {
-  const uint64_t sent = *reinterpret_cast<const volatile uint64_t*>(&ctl->ring_signature[c][source]);
+  const uint64_t sent = *reinterpret_cast<const volatile uint64_t*>(&ctl->ring_signature[source]);
   if (sent == mine) return false;
   if (record) record_ring_mismatch(box, source, sent, mine);
   return true;

@@ -130,7 +130,7 @@ __device__ void send_ring(const CombineArgs& a, int c, int s, int gw, int warps,
     }
     // Row 0 of the call on this ring: the ring signature first, published with the row (ring_signature.cuh),
     // even when the row itself is dropped below.
-    if (k == 0 && lane == 0) publish_ring_signature(reinterpret_cast<Control*>(a.c.peers[s]), c, me, a.ring_signature);
+    if (k == 0 && lane == 0) publish_ring_signature(reinterpret_cast<Control*>(a.c.peers[s]), me, a.ring_signature);
     const int64_t r = row0 + static_cast<int64_t>(k);
     if (r < a.num_x_rows) {  // else dropped by a num_worst_tokens overflow (reported by notify)
       uint8_t* slot = ring_slot(ring, row, a.num_slots, a.slot_bytes);
@@ -224,7 +224,7 @@ __device__ void reduce_tokens(const CombineArgs& a, int c, int warp, int lane, u
     __syncwarp();  // every lane's tail acquire before every lane's slot loads
     // Lane d's first row of ring d: its tail acquire (past row 0 of the call) published the sender's ring
     // signature. Every reduce warp of the block compares it once; the first lanes to differ record it.
-    if (has && verdict == 0) verdict = ring_disagrees(ctl, a.c.mailbox, c, lane, a.ring_signature, true) ? 2 : 1;
+    if (has && verdict == 0) verdict = ring_disagrees(ctl, a.c.mailbox, lane, a.ring_signature, true) ? 2 : 1;
     const uint8_t* mine = has && verdict == 1 ? ring_slot(ring, index, a.num_slots, a.slot_bytes) : nullptr;
     const uint8_t* src[kRanks];  // ascending d = sum order
 #pragma unroll

@@ -165,7 +165,7 @@ __device__ void send_ring(const DispatchArgs& a, int c, int d, int gw, int warps
     }
     // Row 0 of the call on this ring: the ring signature first, published with the row (ring_signature.cuh).
     if (k == 0 && lane == 0 && a.ring_signature != 0) {
-      publish_ring_signature(reinterpret_cast<Control*>(a.c.peers[d]), c, me, a.ring_signature);
+      publish_ring_signature(reinterpret_cast<Control*>(a.c.peers[d]), me, a.ring_signature);
     }
     send_row(a, layout, ring_slot(ring, row, a.num_slots, a.slot_bytes), t, lo, hi, lane);
     board.advance(d, gw, k + warps, lane);
@@ -195,7 +195,7 @@ __device__ void receive_ring(const DispatchArgs& a, int c, int s, int gw, int wa
     }
     // The warp's first row of the call: the tail acquired past it is past row 0, whose release published the
     // sender's ring signature (warp_outcome's __syncwarp orders lane 0's acquire before every lane's load).
-    if (k == gw && a.ring_signature != 0) disagrees = ring_disagrees(ctl, a.c.mailbox, c, s, a.ring_signature, lane == 0);
+    if (k == gw && a.ring_signature != 0) disagrees = ring_disagrees(ctl, a.c.mailbox, s, a.ring_signature, lane == 0);
     const int64_t row = row0 + static_cast<int64_t>(k);
     if (row < a.num_rows) {  // more rows than num_worst_tokens: dropped, reported by notify
       if (disagrees) {
