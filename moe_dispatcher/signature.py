@@ -17,7 +17,7 @@ rank in combine while its peers dispatch) still exchange vectors of one length a
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -65,7 +65,14 @@ PROBLEMS = {
     # Found on the GPU by the layout kernel (get_dispatch_layout) and reported by the next dispatch's notify.
     4: "get_dispatch_layout was given expert ids outside [-1, num_experts) (their slots were dropped)",
     5: "get_dispatch_layout was given a token naming one expert twice (it was counted twice)",
+    # Found on the GPU by the receivers of a cached call (compiled intranode kernels: a source's ring signature
+    # differed) and reported by the next dispatch's notify; ring_disagreement names the fields.
+    6: "a cached dispatch or combine along a handle received rows laid out by another rank's arguments (its "
+       "receivers read none of them)",
 }
+PROBLEM_RING_SIGNATURE = 6
+# Rows of the ring records a rank contributes to the error of problem 6: (source, source's word, own word).
+RING_RECORDS = 8
 
 
 def dtype_code(dtype: Optional[torch.dtype]) -> int:
@@ -195,11 +202,14 @@ def signature_hash(signature: Signature) -> int:
 
 
 def raise_disagreement(group, device: torch.device, signatures: Dict[int, Signature], seq: int,
-                       problems: Sequence[int]) -> None:
+                       problems: Sequence[int], ring_records: Callable[[], Sequence[Tuple[int, int, int]]] = list
+                       ) -> None:
     """Collective, on every rank of `group` alike: a compiled notify found call `seq`'s signatures differing
     (hashes) or a rank's problem word set (`problems`, one per rank, from the mailbox). One all-gather of the
-    full signatures (`signatures`: this rank's by seq; every rank kept the same seqs) names the fields; raises
-    SignatureMismatch."""
+    full signatures (`signatures`: this rank's by seq; every rank kept the same seqs) names the fields; where a
+    rank reported PROBLEM_RING_SIGNATURE, one more all-gather of every rank's ring_records() (source, the
+    source's ring signature, this rank's: what its receivers recorded) names the fields of the cached call.
+    Raises SignatureMismatch."""
     import torch.distributed as dist
 
     mine = signatures.get(seq)
@@ -212,6 +222,16 @@ def raise_disagreement(group, device: torch.device, signatures: Dict[int, Signat
     text = disagreement(table) if mine is not None else ""
     if not text:
         text = "the ranks' calls do not agree (their signature hashes differ)"
+    if PROBLEM_RING_SIGNATURE in problems:  # every rank has the same problems: all gather alike
+        mine_records = torch.zeros(RING_RECORDS, 3, dtype=torch.int64)
+        for i, record in enumerate(list(ring_records())[:RING_RECORDS]):
+            mine_records[i] = torch.tensor(record, dtype=torch.int64)
+        records = torch.empty(dist.get_world_size(group), RING_RECORDS, 3, dtype=torch.int64, device=device)
+        dist.all_gather_into_tensor(records, mine_records.to(device), group=group)
+        for rank, rows in enumerate(records.cpu().tolist()):
+            found = [tuple(r) for r in rows if r[1] != 0]
+            if found:
+                text += f"; {ring_disagreement(rank, found)}"
     raise SignatureMismatch(f"{text} (found by the notify of fresh dispatch {seq} of this Buffer; a call with "
                             f"num_worst_tokens reports at the next dispatch without it)")
 
@@ -257,8 +277,7 @@ def ring_disagreement(rank: int, records: Sequence[Tuple[int, int, int]]) -> str
         parts.append("; ".join(fields) or f"the ring signatures of ranks {rank} and {source} differ")
     operation = OPERATIONS.get(_ring_fields(records[0][2])["operation"], "cached call")
     return (f"{operation}: the ranks' calls do not agree: " + "; ".join(parts) +
-            f" (found by rank {rank}'s receivers in a cached call along a handle, which read no row of a "
-            f"disagreeing rank; raised at this rank's first call after that kernel finished)")
+            f" (found by rank {rank}'s receivers, which read no row of a disagreeing rank)")
 
 
 def config_values(config) -> Tuple[int, int, int, int, int]:

@@ -23,15 +23,14 @@ namespace moe_ep {
 // calling Buffer's, the Buffer checks before it calls.)
 
 // May the backend still launch? Not once the buffer is destroyed or a kernel recorded a timeout or a peer's
-// abort (sticky: the Buffer is unusable from then on), nor while a receiver's record of disagreeing ring
-// signatures (common/ring_signature.cuh) waits to be raised; the plans answer None and the full path raises the
+// abort (sticky: the Buffer is unusable from then on); the plans answer None and the full path raises the
 // reason. (The device writes the mailbox: read it through volatile, as timeout_info does.) A rank that posted
 // an abort at an earlier call clears it here, before it launches (one branch otherwise).
 inline bool usable(const IpcBuffer& b) {
   if (!b.alive()) return false;
   b.clear_abort_if_posted();
   const volatile intranode::Mailbox* box = b.host_mailbox();
-  return box->timeout.status == 0 && box->ring_mismatch == 0;
+  return box->timeout.status == 0;
 }
 
 // What a tensor argument of a plan must look like (and its output's shape): dtype and shape, on the plan's device,

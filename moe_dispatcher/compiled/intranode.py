@@ -20,9 +20,9 @@ host wait (num_worst_tokens calls: at the next synchronised dispatch). Notify re
 alike, so its kernels and those of the calls along its handle move nothing and return padding / zero rows
 (csrc/kernels/common/refused_call.cuh). Cached calls (dispatch along a handle, combine) carry a ring signature
 (signature.ring_signature_word: the fields that fix the slot layout) with the first row of every ring; a
-receiver that finds its source's differing reads none of that source's slots and records the pair, and this
-rank raises SignatureMismatch at its first call after that kernel finished (csrc/kernels/common/
-ring_signature.cuh; every rank that exchanges rows with the disagreeing rank finds it).
+receiver that finds its source's differing reads none of that source's slots and records the pair; the next
+fresh dispatch's notify reports it as this rank's problem word, so every rank refuses that call and raises
+SignatureMismatch alike, the fields named from every rank's records (csrc/kernels/common/ring_signature.cuh).
 A spin-wait that exceeds MOE_DISPATCHER_TIMEOUT_S seconds (default 10) in a kernel records the phase, the waiting
 rank and the peer; the next call (or the notify wait) raises RuntimeError naming them. A rank that raises in a
 Buffer call writes its abort byte on every peer (post_abort), and a peer's kernel waiting for it gives up after
@@ -43,8 +43,7 @@ from ..reference.board import PeerError
 from ..config import Config, align_slot
 from ..expert_major import ExpertMajorHandle, compose_expert_major_dispatch, gather_rows, unpermute
 from ..handle import DispatchHandle
-from ..signature import (Signature, SignatureMismatch, dispatch_signature, raise_disagreement, ring_disagreement,
-                         ring_signature_word, signature_hash)
+from ..signature import Signature, dispatch_signature, raise_disagreement, ring_signature_word, signature_hash
 from . import (STATUS_PEER_ABORTED, TIMEOUT_ENV, HandleState, buffer_view, combine_tensors, kernel_timeout_s,
                posted_by_peer, recv_tensors, run_cached, timeout_message, wait_counts)
 
@@ -159,9 +158,6 @@ class IntranodeBackend(Backend):
         info = self._ipc.timeout_info()
         if info is not None:
             self._fail(info)
-        records = self._ipc.take_ring_mismatch()
-        if records:  # a cached call's receivers found a source's ring signature differing (module docstring)
-            raise SignatureMismatch(ring_disagreement(self.rank, records))
 
     def _fail(self, info) -> None:
         self._broken = timeout_message(self.name, info, self.timeout_s, TIMEOUT_ENV, self._board)
@@ -303,7 +299,8 @@ class IntranodeBackend(Backend):
         a disagreement since the last report."""
         mismatch = self._ipc.take_signature_mismatch(self.num_ranks)
         if mismatch is not None:
-            raise_disagreement(self.group, self.device, self._signatures, *mismatch)
+            raise_disagreement(self.group, self.device, self._signatures, *mismatch,
+                               ring_records=lambda: self._ipc.take_ring_mismatch() or [])
 
     # ------------------------------------------------------------------ cached calls
     def cached_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], handle: DispatchHandle,

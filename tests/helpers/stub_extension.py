@@ -47,6 +47,7 @@ def stub_intranode(rows: int) -> types.SimpleNamespace:
             self.alive = True
             self.timeout: Optional[tuple] = None  # what timeout_info() reports (a test sets it)
             self.ring_mismatch: Optional[list] = None  # what take_ring_mismatch() reports (a test sets it)
+            self.signature_mismatch: Optional[tuple] = None  # what take_signature_mismatch() reports (a test sets it)
             # The peer abort as the native IpcBuffer keeps it: whether this rank's abort bytes are posted on its
             # peers, and every write in order (1: post_abort, 0: cleared at the next launch).
             self.abort_posted = False
@@ -78,7 +79,9 @@ def stub_intranode(rows: int) -> types.SimpleNamespace:
             return None
 
         def take_signature_mismatch(self, num_ranks):
-            return None
+            # What the native notify recorded (a test sets signature_mismatch: (seq, problems)); cleared once taken.
+            mismatch, self.signature_mismatch = self.signature_mismatch, None
+            return mismatch
 
         def take_ring_mismatch(self):
             # What the native IpcBuffer's receivers recorded (a test sets ring_mismatch); cleared once taken.
@@ -138,7 +141,7 @@ def stub_intranode(rows: int) -> types.SimpleNamespace:
         def run(self, handle, x, aux, config, num_sms, mode):
             if not self.matches(handle, x, aux, config, num_sms):
                 return None
-            if not self.buffer.alive or self.buffer.timeout is not None or self.buffer.ring_mismatch:
+            if not self.buffer.alive or self.buffer.timeout is not None:
                 return None  # refused, as the native plans do
             self.buffer.clear_abort_if_posted()  # usable(): a rank that posted an abort clears it before launching
             out = torch.empty(self.out[1:], dtype=self.out[0])

@@ -2,10 +2,11 @@
 (along a handle) and a combine run no notify, so each carries a ring signature (the fields that fix a ring's
 slot layout) with the first row of every ring (csrc/kernels/common/ring_signature.cuh). A receiver that finds
 its source's signature differing reads none of that source's slots (dispatch: zero rows; combine: the source
-is left out of the sums), still consumes its rows so that both sides finish, and records the pair; the rank
-raises SignatureMismatch naming the field, both values and both ranks at its first call after the kernel
-finished. Routing sends token 0 of every rank to every rank, so every rank exchanges rows with the odd one and
-every rank raises. Afterwards the Buffer is usable: a fresh round and cached calls give exact results.
+is left out of the sums), still consumes its rows so that both sides finish, and records the pair. The next
+fresh dispatch's notify carries the finding as the rank's problem word, so every rank refuses that call and
+raises SignatureMismatch at its host wait, naming the field, both values and both ranks (from every rank's
+recorded pairs). Routing sends token 0 of every rank to every rank, so every rank finds the odd one (and it
+finds every other). Afterwards the Buffer is usable: cached calls and a fresh round give exact results.
 
 Before the ring signature, each case below passed without an error (rows read with another rank's slot layout).
 The agreeing run makes 500 cached dispatch / combine pairs whose layout changes per call alike on every rank
@@ -49,15 +50,18 @@ def _world(rank: int, num_ranks: int) -> list[str]:
     scales = torch.ones(T, 4, device="cuda")
     x8 = x.to(torch.float8_e4m3fn)
 
+    def fresh_dispatch():
+        lay = buf.get_dispatch_layout(idx, L * num_ranks)
+        return buf.dispatch(x, num_tokens_per_rank=lay[0], is_token_in_rank=lay[3], num_tokens_per_expert=lay[2],
+                            topk_idx=idx)
+
     def agreeing_round() -> None:
         """Cached dispatch and combine along the handle, and a fresh round: exact results."""
         got = buf.dispatch(x, handle=handle)[0]
         assert torch.equal(got, recv_x), "cached dispatch after the case gave other rows"
         out, _, _ = buf.combine(got, handle)
         assert torch.equal(out, x * copies), "combine after the case gave wrong sums"
-        lay = buf.get_dispatch_layout(idx, L * num_ranks)
-        fresh, _, _, _, h2, _ = buf.dispatch(x, num_tokens_per_rank=lay[0], is_token_in_rank=lay[3],
-                                             num_tokens_per_expert=lay[2], topk_idx=idx)
+        fresh, _, _, _, h2, _ = fresh_dispatch()
         assert torch.equal(buf.combine(fresh, h2)[0], x * copies), "the fresh round after the case gave wrong sums"
 
     cases = [
@@ -78,11 +82,13 @@ def _world(rank: int, num_ranks: int) -> list[str]:
     seen = []
     for label, call, pattern in cases:
         with case(label):
-            call()  # moves rows, raises nothing yet: the receivers record the disagreement
-            torch.cuda.synchronize()
+            call()  # moves rows, raises nothing: the receivers record the disagreement
+            buf.dispatch(x, handle=handle)  # cached calls go on (no rank raises alone)
             with pytest.raises(SignatureMismatch, match=pattern) as info:
-                buf.dispatch(x, handle=handle)  # this rank's first call after the kernel finished
-            assert f"rank {num_ranks - 1}" in str(info.value), str(info.value)
+                fresh_dispatch()  # its notify reports the finding on every rank
+            text = str(info.value)
+            assert f"on rank {num_ranks - 1}, a cached dispatch or combine" in text, text
+            assert f"on rank {rank}, a cached dispatch or combine" in text, text
             seen.append(f"{label}: {info.value}")
             agreeing_round()
     with case(f"{AGREEING_CALLS} agreeing cached calls whose layout changes per call alike on every rank"):
@@ -110,7 +116,7 @@ def _world(rank: int, num_ranks: int) -> list[str]:
                     assert w is not None and w.shape == (T, K)
         torch.cuda.synchronize()
         assert buf._kernels._ipc.take_ring_mismatch() is None, "an agreeing run recorded a disagreement"
-        agreeing_round()
+        agreeing_round()  # its fresh dispatch would raise if a receiver had flagged one
     buf.destroy()
     return seen
 

@@ -321,32 +321,33 @@ def test_plans_carry_the_ring_signature_of_their_slot_layout(world):
     assert [args[-1] for kind, args in w.ext.launches if kind == "combine"] == [want[4]]
 
 
-def test_a_recorded_ring_mismatch_stops_the_fast_path_and_raises_signature_mismatch(world):
-    """A cached call's receivers recorded a source's differing ring signature (the mailbox's ring_mismatch): the
-    next call takes no plan and raises SignatureMismatch naming the field, both values and both ranks; no abort is
-    posted (every rank exchanging rows with the disagreeing one raises alike); the record is taken, so the call
-    after it runs again, on the fast path."""
+def test_a_recorded_ring_mismatch_is_raised_by_the_next_dispatch_naming_the_fields(world, monkeypatch):
+    """A cached call's receivers recorded a source's differing ring signature (the mailbox pairs) and the next
+    fresh dispatch's notify reported problem 6 on this rank (Control::ring_mismatch_seen): cached calls meanwhile
+    keep the fast path (no rank raises alone, so no peer waits for it); the fresh dispatch raises SignatureMismatch
+    at its host wait naming the problem's rank and, from the gathered pairs, the field with both values and both
+    ranks; the pairs are taken, and no abort is posted."""
     w = world
-    buf, h = w.buf, w.handle
-    _, _, slots = w.backend._config(None, combine=False)
-    buf.dispatch(w.x, handle=h)
-    launched = len(w.ext.launches)
+    buf, h, b = w.buf, w.handle, w.backend
+    _, _, slots = b._config(None, combine=False)
     mine = ring_signature_word("cached dispatch", H, torch.bfloat16, None, 0, 0, slots)
     theirs = ring_signature_word("cached dispatch", 2 * H, torch.bfloat16, None, 0, 0, slots)
-    w.backend._ipc.ring_mismatch = [(1, theirs, mine)]
-    with pytest.raises(SignatureMismatch) as err:
-        buf.dispatch(w.x, handle=h)
-    text = str(err.value)
-    assert "cached dispatch" in text and f"hidden differs: {H} on rank 0; {2 * H} on rank 1" in text, text
-    assert len(w.ext.launches) == launched and not w.backend._ipc.abort_posted
-    buf.dispatch(w.x, handle=h)
-    assert _modes(w, "CachedDispatch")[-1] == LAUNCH_SYNC
-    # Combine: top-k weights on one rank only, another dtype.
     cmine = ring_signature_word("combine", H, torch.bfloat16, None, 0, 0, slots)
     ctheirs = ring_signature_word("combine", H, torch.float32, None, 0, K, slots)
-    w.backend._ipc.ring_mismatch = [(1, ctheirs, cmine)]
+    b._ipc.ring_mismatch = [(1, theirs, mine), (2, ctheirs, cmine)]
+    buf.dispatch(w.x, handle=h)
+    buf.dispatch(w.x, handle=h)
+    assert _modes(w, "CachedDispatch")[-1] == LAUNCH_SYNC
+    b._ipc.signature_mismatch = (b._seq + 1, [6])  # what the notify of the next fresh dispatch records
+    b.device = torch.device("cpu")  # the gloo world gathers the signatures and pairs on the CPU
+    # (gloo's all-gather takes no stacked output as NCCL's does: one rank's gather is a copy)
+    monkeypatch.setattr(dist, "all_gather_into_tensor", lambda out, inp, group=None: out.copy_(inp.view(out.shape)))
     with pytest.raises(SignatureMismatch) as err:
-        buf.combine(w.y, h)
+        b.dispatch(w.x, None, w.idx, None, torch.full((1,), T, dtype=torch.int32), torch.ones(T, 1, dtype=torch.bool),
+                   torch.zeros(E, dtype=torch.int32), 1, 0)
     text = str(err.value)
-    assert text.startswith("combine: ") and "x dtype differs: bfloat16 on rank 0; float32 on rank 1" in text, text
-    assert f"topk_weights columns differs: 0 on rank 0; {K} on rank 1" in text, text
+    assert "on rank 0, a cached dispatch or combine along a handle received rows laid out by another" in text, text
+    assert f"cached dispatch: the ranks' calls do not agree: hidden differs: {H} on rank 0; {2 * H} on rank 1" in text
+    assert "x dtype differs: bfloat16 on rank 0; float32 on rank 2" in text, text
+    assert f"topk_weights columns differs: 0 on rank 0; {K} on rank 2" in text, text
+    assert b._ipc.ring_mismatch is None and not b._ipc.abort_posted

@@ -17,6 +17,10 @@
 //             reads no slot of that ring in this call: dispatch writes zero rows instead, combine leaves the
 //             source out of its sums. It still waits for every row and releases it, so both sides finish the
 //             call and the counters stay in step: the next call starts from agreeing counters.
+//   report:   Control::ring_mismatch_seen makes this rank's next notify send kProblemRingSignature, so every
+//             rank refuses that fresh dispatch and raises SignatureMismatch alike at its host wait (or, for a
+//             call that does not wait, at the next synchronised dispatch); the host names the fields from the
+//             mailbox pairs of every rank (one all-gather). No rank raises alone, so no peer waits for it.
 // Why the word read is this call's: every sender block stores it only after drain_previous (every row of earlier
 // calls on all its rings to this receiver, every channel, consumed; the receiver's warps read the word before
 // they finish a row, and each head release follows the finish of the rows it releases), so no store of the
@@ -36,10 +40,11 @@ __device__ __forceinline__ void publish_ring_signature(nvlink::Control* receiver
   *reinterpret_cast<volatile uint64_t*>(&receiver->ring_signature[me]) = word;
 }
 
-// The mailbox record of a disagreement found on a ring from `source`: the first pair per source stays (every
-// warp of one call writes the same pair), then the flag the host polls, after a system fence.
-__device__ __forceinline__ void record_ring_mismatch(nvlink::Mailbox* box, int source, uint64_t sent,
-                                                     uint64_t expected) {
+// The record of a disagreement found on a ring from `source`: in the mailbox, the first pair per source stays
+// (every warp of one call writes the same pair), then the flag, after a system fence (the host reads the pairs
+// after a notify wait, which follows this kernel); in this rank's Control, the word its next notify reads.
+__device__ __forceinline__ void record_ring_mismatch(nvlink::Control* ctl, nvlink::Mailbox* box, int source,
+                                                     uint64_t sent, uint64_t expected) {
   volatile nvlink::Mailbox* v = box;
   if (v->ring_mismatch_sent[source] == 0) {
     v->ring_mismatch_expected[source] = static_cast<int64_t>(expected);
@@ -47,16 +52,17 @@ __device__ __forceinline__ void record_ring_mismatch(nvlink::Mailbox* box, int s
   }
   __threadfence_system();
   v->ring_mismatch = 1;
+  *reinterpret_cast<volatile int32_t*>(&ctl->ring_mismatch_seen) = 1;
 }
 
 // A receiver thread, after its first tail acquire of the call on a ring from `source` (its own ld.acquire.sys,
 // or lane 0's followed by a __syncwarp): whether the sender's word differs from `mine`; records a difference
 // when `record` (one thread per warp suffices: all read the same word).
-__device__ __forceinline__ bool ring_disagrees(const nvlink::Control* ctl, nvlink::Mailbox* box, int source,
+__device__ __forceinline__ bool ring_disagrees(nvlink::Control* ctl, nvlink::Mailbox* box, int source,
                                                uint64_t mine, bool record) {
   const uint64_t sent = *reinterpret_cast<const volatile uint64_t*>(&ctl->ring_signature[source]);
   if (sent == mine) return false;
-  if (record) record_ring_mismatch(box, source, sent, mine);
+  if (record) record_ring_mismatch(ctl, box, source, sent, mine);
   return true;
 }
 

@@ -31,6 +31,7 @@ using nvlink::kNotifySignatureHash;
 using nvlink::kNotifySignatureProblem;
 using nvlink::kProblemIdOutOfRange;
 using nvlink::kProblemIdRepeated;
+using nvlink::kProblemRingSignature;
 using nvlink::kRefusedCall;
 using nvlink::kNotifyStride;
 using nvlink::kRingsOffset;
