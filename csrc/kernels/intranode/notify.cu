@@ -56,8 +56,9 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a)
       }
     }
     // Set by this rank's receivers of earlier cached calls (common/ring_signature.cuh), ordered before this
-    // kernel by the CommStream's events; read and cleared in one atomic like the bad ids.
-    if (atomicExch(&reinterpret_cast<Control*>(a.c.peers[a.c.rank])->ring_mismatch_seen, 0) != 0 && problem == 0) {
+    // kernel by the CommStream's events; read and cleared in one atomic like the bad ids, but only when no other
+    // problem takes the word (else the next notify reports it).
+    if (problem == 0 && atomicExch(&ctl->ring_mismatch_seen, 0) != 0) {
       problem = kProblemRingSignature;
     }
   }
