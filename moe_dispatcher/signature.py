@@ -209,7 +209,9 @@ def raise_disagreement(group, device: torch.device, signatures: Dict[int, Signat
     full signatures (`signatures`: this rank's by seq; every rank kept the same seqs) names the fields; where a
     rank reported PROBLEM_RING_SIGNATURE, one more all-gather of every rank's ring_records() (source, the
     source's ring signature, this rank's: what its receivers recorded) names the fields of the cached call.
-    Raises SignatureMismatch."""
+    ring_records() takes (clears) the records, so only a rank whose own word was PROBLEM_RING_SIGNATURE calls
+    it: a rank that sent another problem kept its ring flag on the device, and its next notify reports that
+    with these records. Raises SignatureMismatch."""
     import torch.distributed as dist
 
     mine = signatures.get(seq)
@@ -224,7 +226,8 @@ def raise_disagreement(group, device: torch.device, signatures: Dict[int, Signat
         text = "the ranks' calls do not agree (their signature hashes differ)"
     if PROBLEM_RING_SIGNATURE in problems:  # every rank has the same problems: all gather alike
         mine_records = torch.zeros(RING_RECORDS, 3, dtype=torch.int64)
-        for i, record in enumerate(list(ring_records())[:RING_RECORDS]):
+        taken = ring_records() if problems[dist.get_rank(group)] == PROBLEM_RING_SIGNATURE else ()
+        for i, record in enumerate(list(taken)[:RING_RECORDS]):
             mine_records[i] = torch.tensor(record, dtype=torch.int64)
         records = torch.empty(dist.get_world_size(group), RING_RECORDS, 3, dtype=torch.int64, device=device)
         dist.all_gather_into_tensor(records, mine_records.to(device), group=group)

@@ -21,7 +21,7 @@ from stub_extension import StubEvent, attach_stub_backend
 from moe_dispatcher import Buffer, Config
 from moe_dispatcher.compiled import LAUNCH_ASYNC, LAUNCH_CURRENT, LAUNCH_SYNC
 from moe_dispatcher.compiled.intranode import combine_slot_bytes, dispatch_slot_bytes
-from moe_dispatcher.signature import SignatureMismatch, ring_signature_word
+from moe_dispatcher.signature import SignatureMismatch, raise_disagreement, ring_signature_word
 
 T, H, E, K = 16, 256, 8, 2
 ROWS = 24  # rows notify "received" (the stub's answer)
@@ -351,3 +351,26 @@ def test_a_recorded_ring_mismatch_is_raised_by_the_next_dispatch_naming_the_fiel
     assert "x dtype differs: bfloat16 on rank 0; float32 on rank 2" in text, text
     assert f"topk_weights columns differs: 0 on rank 0; {K} on rank 2" in text, text
     assert b._ipc.ring_mismatch is None and not b._ipc.abort_posted
+
+
+def test_only_a_rank_whose_word_reported_the_ring_problem_takes_its_records(monkeypatch):
+    """The records are taken (cleared) when they are reported; a rank whose own problem word was another problem
+    (its notify left Control::ring_mismatch_seen set, so its next notify reports problem 6) must keep them for that
+    report, else it would come without the fields. Two ranks, seen from rank 0 (the gathers copy its rows)."""
+    mine = ring_signature_word("cached dispatch", H, torch.bfloat16, None, 0, 0, 64)
+    theirs = ring_signature_word("cached dispatch", 2 * H, torch.bfloat16, None, 0, 0, 64)
+    calls = []
+
+    def records():
+        calls.append(1)
+        return [(1, theirs, mine)]
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "all_gather_into_tensor", lambda out, inp, group=None: out.copy_(inp.expand_as(out)))
+    with pytest.raises(SignatureMismatch) as err:  # rank 0 sent problem 4 (bad ids), rank 1 problem 6
+        raise_disagreement(None, torch.device("cpu"), {}, 7, [4, 6], records)
+    assert calls == [] and "hidden differs" not in str(err.value), str(err.value)
+    with pytest.raises(SignatureMismatch) as err:  # its next notify: problem 6 on rank 0
+        raise_disagreement(None, torch.device("cpu"), {}, 8, [6, 0], records)
+    assert calls == [1] and f"hidden differs: {H} on rank 0; {2 * H} on rank 1" in str(err.value), str(err.value)
