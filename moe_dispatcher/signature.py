@@ -242,8 +242,8 @@ def raise_disagreement(group, device: torch.device, signatures: Dict[int, Signat
 # The ring signature of a cached call (compiled intranode kernels, docs/intranode.md "Agreement"): the fields of
 # the call's signature that fix a ring's slot layout, packed into one nonzero 64-bit word (bit 63 clear) that
 # each sender stores next to its ring and each receiver compares with its own before it reads a slot. Fields in
-# FIELDS names, (first bit, width); values wider than their width are clamped to its maximum (far past every
-# kernel limit: such calls fail their checks first).
+# FIELDS names, (first bit, width); a dtype outside DTYPES is coded by its element size (_ring_dtype), and numbers
+# wider than their width are clamped to its maximum (far past every kernel limit: such calls fail their checks first).
 RING_FIELDS: Tuple[Tuple[str, int, int], ...] = (
     ("operation", 0, 3), ("x dtype", 3, 5), ("x_scales dtype", 8, 5), ("x_scales columns", 13, 10),
     ("topk_weights columns", 23, 5), ("hidden", 28, 20), ("config.num_max_nvl_chunked_recv_tokens", 48, 15))
@@ -253,12 +253,30 @@ def ring_signature_word(operation: str, hidden: int, x_dtype: torch.dtype, scale
                         scales_columns: int, topk_weights_columns: int, ring_slots: int) -> int:
     """The ring signature of a cached call: operation "cached dispatch" (top-k weights columns 0) or "combine"
     (no scales); ring_slots: the call's config.num_max_nvl_chunked_recv_tokens."""
-    values = (_CODES[operation], dtype_code(x_dtype), dtype_code(scales_dtype), scales_columns, topk_weights_columns,
-              hidden, ring_slots)
+    values = (_CODES[operation], _ring_dtype(x_dtype), _ring_dtype(scales_dtype), scales_columns,
+              topk_weights_columns, hidden, ring_slots)
     word = 0
     for (_, shift, width), v in zip(RING_FIELDS, values):
         word |= min(int(v), (1 << width) - 1) << shift
     return word
+
+
+# A dtype outside DTYPES in a ring signature's 5-bit field: this base plus log2 of its element bytes (its DTYPES
+# code would be clamped, and two such dtypes of other sizes would lay rows out alike in the word).
+_RING_OTHER_DTYPE = 24
+
+
+def _ring_dtype(dtype: Optional[torch.dtype]) -> int:
+    """A dtype's code in a ring signature: its DTYPES code, else _RING_OTHER_DTYPE + log2(element bytes)."""
+    code = dtype_code(dtype)
+    return code if code < len(DTYPES) else _RING_OTHER_DTYPE + dtype.itemsize.bit_length() - 1
+
+
+def _show_ring(field: str, code: int) -> str:
+    """How a ring signature field's value reads in messages."""
+    if field in _NAMED and code >= _RING_OTHER_DTYPE:
+        return f"a {1 << (code - _RING_OTHER_DTYPE)}-byte dtype"
+    return _show(field, code)
 
 
 def _ring_fields(word: int) -> Dict[str, int]:
@@ -275,8 +293,8 @@ def ring_disagreement(rank: int, records: Sequence[Tuple[int, int, int]]) -> str
             ops = [OPERATIONS.get(v, f"operation {v}") for v in (mine["operation"], theirs["operation"])]
             parts.append(f"the ranks are in different calls: {ops[0]} on rank {rank}; {ops[1]} on rank {source}")
             continue
-        fields = [f"{name} differs: {_show(name, mine[name])} on rank {rank}; {_show(name, theirs[name])} on rank "
-                  f"{source}" for name, _, _ in RING_FIELDS[1:] if theirs[name] != mine[name]]
+        fields = [f"{name} differs: {_show_ring(name, mine[name])} on rank {rank}; {_show_ring(name, theirs[name])} "
+                  f"on rank {source}" for name, _, _ in RING_FIELDS[1:] if theirs[name] != mine[name]]
         parts.append("; ".join(fields) or f"the ring signatures of ranks {rank} and {source} differ")
     operation = OPERATIONS.get(_ring_fields(records[0][2])["operation"], "cached call")
     return (f"{operation}: the ranks' calls do not agree: " + "; ".join(parts) +

@@ -21,7 +21,7 @@ from stub_extension import StubEvent, attach_stub_backend
 from moe_dispatcher import Buffer, Config
 from moe_dispatcher.compiled import LAUNCH_ASYNC, LAUNCH_CURRENT, LAUNCH_SYNC
 from moe_dispatcher.compiled.intranode import combine_slot_bytes, dispatch_slot_bytes
-from moe_dispatcher.signature import SignatureMismatch, raise_disagreement, ring_signature_word
+from moe_dispatcher.signature import SignatureMismatch, raise_disagreement, ring_disagreement, ring_signature_word
 
 T, H, E, K = 16, 256, 8, 2
 ROWS = 24  # rows notify "received" (the stub's answer)
@@ -374,3 +374,14 @@ def test_only_a_rank_whose_word_reported_the_ring_problem_takes_its_records(monk
     with pytest.raises(SignatureMismatch) as err:  # its next notify: problem 6 on rank 0
         raise_disagreement(None, torch.device("cpu"), {}, 8, [6, 0], records)
     assert calls == [1] and f"hidden differs: {H} on rank 0; {2 * H} on rank 1" in str(err.value), str(err.value)
+
+
+def test_ring_signatures_tell_dtypes_outside_the_table_apart_by_size():
+    """x of two dtypes outside signature.DTYPES with other element sizes (uint8 and int16 rows of one hidden) lay
+    out their slots differently: their ring signatures differ (their codes no longer clamp to one value), and the
+    error names each by its size; dtypes of one size lay rows out alike."""
+    word = lambda dtype: ring_signature_word("cached dispatch", H, dtype, None, 0, 0, 64)
+    assert word(torch.uint8) != word(torch.int16) and word(torch.int16) != word(torch.bfloat16)
+    assert word(torch.uint8) == word(torch.float8_e5m2) != word(torch.float8_e4m3fn)
+    text = ring_disagreement(0, [(1, word(torch.int16), word(torch.uint8))])
+    assert "x dtype differs: a 1-byte dtype on rank 0; a 2-byte dtype on rank 1" in text, text
