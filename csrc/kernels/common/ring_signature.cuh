@@ -21,10 +21,16 @@
 //             rank refuses that fresh dispatch and raises SignatureMismatch alike at its host wait (or, for a
 //             call that does not wait, at the next synchronised dispatch); the host names the fields from the
 //             mailbox pairs of every rank (one all-gather). No rank raises alone, so no peer waits for it.
-// Why the word read is this call's: every sender block stores it only after drain_previous (every row of earlier
-// calls on all its rings to this receiver, every channel, consumed; the receiver's warps read the word before
-// they finish a row, and each head release follows the finish of the rows it releases), so no store of the
-// next call can overtake a read of this one, and all stores of this call carry the same value. A ring that carries no row in a call neither writes nor reads the word: its receiver
+// Why the word read is this call's: every sender block stores it only after drain_previous, which waits until
+// the receiver's head passed the final tail (tail_copy; the previous call's kernels on this rank have ended, as
+// drain_previous assumes anyway) of every channel's ring to that receiver. So (a) each store of an earlier call
+// happens before it (that store preceded its ring's tail release, the receiver acquired that tail before it
+// released the head the drain acquires), and, the stores being morally strong (volatile: relaxed, system scope),
+// precedes it in coherence order; (b) each read of an earlier call happens before it (the receiver's warps read
+// the word before they finish a row, and every head release follows the finish of the rows it releases), so it
+// cannot see it. A receiver that acquired a tail past row 0 of its call therefore reads a store of this call
+// (coherence-after every earlier one), and every store of one call carries the same value, whichever channel
+// made it and when. A ring that carries no row in a call neither writes nor reads the word: its receiver
 // reads no slot, so nothing can be misread there (and no disagreement is found on it).
 #pragma once
 
