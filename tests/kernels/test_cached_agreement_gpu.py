@@ -8,11 +8,15 @@ raises SignatureMismatch at its host wait, naming the field, both values and bot
 recorded pairs). Routing sends token 0 of every rank to every rank, so every rank finds the odd one (and it
 finds every other). Afterwards the Buffer is usable: cached calls and a fresh round give exact results.
 
-Before the ring signature, each case below passed without an error (rows read with another rank's slot layout).
+Before the ring signature, each case below passed without an error (rows read with another rank's slot layout),
+ring slots on one rank (num_max_nvl_chunked_recv_tokens, the config field a caller most easily sets per rank)
+included; none can hang (row counts agree), and a hang would end in the kernels' 30 s timeout.
 The agreeing run makes 500 cached dispatch / combine pairs whose layout changes per call alike on every rank
 (hidden, FP8, top-k weights), so a stale signature of the previous call would be caught; nothing is recorded.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -49,6 +53,11 @@ def _world(rank: int, num_ranks: int) -> list[str]:
     recv_w = torch.rand(rows, K, device="cuda")
     scales = torch.ones(T, 4, device="cuda")
     x8 = x.to(torch.float8_e4m3fn)
+    # The default dispatch config with half its ring slots (rows sit at other slots: read with the default's, they
+    # would be other rows).
+    default = type(buf).get_dispatch_config(num_ranks)
+    fewer_slots = dataclasses.replace(default,
+                                      num_max_nvl_chunked_recv_tokens=default.num_max_nvl_chunked_recv_tokens // 2)
 
     def fresh_dispatch():
         lay = buf.get_dispatch_layout(idx, L * num_ranks)
@@ -71,6 +80,9 @@ def _world(rank: int, num_ranks: int) -> list[str]:
          r"cached dispatch: .*x dtype differs: .*x_scales dtype differs"),
         ("cached dispatch: dtype of other row bytes", lambda: buf.dispatch(x.bfloat16() if odd else x, handle=handle),
          r"cached dispatch: .*x dtype differs: (float32|bfloat16) on rank \d; (bfloat16|float32) on rank \d"),
+        ("cached dispatch: ring slots on one rank",
+         lambda: buf.dispatch(x, handle=handle, config=fewer_slots if odd else None),
+         r"cached dispatch: .*config\.num_max_nvl_chunked_recv_tokens differs: \d+ on rank \d; \d+ on rank \d"),
         ("combine: hidden on one rank", lambda: buf.combine(recv_x.repeat(1, 2) if odd else recv_x, handle),
          r"combine: .*hidden differs: (256|512) on rank \d; (512|256) on rank \d"),
         ("combine: topk_weights on one rank", lambda: buf.combine(recv_x, handle, topk_weights=recv_w if odd else None),
