@@ -90,11 +90,16 @@ def run(config: str, overrides: list[str], names: list[str], nproc: int | None,
                 continue
             with open(log, encoding="utf-8") as f:
                 results[name] = json.load(f)
+            _write(log_json, results, skipped, failed)  # after each run: a call cut short keeps the runs done
     print(report(results, skipped, failed), flush=True)
+    _write(log_json, results, skipped, failed)
+    return not failed
+
+
+def _write(log_json: str | None, results: dict, skipped: dict, failed: list) -> None:
     if log_json:
         with open(log_json, "w", encoding="utf-8") as f:
             json.dump({"results": results, "skipped": skipped, "failed": failed}, f, indent=1)
-    return not failed
 
 
 def report(results: dict[str, dict[str, Any]], skipped: dict[str, str], failed: list[str]) -> str:
@@ -115,12 +120,15 @@ def report(results: dict[str, dict[str, Any]], skipped: dict[str, str], failed: 
     if profiled:
         first = next(iter(profiled.values()))
         lines += ["", (f"step breakdown, {first.get('breakdown_unit')} on rank 0 over {first.get('profiled_steps')} "
-                       "profiled steps (concurrent streams add up; step_profile.py)"),
-                  f"{'dispatcher':<18}" + "".join(f"{p:>10}" for p in PARTS) + f"{'sum':>10}{'wall':>10}"]
+                       "profiled steps (concurrent streams add up; step_profile.py); GPU busy: the share of the "
+                       "profiled steps' wall time in which the GPU ran anything"),
+                  f"{'dispatcher':<18}" + "".join(f"{p:>10}" for p in PARTS) + f"{'sum':>10}{'wall':>10}{'GPU busy':>10}"]
         for name, r in profiled.items():
             b = r["breakdown_ms"]
+            busy = (r.get("gpu_busy") or {}).get("busy_fraction")
             lines.append(f"{name:<18}" + "".join(f"{b.get(p, 0):>10.2f}" for p in PARTS)
-                         + f"{sum(b.values()):>10.2f}{r.get('step_ms') or 0:>10.1f}")
+                         + f"{sum(b.values()):>10.2f}{r.get('step_ms') or 0:>10.1f}"
+                         + (f"{100 * busy:>9.0f}%" if busy is not None else f"{'-':>10}"))
     if results:
         names = list(results)
         steps = max(len(r["losses"]) for r in results.values())

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from collections import defaultdict
 
 import torch
@@ -115,7 +116,7 @@ class StepProfile:
             for method, part in _DISPATCHER_PARTS.items():
                 setattr(dispatcher, method, _wrap(getattr(dispatcher, method), part))
         self.profiler: torch.profiler.profile | None = None
-        self.num_steps = 0
+        self.num_steps, self.wall_s = 0, 0.0
 
     @contextlib.contextmanager
     def steps(self, num_steps: int):
@@ -125,25 +126,64 @@ class StepProfile:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         self.num_steps = num_steps
         with torch.profiler.profile(activities=activities) as prof:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            start = time.perf_counter()
             yield
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
+            self.wall_s = time.perf_counter() - start
         self.profiler = prof
+
+    def _charged(self):
+        """(part, kernel or op name, microseconds) for every GPU kernel (CPU: op) of the profiled steps."""
+        on_gpu = torch.cuda.is_available()
+        for event in self.profiler.events():
+            if on_gpu:
+                for kernel in event.kernels:
+                    if kernel.duration:
+                        yield _part_of(event), kernel.name, kernel.duration
+            elif event.device_type == torch.autograd.DeviceType.CPU and event.self_cpu_time_total:
+                yield _part_of(event), event.name, event.self_cpu_time_total
 
     def breakdown(self) -> dict[str, float]:
         """Milliseconds per step charged to each of PARTS (module docstring)."""
         if self.profiler is None or not self.num_steps:
             return {}
         totals: dict[str, float] = defaultdict(float)
-        on_gpu = torch.cuda.is_available()
-        for event in self.profiler.events():
-            if on_gpu:
-                us = sum(k.duration for k in event.kernels)
-            else:
-                us = event.self_cpu_time_total if event.device_type == torch.autograd.DeviceType.CPU else 0
-            if us:
-                totals[_part_of(event)] += us
+        for part, _, us in self._charged():
+            totals[part] += us
         return {part: totals.get(part, 0.0) / 1e3 / self.num_steps for part in PARTS}
+
+    def gpu_busy(self) -> dict[str, float]:
+        """How much of the profiled steps' wall time the GPU ran anything (on this rank): wall_ms and busy_ms per
+        step (the union of every kernel's and copy's interval, all streams) and busy_fraction. A step whose GPU
+        idles much of the time is bound by the host (launches, host syncs), where faster kernels do not show.
+        {} on CPU. The profiler's own host overhead makes the fraction a lower bound."""
+        if self.profiler is None or not self.num_steps or not torch.cuda.is_available() or not self.wall_s:
+            return {}
+        spans = [(e.time_range.start, e.time_range.end) for e in self.profiler.events()
+                 if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
+        if not spans:  # no device events recorded: no figure rather than a false 0%
+            return {}
+        busy = covered(spans)
+        wall_ms = 1e3 * self.wall_s / self.num_steps
+        busy_ms = busy / 1e3 / self.num_steps
+        return {"wall_ms": round(wall_ms, 2), "busy_ms": round(busy_ms, 2),
+                "busy_fraction": round(busy_ms / wall_ms, 3) if wall_ms else 0.0}
+
+    def top_kernels(self, top: int = 8) -> dict[str, list[tuple[str, float]]]:
+        """Per part, its `top` costliest kernels (CPU: ops) as (name cut to 100 characters, ms per step)."""
+        if self.profiler is None or not self.num_steps:
+            return {}
+        totals: dict[tuple[str, str], float] = defaultdict(float)
+        for part, name, us in self._charged():
+            totals[part, name[:100]] += us
+        out: dict[str, list[tuple[str, float]]] = {part: [] for part in PARTS}
+        for (part, name), us in sorted(totals.items(), key=lambda item: -item[1]):
+            if len(out[part]) < top:
+                out[part].append((name, round(us / 1e3 / self.num_steps, 3)))
+        return out
 
 
 def _part_of(event) -> str:
@@ -156,3 +196,13 @@ def _part_of(event) -> str:
                 return part
         event = event.cpu_parent
     return "rest"
+
+
+def covered(spans) -> float:
+    """The length of the union of (start, end) intervals (any order, overlapping or not)."""
+    total, end = 0.0, float("-inf")
+    for lo, hi in sorted(spans):
+        if hi > end:
+            total += hi - max(lo, end)
+            end = hi
+    return total

@@ -28,6 +28,7 @@ through Megatron-Core's EP-overlap schedule (GPUs, data.num_microbatches >= 2; s
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -281,7 +282,25 @@ def say(bar, text: str) -> None:
 
 
 def train(cfg: dict[str, dict[str, Any]], show_progress: bool = True, log_json: str | None = None) -> dict[str, Any]:
+    """Train `cfg` on this rank (torchrun's environment) and return rank 0's result dict (every rank returns its
+    own); the process groups are destroyed at the end."""
     device = init_distributed()
+    result = _train(cfg, device, show_progress, log_json)
+    from megatron.core import parallel_state as ps
+
+    from moe_dispatcher.integrations.megatron.buffers import release_buffers
+    # The model, its dispatchers and our cached Buffers hold the process groups: drop them first. A group alive
+    # after destroy_process_group() is torn down during interpreter exit, after threads it needs (gloo then
+    # aborts the finished process with SIGABRT, and torchrun reports a failure).
+    release_buffers()
+    gc.collect()
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+    return result
+
+
+def _train(cfg: dict[str, dict[str, Any]], device: torch.device, show_progress: bool,
+           log_json: str | None) -> dict[str, Any]:
     from megatron.core import parallel_state as ps
 
     from moe_dispatcher.integrations.megatron import comm_timer, cpu, guard, megatron_topology
@@ -367,7 +386,9 @@ def train(cfg: dict[str, dict[str, Any]], show_progress: bool = True, log_json: 
     result = {"dispatcher": kind, "world_size": world, "steps": steps, "num_microbatches": num_microbatches,
               "losses": losses,
               "tokens_per_s": measured["tokens"] / measured["time"] if measured["time"] else None,
-              "step_ms": step_ms, "breakdown_ms": profile.breakdown(), "profiled_steps": profile_steps,
+              "step_ms": step_ms, "breakdown_ms": profile.breakdown(), "top_kernels_ms": profile.top_kernels(),
+              "gpu_busy": profile.gpu_busy(),
+              "profiled_steps": profile_steps,
               "breakdown_unit": "CPU op ms/step" if on_cpu else "GPU kernel ms/step",
               "comm_seconds": comm_total, "measured_seconds": measured["time"]}
     if rank == 0:
@@ -380,11 +401,13 @@ def train(cfg: dict[str, dict[str, Any]], show_progress: bool = True, log_json: 
             parts = " | ".join(f"{part} {ms:.2f}" for part, ms in result["breakdown_ms"].items())
             print(f"step breakdown over {profile_steps} profiled steps ({result['breakdown_unit']}, rank 0): {parts}",
                   flush=True)
+        busy = result["gpu_busy"]
+        if busy:
+            print(f"GPU busy {busy['busy_ms']:.1f} of {busy['wall_ms']:.1f} ms per profiled step "
+                  f"({100 * busy['busy_fraction']:.0f}%, rank 0; the rest the GPU waits for the host)", flush=True)
         if log_json:
             with open(log_json, "w", encoding="utf-8") as f:
                 json.dump(result, f, indent=1)
-    ps.destroy_model_parallel()
-    dist.destroy_process_group()
     return result
 
 

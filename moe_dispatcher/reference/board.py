@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import time
+import weakref
 from typing import Callable, Dict, List, Optional
 
 import torch.distributed as dist
@@ -43,8 +44,11 @@ DEFAULT_TIMEOUT_S = 300.0
 QUIET_S = 0.5  # a collective that completes within this touches no store key
 POLL_S = 0.25  # then: how often the board is posted to and read
 
-# Boards made per group, so the n-th Buffer of a group gets the same prefix on every rank.
-_boards_per_group: Dict[object, int] = {}
+# Boards made per group, so the n-th Buffer of a group gets the same prefix on every rank. The groups are held
+# weakly: a table that kept a process group alive after destroy_process_group() leaves its gloo threads to be
+# torn down during interpreter exit, which aborts the process at random ("terminate called without an active
+# exception", SIGABRT) after all its work is done.
+_boards_per_group: "weakref.WeakKeyDictionary[dist.ProcessGroup, int]" = weakref.WeakKeyDictionary()
 
 
 def timeout_s() -> float:
@@ -90,8 +94,9 @@ class Board:
         # Works are polled (is_completed), never waited for with a timeout: NCCL's Work.wait(timeout) aborts the
         # communicator when the timeout passes, and gloo's may block past its timeout.
         self._poll = True
-        ordinal = _boards_per_group.get(group, 0)
-        _boards_per_group[group] = ordinal + 1
+        key = group if group is not None else dist.group.WORLD
+        ordinal = _boards_per_group.get(key, 0)
+        _boards_per_group[key] = ordinal + 1
         store = _group_store(group)
         self.store = dist.PrefixStore(f"moe_dispatcher/board/{ordinal}/", store) if store is not None else None
         self.next_collective = 0  # the number of the next collective this rank enters

@@ -56,11 +56,14 @@ _lock = threading.RLock()
 _parked: List["Release"] = []  # collected (or exiting) Buffers whose memory waits for their peers' posts
 _live: "weakref.WeakSet" = weakref.WeakSet()  # Buffers holding compiled backends, not yet released
 _exit_registered = False
-_points: Dict[object, int] = {}  # group -> collective points passed
-_created: Dict[object, int] = {}  # group -> Buffers with compiled backends created (their ordinals)
+# group -> collective points passed; group -> Buffers with compiled backends created (their ordinals). Weak keys:
+# holding a process group past destroy_process_group() can abort the process at exit (reference/board.py).
+_points: "weakref.WeakKeyDictionary[object, int]" = weakref.WeakKeyDictionary()
+_created: "weakref.WeakKeyDictionary[object, int]" = weakref.WeakKeyDictionary()
 # Groups whose Buffers have held NVSHMEM memory (rounds are posted on them) -> (rank, ranks, timeout_s, the group's
-# store or None), recorded while the group exists: exit may come after destroy_process_group().
-_symmetric_groups: Dict[object, tuple] = {}
+# store or None), recorded while the group exists: exit may come after destroy_process_group(). Weak keys too: an
+# entry goes only with the group, which every Buffer and parked Release of it keeps alive.
+_symmetric_groups: "weakref.WeakKeyDictionary[object, tuple]" = weakref.WeakKeyDictionary()
 
 
 class PeerMissing(RuntimeError):

@@ -15,30 +15,14 @@ import os
 
 import pytest
 import torch
+from agreement_rounds import H, K, L, T
+from agreement_rounds import exact_round as _round
+from agreement_rounds import routing as _routing
 from dist import GPU_WORLD_SIZES, case, make_buffer, nvl_env, run_distributed
 
 pytestmark = pytest.mark.gpu
 
-T, H, L, K = 64, 256, 4, 4
 CHECK_LAYOUT_ENV = "MOE_DISPATCHER_CHECK_LAYOUT"
-
-
-def _routing(rank: int, num_ranks: int, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1000 * seed + rank)
-    e = L * num_ranks
-    return torch.rand(T, e, generator=g).topk(K, dim=1).indices.cuda()
-
-
-def _round(buf, rank: int, num_ranks: int) -> None:
-    """A correct fresh dispatch and combine (float32 rows: the sums are exact)."""
-    idx = _routing(rank, num_ranks)
-    x = torch.randint(-64, 65, (T, H), generator=torch.Generator().manual_seed(rank)).float().cuda() / 16
-    ntr, _, nte, itr, _ = buf.get_dispatch_layout(idx, L * num_ranks)
-    recv_x, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=ntr, is_token_in_rank=itr,
-                                              num_tokens_per_expert=nte, topk_idx=idx)
-    out, _, _ = buf.combine(recv_x, handle)
-    want = x * itr.sum(1, keepdim=True).float()
-    assert torch.equal(out, want), "the round after the case gave wrong sums"
 
 
 def _world(rank: int, num_ranks: int, kernels: str) -> list[str]:

@@ -15,31 +15,16 @@ import time
 
 import pytest
 import torch
+from agreement_rounds import H, K, L, T
+from agreement_rounds import exact_round as _round
+from agreement_rounds import routing as _routing
 from dist import GPU_WORLD_SIZES, case, make_buffer, nvl_env, run_distributed
 
 pytestmark = pytest.mark.gpu
 
-T, H, L, K = 64, 256, 4, 4
 TIMEOUT_ENV = {"MOE_DISPATCHER_TIMEOUT_S": "30"}
 DATA_PHASE_S = 10.0  # the refused calls and the calls along their handles, until the device is idle
 CASE_S = 20.0        # the same and the synchronised dispatch that raises (one all-gather of the signatures)
-
-
-def _routing(rank: int, num_ranks: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(rank)
-    return torch.rand(T, L * num_ranks, generator=g).topk(K, dim=1).indices.cuda()
-
-
-def _round(buf, rank: int, num_ranks: int) -> None:
-    """A correct fresh dispatch and combine (float32 rows: the sums are exact): the rings' counters are where
-    every rank expects them."""
-    idx = _routing(rank, num_ranks)
-    x = torch.randint(-64, 65, (T, H), generator=torch.Generator().manual_seed(rank)).float().cuda() / 16
-    ntr, _, nte, itr, _ = buf.get_dispatch_layout(idx, L * num_ranks)
-    recv_x, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=ntr, is_token_in_rank=itr,
-                                              num_tokens_per_expert=nte, topk_idx=idx)
-    out, _, _ = buf.combine(recv_x, handle)
-    assert torch.equal(out, x * itr.sum(1, keepdim=True).float()), "the round after the case gave wrong sums"
 
 
 def _zero(t: torch.Tensor, what: str) -> None:

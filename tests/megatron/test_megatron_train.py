@@ -50,6 +50,41 @@ def test_tiny_cpu_training(tmp_path, dispatcher):
     assert "tok/s" in out and "dispatch" in out and "done: loss" in out, out
 
 
+# One rank trains two steps; every group our dispatcher was built on must be gone once train() returns.
+_RELEASE_CHECK = """
+import gc, sys, weakref
+from moe_dispatcher.integrations.megatron import buffers, train
+seen = []
+topology_of = buffers.topology_of
+def spy(group):
+    seen.append(weakref.ref(group))
+    return topology_of(group)
+buffers.topology_of = spy
+cfg = train.load_config(sys.argv[1], ["train.steps=2", "train.log_interval=1", "train.warmup_steps=1"], None)
+train.train(cfg, show_progress=False)
+gc.collect()
+print("groups seen", len(seen), "alive", sum(r() is not None for r in seen))
+"""
+
+
+def test_training_releases_the_dispatch_group(tmp_path):
+    """train() drops the Buffers and Topologies it cached (and the model) before destroying the process groups:
+    a group alive after destroy_process_group() is torn down during interpreter exit, after threads it needs,
+    and gloo then aborts the finished rank (SIGABRT, a failed torchrun) at random."""
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", MASTER_PORT=str(port))
+    proc = subprocess.run([sys.executable, "-c", _RELEASE_CHECK, os.path.join(ROOT, "configs/tiny_cpu.yaml")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("groups seen ") and not last.startswith("groups seen 0 "), proc.stdout[-2000:]
+    assert last.endswith(" alive 0"), f"process groups outlive train(): {last}"
+
+
 def test_tiny_cpu_fp8_dispatch_loss_matches_bf16_dispatch(tmp_path):
     """MOE_DISPATCHER_FP8_DISPATCH=1 against the same run without it (fp32 rows on CPU): 200 steps of
     configs/tiny_cpu.yaml on 2 gloo ranks (about 20 s each here). The losses are not bit-identical (the
@@ -117,6 +152,13 @@ def test_compare_cpu_grouped_experts(tmp_path):
         breakdown = res["breakdown_ms"]
         assert list(breakdown) == ["router", "dispatch", "permute", "experts", "combine", "rest"], breakdown
         assert all(breakdown[p] > 0 for p in ("router", "dispatch", "experts", "combine", "rest")), (name, breakdown)
+        # Each part's costliest kernels (CPU: ops), at most 8, costliest first, and within the part's total.
+        top = res["top_kernels_ms"]
+        assert list(top) == list(breakdown), top
+        for part, rows in top.items():
+            assert len(rows) <= 8 and [ms for _, ms in rows] == sorted((ms for _, ms in rows), reverse=True), rows
+            assert sum(ms for _, ms in rows) <= breakdown[part] + 1e-3 * len(rows), (part, rows, breakdown[part])
+        assert top["experts"] and top["dispatch"], top
     # Same model, data and seed, float32 on CPU: both dispatchers train alike.
     a, b = torch.tensor(results["ours"]["losses"]), torch.tensor(results["allgather"]["losses"])
     assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), (a, b)
@@ -124,3 +166,35 @@ def test_compare_cpu_grouped_experts(tmp_path):
     for text in ("=== comparison", "step breakdown", "loss curves", "skipped: deep_ep is not importable"):
         assert text in stdout, f"{text!r} not in:\n{stdout[-3000:]}"
 
+
+
+def test_gpu_busy_is_the_union_of_kernel_intervals():
+    """The step profile's GPU-busy time counts overlapping kernels (concurrent streams) once and gaps not at all."""
+    from moe_dispatcher.integrations.megatron.step_profile import covered
+
+    assert covered([]) == 0.0
+    assert covered([(0.0, 10.0)]) == 10.0
+    assert covered([(5.0, 8.0), (0.0, 10.0), (12.0, 15.0)]) == 13.0  # nested, then a gap of 2
+    assert covered([(0.0, 4.0), (3.0, 6.0), (6.0, 7.0)]) == 7.0      # overlapping and touching
+
+
+def test_compare_keeps_the_runs_done_when_cut_short(tmp_path, monkeypatch):
+    """--log-json is written after every run, so a call that times out keeps the dispatchers already measured."""
+    from moe_dispatcher.integrations.megatron import compare
+
+    log = tmp_path / "cmp.json"
+    seen = []
+
+    def fake_launch(config, overrides, name, nproc, out):
+        if name == "alltoall":  # the second run is cut short: by then the first must be on disk
+            seen.append(json.loads(log.read_text()))
+            raise KeyboardInterrupt
+        with open(out, "w", encoding="utf-8") as f:
+            json.dump({"losses": [1.0], "tokens_per_s": 10.0}, f)
+        return 0
+
+    monkeypatch.setattr(compare, "_launch", fake_launch)
+    monkeypatch.setattr(compare, "_unavailable", lambda name: None)
+    with pytest.raises(KeyboardInterrupt):
+        compare.run("cfg.yaml", [], ["ours", "alltoall"], 2, str(log))
+    assert seen and list(seen[0]["results"]) == ["ours"], seen
