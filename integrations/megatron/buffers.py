@@ -98,6 +98,16 @@ def get_buffer(group: dist.ProcessGroup, *, hidden: int, element_size: int, low_
     return buffer
 
 
+def destroy_buffers() -> None:
+    """Collective (every rank, at the same point, e.g. the end of training): destroy() every cached Buffer, in the
+    order they were cached (the same on every rank), so their memory and peer mappings go now and nothing of ours
+    holds their groups afterwards; then forget them (release_buffers). Without it, the Buffers would be parked
+    by garbage collection until every peer posted (runtime/release.py), holding their groups meanwhile."""
+    for _, buffer in list(_buffers.values()):
+        buffer.destroy()
+    release_buffers()
+
+
 def release_buffers() -> None:
     """Forget every cached Buffer and Topology (for tests and re-initialised process groups)."""
     _buffers.clear()

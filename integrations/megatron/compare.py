@@ -121,14 +121,18 @@ def report(results: dict[str, dict[str, Any]], skipped: dict[str, str], failed: 
         first = next(iter(profiled.values()))
         lines += ["", (f"step breakdown, {first.get('breakdown_unit')} on rank 0 over {first.get('profiled_steps')} "
                        "profiled steps (concurrent streams add up; step_profile.py); GPU busy: the share of the "
-                       "profiled steps' wall time in which the GPU ran anything"),
-                  f"{'dispatcher':<18}" + "".join(f"{p:>10}" for p in PARTS) + f"{'sum':>10}{'wall':>10}{'GPU busy':>10}"]
+                       "profiled steps' wall time in which the GPU ran anything; exposed: the share of the MoE "
+                       "layers' GPU time in which the dispatcher's kernels (dispatch, permute, combine) run alone"),
+                  f"{'dispatcher':<18}" + "".join(f"{p:>10}" for p in PARTS) + f"{'sum':>10}{'wall':>10}{'GPU busy':>10}"
+                  f"{'exposed':>10}"]
         for name, r in profiled.items():
             b = r["breakdown_ms"]
             busy = (r.get("gpu_busy") or {}).get("busy_fraction")
+            exposed = (r.get("exposed_dispatcher") or {}).get("exposed_fraction")
             lines.append(f"{name:<18}" + "".join(f"{b.get(p, 0):>10.2f}" for p in PARTS)
                          + f"{sum(b.values()):>10.2f}{r.get('step_ms') or 0:>10.1f}"
-                         + (f"{100 * busy:>9.0f}%" if busy is not None else f"{'-':>10}"))
+                         + (f"{100 * busy:>9.0f}%" if busy is not None else f"{'-':>10}")
+                         + (f"{100 * exposed:>9.0f}%" if exposed is not None else f"{'-':>10}"))
     if results:
         names = list(results)
         steps = max(len(r["losses"]) for r in results.values())

@@ -19,7 +19,9 @@ both. Only calls whose inputs and outputs take part in autograd get a backward r
 ``with profile.steps(): ...`` profiles the steps run inside; ``breakdown()`` then charges every GPU kernel
 (CPU: every op's own CPU time) to the innermost ``moe.*`` range its launch sits in, and everything else
 to "rest" (attention, dense layers, loss, gradient reduction, optimizer). Kernel times on concurrent
-streams add up, so the parts can sum to more than the step's wall time.
+streams add up, so the parts can sum to more than the step's wall time. ``gpu_busy()`` says how much of the
+wall time the GPU ran anything; ``exposed_dispatcher()`` how much of the MoE layers' GPU time the dispatcher's
+kernels run with no other kernel beside them.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from collections import defaultdict
 import torch
 
 PARTS = ("router", "dispatch", "permute", "experts", "combine", "rest")
+DISPATCHER_PARTS = ("dispatch", "permute", "combine")  # the token dispatcher's own work
 _DISPATCHER_PARTS = {"dispatch_preprocess": "permute", "token_dispatch": "dispatch", "dispatch_postprocess": "permute",
                      "combine_preprocess": "permute", "token_combine": "combine", "combine_postprocess": "permute"}
 
@@ -163,7 +166,8 @@ class StepProfile:
         if self.profiler is None or not self.num_steps or not torch.cuda.is_available() or not self.wall_s:
             return {}
         spans = [(e.time_range.start, e.time_range.end) for e in self.profiler.events()
-                 if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
+                 if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
+                 and not getattr(e, "is_user_annotation", False)]  # a range's GPU-side span is not work
         if not spans:  # no device events recorded: no figure rather than a false 0%
             return {}
         busy = covered(spans)
@@ -171,6 +175,35 @@ class StepProfile:
         busy_ms = busy / 1e3 / self.num_steps
         return {"wall_ms": round(wall_ms, 2), "busy_ms": round(busy_ms, 2),
                 "busy_fraction": round(busy_ms / wall_ms, 3) if wall_ms else 0.0}
+
+    def _device_spans(self):
+        """(part, start_us, end_us) of every device event (kernel, copy, memset) of the profiled steps; its part is
+        that of the CPU op that launched it, found as torch links kernels to ops (event.kernels): the device
+        event's linked_correlation_id is the id of a frontend op (a synchronous CPU event that is not itself
+        linked: CUDA runtime events carry CUPTI's ids, another counter). Part None: no launching op recorded
+        (a launch outside any op). GPU-side user-annotation spans (first to last kernel of a range) are not
+        device work and are left out."""
+        cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+        events = list(self.profiler.events())
+        ops = {e.id: e for e in events
+               if e.device_type == cpu and not getattr(e, "is_async", False)
+               and not getattr(e, "linked_correlation_id", 0)}
+        for e in events:
+            if (e.device_type == cuda and e.time_range.end > e.time_range.start
+                    and not getattr(e, "is_user_annotation", False)):
+                op = ops.get(getattr(e, "linked_correlation_id", 0))
+                yield (_part_of(op) if op is not None else None), e.time_range.start, e.time_range.end
+
+    def exposed_dispatcher(self) -> dict[str, float]:
+        """How much of the MoE layers' GPU time the dispatcher leaves exposed (on this rank), per step:
+        dispatcher_ms (the union of the intervals of the dispatcher's kernels: DISPATCHER_PARTS, forward and
+        backward), exposed_ms (the part of it in which no other kernel runs: nothing hides it), moe_layer_ms (the
+        union over every MoE part: router, dispatcher, experts), exposed_fraction = exposed / moe_layer, and
+        unlinked_ms (the union of device events no launching op was recorded for: counted in neither set, so
+        a large value makes the figures uncertain). {} on CPU or when no device event was recorded."""
+        if self.profiler is None or not self.num_steps or not torch.cuda.is_available():
+            return {}
+        return exposed_share(list(self._device_spans()), self.num_steps)
 
     def top_kernels(self, top: int = 8) -> dict[str, list[tuple[str, float]]]:
         """Per part, its `top` costliest kernels (CPU: ops) as (name cut to 100 characters, ms per step)."""
@@ -196,6 +229,24 @@ def _part_of(event) -> str:
                 return part
         event = event.cpu_parent
     return "rest"
+
+
+def exposed_share(spans, num_steps: int) -> dict[str, float]:
+    """StepProfile.exposed_dispatcher from (part or None, start, end) intervals in microseconds over num_steps
+    steps."""
+    mine = [(lo, hi) for part, lo, hi in spans if part in DISPATCHER_PARTS]
+    others = [(lo, hi) for part, lo, hi in spans if part is not None and part not in DISPATCHER_PARTS]
+    layer = [(lo, hi) for part, lo, hi in spans if part is not None and part != "rest"]
+    unlinked = [(lo, hi) for part, lo, hi in spans if part is None]
+    if not spans or not layer:
+        return {}
+    dispatcher = covered(mine)
+    # the dispatcher's time under no other kernel: its union minus its overlap with the others' union
+    exposed = covered(mine + others) - covered(others)
+    per_step = lambda us: round(us / 1e3 / num_steps, 3)  # noqa: E731
+    return {"dispatcher_ms": per_step(dispatcher), "exposed_ms": per_step(exposed),
+            "moe_layer_ms": per_step(covered(layer)), "exposed_fraction": round(exposed / covered(layer), 3),
+            "unlinked_ms": per_step(covered(unlinked))}
 
 
 def covered(spans) -> float:

@@ -288,11 +288,12 @@ def train(cfg: dict[str, dict[str, Any]], show_progress: bool = True, log_json: 
     result = _train(cfg, device, show_progress, log_json)
     from megatron.core import parallel_state as ps
 
-    from moe_dispatcher.integrations.megatron.buffers import release_buffers
-    # The model, its dispatchers and our cached Buffers hold the process groups: drop them first. A group alive
-    # after destroy_process_group() is torn down during interpreter exit, after threads it needs (gloo then
-    # aborts the finished process with SIGABRT, and torchrun reports a failure).
-    release_buffers()
+    from moe_dispatcher.integrations.megatron.buffers import destroy_buffers
+    # The model, its dispatchers and our cached Buffers hold the process groups: destroy and drop them first. A
+    # group alive after destroy_process_group() is torn down during interpreter exit, after threads it needs
+    # (gloo then aborts the finished process with SIGABRT, and torchrun reports a failure). (megatron-core 0.19
+    # itself keeps a few of its groups alive past destroy_model_parallel(); those are Megatron's.)
+    destroy_buffers()
     gc.collect()
     ps.destroy_model_parallel()
     dist.destroy_process_group()
@@ -387,7 +388,7 @@ def _train(cfg: dict[str, dict[str, Any]], device: torch.device, show_progress: 
               "losses": losses,
               "tokens_per_s": measured["tokens"] / measured["time"] if measured["time"] else None,
               "step_ms": step_ms, "breakdown_ms": profile.breakdown(), "top_kernels_ms": profile.top_kernels(),
-              "gpu_busy": profile.gpu_busy(),
+              "gpu_busy": profile.gpu_busy(), "exposed_dispatcher": profile.exposed_dispatcher(),
               "profiled_steps": profile_steps,
               "breakdown_unit": "CPU op ms/step" if on_cpu else "GPU kernel ms/step",
               "comm_seconds": comm_total, "measured_seconds": measured["time"]}
@@ -405,6 +406,11 @@ def _train(cfg: dict[str, dict[str, Any]], device: torch.device, show_progress: 
         if busy:
             print(f"GPU busy {busy['busy_ms']:.1f} of {busy['wall_ms']:.1f} ms per profiled step "
                   f"({100 * busy['busy_fraction']:.0f}%, rank 0; the rest the GPU waits for the host)", flush=True)
+        exposed = result["exposed_dispatcher"]
+        if exposed:
+            print(f"dispatcher exposed {exposed['exposed_ms']:.1f} ms per profiled step (of its {exposed['dispatcher_ms']:.1f} "
+                  f"ms): {100 * exposed['exposed_fraction']:.0f}% of the MoE layers' {exposed['moe_layer_ms']:.1f} ms "
+                  "(rank 0; exposed: no other kernel runs meanwhile)", flush=True)
         if log_json:
             with open(log_json, "w", encoding="utf-8") as f:
                 json.dump(result, f, indent=1)

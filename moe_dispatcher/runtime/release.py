@@ -61,9 +61,9 @@ _exit_registered = False
 _points: "weakref.WeakKeyDictionary[object, int]" = weakref.WeakKeyDictionary()
 _created: "weakref.WeakKeyDictionary[object, int]" = weakref.WeakKeyDictionary()
 # Groups whose Buffers have held NVSHMEM memory (rounds are posted on them) -> (rank, ranks, timeout_s, the group's
-# store or None), recorded while the group exists: exit may come after destroy_process_group(). Weak keys too: an
-# entry goes only with the group, which every Buffer and parked Release of it keeps alive.
-_symmetric_groups: "weakref.WeakKeyDictionary[object, tuple]" = weakref.WeakKeyDictionary()
+# store or None), recorded while the group exists: exit may come after destroy_process_group(). Held strongly: the
+# exit handler's last collective point must come on every rank alike, whatever this rank's Buffers went through.
+_symmetric_groups: Dict[object, tuple] = {}
 
 
 class PeerMissing(RuntimeError):

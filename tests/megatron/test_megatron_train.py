@@ -178,6 +178,51 @@ def test_gpu_busy_is_the_union_of_kernel_intervals():
     assert covered([(0.0, 4.0), (3.0, 6.0), (6.0, 7.0)]) == 7.0      # overlapping and touching
 
 
+def test_exposed_dispatcher_time_is_what_no_other_kernel_hides(monkeypatch):
+    """The dispatcher's exposed time: its kernels' union minus what other kernels (any stream) cover meanwhile,
+    over the union of every MoE part; kernels are charged to the part of the CPU op that launched them."""
+    from types import SimpleNamespace
+
+    from moe_dispatcher.integrations.megatron import step_profile
+    from moe_dispatcher.integrations.megatron.step_profile import StepProfile, exposed_share
+
+    # dispatch 0-10 with experts 5-20 beside it (5 exposed); combine 20-30 alone (10 exposed); the permute 30-32
+    # alone (2); rest 40-100 outside the layer
+    spans = [("dispatch", 0, 10), ("experts", 5, 20), ("combine", 20, 30), ("permute", 30, 32), ("rest", 40, 100)]
+    got = exposed_share(spans, num_steps=1)
+    assert got == {"dispatcher_ms": 0.022, "exposed_ms": 0.017, "moe_layer_ms": 0.032,
+                   "exposed_fraction": round(17 / 32, 3), "unlinked_ms": 0.0}, got
+    assert exposed_share(spans, num_steps=2)["dispatcher_ms"] == 0.011  # per step
+    # attention overlapping the combine hides it as well (any other kernel counts), and a router kernel is MoE time
+    got = exposed_share([("combine", 0, 10), ("rest", 0, 4), ("router", 8, 12)], num_steps=1)
+    assert got["exposed_ms"] == 0.004 and got["moe_layer_ms"] == 0.012, got
+    assert exposed_share([], 1) == {} and exposed_share([("rest", 0, 5)], 1) == {}
+    # a kernel with no recorded launching op hides nothing and is not MoE time; it is reported apart
+    got = exposed_share([("combine", 0, 10), (None, 0, 6)], num_steps=1)
+    assert got["exposed_ms"] == 0.01 and got["moe_layer_ms"] == 0.01 and got["unlinked_ms"] == 0.006, got
+
+    # the part of a device event is that of its launching CPU op (correlation id), through the moe.* ranges
+    cpu, cuda = step_profile.torch.autograd.DeviceType.CPU, step_profile.torch.autograd.DeviceType.CUDA
+    rng = lambda lo, hi: SimpleNamespace(start=lo, end=hi)  # noqa: E731
+    scope = SimpleNamespace(name="moe.combine.backward", cpu_parent=None, id=1, device_type=cpu)
+    launch = SimpleNamespace(name="aten::mm", cpu_parent=scope, id=2, device_type=cpu)
+    plain = SimpleNamespace(name="aten::add", cpu_parent=None, id=3, device_type=cpu)
+    # a CUDA runtime event (CPU-side, linked, CUPTI's id counter) whose id collides with the op's: not a launch op
+    runtime = SimpleNamespace(name="cudaLaunchKernel", cpu_parent=None, id=2, device_type=cpu, linked_correlation_id=7)
+    kernels = [SimpleNamespace(device_type=cuda, linked_correlation_id=2, time_range=rng(0, 10)),
+               SimpleNamespace(device_type=cuda, linked_correlation_id=3, time_range=rng(2, 4)),
+               SimpleNamespace(device_type=cuda, linked_correlation_id=99, time_range=rng(20, 30)),
+               # the GPU-side span of a record_function range: not device work
+               SimpleNamespace(device_type=cuda, linked_correlation_id=1, time_range=rng(0, 40), is_user_annotation=True)]
+    profile = StepProfile.__new__(StepProfile)
+    profile.profiler = SimpleNamespace(events=lambda: [scope, launch, plain, runtime, *kernels])
+    profile.num_steps = 1
+    spans = sorted(profile._device_spans(), key=lambda s: s[1])
+    assert spans == [("combine", 0, 10), ("rest", 2, 4), (None, 20, 30)], spans
+    monkeypatch.setattr(step_profile.torch.cuda, "is_available", lambda: True)
+    assert profile.exposed_dispatcher()["exposed_ms"] == 0.008
+
+
 def test_compare_keeps_the_runs_done_when_cut_short(tmp_path, monkeypatch):
     """--log-json is written after every run, so a call that times out keeps the dispatchers already measured."""
     from moe_dispatcher.integrations.megatron import compare
