@@ -507,9 +507,13 @@ int main(int argc, char** argv) {
     fprintf(stderr, "need 2..%d GPUs (have %d, asked %d) and topk <= experts\n", kMaxRanks, ndev, R);
     return 1;
   }
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, 0));
   const int max_hidden = *std::max_element(hiddens.begin(), hiddens.end());
   for (int h : hiddens)
     if (h <= 0 || (h * 2) % 16) { fprintf(stderr, "hidden %d: rows must be a multiple of 16 bytes\n", h); return 1; }
+  for (int s : sms)  // every block of a call must be resident at once: it waits for the peers' blocks
+    if (s < 1 || s > prop.multiProcessorCount) { fprintf(stderr, "sms %d: need 1..%d\n", s, prop.multiProcessorCount); return 1; }
   for (int t : threads)
     if (t < 32 || t > 1024 || t % 32) { fprintf(stderr, "threads %d: need a multiple of 32 in [32, 1024]\n", t); return 1; }
 
@@ -517,8 +521,6 @@ int main(int argc, char** argv) {
   P.R = R; P.T = tokens; P.rk.resize(R);
   CK(cudaHostAlloc(&P.err, sizeof(ErrorRecord), cudaHostAllocMapped | cudaHostAllocPortable));
   memset(P.err, 0, sizeof(ErrorRecord));
-  cudaDeviceProp prop;
-  CK(cudaGetDeviceProperties(&prop, 0));
   P.sm_count = prop.multiProcessorCount;
   CK(cudaDeviceGetAttribute(&P.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
   int smem_per_sm = 0;
