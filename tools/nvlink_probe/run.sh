@@ -10,7 +10,8 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 2
 bin=${NVLINK_PROBE_BIN:-/tmp/nvlink_probe}
 nvcc -arch=sm_90a -O3 -o "$bin" tools/nvlink_probe/nvlink_probe.cu || exit 1
-n=$(nvidia-smi -L | grep -c '^GPU')
+if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then n=$(tr ',' '\n' <<<"$CUDA_VISIBLE_DEVICES" | grep -c .)
+else n=$(nvidia-smi -L | grep -c '^GPU'); fi
 gpus=${GPUS:-$( [ "$n" -gt 2 ] && echo "2 $n" || echo "$n" )}
 status=0
 for g in $gpus; do
