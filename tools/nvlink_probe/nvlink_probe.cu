@@ -149,7 +149,7 @@ __global__ void barrier_kernel(Mesh m, unsigned target) { arrive_all_and_wait(m,
 // Warp w of the grid sends rows w, w + W, ... (W warps in all); lane l moves vectors l, l + 32, ... of a
 // row, kUnroll loads in flight before their stores.
 template <int kUnroll>
-__global__ void direct_send(Mesh m, const int4* __restrict__ x, const SendRow* __restrict__ rows, int num_rows,
+__global__ void __launch_bounds__(1024, 1) direct_send(Mesh m, const int4* __restrict__ x, const SendRow* __restrict__ rows, int num_rows,
                             int row_vecs, unsigned send_target) {
   const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   const int first = blockIdx.x * warps + (threadIdx.x >> 5), stride = gridDim.x * warps;
@@ -289,6 +289,14 @@ __global__ void check_kernel(const uint16_t* __restrict__ got, const int2* __res
 }
 
 // ---------------------------------------------------------------------------------------- host
+// tma: row slots that fit in the opt-in shared memory beside the kMaxSlots mbarriers, and the block's bytes.
+static int tma_slots(int smem_optin, int row_bytes) {
+  return std::min(kMaxSlots, static_cast<int>((smem_optin - kMaxSlots * sizeof(uint64_t)) / row_bytes));
+}
+static size_t tma_smem_bytes(int slots, int row_bytes) {
+  return static_cast<size_t>(slots) * row_bytes + kMaxSlots * sizeof(uint64_t);
+}
+
 enum Design { kDirect, kTma, kCePeer };
 enum Epilogue { kEpiNone, kEpiSm, kEpiCe };
 
@@ -360,8 +368,7 @@ static void enqueue_send(Probe& P, int r, const Config& c, int slots) {
     if (c.unroll == 2) direct_send<2><<<c.sms, c.threads, spread, k.stream>>>(m, (const int4*)k.x, k.rows, k.num_send, row_vecs, t);
     if (c.unroll == 4) direct_send<4><<<c.sms, c.threads, spread, k.stream>>>(m, (const int4*)k.x, k.rows, k.num_send, row_vecs, t);
   } else if (c.design == kTma) {
-    const size_t smem = static_cast<size_t>(slots) * row_bytes + kMaxSlots * sizeof(uint64_t);
-    tma_send<<<c.sms, c.threads, smem, k.stream>>>(m, k.x, k.rows, k.num_send, row_bytes, slots, P.send_target);
+    tma_send<<<c.sms, c.threads, tma_smem_bytes(slots, row_bytes), k.stream>>>(m, k.x, k.rows, k.num_send, row_bytes, slots, P.send_target);
   } else {  // ce_peer: one stream per destination, joined back, then a barrier so the time covers every push
     CK(cudaEventRecord(k.fork, k.stream));
     for (int d = 0; d < P.R; ++d) {
@@ -424,7 +431,7 @@ static double median(std::vector<double> v) {
 
 static Result run_config(Probe& P, const Config& c, int warmup, int iters) {
   const int row_bytes = c.hidden * 2;
-  const int slots = std::min(kMaxSlots, static_cast<int>((P.smem_optin - kMaxSlots * sizeof(uint64_t)) / row_bytes));
+  const int slots = tma_slots(P.smem_optin, row_bytes);
   fill_inputs(P, c, P.salt);
   for (int i = 0; i < warmup; ++i) enqueue_call(P, c, slots, -1);
   for (int i = 0; i < iters; ++i) enqueue_call(P, c, slots, i);
@@ -484,11 +491,20 @@ static std::vector<int> parse_list(const char* s) {
   return v;
 }
 
+static const char kUsage[] =
+    "usage: nvlink_probe [--gpus R] [--sms 2,4,8,16,24,32] [--threads 512,1024] [--hidden 7168,4096]\n"
+    "                    [--tokens 4096] [--topk 8] [--experts 256] [--iters 20] [--warmup 3]\n"
+    "R defaults to every visible GPU (2..8, all pairs with peer access and native atomics).\n"
+    "Exit status: 0 all designs pass their data check, 1 setup error, 2 a wait timed out, 3 a check failed.\n";
+
 int main(int argc, char** argv) {
   int gpus = 0, tokens = 4096, topk = 8, experts = 256, iters = 20, warmup = 3;
   std::vector<int> sms = {2, 4, 8, 16, 24, 32}, threads = {512, 1024}, hiddens = {7168, 4096};
-  for (int i = 1; i + 1 < argc; i += 2) {
+  for (int i = 1; i < argc; ++i)
+    if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) { fputs(kUsage, stdout); return 0; }
+  for (int i = 1; i < argc; i += 2) {
     const std::string a = argv[i];
+    if (i + 1 == argc) { fprintf(stderr, "option %s needs a value\n%s", a.c_str(), kUsage); return 1; }
     if (a == "--gpus") gpus = atoi(argv[i + 1]);
     else if (a == "--sms") sms = parse_list(argv[i + 1]);
     else if (a == "--threads") threads = parse_list(argv[i + 1]);
@@ -498,8 +514,17 @@ int main(int argc, char** argv) {
     else if (a == "--experts") experts = atoi(argv[i + 1]);
     else if (a == "--iters") iters = atoi(argv[i + 1]);
     else if (a == "--warmup") warmup = atoi(argv[i + 1]);
-    else { fprintf(stderr, "unknown option %s\n", a.c_str()); return 1; }
+    else { fprintf(stderr, "unknown option %s\n%s", a.c_str(), kUsage); return 1; }
   }
+  if (tokens < 1 || topk < 1 || experts < 1 || iters < 1 || warmup < 0 || sms.empty() || threads.empty() ||
+      hiddens.empty()) {
+    fprintf(stderr, "need tokens, topk, experts, iters >= 1, warmup >= 0 and non-empty lists\n%s", kUsage);
+    return 1;
+  }
+  // Load every kernel when each context is created. With lazy loading a kernel's first launch may wait for
+  // its device to go idle, while a barrier or send kernel already running there spins for a peer whose
+  // launch the host has not issued yet: the waits would time out. Set before the first CUDA call.
+  setenv("CUDA_MODULE_LOADING", "EAGER", 1);
   int ndev = 0;
   CK(cudaGetDeviceCount(&ndev));
   const int R = gpus > 0 ? gpus : ndev;
@@ -526,6 +551,11 @@ int main(int argc, char** argv) {
   int smem_per_sm = 0;
   CK(cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, 0));
   P.spread_smem = smem_per_sm / 2 + 1024;
+  for (int h : hiddens)  // tma refills a slot kStoreDepth - 1 rows after its store: needs more slots than that
+    if (tma_slots(P.smem_optin, 2 * h) < kStoreDepth) {
+      fprintf(stderr, "hidden %d: tma needs %d row slots in %d B of shared memory\n", h, kStoreDepth, P.smem_optin);
+      return 1;
+    }
   for (int r = 0; r < R; ++r) {
     CK(cudaSetDevice(r));
     for (int p = 0; p < R; ++p) {
@@ -540,6 +570,26 @@ int main(int argc, char** argv) {
     CK(cudaFuncSetAttribute(direct_send<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, P.spread_smem));
     CK(cudaFuncSetAttribute(direct_send<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, P.spread_smem));
     CK(cudaFuncSetAttribute(direct_send<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, P.spread_smem));
+    // Every block of a send kernel waits for every block of every source, its own GPU's included, so the S
+    // blocks of a call must all be resident at once (S <= SM count, checked above): each launch shape must
+    // fit exactly one block per SM. Checked here so a shape that cannot launch fails before any timing.
+    auto one_per_sm = [&](const void* f, int block, size_t smem, const char* name) {
+      int n = 0;
+      CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, f, block, smem));
+      if (n != 1) {
+        fprintf(stderr, "gpu %d: %s with %d threads and %zu B shared memory fits %d blocks per SM, need 1\n", r,
+                name, block, smem, n);
+        exit(1);
+      }
+    };
+    for (int t : threads) {
+      one_per_sm(reinterpret_cast<const void*>(direct_send<1>), t, P.spread_smem, "direct x1");
+      one_per_sm(reinterpret_cast<const void*>(direct_send<2>), t, P.spread_smem, "direct x2");
+      one_per_sm(reinterpret_cast<const void*>(direct_send<4>), t, P.spread_smem, "direct x4");
+    }
+    for (int h : hiddens)
+      one_per_sm(reinterpret_cast<const void*>(tma_send), 32, tma_smem_bytes(tma_slots(P.smem_optin, 2 * h), 2 * h),
+                 "tma");
   }
 
   // Routing: each token of source s picks topk distinct experts uniformly (seeded by s); its destination
@@ -619,7 +669,7 @@ int main(int argc, char** argv) {
 
   bool all_pass = true;
   for (int hidden : hiddens) {
-    const int slots = std::min(kMaxSlots, static_cast<int>((P.smem_optin - kMaxSlots * sizeof(uint64_t)) / (hidden * 2)));
+    const int slots = tma_slots(P.smem_optin, hidden * 2);
     printf("\nhidden %d (%d B rows), GB/s per GPU (median us per call); tma: 1 issuing thread, %d row slots, "
            "%d stores reading at most; epilogue: %d SMs x 1024 threads or cudaMemcpyAsync\n",
            hidden, hidden * 2, slots, kStoreDepth, P.sm_count);
