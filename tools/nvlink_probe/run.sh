@@ -14,6 +14,9 @@ nvcc=$(command -v nvcc || echo "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc")
 "$nvcc" -arch=sm_90a -O3 -o "$bin" tools/nvlink_probe/nvlink_probe.cu || exit 1
 if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then n=$(tr ',' '\n' <<<"$CUDA_VISIBLE_DEVICES" | grep -c .)
 else n=$(nvidia-smi -L | grep -c '^GPU'); fi
+# the links the tables are read against (NVSwitch or direct NVLink, how many per pair)
+nvidia-smi topo -m 2>/dev/null || true
+export CUDA_MODULE_LOADING=EAGER  # the probe sets it too; here it also holds should the runtime read it early
 # the full mesh first: it is the table that matters, should the device time run out
 gpus=${GPUS:-$( [ "$n" -gt 2 ] && echo "$n 2" || echo "$n" )}
 status=0
