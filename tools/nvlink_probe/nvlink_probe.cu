@@ -291,12 +291,13 @@ __global__ void check_kernel(const uint16_t* __restrict__ got, const int2* __res
 }
 
 // ---------------------------------------------------------------------------------------- host
-// tma: row slots that fit in the opt-in shared memory beside the kMaxSlots mbarriers, and the block's bytes.
+// tma: row slots that fit in the opt-in shared memory beside the kMaxSlots mbarriers, and the block's bytes:
+// at least `spread` (over half an SM's), so that small rows too give one block per SM, as for direct.
 static int tma_slots(int smem_optin, int row_bytes) {
   return std::min(kMaxSlots, static_cast<int>((smem_optin - kMaxSlots * sizeof(uint64_t)) / row_bytes));
 }
-static size_t tma_smem_bytes(int slots, int row_bytes) {
-  return static_cast<size_t>(slots) * row_bytes + kMaxSlots * sizeof(uint64_t);
+static size_t tma_smem_bytes(int slots, int row_bytes, int spread) {
+  return std::max(static_cast<size_t>(spread), static_cast<size_t>(slots) * row_bytes + kMaxSlots * sizeof(uint64_t));
 }
 
 enum Design { kDirect, kTma, kCePeer };
@@ -370,7 +371,7 @@ static void enqueue_send(Probe& P, int r, const Config& c, int slots) {
     if (c.unroll == 2) direct_send<2><<<c.sms, c.threads, spread, k.stream>>>(m, (const int4*)k.x, k.rows, k.num_send, row_vecs, t);
     if (c.unroll == 4) direct_send<4><<<c.sms, c.threads, spread, k.stream>>>(m, (const int4*)k.x, k.rows, k.num_send, row_vecs, t);
   } else if (c.design == kTma) {
-    tma_send<<<c.sms, c.threads, tma_smem_bytes(slots, row_bytes), k.stream>>>(m, k.x, k.rows, k.num_send, row_bytes, slots, P.send_target);
+    tma_send<<<c.sms, c.threads, tma_smem_bytes(slots, row_bytes, P.spread_smem), k.stream>>>(m, k.x, k.rows, k.num_send, row_bytes, slots, P.send_target);
   } else {  // ce_peer: one stream per destination, joined back, then a barrier so the time covers every push
     CK(cudaEventRecord(k.fork, k.stream));
     for (int d = 0; d < P.R; ++d) {
@@ -591,7 +592,7 @@ int main(int argc, char** argv) {
       one_per_sm(reinterpret_cast<const void*>(direct_send<4>), t, P.spread_smem, "direct x4");
     }
     for (int h : hiddens)
-      one_per_sm(reinterpret_cast<const void*>(tma_send), 32, tma_smem_bytes(tma_slots(P.smem_optin, 2 * h), 2 * h),
+      one_per_sm(reinterpret_cast<const void*>(tma_send), 32, tma_smem_bytes(tma_slots(P.smem_optin, 2 * h), 2 * h, P.spread_smem),
                  "tma");
   }
 
