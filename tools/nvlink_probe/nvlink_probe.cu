@@ -1,4 +1,4 @@
-// NVLink all-to-all probe: what per-GPU throughput candidate intranode dispatch designs reach with S SMs.
+// NVLink all-to-all probe: what per-GPU throughput candidate intranode dispatch and combine designs reach with S SMs.
 //
 // One process drives GPUs 0..R-1 (peer access, peer pointers; no MPI/NVSHMEM/torch). Every GPU holds
 // T tokens of `hidden` bf16 (here raw 16-bit words: the copy is bitwise) and routes each token to the
@@ -23,6 +23,22 @@
 // salt), twice, so a design that does not deliver prints FAIL (one that signals before its data is visible
 // can only show on the epilogue rows, whose copy starts as soon as the counts are seen, when it loses the race).
 //
+// Combine (the reverse; `--ops` picks dispatch, combine or both): every rank holds one expert-output bf16 row per
+// row it received in the dispatch, in the dispatch's receive layout, and each goes back to the token's owner,
+// which sums (fp32) the rows of every rank holding that token into one bf16 row of its output [T, hidden]:
+//   pull xU tN        S blocks; each first joins a barrier of all ranks' blocks (rows ready; timed, like the
+//                     push's counters), then the owner's blocks split its T tokens, one warp per token: per
+//                     holder (remote NVLink loads, a local one for itself) U 16-byte loads in flight per lane,
+//                     summed in fp32, one bf16 row stored; an untimed barrier after (no holder rewrites its
+//                     rows while a peer still reads them);
+//   push+reduce xU tN `direct xU tN` moving each row to its (token, holder) slot in the owner's staging buffer
+//                     (compact: a token's slots contiguous, holders in rank order; offsets from the host), the
+//                     same counters, then a reduce kernel of S blocks x N threads summing each token's slots.
+// Received bytes (and so the GB/s formula) are the dispatch's. Check: expert-output elements are integers in
+// [-8, 8] (pattern of holder, owner, token, column, salt), so every sum is exact; after timing, two calls on
+// fresh salts with the output poisoned (NaN) first, every output element of every rank compared with the sum
+// over the token's holders taken from the routing (0 for a token no rank holds).
+//
 // No hang: every wait spins against a clock64 timeout; on timeout it prints GPU, peer and phase, raises
 // an abort word on every GPU (so the other waits give up at once) and records the failure in mapped host
 // memory; the host exits with status 2 at its next synchronisation.
@@ -30,6 +46,7 @@
 //   nvcc -arch=sm_90a -O3 -o /tmp/nvlink_probe tools/nvlink_probe/nvlink_probe.cu
 //   /tmp/nvlink_probe [--gpus R] [--sms 4,8,16,24,32] [--threads 512,1024] [--hidden 7168,4096]
 //                     [--tokens 4096] [--topk 8] [--experts 256] [--iters 10] [--warmup 2]
+//                     [--ops dispatch,combine]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -56,7 +73,7 @@ constexpr long long kTimeoutCycles = 4000000000LL;  // ~2 s at the H100/H200 SM 
 constexpr int kStoreDepth = 4;                      // tma: bulk stores whose shared-memory reads may be pending
 constexpr int kMaxSlots = 32;                       // tma: shared-memory row buffers per block at most
 
-enum Phase { kPhaseBarrier = 0, kPhaseSendDone = 1, kPhaseTmaLoad = 2 };
+enum Phase { kPhaseBarrier = 0, kPhaseSendDone = 1, kPhaseTmaLoad = 2, kPhasePullReady = 3 };
 
 // Written by a timed-out wait into mapped host memory; read by the host after each synchronisation.
 struct ErrorRecord {
@@ -99,7 +116,11 @@ __device__ __forceinline__ void red_release_sys(unsigned* p, unsigned v) {
 
 __device__ void raise_timeout(const Mesh& m, int peer, int phase, unsigned target, unsigned seen) {
   printf("TIMEOUT gpu %d peer %d phase %s target %u seen %u (block %d thread %d)\n", m.rank, peer,
-         phase == kPhaseBarrier ? "barrier" : phase == kPhaseSendDone ? "send-done" : "tma-load", target, seen,
+         phase == kPhaseBarrier    ? "barrier"
+         : phase == kPhaseSendDone ? "send-done"
+         : phase == kPhaseTmaLoad  ? "tma-load"
+                                   : "pull-ready",
+         target, seen,
          blockIdx.x, threadIdx.x);
   volatile ErrorRecord* e = m.err;
   e->gpu = m.rank; e->peer = peer; e->phase = phase; e->target = target; e->seen = seen;
@@ -290,6 +311,128 @@ __global__ void check_kernel(const uint16_t* __restrict__ got, const int2* __res
   if (bad) atomicAdd(mismatches, bad);
 }
 
+// ---------------------------------------------------------------------------------------- combine
+// Element `col` of the expert-output row that rank `holder` returns to `owner` for the owner's token `token`:
+// an integer in [-8, 8], stored as bf16. A token's sum has <= 8 terms (|sum| <= 64): exact in fp32 and bf16.
+__device__ __forceinline__ int combine_value(int holder, int owner, int token, int col, unsigned salt) {
+  return static_cast<int>(pattern(holder * kMaxRanks + owner, token, col, salt) % 17) - 8;
+}
+__device__ __forceinline__ uint16_t bf16_bits(float f) { return static_cast<uint16_t>(__float_as_uint(f) >> 16); }
+
+// Where a combine kernel reads rank p's rows: pull, every rank's expert-output buffer (peer pointers);
+// reduce, the own rank's staging buffer.
+struct Bases {
+  const uint8_t* p[kMaxRanks];
+};
+
+// 16-byte loads of rows read once. kNc (the reduce epilogue): non-coherent path without L1 allocation, valid
+// because no one writes the staging buffer while the kernel runs (the push kernels before it filled it, the
+// next call's pushes wait for the barrier behind it). Else (pull: a holder may still be writing its rows when
+// the owner's kernel starts) a plain weak load cached at L2 only (ld.global.cg), ordered after the acquire of
+// the kernel's own barrier by the __syncthreads that ends it.
+template <bool kNc>
+__device__ __forceinline__ int4 ld_row(const int4* p) {
+  if (!kNc) return __ldcg(p);
+  int4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ void add_bf16x8(float (&acc)[8], const int4& v) {
+  const uint32_t w[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y), static_cast<uint32_t>(v.z),
+                         static_cast<uint32_t>(v.w)};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    acc[2 * i] += __uint_as_float(w[i] << 16);             // element 2i: the low half
+    acc[2 * i + 1] += __uint_as_float(w[i] & 0xFFFF0000u);  // element 2i + 1: the high half
+  }
+}
+__device__ __forceinline__ int4 pack_bf16x8(const float (&acc)[8]) {
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)  // round to nearest even; the first source goes to the upper half
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w[i]) : "f"(acc[2 * i + 1]), "f"(acc[2 * i]));
+  return make_int4(static_cast<int>(w[0]), static_cast<int>(w[1]), static_cast<int>(w[2]), static_cast<int>(w[3]));
+}
+
+// out[t] = sum over j in [tok_off[t], tok_off[t + 1]) of row srcs[j].y of rank srcs[j].x's buffer (bases),
+// fp32 accumulation, bf16 result; a token without sources gets zeros. Warp w of the grid takes tokens
+// w, w + W, ...; lane l holds the row pointer of the token's l-th source (a token has at most R <= 8, one
+// per holder rank, by construction of the tables) and broadcasts it by shuffle; per source, each lane has
+// kUnroll 16-byte loads in flight (vectors c + 32 u, c = l, l + 32 kUnroll, ...) before adding them.
+// kPull: sources on every rank (remote loads, a local one for the own rank); first a barrier of all ranks
+// inside the kernel (every block adds 1 at every rank's barrier counters, release, and waits until every
+// rank's count reached ready_target, acquire: the holders' rows are ready), so its time holds one all-rank
+// handshake as push+reduce's holds its counters. Else the push+reduce epilogue: sources in the local staging
+// buffer, no waits (the push kernel before it acquired every source's rows).
+template <int kUnroll, bool kPull>
+__global__ void __launch_bounds__(1024, 1)
+    combine_reduce(Mesh m, unsigned ready_target, const __grid_constant__ Bases b, const int* __restrict__ tok_off,
+                   const int2* __restrict__ srcs, int tokens, int row_vecs, int4* __restrict__ out) {
+  if (kPull) arrive_all_and_wait(m, 0, ready_target, kPhasePullReady);
+  const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  const int first = blockIdx.x * warps + (threadIdx.x >> 5), stride = gridDim.x * warps;
+#pragma unroll 1
+  for (int t = first; t < tokens; t += stride) {  // warp-uniform: every shuffle below has all 32 lanes
+    const int j0 = tok_off[t], n = tok_off[t + 1] - j0;
+    unsigned long long mine = 0;
+    if (lane < n) {
+      const int2 s = srcs[j0 + lane];
+      mine = reinterpret_cast<unsigned long long>(b.p[s.x] + static_cast<size_t>(s.y) * row_vecs * 16);
+    }
+#pragma unroll 1
+    for (int c = lane; c - lane < row_vecs; c += 32 * kUnroll) {  // c - lane: the warp's first vector, uniform
+      float acc[kUnroll][8];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[u][i] = 0.f;
+#pragma unroll 1
+      for (int j = 0; j < n; ++j) {
+        const int4* src = reinterpret_cast<const int4*>(__shfl_sync(0xFFFFFFFFu, mine, j)) + c;
+        int4 v[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+          if (c + 32 * u < row_vecs) v[u] = ld_row<!kPull>(src + 32 * u);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+          if (c + 32 * u < row_vecs) add_bf16x8(acc[u], v[u]);
+      }
+      int4* dst = out + static_cast<size_t>(t) * row_vecs + c;
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        if (c + 32 * u < row_vecs) dst[32 * u] = pack_bf16x8(acc[u]);
+    }
+  }
+}
+
+// Row b of a holder's expert-output buffer (dispatch receive layout: expect[b] = (owner, token)).
+__global__ void combine_fill_kernel(uint16_t* rows, const int2* __restrict__ expect, int num_rows, int hidden,
+                                    int holder, unsigned salt) {
+  const size_t n = static_cast<size_t>(num_rows) * hidden;
+  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    const int2 e = expect[i / hidden];
+    rows[i] = bf16_bits(static_cast<float>(combine_value(holder, e.x, e.y, static_cast<int>(i % hidden), salt)));
+  }
+}
+
+// Counts output elements of `owner` that differ from the sum over the token's holders (bit d of holders[t],
+// from the routing, independent of the kernels' offset tables); a poisoned (NaN) element never compares equal.
+__global__ void combine_check_kernel(const uint16_t* __restrict__ out, const uint8_t* __restrict__ holders,
+                                     int tokens, int hidden, int ranks, int owner, unsigned salt,
+                                     unsigned long long* mismatches) {
+  unsigned long long bad = 0;
+  for (int t = blockIdx.x; t < tokens; t += gridDim.x)
+    for (int c = threadIdx.x; c < hidden; c += blockDim.x) {
+      int want = 0;
+      for (int d = 0; d < ranks; ++d)
+        if ((holders[t] >> d) & 1) want += combine_value(d, owner, t, c, salt);
+      const float got = __uint_as_float(static_cast<uint32_t>(out[static_cast<size_t>(t) * hidden + c]) << 16);
+      bad += !(got == static_cast<float>(want));
+    }
+  if (bad) atomicAdd(mismatches, bad);
+}
+
 // ---------------------------------------------------------------------------------------- host
 // tma: row slots that fit in the opt-in shared memory beside the kMaxSlots mbarriers, and the block's bytes:
 // at least `spread` (over half an SM's), so that small rows too give one block per SM, as for direct.
@@ -300,15 +443,26 @@ static size_t tma_smem_bytes(int slots, int row_bytes, int spread) {
   return std::max(static_cast<size_t>(spread), static_cast<size_t>(slots) * row_bytes + kMaxSlots * sizeof(uint64_t));
 }
 
-enum Design { kDirect, kTma, kCePeer };
-enum Epilogue { kEpiNone, kEpiSm, kEpiCe };
+enum Design { kDirect, kTma, kCePeer, kPull, kPushReduce };  // the last two: combine
+enum Epilogue { kEpiNone, kEpiSm, kEpiCe, kEpiReduce };
+static bool is_combine(Design d) { return d == kPull || d == kPushReduce; }
 
 struct Rank {
   cudaStream_t stream;
   cudaStream_t side[kMaxRanks];
   cudaEvent_t fork, join[kMaxRanks];
   std::vector<cudaEvent_t> ev;  // 3 per iteration: start, after send, after epilogue
+  // recv: the dispatch's receive buffer, and the combine's expert-output rows (same layout, peer-readable)
   uint8_t *x, *recv, *out, *packed;
+  // combine: cout [T, hidden] the owner's output; stage: push+reduce slots (num_send rows: one per (token,
+  // holder) of this owner, a token's slots contiguous, holders in rank order); tok_off [T + 1] a token's first
+  // slot; pull_src / reduce_src [num_send] (rank, row) a slot's source row (holder's expert-output buffer /
+  // own staging); push_rows [num_recv] this rank's expert-output rows -> (owner, slot); holders [T] bit d:
+  // rank d holds the token (for the check, from the routing)
+  uint8_t *cout, *stage, *holders;
+  int* tok_off;
+  int2 *pull_src, *reduce_src;
+  SendRow* push_rows;
   unsigned* counters;
   unsigned long long* mismatches;
   SendRow* rows;
@@ -329,6 +483,21 @@ struct Probe {
     m.rank = r; m.ranks = R; m.err = err;
     for (int p = 0; p < R; ++p) { m.recv[p] = rk[p].recv; m.counters[p] = rk[p].counters; }
     return m;
+  }
+  Mesh push_mesh(int r) const {  // push+reduce: rows go to the owners' staging buffers; the same counters
+    Mesh m = mesh(r);
+    for (int p = 0; p < R; ++p) m.recv[p] = rk[p].stage;
+    return m;
+  }
+  Bases pull_bases() const {
+    Bases b{};
+    for (int p = 0; p < R; ++p) b.p[p] = rk[p].recv;
+    return b;
+  }
+  Bases reduce_bases(int r) const {  // reduce_src names only rank r
+    Bases b{};
+    b.p[r] = rk[r].stage;
+    return b;
   }
   void sync_all() {
     for (int r = 0; r < R; ++r) { CK(cudaSetDevice(r)); CK(cudaDeviceSynchronize()); }
@@ -359,6 +528,24 @@ struct Result {
   unsigned long long mismatches;
 };
 
+// combine_reduce<unroll, pull> with S blocks of N threads, one per SM (the spread shared memory, as
+// direct_send): pull reads every rank's expert-output rows after its in-kernel barrier (target
+// P.barrier_target, advanced by the caller); the reduce reads the own staging buffer.
+template <bool kPull>
+static void launch_reduce(Probe& P, int r, const Config& c) {
+  Rank& k = P.rk[r];
+  const int row_vecs = c.hidden * 2 / 16;
+  const size_t spread = P.spread_smem;
+  const Mesh m = P.mesh(r);
+  const unsigned t = P.barrier_target;
+  const Bases b = kPull ? P.pull_bases() : P.reduce_bases(r);
+  const int2* srcs = kPull ? k.pull_src : k.reduce_src;
+  int4* out = reinterpret_cast<int4*>(k.cout);
+  if (c.unroll == 1) combine_reduce<1, kPull><<<c.sms, c.threads, spread, k.stream>>>(m, t, b, k.tok_off, srcs, P.T, row_vecs, out);
+  if (c.unroll == 2) combine_reduce<2, kPull><<<c.sms, c.threads, spread, k.stream>>>(m, t, b, k.tok_off, srcs, P.T, row_vecs, out);
+  if (c.unroll == 4) combine_reduce<4, kPull><<<c.sms, c.threads, spread, k.stream>>>(m, t, b, k.tok_off, srcs, P.T, row_vecs, out);
+}
+
 static void enqueue_send(Probe& P, int r, const Config& c, int slots) {
   Rank& k = P.rk[r];
   const int row_bytes = c.hidden * 2, row_vecs = row_bytes / 16;
@@ -370,6 +557,17 @@ static void enqueue_send(Probe& P, int r, const Config& c, int slots) {
     if (c.unroll == 1) direct_send<1><<<c.sms, c.threads, spread, k.stream>>>(m, (const int4*)k.x, k.rows, k.num_send, row_vecs, t);
     if (c.unroll == 2) direct_send<2><<<c.sms, c.threads, spread, k.stream>>>(m, (const int4*)k.x, k.rows, k.num_send, row_vecs, t);
     if (c.unroll == 4) direct_send<4><<<c.sms, c.threads, spread, k.stream>>>(m, (const int4*)k.x, k.rows, k.num_send, row_vecs, t);
+  } else if (c.design == kPushReduce) {
+    // the direct send of this rank's expert-output rows to their slots in the owners' staging buffers
+    const Mesh pm = P.push_mesh(r);
+    const unsigned t = P.send_target;
+    const size_t spread = P.spread_smem;
+    const int4* src = reinterpret_cast<const int4*>(k.recv);
+    if (c.unroll == 1) direct_send<1><<<c.sms, c.threads, spread, k.stream>>>(pm, src, k.push_rows, k.num_recv, row_vecs, t);
+    if (c.unroll == 2) direct_send<2><<<c.sms, c.threads, spread, k.stream>>>(pm, src, k.push_rows, k.num_recv, row_vecs, t);
+    if (c.unroll == 4) direct_send<4><<<c.sms, c.threads, spread, k.stream>>>(pm, src, k.push_rows, k.num_recv, row_vecs, t);
+  } else if (c.design == kPull) {
+    launch_reduce<true>(P, r, c);
   } else if (c.design == kTma) {
     tma_send<<<c.sms, c.threads, tma_smem_bytes(slots, row_bytes, P.spread_smem), k.stream>>>(m, k.x, k.rows, k.num_send, row_bytes, slots, P.send_target);
   } else {  // ce_peer: one stream per destination, joined back, then a barrier so the time covers every push
@@ -392,13 +590,20 @@ static void enqueue_epilogue(Probe& P, int r, const Config& c) {
   const size_t bytes = static_cast<size_t>(k.num_recv) * c.hidden * 2;
   if (c.epi == kEpiSm) copy_kernel<<<P.sm_count, 1024, 0, k.stream>>>((int4*)k.out, (const int4*)k.recv, bytes / 16);
   if (c.epi == kEpiCe) CK(cudaMemcpyAsync(k.out, k.recv, bytes, cudaMemcpyDeviceToDevice, k.stream));
+  if (c.epi == kEpiReduce) launch_reduce<false>(P, r, c);
   CK(cudaGetLastError());
 }
 
 // One call on every rank: barrier, [start] send [mid] epilogue [end]. Counter targets advance in step.
+// Combine buffer reuse: pull reads a holder's rows only after its kernel's own barrier (every rank's pull
+// kernel started, so each holder's fill before it is done) and a holder rewrites them only after the trailing
+// barrier (every rank's pull finished); a staging slot (push+reduce) is written by the next call's push only
+// after the next call's leading barrier, which the owner reaches only after its reduce of this call finished.
+// Barrier counters: leading +1, pull +S (one per block), trailing +1 per rank, in the same order everywhere.
 static void enqueue_call(Probe& P, const Config& c, int slots, int it) {
   P.barrier();
-  if (c.design != kCePeer) P.send_target += c.sms;
+  if (c.design == kDirect || c.design == kTma || c.design == kPushReduce) P.send_target += c.sms;
+  if (c.design == kPull) P.barrier_target += c.sms;  // the pull kernel's own barrier: S arrivals per rank
   for (int r = 0; r < P.R; ++r) {
     CK(cudaSetDevice(r));
     Rank& k = P.rk[r];
@@ -413,12 +618,19 @@ static void enqueue_call(Probe& P, const Config& c, int slots, int it) {
     enqueue_epilogue(P, r, c);
     if (it >= 0) CK(cudaEventRecord(k.ev[3 * it + 2], k.stream));
   }
+  // pull, untimed: no holder goes on (e.g. to refill its rows for the check) while a peer still reads them
+  if (c.design == kPull) P.barrier();
 }
 
 static void fill_inputs(Probe& P, const Config& c, unsigned salt) {
   for (int r = 0; r < P.R; ++r) {
     CK(cudaSetDevice(r));
     Rank& k = P.rk[r];
+    if (is_combine(c.design)) {  // the expert-output rows this rank returns
+      combine_fill_kernel<<<1024, 256, 0, k.stream>>>((uint16_t*)k.recv, k.expect, k.num_recv, c.hidden, r, salt);
+      CK(cudaGetLastError());
+      continue;
+    }
     fill_kernel<<<1024, 256, 0, k.stream>>>((uint16_t*)k.x, r, P.T, c.hidden, salt);
     if (c.design == kCePeer)
       gather_kernel<<<1024, 256, 0, k.stream>>>((int4*)k.packed, (const int4*)k.x, k.pack_tokens, k.num_send,
@@ -453,8 +665,9 @@ static Result run_config(Probe& P, const Config& c, int warmup, int iters) {
   }
   Result res{};
   res.send_us = median(send); res.epi_us = median(epi); res.total_us = median(total);
-  double bytes = 0;
-  for (int r = 0; r < P.R; ++r) bytes += static_cast<double>(P.rk[r].num_recv) * row_bytes / P.R;
+  double bytes = 0;  // combine: a rank receives one row per (token, holder), i.e. as many as it sent in dispatch
+  for (int r = 0; r < P.R; ++r)
+    bytes += static_cast<double>(is_combine(c.design) ? P.rk[r].num_send : P.rk[r].num_recv) * row_bytes / P.R;
   res.gbps_send = bytes / (res.send_us * 1e3);
   res.gbps_total = bytes / (res.total_us * 1e3);
   // Verification: two calls on fresh data (a new salt each, so neither the previous call's rows nor the
@@ -464,10 +677,20 @@ static Result run_config(Probe& P, const Config& c, int warmup, int iters) {
   for (int v = 0; v < 2; ++v) {
     const unsigned salt = ++P.salt;
     fill_inputs(P, c, salt);
+    for (int r = 0; r < P.R && is_combine(c.design); ++r) {  // poison: 0xFFFF is a NaN, equal to nothing
+      CK(cudaSetDevice(r));
+      CK(cudaMemsetAsync(P.rk[r].cout, 0xFF, static_cast<size_t>(P.T) * row_bytes, P.rk[r].stream));
+    }
     enqueue_call(P, c, slots, -1);
     for (int r = 0; r < P.R; ++r) {
       CK(cudaSetDevice(r));
       Rank& k = P.rk[r];
+      if (is_combine(c.design)) {
+        combine_check_kernel<<<1024, 256, 0, k.stream>>>((const uint16_t*)k.cout, k.holders, P.T, c.hidden, P.R, r,
+                                                         salt, k.mismatches);
+        CK(cudaGetLastError());
+        continue;
+      }
       check_kernel<<<1024, 256, 0, k.stream>>>((const uint16_t*)k.recv, k.expect, k.num_recv, c.hidden, salt, k.mismatches);
       if (c.epi != kEpiNone)
         check_kernel<<<1024, 256, 0, k.stream>>>((const uint16_t*)k.out, k.expect, k.num_recv, c.hidden, salt, k.mismatches);
@@ -497,6 +720,7 @@ static std::vector<int> parse_list(const char* s) {
 static const char kUsage[] =
     "usage: nvlink_probe [--gpus R] [--sms 4,8,16,24,32] [--threads 512,1024] [--hidden 7168,4096]\n"
     "                    [--tokens 4096] [--topk 8] [--experts 256] [--iters 10] [--warmup 2]\n"
+    "                    [--ops dispatch,combine]\n"
     "R defaults to every visible GPU (2..8, all pairs with peer access and native atomics).\n"
     "Exit status: 0 all designs pass their data check, 1 setup error, 2 a wait timed out, 3 a check failed.\n";
 
@@ -504,6 +728,7 @@ int main(int argc, char** argv) {
   const auto wall_start = std::chrono::steady_clock::now();
   int gpus = 0, tokens = 4096, topk = 8, experts = 256, iters = 10, warmup = 2;
   std::vector<int> sms = {4, 8, 16, 24, 32}, threads = {512, 1024}, hiddens = {7168, 4096};
+  bool do_dispatch = true, do_combine = true;
   for (int i = 1; i < argc; ++i)
     if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) { fputs(kUsage, stdout); return 0; }
   for (int i = 1; i < argc; i += 2) {
@@ -518,10 +743,22 @@ int main(int argc, char** argv) {
     else if (a == "--experts") experts = atoi(argv[i + 1]);
     else if (a == "--iters") iters = atoi(argv[i + 1]);
     else if (a == "--warmup") warmup = atoi(argv[i + 1]);
+    else if (a == "--ops") {
+      do_dispatch = do_combine = false;
+      for (const char* q = argv[i + 1]; *q;) {
+        const char* e = q;
+        while (*e && *e != ',') ++e;
+        const std::string op(q, e);
+        if (op == "dispatch") do_dispatch = true;
+        else if (op == "combine") do_combine = true;
+        else { fprintf(stderr, "--ops: unknown table %s (dispatch, combine)\n%s", op.c_str(), kUsage); return 1; }
+        q = *e ? e + 1 : e;
+      }
+    }
     else { fprintf(stderr, "unknown option %s\n%s", a.c_str(), kUsage); return 1; }
   }
   if (tokens < 1 || topk < 1 || experts < 1 || iters < 1 || warmup < 0 || sms.empty() || threads.empty() ||
-      hiddens.empty()) {
+      hiddens.empty() || !(do_dispatch || do_combine)) {
     fprintf(stderr, "need tokens, topk, experts, iters >= 1, warmup >= 0 and non-empty lists\n%s", kUsage);
     return 1;
   }
@@ -574,6 +811,12 @@ int main(int argc, char** argv) {
     CK(cudaFuncSetAttribute(direct_send<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, P.spread_smem));
     CK(cudaFuncSetAttribute(direct_send<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, P.spread_smem));
     CK(cudaFuncSetAttribute(direct_send<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, P.spread_smem));
+    const void* combine_kernels[6] = {
+        reinterpret_cast<const void*>(combine_reduce<1, true>), reinterpret_cast<const void*>(combine_reduce<2, true>),
+        reinterpret_cast<const void*>(combine_reduce<4, true>), reinterpret_cast<const void*>(combine_reduce<1, false>),
+        reinterpret_cast<const void*>(combine_reduce<2, false>), reinterpret_cast<const void*>(combine_reduce<4, false>)};
+    for (const void* f : combine_kernels)
+      CK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, P.spread_smem));
     // Every block of a send kernel waits for every block of every source, its own GPU's included, so the S
     // blocks of a call must all be resident at once (S <= SM count, checked above): each launch shape must
     // fit exactly one block per SM. Checked here so a shape that cannot launch fails before any timing.
@@ -590,6 +833,10 @@ int main(int argc, char** argv) {
       one_per_sm(reinterpret_cast<const void*>(direct_send<1>), t, P.spread_smem, "direct x1");
       one_per_sm(reinterpret_cast<const void*>(direct_send<2>), t, P.spread_smem, "direct x2");
       one_per_sm(reinterpret_cast<const void*>(direct_send<4>), t, P.spread_smem, "direct x4");
+      // pull waits for every rank's blocks as the senders do; the reduce does not wait, but its S blocks must
+      // mean S SMs all the same
+      const char* names[6] = {"pull x1", "pull x2", "pull x4", "reduce x1", "reduce x2", "reduce x4"};
+      for (int f = 0; f < 6; ++f) one_per_sm(combine_kernels[f], t, P.spread_smem, names[f]);
     }
     for (int h : hiddens)
       one_per_sm(reinterpret_cast<const void*>(tma_send), 32, tma_smem_bytes(tma_slots(P.smem_optin, 2 * h), 2 * h, P.spread_smem),
@@ -615,6 +862,7 @@ int main(int argc, char** argv) {
   }
   printf("nvlink_probe: %d x %s, %d SMs; T=%d top-%d of %d experts; iters %d (median) after %d warm-up\n", R,
          prop.name, P.sm_count, tokens, topk, experts, iters, warmup);
+  std::vector<std::vector<int2>> held(R);  // held[r][b] = (source, token) of r's receive row b
   for (int r = 0; r < R; ++r) {
     Rank& k = P.rk[r];
     std::vector<SendRow> rows;
@@ -657,6 +905,7 @@ int main(int argc, char** argv) {
     CK(cudaMemcpy(k.rows, rows.data(), rows.size() * sizeof(SendRow), cudaMemcpyHostToDevice));
     CK(cudaMemcpy(k.pack_tokens, pack_tokens.data(), pack_tokens.size() * sizeof(int), cudaMemcpyHostToDevice));
     CK(cudaMemcpy(k.expect, expect.data(), expect.size() * sizeof(int2), cudaMemcpyHostToDevice));
+    held[r] = expect;
     CK(cudaStreamCreateWithFlags(&k.stream, cudaStreamNonBlocking));
     CK(cudaEventCreateWithFlags(&k.fork, cudaEventDisableTiming));
     for (int d = 0; d < R; ++d) {
@@ -669,20 +918,99 @@ int main(int argc, char** argv) {
     for (int s = 0; s < R; ++s) printf(" %zu", to[s][r].size());
     printf(")\n");
   }
+  // Combine tables. Owner s: the holders of its token t are the ranks d with t in to[s][d] (bit d of
+  // holders[s][t]); the token's slots tok_off[t] .. tok_off[t + 1] - 1 list them in rank order. The slot j of
+  // (t, d): pull reads d's expert-output row for (s, t), i.e. d's dispatch receive row recv_off[s] + (index
+  // of t in to[s][d]); d's push writes that row to s's staging row j; s's reduce reads its staging row j.
+  std::vector<std::vector<std::vector<SendRow>>> push_by_owner(R, std::vector<std::vector<SendRow>>(R));
+  std::vector<std::vector<int2>> pull_h(R);  // each owner's pull_src, for the consistency check below
+  // A table error here would show as FAIL on the GPU; checked on the host too so it reads as a setup error.
+  auto table_error = [](const char* what, int a, int b, int c) {
+    fprintf(stderr, "combine tables: %s (%d, %d, %d)\n", what, a, b, c);
+    exit(1);
+  };
+  for (int s = 0; s < R && do_combine; ++s) {
+    std::vector<uint8_t> holders(tokens, 0);
+    std::vector<int> tok_off(tokens + 1, 0);
+    for (int d = 0; d < R; ++d)
+      for (int t : to[s][d]) holders[t] |= 1u << d;
+    for (int t = 0; t < tokens; ++t) tok_off[t + 1] = tok_off[t] + __builtin_popcount(holders[t]);
+    const int slots_s = tok_off[tokens];
+    if (slots_s != P.rk[s].num_send) {
+      fprintf(stderr, "rank %d: %d combine slots but %d dispatch rows\n", s, slots_s, P.rk[s].num_send);
+      return 1;
+    }
+    std::vector<int2> pull_src(slots_s), reduce_src(slots_s);
+    for (int d = 0; d < R; ++d)
+      for (size_t i = 0; i < to[s][d].size(); ++i) {
+        const int t = to[s][d][i], row = static_cast<int>(P.rk[d].recv_off[s] + i);
+        const int j = tok_off[t] + __builtin_popcount(holders[t] & ((1u << d) - 1));
+        pull_src[j] = make_int2(d, row);
+        push_by_owner[d][s].push_back({row, s, j, 0});
+      }
+    for (int j = 0; j < slots_s; ++j) reduce_src[j] = make_int2(s, j);
+    for (int t = 0; t < tokens; ++t)  // slot j of token t names a holder of t, in rank order, and its row of (s, t)
+      for (int j = tok_off[t]; j < tok_off[t + 1]; ++j) {
+        const int2 q = pull_src[j];
+        if (q.x < 0 || q.x >= R || !((holders[t] >> q.x) & 1) || (j > tok_off[t] && pull_src[j - 1].x >= q.x))
+          table_error("slot names no holder / holders out of order: owner, token, slot", s, t, j);
+        if (q.y < 0 || q.y >= P.rk[q.x].num_recv || held[q.x][q.y].x != s || held[q.x][q.y].y != t)
+          table_error("slot's source row is not the holder's row of the token: owner, token, slot", s, t, j);
+      }
+    pull_h[s] = pull_src;
+    Rank& k = P.rk[s];
+    CK(cudaSetDevice(s));
+    const size_t row_max = static_cast<size_t>(max_hidden) * 2;
+    CK(cudaMalloc(&k.cout, tokens * row_max));
+    CK(cudaMalloc(&k.stage, std::max(1, slots_s) * row_max));
+    CK(cudaMalloc(&k.holders, tokens));
+    CK(cudaMalloc(&k.tok_off, (tokens + 1) * sizeof(int)));
+    CK(cudaMalloc(&k.pull_src, std::max(1, slots_s) * sizeof(int2)));
+    CK(cudaMalloc(&k.reduce_src, std::max(1, slots_s) * sizeof(int2)));
+    CK(cudaMemcpy(k.holders, holders.data(), tokens, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(k.tok_off, tok_off.data(), (tokens + 1) * sizeof(int), cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(k.pull_src, pull_src.data(), slots_s * sizeof(int2), cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(k.reduce_src, reduce_src.data(), slots_s * sizeof(int2), cudaMemcpyHostToDevice));
+  }
+  for (int d = 0; d < R && do_combine; ++d) {
+    // a holder pushes its rows alternating owners (its own first), so its warps write to every owner at once
+    // rather than to one owner after another (its buffer holds them owner by owner)
+    std::vector<SendRow> rows;
+    for (size_t i = 0, more = 1; more; ++i) {
+      more = 0;
+      for (int q = 0; q < R; ++q) {
+        const std::vector<SendRow>& v = push_by_owner[d][(d + q) % R];
+        if (i < v.size()) { rows.push_back(v[i]); more = 1; }
+      }
+    }
+    Rank& k = P.rk[d];
+    if (static_cast<int>(rows.size()) != k.num_recv)
+      table_error("holder pushes not every row: holder, rows, held", d, static_cast<int>(rows.size()), k.num_recv);
+    std::vector<char> pushed(k.num_recv, 0);
+    for (const SendRow& w : rows) {  // each held row once, to the slot whose pull reads that same row
+      if (w.token < 0 || w.token >= k.num_recv || pushed[w.token]++ || w.dest != held[d][w.token].x ||
+          w.dst_row < 0 || w.dst_row >= P.rk[w.dest].num_send || pull_h[w.dest][w.dst_row].x != d ||
+          pull_h[w.dest][w.dst_row].y != w.token)
+        table_error("push row mismatch: holder, row, slot", d, w.token, w.dst_row);
+    }
+    CK(cudaSetDevice(d));
+    CK(cudaMalloc(&k.push_rows, std::max<size_t>(1, rows.size()) * sizeof(SendRow)));
+    CK(cudaMemcpy(k.push_rows, rows.data(), rows.size() * sizeof(SendRow), cudaMemcpyHostToDevice));
+  }
   P.sync_all();
 
   bool all_pass = true;
+  struct Row { std::string name; Design d; int unroll, threads; Epilogue epi; };
+  typedef std::vector<std::pair<double, std::string>> Best;  // per S: best GB/s and the row's "xU tN"
   for (int hidden : hiddens) {
-    const int slots = tma_slots(P.smem_optin, hidden * 2);
-    printf("\nhidden %d (%d B rows), GB/s per GPU (median us per call); tma: 1 issuing thread, %d row slots, "
-           "%d stores reading at most; epilogue: %d SMs x 1024 threads or cudaMemcpyAsync\n",
-           hidden, hidden * 2, slots, kStoreDepth, P.sm_count);
-    printf("%-26s", "design");
-    for (int s : sms) printf(" %16s", ("S=" + std::to_string(s)).c_str());
-    printf("  check\n");
-    struct Row { std::string name; Design d; int unroll, threads; Epilogue epi; };
-    std::vector<std::pair<double, std::string>> best(sms.size(), {0.0, ""});  // best direct row per S
-    auto run_row = [&](const Row& row) {
+    auto header = [&](const char* title) {
+      printf("%-26s", title);
+      for (int s : sms) printf(" %16s", ("S=" + std::to_string(s)).c_str());
+      printf("  check\n");
+    };
+    // Runs a row at every S and prints it (epilogue rows: the total, then the epilogue alone); a row with
+    // `best` competes there with its GB/s (the total for epilogue rows) under the name's "xU tN" part.
+    auto run_row = [&](const Row& row, Best* best) {
       std::vector<Result> res;
       unsigned long long bad = 0;
       for (int s : sms) {
@@ -690,9 +1018,10 @@ int main(int argc, char** argv) {
         bad += res.back().mismatches;
       }
       all_pass = all_pass && bad == 0;
-      for (size_t i = 0; i < sms.size(); ++i)
-        if (row.d == kDirect && row.epi == kEpiNone && res[i].gbps_send > best[i].first)
-          best[i] = {res[i].gbps_send, row.name.substr(7)};
+      for (size_t i = 0; best && i < sms.size(); ++i) {
+        const double g = row.epi != kEpiNone ? res[i].gbps_total : res[i].gbps_send;
+        if (g > (*best)[i].first) (*best)[i] = {g, row.name.substr(row.name.find(" x") + 1)};
+      }
       const std::string verdict = bad ? "FAIL (" + std::to_string(bad) + " bad elements)" : "PASS";
       char cell[64];
       printf("%-26s", (row.name + (row.epi != kEpiNone ? " total" : "")).c_str());
@@ -703,7 +1032,8 @@ int main(int argc, char** argv) {
       }
       printf("  %s\n", verdict.c_str());
       if (row.epi != kEpiNone) {
-        printf("%-26s", row.epi == kEpiSm ? "  epilogue alone (SMs)" : "  epilogue alone (CE)");
+        printf("%-26s", row.epi == kEpiSm ? "  epilogue alone (SMs)"
+                        : row.epi == kEpiCe ? "  epilogue alone (CE)" : "  reduce alone");
         for (const Result& r : res) {
           snprintf(cell, sizeof(cell), "%.0f (%.0f)", r.gbps_total * r.total_us / r.epi_us, r.epi_us);
           printf(" %16s", cell);
@@ -712,25 +1042,54 @@ int main(int argc, char** argv) {
       }
       fflush(stdout);
     };
+    auto print_best = [&](const char* title, const Best& best) {
+      printf("%-26s", title);
+      for (const auto& b : best) printf(" %16s", b.second.c_str());
+      printf("\n");
+    };
+    // The combine table first: it is plain SM loads and stores, printed before the dispatch table's tma rows
+    // (which run last, should the bulk-copy path fault and end the process).
+    if (do_combine) {
+      printf("\ncombine, hidden %d (%d B rows), GB/s per GPU (median us per call); pull: all-rank barrier in the "
+             "kernel, then loads from every holder; push+reduce: direct push to staging slots, counters, then a "
+             "reduce kernel of S blocks x N threads\n", hidden, hidden * 2);
+      header("combine design");
+      Best best_pull(sms.size(), {0.0, ""}), best_push(sms.size(), {0.0, ""});
+      for (int u : {1, 2, 4})
+        for (int t : threads)
+          run_row({"pull x" + std::to_string(u) + " t" + std::to_string(t), kPull, u, t, kEpiNone}, &best_pull);
+      print_best("best pull (unroll, thr)", best_pull);
+      for (int u : {1, 2, 4})
+        for (int t : threads)
+          run_row({"push+reduce x" + std::to_string(u) + " t" + std::to_string(t), kPushReduce, u, t, kEpiReduce},
+                  &best_push);
+      print_best("best push+reduce (total)", best_push);
+    }
+    if (!do_dispatch) continue;
+    const int slots = tma_slots(P.smem_optin, hidden * 2);
+    printf("\ndispatch, hidden %d (%d B rows), GB/s per GPU (median us per call); tma: 1 issuing thread, %d row "
+           "slots, %d stores reading at most; epilogue: %d SMs x 1024 threads or cudaMemcpyAsync\n",
+           hidden, hidden * 2, slots, kStoreDepth, P.sm_count);
+    header("design");
+    Best best(sms.size(), {0.0, ""});  // best direct row per S
     // Order: the plain SM and copy-engine designs first, the bulk-copy (tma) rows last, so that the most
     // certain rows are already printed should the tma path fault and end the process.
     for (int u : {1, 2, 4})
-      for (int t : threads) run_row({"direct x" + std::to_string(u) + " t" + std::to_string(t), kDirect, u, t, kEpiNone});
-    printf("%-26s", "best direct (unroll, thr)");
-    for (const auto& b : best) printf(" %16s", b.second.c_str());
-    printf("\n");
+      for (int t : threads)
+        run_row({"direct x" + std::to_string(u) + " t" + std::to_string(t), kDirect, u, t, kEpiNone}, &best);
+    print_best("best direct (unroll, thr)", best);
     const std::string t0 = " t" + std::to_string(threads[0]);
-    run_row({"direct x1" + t0 + " +epi_sm", kDirect, 1, threads[0], kEpiSm});
-    run_row({"direct x1" + t0 + " +epi_ce", kDirect, 1, threads[0], kEpiCe});
+    run_row({"direct x1" + t0 + " +epi_sm", kDirect, 1, threads[0], kEpiSm}, nullptr);
+    run_row({"direct x1" + t0 + " +epi_ce", kDirect, 1, threads[0], kEpiCe}, nullptr);
     const Result ce = run_config(P, {kCePeer, 1, 0, 0, hidden, kEpiNone}, warmup, iters);
     all_pass = all_pass && ce.mismatches == 0;
     printf("%-26s %16s  %s\n", "ce_peer (0 SMs)",
            (std::to_string(static_cast<int>(ce.gbps_send)) + " (" + std::to_string(static_cast<int>(ce.send_us)) + ")").c_str(),
            ce.mismatches ? "FAIL" : "PASS");
     fflush(stdout);
-    run_row({"tma", kTma, 1, 32, kEpiNone});
-    run_row({"tma +epi_sm", kTma, 1, 32, kEpiSm});
-    run_row({"tma +epi_ce", kTma, 1, 32, kEpiCe});
+    run_row({"tma", kTma, 1, 32, kEpiNone}, nullptr);
+    run_row({"tma +epi_sm", kTma, 1, 32, kEpiSm}, nullptr);
+    run_row({"tma +epi_ce", kTma, 1, 32, kEpiCe}, nullptr);
   }
   printf("\n%s (%.1f s)\n", all_pass ? "ALL PASS" : "SOME DESIGNS FAILED THE DATA CHECK",
          std::chrono::duration<double>(std::chrono::steady_clock::now() - wall_start).count());
