@@ -66,6 +66,8 @@ struct Control {
   // Direct dispatch (intranode/dispatch_direct.cu), after every word above so that none of them moves:
   uint64_t direct_ready[kMaxRanks];     // [d]: the number of d's latest direct call; written by d at its kernel's
                                         // start (st.release.sys), read by my senders before they write into d
+  int64_t direct_out_offset[kMaxRanks]; // [d]: where d's outputs of that call start in d's buffer, and their rows;
+  int64_t direct_out_rows[kMaxRanks];   // plain stores by d before its direct_ready store, which publishes them
   uint64_t direct_arrivals[kMaxRanks];  // [s]: blocks of s that finished writing their rows here in this call;
                                         // added by s (red.release.sys), read and reset by my block 0
   uint64_t direct_calls;                // my direct calls so far; read by my blocks at start, written by my block 0

@@ -1,30 +1,34 @@
 // Direct dispatch (fresh and cached): every block is a sender. Block c walks channel c's tokens and writes each
-// row bound for rank d, exactly once and by one warp, straight to its final row in d's staging region (d's
-// NVLink buffer from staging_offset on, laid out as DirectStaging; bytes no ring uses, see protocol.h): the
-// k-th row of channel c for d goes to row
+// row bound for rank d, exactly once and by one warp, straight into d's output tensors: d allocated them as one
+// block of its NVLink buffer (the peer pool, mapped by every peer) laid out as DirectOutputs, and published the
+// block's offset and row count for this call. The k-th row of channel c for d goes to row
 // send_row_offset[d][c] + k, which notify computed as (rows that ranks before me send to d) + (my rows to d in
 // channels before c), so the rows sit in the (source rank, token) order of the contract, the order the ring
-// kernel (dispatch.cu) gives. The host then copies staging -> output tensors on the same stream (copy engine).
+// kernel (dispatch.cu) gives. Nothing is copied afterwards: when d's kernel ends, its outputs are complete.
 // Inside a block, 24 / R warps serve each destination; warp gw of them takes rows gw, gw + 24 / R, ... (TokenScan).
-// Rows at or past num_rows (more rows than num_worst_tokens) are dropped, as the ring receiver drops them.
+// Rows at or past d's row count (more rows than num_worst_tokens) are dropped, as the ring receiver drops them.
 //
 // Protocol, per call n (n = my Control::direct_calls + 1; every rank makes the same direct calls in the same
 // order, so n is the same on every rank):
-//  1. Ready: my block 0 stores n into every peer's direct_ready[me] (st.release.sys) at my kernel's start. My
-//     kernel of call n runs after my copy out of staging of call n - 1 (same stream), so a peer that sees n may
-//     overwrite my staging. A sender warp for d first waits (lane 0, ld.acquire.sys) until d's direct_ready[d]
-//     in my Control reaches n.
-//  2. Rows: plain 16-byte stores (payload) and plain stores (scales, top-k, source) into d's staging.
+//  1. Ready: my block 0 stores my outputs' offset and rows into every peer's direct_out_offset[me] and
+//     direct_out_rows[me] (plain stores), then n into its direct_ready[me] (st.release.sys: it publishes the two
+//     words before it). My kernel of call n starts after everything my stream queued before it, so whatever used
+//     the memory of my outputs before (the pool's caching allocator hands a block back to its stream only in
+//     stream order) is done: a peer that sees n may write there. A sender warp for d first waits (lane 0,
+//     ld.acquire.sys) until d's direct_ready[d] in my Control reaches n, then reads d's offset and rows.
+//  2. Rows: plain 16-byte stores (payload) and plain stores (scales, top-k, source) into d's outputs.
 //  3. Arrival: after its rows to every destination, every thread of the block fences at system scope
 //     (__threadfence_system: its stores before any later store of it, at system scope), the block barrier
 //     collects the threads, then thread d adds 1 to d's direct_arrivals[me] (red.release.sys, cumulative over
 //     the barrier). A block that gave up waiting (timeout) does not arrive at that destination.
 //  4. Completion: my block 0 (thread s) waits with ld.acquire.sys until direct_arrivals[s] reaches num_channels,
-//     which orders every source's rows into my staging before the end of my kernel, hence before the copy that
-//     follows it on the stream. Then it resets direct_arrivals[s] to 0: no block of s adds to it again before
-//     s sees my direct_ready of call n + 1, which my next kernel stores only after this one ended. Last, thread
-//     0 stores n into my direct_calls: every block of mine read direct_calls before arriving at me (step 3),
-//     and block 0 saw all C of my arrivals, so no block of this call reads the new value.
+//     which orders every source's rows into my outputs before the end of my kernel, hence before any later
+//     work of my stream. Then it resets direct_arrivals[s] to 0: no block of s adds to it again before s sees
+//     my direct_ready of call n + 1, which my next kernel stores only after this one ended. Last, thread 0
+//     stores n into my direct_calls: every block of mine read direct_calls before arriving at me (step 3), and
+//     block 0 saw all C of my arrivals, so no block of this call reads the new value. The published offset and
+//     rows of call n are not overwritten before every sender read them: a sender reads them before it arrives,
+//     and my next kernel (call n + 1) starts after this one saw every arrival.
 // A call that notify refused (common/refused_call.cuh) moves nothing and touches no word: every block returns at
 // its start, so the next call starts from the same counters on every rank.
 #include "kernels/common/copy.cuh"
@@ -48,24 +52,24 @@ __device__ __forceinline__ void red_add_release_sys(uint64_t* p, uint64_t v) {
   asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
-// Whole warp: token t's row into row `row` of the staging region `stage` of the rank whose experts are
+// Whole warp: token t's row into row `row` of the outputs `out` (laid out as `o`) of the rank whose experts are
 // [lo, hi): payload, scales, top-k rebased to its local experts (weights zeroed elsewhere), source index.
-__device__ __forceinline__ void write_row(const DirectDispatchArgs& a, const DirectStaging& st, uint8_t* stage,
+__device__ __forceinline__ void write_row(const DirectDispatchArgs& a, const DirectOutputs& o, uint8_t* out,
                                           int64_t row, int t, int lo, int hi, int lane) {
   warp_copy<false, kDirectUnroll>(
-      reinterpret_cast<int4*>(stage + st.x_offset() + row * a.hidden_bytes),
+      reinterpret_cast<int4*>(out + o.x_offset() + row * a.hidden_bytes),
       reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(t) * a.hidden_bytes), a.hidden_bytes / 16, lane);
-  auto* scales = reinterpret_cast<int32_t*>(stage + st.scales_offset()) + row * a.num_scales;
+  auto* scales = reinterpret_cast<int32_t*>(out + o.scales_offset()) + row * a.num_scales;
   for (int j = lane; j < a.num_scales; j += 32) scales[j] = a.scales[static_cast<int64_t>(t) * a.num_scales + j];
   if (!a.write_meta) return;
   if (a.topk_idx != nullptr && lane < a.num_topk) {
     const int64_t e = a.topk_idx[static_cast<int64_t>(t) * a.num_topk + lane];
     const int local = (e >= lo && e < hi) ? static_cast<int>(e - lo) : -1;
-    reinterpret_cast<int64_t*>(stage + st.idx_offset())[row * a.num_topk + lane] = local;
-    reinterpret_cast<float*>(stage + st.weights_offset())[row * a.num_topk + lane] =
+    reinterpret_cast<int64_t*>(out + o.idx_offset())[row * a.num_topk + lane] = local;
+    reinterpret_cast<float*>(out + o.weights_offset())[row * a.num_topk + lane] =
         (local >= 0 && a.topk_weights != nullptr) ? a.topk_weights[static_cast<int64_t>(t) * a.num_topk + lane] : 0.f;
   }
-  if (lane == 0) reinterpret_cast<int32_t*>(stage + st.src_offset())[row] = t;
+  if (lane == 0) reinterpret_cast<int32_t*>(out + o.src_offset())[row] = t;
 }
 
 __global__ void __launch_bounds__(kDirectThreads, 1) direct_dispatch_kernel(DirectDispatchArgs a) {
@@ -79,8 +83,11 @@ __global__ void __launch_bounds__(kDirectThreads, 1) direct_dispatch_kernel(Dire
   if (threadIdx.x < num_ranks) ok_to[threadIdx.x] = 1;
   __syncthreads();
   const uint64_t n = call;
-  if (c == 0 && threadIdx.x < num_ranks) {  // 1. ready for call n
-    ptx::st_release_sys(&reinterpret_cast<Control*>(a.c.peers[threadIdx.x])->direct_ready[me], n);
+  if (c == 0 && threadIdx.x < num_ranks) {  // 1. my outputs of call n, then ready for call n
+    auto* peer = reinterpret_cast<Control*>(a.c.peers[threadIdx.x]);
+    peer->direct_out_offset[me] = a.out_offset;
+    peer->direct_out_rows[me] = a.out_rows;
+    ptx::st_release_sys(&peer->direct_ready[me], n);
   }
   const Watchdog dog = make_watchdog(a.c.timeout_ns, me, &ctl->timeout_claim, &a.c.mailbox->timeout,
                                      ctl->peer_aborted);
@@ -90,8 +97,17 @@ __global__ void __launch_bounds__(kDirectThreads, 1) direct_dispatch_kernel(Dire
   const int d = warp / warps, gw = warp % warps;
   if (d < num_ranks) {
     if (warp_outcome(lane != 0 || wait_at_least(&ctl->direct_ready[d], n, dog, kPhaseDirectReady, d))) {
-      const DirectStaging st{a.capacity, a.hidden_bytes, a.num_scales, a.num_topk};
-      uint8_t* stage = a.c.peers[d] + a.staging_offset;
+      // d's words of call n, written by d before the ready store lane 0 acquired: lane 0 reads them (after its
+      // acquire in program order) and hands them to the warp
+      long long rows = 0, offset = 0;
+      if (lane == 0) {
+        rows = *reinterpret_cast<volatile int64_t*>(&ctl->direct_out_rows[d]);
+        offset = *reinterpret_cast<volatile int64_t*>(&ctl->direct_out_offset[d]);
+      }
+      rows = __shfl_sync(0xffffffffu, rows, 0);
+      offset = __shfl_sync(0xffffffffu, offset, 0);
+      const DirectOutputs o{rows, a.hidden_bytes, a.num_scales, a.num_topk};
+      uint8_t* out = a.c.peers[d] + offset;
       const int lo = d * a.experts_per_rank, hi = lo + a.experts_per_rank;
       const int64_t row0 = a.send_row_offset[d * a.num_channels + c];
       int begin, end;
@@ -101,8 +117,8 @@ __global__ void __launch_bounds__(kDirectThreads, 1) direct_dispatch_kernel(Dire
       for (int k = gw;; k += warps) {
         const int t = scan.find(k, lane);
         const int64_t row = row0 + k;
-        if (t < 0 || row >= a.num_rows) break;  // rows grow with k: the rest are dropped too
-        write_row(a, st, stage, row, t, lo, hi, lane);
+        if (t < 0 || row >= rows) break;  // rows grow with k: the rest are dropped too
+        write_row(a, o, out, row, t, lo, hi, lane);
       }
     } else if (lane == 0) {
       ok_to[d] = 0;

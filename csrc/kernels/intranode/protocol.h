@@ -47,7 +47,7 @@ enum Phase : int32_t {
   kPhaseCombineSend = 4,
   kPhaseCombineRecv = 5,
   kPhaseDrain = 6,         // sender: waiting for a peer to drain what an earlier call sent
-  kPhaseDirectReady = 7,   // direct dispatch sender: waiting for a peer's kernel to start (its staging free)
+  kPhaseDirectReady = 7,   // direct dispatch sender: waiting for a peer's kernel to start (its outputs ready)
   kPhaseDirectArrive = 8,  // direct dispatch receiver: waiting for a peer's blocks to finish writing rows here
 };
 
@@ -126,29 +126,21 @@ struct DispatchArgs {
 };
 
 // Direct dispatch (dispatch_direct.cu): every block a sender, rows written straight to their final row in the
-// destination's staging region (its NVLink buffer from staging_offset on), which the host then copies out.
-// The staging region must be bytes that no ring kernel writes: a peer's ring sender (a later combine or ring
-// dispatch) may write into this rank's rings while this rank has not yet copied its staging out, because ring
-// slots freed by earlier calls need no new handshake; so the region cannot overlap any ring of any Config.
-// Staging layout in every buffer, for `capacity` rows (the same on every rank): x [capacity, hidden_bytes],
-// then scales [capacity, S] int32, top-k idx [capacity, K] int64, weights [capacity, K] float32, source
-// index [capacity] int32, each array starting at a 16-byte multiple (DirectStaging).
-struct DirectStaging {
-  int64_t capacity, hidden_bytes, num_scales, num_topk;
+// destination's OUTPUT tensors, which the destination allocated in memory every peer has mapped (its NVLink
+// buffer: the peer pool after the rings, moe_dispatcher/compiled/peer_pool.py): no staging, no copy out.
+// Outputs of one call on one rank are one block of that memory carved as DirectOutputs for `rows` rows:
+// x [rows, hidden_bytes], then scales [rows, S] int32 (4-byte scales), top-k idx [rows, K] int64, weights
+// [rows, K] float32, source index [rows] int32, each array starting at a 16-byte multiple. The host carves its
+// output tensors from the block with the same offsets (moe_dispatcher/compiled/direct_dispatch.py).
+struct DirectOutputs {
+  int64_t rows, hidden_bytes, num_scales, num_topk;
   __host__ __device__ static int64_t up16(int64_t n) { return (n + 15) / 16 * 16; }
   __host__ __device__ int64_t x_offset() const { return 0; }
-  __host__ __device__ int64_t scales_offset() const { return x_offset() + up16(capacity * hidden_bytes); }
-  __host__ __device__ int64_t idx_offset() const { return scales_offset() + up16(capacity * num_scales * 4); }
-  __host__ __device__ int64_t weights_offset() const { return idx_offset() + up16(capacity * num_topk * 8); }
-  __host__ __device__ int64_t src_offset() const { return weights_offset() + up16(capacity * num_topk * 4); }
-  __host__ __device__ int64_t bytes() const { return src_offset() + up16(capacity * 4); }
-  // Rows of a region of `bytes` bytes (the largest capacity whose layout fits).
-  __host__ __device__ static int64_t rows_fitting(int64_t bytes, int64_t hidden_bytes, int64_t num_scales,
-                                                  int64_t num_topk) {
-    const int64_t per_row = hidden_bytes + num_scales * 4 + num_topk * 12 + 4;
-    int64_t rows = (bytes - 5 * 16) / per_row;
-    return rows > 0 ? rows : 0;
-  }
+  __host__ __device__ int64_t scales_offset() const { return x_offset() + up16(rows * hidden_bytes); }
+  __host__ __device__ int64_t idx_offset() const { return scales_offset() + up16(rows * num_scales * 4); }
+  __host__ __device__ int64_t weights_offset() const { return idx_offset() + up16(rows * num_topk * 8); }
+  __host__ __device__ int64_t src_offset() const { return weights_offset() + up16(rows * num_topk * 4); }
+  __host__ __device__ int64_t bytes() const { return src_offset() + up16(rows * 4); }
 };
 
 struct DirectDispatchArgs {
@@ -160,11 +152,9 @@ struct DirectDispatchArgs {
   const bool* is_token_in_rank;    // [T, R]
   const int* recv_channel_offset;  // [R, C + 1] (only [0][0] is read: the refused-call word)
   const int* send_row_offset;      // [R, C]: notify's, or kept in the handle for cached dispatch
-  int64_t staging_offset;          // byte offset of the staging region in every rank's NVLink buffer (16-aligned)
-  int64_t capacity;                // staging rows (DirectStaging), the same on every rank
+  int64_t out_offset;              // byte offset of MY outputs' block in my NVLink buffer (16-aligned), published
+  int64_t out_rows;                // rows of my outputs (received count, or num_worst_tokens), published
   int num_tokens, hidden_bytes, num_scales, num_topk, experts_per_rank;
-  int num_rows;                    // rows of the outputs (num_worst_tokens, or the received count): rows at or
-                                   // past it are dropped (num_worst_tokens overflow, reported by notify)
   int write_meta;                  // 1: top-k and source index too (fresh dispatch); 0: payload and scales only
   int num_channels;
 };
