@@ -72,6 +72,8 @@ struct Control {
                                         // added by s (red.release.sys), read and reset by my block 0
   uint64_t direct_calls;                // my direct calls so far; read by my blocks at start, written by my block 0
                                         // at the end, after every block of mine has read it (see the kernel)
+  uint64_t direct_missed;               // my latest direct call whose outputs were not all peer-mapped (written by
+                                        // my block 0 before direct_calls; read by my ring dispatch after it)
 };
 constexpr size_t kRingsOffset = (sizeof(Control) + 4095) / 4096 * 4096;
 

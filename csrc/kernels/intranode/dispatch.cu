@@ -194,6 +194,13 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
   // Loaded before ring_block_start's counter load and barrier, tested after them (its latency hides behind
   // theirs); the same word in every block, so all blocks of every rank leave alike.
   const bool refused = call_refused(a.recv_channel_offset);
+  // The companion of a direct dispatch (protocol.h): it runs only if the direct kernel, which ended before this
+  // one on the stream, missed the call; both words are this rank's, written by that kernel's block 0, and the
+  // verdict is the same on every rank, so all blocks of every rank leave alike, before any counter is touched.
+  if (a.after_direct && *reinterpret_cast<volatile uint64_t*>(&ctl->direct_missed) !=
+                            *reinterpret_cast<volatile uint64_t*>(&ctl->direct_calls)) {
+    return;
+  }
   const uint64_t base = ring_block_start(ctl, board, c, ring, num_ranks, sender);
 
   if (!sender && a.pad_rows) pad_worst_rows(a, c);

@@ -72,15 +72,41 @@ __device__ __forceinline__ void write_row(const DirectDispatchArgs& a, const Dir
   if (lane == 0) reinterpret_cast<int32_t*>(out + o.src_offset())[row] = t;
 }
 
+// num_worst_tokens: my rows past the received count get zero payload and scales, top-k -1, weight 0, source
+// -1 (as the ring receiver pads them); every thread of my C blocks takes its share.
+__device__ void pad_my_rows(const DirectDispatchArgs& a, const DirectOutputs& o, uint8_t* out, int c) {
+  const int received = a.recv_channel_offset[(a.c.num_ranks - 1) * (a.num_channels + 1) + a.num_channels];
+  const int64_t first = min(static_cast<int64_t>(received), o.rows), extra = o.rows - first;
+  const int64_t stride = static_cast<int64_t>(a.num_channels) * blockDim.x;
+  const int64_t start = static_cast<int64_t>(c) * blockDim.x + threadIdx.x;
+  auto* x = reinterpret_cast<int4*>(out + o.x_offset() + first * a.hidden_bytes);
+  for (int64_t i = start; i < extra * (a.hidden_bytes / 16); i += stride) x[i] = make_int4(0, 0, 0, 0);
+  auto* scales = reinterpret_cast<int32_t*>(out + o.scales_offset()) + first * a.num_scales;
+  for (int64_t i = start; i < extra * a.num_scales; i += stride) scales[i] = 0;
+  if (!a.write_meta) return;
+  auto* idx = reinterpret_cast<int64_t*>(out + o.idx_offset()) + first * a.num_topk;
+  auto* weights = reinterpret_cast<float*>(out + o.weights_offset()) + first * a.num_topk;
+  for (int64_t i = start; i < extra * a.num_topk; i += stride) {
+    idx[i] = -1;
+    weights[i] = 0.f;
+  }
+  auto* src = reinterpret_cast<int32_t*>(out + o.src_offset()) + first;
+  for (int64_t i = start; i < extra; i += stride) src[i] = -1;
+}
+
 __global__ void __launch_bounds__(kDirectThreads, 1) direct_dispatch_kernel(DirectDispatchArgs a) {
   __shared__ uint64_t call;
-  __shared__ int ok_to[kMaxRanks];  // 0 once a warp for d gave up waiting (timeout): no arrival at d
+  __shared__ int ready;             // every rank published call n (0: a wait timed out, recorded)
+  __shared__ int in_pool;           // every rank's outputs of call n are peer-mapped (the verdict)
+  __shared__ int64_t out_rows[kMaxRanks], out_offset[kMaxRanks];
   const int num_ranks = a.c.num_ranks, me = a.c.rank, c = blockIdx.x;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
   if (call_refused(a.recv_channel_offset)) return;  // the same word in every block of every rank
-  if (threadIdx.x == 0) call = *reinterpret_cast<volatile uint64_t*>(&ctl->direct_calls) + 1;
-  if (threadIdx.x < num_ranks) ok_to[threadIdx.x] = 1;
+  if (threadIdx.x == 0) {
+    call = *reinterpret_cast<volatile uint64_t*>(&ctl->direct_calls) + 1;
+    ready = in_pool = 1;
+  }
   __syncthreads();
   const uint64_t n = call;
   if (c == 0 && threadIdx.x < num_ranks) {  // 1. my outputs of call n, then ready for call n
@@ -91,44 +117,53 @@ __global__ void __launch_bounds__(kDirectThreads, 1) direct_dispatch_kernel(Dire
   }
   const Watchdog dog = make_watchdog(a.c.timeout_ns, me, &ctl->timeout_claim, &a.c.mailbox->timeout,
                                      ctl->peer_aborted);
+  // Every rank's words of call n (thread d acquires d's ready, then reads what d stored before it); the barrier
+  // hands them to the block. The verdict is the same in every block of every rank: the same words.
+  if (threadIdx.x < num_ranks) {
+    const int d = threadIdx.x;
+    if (wait_at_least(&ctl->direct_ready[d], n, dog, kPhaseDirectReady, d)) {
+      out_rows[d] = *reinterpret_cast<volatile int64_t*>(&ctl->direct_out_rows[d]);
+      out_offset[d] = *reinterpret_cast<volatile int64_t*>(&ctl->direct_out_offset[d]);
+      if (out_rows[d] < 0) in_pool = 0;
+    } else {
+      ready = 0;
+    }
+  }
+  __syncthreads();
+  if (!ready) return;  // a timeout, recorded: the call fails (no arrival anywhere: the peers time out too)
+  // Not every rank's outputs are peer-mapped (some rank's pool had no room): nobody writes rows, but every block
+  // still arrives (step 3), and block 0 marks call n missed: the ring kernel queued next on every rank moves it.
 
-  // 2. Rows.
+  // 2. Rows (and my padding: my own outputs, written by nobody else).
+  if (in_pool && a.pad_rows) {
+    pad_my_rows(a, DirectOutputs{a.out_rows, a.hidden_bytes, a.num_scales, a.num_topk}, a.c.peers[me] + a.out_offset,
+                c);
+  }
   const int warps = kDirectWarps / num_ranks;  // warps per destination
   const int d = warp / warps, gw = warp % warps;
-  if (d < num_ranks) {
-    if (warp_outcome(lane != 0 || wait_at_least(&ctl->direct_ready[d], n, dog, kPhaseDirectReady, d))) {
-      // d's words of call n, written by d before the ready store lane 0 acquired: lane 0 reads them (after its
-      // acquire in program order) and hands them to the warp
-      long long rows = 0, offset = 0;
-      if (lane == 0) {
-        rows = *reinterpret_cast<volatile int64_t*>(&ctl->direct_out_rows[d]);
-        offset = *reinterpret_cast<volatile int64_t*>(&ctl->direct_out_offset[d]);
-      }
-      rows = __shfl_sync(0xffffffffu, rows, 0);
-      offset = __shfl_sync(0xffffffffu, offset, 0);
-      const DirectOutputs o{rows, a.hidden_bytes, a.num_scales, a.num_topk};
-      uint8_t* out = a.c.peers[d] + offset;
-      const int lo = d * a.experts_per_rank, hi = lo + a.experts_per_rank;
-      const int64_t row0 = a.send_row_offset[d * a.num_channels + c];
-      int begin, end;
-      channel_range(a.num_tokens, a.num_channels, c, begin, end);
-      TokenScan scan{a.is_token_in_rank, num_ranks, d, end};
-      scan.start(begin, lane);
-      for (int k = gw;; k += warps) {
-        const int t = scan.find(k, lane);
-        const int64_t row = row0 + k;
-        if (t < 0 || row >= rows) break;  // rows grow with k: the rest are dropped too
-        write_row(a, o, out, row, t, lo, hi, lane);
-      }
-    } else if (lane == 0) {
-      ok_to[d] = 0;
+  if (in_pool && d < num_ranks) {
+    const int64_t rows = out_rows[d];
+    const DirectOutputs o{rows, a.hidden_bytes, a.num_scales, a.num_topk};
+    uint8_t* out = a.c.peers[d] + out_offset[d];
+    const int lo = d * a.experts_per_rank, hi = lo + a.experts_per_rank;
+    const int64_t row0 = a.send_row_offset[d * a.num_channels + c];
+    int begin, end;
+    channel_range(a.num_tokens, a.num_channels, c, begin, end);
+    TokenScan scan{a.is_token_in_rank, num_ranks, d, end};
+    scan.start(begin, lane);
+    for (int k = gw;; k += warps) {
+      const int t = scan.find(k, lane);
+      const int64_t row = row0 + k;
+      if (t < 0 || row >= rows) break;  // rows grow with k: the rest are dropped too
+      write_row(a, o, out, row, t, lo, hi, lane);
     }
   }
 
-  // 3. Arrival at every destination this block reached.
+  // 3. Arrival at every rank (also when nothing was written: the arrivals tell block 0 of each rank that this
+  //    block is past its reads of call n's words).
   __threadfence_system();
   __syncthreads();
-  if (threadIdx.x < num_ranks && ok_to[threadIdx.x]) {
+  if (threadIdx.x < num_ranks) {
     red_add_release_sys(&reinterpret_cast<Control*>(a.c.peers[threadIdx.x])->direct_arrivals[me], 1);
   }
   if (c != 0) return;
@@ -146,7 +181,10 @@ __global__ void __launch_bounds__(kDirectThreads, 1) direct_dispatch_kernel(Dire
     }
   }
   __syncthreads();
-  if (threadIdx.x == 0 && all_arrived) *reinterpret_cast<volatile uint64_t*>(&ctl->direct_calls) = n;
+  if (threadIdx.x == 0 && all_arrived) {
+    if (!in_pool) *reinterpret_cast<volatile uint64_t*>(&ctl->direct_missed) = n;
+    *reinterpret_cast<volatile uint64_t*>(&ctl->direct_calls) = n;
+  }
 }
 
 }  // namespace

@@ -123,6 +123,8 @@ struct DispatchArgs {
   int chunk;                 // the sender publishes its tail every `chunk` rows at least (at most half a ring)
   int num_slots, slot_bytes;
   uint64_t ring_signature;   // cached dispatch: this call's ring signature (common/ring_signature.cuh); 0: fresh
+  int after_direct;          // 1: queued after a direct dispatch of the same call (dispatch_direct.cu), it moves the
+                             // call only if the direct kernel missed it (Control::direct_missed == direct_calls)
 };
 
 // Direct dispatch (dispatch_direct.cu): every block a sender, rows written straight to their final row in the
@@ -156,6 +158,7 @@ struct DirectDispatchArgs {
   int64_t out_rows;                // rows of my outputs (received count, or num_worst_tokens), published
   int num_tokens, hidden_bytes, num_scales, num_topk, experts_per_rank;
   int write_meta;                  // 1: top-k and source index too (fresh dispatch); 0: payload and scales only
+  int pad_rows;                    // 1: fill my rows past the received count (num_worst_tokens) as the ring does
   int num_channels;
 };
 void launch_direct_dispatch(const DirectDispatchArgs& args, cudaStream_t stream);
