@@ -1,11 +1,13 @@
-// Direct dispatch (fresh and cached): every block is a sender. Block c walks channel c's tokens and writes each
-// row bound for rank d, exactly once and by one warp, straight into d's output tensors: d allocated them as one
+// Direct dispatch (fresh and cached): every block is a sender, two per channel (the ring kernel's SM count for the
+// same channels). Blocks 2c and 2c + 1 walk channel c's tokens and write each row bound for rank d, exactly once
+// and by one warp, straight into d's output tensors: d allocated them as one
 // block of its NVLink buffer (the peer pool, mapped by every peer) laid out as DirectOutputs, and published the
 // block's offset and row count for this call. The k-th row of channel c for d goes to row
 // send_row_offset[d][c] + k, which notify computed as (rows that ranks before me send to d) + (my rows to d in
 // channels before c), so the rows sit in the (source rank, token) order of the contract, the order the ring
 // kernel (dispatch.cu) gives. Nothing is copied afterwards: when d's kernel ends, its outputs are complete.
-// Inside a block, 24 / R warps serve each destination; warp gw of them takes rows gw, gw + 24 / R, ... (TokenScan).
+// In each block 24 / R warps serve each destination; the W = 2 x 24 / R warps of the channel's two blocks for d
+// take rows w, w + W, ... (warp w: block 2c + h's warp gw is w = h x 24 / R + gw; TokenScan).
 // Rows at or past d's row count (more rows than num_worst_tokens) are dropped, as the ring receiver drops them.
 //
 // Protocol, per call n (n = my Control::direct_calls + 1; every rank makes the same direct calls in the same
@@ -21,12 +23,12 @@
 //     (__threadfence_system: its stores before any later store of it, at system scope), the block barrier
 //     collects the threads, then thread d adds 1 to d's direct_arrivals[me] (red.release.sys, cumulative over
 //     the barrier). A block that gave up waiting (timeout) does not arrive at that destination.
-//  4. Completion: my block 0 (thread s) waits with ld.acquire.sys until direct_arrivals[s] reaches num_channels,
+//  4. Completion: my block 0 (thread s) waits with ld.acquire.sys until direct_arrivals[s] reaches 2 x num_channels,
 //     which orders every source's rows into my outputs before the end of my kernel, hence before any later
 //     work of my stream. Then it resets direct_arrivals[s] to 0: no block of s adds to it again before s sees
 //     my direct_ready of call n + 1, which my next kernel stores only after this one ended. Last, thread 0
 //     stores n into my direct_calls: every block of mine read direct_calls before arriving at me (step 3), and
-//     block 0 saw all C of my arrivals, so no block of this call reads the new value. The published offset and
+//     block 0 saw all 2C of my arrivals, so no block of this call reads the new value. The published offset and
 //     rows of call n are not overwritten before every sender read them: a sender reads them before it arrives,
 //     and my next kernel (call n + 1) starts after this one saw every arrival.
 // A call that notify refused (common/refused_call.cuh) moves nothing and touches no word: every block returns at
@@ -73,12 +75,12 @@ __device__ __forceinline__ void write_row(const DirectDispatchArgs& a, const Dir
 }
 
 // num_worst_tokens: my rows past the received count get zero payload and scales, top-k -1, weight 0, source
-// -1 (as the ring receiver pads them); every thread of my C blocks takes its share.
-__device__ void pad_my_rows(const DirectDispatchArgs& a, const DirectOutputs& o, uint8_t* out, int c) {
+// -1 (as the ring receiver pads them); every thread of my blocks takes its share.
+__device__ void pad_my_rows(const DirectDispatchArgs& a, const DirectOutputs& o, uint8_t* out) {
   const int received = a.recv_channel_offset[(a.c.num_ranks - 1) * (a.num_channels + 1) + a.num_channels];
   const int64_t first = min(static_cast<int64_t>(received), o.rows), extra = o.rows - first;
-  const int64_t stride = static_cast<int64_t>(a.num_channels) * blockDim.x;
-  const int64_t start = static_cast<int64_t>(c) * blockDim.x + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t start = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   auto* x = reinterpret_cast<int4*>(out + o.x_offset() + first * a.hidden_bytes);
   for (int64_t i = start; i < extra * (a.hidden_bytes / 16); i += stride) x[i] = make_int4(0, 0, 0, 0);
   auto* scales = reinterpret_cast<int32_t*>(out + o.scales_offset()) + first * a.num_scales;
@@ -99,7 +101,7 @@ __global__ void __launch_bounds__(kDirectThreads, 1) direct_dispatch_kernel(Dire
   __shared__ int ready;             // every rank published call n (0: a wait timed out, recorded)
   __shared__ int in_pool;           // every rank's outputs of call n are peer-mapped (the verdict)
   __shared__ int64_t out_rows[kMaxRanks], out_offset[kMaxRanks];
-  const int num_ranks = a.c.num_ranks, me = a.c.rank, c = blockIdx.x;
+  const int num_ranks = a.c.num_ranks, me = a.c.rank, c = blockIdx.x >> 1, half = blockIdx.x & 1;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
   if (call_refused(a.recv_channel_offset)) return;  // the same word in every block of every rank
@@ -136,11 +138,10 @@ __global__ void __launch_bounds__(kDirectThreads, 1) direct_dispatch_kernel(Dire
 
   // 2. Rows (and my padding: my own outputs, written by nobody else).
   if (in_pool && a.pad_rows) {
-    pad_my_rows(a, DirectOutputs{a.out_rows, a.hidden_bytes, a.num_scales, a.num_topk}, a.c.peers[me] + a.out_offset,
-                c);
+    pad_my_rows(a, DirectOutputs{a.out_rows, a.hidden_bytes, a.num_scales, a.num_topk}, a.c.peers[me] + a.out_offset);
   }
-  const int warps = kDirectWarps / num_ranks;  // warps per destination
-  const int d = warp / warps, gw = warp % warps;
+  const int warps = kDirectWarps / num_ranks;  // warps per destination in this block
+  const int d = warp / warps, w = half * warps + warp % warps, stride = 2 * warps;
   if (in_pool && d < num_ranks) {
     const int64_t rows = out_rows[d];
     const DirectOutputs o{rows, a.hidden_bytes, a.num_scales, a.num_topk};
@@ -151,7 +152,7 @@ __global__ void __launch_bounds__(kDirectThreads, 1) direct_dispatch_kernel(Dire
     channel_range(a.num_tokens, a.num_channels, c, begin, end);
     TokenScan scan{a.is_token_in_rank, num_ranks, d, end};
     scan.start(begin, lane);
-    for (int k = gw;; k += warps) {
+    for (int k = w;; k += stride) {
       const int t = scan.find(k, lane);
       const int64_t row = row0 + k;
       if (t < 0 || row >= rows) break;  // rows grow with k: the rest are dropped too
@@ -174,7 +175,7 @@ __global__ void __launch_bounds__(kDirectThreads, 1) direct_dispatch_kernel(Dire
   __syncthreads();
   if (threadIdx.x < num_ranks) {
     const int s = threadIdx.x;
-    if (wait_at_least(&ctl->direct_arrivals[s], static_cast<uint64_t>(a.num_channels), dog, kPhaseDirectArrive, s)) {
+    if (wait_at_least(&ctl->direct_arrivals[s], static_cast<uint64_t>(gridDim.x), dog, kPhaseDirectArrive, s)) {
       ctl->direct_arrivals[s] = 0;
     } else {
       all_arrived = 0;  // a timeout (recorded): the counters are left as they are, the call fails
@@ -190,7 +191,7 @@ __global__ void __launch_bounds__(kDirectThreads, 1) direct_dispatch_kernel(Dire
 }  // namespace
 
 void launch_direct_dispatch(const DirectDispatchArgs& args, cudaStream_t stream) {
-  direct_dispatch_kernel<<<args.num_channels, kDirectThreads, 0, stream>>>(args);
+  direct_dispatch_kernel<<<2 * args.num_channels, kDirectThreads, 0, stream>>>(args);
   check_launch("direct_dispatch_kernel");
 }
 
