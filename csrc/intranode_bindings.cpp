@@ -16,6 +16,7 @@
 
 #include "bindings.h"
 #include "bindings/cached_call.h"
+#include "bindings/carve.h"
 #include "bindings/layout_call.h"
 #include "bindings/stream_join.h"
 #include "ipc_bindings.h"
@@ -157,16 +158,18 @@ void notify(const IpcBuffer& b, uint64_t timeout_ns, const at::Tensor& is_token_
             const at::Tensor& num_tokens_per_rank, const at::Tensor& num_tokens_per_expert, int num_channels,
             int expert_alignment, int num_worst_tokens, int seq, const at::Tensor& rank_prefix_matrix,
             const at::Tensor& recv_channel_offset, const c10::optional<at::Tensor>& em_layout, int signature_hash,
-            int problem) {
+            int problem, const c10::optional<at::Tensor>& send_row_offset) {
   const auto device = is_token_in_rank.get_device();
   for (const at::Tensor* t : {&is_token_in_rank, &num_tokens_per_rank, &num_tokens_per_expert, &rank_prefix_matrix,
                               &recv_channel_offset}) {
     expect_cuda(*t, device, "notify");
   }
   expect_cuda(em_layout, device, "notify: em_layout");
+  expect_cuda(send_row_offset, device, "notify: send_row_offset");
   const c10::cuda::CUDAGuard guard(device);
   NotifyArgs a{};
   a.em_layout = data_of<int>(em_layout);
+  a.send_row_offset = data_of<int>(send_row_offset);
   a.signature_hash = signature_hash;
   a.problem = problem;
   a.bad_expert_ids = &reinterpret_cast<Control*>(b.local())->bad_expert_ids;
@@ -260,6 +263,100 @@ void dispatch(const IpcBuffer& b, uint64_t timeout_ns, const at::Tensor& x, cons
   a.num_rows = static_cast<int>(recv_x.size(0));
   a.pad_rows = pad_rows ? 1 : 0;
   launch_dispatch(a, current_stream(device).stream());
+}
+
+// Direct dispatch (kernels/intranode/dispatch_direct.cu) of a fresh dispatch (topk_idx given) or a cached one
+// (topk_idx None: payload and scales only): the outputs are carved from `block` (uint8, at least
+// direct_outputs_bytes(...)) as DirectOutputs for `rows` rows; `out_offset` is the block's byte offset in this
+// rank's NVLink buffer when the block lies there (the peer pool), else -1: then no rank writes directly and the
+// ring kernel queued after the direct one moves the call on every rank (it is queued always, and leaves at once
+// when the direct kernel moved the call). send_row_offset int32 [R, C] is notify's (fresh) or the handle's
+// (cached); ring_signature: a cached call's ring word (0 for a fresh one). -> (recv_x [rows, H] x.dtype, recv_scales [rows, S] or None, recv_topk_idx int64 [rows, K] and
+// recv_topk_weights float32 [rows, K] or None, recv_src_idx int32 [rows] or None).
+py::tuple direct_dispatch(const IpcBuffer& b, uint64_t timeout_ns, const at::Tensor& x,
+                          const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& topk_idx,
+                          const c10::optional<at::Tensor>& topk_weights, const at::Tensor& is_token_in_rank,
+                          const at::Tensor& recv_channel_offset, const at::Tensor& send_row_offset,
+                          const at::Tensor& block, int64_t out_offset, int64_t rows, int experts_per_rank,
+                          bool pad_rows, int num_channels, int chunk, int num_slots, int slot_bytes,
+                          int64_t ring_signature) {
+  const auto device = x.get_device();
+  expect_cuda(x, device, "direct dispatch: x");
+  expect_cuda(scales, device, "direct dispatch: scales");
+  expect_cuda(topk_idx, device, "direct dispatch: topk_idx");
+  expect_cuda(topk_weights, device, "direct dispatch: topk_weights");
+  expect_cuda(block, device, "direct dispatch: block");
+  MOE_CHECK(!topk_weights.has_value() || topk_idx.has_value(), "direct dispatch: topk_weights without topk_idx");
+  MOE_CHECK(send_row_offset.numel() >= static_cast<int64_t>(b.num_ranks()) * num_channels,
+            "direct dispatch: send_row_offset must be [R, C]");
+  const DirectOutputs o{rows, row_bytes(x), columns(scales), columns(topk_idx)};
+  MOE_CHECK(block.scalar_type() == at::kByte && block.is_contiguous() && block.numel() >= o.bytes(),
+            "direct dispatch: block must be a contiguous uint8 tensor of direct_outputs_bytes bytes at least");
+  MOE_CHECK(out_offset == -1 || (out_offset >= 0 && out_offset % 16 == 0 &&
+                                 static_cast<uint8_t*>(block.data_ptr()) == b.local() + out_offset),
+            "direct dispatch: out_offset is not where the block lies in this rank's NVLink buffer");
+  const c10::cuda::CUDAGuard guard(device);
+  const int64_t h = x.size(1), s = o.num_scales, k = o.num_topk;
+  at::Tensor recv_x = carve(block, o.x_offset(), x.scalar_type(), {rows, h}, {h, 1});
+  py::object recv_scales = py::none(), recv_idx = py::none(), recv_w = py::none(), recv_src = py::none();
+  at::Tensor scales_out, idx_out, w_out, src_out;
+  if (scales.has_value()) {
+    scales_out = carve(block, o.scales_offset(), scales->scalar_type(), {rows, s}, {s, 1});
+    recv_scales = py::cast(scales_out);
+  }
+  if (topk_idx.has_value()) {
+    idx_out = carve(block, o.idx_offset(), at::kLong, {rows, k}, {k, 1});
+    w_out = carve(block, o.weights_offset(), at::kFloat, {rows, k}, {k, 1});
+    src_out = carve(block, o.src_offset(), at::kInt, {rows}, {1});
+    recv_idx = py::cast(idx_out);
+    recv_w = py::cast(w_out);
+    recv_src = py::cast(src_out);
+  }
+
+  DirectDispatchArgs d{};
+  d.c = b.common(timeout_ns);
+  d.x = data_of<const uint8_t>(x);
+  d.scales = data_of<const int32_t>(scales);
+  d.topk_idx = data_of<const int64_t>(topk_idx);
+  d.topk_weights = data_of<const float>(topk_weights);
+  d.is_token_in_rank = data_of<const bool>(is_token_in_rank);
+  d.recv_channel_offset = data_of<const int>(recv_channel_offset);
+  d.send_row_offset = data_of<const int>(send_row_offset);
+  d.out_offset = out_offset;
+  d.out_rows = out_offset >= 0 ? rows : -1;
+  d.num_tokens = static_cast<int>(is_token_in_rank.size(0));
+  d.hidden_bytes = o.hidden_bytes;
+  d.num_scales = o.num_scales;
+  d.num_topk = o.num_topk;
+  d.experts_per_rank = experts_per_rank;
+  d.write_meta = topk_idx.has_value() ? 1 : 0;
+  d.pad_rows = pad_rows ? 1 : 0;
+  d.num_channels = num_channels;
+  MOE_CHECK(x.size(0) == d.num_tokens, "direct dispatch: x and is_token_in_rank differ in tokens");
+  const cudaStream_t stream = current_stream(device).stream();
+  launch_direct_dispatch(d, stream);
+
+  DispatchArgs a = ring_dispatch_args(b, timeout_ns, Ring{num_channels, chunk, num_slots, slot_bytes});
+  set_routing(a, is_token_in_rank, recv_channel_offset);
+  a.x = d.x;
+  a.scales = d.scales;
+  a.topk_idx = d.topk_idx;
+  a.topk_weights = d.topk_weights;
+  a.recv_x = data_of<uint8_t>(recv_x);
+  a.recv_scales = scales.has_value() ? data_of<int32_t>(scales_out) : nullptr;
+  a.recv_topk_idx = topk_idx.has_value() ? data_of<int64_t>(idx_out) : nullptr;
+  a.recv_topk_weights = topk_idx.has_value() ? data_of<float>(w_out) : nullptr;
+  a.recv_src_idx = topk_idx.has_value() ? data_of<int>(src_out) : nullptr;
+  a.hidden_bytes = d.hidden_bytes;
+  a.num_scales = d.num_scales;
+  a.num_topk = d.num_topk;
+  a.experts_per_rank = experts_per_rank;
+  a.num_rows = static_cast<int>(rows);
+  a.pad_rows = d.pad_rows;
+  a.ring_signature = topk_idx.has_value() ? 0 : checked_ring_signature(ring_signature);  // cached: its ring word
+  a.after_direct = 1;
+  launch_dispatch(a, stream);
+  return py::make_tuple(recv_x, recv_scales, recv_idx, recv_w, recv_src);
 }
 
 // Combine (rank-major): x [rows, H] bf16/fp16/fp32, topk_weights float32 [rows, K] or None, bias0 / bias1 [T, H]
@@ -533,12 +630,24 @@ void register_intranode(py::module_& m) {
           py::arg("num_tokens_per_rank"), py::arg("num_tokens_per_expert"), py::arg("num_channels"),
           py::arg("expert_alignment"), py::arg("num_worst_tokens"), py::arg("seq"), py::arg("rank_prefix_matrix"),
           py::arg("recv_channel_offset"), py::arg("em_layout") = py::none(), py::arg("signature_hash") = 0,
-          py::arg("problem") = 0);
+          py::arg("problem") = 0, py::arg("send_row_offset") = py::none());
   sub.def("dispatch", &dispatch, py::arg("buffer"), py::arg("timeout_ns"), py::arg("x"), py::arg("scales"),
           py::arg("topk_idx"), py::arg("topk_weights"), py::arg("is_token_in_rank"), py::arg("recv_channel_offset"),
           py::arg("recv_x"), py::arg("recv_scales"), py::arg("recv_topk_idx"), py::arg("recv_topk_weights"),
           py::arg("recv_src_idx"), py::arg("experts_per_rank"), py::arg("pad_rows"), py::arg("num_channels"),
           py::arg("chunk"), py::arg("num_slots"), py::arg("slot_bytes"));
+  sub.def("direct_dispatch", &direct_dispatch, py::arg("buffer"), py::arg("timeout_ns"), py::arg("x"),
+          py::arg("scales"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("is_token_in_rank"),
+          py::arg("recv_channel_offset"), py::arg("send_row_offset"), py::arg("block"), py::arg("out_offset"),
+          py::arg("rows"), py::arg("experts_per_rank"), py::arg("pad_rows"), py::arg("num_channels"),
+          py::arg("chunk"), py::arg("num_slots"), py::arg("slot_bytes"), py::arg("ring_signature") = 0);
+  // Bytes of a direct dispatch's output block for `rows` rows (DirectOutputs: the layout's one source).
+  sub.def(
+      "direct_outputs_bytes",
+      [](int64_t rows, int64_t hidden_bytes, int64_t num_scales, int64_t num_topk) {
+        return DirectOutputs{rows, hidden_bytes, num_scales, num_topk}.bytes();
+      },
+      py::arg("rows"), py::arg("hidden_bytes"), py::arg("num_scales"), py::arg("num_topk"));
   sub.def("combine", &combine, py::arg("buffer"), py::arg("timeout_ns"), py::arg("x"), py::arg("topk_weights"),
           py::arg("bias0"), py::arg("bias1"), py::arg("is_token_in_rank"), py::arg("recv_channel_offset"),
           py::arg("out"), py::arg("out_topk_weights"), py::arg("num_channels"), py::arg("chunk"),
