@@ -1,6 +1,7 @@
 // Python bindings of the peer pool's region registry (csrc/runtime/peer_pool/peer_pool.h): the submodule
 // moe_dispatcher._C.peer_pool that moe_dispatcher/compiled/peer_pool.py drives. The allocator functions torch
 // calls are the C symbols ALLOC_SYMBOL / FREE_SYMBOL of this extension's file.
+#include <torch/extension.h>
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
@@ -38,6 +39,17 @@ py::object region_info(uintptr_t base) {
   return d;
 }
 
+// A uint8 tensor over [ptr, ptr + nbytes) labelled with `device` (the device whose kernels access it: for a peer's
+// region mapped through CUDA IPC, this rank's; torch would otherwise ask the pointer, which names the peer's GPU).
+// It owns nothing: PeerPool.peer_view documents how long it may be used.
+at::Tensor device_bytes(uintptr_t ptr, int64_t nbytes, int device) {
+  const at::Device dev(at::kCUDA, static_cast<c10::DeviceIndex>(device));
+  return at::for_blob(reinterpret_cast<void*>(ptr), {nbytes})
+      .options(at::TensorOptions().dtype(at::kByte).device(dev))
+      .target_device(dev)  // not asked from the pointer
+      .make_tensor();
+}
+
 }  // namespace
 
 void register_peer_pool(py::module_& m) {
@@ -55,6 +67,8 @@ void register_peer_pool(py::module_& m) {
   sub.def("region_info", &region_info, py::arg("base"),
           "{base, bytes, device, closed, retired, capacity, in_use, peak_in_use, largest_free, num_blocks, "
           "num_free_ranges, bad_releases} of the region at `base`, or None when no region starts there.");
+  sub.def("device_bytes", &device_bytes, py::arg("ptr"), py::arg("nbytes"), py::arg("device"),
+          "uint8 [nbytes] tensor over a raw device range, on cuda:`device` (owns nothing).");
   sub.def("num_regions", &peer_pool::num_regions, "Regions registered and not yet forgotten.");
   sub.def("foreign_frees", &peer_pool::foreign_frees, "Frees of an address in no region (ignored).");
 }

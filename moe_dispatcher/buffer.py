@@ -329,7 +329,8 @@ class Buffer:
         elif self._kernels is None:
             why = f"the compiled kernels do not serve this Buffer: {self._kernels_why}"
         else:
-            why = f"only the intranode backend (one NVLink domain) has a peer pool; this Buffer's is {self._kernels.name}"
+            why = (f"only the intranode backend (one NVLink domain) has a peer pool; this Buffer's is "
+                   f"{self._kernels.name}")
         raise RuntimeError(f"Buffer.peer_pool: {why}")
 
     def get_comm_stream(self) -> torch.cuda.Stream:

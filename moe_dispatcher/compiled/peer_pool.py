@@ -46,14 +46,6 @@ class PeerPoolExhausted(torch.OutOfMemoryError):
     """An allocation from a PeerPool does not fit in its region (raise Buffer(num_pool_bytes=...))."""
 
 
-class _DeviceRange:
-    """A raw device range for torch.as_tensor (__cuda_array_interface__); holds `owner` while a view lives."""
-
-    def __init__(self, ptr: int, nbytes: int, owner: object) -> None:
-        self.owner = owner
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2}
-
-
 class PeerPool:
     """The peer pool of one rank of a Buffer (see the module docstring); made by the intranode backend.
 
@@ -172,7 +164,7 @@ class PeerPool:
         if offset < 0 or offset % item or offset + nbytes > self.num_bytes:
             raise ValueError(f"PeerPool.peer_view: {nbytes} bytes at offset {offset} do not fit the region of "
                              f"{self.num_bytes} bytes aligned to {item}")
-        raw = torch.as_tensor(_DeviceRange(self._peer_bases[rank] + offset, nbytes, self), device=self.device)
+        raw = self._native.device_bytes(self._peer_bases[rank] + offset, nbytes, self.device.index)
         return raw.view(dtype).view(tuple(shape))
 
     # ------------------------------------------------------------------ state
