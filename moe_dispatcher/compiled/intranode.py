@@ -8,6 +8,8 @@ semantics; methods here check what depends on the kernels (config limits, ring s
 current stream and launch. Cached calls (dispatch along a handle, combine) run from native plans kept in the
 handle's state: the Buffer's fast path calls a plan directly, once its first call made it (CachedPlans).
 docs/intranode.md describes the protocol and the host path.
+With Buffer(num_pool_bytes=N) the allocation has a tail of N bytes past the kernels' buffer, the region of the
+Buffer's PeerPool (peer_pool.py): torch tensors every peer has mapped, closed here before the mappings close.
 
 Host synchronisation: a fresh dispatch without num_worst_tokens waits (spinning on mapped memory) for
 notify's receive counts; cached dispatch, dispatch with num_worst_tokens, layout and combine never do.
