@@ -113,6 +113,7 @@ fi
 run test_kernel_names 60 "${PYTEST[@]}" tests/kernels/test_kernel_names.py tests/kernels/test_event_handle.py
 run test_teardown_faults 240 "${PYTEST[@]}" -s tests/kernels/test_teardown_gpu.py -k "sigkill or clean_error"
 run test_teardown 150 "${PYTEST[@]}" -s tests/kernels/test_teardown_gpu.py -k "cycles or views"
+run test_peer_pool 150 "${PYTEST[@]}" -s tests/kernels/test_peer_pool_gpu.py
 run test_soak 240 "${PYTEST[@]}" -s tests/kernels/test_teardown_gpu.py -k soak
 run test_reference_nccl 60 "${PYTEST[@]}" tests/reference
 run test_megatron_layer 60 "${PYTEST[@]}" tests/megatron/test_megatron_layer.py
