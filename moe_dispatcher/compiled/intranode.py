@@ -521,5 +521,7 @@ class IntranodeBackend(Backend):
         (this backend's, the views', the plans')."""
 
     def abandon(self) -> None:
-        """A peer never confirmed: leave the buffer allocated until the process exits."""
+        """A peer never confirmed: leave the buffer allocated until the process exits (the pool's region too)."""
+        if self.peer_pool is not None:
+            self.peer_pool.close()
         self._ipc.abandon()
