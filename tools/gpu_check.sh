@@ -4,7 +4,8 @@
 #   2. every GPU test family, one pytest per file: intranode, expert-major, low-latency (every world size from 2
 #      to N), internode (N >= 4: domains of N/2 and N/4 GPUs, e.g. 2 x 2 and 4 x 1 on 4 GPUs, 2 x 4 and 4 x 2 on
 #      8), teardown (a rank SIGKILLed, exit after an error, create/destroy cycles, views after destroy), the peer
-#      pool (torch tensors in peer-mapped memory), the 10,000-call soak (MOE_SOAK_CALLS), Megatron-Core GPU parity and the 200-step training curve;
+#      pool (torch tensors in peer-mapped memory), the 10,000-call soak (MOE_SOAK_CALLS), Megatron-Core GPU parity
+#      and the 200-step training curve;
 #   3. the benches beside NCCL: normal mode and low-latency mode at N and at 2 GPUs, internode in domains of N/2;
 #   4. the host time of a cached call (tools/host_profile.py);
 #   5. extras, cut first by the deadline: the NVLink all-to-all ceiling (tools/nvlink_ceiling.py, needs CuPy), the
