@@ -105,6 +105,30 @@ py::object take_signature_mismatch(IpcBuffer& b, int num_ranks) {
   return py::make_tuple(seq, problems);
 }
 
+// [(source rank, the source's ring signature, this rank's)] of the cached calls whose senders' ring signatures
+// differed from this rank's (the first pair per source since the last take; ring_signature.cuh), or None;
+// cleared once taken.
+py::object take_ring_mismatch(IpcBuffer& b) {
+  volatile Mailbox* box = b.host_mailbox();
+  MOE_CHECK(box != nullptr, "buffer destroyed");
+  if (box->ring_mismatch == 0) return py::none();
+  box->ring_mismatch = 0;
+  py::list records;
+  for (int s = 0; s < kMaxRanks; ++s) {
+    const int64_t sent = box->ring_mismatch_sent[s];
+    if (sent == 0) continue;
+    records.append(py::make_tuple(s, sent, static_cast<int64_t>(box->ring_mismatch_expected[s])));
+    box->ring_mismatch_sent[s] = 0;
+  }
+  return records;
+}
+
+// A cached call's ring signature (moe_dispatcher/signature.py ring_signature_word): nonzero, bit 63 clear.
+uint64_t checked_ring_signature(int64_t word) {
+  MOE_CHECK(word > 0, "a cached call needs its ring signature");
+  return static_cast<uint64_t>(word);
+}
+
 std::vector<int> expert_counts(const IpcBuffer& b, int n) {
   MOE_CHECK(n >= 0 && n <= kMaxLocalExperts, "too many local experts");
   const volatile Mailbox* box = b.host_mailbox();
@@ -245,7 +269,7 @@ void combine(const IpcBuffer& b, uint64_t timeout_ns, const at::Tensor& x,
              const c10::optional<at::Tensor>& bias0, const c10::optional<at::Tensor>& bias1,
              const at::Tensor& is_token_in_rank, const at::Tensor& recv_channel_offset, const at::Tensor& out,
              const c10::optional<at::Tensor>& out_topk_weights, int num_channels, int chunk, int num_slots,
-             int slot_bytes) {
+             int slot_bytes, int64_t ring_signature) {
   const auto device = x.get_device();
   expect_cuda(x, device, "combine: x");
   expect_cuda(topk_weights, device, "combine: topk_weights");
@@ -268,6 +292,7 @@ void combine(const IpcBuffer& b, uint64_t timeout_ns, const at::Tensor& x,
   a.hidden = static_cast<int>(x.size(1));
   a.num_topk = columns(topk_weights);
   a.num_x_rows = static_cast<int>(x.size(0));
+  a.ring_signature = checked_ring_signature(ring_signature);
   launch_combine(a, current_stream(device).stream());
 }
 
@@ -386,7 +411,7 @@ std::unique_ptr<CachedDispatch> make_cached_dispatch(const IpcBuffer& b, CommStr
                                                      const py::tuple& handle, const at::Tensor& recv_channel_offset,
                                                      const at::Tensor& x, const c10::optional<at::Tensor>& scales,
                                                      int num_channels, int chunk, int num_slots, int slot_bytes,
-                                                     py::object config, int num_sms) {
+                                                     py::object config, int num_sms, int64_t ring_signature) {
   DispatchArgs a = ring_dispatch_args(b, timeout_ns, Ring{num_channels, chunk, num_slots, slot_bytes});
   const at::Tensor is_token_in_rank = py::cast<at::Tensor>(handle[kIsTokenInRank]);
   set_routing(a, is_token_in_rank, recv_channel_offset);
@@ -396,6 +421,7 @@ std::unique_ptr<CachedDispatch> make_cached_dispatch(const IpcBuffer& b, CommStr
   a.num_scales = columns(scales);
   a.num_rows = static_cast<int>(rows);
   a.pad_rows = py::cast<int64_t>(handle[kNumWorstTokens]) != 0 ? 1 : 0;
+  a.ring_signature = checked_ring_signature(ring_signature);
   const TensorSpec input{x.scalar_type(), x.size(0), x.size(1)};
   c10::optional<TensorSpec> aux, aux_out;
   if (scales.has_value()) {
@@ -415,7 +441,7 @@ std::unique_ptr<CachedCombine> make_cached_combine(const IpcBuffer& b, CommStrea
                                                    const py::tuple& handle, const at::Tensor& recv_channel_offset,
                                                    const at::Tensor& x, const c10::optional<at::Tensor>& topk_weights,
                                                    int num_channels, int chunk, int num_slots, int slot_bytes,
-                                                   py::object config, int num_sms) {
+                                                   py::object config, int num_sms, int64_t ring_signature) {
   CombineArgs a = ring_combine_args(b, timeout_ns, Ring{num_channels, chunk, num_slots, slot_bytes});
   const at::Tensor is_token_in_rank = py::cast<at::Tensor>(handle[kIsTokenInRank]);
   set_routing(a, is_token_in_rank, recv_channel_offset);
@@ -424,6 +450,7 @@ std::unique_ptr<CachedCombine> make_cached_combine(const IpcBuffer& b, CommStrea
   a.hidden = static_cast<int>(x.size(1));
   a.num_topk = columns(topk_weights);
   a.num_x_rows = static_cast<int>(x.size(0));
+  a.ring_signature = checked_ring_signature(ring_signature);
   const TensorSpec input{x.scalar_type(), x.size(0), x.size(1)};
   c10::optional<TensorSpec> aux, aux_out;
   if (topk_weights.has_value()) {
@@ -484,7 +511,8 @@ void register_intranode(py::module_& m) {
       .def("wait_notify", &wait_notify, py::arg("seq"), py::arg("timeout_s"))
       .def("expert_counts", &expert_counts, py::arg("n"))
       .def("take_worst_overflow", &take_worst_overflow)
-      .def("take_signature_mismatch", &take_signature_mismatch, py::arg("num_ranks"));
+      .def("take_signature_mismatch", &take_signature_mismatch, py::arg("num_ranks"))
+      .def("take_ring_mismatch", &take_ring_mismatch);
 
   py::class_<CommStream>(sub, "CommStream")
       .def(py::init<const c10::Stream&>(), py::arg("stream"))
@@ -501,11 +529,11 @@ void register_intranode(py::module_& m) {
   sub.def("cached_dispatch", &make_cached_dispatch, py::arg("buffer"), py::arg("comm"), py::arg("timeout_ns"),
           py::arg("handle"), py::arg("recv_channel_offset"), py::arg("x"), py::arg("scales"), py::arg("num_channels"),
           py::arg("chunk"), py::arg("num_slots"), py::arg("slot_bytes"), py::arg("config"), py::arg("num_sms"),
-          py::keep_alive<0, 1>(), py::keep_alive<0, 2>());
+          py::arg("ring_signature"), py::keep_alive<0, 1>(), py::keep_alive<0, 2>());
   sub.def("cached_combine", &make_cached_combine, py::arg("buffer"), py::arg("comm"), py::arg("timeout_ns"),
           py::arg("handle"), py::arg("recv_channel_offset"), py::arg("x"), py::arg("topk_weights"),
           py::arg("num_channels"), py::arg("chunk"), py::arg("num_slots"), py::arg("slot_bytes"), py::arg("config"),
-          py::arg("num_sms"), py::keep_alive<0, 1>(), py::keep_alive<0, 2>());
+          py::arg("num_sms"), py::arg("ring_signature"), py::keep_alive<0, 1>(), py::keep_alive<0, 2>());
 
   // get_dispatch_layout (layout_call.h: layout_call_on).
   sub.def(
@@ -525,7 +553,7 @@ void register_intranode(py::module_& m) {
   sub.def("combine", &combine, py::arg("buffer"), py::arg("timeout_ns"), py::arg("x"), py::arg("topk_weights"),
           py::arg("bias0"), py::arg("bias1"), py::arg("is_token_in_rank"), py::arg("recv_channel_offset"),
           py::arg("out"), py::arg("out_topk_weights"), py::arg("num_channels"), py::arg("chunk"),
-          py::arg("num_slots"), py::arg("slot_bytes"));
+          py::arg("num_slots"), py::arg("slot_bytes"), py::arg("ring_signature"));
   sub.def("em_permute", &em_permute, py::arg("x"), py::arg("scales"), py::arg("recv_topk_idx"),
           py::arg("recv_topk_weights"), py::arg("pair_rank"), py::arg("layout"), py::arg("received"), py::arg("em_x"),
           py::arg("em_scales"), py::arg("em_weights"), py::arg("em_pair_row"), py::arg("em_pair_slot"),

@@ -17,7 +17,7 @@ rank in combine while its peers dispatch) still exchange vectors of one length a
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -66,7 +66,14 @@ PROBLEMS = {
     # Found on the GPU by the layout kernel (get_dispatch_layout) and reported by the next dispatch's notify.
     4: "get_dispatch_layout was given expert ids outside [-1, num_experts) (their slots were dropped)",
     5: "get_dispatch_layout was given a token naming one expert twice (it was counted twice)",
+    # Found on the GPU by the receivers of a cached call (compiled intranode kernels: a source's ring signature
+    # differed) and reported by the next dispatch's notify; ring_disagreement names the fields.
+    6: "a cached dispatch or combine along a handle received rows laid out by another rank's arguments (its "
+       "receivers read none of them)",
 }
+PROBLEM_RING_SIGNATURE = 6
+# Rows of the ring records a rank contributes to the error of problem 6: (source, source's word, own word).
+RING_RECORDS = 8
 
 
 def dtype_code(dtype: Optional[torch.dtype]) -> int:
@@ -196,11 +203,16 @@ def signature_hash(signature: Signature) -> int:
 
 
 def raise_disagreement(group, device: torch.device, signatures: Dict[int, Signature], seq: int,
-                       problems: Sequence[int]) -> None:
+                       problems: Sequence[int], ring_records: Callable[[], Sequence[Tuple[int, int, int]]] = list
+                       ) -> None:
     """Collective, on every rank of `group` alike: a compiled notify found call `seq`'s signatures differing
     (hashes) or a rank's problem word set (`problems`, one per rank, from the mailbox). One all-gather of the
-    full signatures (`signatures`: this rank's by seq; every rank kept the same seqs) names the fields; raises
-    SignatureMismatch."""
+    full signatures (`signatures`: this rank's by seq; every rank kept the same seqs) names the fields; where a
+    rank reported PROBLEM_RING_SIGNATURE, one more all-gather of every rank's ring_records() (source, the
+    source's ring signature, this rank's: what its receivers recorded) names the fields of the cached call.
+    ring_records() takes (clears) the records, so only a rank whose own word was PROBLEM_RING_SIGNATURE calls
+    it: a rank that sent another problem kept its ring flag on the device, and its next notify reports that
+    with these records. Raises SignatureMismatch."""
     import torch.distributed as dist
 
     mine = signatures.get(seq)
@@ -213,8 +225,81 @@ def raise_disagreement(group, device: torch.device, signatures: Dict[int, Signat
     text = disagreement(table) if mine is not None else ""
     if not text:
         text = "the ranks' calls do not agree (their signature hashes differ)"
+    if PROBLEM_RING_SIGNATURE in problems:  # every rank has the same problems: all gather alike
+        mine_records = torch.zeros(RING_RECORDS, 3, dtype=torch.int64)
+        taken = ring_records() if problems[dist.get_rank(group)] == PROBLEM_RING_SIGNATURE else ()
+        for i, record in enumerate(list(taken)[:RING_RECORDS]):
+            mine_records[i] = torch.tensor(record, dtype=torch.int64)
+        records = torch.empty(dist.get_world_size(group), RING_RECORDS, 3, dtype=torch.int64, device=device)
+        dist.all_gather_into_tensor(records, mine_records.to(device), group=group)
+        for rank, rows in enumerate(records.cpu().tolist()):
+            found = [tuple(r) for r in rows if r[1] != 0]
+            if found:
+                text += f"; {ring_disagreement(rank, found)}"
     raise SignatureMismatch(f"{text} (found by the notify of fresh dispatch {seq} of this Buffer; a call with "
                             f"num_worst_tokens reports at the next dispatch without it)")
+
+
+# The ring signature of a cached call (compiled intranode kernels, docs/intranode.md "Agreement"): the fields of
+# the call's signature that fix a ring's slot layout, packed into one nonzero 64-bit word (bit 63 clear) that
+# each sender stores next to its ring and each receiver compares with its own before it reads a slot. Fields in
+# FIELDS names, (first bit, width); a dtype outside DTYPES is coded by its element size (_ring_dtype), and numbers
+# wider than their width are clamped to its maximum (far past every kernel limit: such calls fail their checks first).
+RING_FIELDS: Tuple[Tuple[str, int, int], ...] = (
+    ("operation", 0, 3), ("x dtype", 3, 5), ("x_scales dtype", 8, 5), ("x_scales columns", 13, 10),
+    ("topk_weights columns", 23, 5), ("hidden", 28, 20), ("config.num_max_nvl_chunked_recv_tokens", 48, 15))
+
+
+def ring_signature_word(operation: str, hidden: int, x_dtype: torch.dtype, scales_dtype: Optional[torch.dtype],
+                        scales_columns: int, topk_weights_columns: int, ring_slots: int) -> int:
+    """The ring signature of a cached call: operation "cached dispatch" (top-k weights columns 0) or "combine"
+    (no scales); ring_slots: the call's config.num_max_nvl_chunked_recv_tokens."""
+    values = (_CODES[operation], _ring_dtype(x_dtype), _ring_dtype(scales_dtype), scales_columns,
+              topk_weights_columns, hidden, ring_slots)
+    word = 0
+    for (_, shift, width), v in zip(RING_FIELDS, values):
+        word |= min(int(v), (1 << width) - 1) << shift
+    return word
+
+
+# A dtype outside DTYPES in a ring signature's 5-bit field: this base plus log2 of its element bytes (its DTYPES
+# code would be clamped, and two such dtypes of other sizes would lay rows out alike in the word).
+_RING_OTHER_DTYPE = 24
+
+
+def _ring_dtype(dtype: Optional[torch.dtype]) -> int:
+    """A dtype's code in a ring signature: its DTYPES code, else _RING_OTHER_DTYPE + log2(element bytes)."""
+    code = dtype_code(dtype)
+    return code if code < len(DTYPES) else _RING_OTHER_DTYPE + dtype.itemsize.bit_length() - 1
+
+
+def _show_ring(field: str, code: int) -> str:
+    """How a ring signature field's value reads in messages."""
+    if field in _NAMED and code >= _RING_OTHER_DTYPE:
+        return f"a {1 << (code - _RING_OTHER_DTYPE)}-byte dtype"
+    return _show(field, code)
+
+
+def _ring_fields(word: int) -> Dict[str, int]:
+    return {name: (word >> shift) & ((1 << width) - 1) for name, shift, width in RING_FIELDS}
+
+
+def ring_disagreement(rank: int, records: Sequence[Tuple[int, int, int]]) -> str:
+    """The error text of the ring signatures this rank's receivers found differing: records (source rank, the
+    source's word, this rank's word) of one or more sources."""
+    parts = []
+    for source, sent, expected in records:
+        theirs, mine = _ring_fields(sent), _ring_fields(expected)
+        if theirs["operation"] != mine["operation"]:
+            ops = [OPERATIONS.get(v, f"operation {v}") for v in (mine["operation"], theirs["operation"])]
+            parts.append(f"the ranks are in different calls: {ops[0]} on rank {rank}; {ops[1]} on rank {source}")
+            continue
+        fields = [f"{name} differs: {_show_ring(name, mine[name])} on rank {rank}; {_show_ring(name, theirs[name])} "
+                  f"on rank {source}" for name, _, _ in RING_FIELDS[1:] if theirs[name] != mine[name]]
+        parts.append("; ".join(fields) or f"the ring signatures of ranks {rank} and {source} differ")
+    operation = OPERATIONS.get(_ring_fields(records[0][2])["operation"], "cached call")
+    return (f"{operation}: the ranks' calls do not agree: " + "; ".join(parts) +
+            f" (found by rank {rank}'s receivers, which read no row of a disagreeing rank)")
 
 
 def config_values(config) -> Tuple[int, int, int, int, int]:

@@ -178,21 +178,21 @@ class StepProfile:
 
     def _device_spans(self):
         """(part, start_us, end_us) of every device event (kernel, copy, memset) of the profiled steps; its part is
-        that of the CPU op that launched it, found as torch links kernels to ops (event.kernels): the device
-        event's linked_correlation_id is the id of a frontend op (a synchronous CPU event that is not itself
-        linked: CUDA runtime events carry CUPTI's ids, another counter). Part None: no launching op recorded
-        (a launch outside any op). GPU-side user-annotation spans (first to last kernel of a range) are not
-        device work and are left out."""
+        that of the CPU op that launched it, found as torch links kernels to ops: the raw profiler event of a
+        kernel carries the correlation id of its launching frontend op (linked_correlation_id), and that op's
+        FunctionEvent carries the same id and the kernels linked to it. CUDA runtime events (cudaLaunchKernel)
+        are CPU events too, with ids from another counter that can collide with an op's, but torch links no
+        kernel to them, so only ops with kernels are candidates. The raw events are read because FunctionEvent
+        has no linked_correlation_id before torch 2.13. Part None: no launching op recorded (a launch outside
+        any op). GPU-side user-annotation spans (first to last kernel of a range) are not device work and are
+        left out."""
         cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
-        events = list(self.profiler.events())
-        ops = {e.id: e for e in events
-               if e.device_type == cpu and not getattr(e, "is_async", False)
-               and not getattr(e, "linked_correlation_id", 0)}
-        for e in events:
-            if (e.device_type == cuda and e.time_range.end > e.time_range.start
-                    and not getattr(e, "is_user_annotation", False)):
-                op = ops.get(getattr(e, "linked_correlation_id", 0))
-                yield (_part_of(op) if op is not None else None), e.time_range.start, e.time_range.end
+        ops = {e.id: e for e in self.profiler.events()
+               if e.device_type == cpu and not getattr(e, "is_async", False) and e.kernels}
+        for k in self.profiler.profiler.kineto_results.events():
+            if k.device_type() == cuda and k.end_ns() > k.start_ns() and not k.is_user_annotation():
+                op = ops.get(k.linked_correlation_id())
+                yield (_part_of(op) if op is not None else None), k.start_ns() / 1e3, k.end_ns() / 1e3
 
     def exposed_dispatcher(self) -> dict[str, float]:
         """How much of the MoE layers' GPU time the dispatcher leaves exposed (on this rank), per step:

@@ -20,7 +20,11 @@ Agreement: notify compares every rank's signature hash and problem word (moe_dis
 ids flagged by the layout kernel included); a disagreement raises SignatureMismatch on every rank at the same
 host wait (num_worst_tokens calls: at the next synchronised dispatch). Notify refuses such a call on every rank
 alike, so its kernels and those of the calls along its handle move nothing and return padding / zero rows
-(csrc/kernels/common/refused_call.cuh). Cached calls of an accepted call are not checked.
+(csrc/kernels/common/refused_call.cuh). Cached calls (dispatch along a handle, combine) carry a ring signature
+(signature.ring_signature_word: the fields that fix the slot layout) with the first row of every ring; a
+receiver that finds its source's differing reads none of that source's slots and records the pair; the next
+fresh dispatch's notify reports it as this rank's problem word, so every rank refuses that call and raises
+SignatureMismatch alike, the fields named from every rank's records (csrc/kernels/common/ring_signature.cuh).
 A spin-wait that exceeds MOE_DISPATCHER_TIMEOUT_S seconds (default 10) in a kernel records the phase, the waiting
 rank and the peer; the next call (or the notify wait) raises RuntimeError naming them. A rank that raises in a
 Buffer call writes its abort byte on every peer (post_abort), and a peer's kernel waiting for it gives up after
@@ -41,7 +45,7 @@ from ..reference.board import PeerError
 from ..config import Config, align_slot
 from ..expert_major import ExpertMajorHandle, compose_expert_major_dispatch, gather_rows, unpermute
 from ..handle import DispatchHandle
-from ..signature import Signature, dispatch_signature, raise_disagreement, signature_hash
+from ..signature import Signature, dispatch_signature, raise_disagreement, ring_signature_word, signature_hash
 from .peer_pool import PeerPool
 from . import (STATUS_PEER_ABORTED, TIMEOUT_ENV, HandleState, buffer_view, combine_tensors, kernel_timeout_s,
                posted_by_peer, recv_tensors, run_cached, timeout_message, wait_counts)
@@ -83,6 +87,11 @@ def _columns(t: Optional[torch.Tensor]) -> int:
 
 def _contiguous(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if t is None else t.contiguous()
+
+
+def _combine_ring_signature(x: torch.Tensor, topk_weights: Optional[torch.Tensor], slots: int) -> int:
+    """The ring signature of a combine of x [N, H] with top-k weights [N, K] or None over rings of `slots`."""
+    return ring_signature_word("combine", x.shape[1], x.dtype, None, 0, _columns(topk_weights), slots)
 
 
 class _DeviceMemory:
@@ -299,7 +308,8 @@ class IntranodeBackend(Backend):
         a disagreement since the last report."""
         mismatch = self._ipc.take_signature_mismatch(self.num_ranks)
         if mismatch is not None:
-            raise_disagreement(self.group, self.device, self._signatures, *mismatch)
+            raise_disagreement(self.group, self.device, self._signatures, *mismatch,
+                               ring_records=lambda: self._ipc.take_ring_mismatch() or [])
 
     # ------------------------------------------------------------------ cached calls
     def cached_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], handle: DispatchHandle,
@@ -316,8 +326,10 @@ class IntranodeBackend(Backend):
         channels, offsets = handle.backend_state.routing
         ring = self._ring(config, False, dispatch_slot_bytes(_row_bytes(x), _columns(x_scales), 0), "cached dispatch",
                           channels)
+        word = ring_signature_word("cached dispatch", x.shape[1], x.dtype,
+                                   x_scales.dtype if x_scales is not None else None, _columns(x_scales), 0, ring[2])
         return self._mod.cached_dispatch(self._ipc, self._comm, self._timeout_ns, handle, offsets, x, x_scales, *ring,
-                                         config, self._buffer_cls.num_sms)
+                                         config, self._buffer_cls.num_sms, ring_signature=word)
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
                 bias: Sequence[torch.Tensor], config: Optional[Config] = None):
@@ -333,7 +345,8 @@ class IntranodeBackend(Backend):
         ring = self._ring(config, True, combine_slot_bytes(_row_bytes(x), _columns(topk_weights)), "combine", channels)
         out, out_w, bias0, bias1 = combine_tensors(handle.num_tokens, x, topk_weights, bias)
         self._mod.combine(self._ipc, self._timeout_ns, x, topk_weights, bias0, bias1,
-                          handle.is_token_in_rank, offsets, out, out_w, *ring)
+                          handle.is_token_in_rank, offsets, out, out_w, *ring,
+                          ring_signature=_combine_ring_signature(x, topk_weights, ring[2]))
         return out, out_w
 
     def _combine_plan(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor], handle: DispatchHandle,
@@ -342,7 +355,8 @@ class IntranodeBackend(Backend):
         channels, offsets = handle.backend_state.routing
         ring = self._ring(config, True, combine_slot_bytes(_row_bytes(x), _columns(topk_weights)), "combine", channels)
         return self._mod.cached_combine(self._ipc, self._comm, self._timeout_ns, handle, offsets, x, topk_weights,
-                                        *ring, config, self._buffer_cls.num_sms)
+                                        *ring, config, self._buffer_cls.num_sms,
+                                        ring_signature=_combine_ring_signature(x, topk_weights, ring[2]))
 
     # ------------------------------------------------------------------ expert-major (local passes)
     def expert_major_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: torch.Tensor,

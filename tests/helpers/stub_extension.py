@@ -47,6 +47,8 @@ def stub_intranode(rows: int) -> types.SimpleNamespace:
             self.alive = True
             self.pool_bytes, self.pool_offset = num_pool_bytes, num_bytes  # the peer pool's tail (ipc_buffer.h)
             self.timeout: Optional[tuple] = None  # what timeout_info() reports (a test sets it)
+            self.ring_mismatch: Optional[list] = None  # what take_ring_mismatch() reports (a test sets it)
+            self.signature_mismatch: Optional[tuple] = None  # what take_signature_mismatch() reports (a test sets it)
             # The peer abort as the native IpcBuffer keeps it: whether this rank's abort bytes are posted on its
             # peers, and every write in order (1: post_abort, 0: cleared at the next launch).
             self.abort_posted = False
@@ -78,7 +80,14 @@ def stub_intranode(rows: int) -> types.SimpleNamespace:
             return None
 
         def take_signature_mismatch(self, num_ranks):
-            return None
+            # What the native notify recorded (a test sets signature_mismatch: (seq, problems)); cleared once taken.
+            mismatch, self.signature_mismatch = self.signature_mismatch, None
+            return mismatch
+
+        def take_ring_mismatch(self):
+            # What the native IpcBuffer's receivers recorded (a test sets ring_mismatch); cleared once taken.
+            records, self.ring_mismatch = self.ring_mismatch, None
+            return records
 
         def expert_counts(self, n):
             return [0] * n
@@ -148,19 +157,19 @@ def stub_intranode(rows: int) -> types.SimpleNamespace:
         kind = "CachedCombine"
 
     def cached_dispatch(buffer, comm, timeout_ns, handle, recv_channel_offset, x, scales, num_channels, chunk,
-                        num_slots, slot_bytes, config, num_sms):
+                        num_slots, slot_bytes, config, num_sms, ring_signature):
         plans.append(("CachedDispatch", (timeout_ns, recv_channel_offset, x.dtype, tuple(x.shape),
                                          None if scales is None else tuple(scales.shape), num_channels, chunk,
-                                         num_slots, slot_bytes, config, num_sms)))
+                                         num_slots, slot_bytes, config, num_sms, ring_signature)))
         n = handle[_RECV_SRC_IDX].shape[0]
         return CachedDispatch(buffer, handle, spec(x, x.shape[0]), None if scales is None else spec(scales, x.shape[0]),
                               spec(x, n), None if scales is None else spec(scales, n), config, num_sms)
 
     def cached_combine(buffer, comm, timeout_ns, handle, recv_channel_offset, x, topk_weights, num_channels, chunk,
-                       num_slots, slot_bytes, config, num_sms):
+                       num_slots, slot_bytes, config, num_sms, ring_signature):
         plans.append(("CachedCombine", (timeout_ns, recv_channel_offset, x.dtype, tuple(x.shape),
                                         None if topk_weights is None else tuple(topk_weights.shape), num_channels,
-                                        chunk, num_slots, slot_bytes, config, num_sms)))
+                                        chunk, num_slots, slot_bytes, config, num_sms, ring_signature)))
         t = handle[_NUM_TOKENS]
         w = None if topk_weights is None else spec(topk_weights, x.shape[0])
         w_out = None if topk_weights is None else (torch.float32, t, topk_weights.shape[1])

@@ -21,6 +21,7 @@ from stub_extension import StubEvent, attach_stub_backend
 from moe_dispatcher import Buffer, Config
 from moe_dispatcher.compiled import LAUNCH_ASYNC, LAUNCH_CURRENT, LAUNCH_SYNC
 from moe_dispatcher.compiled.intranode import combine_slot_bytes, dispatch_slot_bytes
+from moe_dispatcher.signature import SignatureMismatch, raise_disagreement, ring_disagreement, ring_signature_word
 
 T, H, E, K = 16, 256, 8, 2
 ROWS = 24  # rows notify "received" (the stub's answer)
@@ -67,7 +68,9 @@ def test_repeated_cached_calls_take_the_fast_path(world):
     channels, offsets = h.backend_state.routing
     _, chunk, slots = w.backend._config(None, combine=False)
     assert w.ext.plans[0] == ("CachedDispatch", (w.backend._timeout_ns, offsets, torch.bfloat16, (T, H), None, channels,
-                                                 chunk, slots, dispatch_slot_bytes(H * 2, 0, 0), None, Buffer.num_sms))
+                                                 chunk, slots, dispatch_slot_bytes(H * 2, 0, 0), None, Buffer.num_sms,
+                                                 ring_signature_word("cached dispatch", H, torch.bfloat16, None, 0, 0,
+                                                                     slots)))
     _, chunk, slots = w.backend._config(None, combine=True)
     assert w.ext.plans[1][1][4:9] == (None, channels, chunk, slots, combine_slot_bytes(H * 2, 0))
     assert w.ext.plans[2][1][4:9] == ((ROWS, K), channels, chunk, slots, combine_slot_bytes(H * 2, K))
@@ -192,7 +195,7 @@ def test_a_call_unlike_the_plan_checks_and_replans(world):
         Buffer.set_num_sms(sms + 2)  # the default config changes with it: checked again
         buf.dispatch(w.x, handle=h)
         assert len(w.ext.plans) == n + 1 and _modes(w, "CachedDispatch")[-2:] == [LAUNCH_CURRENT, LAUNCH_CURRENT]
-        assert w.ext.plans[-1][1][-1] == sms + 2
+        assert w.ext.plans[-1][1][-2] == sms + 2
     finally:
         Buffer.set_num_sms(sms)
 
@@ -289,3 +292,96 @@ def test_fixed_size_dispatch_gives_the_exchanged_counts_on_the_device(world):
     assert counts.data_ptr() == em_layout[padded:].data_ptr()
     assert w.backend.dispatch(w.x, None, w.idx, None, torch.full((1,), T, dtype=torch.int32),
                               torch.ones(T, 1, dtype=torch.bool), torch.zeros(E, dtype=torch.int32), 4, 0)[4] == [0] * E
+
+
+def test_plans_carry_the_ring_signature_of_their_slot_layout(world):
+    """Every cached plan (and the bias combine's launch) gets the ring signature word of its call: the fields that
+    fix its ring's slot layout (issue 16 item 2); calls that lay slots out differently get different words."""
+    w = world
+    buf, h = w.buf, w.handle
+    _, _, slots = w.backend._config(None, combine=False)
+    _, _, cslots = w.backend._config(None, combine=True)
+    scales = torch.ones(T, H // 128, dtype=torch.float32)
+    buf.dispatch(w.x, handle=h)
+    buf.dispatch(w.x[:, :128].contiguous(), handle=h)
+    buf.dispatch(w.x.float(), handle=h)
+    buf.dispatch((w.x.to(torch.float8_e4m3fn), scales), handle=h)
+    buf.combine(w.y, h)
+    buf.combine(w.y, h, topk_weights=w.w)
+    words = [args[-1] for _, args in w.ext.plans]
+    want = [ring_signature_word("cached dispatch", H, torch.bfloat16, None, 0, 0, slots),
+            ring_signature_word("cached dispatch", 128, torch.bfloat16, None, 0, 0, slots),
+            ring_signature_word("cached dispatch", H, torch.float32, None, 0, 0, slots),
+            ring_signature_word("cached dispatch", H, torch.float8_e4m3fn, torch.float32, H // 128, 0, slots),
+            ring_signature_word("combine", H, torch.bfloat16, None, 0, 0, cslots),
+            ring_signature_word("combine", H, torch.bfloat16, None, 0, K, cslots)]
+    assert words == want and len(set(words)) == len(words) and all(0 < v < 1 << 63 for v in words)
+    bias = torch.zeros(T, H, dtype=torch.bfloat16)
+    buf.combine(w.y, h, bias=bias)
+    assert [args[-1] for kind, args in w.ext.launches if kind == "combine"] == [want[4]]
+
+
+def test_a_recorded_ring_mismatch_is_raised_by_the_next_dispatch_naming_the_fields(world, monkeypatch):
+    """A cached call's receivers recorded a source's differing ring signature (the mailbox pairs) and the next
+    fresh dispatch's notify reported problem 6 on this rank (Control::ring_mismatch_seen): cached calls meanwhile
+    keep the fast path (no rank raises alone, so no peer waits for it); the fresh dispatch raises SignatureMismatch
+    at its host wait naming the problem's rank and, from the gathered pairs, the field with both values and both
+    ranks; the pairs are taken, and no abort is posted."""
+    w = world
+    buf, h, b = w.buf, w.handle, w.backend
+    _, _, slots = b._config(None, combine=False)
+    mine = ring_signature_word("cached dispatch", H, torch.bfloat16, None, 0, 0, slots)
+    theirs = ring_signature_word("cached dispatch", 2 * H, torch.bfloat16, None, 0, 0, slots)
+    cmine = ring_signature_word("combine", H, torch.bfloat16, None, 0, 0, slots)
+    ctheirs = ring_signature_word("combine", H, torch.float32, None, 0, K, slots)
+    b._ipc.ring_mismatch = [(1, theirs, mine), (2, ctheirs, cmine)]
+    buf.dispatch(w.x, handle=h)
+    buf.dispatch(w.x, handle=h)
+    assert _modes(w, "CachedDispatch")[-1] == LAUNCH_SYNC
+    b._ipc.signature_mismatch = (b._seq + 1, [6])  # what the notify of the next fresh dispatch records
+    b.device = torch.device("cpu")  # the gloo world gathers the signatures and pairs on the CPU
+    # (gloo's all-gather takes no stacked output as NCCL's does: one rank's gather is a copy)
+    monkeypatch.setattr(dist, "all_gather_into_tensor", lambda out, inp, group=None: out.copy_(inp.view(out.shape)))
+    with pytest.raises(SignatureMismatch) as err:
+        b.dispatch(w.x, None, w.idx, None, torch.full((1,), T, dtype=torch.int32), torch.ones(T, 1, dtype=torch.bool),
+                   torch.zeros(E, dtype=torch.int32), 1, 0)
+    text = str(err.value)
+    assert "on rank 0, a cached dispatch or combine along a handle received rows laid out by another" in text, text
+    assert f"cached dispatch: the ranks' calls do not agree: hidden differs: {H} on rank 0; {2 * H} on rank 1" in text
+    assert "x dtype differs: bfloat16 on rank 0; float32 on rank 2" in text, text
+    assert f"topk_weights columns differs: 0 on rank 0; {K} on rank 2" in text, text
+    assert b._ipc.ring_mismatch is None and not b._ipc.abort_posted
+
+
+def test_only_a_rank_whose_word_reported_the_ring_problem_takes_its_records(monkeypatch):
+    """The records are taken (cleared) when they are reported; a rank whose own problem word was another problem
+    (its notify left Control::ring_mismatch_seen set, so its next notify reports problem 6) must keep them for that
+    report, else it would come without the fields. Two ranks, seen from rank 0 (the gathers copy its rows)."""
+    mine = ring_signature_word("cached dispatch", H, torch.bfloat16, None, 0, 0, 64)
+    theirs = ring_signature_word("cached dispatch", 2 * H, torch.bfloat16, None, 0, 0, 64)
+    calls = []
+
+    def records():
+        calls.append(1)
+        return [(1, theirs, mine)]
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "all_gather_into_tensor", lambda out, inp, group=None: out.copy_(inp.expand_as(out)))
+    with pytest.raises(SignatureMismatch) as err:  # rank 0 sent problem 4 (bad ids), rank 1 problem 6
+        raise_disagreement(None, torch.device("cpu"), {}, 7, [4, 6], records)
+    assert calls == [] and "hidden differs" not in str(err.value), str(err.value)
+    with pytest.raises(SignatureMismatch) as err:  # its next notify: problem 6 on rank 0
+        raise_disagreement(None, torch.device("cpu"), {}, 8, [6, 0], records)
+    assert calls == [1] and f"hidden differs: {H} on rank 0; {2 * H} on rank 1" in str(err.value), str(err.value)
+
+
+def test_ring_signatures_tell_dtypes_outside_the_table_apart_by_size():
+    """x of two dtypes outside signature.DTYPES with other element sizes (uint8 and int16 rows of one hidden) lay
+    out their slots differently: their ring signatures differ (their codes no longer clamp to one value), and the
+    error names each by its size; dtypes of one size lay rows out alike."""
+    word = lambda dtype: ring_signature_word("cached dispatch", H, dtype, None, 0, 0, 64)
+    assert word(torch.uint8) != word(torch.int16) and word(torch.int16) != word(torch.bfloat16)
+    assert word(torch.uint8) == word(torch.float8_e5m2) != word(torch.float8_e4m3fn)
+    text = ring_disagreement(0, [(1, word(torch.int16), word(torch.uint8))])
+    assert "x dtype differs: a 1-byte dtype on rank 0; a 2-byte dtype on rank 1" in text, text

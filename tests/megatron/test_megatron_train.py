@@ -203,19 +203,23 @@ def test_exposed_dispatcher_time_is_what_no_other_kernel_hides(monkeypatch):
 
     # the part of a device event is that of its launching CPU op (correlation id), through the moe.* ranges
     cpu, cuda = step_profile.torch.autograd.DeviceType.CPU, step_profile.torch.autograd.DeviceType.CUDA
-    rng = lambda lo, hi: SimpleNamespace(start=lo, end=hi)  # noqa: E731
-    scope = SimpleNamespace(name="moe.combine.backward", cpu_parent=None, id=1, device_type=cpu)
-    launch = SimpleNamespace(name="aten::mm", cpu_parent=scope, id=2, device_type=cpu)
-    plain = SimpleNamespace(name="aten::add", cpu_parent=None, id=3, device_type=cpu)
-    # a CUDA runtime event (CPU-side, linked, CUPTI's id counter) whose id collides with the op's: not a launch op
-    runtime = SimpleNamespace(name="cudaLaunchKernel", cpu_parent=None, id=2, device_type=cpu, linked_correlation_id=7)
-    kernels = [SimpleNamespace(device_type=cuda, linked_correlation_id=2, time_range=rng(0, 10)),
-               SimpleNamespace(device_type=cuda, linked_correlation_id=3, time_range=rng(2, 4)),
-               SimpleNamespace(device_type=cuda, linked_correlation_id=99, time_range=rng(20, 30)),
-               # the GPU-side span of a record_function range: not device work
-               SimpleNamespace(device_type=cuda, linked_correlation_id=1, time_range=rng(0, 40), is_user_annotation=True)]
+    scope = SimpleNamespace(name="moe.combine.backward", cpu_parent=None, id=1, device_type=cpu, kernels=[])
+    launch = SimpleNamespace(name="aten::mm", cpu_parent=scope, id=2, device_type=cpu, kernels=["k"])
+    plain = SimpleNamespace(name="aten::add", cpu_parent=None, id=3, device_type=cpu, kernels=["k"])
+    # a CUDA runtime event (CPU-side, CUPTI's id counter) whose id collides with the op's: torch links no kernel
+    # to it, so it is not a launching op (listed after the op, it would otherwise replace it)
+    runtime = SimpleNamespace(name="cudaLaunchKernel", cpu_parent=None, id=2, device_type=cpu, kernels=[])
+
+    def raw(linked, lo, hi, annotation=False):  # a raw profiler (kineto) event on the GPU, times in ns
+        return SimpleNamespace(device_type=lambda: cuda, linked_correlation_id=lambda: linked,
+                               start_ns=lambda: lo * 1000, end_ns=lambda: hi * 1000,
+                               is_user_annotation=lambda: annotation)
+    kernels = [raw(2, 0, 10), raw(3, 2, 4), raw(99, 20, 30),
+               raw(1, 0, 40, annotation=True)]  # the GPU-side span of a record_function range: not device work
     profile = StepProfile.__new__(StepProfile)
-    profile.profiler = SimpleNamespace(events=lambda: [scope, launch, plain, runtime, *kernels])
+    profile.profiler = SimpleNamespace(events=lambda: [scope, launch, plain, runtime],
+                                       profiler=SimpleNamespace(kineto_results=SimpleNamespace(
+                                           events=lambda: kernels)))
     profile.num_steps = 1
     spans = sorted(profile._device_spans(), key=lambda s: s[1])
     assert spans == [("combine", 0, 10), ("rest", 2, 4), (None, 20, 30)], spans

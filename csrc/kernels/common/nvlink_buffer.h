@@ -45,6 +45,19 @@ struct Control {
   uint64_t head_copy[kMaxChannels][kMaxRanks];   // [c][s]: rows I consumed from my ring (c, s)
   int32_t notify[2][kMaxRanks][kNotifyStride];   // [epoch parity][source]: notify messages, plain stores
                                                  // published by the barrier's release
+  // [s]: the ring signature of the cached call (dispatch along a handle, combine) whose rows source s is sending
+  // into my rings: the 64-bit word moe_dispatcher/signature.py packs (ring_signature_word), which fixes the
+  // slot layout. Written by s's sender warp of row 0 of each of its rings to me (a plain store over NVLink, the
+  // same value from every channel of one call) before that row's slot stores, so the tail release that
+  // publishes row 0 publishes it too; read by my receiver warps after their first tail acquire of the call
+  // (common/ring_signature.cuh). One word per source, not per ring: it fits the Control block's spare bytes
+  // (kRingsOffset, which moe_dispatcher/config.py repeats, is unchanged).
+  uint64_t ring_signature[kMaxRanks];
+  // Set (1) by this rank's receivers when they found a source's ring signature differing (with the mailbox
+  // record); this rank's next notify reads and clears it (atomicExch; the CommStream's events order it after
+  // the kernels that set it) and sends kProblemRingSignature as its problem word, so every rank refuses that
+  // fresh dispatch and raises SignatureMismatch at its host wait.
+  int32_t ring_mismatch_seen;
   // [p]: peer p raised in a Buffer call (1) or came back (0); written by p's host (runtime/peer_abort.h, a
   // 1-byte copy over NVLink), read by this rank's Watchdog (wait.cuh) when it looks, every ~10 ms of a wait.
   // Last, so that no word above moves (the FIFO words keep their offsets and cache lines). Intranode only: the
@@ -70,6 +83,13 @@ struct Mailbox {
   // Each source rank's problem word in call signature_mismatch: every rank of the group (internode notify
   // records the whole group's, up to kMaxGroupRanks; intranode the domain's).
   int32_t signature_problems[kMaxGroupRanks];
+  // Sticky, set by this rank's receivers when a cached call's sender wrote another ring signature than this
+  // rank's (Control::ring_signature): per source s, the first such pair (the source's word, this rank's word;
+  // 0: none), then ring_mismatch = 1 after a system fence. The host takes the pairs when the next fresh
+  // dispatch reports the disagreement (kProblemRingSignature), to name the fields.
+  int64_t ring_mismatch_sent[kMaxRanks];
+  int64_t ring_mismatch_expected[kMaxRanks];
+  int32_t ring_mismatch;
 };
 constexpr int32_t kFlagLayoutMismatch = 1;
 constexpr int32_t kFlagSignatureMismatch = 2;  // this call's sources disagree (also recorded in signature_mismatch)
@@ -83,5 +103,8 @@ constexpr int32_t kBadIdRepeated = 2;
 // Problem words notify makes of them (the codes of moe_dispatcher/signature.py's PROBLEMS).
 constexpr int32_t kProblemIdOutOfRange = 4;
 constexpr int32_t kProblemIdRepeated = 5;
+// The problem word notify sends when this rank's receivers found a disagreeing ring signature in a cached call
+// since its last notify (Control::ring_mismatch_seen).
+constexpr int32_t kProblemRingSignature = 6;
 
 }  // namespace moe_ep::nvlink

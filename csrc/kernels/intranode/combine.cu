@@ -10,6 +10,8 @@
 // the arrival of later rows.
 // A call that notify refused (common/refused_call.cuh) moves nothing: every block returns at its start, after
 // the receiver blocks wrote zero rows (and weights) for their channel's tokens.
+// Every combine carries its ring signature with row 0 of every ring; a receiver lane whose source sent another
+// one leaves that source out of its sums (common/ring_signature.cuh).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -18,6 +20,7 @@
 #include "kernels/common/launch_check.cuh"
 #include "kernels/common/refused_call.cuh"
 #include "kernels/common/ring_layout.cuh"
+#include "kernels/common/ring_signature.cuh"
 #include "kernels/common/vec.cuh"
 #include "kernels/intranode/protocol.h"
 #include "kernels/intranode/rings.cuh"
@@ -125,6 +128,9 @@ __device__ void send_ring(const CombineArgs& a, int c, int s, int gw, int warps,
       board.leave(s, gw, -1, lane);
       return;
     }
+    // Row 0 of the call on this ring: the ring signature first, published with the row (ring_signature.cuh),
+    // even when the row itself is dropped below.
+    if (k == 0 && lane == 0) publish_ring_signature(reinterpret_cast<Control*>(a.c.peers[s]), me, a.ring_signature);
     const int64_t r = row0 + static_cast<int64_t>(k);
     if (r < a.num_x_rows) {  // else dropped by a num_worst_tokens overflow (reported by notify)
       uint8_t* slot = ring_slot(ring, row, a.num_slots, a.slot_bytes);
@@ -200,6 +206,8 @@ __device__ void reduce_tokens(const CombineArgs& a, int c, int warp, int lane, u
       ring_lane ? ring_at(a.c.peers[me] + kRingsOffset, a.c.src_block_bytes, lane, c, a.num_slots, a.slot_bytes) : nullptr;
   const uint64_t* tail = ring_lane ? &ctl->fifo_tail[c][lane] : nullptr;
   uint64_t seen = 0;
+  // Lane d: 0 until its first row of ring d in this call, then 1 (signatures agree) or 2 (ring d left out).
+  int verdict = 0;
   RingScan<kRanks> scan{a.is_token_in_rank, num_ranks, end};
   scan.start(begin, lane);
   int j = warp;
@@ -214,7 +222,10 @@ __device__ void reduce_tokens(const CombineArgs& a, int c, int warp, int lane, u
       return;
     }
     __syncwarp();  // every lane's tail acquire before every lane's slot loads
-    const uint8_t* mine = has ? ring_slot(ring, index, a.num_slots, a.slot_bytes) : nullptr;
+    // Lane d's first row of ring d: its tail acquire (past row 0 of the call) published the sender's ring
+    // signature. Every reduce warp of the block compares it once; the first lanes to differ record it.
+    if (has && verdict == 0) verdict = ring_disagrees(ctl, a.c.mailbox, lane, a.ring_signature, true) ? 2 : 1;
+    const uint8_t* mine = has && verdict == 1 ? ring_slot(ring, index, a.num_slots, a.slot_bytes) : nullptr;
     const uint8_t* src[kRanks];  // ascending d = sum order
 #pragma unroll
     for (int d = 0; d < kRanks; ++d) {

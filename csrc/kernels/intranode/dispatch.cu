@@ -10,11 +10,14 @@
 // which gives exactly the (source rank, token) order of the contract.
 // A call that notify refused (common/refused_call.cuh) moves nothing: every block returns at its start, after
 // the receiver blocks padded every output row (num_worst_tokens; a refused call received nothing).
+// A cached dispatch (a.ring_signature != 0) carries its ring signature with row 0 of every ring; a receiver warp
+// whose source sent another one writes zero rows for that source's rows (common/ring_signature.cuh).
 #include "kernels/common/channel.cuh"
 #include "kernels/common/copy.cuh"
 #include "kernels/common/launch_check.cuh"
 #include "kernels/common/refused_call.cuh"
 #include "kernels/common/ring_layout.cuh"
+#include "kernels/common/ring_signature.cuh"
 #include "kernels/intranode/protocol.h"
 #include "kernels/intranode/rings.cuh"
 
@@ -65,6 +68,14 @@ __device__ __forceinline__ void receive_row(const DispatchArgs& a, const Dispatc
         __int_as_float(ptx::ld_cg(reinterpret_cast<const int*>(layout.weights(slot)) + lane));
   }
   if (a.recv_src_idx != nullptr && lane == 0) a.recv_src_idx[row] = ptx::ld_cg(layout.source(slot));
+}
+
+// Whole warp: received row `row` of a source whose ring signature disagrees (a cached dispatch, so no top-k and
+// no source index): zero payload and scales, nothing read from the slot.
+__device__ __forceinline__ void zero_row(const DispatchArgs& a, int64_t row, int lane) {
+  int4* out = reinterpret_cast<int4*>(a.recv_x + row * a.hidden_bytes);
+  for (int v = lane; v < a.hidden_bytes / 16; v += 32) out[v] = make_int4(0, 0, 0, 0);
+  for (int j = lane; j < a.num_scales; j += 32) a.recv_scales[row * a.num_scales + j] = 0;
 }
 
 // num_worst_tokens: rows past the received count get zero payload and scales (as the reference pads),
@@ -152,6 +163,10 @@ __device__ void send_ring(const DispatchArgs& a, int c, int d, int gw, int warps
       board.leave(d, gw, -1, lane);
       return;
     }
+    // Row 0 of the call on this ring: the ring signature first, published with the row (ring_signature.cuh).
+    if (k == 0 && lane == 0 && a.ring_signature != 0) {
+      publish_ring_signature(reinterpret_cast<Control*>(a.c.peers[d]), me, a.ring_signature);
+    }
     send_row(a, layout, ring_slot(ring, row, a.num_slots, a.slot_bytes), t, lo, hi, lane);
     board.advance(d, gw, k + warps, lane);
   }
@@ -170,6 +185,7 @@ __device__ void receive_ring(const DispatchArgs& a, int c, int s, int gw, int wa
   const int* offsets = a.recv_channel_offset + s * (a.num_channels + 1);
   const int row0 = offsets[c], count = offsets[c + 1] - row0;
   uint64_t tail_seen = 0;
+  bool disagrees = false;  // the source's ring signature differs from this call's: its slots are not read
   int k = gw;
   for (; k < count; k += warps) {
     const uint64_t index = head0 + static_cast<uint64_t>(k);
@@ -177,9 +193,16 @@ __device__ void receive_ring(const DispatchArgs& a, int c, int s, int gw, int wa
       board.leave(s, gw, -1, lane);
       return;
     }
+    // The warp's first row of the call: the tail acquired past it is past row 0, whose release published the
+    // sender's ring signature (warp_outcome's __syncwarp orders lane 0's acquire before every lane's load).
+    if (k == gw && a.ring_signature != 0) disagrees = ring_disagrees(ctl, a.c.mailbox, s, a.ring_signature, lane == 0);
     const int64_t row = row0 + static_cast<int64_t>(k);
     if (row < a.num_rows) {  // more rows than num_worst_tokens: dropped, reported by notify
-      receive_row(a, layout, row, ring_slot(ring, index, a.num_slots, a.slot_bytes), lane);
+      if (disagrees) {
+        zero_row(a, row, lane);
+      } else {
+        receive_row(a, layout, row, ring_slot(ring, index, a.num_slots, a.slot_bytes), lane);
+      }
     }
     board.advance(s, gw, k + warps, lane);
   }

@@ -10,7 +10,9 @@
 // A message slot of parity p is rewritten two barriers later, after its reader passed the barrier
 // in between, so no cleaning is needed.
 //
-// Agreement: each message also carries the source's signature hash and problem word (nvlink_buffer.h). After
+// Agreement: each message also carries the source's signature hash and problem word (nvlink_buffer.h; the
+// problem word also reports a disagreeing ring signature that this rank's cached calls found since its last
+// notify, common/ring_signature.cuh). After
 // the barrier every rank compares all sources' pairs, so every rank reaches the same verdict, before it derives
 // any result. A disagreement refuses the call (common/refused_call.cuh): its tables are those of a call that
 // received nothing, with kRefusedCall in recv_channel_offset[0][0], so that its data kernels move nothing on any
@@ -52,6 +54,12 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a)
       if (bad != 0) {
         if (problem == 0) problem = (bad & kBadIdOutOfRange) ? kProblemIdOutOfRange : kProblemIdRepeated;
       }
+    }
+    // Set by this rank's receivers of earlier cached calls (common/ring_signature.cuh), ordered before this
+    // kernel by the CommStream's events; read and cleared in one atomic like the bad ids, but only when no other
+    // problem takes the word (else the next notify reports it).
+    if (problem == 0 && atomicExch(&ctl->ring_mismatch_seen, 0) != 0) {
+      problem = kProblemRingSignature;
     }
   }
   __syncthreads();

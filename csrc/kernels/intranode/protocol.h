@@ -31,6 +31,7 @@ using nvlink::kNotifySignatureHash;
 using nvlink::kNotifySignatureProblem;
 using nvlink::kProblemIdOutOfRange;
 using nvlink::kProblemIdRepeated;
+using nvlink::kProblemRingSignature;
 using nvlink::kRefusedCall;
 using nvlink::kNotifyStride;
 using nvlink::kRingsOffset;
@@ -117,6 +118,7 @@ struct DispatchArgs {
   int num_channels;
   int chunk;                 // the sender publishes its tail every `chunk` rows at least (at most half a ring)
   int num_slots, slot_bytes;
+  uint64_t ring_signature;   // cached dispatch: this call's ring signature (common/ring_signature.cuh); 0: fresh
 };
 
 enum CombineDtype : int { kBf16 = 0, kFp16 = 1, kFp32 = 2 };
@@ -136,6 +138,7 @@ struct CombineArgs {
   int num_channels;
   int chunk;                       // the sender publishes its tail every `chunk` rows at least (at most half a ring)
   int num_slots, slot_bytes;
+  uint64_t ring_signature;         // this call's ring signature (common/ring_signature.cuh), nonzero
 };
 
 // Launchers (csrc/kernels/intranode/*.cu). They check the launch and throw std::runtime_error.
