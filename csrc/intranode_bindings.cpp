@@ -576,7 +576,8 @@ void register_intranode(py::module_& m) {
   sub.def("em_layout_words", [](int r, int l) { return ExpertMajorLayout::words(r, l); });
 
   py::class_<IpcBuffer>(sub, "IpcBuffer")
-      .def(py::init<int, int, size_t>(), py::arg("rank"), py::arg("num_ranks"), py::arg("num_bytes"))
+      .def(py::init<int, int, size_t, size_t>(), py::arg("rank"), py::arg("num_ranks"), py::arg("num_bytes"),
+           py::arg("num_pool_bytes") = 0)
       .def("ipc_handle", [](const IpcBuffer& b) { return py::bytes(b.ipc_handle()); })
       .def("open_peers",
            [](IpcBuffer& b, const std::vector<py::bytes>& handles) {
@@ -588,6 +589,16 @@ void register_intranode(py::module_& m) {
       .def("abandon", &IpcBuffer::abandon)
       .def_property_readonly("alive", &IpcBuffer::alive)
       .def_property_readonly("local_ptr", [](const IpcBuffer& b) { return reinterpret_cast<uintptr_t>(b.local()); })
+      // The peer pool's tail (runtime/ipc_buffer.h): offset and size; peer_ptrs: every rank's allocation as this
+      // process maps it (0 once closed).
+      .def_property_readonly("pool_offset", &IpcBuffer::pool_offset)
+      .def_property_readonly("pool_bytes", &IpcBuffer::pool_bytes)
+      .def("peer_ptrs",
+           [](const IpcBuffer& b) {
+             std::vector<uintptr_t> ptrs;
+             for (int r = 0; r < b.num_ranks(); ++r) ptrs.push_back(reinterpret_cast<uintptr_t>(b.peer(r)));
+             return ptrs;
+           })
       .def_property_readonly("src_block_bytes", [](const IpcBuffer& b) { return b.common(0).src_block_bytes; })
       .def("timeout_info", &timeout_info)
       // The peer abort (runtime/peer_abort.h): this rank raised in a Buffer call / its next call starts.

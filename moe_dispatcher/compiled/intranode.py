@@ -8,6 +8,8 @@ semantics; methods here check what depends on the kernels (config limits, ring s
 current stream and launch. Cached calls (dispatch along a handle, combine) run from native plans kept in the
 handle's state: the Buffer's fast path calls a plan directly, once its first call made it (CachedPlans).
 docs/intranode.md describes the protocol and the host path.
+With Buffer(num_pool_bytes=N) the allocation has a tail of N bytes past the kernels' buffer, the region of the
+Buffer's PeerPool (peer_pool.py): torch tensors every peer has mapped, closed here before the mappings close.
 
 Host synchronisation: a fresh dispatch without num_worst_tokens waits (spinning on mapped memory) for
 notify's receive counts; cached dispatch, dispatch with num_worst_tokens, layout and combine never do.
@@ -44,6 +46,7 @@ from ..config import Config, align_slot
 from ..expert_major import ExpertMajorHandle, compose_expert_major_dispatch, gather_rows, unpermute
 from ..handle import DispatchHandle
 from ..signature import Signature, dispatch_signature, raise_disagreement, ring_signature_word, signature_hash
+from .peer_pool import PeerPool
 from . import (STATUS_PEER_ABORTED, TIMEOUT_ENV, HandleState, buffer_view, combine_tensors, kernel_timeout_s,
                posted_by_peer, recv_tensors, run_cached, timeout_message, wait_counts)
 
@@ -128,10 +131,16 @@ class IntranodeBackend(Backend):
                              f"{minimum}; use Config.get_nvl_buffer_size_hint)")
         self.device = torch.device("cuda", torch.cuda.current_device())
         self._num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        self._ipc = self._mod.IpcBuffer(self.rank, self.num_ranks, self.num_nvl_bytes)
+        self.num_pool_bytes = buffer.num_pool_bytes
+        # With num_pool_bytes the allocation has the peer pool's region as its tail (exported with the buffer).
+        self._ipc = (self._mod.IpcBuffer(self.rank, self.num_ranks, self.num_nvl_bytes, self.num_pool_bytes)
+                     if self.num_pool_bytes else self._mod.IpcBuffer(self.rank, self.num_ranks, self.num_nvl_bytes))
         handles: List[Optional[bytes]] = [None] * self.num_ranks
         dist.all_gather_object(handles, self._ipc.ipc_handle(), group=self.group)
         self._ipc.open_peers(handles)
+        self.peer_pool: Optional[PeerPool] = None
+        if self.num_pool_bytes:
+            self.peer_pool = PeerPool(self._ipc, mod.peer_pool, mod.__file__, self.device, self.rank, self.num_ranks)
         # The Buffer's comm stream, with the events that join it to the caller's stream in cached calls.
         self._comm = self._mod.CommStream(buffer.get_comm_stream())
         self.launch_order = self._comm
@@ -514,6 +523,8 @@ class IntranodeBackend(Backend):
             self._broken = timeout_message(self.name, self._ipc.timeout_info(), self.timeout_s, TIMEOUT_ENV,
                                            self._board)
         self._rdma_emulation = None
+        if self.peer_pool is not None:  # before the mappings its peer addresses point into close
+            self.peer_pool.close()
         self._ipc.close()
 
     def views_alive(self) -> bool:
@@ -524,5 +535,7 @@ class IntranodeBackend(Backend):
         (this backend's, the views', the plans')."""
 
     def abandon(self) -> None:
-        """A peer never confirmed: leave the buffer allocated until the process exits."""
+        """A peer never confirmed: leave the buffer allocated until the process exits (the pool's region too)."""
+        if self.peer_pool is not None:
+            self.peer_pool.close()
         self._ipc.abandon()
