@@ -265,14 +265,15 @@ void dispatch(const IpcBuffer& b, uint64_t timeout_ns, const at::Tensor& x, cons
   launch_dispatch(a, current_stream(device).stream());
 }
 
-// Direct dispatch (kernels/intranode/dispatch_direct.cu) of a fresh dispatch (topk_idx given) or a cached one
-// (topk_idx None: payload and scales only): the outputs are carved from `block` (uint8, at least
-// direct_outputs_bytes(...)) as DirectOutputs for `rows` rows; `out_offset` is the block's byte offset in this
-// rank's NVLink buffer when the block lies there (the peer pool), else -1: then no rank writes directly and the
-// ring kernel queued after the direct one moves the call on every rank (it is queued always, and leaves at once
-// when the direct kernel moved the call). send_row_offset int32 [R, C] is notify's (fresh) or the handle's
-// (cached); ring_signature: a cached call's ring word (0 for a fresh one). -> (recv_x [rows, H] x.dtype, recv_scales [rows, S] or None, recv_topk_idx int64 [rows, K] and
-// recv_topk_weights float32 [rows, K] or None, recv_src_idx int32 [rows] or None).
+// Direct dispatch (kernels/intranode/dispatch_direct.cu) of a fresh dispatch (ring_signature 0: top-k, when
+// given, and source indices too) or a cached one (ring_signature: its ring word; payload and scales only). The
+// outputs are carved from `block` (uint8, direct_outputs_bytes(...) at least) as DirectOutputs for `rows` rows;
+// `out_offset` is the block's byte offset in this rank's NVLink buffer when the block lies there (the peer pool),
+// else -1: then no rank writes directly and the ring kernel queued after the direct one moves the call on every
+// rank (it is queued always, and leaves at once when the direct kernel moved the call). send_row_offset int32
+// [R, C] is notify's (fresh) or the handle's (cached). -> (recv_x [rows, H] x.dtype, recv_scales [rows, S] or
+// None, recv_topk_idx int64 [rows, K] and recv_topk_weights float32 [rows, K] or None (no topk_idx), recv_src_idx
+// int32 [rows] or None (cached)).
 py::tuple direct_dispatch(const IpcBuffer& b, uint64_t timeout_ns, const at::Tensor& x,
                           const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& topk_idx,
                           const c10::optional<at::Tensor>& topk_weights, const at::Tensor& is_token_in_rank,
@@ -280,6 +281,7 @@ py::tuple direct_dispatch(const IpcBuffer& b, uint64_t timeout_ns, const at::Ten
                           const at::Tensor& block, int64_t out_offset, int64_t rows, int experts_per_rank,
                           bool pad_rows, int num_channels, int chunk, int num_slots, int slot_bytes,
                           int64_t ring_signature) {
+  const bool fresh = ring_signature == 0;
   const auto device = x.get_device();
   expect_cuda(x, device, "direct dispatch: x");
   expect_cuda(scales, device, "direct dispatch: scales");
@@ -287,6 +289,7 @@ py::tuple direct_dispatch(const IpcBuffer& b, uint64_t timeout_ns, const at::Ten
   expect_cuda(topk_weights, device, "direct dispatch: topk_weights");
   expect_cuda(block, device, "direct dispatch: block");
   MOE_CHECK(!topk_weights.has_value() || topk_idx.has_value(), "direct dispatch: topk_weights without topk_idx");
+  MOE_CHECK(fresh || !topk_idx.has_value(), "direct dispatch: a cached call takes no topk_idx");
   MOE_CHECK(send_row_offset.numel() >= static_cast<int64_t>(b.num_ranks()) * num_channels,
             "direct dispatch: send_row_offset must be [R, C]");
   const DirectOutputs o{rows, row_bytes(x), columns(scales), columns(topk_idx)};
@@ -307,9 +310,11 @@ py::tuple direct_dispatch(const IpcBuffer& b, uint64_t timeout_ns, const at::Ten
   if (topk_idx.has_value()) {
     idx_out = carve(block, o.idx_offset(), at::kLong, {rows, k}, {k, 1});
     w_out = carve(block, o.weights_offset(), at::kFloat, {rows, k}, {k, 1});
-    src_out = carve(block, o.src_offset(), at::kInt, {rows}, {1});
     recv_idx = py::cast(idx_out);
     recv_w = py::cast(w_out);
+  }
+  if (fresh) {
+    src_out = carve(block, o.src_offset(), at::kInt, {rows}, {1});
     recv_src = py::cast(src_out);
   }
 
@@ -329,7 +334,7 @@ py::tuple direct_dispatch(const IpcBuffer& b, uint64_t timeout_ns, const at::Ten
   d.num_scales = o.num_scales;
   d.num_topk = o.num_topk;
   d.experts_per_rank = experts_per_rank;
-  d.write_meta = topk_idx.has_value() ? 1 : 0;
+  d.write_meta = fresh ? 1 : 0;
   d.pad_rows = pad_rows ? 1 : 0;
   d.num_channels = num_channels;
   MOE_CHECK(x.size(0) == d.num_tokens, "direct dispatch: x and is_token_in_rank differ in tokens");
@@ -346,14 +351,14 @@ py::tuple direct_dispatch(const IpcBuffer& b, uint64_t timeout_ns, const at::Ten
   a.recv_scales = scales.has_value() ? data_of<int32_t>(scales_out) : nullptr;
   a.recv_topk_idx = topk_idx.has_value() ? data_of<int64_t>(idx_out) : nullptr;
   a.recv_topk_weights = topk_idx.has_value() ? data_of<float>(w_out) : nullptr;
-  a.recv_src_idx = topk_idx.has_value() ? data_of<int>(src_out) : nullptr;
+  a.recv_src_idx = fresh ? data_of<int>(src_out) : nullptr;
   a.hidden_bytes = d.hidden_bytes;
   a.num_scales = d.num_scales;
   a.num_topk = d.num_topk;
   a.experts_per_rank = experts_per_rank;
   a.num_rows = static_cast<int>(rows);
   a.pad_rows = d.pad_rows;
-  a.ring_signature = topk_idx.has_value() ? 0 : checked_ring_signature(ring_signature);  // cached: its ring word
+  a.ring_signature = fresh ? 0 : checked_ring_signature(ring_signature);  // cached: its ring word
   a.after_direct = 1;
   launch_dispatch(a, stream);
   return py::make_tuple(recv_x, recv_scales, recv_idx, recv_w, recv_src);

@@ -258,9 +258,11 @@ def run(ctx: Context) -> None:
     rows = sweep_configs(o, r)
     pd, pc = plot_config(o, r)
     configs = [d for _, d, _ in rows] + [c for _, _, c in rows if c is not None] + [pd, pc]
-    buffer = Buffer(ctx.group, num_nvl_bytes=nvl_bytes(configs, o.hidden, r), backend=o.backend)
+    buffer = Buffer(ctx.group, num_nvl_bytes=nvl_bytes(configs, o.hidden, r), backend=o.backend,
+                    num_pool_bytes=o.num_pool_bytes)
     ctx.say(f"== normal mode: {r} ranks, T={o.tokens} H={o.hidden} top-{o.topk} of {o.num_experts} experts, "
-            f"{o.iters} timed calls after {o.warmup} warm-up, {len(rows)} configs")
+            f"{o.iters} timed calls after {o.warmup} warm-up, {len(rows)} configs"
+            + (f", peer pool {o.num_pool_bytes >> 20} MiB (direct dispatch)" if o.num_pool_bytes else ""))
     try:
         w = Workload(ctx, buffer, o.tokens, seed=1)
         recv_x, handle0 = w.fresh(rows[0][1])

@@ -47,8 +47,8 @@ from ..expert_major import ExpertMajorHandle, compose_expert_major_dispatch, gat
 from ..handle import DispatchHandle
 from ..signature import Signature, dispatch_signature, raise_disagreement, ring_signature_word, signature_hash
 from .peer_pool import PeerPool
-from . import (STATUS_PEER_ABORTED, TIMEOUT_ENV, HandleState, buffer_view, combine_tensors, kernel_timeout_s,
-               posted_by_peer, recv_tensors, run_cached, timeout_message, wait_counts)
+from . import (LAUNCH_CURRENT, STATUS_PEER_ABORTED, TIMEOUT_ENV, HandleState, buffer_view, combine_tensors,
+               kernel_timeout_s, posted_by_peer, recv_tensors, run_cached, timeout_message, wait_counts)
 
 # Dtypes of combine input the kernels reduce (others go to the reference backend: capabilities.combine_dtypes).
 COMBINE_DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32})
@@ -102,6 +102,52 @@ class _DeviceMemory:
     def __init__(self, ptr: int, nbytes: int, owner: object = None) -> None:
         self.owner = owner
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2}
+
+
+class _DirectDispatchPlan:
+    """The plan of a cached dispatch along the handle of a direct dispatch (IntranodeBackend._direct_dispatch): the
+    same duck type as the native plans (csrc/bindings/cached_call.h: run() answers None for a call unlike the one
+    it was made for, and the Buffer then takes its full path). It launches on the current stream only (the full
+    path's LAUNCH_CURRENT, inside the Buffer's stream scope); the fast path's modes answer None."""
+
+    __slots__ = ("backend", "in_rank", "num_tokens", "num_worst_tokens", "x_spec", "aux_spec", "config", "num_sms",
+                 "ring", "word")
+
+    def __init__(self, backend, handle: DispatchHandle, x: torch.Tensor, x_scales: Optional[torch.Tensor],
+                 config: Optional[Config], num_sms: int, ring: Tuple[int, int, int, int], word: int) -> None:
+        self.backend = backend
+        self.in_rank, self.num_tokens, self.num_worst_tokens = (handle.is_token_in_rank, handle.num_tokens,
+                                                                handle.num_worst_tokens)
+        self.x_spec = (x.dtype, tuple(x.shape), x.device)
+        self.aux_spec = None if x_scales is None else (x_scales.dtype, tuple(x_scales.shape), x_scales.device)
+        self.config, self.num_sms, self.ring, self.word = config, num_sms, ring, word
+
+    def _matches(self, handle, x: torch.Tensor, aux: Optional[torch.Tensor], config, num_sms: int) -> bool:
+        if (handle.is_token_in_rank is not self.in_rank or handle.num_tokens != self.num_tokens
+                or handle.num_worst_tokens != self.num_worst_tokens or not x.is_contiguous()
+                or (x.dtype, tuple(x.shape), x.device) != self.x_spec):
+            return False
+        if (aux is None) != (self.aux_spec is None) or (aux is not None and (
+                (aux.dtype, tuple(aux.shape), aux.device) != self.aux_spec or not aux.is_contiguous())):
+            return False
+        if (config is None) != (self.config is None):
+            return False
+        return num_sms == self.num_sms if config is None else (config is self.config or config == self.config)
+
+    def run(self, handle, x: torch.Tensor, aux: Optional[torch.Tensor], config, num_sms: int, mode: int):
+        """-> (recv_x, recv_scales or None, None), or None (not this plan's call, not the current stream's mode, or
+        the backend may no longer launch: the full path says why)."""
+        if mode != LAUNCH_CURRENT or not self._matches(handle, x, aux, config, num_sms):
+            return None
+        try:
+            self.backend._check()
+        except RuntimeError:
+            return None
+        _, offsets, send_rows = handle.backend_state.routing
+        rows = self.num_worst_tokens or handle.num_recv_tokens
+        out = self.backend._direct_dispatch(x, aux, None, None, self.in_rank, offsets, send_rows, rows, 1,
+                                            bool(self.num_worst_tokens), self.ring, self.word)
+        return out[0], out[1], None
 
 
 class IntranodeBackend(Backend):
@@ -231,10 +277,11 @@ class IntranodeBackend(Backend):
     # ------------------------------------------------------------------ dispatch
     def _notify(self, is_token_in_rank: torch.Tensor, num_tokens_per_rank: torch.Tensor,
                 num_tokens_per_expert: torch.Tensor, channels: int, expert_alignment: int, num_worst_tokens: int,
-                signature: Signature, em_layout: Optional[torch.Tensor] = None
-                ) -> Tuple[torch.Tensor, torch.Tensor, int]:
+                signature: Signature, em_layout: Optional[torch.Tensor] = None,
+                send_row_offset: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, int]:
         """Launch notify, which also compares every rank's `signature`: -> (rank_prefix_matrix int32 [R, R],
-        recv_channel_offset int32 [R, C + 1], its seq)."""
+        recv_channel_offset int32 [R, C + 1], its seq). send_row_offset (int32 [R, C], direct dispatch) receives
+        where this rank's rows of each channel start in each destination's outputs."""
         r, dev = self.num_ranks, is_token_in_rank.device
         prefix = torch.empty(r, r, dtype=torch.int32, device=dev)
         offsets = torch.empty(r, channels + 1, dtype=torch.int32, device=dev)
@@ -244,7 +291,8 @@ class IntranodeBackend(Backend):
             self._signatures.popitem(last=False)
         self._mod.notify(self._ipc, self._timeout_ns, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert,
                          channels, expert_alignment, num_worst_tokens, self._seq, prefix, offsets, em_layout,
-                         signature_hash=signature_hash(signature), problem=signature.problem)
+                         signature_hash=signature_hash(signature), problem=signature.problem,
+                         send_row_offset=send_row_offset)
         return prefix, offsets, self._seq
 
     def dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
@@ -266,9 +314,13 @@ class IntranodeBackend(Backend):
                   if num_worst_tokens else None)
         signature = dispatch_signature("dispatch", x, x_scales, topk_idx, topk_weights, num_tokens_per_expert.numel(),
                                        config or self._buffer_cls.get_dispatch_config(self.num_ranks))
+        # With a peer pool (the same on every rank: agreed at creation) the rows go straight into the receivers'
+        # outputs (_direct_dispatch); notify tells each rank where its rows start there.
+        send_rows = (torch.empty(self.num_ranks, channels, dtype=torch.int32, device=x.device)
+                     if self.peer_pool is not None else None)
         prefix, offsets, seq = self._notify(is_token_in_rank, num_tokens_per_rank.contiguous(),
                                             num_tokens_per_expert.contiguous(), channels, expert_alignment,
-                                            num_worst_tokens, signature, layout)
+                                            num_worst_tokens, signature, layout, send_rows)
         counts: List[int] = []
         num_recv: Optional[int] = None
         if num_worst_tokens:
@@ -280,16 +332,42 @@ class IntranodeBackend(Backend):
             counts = self._ipc.expert_counts(local)
             rows = num_recv
 
-        recv_x, recv_scales, recv_idx, recv_w, recv_src = recv_tensors(
-            rows, x, x_scales, _columns(x_scales), num_topk if topk_idx is not None else None)
-        self._mod.dispatch(self._ipc, self._timeout_ns, x, x_scales, topk_idx, topk_weights, is_token_in_rank, offsets,
-                           recv_x, recv_scales, recv_idx, recv_w, recv_src, local, bool(num_worst_tokens), channels,
-                           chunk, slots, slot_bytes)
+        if send_rows is not None:
+            recv_x, recv_scales, recv_idx, recv_w, recv_src = self._direct_dispatch(
+                x, x_scales, topk_idx, topk_weights, is_token_in_rank, offsets, send_rows, rows, local,
+                bool(num_worst_tokens), (channels, chunk, slots, slot_bytes), 0)
+        else:
+            recv_x, recv_scales, recv_idx, recv_w, recv_src = recv_tensors(
+                rows, x, x_scales, _columns(x_scales), num_topk if topk_idx is not None else None)
+            self._mod.dispatch(self._ipc, self._timeout_ns, x, x_scales, topk_idx, topk_weights, is_token_in_rank,
+                               offsets, recv_x, recv_scales, recv_idx, recv_w, recv_src, local, bool(num_worst_tokens),
+                               channels, chunk, slots, slot_bytes)
         if topk_weights is None:
             recv_w = None
         handle = DispatchHandle(prefix, is_token_in_rank, recv_src, num_recv, x.shape[0], num_worst_tokens, self.name,
-                                self._buffer_token, backend_state=HandleState((channels, offsets)))
+                                self._buffer_token, backend_state=HandleState((channels, offsets, send_rows)))
         return recv_x, recv_scales, recv_idx, recv_w, counts, handle
+
+    def _direct_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
+                         topk_weights: Optional[torch.Tensor], is_token_in_rank: torch.Tensor, offsets: torch.Tensor,
+                         send_rows: torch.Tensor, rows: int, local: int, pad_rows: bool,
+                         ring: Tuple[int, int, int, int], ring_signature: int) -> list:
+        """Dispatch by the direct kernel (kernels/intranode/dispatch_direct.cu) into outputs allocated in the peer
+        pool: one block of direct_outputs_bytes, carved natively into [recv_x [rows, H], recv_scales [rows, S] or
+        None, recv_topk_idx [rows, K] and recv_topk_weights [rows, K] or None, recv_src_idx [rows] or None
+        (cached: ring_signature != 0)]. When the pool has no room for the block, the block comes from torch's
+        allocator and the rank says so to its peers in the kernel: then no rank writes directly and the ring
+        kernel queued after it moves the call on every rank (the same outputs)."""
+        nbytes = self._mod.direct_outputs_bytes(rows, _row_bytes(x), _columns(x_scales), _columns(topk_idx))
+        try:
+            block = self.peer_pool.allocate((max(nbytes, 1),), torch.uint8)
+            out_offset = self._ipc.pool_offset + self.peer_pool.offset_of(block)
+        except torch.OutOfMemoryError:  # PeerPoolExhausted: the ring kernel moves this call on every rank
+            block = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=x.device)
+            out_offset = -1
+        return list(self._mod.direct_dispatch(self._ipc, self._timeout_ns, x, x_scales, topk_idx, topk_weights,
+                                              is_token_in_rank, offsets, send_rows, block, out_offset, rows, local,
+                                              pad_rows, *ring, ring_signature=ring_signature))
 
     def _wait_counts(self, seq: int) -> int:
         """The host's wait for notify call `seq` (fresh dispatch without num_worst_tokens): rows received (one
@@ -322,12 +400,15 @@ class IntranodeBackend(Backend):
 
     def _dispatch_plan(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], handle: DispatchHandle,
                        config: Optional[Config]):
-        """The checks of a cached dispatch, then its native plan."""
-        channels, offsets = handle.backend_state.routing
+        """The checks of a cached dispatch, then its plan: native, or _DirectDispatchPlan along a handle of a direct
+        dispatch."""
+        channels, offsets, send_rows = handle.backend_state.routing
         ring = self._ring(config, False, dispatch_slot_bytes(_row_bytes(x), _columns(x_scales), 0), "cached dispatch",
                           channels)
         word = ring_signature_word("cached dispatch", x.shape[1], x.dtype,
                                    x_scales.dtype if x_scales is not None else None, _columns(x_scales), 0, ring[2])
+        if send_rows is not None:
+            return _DirectDispatchPlan(self, handle, x, x_scales, config, self._buffer_cls.num_sms, ring, word)
         return self._mod.cached_dispatch(self._ipc, self._comm, self._timeout_ns, handle, offsets, x, x_scales, *ring,
                                          config, self._buffer_cls.num_sms, ring_signature=word)
 
@@ -341,7 +422,7 @@ class IntranodeBackend(Backend):
             return run_cached(self, handle.backend_state.combine_plans, topk_weights is not None, self._combine_plan,
                               handle, x, topk_weights, config)
         # With a bias (rare: no plan, and the Buffer's fast path does not take it).
-        channels, offsets = handle.backend_state.routing
+        channels, offsets, _ = handle.backend_state.routing
         ring = self._ring(config, True, combine_slot_bytes(_row_bytes(x), _columns(topk_weights)), "combine", channels)
         out, out_w, bias0, bias1 = combine_tensors(handle.num_tokens, x, topk_weights, bias)
         self._mod.combine(self._ipc, self._timeout_ns, x, topk_weights, bias0, bias1,
@@ -352,7 +433,7 @@ class IntranodeBackend(Backend):
     def _combine_plan(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor], handle: DispatchHandle,
                       config: Optional[Config]):
         """The checks of a combine (x of a kernel dtype), then its native plan."""
-        channels, offsets = handle.backend_state.routing
+        channels, offsets, _ = handle.backend_state.routing
         ring = self._ring(config, True, combine_slot_bytes(_row_bytes(x), _columns(topk_weights)), "combine", channels)
         return self._mod.cached_combine(self._ipc, self._comm, self._timeout_ns, handle, offsets, x, topk_weights,
                                         *ring, config, self._buffer_cls.num_sms,
@@ -418,7 +499,7 @@ class IntranodeBackend(Backend):
         tpe = layout[r_local + 2 * local + 1: r_local + 3 * local + 1]
         need = layout[r_local + local]
         dh = DispatchHandle(prefix, in_rank, recv_src, num_recv, x.shape[0], num_worst_tokens, self.name,
-                            self._buffer_token, backend_state=HandleState((channels, offsets)))
+                            self._buffer_token, backend_state=HandleState((channels, offsets, None)))
         handle = ExpertMajorHandle(dh, pair_row, pair_slot, tpe, k, rows_needed=need,
                                    backend_state=(inverse, layout, local, expert_alignment))
         return px, ps, pw, tpe, counts, handle

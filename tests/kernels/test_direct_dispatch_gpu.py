@@ -1,0 +1,121 @@
+"""Direct dispatch (a Buffer with a peer pool) against the reference backend on real GPUs.
+
+With Buffer(num_pool_bytes=N) every dispatch of the compiled intranode backend, fresh and cached, writes the rows
+straight into the receivers' outputs, which each rank allocates in its peer pool (kernels/intranode/
+dispatch_direct.cu). The outputs must be the reference's bit for bit, as the ring kernel's are: every case of the
+normal-mode table, the pool poisoned first. When one rank's pool has no room for its outputs, every rank's call
+must fall back to the ring kernel (the verdict is taken in the kernel, from every rank's published outputs) and
+still match; combine along a direct dispatch's handle must match too.
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist import GPU_WORLD_SIZES, assert_equal, case, make_buffer, run_distributed
+from normal_cases import CASES, check_case, one_hop_tol
+from normal_cases import dispatch as _dispatch
+from normal_cases import routing as _routing
+
+pytestmark = pytest.mark.gpu
+MAX_HIDDEN_BYTES = 7168 * 2
+POOL_BYTES = 512 << 20
+
+
+def _poison_pool(pool) -> None:
+    """Fill most of the pool with 0xF9 and hand it back to torch's cache, so outputs start as garbage."""
+    junk = pool.allocate((POOL_BYTES // 2,), torch.uint8)
+    junk.fill_(0xF9)
+    del junk
+
+
+def _world_direct(rank: int, world_size: int) -> Dict:
+    from moe_dispatcher import Buffer
+    dev = torch.device("cuda", torch.cuda.current_device())
+    kb = make_buffer(hidden_bytes=MAX_HIDDEN_BYTES, backend="kernels", explicitly_destroy=True,
+                     num_pool_bytes=POOL_BYTES)
+    rb = Buffer(backend="reference", explicitly_destroy=True)
+    pool = kb._kernels.peer_pool
+    assert pool is not None, "Buffer(num_pool_bytes=...) must give the intranode backend a peer pool"
+    stats = {"combine_total": 0, "combine_bit_exact": 0}
+    for i, c in enumerate(CASES):
+        with case(c["name"]):
+            _poison_pool(pool)
+            check_case(kb, rb, c, i, stats, dev, combine_tol=one_hop_tol, poison=True, cached_returns_none=True)
+
+    # The outputs are the pool's (the direct kernel wrote them), fresh and cached.
+    g = torch.Generator().manual_seed(5 + rank)
+    t, h, e, k = 777, 4096, 8 * world_size, 8
+    idx = _routing(g, t, e, k, world_size, "skewed").to(dev)
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16).to(dev)
+    w = torch.rand(t, k, generator=g).to(dev)
+    with case("outputs in the pool"):
+        _, out = _dispatch(kb, x, idx, w, e)
+        assert pool.contains(out[0]) and pool.contains(out[4].recv_src_idx), "fresh outputs not in the peer pool"
+        assert pool.contains(kb.dispatch(x, handle=out[4])[0]), "cached outputs not in the peer pool"
+
+    # One rank's pool full: every rank's call falls back to the ring kernel, with the same results. The outputs
+    # here are larger than any free range the hog leaves (> 20 MiB: torch's segments for 1-10 MiB requests).
+    t2, h2 = 2048, 7168
+    idx2 = _routing(g, t2, e, k, world_size, "dense").to(dev)
+    x2 = torch.randn(t2, h2, generator=g).to(torch.bfloat16).to(dev)
+    w2 = torch.rand(t2, k, generator=g).to(dev)
+    _, want = _dispatch(rb, x2, idx2, w2, e)
+    n = int(want[4].rank_prefix_matrix[-1, rank])
+    for victim in (0, world_size - 1):
+        with case(f"rank {victim}'s pool full"):
+            hog = []
+            if rank == victim:
+                for mib in (64, 16, 4):
+                    while True:
+                        try:
+                            hog.append(pool.allocate((mib << 20,), torch.uint8))
+                        except torch.OutOfMemoryError:
+                            break
+            _, got = _dispatch(kb, x2, idx2, w2, e)
+            assert_equal(got[0][:n], want[0][:n], "recv_x (ring fallback)")
+            assert_equal(got[1], want[1], "recv_topk_idx (ring fallback)")
+            assert_equal(got[2], want[2], "recv_topk_weights (ring fallback)")
+            assert_equal(got[4].recv_src_idx, want[4].recv_src_idx, "recv_src_idx (ring fallback)")
+            if rank == victim:
+                assert not pool.contains(got[0]), "the full pool's rank must have its outputs outside the pool"
+            cached_got = kb.dispatch(x2, handle=got[4])[0]
+            assert_equal(cached_got[:n], want[0][:n], "cached recv_x (ring fallback)")
+            del hog, got, cached_got
+            torch.cuda.synchronize()
+            dist.barrier()
+            # and the next call, with room again everywhere, is direct and right
+            _, again = _dispatch(kb, x2, idx2, w2, e)
+            assert_equal(again[0][:n], want[0][:n], "recv_x (direct again)")
+            assert pool.contains(again[0]), "with room again the outputs must be the pool's"
+            del again
+
+    # Many calls in a row (race-prone: the ready / arrival words and the published offsets of back-to-back calls).
+    with case("200 calls back to back"):
+        del want
+        _, want = _dispatch(rb, x, idx, w, e)
+        n = int(want[4].rank_prefix_matrix[-1, rank])
+        handle = None
+        for i in range(200):
+            if i % 2 == 0:
+                _, got = _dispatch(kb, x, idx, w, e)
+                handle, recv = got[4], got[0]
+            else:
+                recv = kb.dispatch(x, handle=handle)[0]
+            if i % 25 == 0 or i == 199:
+                assert_equal(recv[:n], want[0][:n], f"recv_x of call {i}")
+    torch.cuda.synchronize()
+    dist.barrier()
+    kb.destroy()
+    rb.destroy()
+    return stats
+
+
+@pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
+def test_direct_dispatch_matches_reference(world_size: int) -> None:
+    stats = run_distributed(_world_direct, world_size, backend="nccl", timeout=300.0)
+    exact = sum(s["combine_bit_exact"] for s in stats)
+    total = sum(s["combine_total"] for s in stats)
+    print(f"\n[direct R={world_size}] combine along direct handles bit-exact vs reference: {exact}/{total}")
