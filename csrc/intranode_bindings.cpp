@@ -359,8 +359,7 @@ py::tuple direct_dispatch(const IpcBuffer& b, uint64_t timeout_ns, const at::Ten
   a.num_rows = static_cast<int>(rows);
   a.pad_rows = d.pad_rows;
   a.ring_signature = fresh ? 0 : checked_ring_signature(ring_signature);  // cached: its ring word
-  a.after_direct = 1;
-  launch_dispatch(a, stream);
+  launch_ring_fallback(a, stream);
   return py::make_tuple(recv_x, recv_scales, recv_idx, recv_w, recv_src);
 }
 

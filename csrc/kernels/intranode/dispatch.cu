@@ -179,9 +179,8 @@ __device__ void receive_ring(const DispatchArgs& a, int c, int s, int gw, int wa
 
 // Block 2c sends channel c, 2c + 1 receives it; warp 24 is the publisher: tails of
 // the rings to every destination (sender block), heads of the rings from every source (receiver block).
-__global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchArgs a) {
-  __shared__ RingBoard board;
-  __shared__ int shared_ok[kMaxRanks];
+// The kernels below own the shared memory (board, shared_ok[kMaxRanks]) and pass it in.
+__device__ __forceinline__ void ring_dispatch(const DispatchArgs& a, RingBoard& board, int* shared_ok) {
   const int num_ranks = a.c.num_ranks, me = a.c.rank;
   const int c = blockIdx.x >> 1;
   const bool sender = (blockIdx.x & 1) == 0;
@@ -194,13 +193,6 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
   // Loaded before ring_block_start's counter load and barrier, tested after them (its latency hides behind
   // theirs); the same word in every block, so all blocks of every rank leave alike.
   const bool refused = call_refused(a.recv_channel_offset);
-  // The companion of a direct dispatch (protocol.h): it runs only if the direct kernel, which ended before this
-  // one on the stream, missed the call; both words are this rank's, written by that kernel's block 0, and the
-  // verdict is the same on every rank, so all blocks of every rank leave alike, before any counter is touched.
-  if (a.after_direct && *reinterpret_cast<volatile uint64_t*>(&ctl->direct_missed) !=
-                            *reinterpret_cast<volatile uint64_t*>(&ctl->direct_calls)) {
-    return;
-  }
   const uint64_t base = ring_block_start(ctl, board, c, ring, num_ranks, sender);
 
   if (!sender && a.pad_rows) pad_worst_rows(a, c);
@@ -230,7 +222,34 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
   }
 }
 
+__global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchArgs a) {
+  __shared__ RingBoard board;
+  __shared__ int shared_ok[kMaxRanks];
+  ring_dispatch(a, board, shared_ok);
+}
+
+// The ring kernel queued after a direct dispatch (dispatch_direct.cu): it moves the call only if the direct kernel,
+// which ended before it on the stream, missed it (Control::direct_missed == direct_calls; both words are this
+// rank's, written by that kernel's block 0, and the verdict is the same on every rank, so all blocks of every rank
+// leave alike, before any counter is touched). Named apart from the call's kernel: a profile shows one kernel
+// named for the dispatch (the direct one), and this one's few microseconds when it moves nothing.
+__global__ void __launch_bounds__(kDispatchThreads, 1) ring_fallback_kernel(DispatchArgs a) {
+  const auto* ctl = reinterpret_cast<const Control*>(a.c.peers[a.c.rank]);
+  if (*reinterpret_cast<const volatile uint64_t*>(&ctl->direct_missed) !=
+      *reinterpret_cast<const volatile uint64_t*>(&ctl->direct_calls)) {
+    return;
+  }
+  __shared__ RingBoard board;
+  __shared__ int shared_ok[kMaxRanks];
+  ring_dispatch(a, board, shared_ok);
+}
+
 }  // namespace
+
+void launch_ring_fallback(const DispatchArgs& args, cudaStream_t stream) {
+  ring_fallback_kernel<<<2 * args.num_channels, kDispatchThreads, 0, stream>>>(args);
+  check_launch("ring_fallback_kernel");
+}
 
 void launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
   dispatch_kernel<<<2 * args.num_channels, kDispatchThreads, 0, stream>>>(args);

@@ -96,7 +96,7 @@ __device__ void pad_my_rows(const DirectDispatchArgs& a, const DirectOutputs& o,
   for (int64_t i = start; i < extra; i += stride) src[i] = -1;
 }
 
-__global__ void __launch_bounds__(kDirectThreads, 1) direct_dispatch_kernel(DirectDispatchArgs a) {
+__global__ void __launch_bounds__(kDirectThreads, 1) dispatch_direct_kernel(DirectDispatchArgs a) {
   __shared__ uint64_t call;
   __shared__ int ready;             // every rank published call n (0: a wait timed out, recorded)
   __shared__ int in_pool;           // every rank's outputs of call n are peer-mapped (the verdict)
@@ -191,8 +191,8 @@ __global__ void __launch_bounds__(kDirectThreads, 1) direct_dispatch_kernel(Dire
 }  // namespace
 
 void launch_direct_dispatch(const DirectDispatchArgs& args, cudaStream_t stream) {
-  direct_dispatch_kernel<<<2 * args.num_channels, kDirectThreads, 0, stream>>>(args);
-  check_launch("direct_dispatch_kernel");
+  dispatch_direct_kernel<<<2 * args.num_channels, kDirectThreads, 0, stream>>>(args);
+  check_launch("dispatch_direct_kernel");
 }
 
 }  // namespace moe_ep::intranode

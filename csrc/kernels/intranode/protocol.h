@@ -123,8 +123,6 @@ struct DispatchArgs {
   int chunk;                 // the sender publishes its tail every `chunk` rows at least (at most half a ring)
   int num_slots, slot_bytes;
   uint64_t ring_signature;   // cached dispatch: this call's ring signature (common/ring_signature.cuh); 0: fresh
-  int after_direct;          // 1: queued after a direct dispatch of the same call (dispatch_direct.cu), it moves the
-                             // call only if the direct kernel missed it (Control::direct_missed == direct_calls)
 };
 
 // Direct dispatch (dispatch_direct.cu): every block a sender, rows written straight to their final row in the
@@ -162,6 +160,8 @@ struct DirectDispatchArgs {
   int num_channels;
 };
 void launch_direct_dispatch(const DirectDispatchArgs& args, cudaStream_t stream);
+// The ring kernel of a dispatch queued after its direct kernel: it moves the call only if the direct one missed it.
+void launch_ring_fallback(const DispatchArgs& args, cudaStream_t stream);
 
 enum CombineDtype : int { kBf16 = 0, kFp16 = 1, kFp32 = 2 };
 
