@@ -167,7 +167,7 @@ __global__ void __launch_bounds__(kDirectThreads, 1) dispatch_direct_kernel(Dire
   if (threadIdx.x < num_ranks) {
     red_add_release_sys(&reinterpret_cast<Control*>(a.c.peers[threadIdx.x])->direct_arrivals[me], 1);
   }
-  if (c != 0) return;
+  if (blockIdx.x != 0) return;  // one block completes the call (the channel's other block is block 1)
 
   // 4. Completion (block 0): every source's blocks arrived here.
   __shared__ int all_arrived;
