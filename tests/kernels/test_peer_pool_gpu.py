@@ -97,8 +97,10 @@ def _world_pool(rank: int, world_size: int) -> None:
         del a, theirs
         torch.cuda.synchronize()
         a = pool.allocate((4096, HIDDEN), torch.bfloat16)
-        assert a.data_ptr() == ptr, "the freed block was not reused"
-        assert pool.stats()["num_blocks"] == blocks, "a cached block was not reused: the region gave a new one"
+        # torch may place it elsewhere in its cached segments (not always at the freed address), but takes no new
+        # segment from the region
+        assert pool.stats()["num_blocks"] == blocks, (f"a cached block was not reused: the region gave a new one "
+                                                      f"(freed at {ptr:#x}, now at {a.data_ptr():#x})")
 
     with case("an allocation that does not fit raises"):
         with pytest.raises(PeerPoolExhausted, match=r"no room for .*num_pool_bytes") as err:
