@@ -40,6 +40,8 @@ std::string phase_name(int phase) {
     case kPhaseCombineSend: return "combine (sender waiting for free ring slots)";
     case kPhaseCombineRecv: return "combine (receiver waiting for rows)";
     case kPhaseDrain: return "drain (sender waiting for a peer to finish the previous call)";
+    case kPhaseDirectReady: return "direct dispatch ready (waiting for a peer's kernel of the same call to start)";
+    case kPhaseDirectArrive: return "direct dispatch arrival (waiting for a peer's rows of this call)";
     default: return "unknown phase " + std::to_string(phase);
   }
 }

@@ -111,7 +111,7 @@ __global__ void __launch_bounds__(kDirectThreads, 1) dispatch_direct_kernel(Dire
   }
   __syncthreads();
   const uint64_t n = call;
-  if (c == 0 && threadIdx.x < num_ranks) {  // 1. my outputs of call n, then ready for call n
+  if (blockIdx.x == 0 && threadIdx.x < num_ranks) {  // 1. my outputs of call n, then ready for call n
     auto* peer = reinterpret_cast<Control*>(a.c.peers[threadIdx.x]);
     peer->direct_out_offset[me] = a.out_offset;
     peer->direct_out_rows[me] = a.out_rows;
