@@ -42,6 +42,8 @@ std::string phase_name(int phase) {
     case kPhaseDrain: return "drain (sender waiting for a peer to finish the previous call)";
     case kPhaseDirectReady: return "direct dispatch ready (waiting for a peer's kernel of the same call to start)";
     case kPhaseDirectArrive: return "direct dispatch arrival (waiting for a peer's rows of this call)";
+    case kPhasePullReady: return "pull combine ready (waiting for a peer's kernel of the same call to start)";
+    case kPhasePullArrive: return "pull combine arrival (waiting for a peer to finish reading this rank's rows)";
     default: return "unknown phase " + std::to_string(phase);
   }
 }

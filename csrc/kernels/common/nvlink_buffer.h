@@ -74,6 +74,13 @@ struct Control {
                                         // at the end, after every block of mine has read it (see the kernel)
   uint64_t direct_missed;               // my latest direct call whose outputs were not all peer-mapped (written by
                                         // my block 0 before direct_calls; read by my ring dispatch after it)
+  // Pull combine (intranode/combine_pull.cu): the same protocol as direct dispatch's words above, for combine.
+  uint64_t pull_ready[kMaxRanks];       // [s]: the number of s's latest pull combine; written by s at its start
+  int64_t pull_x_offset[kMaxRanks];     // [s]: where s's combine input x (and its top-k weights) lie in s's
+  int64_t pull_w_offset[kMaxRanks];     // buffer, -1: not peer-mapped; plain stores by s before pull_ready
+  uint64_t pull_arrivals[kMaxRanks];    // [s]: blocks of s done reading my inputs in this call (red.release.sys)
+  uint64_t pull_calls;                  // my pull combines so far (block 0 writes it at the end)
+  uint64_t pull_missed;                 // my latest pull combine whose inputs were not all peer-mapped
 };
 constexpr size_t kRingsOffset = (sizeof(Control) + 4095) / 4096 * 4096;
 

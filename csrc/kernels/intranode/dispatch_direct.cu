@@ -18,6 +18,7 @@
 //     the memory of my outputs before (the pool's caching allocator hands a block back to its stream only in
 //     stream order) is done: a peer that sees n may write there. A sender warp for d first waits (lane 0,
 //     ld.acquire.sys) until d's direct_ready[d] in my Control reaches n, then reads d's offset and rows.
+//     An offset of -1 says d's outputs are not peer-mapped (its pool had no room).
 //  2. Rows: plain 16-byte stores (payload) and plain stores (scales, top-k, source) into d's outputs.
 //  3. Arrival: after its rows to every destination, every thread of the block fences at system scope
 //     (__threadfence_system: its stores before any later store of it, at system scope), the block barrier
@@ -126,7 +127,7 @@ __global__ void __launch_bounds__(kDirectThreads, 1) dispatch_direct_kernel(Dire
     if (wait_at_least(&ctl->direct_ready[d], n, dog, kPhaseDirectReady, d)) {
       out_rows[d] = *reinterpret_cast<volatile int64_t*>(&ctl->direct_out_rows[d]);
       out_offset[d] = *reinterpret_cast<volatile int64_t*>(&ctl->direct_out_offset[d]);
-      if (out_rows[d] < 0) in_pool = 0;
+      if (out_offset[d] < 0) in_pool = 0;
     } else {
       ready = 0;
     }
@@ -142,7 +143,9 @@ __global__ void __launch_bounds__(kDirectThreads, 1) dispatch_direct_kernel(Dire
   }
   const int warps = kDirectWarps / num_ranks;  // warps per destination in this block
   const int d = warp / warps, w = half * warps + warp % warps, stride = 2 * warps;
-  if (in_pool && d < num_ranks) {
+  // A missed call still walks the rows when row_of_token is asked for (the pull combine along this handle
+  // needs it whichever kernel moved the rows), writing none.
+  if ((in_pool || a.row_of_token != nullptr) && d < num_ranks) {
     const int64_t rows = out_rows[d];
     const DirectOutputs o{rows, a.hidden_bytes, a.num_scales, a.num_topk};
     uint8_t* out = a.c.peers[d] + out_offset[d];
@@ -156,7 +159,8 @@ __global__ void __launch_bounds__(kDirectThreads, 1) dispatch_direct_kernel(Dire
       const int t = scan.find(k, lane);
       const int64_t row = row0 + k;
       if (t < 0 || row >= rows) break;  // rows grow with k: the rest are dropped too
-      write_row(a, o, out, row, t, lo, hi, lane);
+      if (in_pool) write_row(a, o, out, row, t, lo, hi, lane);
+      if (a.row_of_token != nullptr && lane == 0) a.row_of_token[static_cast<int64_t>(t) * num_ranks + d] = row;
     }
   }
 

@@ -49,6 +49,8 @@ enum Phase : int32_t {
   kPhaseDrain = 6,         // sender: waiting for a peer to drain what an earlier call sent
   kPhaseDirectReady = 7,   // direct dispatch sender: waiting for a peer's kernel to start (its outputs ready)
   kPhaseDirectArrive = 8,  // direct dispatch receiver: waiting for a peer's blocks to finish writing rows here
+  kPhasePullReady = 9,     // pull combine: waiting for a peer's kernel to start (its input ready)
+  kPhasePullArrive = 10,   // pull combine: waiting for a peer's blocks to finish reading my input
 };
 
 struct Common {
@@ -152,8 +154,11 @@ struct DirectDispatchArgs {
   const bool* is_token_in_rank;    // [T, R]
   const int* recv_channel_offset;  // [R, C + 1] (only [0][0] is read: the refused-call word)
   const int* send_row_offset;      // [R, C]: notify's, or kept in the handle for cached dispatch
-  int64_t out_offset;              // byte offset of MY outputs' block in my NVLink buffer (16-aligned), published
+  int64_t out_offset;              // byte offset of MY outputs' block in my NVLink buffer (16-aligned), or -1: not
+                                   // peer-mapped (then every rank's call is missed: the ring kernel moves it); published
   int64_t out_rows;                // rows of my outputs (received count, or num_worst_tokens), published
+  int* row_of_token;               // [T, R] or null (cached): out, the row of my token t in d's outputs (filled with -1
+                                   // by the host; -1 stays where t is not sent to d or its row was dropped)
   int num_tokens, hidden_bytes, num_scales, num_topk, experts_per_rank;
   int write_meta;                  // 1: top-k and source index too (fresh dispatch); 0: payload and scales only
   int pad_rows;                    // 1: fill my rows past the received count (num_worst_tokens) as the ring does
@@ -162,6 +167,7 @@ struct DirectDispatchArgs {
 void launch_direct_dispatch(const DirectDispatchArgs& args, cudaStream_t stream);
 // The ring kernel of a dispatch queued after its direct kernel: it moves the call only if the direct one missed it.
 void launch_ring_fallback(const DispatchArgs& args, cudaStream_t stream);
+
 
 enum CombineDtype : int { kBf16 = 0, kFp16 = 1, kFp32 = 2 };
 
@@ -182,6 +188,21 @@ struct CombineArgs {
   int num_slots, slot_bytes;
   uint64_t ring_signature;         // this call's ring signature (common/ring_signature.cuh), nonzero
 };
+
+// Pull combine (combine_pull.cu): each rank reduces its own tokens by reading their rows straight from the
+// holders' combine inputs, which every holder has in its peer pool (offsets published per call), instead of the
+// holders pushing rows through rings. base: the ring combine's arguments (bias, outputs, routing, dtype; its
+// ring fields unused); x and topk_weights of base are this rank's inputs, at x_offset / w_offset in its NVLink
+// buffer.
+struct CombinePullArgs {
+  CombineArgs base;
+  const int* row_of_token;  // [T, R]: my token t's row in rank d's received rows (the direct dispatch's), or -1
+  int64_t x_offset;         // my x in my NVLink buffer, or -1: not peer-mapped (every rank's call is then missed)
+  int64_t w_offset;         // my topk_weights in my NVLink buffer (when base.topk_weights is set)
+};
+void launch_combine_pull(const CombinePullArgs& args, cudaStream_t stream);
+// The ring combine queued after a pull combine: it moves the call only if the pull one missed it.
+void launch_ring_reduce_fallback(const CombineArgs& args, cudaStream_t stream);
 
 // Launchers (csrc/kernels/intranode/*.cu). They check the launch and throw std::runtime_error.
 void launch_notify(const NotifyArgs& args, cudaStream_t stream);

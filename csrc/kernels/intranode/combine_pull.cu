@@ -1,0 +1,155 @@
+// Pull combine (the combine of a direct dispatch's handle when every rank's combine input lies in its peer pool):
+// each rank reduces its OWN tokens, reading each token's rows straight from the holders' inputs over NVLink, in
+// place of the holders pushing rows through rings and a receiver reducing them. Blocks 2c and 2c + 1 take channel
+// c's tokens (the ring combine's SM count for the same channels), warps interleaved: the W = 2 x 20 warps of the
+// pair take tokens begin + w, begin + w + W, ... For token t and rank d in ascending order, the row is
+// row_of_token[t][d] of d's input (the direct dispatch wrote where t landed in d's outputs, which are d's received
+// rows); out = cast(bias0 + bias1 + rows of ranks ascending), float32 in that order (reduce_token.cuh): the ring
+// combine's and the reference's bits.
+//
+// Protocol, per call n (n = my Control::pull_calls + 1, the same on every rank):
+//  1. Ready: my block 0 stores my input's offsets (x, top-k weights; -1: not peer-mapped) into every peer's
+//     pull_x_offset[me] / pull_w_offset[me] (plain stores), then n into its pull_ready[me] (st.release.sys). My
+//     kernel starts after everything my stream queued before it, so my input is complete.
+//  2. Verdict: threads 0..R-1 of every block acquire every rank's pull_ready (>= n) and read its offsets; one -1
+//     and nobody reads: the call is missed and the ring combine queued after this kernel on every rank moves it.
+//  3. Reads, then arrival: system fence (my loads of the peers' inputs are done: their values were used), block
+//     barrier, red.release.sys +1 on every rank's pull_arrivals[me].
+//  4. Completion: my block 0 waits until every rank's 2C blocks arrived, which orders every reader's loads of MY
+//     input before the end of my kernel, hence before any later write to it on my stream; resets the counters,
+//     marks a missed call (pull_missed = n), then pull_calls = n. A peer publishes call n + 1 only from its next
+//     kernel, after this one saw its arrivals, so the words of call n are read before they change.
+// A call that notify refused (common/refused_call.cuh) moves nothing: every block zeroes its share of the outputs
+// and returns at its start, touching no word.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "kernels/common/launch_check.cuh"
+#include "kernels/common/ptx.cuh"
+#include "kernels/common/refused_call.cuh"
+#include "kernels/common/ring_layout.cuh"
+#include "kernels/common/wait.cuh"
+#include "kernels/intranode/protocol.h"
+#include "kernels/intranode/reduce_token.cuh"
+
+namespace moe_ep::intranode {
+namespace {
+
+constexpr int kPullWarps = 20;  // as the ring combine's blocks: 96 registers per thread
+constexpr int kPullThreads = kPullWarps * 32;
+
+// Arrival (step 3): release at system scope, cumulative over the block barrier that precedes it.
+__device__ __forceinline__ void pull_arrive(uint64_t* p) {
+  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(1ull) : "memory");
+}
+
+template <typename T, int kRanks>
+__global__ void __launch_bounds__(kPullThreads, 1) combine_pull_kernel(CombinePullArgs p) {
+  __shared__ uint64_t call;
+  __shared__ int ready, in_pool, all_arrived;
+  __shared__ int64_t x_offset[kMaxRanks], w_offset[kMaxRanks];
+  const CombineArgs& a = p.base;
+  const int num_ranks = a.c.num_ranks, me = a.c.rank, c = blockIdx.x >> 1, half = blockIdx.x & 1;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int row_bytes = a.hidden * static_cast<int>(sizeof(T));
+  auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
+  int begin, end;
+  channel_range(a.num_tokens, a.num_channels, c, begin, end);
+  if (call_refused(a.recv_channel_offset)) {  // the same word in every block of every rank
+    const int mid = begin + (end - begin) / 2;
+    zero_refused_outputs(a.out, a.out_topk_weights, half ? mid : begin, half ? end : mid, row_bytes, a.num_topk);
+    return;
+  }
+  if (threadIdx.x == 0) {
+    call = *reinterpret_cast<volatile uint64_t*>(&ctl->pull_calls) + 1;
+    ready = in_pool = all_arrived = 1;
+  }
+  __syncthreads();
+  const uint64_t n = call;
+  if (blockIdx.x == 0 && threadIdx.x < num_ranks) {  // 1. my input's offsets of call n, then ready for call n
+    auto* peer = reinterpret_cast<Control*>(a.c.peers[threadIdx.x]);
+    peer->pull_x_offset[me] = p.x_offset;
+    peer->pull_w_offset[me] = p.w_offset;
+    ptx::st_release_sys(&peer->pull_ready[me], n);
+  }
+  const Watchdog dog = make_watchdog(a.c.timeout_ns, me, &ctl->timeout_claim, &a.c.mailbox->timeout,
+                                     ctl->peer_aborted);
+  if (threadIdx.x < num_ranks) {  // 2. every rank's words of call n
+    const int d = threadIdx.x;
+    if (wait_at_least(&ctl->pull_ready[d], n, dog, kPhasePullReady, d)) {
+      x_offset[d] = *reinterpret_cast<volatile int64_t*>(&ctl->pull_x_offset[d]);
+      w_offset[d] = *reinterpret_cast<volatile int64_t*>(&ctl->pull_w_offset[d]);
+      if (x_offset[d] < 0) in_pool = 0;
+    } else {
+      ready = 0;
+    }
+  }
+  __syncthreads();
+  if (!ready) return;  // a timeout, recorded: the call fails (no arrival anywhere: the peers time out too)
+
+  // 3. My tokens, from every holder's input.
+  if (in_pool) {
+    for (int t = begin + half * kPullWarps + warp; t < end; t += 2 * kPullWarps) {
+      const uint8_t* src[kRanks];
+      const uint8_t* weights[kRanks];
+#pragma unroll
+      for (int d = 0; d < kRanks; ++d) {
+        src[d] = weights[d] = nullptr;
+        if (d < num_ranks && a.is_token_in_rank[static_cast<int64_t>(t) * num_ranks + d]) {
+          const int row = p.row_of_token[static_cast<int64_t>(t) * num_ranks + d];
+          if (row >= 0) {
+            src[d] = a.c.peers[d] + x_offset[d] + static_cast<int64_t>(row) * row_bytes;
+            if (a.topk_weights != nullptr) {
+              weights[d] = a.c.peers[d] + w_offset[d] + static_cast<int64_t>(row) * a.num_topk * 4;
+            }
+          }
+        }
+      }
+      reduce_token<T, kRanks>(a, t, src, weights, row_bytes, lane);
+    }
+  }
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x < num_ranks) pull_arrive(&reinterpret_cast<Control*>(a.c.peers[threadIdx.x])->pull_arrivals[me]);
+  if (blockIdx.x != 0) return;
+
+  // 4. Completion (block 0): every rank's blocks are done with my input.
+  if (threadIdx.x < num_ranks) {
+    const int s = threadIdx.x;
+    if (wait_at_least(&ctl->pull_arrivals[s], static_cast<uint64_t>(gridDim.x), dog, kPhasePullArrive, s)) {
+      ctl->pull_arrivals[s] = 0;
+    } else {
+      all_arrived = 0;  // a timeout (recorded): the counters are left as they are, the call fails
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0 && all_arrived) {
+    if (!in_pool) *reinterpret_cast<volatile uint64_t*>(&ctl->pull_missed) = n;
+    *reinterpret_cast<volatile uint64_t*>(&ctl->pull_calls) = n;
+  }
+}
+
+template <typename T>
+void launch_typed(const CombinePullArgs& args, dim3 grid, cudaStream_t stream) {
+  if (args.base.c.num_ranks <= 2) {
+    combine_pull_kernel<T, 2><<<grid, kPullThreads, 0, stream>>>(args);
+  } else if (args.base.c.num_ranks <= 4) {
+    combine_pull_kernel<T, 4><<<grid, kPullThreads, 0, stream>>>(args);
+  } else {
+    combine_pull_kernel<T, 8><<<grid, kPullThreads, 0, stream>>>(args);
+  }
+}
+
+}  // namespace
+
+void launch_combine_pull(const CombinePullArgs& args, cudaStream_t stream) {
+  const dim3 grid(2 * args.base.num_channels);
+  switch (args.base.dtype) {
+    case kBf16: launch_typed<__nv_bfloat16>(args, grid, stream); break;
+    case kFp16: launch_typed<__half>(args, grid, stream); break;
+    default: launch_typed<float>(args, grid, stream); break;
+  }
+  check_launch("combine_pull_kernel");
+}
+
+}  // namespace moe_ep::intranode
