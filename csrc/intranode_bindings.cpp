@@ -277,14 +277,15 @@ void dispatch(const IpcBuffer& b, uint64_t timeout_ns, const at::Tensor& x, cons
 // rank (it is queued always, and leaves at once when the direct kernel moved the call). send_row_offset int32
 // [R, C] is notify's (fresh) or the handle's (cached). -> (recv_x [rows, H] x.dtype, recv_scales [rows, S] or
 // None, recv_topk_idx int64 [rows, K] and recv_topk_weights float32 [rows, K] or None (no topk_idx), recv_src_idx
-// int32 [rows] or None (cached)).
+// int32 [rows] or None (cached)). row_of_token (fresh, optional): int32 [T, R] filled with -1, receives where each
+// token landed in each destination's outputs (the pull combine's map).
 py::tuple direct_dispatch(const IpcBuffer& b, uint64_t timeout_ns, const at::Tensor& x,
                           const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& topk_idx,
                           const c10::optional<at::Tensor>& topk_weights, const at::Tensor& is_token_in_rank,
                           const at::Tensor& recv_channel_offset, const at::Tensor& send_row_offset,
                           const at::Tensor& block, int64_t out_offset, int64_t rows, int experts_per_rank,
                           bool pad_rows, int num_channels, int chunk, int num_slots, int slot_bytes,
-                          int64_t ring_signature) {
+                          int64_t ring_signature, const c10::optional<at::Tensor>& row_of_token) {
   const bool fresh = ring_signature == 0;
   const auto device = x.get_device();
   expect_cuda(x, device, "direct dispatch: x");
@@ -332,7 +333,14 @@ py::tuple direct_dispatch(const IpcBuffer& b, uint64_t timeout_ns, const at::Ten
   d.recv_channel_offset = data_of<const int>(recv_channel_offset);
   d.send_row_offset = data_of<const int>(send_row_offset);
   d.out_offset = out_offset;
-  d.out_rows = out_offset >= 0 ? rows : -1;
+  d.out_rows = rows;
+  if (row_of_token.has_value()) {
+    expect_cuda(row_of_token, device, "direct dispatch: row_of_token");
+    MOE_CHECK(fresh && row_of_token->scalar_type() == at::kInt && row_of_token->is_contiguous() &&
+                  row_of_token->numel() == is_token_in_rank.size(0) * static_cast<int64_t>(b.num_ranks()),
+              "direct dispatch: row_of_token must be a contiguous int32 [T, R] (fresh calls only)");
+    d.row_of_token = data_of<int>(row_of_token);
+  }
   d.num_tokens = static_cast<int>(is_token_in_rank.size(0));
   d.hidden_bytes = o.hidden_bytes;
   d.num_scales = o.num_scales;
@@ -368,15 +376,19 @@ py::tuple direct_dispatch(const IpcBuffer& b, uint64_t timeout_ns, const at::Ten
 }
 
 // Combine (rank-major): x [rows, H] bf16/fp16/fp32, topk_weights float32 [rows, K] or None, bias0 / bias1 [T, H]
-// of x's dtype or None -> out [T, H], out_topk_weights float32 [T, K] (with topk_weights).
+// of x's dtype or None -> out [T, H], out_topk_weights float32 [T, K] (with topk_weights). Along a direct
+// dispatch's handle, row_of_token (int32 [T, R], the dispatch's) makes it a pull combine: x_offset / w_offset are
+// where x and topk_weights lie in this rank's NVLink buffer (its peer pool), or -1 when they do not.
 void combine(const IpcBuffer& b, uint64_t timeout_ns, const at::Tensor& x,
              const c10::optional<at::Tensor>& topk_weights,
              const c10::optional<at::Tensor>& bias0, const c10::optional<at::Tensor>& bias1,
              const at::Tensor& is_token_in_rank, const at::Tensor& recv_channel_offset, const at::Tensor& out,
              const c10::optional<at::Tensor>& out_topk_weights, int num_channels, int chunk, int num_slots,
-             int slot_bytes, int64_t ring_signature) {
+             int slot_bytes, int64_t ring_signature, const c10::optional<at::Tensor>& row_of_token,
+             int64_t x_offset, int64_t w_offset) {
   const auto device = x.get_device();
   expect_cuda(x, device, "combine: x");
+  expect_cuda(row_of_token, device, "combine: row_of_token");
   expect_cuda(topk_weights, device, "combine: topk_weights");
   expect_cuda(bias0, device, "combine: bias0");
   expect_cuda(bias1, device, "combine: bias1");
@@ -398,7 +410,26 @@ void combine(const IpcBuffer& b, uint64_t timeout_ns, const at::Tensor& x,
   a.num_topk = columns(topk_weights);
   a.num_x_rows = static_cast<int>(x.size(0));
   a.ring_signature = checked_ring_signature(ring_signature);
-  launch_combine(a, current_stream(device).stream());
+  const cudaStream_t stream = current_stream(device).stream();
+  if (!row_of_token.has_value()) {
+    launch_combine(a, stream);
+    return;
+  }
+  // Along a direct dispatch's handle: the pull combine, then the ring combine, which moves the call only when
+  // some rank's input is not peer-mapped (x_offset -1 on that rank).
+  MOE_CHECK(row_of_token->numel() == static_cast<int64_t>(a.num_tokens) * b.num_ranks(),
+            "combine: row_of_token must be [T, R]");
+  MOE_CHECK(x_offset < 0 || (static_cast<const uint8_t*>(x.data_ptr()) == b.local() + x_offset &&
+                             (!topk_weights.has_value() ||
+                              static_cast<const uint8_t*>(topk_weights->data_ptr()) == b.local() + w_offset)),
+            "combine: x_offset / w_offset are not where x / topk_weights lie in this rank's NVLink buffer");
+  CombinePullArgs p{};
+  p.base = a;
+  p.row_of_token = data_of<const int>(row_of_token);
+  p.x_offset = x_offset < 0 ? -1 : x_offset;
+  p.w_offset = p.x_offset < 0 ? -1 : w_offset;
+  launch_combine_pull(p, stream);
+  launch_ring_reduce_fallback(a, stream);
 }
 
 // Expert-major dispatch, local pass after the rank-major dispatch (em_permute.cu): received rows x [N, H] (scales
@@ -659,7 +690,8 @@ void register_intranode(py::module_& m) {
           py::arg("scales"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("is_token_in_rank"),
           py::arg("recv_channel_offset"), py::arg("send_row_offset"), py::arg("block"), py::arg("out_offset"),
           py::arg("rows"), py::arg("experts_per_rank"), py::arg("pad_rows"), py::arg("num_channels"),
-          py::arg("chunk"), py::arg("num_slots"), py::arg("slot_bytes"), py::arg("ring_signature") = 0);
+          py::arg("chunk"), py::arg("num_slots"), py::arg("slot_bytes"), py::arg("ring_signature") = 0,
+          py::arg("row_of_token") = py::none());
   // Bytes of a direct dispatch's output block for `rows` rows (DirectOutputs: the layout's one source).
   sub.def(
       "direct_outputs_bytes",
@@ -670,7 +702,8 @@ void register_intranode(py::module_& m) {
   sub.def("combine", &combine, py::arg("buffer"), py::arg("timeout_ns"), py::arg("x"), py::arg("topk_weights"),
           py::arg("bias0"), py::arg("bias1"), py::arg("is_token_in_rank"), py::arg("recv_channel_offset"),
           py::arg("out"), py::arg("out_topk_weights"), py::arg("num_channels"), py::arg("chunk"),
-          py::arg("num_slots"), py::arg("slot_bytes"), py::arg("ring_signature"));
+          py::arg("num_slots"), py::arg("slot_bytes"), py::arg("ring_signature"), py::arg("row_of_token") = py::none(),
+          py::arg("x_offset") = -1, py::arg("w_offset") = -1);
   sub.def("em_permute", &em_permute, py::arg("x"), py::arg("scales"), py::arg("recv_topk_idx"),
           py::arg("recv_topk_weights"), py::arg("pair_rank"), py::arg("layout"), py::arg("received"), py::arg("em_x"),
           py::arg("em_scales"), py::arg("em_weights"), py::arg("em_pair_row"), py::arg("em_pair_slot"),

@@ -143,11 +143,35 @@ class _DirectDispatchPlan:
             self.backend._check()
         except RuntimeError:
             return None
-        _, offsets, send_rows = handle.backend_state.routing
+        _, offsets, direct = handle.backend_state.routing
         rows = self.num_worst_tokens or handle.num_recv_tokens
-        out = self.backend._direct_dispatch(x, aux, None, None, self.in_rank, offsets, send_rows, rows, 1,
+        out = self.backend._direct_dispatch(x, aux, None, None, self.in_rank, offsets, direct[0], rows, 1,
                                             bool(self.num_worst_tokens), self.ring, self.word)
         return out[0], out[1], None
+
+
+class _PullCombinePlan(_DirectDispatchPlan):
+    """The plan of a combine along a direct dispatch's handle (IntranodeBackend._combine_along: the pull kernel, the
+    ring kernel when some rank's input is not in its pool): the same contract as _DirectDispatchPlan, with the
+    top-k weights as its aux tensor."""
+
+    __slots__ = ()
+
+    def __init__(self, backend, handle: DispatchHandle, x: torch.Tensor, topk_weights: Optional[torch.Tensor],
+                 config: Optional[Config], num_sms: int, ring: Tuple[int, int, int, int]) -> None:
+        super().__init__(backend, handle, x, topk_weights, config, num_sms, ring, 0)
+
+    def run(self, handle, x: torch.Tensor, aux: Optional[torch.Tensor], config, num_sms: int, mode: int):
+        """-> (combined_x, combined_topk_weights or None, None), or None (as _DirectDispatchPlan.run)."""
+        if mode != LAUNCH_CURRENT or not self._matches(handle, x, aux, config, num_sms):
+            return None
+        try:
+            self.backend._check()
+        except RuntimeError:
+            return None
+        out, out_w, _, _ = combine_tensors(self.num_tokens, x, aux, ())
+        self.backend._combine_along(x, aux, None, None, handle, out, out_w, self.ring)
+        return out, out_w, None
 
 
 class IntranodeBackend(Backend):
@@ -332,10 +356,13 @@ class IntranodeBackend(Backend):
             counts = self._ipc.expert_counts(local)
             rows = num_recv
 
+        direct = None
         if send_rows is not None:
+            row_of_token = torch.full((x.shape[0], self.num_ranks), -1, dtype=torch.int32, device=x.device)
+            direct = (send_rows, row_of_token)
             recv_x, recv_scales, recv_idx, recv_w, recv_src = self._direct_dispatch(
                 x, x_scales, topk_idx, topk_weights, is_token_in_rank, offsets, send_rows, rows, local,
-                bool(num_worst_tokens), (channels, chunk, slots, slot_bytes), 0)
+                bool(num_worst_tokens), (channels, chunk, slots, slot_bytes), 0, row_of_token)
         else:
             recv_x, recv_scales, recv_idx, recv_w, recv_src = recv_tensors(
                 rows, x, x_scales, _columns(x_scales), num_topk if topk_idx is not None else None)
@@ -345,19 +372,21 @@ class IntranodeBackend(Backend):
         if topk_weights is None:
             recv_w = None
         handle = DispatchHandle(prefix, is_token_in_rank, recv_src, num_recv, x.shape[0], num_worst_tokens, self.name,
-                                self._buffer_token, backend_state=HandleState((channels, offsets, send_rows)))
+                                self._buffer_token, backend_state=HandleState((channels, offsets, direct)))
         return recv_x, recv_scales, recv_idx, recv_w, counts, handle
 
     def _direct_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
                          topk_weights: Optional[torch.Tensor], is_token_in_rank: torch.Tensor, offsets: torch.Tensor,
                          send_rows: torch.Tensor, rows: int, local: int, pad_rows: bool,
-                         ring: Tuple[int, int, int, int], ring_signature: int) -> list:
+                         ring: Tuple[int, int, int, int], ring_signature: int,
+                         row_of_token: Optional[torch.Tensor] = None) -> list:
         """Dispatch by the direct kernel (kernels/intranode/dispatch_direct.cu) into outputs allocated in the peer
         pool: one block of direct_outputs_bytes, carved natively into [recv_x [rows, H], recv_scales [rows, S] or
         None, recv_topk_idx [rows, K] and recv_topk_weights [rows, K] or None, recv_src_idx [rows] or None
-        (cached: ring_signature != 0)]. When the pool has no room for the block, the block comes from torch's
-        allocator and the rank says so to its peers in the kernel: then no rank writes directly and the ring
-        kernel queued after it moves the call on every rank (the same outputs)."""
+        (cached: ring_signature != 0)]; a fresh call also fills row_of_token (int32 [T, R], -1 first: where each
+        token landed at each rank, the pull combine's map). When the pool has no room for the block, the block comes
+        from torch's allocator and the rank says so to its peers in the kernel: then no rank writes directly and
+        the ring kernel queued after it moves the call on every rank (the same outputs)."""
         nbytes = self._mod.direct_outputs_bytes(rows, _row_bytes(x), _columns(x_scales), _columns(topk_idx))
         try:
             block = self.peer_pool.allocate((max(nbytes, 1),), torch.uint8)
@@ -367,7 +396,28 @@ class IntranodeBackend(Backend):
             out_offset = -1
         return list(self._mod.direct_dispatch(self._ipc, self._timeout_ns, x, x_scales, topk_idx, topk_weights,
                                               is_token_in_rank, offsets, send_rows, block, out_offset, rows, local,
-                                              pad_rows, *ring, ring_signature=ring_signature))
+                                              pad_rows, *ring, ring_signature=ring_signature,
+                                              row_of_token=row_of_token))
+
+    def _pull_offsets(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor]) -> dict:
+        """Where a combine's x and topk_weights lie in this rank's NVLink buffer (its peer pool), or -1 for both when
+        either is elsewhere (then every rank's call goes through the ring: the pull kernel's verdict)."""
+        pool = self.peer_pool
+        if (pool is not None and not pool.closed and pool.contains(x)
+                and (topk_weights is None or pool.contains(topk_weights))):
+            w_offset = -1 if topk_weights is None else self._ipc.pool_offset + pool.offset_of(topk_weights)
+            return {"x_offset": self._ipc.pool_offset + pool.offset_of(x), "w_offset": w_offset}
+        return {"x_offset": -1, "w_offset": -1}
+
+    def _combine_along(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor], bias0, bias1, handle,
+                       out: torch.Tensor, out_w: Optional[torch.Tensor], ring: Tuple[int, int, int, int]) -> None:
+        """Launch the combine of x along `handle` into out / out_w: the ring kernel, or along a direct dispatch's
+        handle the pull kernel (then the ring kernel moves the call only if some rank's input is not in its pool)."""
+        _, offsets, direct = handle.backend_state.routing
+        pull = {} if direct is None else {"row_of_token": direct[1], **self._pull_offsets(x, topk_weights)}
+        self._mod.combine(self._ipc, self._timeout_ns, x, topk_weights, bias0, bias1, handle.is_token_in_rank,
+                          offsets, out, out_w, *ring, ring_signature=_combine_ring_signature(x, topk_weights, ring[2]),
+                          **pull)
 
     def _wait_counts(self, seq: int) -> int:
         """The host's wait for notify call `seq` (fresh dispatch without num_worst_tokens): rows received (one
@@ -402,12 +452,12 @@ class IntranodeBackend(Backend):
                        config: Optional[Config]):
         """The checks of a cached dispatch, then its plan: native, or _DirectDispatchPlan along a handle of a direct
         dispatch."""
-        channels, offsets, send_rows = handle.backend_state.routing
+        channels, offsets, direct = handle.backend_state.routing
         ring = self._ring(config, False, dispatch_slot_bytes(_row_bytes(x), _columns(x_scales), 0), "cached dispatch",
                           channels)
         word = ring_signature_word("cached dispatch", x.shape[1], x.dtype,
                                    x_scales.dtype if x_scales is not None else None, _columns(x_scales), 0, ring[2])
-        if send_rows is not None:
+        if direct is not None:
             return _DirectDispatchPlan(self, handle, x, x_scales, config, self._buffer_cls.num_sms, ring, word)
         return self._mod.cached_dispatch(self._ipc, self._comm, self._timeout_ns, handle, offsets, x, x_scales, *ring,
                                          config, self._buffer_cls.num_sms, ring_signature=word)
@@ -422,19 +472,20 @@ class IntranodeBackend(Backend):
             return run_cached(self, handle.backend_state.combine_plans, topk_weights is not None, self._combine_plan,
                               handle, x, topk_weights, config)
         # With a bias (rare: no plan, and the Buffer's fast path does not take it).
-        channels, offsets, _ = handle.backend_state.routing
+        channels = handle.backend_state.routing[0]
         ring = self._ring(config, True, combine_slot_bytes(_row_bytes(x), _columns(topk_weights)), "combine", channels)
         out, out_w, bias0, bias1 = combine_tensors(handle.num_tokens, x, topk_weights, bias)
-        self._mod.combine(self._ipc, self._timeout_ns, x, topk_weights, bias0, bias1,
-                          handle.is_token_in_rank, offsets, out, out_w, *ring,
-                          ring_signature=_combine_ring_signature(x, topk_weights, ring[2]))
+        self._combine_along(x, topk_weights, bias0, bias1, handle, out, out_w, ring)
         return out, out_w
 
     def _combine_plan(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor], handle: DispatchHandle,
                       config: Optional[Config]):
-        """The checks of a combine (x of a kernel dtype), then its native plan."""
-        channels, offsets, _ = handle.backend_state.routing
+        """The checks of a combine (x of a kernel dtype), then its plan: native, or _PullCombinePlan along a direct
+        dispatch's handle."""
+        channels, offsets, direct = handle.backend_state.routing
         ring = self._ring(config, True, combine_slot_bytes(_row_bytes(x), _columns(topk_weights)), "combine", channels)
+        if direct is not None:
+            return _PullCombinePlan(self, handle, x, topk_weights, config, self._buffer_cls.num_sms, ring)
         return self._mod.cached_combine(self._ipc, self._comm, self._timeout_ns, handle, offsets, x, topk_weights,
                                         *ring, config, self._buffer_cls.num_sms,
                                         ring_signature=_combine_ring_signature(x, topk_weights, ring[2]))

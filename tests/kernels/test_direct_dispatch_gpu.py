@@ -5,7 +5,8 @@ straight into the receivers' outputs, which each rank allocates in its peer pool
 dispatch_direct.cu). The outputs must be the reference's bit for bit, as the ring kernel's are: every case of the
 normal-mode table, the pool poisoned first. When one rank's pool has no room for its outputs, every rank's call
 must fall back to the ring kernel (the verdict is taken in the kernel, from every rank's published outputs) and
-still match; combine along a direct dispatch's handle must match too.
+still match. Combine along a direct dispatch's handle pulls its rows from the holders' inputs when every rank's
+input is in its pool: the ring combine's bits; with one rank's input elsewhere every rank takes the ring.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Dict
 import pytest
 import torch
 import torch.distributed as dist
-from dist import GPU_WORLD_SIZES, assert_equal, case, make_buffer, run_distributed
+from dist import GPU_WORLD_SIZES, assert_close, assert_equal, case, make_buffer, run_distributed
 from normal_cases import CASES, check_case, one_hop_tol
 from normal_cases import dispatch as _dispatch
 from normal_cases import routing as _routing
@@ -31,7 +32,7 @@ def _poison_pool(pool) -> None:
     del junk
 
 
-def _world_direct(rank: int, world_size: int) -> Dict:
+def _world_direct(rank: int, world_size: int) -> Dict:  # noqa: C901 (one world, many cases)
     from moe_dispatcher import Buffer
     dev = torch.device("cuda", torch.cuda.current_device())
     kb = make_buffer(hidden_bytes=MAX_HIDDEN_BYTES, backend="kernels", explicitly_destroy=True,
@@ -55,6 +56,31 @@ def _world_direct(rank: int, world_size: int) -> Dict:
         _, out = _dispatch(kb, x, idx, w, e)
         assert pool.contains(out[0]) and pool.contains(out[4].recv_src_idx), "fresh outputs not in the peer pool"
         assert pool.contains(kb.dispatch(x, handle=out[4])[0]), "cached outputs not in the peer pool"
+
+    # Pull combine: with every rank's input (and top-k weights) in its pool, each rank reads its tokens' rows from
+    # the holders; the same bits as the ring combine of the same rows (the same float32 order), which runs when one
+    # rank's input is elsewhere; both within bf16 rounding of the reference.
+    with case("pull combine"):
+        _, out = _dispatch(kb, x, idx, w, e)
+        _, ref = _dispatch(rb, x, idx, w, e)
+        y = (out[0].float() * 2 + 1).to(torch.bfloat16)
+        yr = (ref[0].float() * 2 + 1).to(torch.bfloat16)
+        want = rb.combine(yr, ref[4], topk_weights=ref[2])
+        ring = kb.combine(y, out[4], topk_weights=out[2])  # inputs outside the pool on every rank: the ring kernel
+        yp = pool.allocate(tuple(y.shape), y.dtype)
+        yp.copy_(y)
+        wp = pool.allocate(tuple(out[2].shape), torch.float32)
+        wp.copy_(out[2])
+        for call in ("first", "repeated"):  # the full path makes the plan, the repeated call runs it
+            got = kb.combine(yp, out[4], topk_weights=wp)
+            assert_equal(got[0], ring[0], f"pull combine vs ring combine ({call} call)")
+            assert_equal(got[1], ring[1], f"pull combined weights vs ring ({call} call)")
+        assert_close(got[0], want[0], "pull combine vs reference", rtol=1e-2, atol=1e-2)
+        assert_close(got[1], want[1], "pull combined weights vs reference", rtol=1e-5, atol=1e-5)
+        # one rank's input outside its pool: every rank's pull kernel misses the call, the ring kernel moves it
+        mixed = kb.combine(y if rank == 0 else yp, out[4], topk_weights=out[2] if rank == 0 else wp)
+        assert_equal(mixed[0], ring[0], "combine with rank 0's input outside the pool")
+        # combine along a direct handle whose dispatch the ring moved (row_of_token still recorded): below
 
     # One rank's pool full: every rank's call falls back to the ring kernel, with the same results. The outputs
     # here are larger than any free range the hog leaves (> 20 MiB: torch's segments for 1-10 MiB requests).
@@ -83,7 +109,15 @@ def _world_direct(rank: int, world_size: int) -> Dict:
                 assert not pool.contains(got[0]), "the full pool's rank must have its outputs outside the pool"
             cached_got = kb.dispatch(x2, handle=got[4])[0]
             assert_equal(cached_got[:n], want[0][:n], "cached recv_x (ring fallback)")
-            del hog, got, cached_got
+            # pull combine along this handle (row_of_token was recorded although the ring moved the rows)
+            y2 = (got[0].float() - 0.5).to(torch.bfloat16)
+            del hog
+            y2p = pool.allocate(tuple(y2.shape), y2.dtype)
+            y2p.copy_(y2)
+            pulled = kb.combine(y2p, got[4])[0]
+            pushed = kb.combine(y2, got[4])[0]
+            assert_equal(pulled, pushed, "pull combine along a handle whose dispatch went through the ring")
+            del got, cached_got, y2p
             torch.cuda.synchronize()
             dist.barrier()
             # and the next call, with room again everywhere, is direct and right

@@ -154,8 +154,8 @@ struct DirectDispatchArgs {
   const bool* is_token_in_rank;    // [T, R]
   const int* recv_channel_offset;  // [R, C + 1] (only [0][0] is read: the refused-call word)
   const int* send_row_offset;      // [R, C]: notify's, or kept in the handle for cached dispatch
-  int64_t out_offset;              // byte offset of MY outputs' block in my NVLink buffer (16-aligned), or -1: not
-                                   // peer-mapped (then every rank's call is missed: the ring kernel moves it); published
+  int64_t out_offset;              // byte offset of MY outputs' block in my NVLink buffer (16-aligned), or -1:
+                                   // not peer-mapped (every rank's call is then missed: the ring kernel moves it)
   int64_t out_rows;                // rows of my outputs (received count, or num_worst_tokens), published
   int* row_of_token;               // [T, R] or null (cached): out, the row of my token t in d's outputs (filled with -1
                                    // by the host; -1 stays where t is not sent to d or its row was dropped)
