@@ -271,106 +271,119 @@ void dispatch(const IpcBuffer& b, uint64_t timeout_ns, const at::Tensor& x, cons
 
 // Direct dispatch (kernels/intranode/dispatch_direct.cu) of a fresh dispatch (ring_signature 0: top-k, when
 // given, and source indices too) or a cached one (ring_signature: its ring word; payload and scales only). The
-// outputs are carved from `block` (uint8, direct_outputs_bytes(...) at least) as DirectOutputs for `rows` rows;
-// `out_offset` is the block's byte offset in this rank's NVLink buffer when the block lies there (the peer pool),
-// else -1: then no rank writes directly and the ring kernel queued after the direct one moves the call on every
-// rank (it is queued always, and leaves at once when the direct kernel moved the call). send_row_offset int32
-// [R, C] is notify's (fresh) or the handle's (cached). -> (recv_x [rows, H] x.dtype, recv_scales [rows, S] or
-// None, recv_topk_idx int64 [rows, K] and recv_topk_weights float32 [rows, K] or None (no topk_idx), recv_src_idx
-// int32 [rows] or None (cached)). row_of_token (fresh, optional): int32 [T, R] filled with -1, receives where each
-// token landed in each destination's outputs (the pull combine's map).
+// outputs are carved from `payload` (uint8, direct_payload_bytes(...) at least: recv_x [rows, H] x.dtype,
+// recv_scales [rows, S]) and, fresh, `meta` (uint8, direct_meta_bytes(...): recv_topk_idx int64 [rows, K],
+// recv_topk_weights float32 [rows, K], recv_src_idx int32 [rows]). out_offset / meta_offset: where the blocks lie
+// in this rank's NVLink buffer (the peer pool), or -1 when they do not: then no rank writes directly and the ring
+// kernel queued after the direct one moves the call on every rank (it is queued always, and leaves at once when
+// the direct kernel moved the call). send_row_offset int32 [R, C] is notify's (fresh) or the handle's (cached).
+// row_of_token (fresh, optional): int32 [T, R] filled with -1, receives where each token landed in each
+// destination's outputs (the pull combine's map). -> (recv_x, recv_scales or None, recv_topk_idx and
+// recv_topk_weights or None (no topk_idx), recv_src_idx or None (cached)).
 py::tuple direct_dispatch(const IpcBuffer& b, uint64_t timeout_ns, const at::Tensor& x,
                           const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& topk_idx,
                           const c10::optional<at::Tensor>& topk_weights, const at::Tensor& is_token_in_rank,
                           const at::Tensor& recv_channel_offset, const at::Tensor& send_row_offset,
-                          const at::Tensor& block, int64_t out_offset, int64_t rows, int experts_per_rank,
-                          bool pad_rows, int num_channels, int chunk, int num_slots, int slot_bytes,
-                          int64_t ring_signature, const c10::optional<at::Tensor>& row_of_token) {
+                          const at::Tensor& payload, int64_t out_offset, const c10::optional<at::Tensor>& meta,
+                          int64_t meta_offset, int64_t rows, int experts_per_rank, bool pad_rows, int num_channels,
+                          int chunk, int num_slots, int slot_bytes, int64_t ring_signature,
+                          const c10::optional<at::Tensor>& row_of_token) {
   const bool fresh = ring_signature == 0;
   const auto device = x.get_device();
   expect_cuda(x, device, "direct dispatch: x");
   expect_cuda(scales, device, "direct dispatch: scales");
   expect_cuda(topk_idx, device, "direct dispatch: topk_idx");
   expect_cuda(topk_weights, device, "direct dispatch: topk_weights");
-  expect_cuda(block, device, "direct dispatch: block");
+  expect_cuda(payload, device, "direct dispatch: payload");
+  expect_cuda(meta, device, "direct dispatch: meta");
+  expect_cuda(row_of_token, device, "direct dispatch: row_of_token");
   MOE_CHECK(!topk_weights.has_value() || topk_idx.has_value(), "direct dispatch: topk_weights without topk_idx");
-  MOE_CHECK(fresh || !topk_idx.has_value(), "direct dispatch: a cached call takes no topk_idx");
+  MOE_CHECK(fresh || (!topk_idx.has_value() && !row_of_token.has_value()),
+            "direct dispatch: a cached call takes no topk_idx or row_of_token");
+  MOE_CHECK(fresh == meta.has_value(), "direct dispatch: a fresh call (only) has a meta block");
   MOE_CHECK(send_row_offset.numel() >= static_cast<int64_t>(b.num_ranks()) * num_channels,
             "direct dispatch: send_row_offset must be [R, C]");
-  const DirectOutputs o{rows, row_bytes(x), columns(scales), columns(topk_idx)};
-  MOE_CHECK(block.scalar_type() == at::kByte && block.is_contiguous() && block.numel() >= o.bytes(),
-            "direct dispatch: block must be a contiguous uint8 tensor of direct_outputs_bytes bytes at least");
-  MOE_CHECK(out_offset == -1 || (out_offset >= 0 && out_offset % 16 == 0 &&
-                                 static_cast<uint8_t*>(block.data_ptr()) == b.local() + out_offset),
-            "direct dispatch: out_offset is not where the block lies in this rank's NVLink buffer");
+  const DirectPayload o{rows, row_bytes(x), columns(scales)};
+  const DirectMeta m{rows, columns(topk_idx)};
+  auto lies_at = [&](const at::Tensor& block, int64_t offset, int64_t bytes, const char* what) {
+    MOE_CHECK(block.scalar_type() == at::kByte && block.is_contiguous() && block.numel() >= bytes,
+              std::string("direct dispatch: ") + what + " must be a contiguous uint8 tensor of its layout's bytes");
+    MOE_CHECK(offset == -1 || (offset >= 0 && offset % 16 == 0 &&
+                               static_cast<uint8_t*>(block.data_ptr()) == b.local() + offset),
+              std::string("direct dispatch: ") + what + "'s offset is not where it lies in this rank's NVLink buffer");
+  };
+  lies_at(payload, out_offset, o.bytes(), "payload");
+  if (fresh) lies_at(*meta, meta_offset, m.bytes(), "meta");
+  if (row_of_token.has_value()) {
+    MOE_CHECK(row_of_token->scalar_type() == at::kInt && row_of_token->is_contiguous() &&
+                  row_of_token->numel() == is_token_in_rank.size(0) * static_cast<int64_t>(b.num_ranks()),
+              "direct dispatch: row_of_token must be a contiguous int32 [T, R]");
+  }
+  MOE_CHECK(x.size(0) == is_token_in_rank.size(0), "direct dispatch: x and is_token_in_rank differ in tokens");
   const c10::cuda::CUDAGuard guard(device);
-  const int64_t h = x.size(1), s = o.num_scales, k = o.num_topk;
-  at::Tensor recv_x = carve(block, o.x_offset(), x.scalar_type(), {rows, h}, {h, 1});
+  const int64_t h = x.size(1), s = o.num_scales, k = m.num_topk;
+  at::Tensor recv_x = carve(payload, o.x_offset(), x.scalar_type(), {rows, h}, {h, 1});
   py::object recv_scales = py::none(), recv_idx = py::none(), recv_w = py::none(), recv_src = py::none();
   at::Tensor scales_out, idx_out, w_out, src_out;
   if (scales.has_value()) {
-    scales_out = carve(block, o.scales_offset(), scales->scalar_type(), {rows, s}, {s, 1});
+    scales_out = carve(payload, o.scales_offset(), scales->scalar_type(), {rows, s}, {s, 1});
     recv_scales = py::cast(scales_out);
   }
   if (topk_idx.has_value()) {
-    idx_out = carve(block, o.idx_offset(), at::kLong, {rows, k}, {k, 1});
-    w_out = carve(block, o.weights_offset(), at::kFloat, {rows, k}, {k, 1});
+    idx_out = carve(*meta, m.idx_offset(), at::kLong, {rows, k}, {k, 1});
+    w_out = carve(*meta, m.weights_offset(), at::kFloat, {rows, k}, {k, 1});
     recv_idx = py::cast(idx_out);
     recv_w = py::cast(w_out);
   }
   if (fresh) {
-    src_out = carve(block, o.src_offset(), at::kInt, {rows}, {1});
+    src_out = carve(*meta, m.src_offset(), at::kInt, {rows}, {1});
     recv_src = py::cast(src_out);
   }
 
-  DirectDispatchArgs d{};
-  d.c = b.common(timeout_ns);
-  d.x = data_of<const uint8_t>(x);
-  d.scales = data_of<const int32_t>(scales);
-  d.topk_idx = data_of<const int64_t>(topk_idx);
-  d.topk_weights = data_of<const float>(topk_weights);
-  d.is_token_in_rank = data_of<const bool>(is_token_in_rank);
-  d.recv_channel_offset = data_of<const int>(recv_channel_offset);
-  d.send_row_offset = data_of<const int>(send_row_offset);
-  d.out_offset = out_offset;
-  d.out_rows = rows;
-  if (row_of_token.has_value()) {
-    expect_cuda(row_of_token, device, "direct dispatch: row_of_token");
-    MOE_CHECK(fresh && row_of_token->scalar_type() == at::kInt && row_of_token->is_contiguous() &&
-                  row_of_token->numel() == is_token_in_rank.size(0) * static_cast<int64_t>(b.num_ranks()),
-              "direct dispatch: row_of_token must be a contiguous int32 [T, R] (fresh calls only)");
-    d.row_of_token = data_of<int>(row_of_token);
-  }
-  d.num_tokens = static_cast<int>(is_token_in_rank.size(0));
-  d.hidden_bytes = o.hidden_bytes;
-  d.num_scales = o.num_scales;
-  d.num_topk = o.num_topk;
-  d.experts_per_rank = experts_per_rank;
-  d.write_meta = fresh ? 1 : 0;
-  d.pad_rows = pad_rows ? 1 : 0;
-  d.num_channels = num_channels;
-  MOE_CHECK(x.size(0) == d.num_tokens, "direct dispatch: x and is_token_in_rank differ in tokens");
-  const cudaStream_t stream = current_stream(device).stream();
-  launch_direct_dispatch(d, stream);
-
+  // The ring kernel's arguments first (their checks may throw): a rank must queue both kernels or neither.
   DispatchArgs a = ring_dispatch_args(b, timeout_ns, Ring{num_channels, chunk, num_slots, slot_bytes});
   set_routing(a, is_token_in_rank, recv_channel_offset);
-  a.x = d.x;
-  a.scales = d.scales;
-  a.topk_idx = d.topk_idx;
-  a.topk_weights = d.topk_weights;
+  a.x = data_of<const uint8_t>(x);
+  a.scales = data_of<const int32_t>(scales);
+  a.topk_idx = data_of<const int64_t>(topk_idx);
+  a.topk_weights = data_of<const float>(topk_weights);
   a.recv_x = data_of<uint8_t>(recv_x);
   a.recv_scales = scales.has_value() ? data_of<int32_t>(scales_out) : nullptr;
   a.recv_topk_idx = topk_idx.has_value() ? data_of<int64_t>(idx_out) : nullptr;
   a.recv_topk_weights = topk_idx.has_value() ? data_of<float>(w_out) : nullptr;
   a.recv_src_idx = fresh ? data_of<int>(src_out) : nullptr;
-  a.hidden_bytes = d.hidden_bytes;
-  a.num_scales = d.num_scales;
-  a.num_topk = d.num_topk;
+  a.hidden_bytes = o.hidden_bytes;
+  a.num_scales = o.num_scales;
+  a.num_topk = m.num_topk;
   a.experts_per_rank = experts_per_rank;
   a.num_rows = static_cast<int>(rows);
-  a.pad_rows = d.pad_rows;
+  a.pad_rows = pad_rows ? 1 : 0;
   a.ring_signature = fresh ? 0 : checked_ring_signature(ring_signature);  // cached: its ring word
+
+  DirectDispatchArgs d{};
+  d.c = a.c;
+  d.x = a.x;
+  d.scales = a.scales;
+  d.topk_idx = a.topk_idx;
+  d.topk_weights = a.topk_weights;
+  d.is_token_in_rank = a.is_token_in_rank;
+  d.recv_channel_offset = a.recv_channel_offset;
+  d.send_row_offset = data_of<const int>(send_row_offset);
+  d.out_offset = out_offset;
+  d.meta_offset = fresh ? meta_offset : 0;
+  d.out_rows = rows;
+  d.layout = a.ring_signature;
+  d.row_of_token = data_of<int>(row_of_token);
+  d.num_tokens = a.num_tokens;
+  d.hidden_bytes = a.hidden_bytes;
+  d.num_scales = a.num_scales;
+  d.num_topk = a.num_topk;
+  d.experts_per_rank = experts_per_rank;
+  d.write_meta = fresh ? 1 : 0;
+  d.pad_rows = a.pad_rows;
+  d.num_channels = num_channels;
+  const cudaStream_t stream = current_stream(device).stream();
+  launch_direct_dispatch(d, stream);
   launch_ring_fallback(a, stream);
   return py::make_tuple(recv_x, recv_scales, recv_idx, recv_w, recv_src);
 }
@@ -688,17 +701,21 @@ void register_intranode(py::module_& m) {
           py::arg("chunk"), py::arg("num_slots"), py::arg("slot_bytes"));
   sub.def("direct_dispatch", &direct_dispatch, py::arg("buffer"), py::arg("timeout_ns"), py::arg("x"),
           py::arg("scales"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("is_token_in_rank"),
-          py::arg("recv_channel_offset"), py::arg("send_row_offset"), py::arg("block"), py::arg("out_offset"),
-          py::arg("rows"), py::arg("experts_per_rank"), py::arg("pad_rows"), py::arg("num_channels"),
-          py::arg("chunk"), py::arg("num_slots"), py::arg("slot_bytes"), py::arg("ring_signature") = 0,
-          py::arg("row_of_token") = py::none());
-  // Bytes of a direct dispatch's output block for `rows` rows (DirectOutputs: the layout's one source).
+          py::arg("recv_channel_offset"), py::arg("send_row_offset"), py::arg("payload"), py::arg("out_offset"),
+          py::arg("meta"), py::arg("meta_offset"), py::arg("rows"), py::arg("experts_per_rank"), py::arg("pad_rows"),
+          py::arg("num_channels"), py::arg("chunk"), py::arg("num_slots"), py::arg("slot_bytes"),
+          py::arg("ring_signature") = 0, py::arg("row_of_token") = py::none());
+  // Bytes of a direct dispatch's output blocks for `rows` rows (DirectPayload / DirectMeta: the layouts' one
+  // source).
   sub.def(
-      "direct_outputs_bytes",
-      [](int64_t rows, int64_t hidden_bytes, int64_t num_scales, int64_t num_topk) {
-        return DirectOutputs{rows, hidden_bytes, num_scales, num_topk}.bytes();
+      "direct_payload_bytes",
+      [](int64_t rows, int64_t hidden_bytes, int64_t num_scales) {
+        return DirectPayload{rows, hidden_bytes, num_scales}.bytes();
       },
-      py::arg("rows"), py::arg("hidden_bytes"), py::arg("num_scales"), py::arg("num_topk"));
+      py::arg("rows"), py::arg("hidden_bytes"), py::arg("num_scales"));
+  sub.def(
+      "direct_meta_bytes", [](int64_t rows, int64_t num_topk) { return DirectMeta{rows, num_topk}.bytes(); },
+      py::arg("rows"), py::arg("num_topk"));
   sub.def("combine", &combine, py::arg("buffer"), py::arg("timeout_ns"), py::arg("x"), py::arg("topk_weights"),
           py::arg("bias0"), py::arg("bias1"), py::arg("is_token_in_rank"), py::arg("recv_channel_offset"),
           py::arg("out"), py::arg("out_topk_weights"), py::arg("num_channels"), py::arg("chunk"),

@@ -209,6 +209,7 @@ class IntranodeBackend(Backend):
         dist.all_gather_object(handles, self._ipc.ipc_handle(), group=self.group)
         self._ipc.open_peers(handles)
         self.peer_pool: Optional[PeerPool] = None
+        self._direct_blocks: Tuple[Optional[torch.Tensor], ...] = ()  # the latest direct dispatch's output blocks
         if self.num_pool_bytes:
             self.peer_pool = PeerPool(self._ipc, mod.peer_pool, mod.__file__, self.device, self.rank, self.num_ranks)
         # The Buffer's comm stream, with the events that join it to the caller's stream in cached calls.
@@ -381,29 +382,47 @@ class IntranodeBackend(Backend):
                          ring: Tuple[int, int, int, int], ring_signature: int,
                          row_of_token: Optional[torch.Tensor] = None) -> list:
         """Dispatch by the direct kernel (kernels/intranode/dispatch_direct.cu) into outputs allocated in the peer
-        pool: one block of direct_outputs_bytes, carved natively into [recv_x [rows, H], recv_scales [rows, S] or
-        None, recv_topk_idx [rows, K] and recv_topk_weights [rows, K] or None, recv_src_idx [rows] or None
-        (cached: ring_signature != 0)]; a fresh call also fills row_of_token (int32 [T, R], -1 first: where each
-        token landed at each rank, the pull combine's map). When the pool has no room for the block, the block comes
-        from torch's allocator and the rank says so to its peers in the kernel: then no rank writes directly and
-        the ring kernel queued after it moves the call on every rank (the same outputs)."""
-        nbytes = self._mod.direct_outputs_bytes(rows, _row_bytes(x), _columns(x_scales), _columns(topk_idx))
-        try:
-            block = self.peer_pool.allocate((max(nbytes, 1),), torch.uint8)
-            out_offset = self._ipc.pool_offset + self.peer_pool.offset_of(block)
-        except torch.OutOfMemoryError:  # PeerPoolExhausted: the ring kernel moves this call on every rank
-            block = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=x.device)
-            out_offset = -1
+        pool: a payload block carved natively into recv_x [rows, H] and recv_scales [rows, S] or None, and in a fresh
+        call (ring_signature 0) a meta block carved into recv_topk_idx [rows, K] and recv_topk_weights [rows, K] (or
+        None without topk_idx) and recv_src_idx [rows] (None in a cached call), apart so that the handle, which keeps
+        the source index, does not keep the payload's memory. A fresh call also fills row_of_token (int32 [T, R], -1
+        first: where each token landed at each rank, the pull combine's map). A block the pool has no room for (or
+        any block while a CUDA graph is being captured: the graph's allocations are its own pool's) comes from
+        torch's allocator, and the rank says so to its peers in the kernel: then no rank writes directly and the ring
+        kernel queued after it moves the call on every rank (the same outputs). The blocks of the latest call stay
+        referenced here: a peer that is late with it (or runs it after this rank gave up) writes into them, never
+        into memory handed out again."""
+        payload_bytes = self._mod.direct_payload_bytes(rows, _row_bytes(x), _columns(x_scales))
+        payload, out_offset = self._pool_block(payload_bytes, x.device)
+        meta, meta_offset = None, 0
+        if ring_signature == 0:
+            meta, meta_offset = self._pool_block(self._mod.direct_meta_bytes(rows, _columns(topk_idx)), x.device)
+        self._direct_blocks = (payload, meta)
         return list(self._mod.direct_dispatch(self._ipc, self._timeout_ns, x, x_scales, topk_idx, topk_weights,
-                                              is_token_in_rank, offsets, send_rows, block, out_offset, rows, local,
-                                              pad_rows, *ring, ring_signature=ring_signature,
-                                              row_of_token=row_of_token))
+                                              is_token_in_rank, offsets, send_rows, payload, out_offset, meta,
+                                              meta_offset, rows, local, pad_rows, *ring,
+                                              ring_signature=ring_signature, row_of_token=row_of_token))
+
+    def _pool_block(self, nbytes: int, device: torch.device) -> Tuple[torch.Tensor, int]:
+        """A uint8 block of at least `nbytes` bytes for a direct dispatch's outputs and its offset in this rank's
+        NVLink buffer: from the peer pool, its size rounded up to a power of two (2 MiB at least) so that torch's
+        cached blocks serve the next calls, whose sizes vary (torch cannot hand a live pool's cached segments back
+        to the region); or from torch's own allocator with offset -1 when the pool has no room or a CUDA graph is
+        being captured."""
+        if not torch.cuda.is_current_stream_capturing():
+            size = max(2 << 20, 1 << (max(nbytes, 1) - 1).bit_length())
+            try:
+                block = self.peer_pool.allocate((size,), torch.uint8)
+                return block, self._ipc.pool_offset + self.peer_pool.offset_of(block)
+            except torch.OutOfMemoryError:  # PeerPoolExhausted: the ring kernel moves this call on every rank
+                pass
+        return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device), -1
 
     def _pull_offsets(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor]) -> dict:
         """Where a combine's x and topk_weights lie in this rank's NVLink buffer (its peer pool), or -1 for both when
         either is elsewhere (then every rank's call goes through the ring: the pull kernel's verdict)."""
         pool = self.peer_pool
-        if (pool is not None and not pool.closed and pool.contains(x)
+        if (pool is not None and not pool.closed and not torch.cuda.is_current_stream_capturing() and pool.contains(x)
                 and (topk_weights is None or pool.contains(topk_weights))):
             w_offset = -1 if topk_weights is None else self._ipc.pool_offset + pool.offset_of(topk_weights)
             return {"x_offset": self._ipc.pool_offset + pool.offset_of(x), "w_offset": w_offset}

@@ -37,10 +37,13 @@ def _routing(rank: int, num_ranks: int) -> torch.Tensor:
     return idx.cuda()
 
 
-def _world(rank: int, num_ranks: int) -> list[str]:
+def _world(rank: int, num_ranks: int, pool_bytes: int) -> list[str]:
     from moe_dispatcher.signature import SignatureMismatch
     odd = rank == num_ranks - 1
-    buf = make_buffer(hidden_bytes=4 * H * 4, backend="kernels", explicitly_destroy=True)
+    # With a pool the calls are direct dispatches and pull combines: a disagreeing layout word makes every rank's
+    # call go through the ring kernel, whose signature check finds it, as without a pool.
+    extra = {"num_pool_bytes": pool_bytes} if pool_bytes else {}
+    buf = make_buffer(hidden_bytes=4 * H * 4, backend="kernels", explicitly_destroy=True, **extra)
     assert buf._kernels is not None and buf._kernels.name == "intranode", "the intranode kernels must serve this Buffer"
     idx = _routing(rank, num_ranks)
     # Exact sums: small multiples of 1/16 in float32.
@@ -133,7 +136,8 @@ def _world(rank: int, num_ranks: int) -> list[str]:
     return seen
 
 
+@pytest.mark.parametrize("pool_bytes", [0, 64 << 20], ids=["ring", "direct"])
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_disagreeing_cached_calls_raise_on_every_rank(world_size: int) -> None:
-    for line in run_distributed(_world, world_size, backend="nccl", env=ENV, timeout=300)[0]:
+def test_disagreeing_cached_calls_raise_on_every_rank(world_size: int, pool_bytes: int) -> None:
+    for line in run_distributed(_world, world_size, pool_bytes, backend="nccl", env=ENV, timeout=300)[0]:
         print(line)

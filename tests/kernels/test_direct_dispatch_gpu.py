@@ -26,10 +26,10 @@ POOL_BYTES = 512 << 20
 
 
 def _poison_pool(pool) -> None:
-    """Fill most of the pool with 0xF9 and hand it back to torch's cache, so outputs start as garbage."""
-    junk = pool.allocate((POOL_BYTES // 2,), torch.uint8)
-    junk.fill_(0xF9)
-    del junk
+    """Fill the whole region with 0xF9 (through this rank's view of it), so outputs start as garbage wherever
+    torch places them. Only while no pool tensor of this rank is live."""
+    pool.peer_view(pool.rank, 0, (pool.num_bytes,), torch.uint8).fill_(0xF9)
+    torch.cuda.synchronize()
 
 
 def _world_direct(rank: int, world_size: int) -> Dict:  # noqa: C901 (one world, many cases)
@@ -45,6 +45,21 @@ def _world_direct(rank: int, world_size: int) -> Dict:  # noqa: C901 (one world,
         with case(c["name"]):
             _poison_pool(pool)
             check_case(kb, rb, c, i, stats, dev, combine_tol=one_hop_tol, poison=True, cached_returns_none=True)
+    with case("num_worst_tokens padding rows"):
+        _poison_pool(pool)
+        g = torch.Generator().manual_seed(11 + rank)
+        t, h, e, k = 200, 2048, 4 * world_size, 4
+        idx = _routing(g, t, e, k, world_size, "random").to(dev)
+        x = torch.randn(t, h, generator=g).to(torch.bfloat16).to(dev)
+        _, out = _dispatch(kb, x, idx, None, e, num_worst=t * world_size)
+        _, ref = _dispatch(rb, x, idx, None, e, num_worst=t * world_size)
+        n = int(ref[4].rank_prefix_matrix[-1, rank])
+        assert pool.contains(out[0]), "num_worst_tokens outputs not in the pool"
+        assert_equal(out[0][:n], ref[0][:n], "recv_x")
+        assert bool((out[0][n:] == 0).all()), "recv_x rows past the received count must be zero"
+        assert_equal(out[1], ref[1], "recv_topk_idx (padding -1)")
+        assert_equal(out[4].recv_src_idx, ref[4].recv_src_idx, "recv_src_idx (padding -1)")
+        del out, ref
 
     # The outputs are the pool's (the direct kernel wrote them), fresh and cached.
     g = torch.Generator().manual_seed(5 + rank)
@@ -127,19 +142,21 @@ def _world_direct(rank: int, world_size: int) -> Dict:  # noqa: C901 (one world,
             del again
 
     # Many calls in a row (race-prone: the ready / arrival words and the published offsets of back-to-back calls).
+    # Other data every call: a write that went missing or elsewhere leaves an earlier call's rows, which differ.
     with case("200 calls back to back"):
         del want
         _, want = _dispatch(rb, x, idx, w, e)
         n = int(want[4].rank_prefix_matrix[-1, rank])
         handle = None
         for i in range(200):
+            xi = x + i
             if i % 2 == 0:
-                _, got = _dispatch(kb, x, idx, w, e)
+                _, got = _dispatch(kb, xi, idx, w, e)
                 handle, recv = got[4], got[0]
             else:
-                recv = kb.dispatch(x, handle=handle)[0]
-            if i % 25 == 0 or i == 199:
-                assert_equal(recv[:n], want[0][:n], f"recv_x of call {i}")
+                recv = kb.dispatch(xi, handle=handle)[0]
+            if i % 10 == 0 or i == 199:
+                assert_equal(recv[:n], rb.dispatch(xi, handle=want[4])[0][:n], f"recv_x of call {i}")
     torch.cuda.synchronize()
     dist.barrier()
     kb.destroy()

@@ -8,11 +8,14 @@
 // combine's and the reference's bits.
 //
 // Protocol, per call n (n = my Control::pull_calls + 1, the same on every rank):
-//  1. Ready: my block 0 stores my input's offsets (x, top-k weights; -1: not peer-mapped) into every peer's
-//     pull_x_offset[me] / pull_w_offset[me] (plain stores), then n into its pull_ready[me] (st.release.sys). My
+//  1. Ready: my block 0 stores my input's offsets (x, top-k weights; -1: not peer-mapped) and my layout word into
+//     every peer's pull_x_offset / pull_w_offset / pull_layout [me] (plain stores), then n into its pull_ready[me]
+//     (st.release.sys). My
 //     kernel starts after everything my stream queued before it, so my input is complete.
-//  2. Verdict: threads 0..R-1 of every block acquire every rank's pull_ready (>= n) and read its offsets; one -1
-//     and nobody reads: the call is missed and the ring combine queued after this kernel on every rank moves it.
+//  2. Verdict: threads 0..R-1 of every block acquire every rank's pull_ready (>= n) and read its offsets and its
+//     layout word (the call's ring signature: row bytes, dtype, top-k columns). One offset -1 or one word unlike
+//     mine and nobody reads: the call is missed and the ring combine queued after this kernel on every rank moves
+//     it (its signature check reports a layout that differs), so no rank reads rows of another layout.
 //  3. Reads, then arrival: system fence (my loads of the peers' inputs are done: their values were used), block
 //     barrier, red.release.sys +1 on every rank's pull_arrivals[me].
 //  4. Completion: my block 0 waits until every rank's 2C blocks arrived, which orders every reader's loads of MY
@@ -70,6 +73,7 @@ __global__ void __launch_bounds__(kPullThreads, 1) combine_pull_kernel(CombinePu
     auto* peer = reinterpret_cast<Control*>(a.c.peers[threadIdx.x]);
     peer->pull_x_offset[me] = p.x_offset;
     peer->pull_w_offset[me] = p.w_offset;
+    peer->pull_layout[me] = a.ring_signature;
     ptx::st_release_sys(&peer->pull_ready[me], n);
   }
   const Watchdog dog = make_watchdog(a.c.timeout_ns, me, &ctl->timeout_claim, &a.c.mailbox->timeout,
@@ -79,7 +83,8 @@ __global__ void __launch_bounds__(kPullThreads, 1) combine_pull_kernel(CombinePu
     if (wait_at_least(&ctl->pull_ready[d], n, dog, kPhasePullReady, d)) {
       x_offset[d] = *reinterpret_cast<volatile int64_t*>(&ctl->pull_x_offset[d]);
       w_offset[d] = *reinterpret_cast<volatile int64_t*>(&ctl->pull_w_offset[d]);
-      if (x_offset[d] < 0) in_pool = 0;
+      const uint64_t layout = *reinterpret_cast<volatile uint64_t*>(&ctl->pull_layout[d]);
+      if (x_offset[d] < 0 || layout != a.ring_signature) in_pool = 0;
     } else {
       ready = 0;
     }

@@ -130,17 +130,23 @@ struct DispatchArgs {
 // Direct dispatch (dispatch_direct.cu): every block a sender, rows written straight to their final row in the
 // destination's OUTPUT tensors, which the destination allocated in memory every peer has mapped (its NVLink
 // buffer: the peer pool after the rings, moe_dispatcher/compiled/peer_pool.py): no staging, no copy out.
-// Outputs of one call on one rank are one block of that memory carved as DirectOutputs for `rows` rows:
-// x [rows, hidden_bytes], then scales [rows, S] int32 (4-byte scales), top-k idx [rows, K] int64, weights
-// [rows, K] float32, source index [rows] int32, each array starting at a 16-byte multiple. The host carves its
-// output tensors from the block with the same offsets (moe_dispatcher/compiled/direct_dispatch.py).
-struct DirectOutputs {
-  int64_t rows, hidden_bytes, num_scales, num_topk;
+// A rank's outputs of one call are two blocks of that memory, each array starting at a 16-byte multiple: the
+// payload (DirectPayload: x [rows, hidden_bytes], then scales [rows, S] int32) and, in a fresh call, the meta
+// block (DirectMeta: top-k idx [rows, K] int64, weights [rows, K] float32, source index [rows] int32), apart so
+// that the handle, which keeps the source index, does not keep the payload's memory. The host carves its output
+// tensors from the blocks with these offsets (intranode_bindings.cpp, direct_dispatch).
+struct DirectPayload {
+  int64_t rows, hidden_bytes, num_scales;
   __host__ __device__ static int64_t up16(int64_t n) { return (n + 15) / 16 * 16; }
   __host__ __device__ int64_t x_offset() const { return 0; }
-  __host__ __device__ int64_t scales_offset() const { return x_offset() + up16(rows * hidden_bytes); }
-  __host__ __device__ int64_t idx_offset() const { return scales_offset() + up16(rows * num_scales * 4); }
-  __host__ __device__ int64_t weights_offset() const { return idx_offset() + up16(rows * num_topk * 8); }
+  __host__ __device__ int64_t scales_offset() const { return up16(rows * hidden_bytes); }
+  __host__ __device__ int64_t bytes() const { return scales_offset() + up16(rows * num_scales * 4); }
+};
+struct DirectMeta {
+  int64_t rows, num_topk;
+  __host__ __device__ static int64_t up16(int64_t n) { return (n + 15) / 16 * 16; }
+  __host__ __device__ int64_t idx_offset() const { return 0; }
+  __host__ __device__ int64_t weights_offset() const { return up16(rows * num_topk * 8); }
   __host__ __device__ int64_t src_offset() const { return weights_offset() + up16(rows * num_topk * 4); }
   __host__ __device__ int64_t bytes() const { return src_offset() + up16(rows * 4); }
 };
@@ -149,16 +155,20 @@ struct DirectDispatchArgs {
   Common c;
   const uint8_t* x;                // [T, hidden_bytes]
   const int32_t* scales;           // [T, S] 4-byte scales or null
-  const int64_t* topk_idx;         // [T, K] or null (cached dispatch)
+  const int64_t* topk_idx;         // [T, K] or null
   const float* topk_weights;       // [T, K] or null
   const bool* is_token_in_rank;    // [T, R]
-  const int* recv_channel_offset;  // [R, C + 1] (only [0][0] is read: the refused-call word)
+  const int* recv_channel_offset;  // [R, C + 1]: [0][0] the refused-call word, [R-1][C] my received count
   const int* send_row_offset;      // [R, C]: notify's, or kept in the handle for cached dispatch
-  int64_t out_offset;              // byte offset of MY outputs' block in my NVLink buffer (16-aligned), or -1:
-                                   // not peer-mapped (every rank's call is then missed: the ring kernel moves it)
-  int64_t out_rows;                // rows of my outputs (received count, or num_worst_tokens), published
-  int* row_of_token;               // [T, R] or null (cached): out, the row of my token t in d's outputs (filled with -1
-                                   // by the host; -1 stays where t is not sent to d or its row was dropped)
+  // Published per call (Control::direct_*): where MY output blocks lie in my NVLink buffer (16-aligned), -1 when
+  // not peer-mapped (then every rank's call is missed: the ring kernel moves it); my rows (received count, or
+  // num_worst_tokens); and the call's layout word (0 in a fresh call, which notify checked; a cached call's ring
+  // signature): a rank whose word differs makes every rank's call missed, and the ring kernel's signature check
+  // reports it, so no rank writes rows of another layout into a peer's block.
+  int64_t out_offset, meta_offset, out_rows;
+  uint64_t layout;
+  int* row_of_token;               // [T, R] or null (cached): out, the row of my token t in d's outputs (filled with
+                                   // -1 by the host; -1 stays where t is not sent to d or its row was dropped)
   int num_tokens, hidden_bytes, num_scales, num_topk, experts_per_rank;
   int write_meta;                  // 1: top-k and source index too (fresh dispatch); 0: payload and scales only
   int pad_rows;                    // 1: fill my rows past the received count (num_worst_tokens) as the ring does
