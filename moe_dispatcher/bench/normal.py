@@ -144,6 +144,13 @@ class Workload:
         n = rotation(self.recv_rows * h * 2, dev)
         self.ys = [torch.randn(self.recv_rows, h, device=dev, generator=self._gen).to(torch.bfloat16)
                    for _ in range(n)]
+        if getattr(self.buffer, "num_pool_bytes", 0):  # combine inputs in the peer pool: the pull combine
+            try:
+                pool = self.buffer.peer_pool
+            except RuntimeError:  # not the compiled intranode backend: no pool
+                pool = None
+            if pool is not None:
+                self.ys = [pool.allocate(tuple(y.shape), y.dtype).copy_(y) for y in self.ys]
 
     # byte counts of this rank (bench/README.md)
     def bytes_bf16(self) -> Tuple[float, float]:
