@@ -134,14 +134,20 @@ class _DirectDispatchPlan:
             return False
         return num_sms == self.num_sms if config is None else (config is self.config or config == self.config)
 
-    def run(self, handle, x: torch.Tensor, aux: Optional[torch.Tensor], config, num_sms: int, mode: int):
-        """-> (recv_x, recv_scales or None, None), or None (not this plan's call, not the current stream's mode, or
-        the backend may no longer launch: the full path says why)."""
+    def _serves(self, handle, x: torch.Tensor, aux: Optional[torch.Tensor], config, num_sms: int, mode: int) -> bool:
+        """This plan's call, on the current stream's mode, and the backend may still launch (else the full path
+        takes it and says why)."""
         if mode != LAUNCH_CURRENT or not self._matches(handle, x, aux, config, num_sms):
-            return None
+            return False
         try:
             self.backend._check()
         except RuntimeError:
+            return False
+        return True
+
+    def run(self, handle, x: torch.Tensor, aux: Optional[torch.Tensor], config, num_sms: int, mode: int):
+        """-> (recv_x, recv_scales or None, None), or None when not _serves(...)."""
+        if not self._serves(handle, x, aux, config, num_sms, mode):
             return None
         _, offsets, direct = handle.backend_state.routing
         rows = self.num_worst_tokens or handle.num_recv_tokens
@@ -162,12 +168,8 @@ class _PullCombinePlan(_DirectDispatchPlan):
         super().__init__(backend, handle, x, topk_weights, config, num_sms, ring, 0)
 
     def run(self, handle, x: torch.Tensor, aux: Optional[torch.Tensor], config, num_sms: int, mode: int):
-        """-> (combined_x, combined_topk_weights or None, None), or None (as _DirectDispatchPlan.run)."""
-        if mode != LAUNCH_CURRENT or not self._matches(handle, x, aux, config, num_sms):
-            return None
-        try:
-            self.backend._check()
-        except RuntimeError:
+        """-> (combined_x, combined_topk_weights or None, None), or None when not _serves(...)."""
+        if not self._serves(handle, x, aux, config, num_sms, mode):
             return None
         out, out_w, _, _ = combine_tensors(self.num_tokens, x, aux, ())
         self.backend._combine_along(x, aux, None, None, handle, out, out_w, self.ring)
