@@ -364,10 +364,8 @@ __device__ void nvl_receive(const DispatchArgs& a, int ch, int l, int group_warp
     total += off[ch + 1] - off[ch];
     if (leader) next[x] = off[ch];  // next output row of source (x, l) in this channel
   }
-  if (leader) *shared_bad = 0;  // read by the group after the first step's barrier
   const uint64_t last = rx.head + total;
   const int k = a.num_topk;
-  bool first = true;  // the call's first step on this FIFO
   while (rx.head < last) {
     if (group_warp == 0) {
       // Lane 0 waits for rows; lane i ranks row i among this step's rows of its source domain
@@ -378,14 +376,15 @@ __device__ void nvl_receive(const DispatchArgs& a, int ch, int l, int group_warp
         *shared_tail = seen;
         // Cached, first step: lane 0's tail acquire (past the call's first row) published the forwarder's
         // NVLink ring signature (stored before its first tail release to me).
-        if (seen != 0 && first && a.nvl_signature != 0) {
+        // *shared_bad: 0 until then (and in a fresh dispatch), then 1 (signatures agree) or 2 (slots not read).
+        if (seen != 0 && *shared_bad == 0 && a.nvl_signature != 0) {
           *shared_bad = ring_word_disagrees(&nctl->ring_signature[l], nctl, c.mailbox, c.domain * nvl + l,
-                                            a.nvl_signature, true);
+                                            a.nvl_signature, true) ? 2 : 1;
         }
       }
       seen = __shfl_sync(0xffffffffu, seen, 0);
       __syncwarp();  // lane 0's tail acquire before every lane's slot loads
-      if (seen != 0 && !*shared_bad) {
+      if (seen != 0 && *shared_bad != 2) {
         const int n = static_cast<int>(min(min(seen, last) - rx.head, static_cast<uint64_t>(kMaxChunk)));
         const int x = lane < n ? ptx::ld_cg(layout.tag(const_cast<uint8_t*>(rx.slot(rx.head + lane)))) : -1;
         const unsigned same = __match_any_sync(0xffffffffu, x);
@@ -402,15 +401,7 @@ __device__ void nvl_receive(const DispatchArgs& a, int ch, int l, int group_warp
     const uint64_t seen = *shared_tail;
     if (seen == 0) return;
     const int n = static_cast<int>(min(min(seen, last) - rx.head, static_cast<uint64_t>(kMaxChunk)));
-    const bool bad = *shared_bad;
-    if (bad && first) {  // every row of the sources this FIFO carries in the channel is a zero row
-      for (int x = 0; x < c.num_domains; ++x) {
-        const int* off = a.recv_channel_offset + (x * nvl + l) * (C + 1);
-        for (int64_t row = off[ch] + group_warp; row < min(off[ch + 1], a.num_rows); row += warps) zero_row(a, row, lane);
-      }
-    }
-    first = false;
-    for (int i = group_warp; !bad && i < n; i += warps) {
+    for (int i = group_warp; *shared_bad != 2 && i < n; i += warps) {
       const int64_t row = rows[i];
       if (row >= a.num_rows) continue;  // more rows than num_worst_tokens: reported by notify
       uint8_t* slot = const_cast<uint8_t*>(rx.slot(rx.head + i));
@@ -427,6 +418,12 @@ __device__ void nvl_receive(const DispatchArgs& a, int ch, int l, int group_warp
     rx.release(n, leader);
   }
   rx.finish(leader);
+  if (*shared_bad == 2) {  // no slot of this FIFO was read: every row of the sources it carries in the channel is zero
+    for (int x = 0; x < c.num_domains; ++x) {
+      const int* off = a.recv_channel_offset + (x * nvl + l) * (C + 1);
+      for (int64_t row = off[ch] + group_warp; row < min(off[ch + 1], a.num_rows); row += warps) zero_row(a, row, lane);
+    }
+  }
 }
 
 // num_worst_tokens: rows past the received count are zero / -1 / 0 (as the intranode kernel). Every thread of the
@@ -465,6 +462,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a) {
   }
   const Watchdog dog = make_watchdog(c.timeout_ns, c.rank, &nvl_ctl(c, c.local)->timeout_claim, &c.mailbox->timeout,
                                      rdma_ctl(c)->peer_aborted);
+  if (threadIdx.x < kMaxNvl) shared_bad[threadIdx.x] = 0;  // before the drain's block barriers
   if (!drain_previous_calls(c, dog)) return;  // earlier calls drained; no ring written before this
   if (role == 2 && a.pad_rows) pad_worst_rows(a, ch);
 
