@@ -42,8 +42,8 @@ def dispatch_slot_bytes(hidden_bytes: int, num_scales: int, num_topk: int) -> in
     return align_slot(hidden_bytes + num_scales * 4 + num_topk * 8 + 8)
 
 
-def ring_signatures(operation: str, x: torch.Tensor, scales: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor],
-                    geometry: Sequence[int]) -> List[int]:
+def ring_signatures(operation: str, x: torch.Tensor, scales: Optional[torch.Tensor],
+                    topk_weights: Optional[torch.Tensor], geometry: Sequence[int]) -> List[int]:
     """The ring signatures of a cached call (docs/internode.md, "Cached calls: ring signatures"): [RDMA hop, NVLink
     hop], the same fields with each hop's slot count (geometry: _geometry's list). operation: "cached dispatch"
     (scales [T, S] or None, no weights) or "combine" (topk_weights [N, K] or None, no scales)."""

@@ -224,9 +224,9 @@ def stub_internode(intra: types.SimpleNamespace) -> types.SimpleNamespace:
                                          tuple(x.shape), None if scales is None else tuple(scales.shape),
                                          list(geometry), config, num_sms, list(ring_signatures))))
         n = handle[_RECV_SRC_IDX].shape[0]
-        spec = lambda t, rows: (t.dtype, rows, t.shape[1])  # noqa: E731
-        return intra.CachedDispatch(ipc, handle, spec(x, x.shape[0]), None if scales is None else spec(scales, x.shape[0]),
-                                    spec(x, n), None if scales is None else spec(scales, n), config, num_sms)
+        spec = lambda t, rows: (t.dtype, rows, t.shape[1])
+        aux, aux_out = (None, None) if scales is None else (spec(scales, x.shape[0]), spec(scales, n))
+        return intra.CachedDispatch(ipc, handle, spec(x, x.shape[0]), aux, spec(x, n), aux_out, config, num_sms)
 
     def cached_combine(ctx, ipc, comm, timeout_ns, handle, recv_channel_offset, fwd_offset, fwd_mask, fwd_capacity, x,
                        topk_weights, geometry, config, num_sms, ring_signatures):

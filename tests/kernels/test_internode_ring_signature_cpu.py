@@ -108,7 +108,7 @@ def test_a_recorded_internode_ring_mismatch_raises_naming_the_hop_fields(backend
 
 
 def test_ring_disagreement_names_the_rdma_slots_for_sources_in_other_domains():
-    word = lambda slots: ring_signature_word("combine", H, torch.bfloat16, None, 0, 0, slots)  # noqa: E731
+    word = lambda slots: ring_signature_word("combine", H, torch.bfloat16, None, 0, 0, slots)
     same_domain = ring_disagreement(2, [(3, word(64), word(256))], nvl_size=2)
     other_domain = ring_disagreement(2, [(1, word(64), word(256))], nvl_size=2)
     intranode = ring_disagreement(2, [(1, word(64), word(256))])

@@ -1,4 +1,6 @@
-// Agreement of cached calls (torch-free; the intranode dispatch and combine kernels).
+// Agreement of cached calls (torch-free; the intranode dispatch and combine kernels, and both hops of the
+// internode ones: below the intranode protocol; internode carries one word per hop, written and compared by the
+// roles docs/internode.md "Cached calls: ring signatures" lists, through the same helpers).
 //
 // A cached call (dispatch along a handle, combine) runs no notify, so nothing compares the ranks' arguments
 // before rows move; yet the slot layout of a ring comes from the sender's arguments (row bytes, scales, top-k

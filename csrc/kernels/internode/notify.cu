@@ -26,11 +26,12 @@
 // Agreement: a source's flags word (word 0 of both its messages, relayed unchanged) also carries its problem
 // word in bits 1-3 (the host's, else one made from the layout kernel's bad-id bits in Control::bad_expert_ids,
 // read and cleared here, else kProblemRingSignature when Control::ring_mismatch_seen is set) and 24 bits of its
-// signature hash in bits 8-31. After the domain barrier every rank holds every source's flags word, so all reach the same verdict, before any result is derived; a disagreement
-// refuses the call (common/refused_call.cuh: the tables of a call that received nothing, fwd_offset included,
-// and kRefusedCall in recv_channel_offset[0][0], so that its data kernels move nothing on any rank) and is
-// recorded like intranode notify's (kFlagSignatureMismatch, and sticky in the mailbox: the seq and each
-// source's problem word). A notify that gave up waiting (timeout, either stage) refuses its call on this rank.
+// signature hash in bits 8-31. After the domain barrier every rank holds every source's flags word, so all
+// reach the same verdict, before any result is derived; a disagreement refuses the call
+// (common/refused_call.cuh: the tables of a call that received nothing, fwd_offset included, and kRefusedCall in
+// recv_channel_offset[0][0], so that its data kernels move nothing on any rank) and is recorded like intranode
+// notify's (kFlagSignatureMismatch, and sticky in the mailbox: the seq and each source's problem word). A notify
+// that gave up waiting (timeout, either stage) refuses its call on this rank.
 // fwd_offset is derived after the verdict (from the team messages, which stay in place until two notifies
 // later), so a refused call's forwarders see no tokens either.
 #include "kernels/common/launch_check.cuh"
