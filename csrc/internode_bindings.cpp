@@ -209,6 +209,13 @@ void set_routing(Args& a, const at::Tensor& is_token_in_rank, const at::Tensor& 
   a.num_tokens = static_cast<int>(is_token_in_rank.size(0));
 }
 
+// A cached call's ring signature of one hop (moe_dispatcher/signature.py ring_signature_word): nonzero, bit 63
+// clear (kernels/common/ring_signature.cuh).
+uint64_t checked_ring_signature(int64_t word) {
+  MOE_CHECK(word > 0, "a cached call needs its ring signatures");
+  return static_cast<uint64_t>(word);
+}
+
 // The dispatch arguments of a geometry, checked (the call's tensors and sizes are the caller's to set).
 DispatchArgs dispatch_args(const Context& ctx, uint64_t timeout_ns, const std::vector<int>& geometry) {
   DispatchArgs a{};
@@ -225,10 +232,14 @@ DispatchArgs dispatch_args(const Context& ctx, uint64_t timeout_ns, const std::v
 CombineArgs combine_args(const Context& ctx, uint64_t timeout_ns, const std::vector<int>& geometry,
                          const at::Tensor& is_token_in_rank, const at::Tensor& recv_channel_offset,
                          const at::Tensor& fwd_offset, const at::Tensor& fwd_mask, int fwd_capacity,
-                         const at::Tensor& x, const c10::optional<at::Tensor>& topk_weights) {
+                         const at::Tensor& x, const c10::optional<at::Tensor>& topk_weights,
+                         const std::vector<int64_t>& ring_signatures) {
   CombineArgs a{};
   a.c = with_timeout(ctx, timeout_ns);
   set_geometry(a, geometry);
+  MOE_CHECK(ring_signatures.size() == 2, "combine: ring signatures (RDMA hop, NVLink hop)");
+  a.rdma_signature = checked_ring_signature(ring_signatures[0]);
+  a.nvl_signature = checked_ring_signature(ring_signatures[1]);
   // Progress (docs/internode.md): a forwarder chunk's rows must fit beside a sender chunk in the NVLink
   // ring, and two chunks in the RDMA ring. Checked for the largest chunk, so that every chunk_tokens
   // fits whatever the call's size.
@@ -305,7 +316,8 @@ void combine(const Context& ctx, uint64_t timeout_ns, const at::Tensor& x,
              const c10::optional<at::Tensor>& bias0, const c10::optional<at::Tensor>& bias1,
              const at::Tensor& is_token_in_rank, const at::Tensor& recv_channel_offset, const at::Tensor& fwd_offset,
              const at::Tensor& fwd_mask, int fwd_capacity, const at::Tensor& out,
-             const c10::optional<at::Tensor>& out_topk_weights, const std::vector<int>& geometry) {
+             const c10::optional<at::Tensor>& out_topk_weights, const std::vector<int>& geometry,
+             const std::vector<int64_t>& ring_signatures) {
   const auto device = x.get_device();
   expect_cuda(x, device, "combine: x");
   expect_cuda(topk_weights, device, "combine: topk_weights");
@@ -316,7 +328,7 @@ void combine(const Context& ctx, uint64_t timeout_ns, const at::Tensor& x,
             "combine: topk_weights and out_topk_weights go together");
   const c10::cuda::CUDAGuard guard(device);
   CombineArgs a = combine_args(ctx, timeout_ns, geometry, is_token_in_rank, recv_channel_offset, fwd_offset, fwd_mask,
-                               fwd_capacity, x, topk_weights);
+                               fwd_capacity, x, topk_weights, ring_signatures);
   MOE_CHECK(out.size(0) == a.num_tokens, "combine: out and is_token_in_rank differ in tokens");
   a.x = data_of<const uint8_t>(x);
   a.topk_weights = data_of<const float>(topk_weights);
@@ -332,17 +344,24 @@ void combine(const Context& ctx, uint64_t timeout_ns, const at::Tensor& x,
 using CachedDispatch = CachedCall<DispatchArgs, launch_dispatch, CallKind::kDispatch>;
 using CachedCombine = CachedCall<CombineArgs, launch_combine, CallKind::kCombine>;
 
-// Dispatch along a handle (no top-k, no source indices, the handle's forward mask untouched): x [T, H], scales
-// [T, S] (FP8) or None -> recv_x [rows, H], recv_scales [rows, S]; rows = the handle's recv_src_idx rows.
+// Dispatch along a handle (no top-k, no source indices, the handle's forward mask read only where a source's ring
+// signature differs, never written): x [T, H], scales [T, S] (FP8) or None -> recv_x [rows, H], recv_scales
+// [rows, S]; rows = the handle's recv_src_idx rows. ring_signatures: (RDMA hop, NVLink hop).
 std::unique_ptr<CachedDispatch> make_cached_dispatch(const Context& ctx, const IpcBuffer& ipc, CommStream& comm,
                                                      uint64_t timeout_ns, const py::tuple& handle,
                                                      const at::Tensor& recv_channel_offset,
-                                                     const at::Tensor& fwd_offset, const at::Tensor& x,
+                                                     const at::Tensor& fwd_offset, const at::Tensor& fwd_mask,
+                                                     int fwd_capacity, const at::Tensor& x,
                                                      const c10::optional<at::Tensor>& scales,
-                                                     const std::vector<int>& geometry, py::object config, int num_sms) {
+                                                     const std::vector<int>& geometry, py::object config, int num_sms,
+                                                     const std::vector<int64_t>& ring_signatures) {
   DispatchArgs a = dispatch_args(ctx, timeout_ns, geometry);
   const at::Tensor is_token_in_rank = py::cast<at::Tensor>(handle[kIsTokenInRank]);
-  set_routing(a, is_token_in_rank, recv_channel_offset, fwd_offset, c10::nullopt, 0);
+  set_routing(a, is_token_in_rank, recv_channel_offset, fwd_offset, c10::nullopt, fwd_capacity);
+  a.handle_fwd_mask = data_of<const int>(fwd_mask);
+  MOE_CHECK(ring_signatures.size() == 2, "cached dispatch: ring signatures (RDMA hop, NVLink hop)");
+  a.rdma_signature = checked_ring_signature(ring_signatures[0]);
+  a.nvl_signature = checked_ring_signature(ring_signatures[1]);
   const int64_t rows = py::cast<at::Tensor>(handle[kRecvSrcIdx]).size(0);
   a.hidden_bytes = static_cast<int>(x.size(1) * x.element_size());
   a.num_scales = scales.has_value() ? static_cast<int>(scales->size(1)) : 0;
@@ -355,7 +374,7 @@ std::unique_ptr<CachedDispatch> make_cached_dispatch(const Context& ctx, const I
     aux_out = TensorSpec{scales->scalar_type(), rows, scales->size(1)};
   }
   return std::make_unique<CachedDispatch>(
-      ipc, comm, handle, std::vector<at::Tensor>{is_token_in_rank, recv_channel_offset, fwd_offset}, a,
+      ipc, comm, handle, std::vector<at::Tensor>{is_token_in_rank, recv_channel_offset, fwd_offset, fwd_mask}, a,
       TensorSpec{x.scalar_type(), x.size(0), x.size(1)}, aux, TensorSpec{x.scalar_type(), rows, x.size(1)}, aux_out,
       std::move(config), num_sms);
 }
@@ -367,10 +386,11 @@ std::unique_ptr<CachedCombine> make_cached_combine(const Context& ctx, const Ipc
                                                    const at::Tensor& recv_channel_offset, const at::Tensor& fwd_offset,
                                                    const at::Tensor& fwd_mask, int fwd_capacity, const at::Tensor& x,
                                                    const c10::optional<at::Tensor>& topk_weights,
-                                                   const std::vector<int>& geometry, py::object config, int num_sms) {
+                                                   const std::vector<int>& geometry, py::object config, int num_sms,
+                                                   const std::vector<int64_t>& ring_signatures) {
   const at::Tensor is_token_in_rank = py::cast<at::Tensor>(handle[kIsTokenInRank]);
   const CombineArgs a = combine_args(ctx, timeout_ns, geometry, is_token_in_rank, recv_channel_offset, fwd_offset,
-                                     fwd_mask, fwd_capacity, x, topk_weights);
+                                     fwd_mask, fwd_capacity, x, topk_weights, ring_signatures);
   const int64_t tokens = a.num_tokens;
   c10::optional<TensorSpec> aux, aux_out;
   if (topk_weights.has_value()) {
@@ -431,17 +451,19 @@ void register_internode(py::module_& m) {
       .def("run", &CachedCombine::run, py::arg("handle"), py::arg("x"), py::arg("topk_weights"), py::arg("config"),
            py::arg("num_sms"), py::arg("mode"));
   sub.def("cached_dispatch", &make_cached_dispatch, py::arg("ctx"), py::arg("ipc"), py::arg("comm"),
-          py::arg("timeout_ns"), py::arg("handle"), py::arg("recv_channel_offset"), py::arg("fwd_offset"), py::arg("x"),
-          py::arg("scales"), py::arg("geometry"), py::arg("config"), py::arg("num_sms"), py::keep_alive<0, 2>(),
+          py::arg("timeout_ns"), py::arg("handle"), py::arg("recv_channel_offset"), py::arg("fwd_offset"),
+          py::arg("fwd_mask"), py::arg("fwd_capacity"), py::arg("x"), py::arg("scales"), py::arg("geometry"),
+          py::arg("config"), py::arg("num_sms"), py::arg("ring_signatures"), py::keep_alive<0, 2>(),
           py::keep_alive<0, 3>());
   sub.def("cached_combine", &make_cached_combine, py::arg("ctx"), py::arg("ipc"), py::arg("comm"),
           py::arg("timeout_ns"), py::arg("handle"), py::arg("recv_channel_offset"), py::arg("fwd_offset"),
           py::arg("fwd_mask"), py::arg("fwd_capacity"), py::arg("x"), py::arg("topk_weights"), py::arg("geometry"),
-          py::arg("config"), py::arg("num_sms"), py::keep_alive<0, 2>(), py::keep_alive<0, 3>());
+          py::arg("config"), py::arg("num_sms"), py::arg("ring_signatures"), py::keep_alive<0, 2>(),
+          py::keep_alive<0, 3>());
   sub.def("combine", &combine, py::arg("ctx"), py::arg("timeout_ns"), py::arg("x"), py::arg("topk_weights"),
           py::arg("bias0"), py::arg("bias1"), py::arg("is_token_in_rank"), py::arg("recv_channel_offset"),
           py::arg("fwd_offset"), py::arg("fwd_mask"), py::arg("fwd_capacity"), py::arg("out"),
-          py::arg("out_topk_weights"), py::arg("geometry"));
+          py::arg("out_topk_weights"), py::arg("geometry"), py::arg("ring_signatures"));
 }
 
 }  // namespace moe_ep

@@ -119,7 +119,7 @@ py::object take_ring_mismatch(IpcBuffer& b) {
   if (box->ring_mismatch == 0) return py::none();
   box->ring_mismatch = 0;
   py::list records;
-  for (int s = 0; s < kMaxRanks; ++s) {
+  for (int s = 0; s < nvlink::kMaxGroupRanks; ++s) {  // internode: sources are group ranks
     const int64_t sent = box->ring_mismatch_sent[s];
     if (sent == 0) continue;
     records.append(py::make_tuple(s, sent, static_cast<int64_t>(box->ring_mismatch_expected[s])));

@@ -203,8 +203,8 @@ def signature_hash(signature: Signature) -> int:
 
 
 def raise_disagreement(group, device: torch.device, signatures: Dict[int, Signature], seq: int,
-                       problems: Sequence[int], ring_records: Callable[[], Sequence[Tuple[int, int, int]]] = list
-                       ) -> None:
+                       problems: Sequence[int], ring_records: Callable[[], Sequence[Tuple[int, int, int]]] = list,
+                       nvl_size: Optional[int] = None) -> None:
     """Collective, on every rank of `group` alike: a compiled notify found call `seq`'s signatures differing
     (hashes) or a rank's problem word set (`problems`, one per rank, from the mailbox). One all-gather of the
     full signatures (`signatures`: this rank's by seq; every rank kept the same seqs) names the fields; where a
@@ -212,7 +212,8 @@ def raise_disagreement(group, device: torch.device, signatures: Dict[int, Signat
     source's ring signature, this rank's: what its receivers recorded) names the fields of the cached call.
     ring_records() takes (clears) the records, so only a rank whose own word was PROBLEM_RING_SIGNATURE calls
     it: a rank that sent another problem kept its ring flag on the device, and its next notify reports that
-    with these records. Raises SignatureMismatch."""
+    with these records. nvl_size: the NVLink domain size of an internode group (ring_disagreement), else None.
+    Raises SignatureMismatch."""
     import torch.distributed as dist
 
     mine = signatures.get(seq)
@@ -235,14 +236,16 @@ def raise_disagreement(group, device: torch.device, signatures: Dict[int, Signat
         for rank, rows in enumerate(records.cpu().tolist()):
             found = [tuple(r) for r in rows if r[1] != 0]
             if found:
-                text += f"; {ring_disagreement(rank, found)}"
+                text += f"; {ring_disagreement(rank, found, nvl_size)}"
     raise SignatureMismatch(f"{text} (found by the notify of fresh dispatch {seq} of this Buffer; a call with "
                             f"num_worst_tokens reports at the next dispatch without it)")
 
 
-# The ring signature of a cached call (compiled intranode kernels, docs/intranode.md "Agreement"): the fields of
-# the call's signature that fix a ring's slot layout, packed into one nonzero 64-bit word (bit 63 clear) that
-# each sender stores next to its ring and each receiver compares with its own before it reads a slot. Fields in
+# The ring signature of a cached call (compiled intranode kernels, docs/intranode.md "Agreement"; internode, one
+# word per hop, docs/internode.md): the fields of the call's signature that fix a ring's slot layout, packed into
+# one nonzero 64-bit word (bit 63 clear) that each sender stores next to its ring and each receiver compares with
+# its own before it reads a slot. The slot count field holds the slots of the hop's rings: NVLink rings
+# (config.num_max_nvl_chunked_recv_tokens), or internode RDMA rings (RDMA_SLOTS_FIELD). Fields in
 # FIELDS names, (first bit, width); a dtype outside DTYPES is coded by its element size (_ring_dtype), and numbers
 # wider than their width are clamped to its maximum (far past every kernel limit: such calls fail their checks first).
 RING_FIELDS: Tuple[Tuple[str, int, int], ...] = (
@@ -250,10 +253,14 @@ RING_FIELDS: Tuple[Tuple[str, int, int], ...] = (
     ("topk_weights columns", 23, 5), ("hidden", 28, 20), ("config.num_max_nvl_chunked_recv_tokens", 48, 15))
 
 
+RDMA_SLOTS_FIELD = "config.num_max_rdma_chunked_recv_tokens"
+
+
 def ring_signature_word(operation: str, hidden: int, x_dtype: torch.dtype, scales_dtype: Optional[torch.dtype],
                         scales_columns: int, topk_weights_columns: int, ring_slots: int) -> int:
     """The ring signature of a cached call: operation "cached dispatch" (top-k weights columns 0) or "combine"
-    (no scales); ring_slots: the call's config.num_max_nvl_chunked_recv_tokens."""
+    (no scales); ring_slots: the slots of the hop's rings (config.num_max_nvl_chunked_recv_tokens, or for the
+    internode RDMA hop config.num_max_rdma_chunked_recv_tokens)."""
     values = (_CODES[operation], _ring_dtype(x_dtype), _ring_dtype(scales_dtype), scales_columns,
               topk_weights_columns, hidden, ring_slots)
     word = 0
@@ -284,9 +291,10 @@ def _ring_fields(word: int) -> Dict[str, int]:
     return {name: (word >> shift) & ((1 << width) - 1) for name, shift, width in RING_FIELDS}
 
 
-def ring_disagreement(rank: int, records: Sequence[Tuple[int, int, int]]) -> str:
+def ring_disagreement(rank: int, records: Sequence[Tuple[int, int, int]], nvl_size: Optional[int] = None) -> str:
     """The error text of the ring signatures this rank's receivers found differing: records (source rank, the
-    source's word, this rank's word) of one or more sources."""
+    source's word, this rank's word) of one or more sources. nvl_size (internode): a source outside this rank's
+    NVLink domain sent over the RDMA hop, whose word carries the RDMA ring slots."""
     parts = []
     for source, sent, expected in records:
         theirs, mine = _ring_fields(sent), _ring_fields(expected)
@@ -294,7 +302,9 @@ def ring_disagreement(rank: int, records: Sequence[Tuple[int, int, int]]) -> str
             ops = [OPERATIONS.get(v, f"operation {v}") for v in (mine["operation"], theirs["operation"])]
             parts.append(f"the ranks are in different calls: {ops[0]} on rank {rank}; {ops[1]} on rank {source}")
             continue
-        fields = [f"{name} differs: {_show_ring(name, mine[name])} on rank {rank}; {_show_ring(name, theirs[name])} "
+        rdma_hop = nvl_size is not None and source // nvl_size != rank // nvl_size
+        fields = [f"{RDMA_SLOTS_FIELD if rdma_hop and name == RING_FIELDS[-1][0] else name} differs: "
+                  f"{_show_ring(name, mine[name])} on rank {rank}; {_show_ring(name, theirs[name])} "
                   f"on rank {source}" for name, _, _ in RING_FIELDS[1:] if theirs[name] != mine[name]]
         parts.append("; ".join(fields) or f"the ring signatures of ranks {rank} and {source} differ")
     operation = OPERATIONS.get(_ring_fields(records[0][2])["operation"], "cached call")

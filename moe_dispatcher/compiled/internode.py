@@ -28,7 +28,7 @@ from ..backend import Backend, Capabilities
 from ..config import Config, align_slot
 from ..handle import DispatchHandle
 from ..reference.board import PeerError
-from ..signature import dispatch_signature, raise_disagreement, signature_hash
+from ..signature import dispatch_signature, raise_disagreement, ring_signature_word, signature_hash
 from . import (STATUS_PEER_ABORTED, TIMEOUT_ENV, HandleState, buffer_view, combine_tensors, kernel_timeout_s,
                posted_by_peer, recv_tensors, run_cached, timeout_message, wait_counts)
 from .intranode import (COMBINE_DTYPES, KEPT_SIGNATURES, _columns, _contiguous, _DeviceMemory, _row_bytes,
@@ -40,6 +40,16 @@ def dispatch_slot_bytes(hidden_bytes: int, num_scales: int, num_topk: int) -> in
     (int32) and weights, source token, and one more int32 (local-rank mask, or source domain); rounded by
     align_slot."""
     return align_slot(hidden_bytes + num_scales * 4 + num_topk * 8 + 8)
+
+
+def ring_signatures(operation: str, x: torch.Tensor, scales: Optional[torch.Tensor],
+                    topk_weights: Optional[torch.Tensor], geometry: Sequence[int]) -> List[int]:
+    """The ring signatures of a cached call (docs/internode.md, "Cached calls: ring signatures"): [RDMA hop, NVLink
+    hop], the same fields with each hop's slot count (geometry: _geometry's list). operation: "cached dispatch"
+    (scales [T, S] or None, no weights) or "combine" (topk_weights [N, K] or None, no scales)."""
+    scales_dtype = scales.dtype if scales is not None else None
+    return [ring_signature_word(operation, x.shape[1], x.dtype, scales_dtype, _columns(scales), _columns(topk_weights),
+                                slots) for slots in (geometry[5], geometry[2])]
 
 
 class InternodeBackend(Backend):
@@ -121,7 +131,8 @@ class InternodeBackend(Backend):
         a disagreement since the last report (the flags words of internode notify carry the signatures)."""
         mismatch = self._ipc.take_signature_mismatch(self.num_ranks)
         if mismatch is not None:
-            raise_disagreement(self.group, self.device, self._signatures, *mismatch)
+            raise_disagreement(self.group, self.device, self._signatures, *mismatch,
+                               ring_records=lambda: self._ipc.take_ring_mismatch() or [], nvl_size=self.nvl_size)
 
     def _check(self) -> None:
         """Raise if no call may be made (destroyed, or a kernel recorded a timeout or a peer's abort); clear this
@@ -263,11 +274,13 @@ class InternodeBackend(Backend):
     def _dispatch_plan(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], handle: DispatchHandle,
                        config: Optional[Config]):
         """The checks of a cached dispatch, then its native plan."""
-        channels, offsets, fwd_offset, _, _ = handle.backend_state.routing
+        channels, offsets, fwd_offset, fwd_mask, fwd_capacity = handle.backend_state.routing
         geo = self._geometry(config, False, dispatch_slot_bytes(_row_bytes(x), _columns(x_scales), 0), channels,
                              "cached dispatch")
         return self._mod.cached_dispatch(self._ctx, self._ipc, self._comm, self._timeout_ns, handle, offsets,
-                                         fwd_offset, x, x_scales, geo, config, self._buffer_cls.num_sms)
+                                         fwd_offset, fwd_mask, fwd_capacity, x, x_scales, geo, config,
+                                         self._buffer_cls.num_sms,
+                                         ring_signatures=ring_signatures("cached dispatch", x, x_scales, None, geo))
 
     # ------------------------------------------------------------------ combine
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
@@ -287,7 +300,8 @@ class InternodeBackend(Backend):
                              "combine")
         out, out_w, bias0, bias1 = combine_tensors(handle.num_tokens, x, topk_weights, bias)
         self._mod.combine(self._ctx, self._timeout_ns, x, topk_weights, bias0, bias1,
-                          handle.is_token_in_rank, offsets, fwd_offset, fwd_mask, fwd_capacity, out, out_w, geo)
+                          handle.is_token_in_rank, offsets, fwd_offset, fwd_mask, fwd_capacity, out, out_w, geo,
+                          ring_signatures=ring_signatures("combine", x, None, topk_weights, geo))
         return out, out_w
 
     def _combine_plan(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor], handle: DispatchHandle,
@@ -298,7 +312,8 @@ class InternodeBackend(Backend):
                              "combine")
         return self._mod.cached_combine(self._ctx, self._ipc, self._comm, self._timeout_ns, handle, offsets, fwd_offset,
                                         fwd_mask, fwd_capacity, x, topk_weights, geo, config,
-                                        self._buffer_cls.num_sms)
+                                        self._buffer_cls.num_sms,
+                                        ring_signatures=ring_signatures("combine", x, None, topk_weights, geo))
 
     # ------------------------------------------------------------------ buffer access and lifetime
     def local_buffer_tensor(self, dtype: torch.dtype, size: Optional[Sequence[int]] = None, offset: int = 0,

@@ -1,4 +1,5 @@
-"""A stand-in for the extension's intranode module (moe_dispatcher._C.intranode) on a machine without GPUs.
+"""A stand-in for the extension's intranode module (moe_dispatcher._C.intranode) on a machine without GPUs, and for
+the cached-call part of its internode module (stub_internode / attach_stub_internode).
 
 attach_stub_backend() gives a Buffer the real IntranodeBackend (its Python: checks, plan making, allocation) over a
 module with the native API of csrc/intranode_bindings.cpp whose launchers launch nothing and record their
@@ -211,3 +212,70 @@ def attach_stub_backend(buf, rows: int, patch: Callable = setattr):
     from moe_dispatcher.compiled import intranode
     buf._kernels = intranode.IntranodeBackend(buf)
     return buf._kernels
+
+
+def stub_internode(intra: types.SimpleNamespace) -> types.SimpleNamespace:
+    """The cached-call API of csrc/internode_bindings.cpp over the intranode stub `intra` (its IpcBuffer is the
+    domain's, its plan classes and its `launches` / `plans` lists are shared): cached_dispatch / cached_combine
+    record their make arguments in intra.plans, combine (with a bias) its launch arguments in intra.launches."""
+    plans, launches = intra.plans, intra.launches
+
+    def cached_dispatch(ctx, ipc, comm, timeout_ns, handle, recv_channel_offset, fwd_offset, fwd_mask, fwd_capacity, x,
+                        scales, geometry, config, num_sms, ring_signatures):
+        plans.append(("CachedDispatch", (timeout_ns, recv_channel_offset, fwd_offset, fwd_mask, fwd_capacity, x.dtype,
+                                         tuple(x.shape), None if scales is None else tuple(scales.shape),
+                                         list(geometry), config, num_sms, list(ring_signatures))))
+        n = handle[_RECV_SRC_IDX].shape[0]
+        spec = lambda t, rows: (t.dtype, rows, t.shape[1])
+        aux, aux_out = (None, None) if scales is None else (spec(scales, x.shape[0]), spec(scales, n))
+        return intra.CachedDispatch(ipc, handle, spec(x, x.shape[0]), aux, spec(x, n), aux_out, config, num_sms)
+
+    def cached_combine(ctx, ipc, comm, timeout_ns, handle, recv_channel_offset, fwd_offset, fwd_mask, fwd_capacity, x,
+                       topk_weights, geometry, config, num_sms, ring_signatures):
+        plans.append(("CachedCombine", (timeout_ns, recv_channel_offset, fwd_offset, fwd_mask, fwd_capacity, x.dtype,
+                                        tuple(x.shape), None if topk_weights is None else tuple(topk_weights.shape),
+                                        list(geometry), config, num_sms, list(ring_signatures))))
+        t = handle[_NUM_TOKENS]
+        w = None if topk_weights is None else (torch.float32, x.shape[0], topk_weights.shape[1])
+        w_out = None if topk_weights is None else (torch.float32, t, topk_weights.shape[1])
+        return intra.CachedCombine(ipc, handle, (x.dtype, x.shape[0], x.shape[1]), w, (x.dtype, t, x.shape[1]), w_out,
+                                   config, num_sms)
+
+    def combine(ctx, timeout_ns, x, topk_weights, bias0, bias1, is_token_in_rank, recv_channel_offset, fwd_offset,
+                fwd_mask, fwd_capacity, out, out_topk_weights, geometry, ring_signatures):
+        launches.append(("internode combine", (x, topk_weights, bias0, bias1, list(geometry), list(ring_signatures))))
+
+    return types.SimpleNamespace(
+        MAX_RANKS=64, MAX_DOMAINS=64, MAX_NVL=8, MAX_CHANNELS=32, MAX_LOCAL_EXPERTS=1024, MAX_TOPK=16, MAX_CHUNK=32,
+        timeout_info=lambda ipc: ipc.timeout, cached_dispatch=cached_dispatch, cached_combine=cached_combine,
+        combine=combine)
+
+
+def attach_stub_internode(buf, rank: int, num_ranks: int, nvl_size: int, patch: Callable = setattr):
+    """An InternodeBackend for `buf` (a Buffer of a gloo group) over the stub modules, made without its
+    constructor (which bootstraps NVSHMEM): the attributes its cached calls, fresh dispatch's host wait and
+    errors read, for rank `rank` of `num_ranks` in NVLink domains of `nvl_size` (the gloo group may be smaller:
+    only the ranks' numbers matter to these paths). Rings of every geometry fit (large buffer blocks)."""
+    from collections import OrderedDict
+
+    from moe_dispatcher.compiled import internode
+    intra = stub_intranode(0)
+    patch(torch.cuda, "current_device", lambda: 0)
+    b = object.__new__(internode.InternodeBackend)
+    b._mod, b._intra = stub_internode(intra), intra
+    b.group, b.rank, b.num_ranks = None, rank, num_ranks
+    b.nvl_size, b.num_domains = nvl_size, num_ranks // nvl_size
+    b._buffer_cls = type(buf)
+    b.timeout_s, b._timeout_ns = 30.0, 30 * 10**9
+    b._layout = {"nvl_src_block_bytes": 1 << 40, "rdma_domain_bytes": 1 << 40}
+    b.device = torch.device("cpu")
+    b._ipc = intra.IpcBuffer(rank % nvl_size, nvl_size, 1 << 30)
+    b._comm = intra.CommStream(None)
+    b._ctx = None
+    b._board = None
+    b._abort_posted = b._peer_aborted = False
+    b._seq = 0
+    b._signatures = OrderedDict()
+    b._broken = None
+    b._alive = True
+    return b

@@ -23,6 +23,9 @@ def _fail_on_rank_1(rank: int, world_size: int) -> None:
 
 
 def _die_on_rank_1(rank: int, world_size: int) -> None:
+    # Every pair of the group connected first: a rank that dies while gloo still builds its mesh makes the other
+    # rank's connect fail, and that error may reach the parent first (seen once under load).
+    dist.barrier()
     if rank == 1:
         with case("about to exit"):
             os._exit(3)

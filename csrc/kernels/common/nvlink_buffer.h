@@ -105,11 +105,12 @@ struct Mailbox {
   // records the whole group's, up to kMaxGroupRanks; intranode the domain's).
   int32_t signature_problems[kMaxGroupRanks];
   // Sticky, set by this rank's receivers when a cached call's sender wrote another ring signature than this
-  // rank's (Control::ring_signature): per source s, the first such pair (the source's word, this rank's word;
-  // 0: none), then ring_mismatch = 1 after a system fence. The host takes the pairs when the next fresh
-  // dispatch reports the disagreement (kProblemRingSignature), to name the fields.
-  int64_t ring_mismatch_sent[kMaxRanks];
-  int64_t ring_mismatch_expected[kMaxRanks];
+  // rank's (Control::ring_signature; internode also RdmaControl::ring_signature): per source s (its rank in the
+  // group: intranode a local rank, internode a group rank of either hop), the first such pair (the source's
+  // word, this rank's word; 0: none), then ring_mismatch = 1 after a system fence. The host takes the pairs when
+  // the next fresh dispatch reports the disagreement (kProblemRingSignature), to name the fields.
+  int64_t ring_mismatch_sent[kMaxGroupRanks];
+  int64_t ring_mismatch_expected[kMaxGroupRanks];
   int32_t ring_mismatch;
 };
 constexpr int32_t kFlagLayoutMismatch = 1;

@@ -1,4 +1,6 @@
-// Agreement of cached calls (torch-free; the intranode dispatch and combine kernels).
+// Agreement of cached calls (torch-free; the intranode dispatch and combine kernels, and both hops of the
+// internode ones: below the intranode protocol; internode carries one word per hop, written and compared by the
+// roles docs/internode.md "Cached calls: ring signatures" lists, through the same helpers).
 //
 // A cached call (dispatch along a handle, combine) runs no notify, so nothing compares the ranks' arguments
 // before rows move; yet the slot layout of a ring comes from the sender's arguments (row bytes, scales, top-k
@@ -46,9 +48,11 @@ __device__ __forceinline__ void publish_ring_signature(nvlink::Control* receiver
   *reinterpret_cast<volatile uint64_t*>(&receiver->ring_signature[me]) = word;
 }
 
-// The record of a disagreement found on a ring from `source`: in the mailbox, the first pair per source stays
-// (every warp of one call writes the same pair), then the flag, after a system fence (the host reads the pairs
-// after a notify wait, which follows this kernel); in this rank's Control, the word its next notify reads.
+// The record of a disagreement found on a ring from `source` (a rank of the group: the mailbox keeps
+// kMaxGroupRanks pairs, so internode receivers record either hop's source by its group rank): in the mailbox, the
+// first pair per source stays (every warp of one call writes the same pair), then the flag, after a system fence
+// (the host reads the pairs after a notify wait, which follows this kernel); in this rank's Control, the word its
+// next notify reads.
 __device__ __forceinline__ void record_ring_mismatch(nvlink::Control* ctl, nvlink::Mailbox* box, int source,
                                                      uint64_t sent, uint64_t expected) {
   volatile nvlink::Mailbox* v = box;
@@ -61,15 +65,21 @@ __device__ __forceinline__ void record_ring_mismatch(nvlink::Control* ctl, nvlin
   *reinterpret_cast<volatile int32_t*>(&ctl->ring_mismatch_seen) = 1;
 }
 
-// A receiver thread, after its first tail acquire of the call on a ring from `source` (its own ld.acquire.sys,
-// or lane 0's followed by a __syncwarp): whether the sender's word differs from `mine`; records a difference
-// when `record` (one thread per warp suffices: all read the same word).
-__device__ __forceinline__ bool ring_disagrees(nvlink::Control* ctl, nvlink::Mailbox* box, int source,
-                                               uint64_t mine, bool record) {
-  const uint64_t sent = *reinterpret_cast<const volatile uint64_t*>(&ctl->ring_signature[source]);
+// A receiver thread, after its first tail acquire of the call on a ring whose sender stored its word at `word`
+// (its own ld.acquire.sys, or another lane's followed by a __syncwarp): whether that word differs from `mine`;
+// records a difference under `source` when `record` (one thread per warp suffices: all read the same word).
+__device__ __forceinline__ bool ring_word_disagrees(const uint64_t* word, nvlink::Control* ctl, nvlink::Mailbox* box,
+                                                    int source, uint64_t mine, bool record) {
+  const uint64_t sent = *reinterpret_cast<const volatile uint64_t*>(word);
   if (sent == mine) return false;
   if (record) record_ring_mismatch(ctl, box, source, sent, mine);
   return true;
+}
+
+// The same for a ring of the NVLink domain from local rank `source` (its word in this rank's Control).
+__device__ __forceinline__ bool ring_disagrees(nvlink::Control* ctl, nvlink::Mailbox* box, int source,
+                                               uint64_t mine, bool record) {
+  return ring_word_disagrees(&ctl->ring_signature[source], ctl, box, source, mine, record);
 }
 
 }  // namespace moe_ep

@@ -55,6 +55,12 @@
 // A call that notify refused (common/refused_call.cuh) moves nothing: every block returns before the drain and
 // the grid barrier (all blocks alike), after the source receivers wrote zero rows (and weights) for their
 // channel's tokens.
+// Ring signatures (common/ring_signature.cuh), one per hop: right after the drain each NVLink sender group stores
+// nvl_signature into its forwarder's Control (before its first FIFO tail release there) and the forwarder block
+// puts rdma_signature into each source's RdmaControl (completed before its first tail signal there). A forwarder
+// worker lane j, at its first rows of FIFO j in the call, compares j's word; a source receiver lane x, at its
+// first partials of domain x, compares x's word. A source whose word differs is left out of the sums (its slots
+// are not read), but its rows are still waited for and credited, so every rank finishes the call.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -83,6 +89,8 @@ __device__ void nvl_send(const CombineArgs& a, int ch, int l, int group_warp, in
                    *reinterpret_cast<volatile uint64_t*>(&nctl->tail_copy[ch][l])};
   const int bar = 1 + l, threads = warps * 32;
   const bool leader = group_warp == 0 && lane == 0;
+  // The ring signature before the leader's first tail release to l (tx.advance), in program order.
+  if (leader) publish_ring_signature(nvl_ctl(c, l), c.local, a.nvl_signature);
   for (int x = 0; x < c.num_domains; ++x) {
     const int* off = a.recv_channel_offset + (x * nvl + l) * (C + 1);
     for (int row = off[ch], end = off[ch + 1]; row < end;) {
@@ -266,6 +274,7 @@ __device__ void forward_worker(const CombineArgs& a, int ch, int warp, int lane,
   const bool has_weights = a.num_topk > 0;  // the slot layout of every rank (not this rank's pointer)
   uint32_t cnt = 0, unused = 0;
   int sx = 0, sk = 0, cx = 0;
+  int verdict = 0;  // lane j < nvl: 0 until its first rows of FIFO j in this call, then 1 (agrees) or 2 (left out)
   for (int k = warp; k < total; k += kWorkers) {
     while (k >= seq.cstart[cx + 1]) ++cx;
     const int x = cx, k0 = (k - seq.cstart[x]) * K, n = min(K, seq.count[x] - k0);
@@ -290,6 +299,12 @@ __device__ void forward_worker(const CombineArgs& a, int ch, int warp, int lane,
       if (lane == 0) *stop = 1;
       return;
     }
+    // Lane j's first rows of FIFO j: its tail acquire (past the call's first row) published j's signature.
+    if (lane < nvl && mine > 0 && verdict == 0) {
+      verdict = ring_word_disagrees(&nctl->ring_signature[lane], nctl, c.mailbox, c.domain * nvl + lane,
+                                    a.nvl_signature, true) ? 2 : 1;
+    }
+    const unsigned left_out = __ballot_sync(0xffffffffu, verdict == 2);  // bit j: FIFO j's slots are not read
     __syncwarp();  // the lanes' acquires before every lane's slot loads and stores
     uint8_t* out_ring = rdma_write_ring(c, x, ch, a.rdma_slots, a.rdma_slot_bytes);
     for (int i = 0; i < n; ++i) {
@@ -299,7 +314,7 @@ __device__ void forward_worker(const CombineArgs& a, int ch, int warp, int lane,
       for (int j = 0; j < nvl; ++j) {
         const unsigned b = __ballot_sync(0xffffffffu, (mask >> j) & 1);
         const uint32_t base = __shfl_sync(0xffffffffu, cnt, j);
-        if ((mi >> j) & 1) {  // uniform
+        if (((mi & ~left_out) >> j) & 1) {  // uniform
           const uint64_t index = nhead0[j] + base + __popc(b & below);
           if (lane == 0) {
             srcs[nsrc] = ring_slot(ring0 + j * c.layout.nvl_src_block_bytes, index, a.nvl_slots, a.nvl_slot_bytes);
@@ -374,6 +389,8 @@ __device__ void forward(const CombineArgs& a, int ch, int warp, int lane, const 
     s_first[x] = a.fwd_offset[x * (C + 1) + ch];
     s_count[x] = a.fwd_offset[x * (C + 1) + ch + 1] - s_first[x];
     s_rtail0[x] = *reinterpret_cast<volatile uint64_t*>(&rctl->tail_copy[ch][x]);
+    // The ring signature, completed before the barriers below, hence before the commit warp's tail signals.
+    rdma_publish_signature(c, x, a.rdma_signature);
   }
   if (threadIdx.x < nvl) s_nhead0[threadIdx.x] = *reinterpret_cast<volatile uint64_t*>(&nctl->head_copy[ch][threadIdx.x]);
   s_board.init();
@@ -428,7 +445,11 @@ __device__ void receive_worker(const CombineArgs& a, int ch, int warp, int lane,
   const Common& c = a.c;
   const int D = c.num_domains, K = a.chunk_tokens, total = (end - begin + K - 1) / K;
   RdmaControl* rctl = rdma_ctl(c);
+  nvlink::Control* nctl = nvl_ctl(c, c.local);
   uint32_t lo = 0, hi = 0;  // lane x (& 31): partials of domain x (lo: x < 32, hi: x >= 32) before st
+  // Lane x (& 31): 0 until its first partials of domain x (vlo: x < 32, vhi: x >= 32) in this call, then 1
+  // (signatures agree) or 2 (domain x left out of the sums).
+  int vlo = 0, vhi = 0;
   int st = begin;
   for (int k = warp; k < total; k += kWorkers) {
     const int t0 = begin + k * K, n = min(K, end - t0);
@@ -450,11 +471,23 @@ __device__ void receive_worker(const CombineArgs& a, int ch, int warp, int lane,
       if (lane == 0) *stop = 1;
       return;
     }
+    // A lane's first partials of its domain: its tail acquire (past the call's first one) published the
+    // forwarder's RDMA ring signature (rdma_publish_signature).
+    if (lane < D && mlo > 0 && vlo == 0) {
+      vlo = ring_word_disagrees(&rctl->ring_signature[lane], nctl, c.mailbox, team_pe(c, lane), a.rdma_signature, true)
+                ? 2 : 1;
+    }
+    if (lane + 32 < D && mhi > 0 && vhi == 0) {
+      vhi = ring_word_disagrees(&rctl->ring_signature[lane + 32], nctl, c.mailbox, team_pe(c, lane + 32),
+                                a.rdma_signature, true) ? 2 : 1;
+    }
+    const uint64_t left_out = __ballot_sync(0xffffffffu, vlo == 2) |
+                              static_cast<uint64_t>(__ballot_sync(0xffffffffu, vhi == 2)) << 32;  // bit x
     __syncwarp();  // the lanes' tail acquires before every lane's slot loads
     for (int i = 0; i < n; ++i) {
       const int64_t token = t0 + i;
       const unsigned below = (1u << i) - 1u;
-      uint64_t rest = __shfl_sync(0xffffffffu, bits, i);
+      uint64_t rest = __shfl_sync(0xffffffffu, bits, i) & ~left_out;
       int nsrc = 0;
       while (rest != 0) {  // domains ascending (uniform)
         const int x = __ffsll(static_cast<long long>(rest)) - 1;

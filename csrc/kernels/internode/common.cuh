@@ -24,6 +24,7 @@
 #include "kernels/common/ptx.cuh"
 #include "kernels/common/wait.cuh"
 #include "kernels/common/ring_layout.cuh"
+#include "kernels/common/ring_signature.cuh"
 #include "kernels/internode/protocol.h"
 
 namespace moe_ep::internode {
@@ -102,6 +103,21 @@ __device__ __forceinline__ void rdma_credit(const Common& c, int x, int ch, uint
   } else {
     __threadfence_system();  // the slot loads (ordered by the barrier) before the relaxed SET over P2P
     nvshmemx_signal_op(word, head, NVSHMEM_SIGNAL_SET, team_pe(c, x));
+  }
+}
+
+// One thread, after the drain of earlier calls (drain_previous_calls) and before its block's first tail signal to
+// domain x: this call's RDMA ring signature (common/ring_signature.cuh) into x's RdmaControl::ring_signature[my
+// domain]. Remote: a put completed here (nvshmem_quiet), so the tail signal that follows it (same thread, or
+// another after a barrier; rdma_signal_tail's fence) publishes it with the rows. My domain: a plain store,
+// published by the st.release.sys of the tail in the same way.
+__device__ __forceinline__ void rdma_publish_signature(const Common& c, int x, uint64_t word) {
+  uint64_t* dst = &rdma_ctl(c)->ring_signature[c.domain];  // symmetric address of x's word
+  if (x == c.domain) {
+    *reinterpret_cast<volatile uint64_t*>(dst) = word;
+  } else {
+    nvshmem_uint64_p(dst, word, team_pe(c, x));
+    nvshmem_quiet();
   }
 }
 

@@ -19,6 +19,14 @@
 // A call that notify refused (common/refused_call.cuh) moves nothing: every block returns before the drain and
 // the grid barrier (all blocks alike, so none waits there), after the receiver blocks padded every output row
 // (num_worst_tokens; a refused call received nothing).
+// A cached dispatch carries its ring signatures (common/ring_signature.cuh), one per hop: the RDMA sender puts
+// rdma_signature into each team member's RdmaControl before its first tail signal there, the forwarder stores
+// nvl_signature into each local rank's Control before its first FIFO tail release there (both right after the
+// drain, whether or not rows follow). A forwarder whose source domain sent another RDMA signature reads no slot
+// of that source's rings: it forwards zero rows (tagged with the domain) to the local ranks the handle's fwd_mask
+// names, so every receiver still gets its rows. A receiver whose forwarder sent another NVLink signature reads
+// no slot of that FIFO: it writes zero rows for every source the FIFO carries in the channel. Both still consume
+// and credit every row, so every rank finishes the call and the counters stay in step.
 #include "kernels/common/copy.cuh"
 #include "kernels/common/launch_check.cuh"
 #include "kernels/common/refused_call.cuh"
@@ -35,6 +43,32 @@ constexpr int kUnroll = 4;
 // Slots: DispatchSlot (ring_layout.cuh) with its tag: the local-rank mask in RDMA slots, the source domain in
 // NVLink slots.
 
+// One warp: slot `dst` holds a zero row (payload and scales 0, top-k -1 with weight 0, source -1), tag unset.
+__device__ __forceinline__ void zero_slot(const DispatchSlot& layout, uint8_t* dst, int hidden_bytes, int num_scales,
+                                          int num_topk, int lane) {
+  int4* out = reinterpret_cast<int4*>(dst);
+  for (int v = lane; v < hidden_bytes / 16; v += 32) out[v] = make_int4(0, 0, 0, 0);
+  for (int k = lane; k < num_scales; k += 32) layout.scales(dst)[k] = 0;
+  if (lane < num_topk) {
+    layout.idx(dst)[lane] = -1;
+    layout.weights(dst)[lane] = 0.f;
+  }
+  if (lane == 0) *layout.source(dst) = -1;
+}
+
+// One warp: received row `row` is a zero row (as pad_worst_rows writes it): its forwarder's NVLink ring signature
+// differed, so nothing of it was read.
+__device__ __forceinline__ void zero_row(const DispatchArgs& a, int64_t row, int lane) {
+  int4* out = reinterpret_cast<int4*>(a.recv_x + row * a.hidden_bytes);
+  for (int v = lane; v < a.hidden_bytes / 16; v += 32) out[v] = make_int4(0, 0, 0, 0);
+  for (int j = lane; j < a.num_scales; j += 32) a.recv_scales[row * a.num_scales + j] = 0;
+  if (a.recv_topk_idx != nullptr && lane < a.num_topk) {
+    a.recv_topk_idx[row * a.num_topk + lane] = -1;
+    a.recv_topk_weights[row * a.num_topk + lane] = 0.f;
+  }
+  if (a.recv_src_idx != nullptr && lane == 0) a.recv_src_idx[row] = -1;
+}
+
 // ------------------------------------------------------------------ RDMA sender
 __device__ void rdma_send(const DispatchArgs& a, int ch, int group, int groups, int group_warp, int warps, int lane,
                           int* chunk_tokens, int* chunk_masks, int* shared_ok, const Watchdog& dog) {
@@ -50,6 +84,8 @@ __device__ void rdma_send(const DispatchArgs& a, int ch, int group, int groups, 
 
   for (int x = group; x < c.num_domains; x += groups) {
     any_remote |= x != c.domain;
+    // Cached: the ring signature before the first tail signal to x (the leader signals every tail below).
+    if (leader && a.rdma_signature != 0) rdma_publish_signature(c, x, a.rdma_signature);
     uint8_t* ring = rdma_write_ring(c, x, ch, a.rdma_slots, a.rdma_slot_bytes);
     const uint64_t* head = &ctl->head[ch][x];
     uint64_t tail = *reinterpret_cast<volatile uint64_t*>(&ctl->tail_copy[ch][x]);
@@ -142,7 +178,8 @@ __device__ void forward(const DispatchArgs& a, int ch, int warp, int lane, const
 
   __shared__ uint64_t rhead[kMaxDomains];   // rows consumed from my RDMA ring (ch, x)
   __shared__ int consumed[kMaxDomains], expect[kMaxDomains];
-  __shared__ int s_x, s_n, s_ok;
+  __shared__ int s_x, s_n, s_ok, s_dis;
+  __shared__ int s_bad[kMaxDomains];        // cached: 1 if source domain x's RDMA ring signature differs
   __shared__ int s_mask[kFwdStep];
   __shared__ int s_pos[kFwdStep][kMaxNvl];  // position of row i among the rows for j in this step, or -1
   __shared__ int s_cnt[kMaxNvl];            // rows for j in this step
@@ -150,9 +187,15 @@ __device__ void forward(const DispatchArgs& a, int ch, int warp, int lane, const
   for (int x = threadIdx.x; x < D; x += blockDim.x) {
     rhead[x] = *reinterpret_cast<volatile uint64_t*>(&rctl->head_copy[ch][x]);
     consumed[x] = 0;
+    s_bad[x] = 0;
     expect[x] = a.fwd_offset[x * (C + 1) + ch + 1] - a.fwd_offset[x * (C + 1) + ch];
   }
-  if (threadIdx.x < nvl) s_tail[threadIdx.x] = *reinterpret_cast<volatile uint64_t*>(&nctl->tail_copy[ch][threadIdx.x]);
+  if (threadIdx.x < nvl) {
+    s_tail[threadIdx.x] = *reinterpret_cast<volatile uint64_t*>(&nctl->tail_copy[ch][threadIdx.x]);
+    // Cached: the NVLink ring signature into local rank j's Control, published by every FIFO tail release of
+    // this block to j below (after the barrier that follows).
+    if (a.nvl_signature != 0) publish_ring_signature(nvl_ctl(c, threadIdx.x), c.local, a.nvl_signature);
+  }
   __syncthreads();
 
   int rr = 0;  // warp 0: round-robin start
@@ -196,15 +239,29 @@ __device__ void forward(const DispatchArgs& a, int ch, int warp, int lane, const
         }
       }
       __syncwarp();  // the lane's tail acquire before every lane's slot loads
-      int n = 0;
+      int n = 0, dis = 0;
       if (pick >= 0 && ok) {
         rr = pick + 1;
         n = min(avail, step_max);
+        // Cached, the first rows of ring (ch, pick) in this call: the tail acquired past them published the
+        // source's RDMA ring signature (rdma_publish_signature). Every lane reads it; lane 0 records a difference.
+        if (a.rdma_signature != 0 && consumed[pick] == 0) {
+          dis = ring_word_disagrees(&rctl->ring_signature[pick], nctl, c.mailbox, team_pe(c, pick), a.rdma_signature,
+                                    lane == 0);
+          if (lane == 0) s_bad[pick] = dis;
+        } else {
+          dis = s_bad[pick];
+        }
         int mask = 0;
         if (lane < n) {
-          const uint8_t* slot = ring_slot(rdma_recv_ring(c, pick, ch, a.rdma_slots, a.rdma_slot_bytes), rhead[pick] + lane,
-                                          a.rdma_slots, a.rdma_slot_bytes);
-          mask = ptx::ld_cg(rlayout.tag(const_cast<uint8_t*>(slot)));
+          if (dis) {  // the slots are laid out by other arguments: the handle names the row's local ranks
+            const int idx = a.fwd_offset[pick * (C + 1) + ch] + consumed[pick] + lane;
+            mask = a.handle_fwd_mask != nullptr && idx < a.fwd_capacity ? a.handle_fwd_mask[idx] : 0;
+          } else {
+            const uint8_t* slot = ring_slot(rdma_recv_ring(c, pick, ch, a.rdma_slots, a.rdma_slot_bytes),
+                                            rhead[pick] + lane, a.rdma_slots, a.rdma_slot_bytes);
+            mask = ptx::ld_cg(rlayout.tag(const_cast<uint8_t*>(slot)));
+          }
           s_mask[lane] = mask;
         }
         int my_cnt = 0;
@@ -228,6 +285,7 @@ __device__ void forward(const DispatchArgs& a, int ch, int warp, int lane, const
         s_x = pick;
         s_n = n;
         s_ok = ok;
+        s_dis = dis;
       }
     }
     __syncthreads();  // warp 0's picks, masks, reservations (and acquires) before the copies
@@ -242,6 +300,11 @@ __device__ void forward(const DispatchArgs& a, int ch, int warp, int lane, const
       uint8_t* src = ring_slot(const_cast<uint8_t*>(ring), rhead[x] + i, a.rdma_slots, a.rdma_slot_bytes);
       uint8_t* dst = ring_slot(nvl_ring(c, c.nvl[j], c.local, ch, a.nvl_slots, a.nvl_slot_bytes), s_tail[j] + pos,
                                a.nvl_slots, a.nvl_slot_bytes);
+      if (s_dis) {  // a zero row in this rank's layout, tagged with its source domain (nothing read from src)
+        zero_slot(nlayout, dst, a.hidden_bytes, a.num_scales, a.num_topk, lane);
+        if (lane == 0) *nlayout.tag(dst) = x;
+        continue;
+      }
       warp_copy<true, kUnroll>(reinterpret_cast<int4*>(dst), reinterpret_cast<const int4*>(src), a.hidden_bytes / 16, lane);
       for (int k = lane; k < a.num_scales; k += 32) nlayout.scales(dst)[k] = ptx::ld_cg(rlayout.scales(src) + k);
       if (lane < a.num_topk) {
@@ -285,7 +348,7 @@ __device__ void forward(const DispatchArgs& a, int ch, int warp, int lane, const
 
 // ------------------------------------------------------------------ NVLink receiver
 __device__ void nvl_receive(const DispatchArgs& a, int ch, int l, int group_warp, int warps, int lane,
-                            uint64_t* shared_tail, int* rows, int* next, const Watchdog& dog) {
+                            uint64_t* shared_tail, int* shared_bad, int* rows, int* next, const Watchdog& dog) {
   const Common& c = a.c;
   const int nvl = c.nvl_size, C = a.num_channels;
   nvlink::Control* nctl = nvl_ctl(c, c.local);
@@ -311,10 +374,17 @@ __device__ void nvl_receive(const DispatchArgs& a, int ch, int l, int group_warp
       if (lane == 0) {
         seen = rx.wait(rx.head + 1, dog, kPhaseNvlRecv, c.domain * nvl + l);
         *shared_tail = seen;
+        // Cached, first step: lane 0's tail acquire (past the call's first row) published the forwarder's
+        // NVLink ring signature (stored before its first tail release to me).
+        // *shared_bad: 0 until then (and in a fresh dispatch), then 1 (signatures agree) or 2 (slots not read).
+        if (seen != 0 && *shared_bad == 0 && a.nvl_signature != 0) {
+          *shared_bad = ring_word_disagrees(&nctl->ring_signature[l], nctl, c.mailbox, c.domain * nvl + l,
+                                            a.nvl_signature, true) ? 2 : 1;
+        }
       }
       seen = __shfl_sync(0xffffffffu, seen, 0);
       __syncwarp();  // lane 0's tail acquire before every lane's slot loads
-      if (seen != 0) {
+      if (seen != 0 && *shared_bad != 2) {
         const int n = static_cast<int>(min(min(seen, last) - rx.head, static_cast<uint64_t>(kMaxChunk)));
         const int x = lane < n ? ptx::ld_cg(layout.tag(const_cast<uint8_t*>(rx.slot(rx.head + lane)))) : -1;
         const unsigned same = __match_any_sync(0xffffffffu, x);
@@ -331,7 +401,7 @@ __device__ void nvl_receive(const DispatchArgs& a, int ch, int l, int group_warp
     const uint64_t seen = *shared_tail;
     if (seen == 0) return;
     const int n = static_cast<int>(min(min(seen, last) - rx.head, static_cast<uint64_t>(kMaxChunk)));
-    for (int i = group_warp; i < n; i += warps) {
+    for (int i = group_warp; *shared_bad != 2 && i < n; i += warps) {
       const int64_t row = rows[i];
       if (row >= a.num_rows) continue;  // more rows than num_worst_tokens: reported by notify
       uint8_t* slot = const_cast<uint8_t*>(rx.slot(rx.head + i));
@@ -348,6 +418,12 @@ __device__ void nvl_receive(const DispatchArgs& a, int ch, int l, int group_warp
     rx.release(n, leader);
   }
   rx.finish(leader);
+  if (*shared_bad == 2) {  // no slot of this FIFO was read: every row of the sources it carries in the channel is zero
+    for (int x = 0; x < c.num_domains; ++x) {
+      const int* off = a.recv_channel_offset + (x * nvl + l) * (C + 1);
+      for (int64_t row = off[ch] + group_warp; row < min(off[ch + 1], a.num_rows); row += warps) zero_row(a, row, lane);
+    }
+  }
 }
 
 // num_worst_tokens: rows past the received count are zero / -1 / 0 (as the intranode kernel). Every thread of the
@@ -374,6 +450,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a) {
   __shared__ int chunk_masks[kWarps][kMaxChunk];
   __shared__ int shared_ok[kMaxNvl];
   __shared__ uint64_t shared_tail[kMaxNvl];
+  __shared__ int shared_bad[kMaxNvl];
   __shared__ int rows[kMaxNvl][kMaxChunk];
   __shared__ int next[kMaxNvl][kMaxDomains];
   const Common& c = a.c;
@@ -385,6 +462,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a) {
   }
   const Watchdog dog = make_watchdog(c.timeout_ns, c.rank, &nvl_ctl(c, c.local)->timeout_claim, &c.mailbox->timeout,
                                      rdma_ctl(c)->peer_aborted);
+  if (threadIdx.x < kMaxNvl) shared_bad[threadIdx.x] = 0;  // before the drain's block barriers
   if (!drain_previous_calls(c, dog)) return;  // earlier calls drained; no ring written before this
   if (role == 2 && a.pad_rows) pad_worst_rows(a, ch);
 
@@ -399,7 +477,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a) {
   if (role == 0) {
     rdma_send(a, ch, group, groups, group_warp, warps, lane, chunk_tokens[warp], chunk_masks[warp], &shared_ok[group], dog);
   } else {
-    nvl_receive(a, ch, group, group_warp, warps, lane, &shared_tail[group], rows[group], next[group], dog);
+    nvl_receive(a, ch, group, group_warp, warps, lane, &shared_tail[group], &shared_bad[group], rows[group], next[group],
+                dog);
   }
 }
 

@@ -25,12 +25,13 @@
 //
 // Agreement: a source's flags word (word 0 of both its messages, relayed unchanged) also carries its problem
 // word in bits 1-3 (the host's, else one made from the layout kernel's bad-id bits in Control::bad_expert_ids,
-// read and cleared here) and 24 bits of its signature hash in bits 8-31. After the domain barrier every rank
-// holds every source's flags word, so all reach the same verdict, before any result is derived; a disagreement
-// refuses the call (common/refused_call.cuh: the tables of a call that received nothing, fwd_offset included,
-// and kRefusedCall in recv_channel_offset[0][0], so that its data kernels move nothing on any rank) and is
-// recorded like intranode notify's (kFlagSignatureMismatch, and sticky in the mailbox: the seq and each
-// source's problem word). A notify that gave up waiting (timeout, either stage) refuses its call on this rank.
+// read and cleared here, else kProblemRingSignature when Control::ring_mismatch_seen is set) and 24 bits of its
+// signature hash in bits 8-31. After the domain barrier every rank holds every source's flags word, so all
+// reach the same verdict, before any result is derived; a disagreement refuses the call
+// (common/refused_call.cuh: the tables of a call that received nothing, fwd_offset included, and kRefusedCall in
+// recv_channel_offset[0][0], so that its data kernels move nothing on any rank) and is recorded like intranode
+// notify's (kFlagSignatureMismatch, and sticky in the mailbox: the seq and each source's problem word). A notify
+// that gave up waiting (timeout, either stage) refuses its call on this rank.
 // fwd_offset is derived after the verdict (from the team messages, which stay in place until two notifies
 // later), so a refused call's forwarders see no tokens either.
 #include "kernels/common/launch_check.cuh"
@@ -42,6 +43,7 @@ namespace {
 
 constexpr int kNotifyThreads = 1024;
 constexpr unsigned kProblemMask = 7;  // problem words travel in bits 1-3 of the flags word
+static_assert(nvlink::kProblemRingSignature <= static_cast<int>(kProblemMask), "every problem word fits 3 bits");
 
 __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a) {
   const Common& c = a.c;
@@ -71,6 +73,11 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a)
         problem = (bad & nvlink::kBadIdOutOfRange) ? nvlink::kProblemIdOutOfRange : nvlink::kProblemIdRepeated;
       }
     }
+    // Set by this rank's receivers of earlier cached calls, either hop (common/ring_signature.cuh), ordered
+    // before this kernel by the CommStream's events; read and cleared in one atomic like the bad ids, but only
+    // when no other problem takes the word (else the next notify reports it). kProblemRingSignature (6) fits
+    // the 3 bits a problem word travels in.
+    if (problem == 0 && atomicExch(&nctl->ring_mismatch_seen, 0) != 0) problem = nvlink::kProblemRingSignature;
   }
   __syncthreads();
 

@@ -61,6 +61,13 @@ struct RdmaControl {
   // [p]: group rank p raised in a Buffer call (1) or came back (0); written by p's host (runtime/peer_abort.h,
   // a 1-byte copy to nvshmem_ptr of this word), read by this rank's Watchdog (wait.cuh).
   alignas(8) uint8_t peer_aborted[kMaxAbortRanks];
+  // [x]: the ring signature (common/ring_signature.cuh) of the cached call whose rows the team member of domain
+  // x is putting into my RDMA rings (dispatch: its RDMA sender; combine: its forwarder). Written only by that
+  // member (x = my domain: by me), once per channel block of each cached call, after its drain of earlier calls
+  // and before its first tail signal to me (a put completed by nvshmem_quiet, then the tail's fence + SET);
+  // read by my forwarder (dispatch) / source receiver (combine) after its first tail acquire of the call on a
+  // ring from x. Last, so that no word above moves.
+  uint64_t ring_signature[kMaxDomains];
 };
 static_assert(sizeof(RdmaControl) <= 69632, "RdmaControl must keep the size Python assumes (RDMA_CONTROL_BYTES)");
 constexpr size_t kRdmaControlBytes = (sizeof(RdmaControl) + 4095) / 4096 * 4096;
@@ -125,6 +132,13 @@ struct DispatchArgs {
   int num_channels;
   int nvl_chunk, nvl_slots, nvl_slot_bytes;
   int rdma_chunk, rdma_slots, rdma_slot_bytes;
+  // Cached dispatch: this call's ring signatures (moe_dispatcher/signature.py ring_signature_word), one per hop
+  // (they differ in the slot count they carry); 0 in a fresh dispatch, whose notify compared the full signatures.
+  uint64_t rdma_signature, nvl_signature;
+  // Cached dispatch: the handle's fwd_mask (read only, fwd_capacity entries): where the forwarder sends the rows of
+  // a source domain whose RDMA ring signature differs from this call's (their slots' masks are not read). Null in
+  // a fresh dispatch.
+  const int* handle_fwd_mask;
 };
 
 enum CombineDtype : int { kBf16 = 0, kFp16 = 1, kFp32 = 2 };
@@ -146,6 +160,7 @@ struct CombineArgs {
   int num_channels;
   int nvl_chunk, nvl_slots, nvl_slot_bytes;
   int rdma_slots, rdma_slot_bytes;
+  uint64_t rdma_signature, nvl_signature;  // this call's ring signatures, one per hop (as DispatchArgs'), nonzero
   int chunk_tokens;                 // tokens per warp chunk of the forwarder and receiver (1..kMaxCombineChunk)
 };
 constexpr int kMaxCombineChunk = 32;  // a chunk's tokens are one warp's lanes
