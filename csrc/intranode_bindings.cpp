@@ -134,6 +134,21 @@ uint64_t checked_ring_signature(int64_t word) {
   return static_cast<uint64_t>(word);
 }
 
+// (direct_calls, direct_missed, pull_calls, pull_missed) of this rank's Control (the direct dispatch's and the pull
+// combine's counts of calls and of missed calls, which the ring kernel moved): for tests and the bench, which
+// tell from them which path ran. Synchronises the device.
+py::tuple path_counters(const IpcBuffer& b) {
+  MOE_CHECK(b.alive(), "buffer destroyed");
+  const auto* ctl = reinterpret_cast<const Control*>(b.local());
+  uint64_t words[4];
+  MOE_CUDA_CHECK(cudaDeviceSynchronize());
+  MOE_CUDA_CHECK(cudaMemcpy(&words[0], &ctl->direct_calls, 8, cudaMemcpyDeviceToHost));
+  MOE_CUDA_CHECK(cudaMemcpy(&words[1], &ctl->direct_missed, 8, cudaMemcpyDeviceToHost));
+  MOE_CUDA_CHECK(cudaMemcpy(&words[2], &ctl->pull_calls, 8, cudaMemcpyDeviceToHost));
+  MOE_CUDA_CHECK(cudaMemcpy(&words[3], &ctl->pull_missed, 8, cudaMemcpyDeviceToHost));
+  return py::make_tuple(words[0], words[1], words[2], words[3]);
+}
+
 std::vector<int> expert_counts(const IpcBuffer& b, int n) {
   MOE_CHECK(n >= 0 && n <= kMaxLocalExperts, "too many local experts");
   const volatile Mailbox* box = b.host_mailbox();
@@ -432,10 +447,14 @@ void combine(const IpcBuffer& b, uint64_t timeout_ns, const at::Tensor& x,
   // some rank's input is not peer-mapped (x_offset -1 on that rank).
   MOE_CHECK(row_of_token->numel() == static_cast<int64_t>(a.num_tokens) * b.num_ranks(),
             "combine: row_of_token must be [T, R]");
-  MOE_CHECK(x_offset < 0 || (static_cast<const uint8_t*>(x.data_ptr()) == b.local() + x_offset &&
-                             (!topk_weights.has_value() ||
-                              static_cast<const uint8_t*>(topk_weights->data_ptr()) == b.local() + w_offset)),
+  // (an input without rows is read by nobody: any offset will do)
+  MOE_CHECK(x_offset < 0 || x.numel() == 0 ||
+                (static_cast<const uint8_t*>(x.data_ptr()) == b.local() + x_offset &&
+                 (!topk_weights.has_value() ||
+                  static_cast<const uint8_t*>(topk_weights->data_ptr()) == b.local() + w_offset)),
             "combine: x_offset / w_offset are not where x / topk_weights lie in this rank's NVLink buffer");
+  MOE_CHECK(row_of_token->scalar_type() == at::kInt && row_of_token->is_contiguous(),
+            "combine: row_of_token must be a contiguous int32 tensor");
   CombinePullArgs p{};
   p.base = a;
   p.row_of_token = data_of<const int>(row_of_token);
@@ -661,7 +680,8 @@ void register_intranode(py::module_& m) {
       .def("expert_counts", &expert_counts, py::arg("n"))
       .def("take_worst_overflow", &take_worst_overflow)
       .def("take_signature_mismatch", &take_signature_mismatch, py::arg("num_ranks"))
-      .def("take_ring_mismatch", &take_ring_mismatch);
+      .def("take_ring_mismatch", &take_ring_mismatch)
+      .def("path_counters", &path_counters);
 
   py::class_<CommStream>(sub, "CommStream")
       .def(py::init<const c10::Stream&>(), py::arg("stream"))

@@ -422,10 +422,14 @@ class IntranodeBackend(Backend):
 
     def _pull_offsets(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor]) -> dict:
         """Where a combine's x and topk_weights lie in this rank's NVLink buffer (its peer pool), or -1 for both when
-        either is elsewhere (then every rank's call goes through the ring: the pull kernel's verdict)."""
+        either is elsewhere (then every rank's call goes through the ring: the pull kernel's verdict); an x without
+        rows counts as peer-mapped."""
         pool = self.peer_pool
-        if (pool is not None and not pool.closed and not torch.cuda.is_current_stream_capturing() and pool.contains(x)
-                and (topk_weights is None or pool.contains(topk_weights))):
+        if pool is None or pool.closed or torch.cuda.is_current_stream_capturing():
+            return {"x_offset": -1, "w_offset": -1}
+        if x.numel() == 0:  # no rows: nobody reads this input, wherever it lies
+            return {"x_offset": 0, "w_offset": 0}
+        if pool.contains(x) and (topk_weights is None or pool.contains(topk_weights)):
             w_offset = -1 if topk_weights is None else self._ipc.pool_offset + pool.offset_of(topk_weights)
             return {"x_offset": self._ipc.pool_offset + pool.offset_of(x), "w_offset": w_offset}
         return {"x_offset": -1, "w_offset": -1}
@@ -676,6 +680,8 @@ class IntranodeBackend(Backend):
             self._broken = timeout_message(self.name, self._ipc.timeout_info(), self.timeout_s, TIMEOUT_ENV,
                                            self._board)
         self._rdma_emulation = None
+        if self._broken is None:  # every direct call completed (its kernel saw every peer's writes): nobody writes
+            self._direct_blocks = ()  # into them any more; a broken backend keeps them (a late peer might)
         if self.peer_pool is not None:  # before the mappings its peer addresses point into close
             self.peer_pool.close()
         self._ipc.close()

@@ -32,6 +32,21 @@ def _poison_pool(pool) -> None:
     torch.cuda.synchronize()
 
 
+def _paths(kb) -> tuple:
+    """(direct dispatches, of them missed, pull combines, of them missed) so far on this rank: which kernel moved
+    the calls (a missed call is moved by the ring kernel into the same outputs, with the same bits)."""
+    return kb._kernels._ipc.path_counters()
+
+
+def _took(kb, before: tuple, direct: int = 0, missed: int = 0, pulls: int = 0, pulls_missed: int = 0) -> tuple:
+    """Assert how many calls of each kind ran since `before`; -> the counters now."""
+    now = _paths(kb)
+    got = tuple(a - b for a, b in zip(now, before))
+    want = (direct, missed, pulls, pulls_missed)
+    assert got == want, f"(direct, missed, pulls, pulls missed) since the last check: {got}, expected {want}"
+    return now
+
+
 def _world_direct(rank: int, world_size: int) -> Dict:  # noqa: C901 (one world, many cases)
     from moe_dispatcher import Buffer
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -68,9 +83,11 @@ def _world_direct(rank: int, world_size: int) -> Dict:  # noqa: C901 (one world,
     x = torch.randn(t, h, generator=g).to(torch.bfloat16).to(dev)
     w = torch.rand(t, k, generator=g).to(dev)
     with case("outputs in the pool"):
+        seen = _paths(kb)
         _, out = _dispatch(kb, x, idx, w, e)
         assert pool.contains(out[0]) and pool.contains(out[4].recv_src_idx), "fresh outputs not in the peer pool"
         assert pool.contains(kb.dispatch(x, handle=out[4])[0]), "cached outputs not in the peer pool"
+        seen = _took(kb, seen, direct=2)  # both direct, none missed
 
     # Pull combine: with every rank's input (and top-k weights) in its pool, each rank reads its tokens' rows from
     # the holders; the same bits as the ring combine of the same rows (the same float32 order), which runs when one
@@ -81,20 +98,24 @@ def _world_direct(rank: int, world_size: int) -> Dict:  # noqa: C901 (one world,
         y = (out[0].float() * 2 + 1).to(torch.bfloat16)
         yr = (ref[0].float() * 2 + 1).to(torch.bfloat16)
         want = rb.combine(yr, ref[4], topk_weights=ref[2])
+        seen = _paths(kb)
         ring = kb.combine(y, out[4], topk_weights=out[2])  # inputs outside the pool on every rank: the ring kernel
+        seen = _took(kb, seen, pulls=1, pulls_missed=1)
         yp = pool.allocate(tuple(y.shape), y.dtype)
         yp.copy_(y)
         wp = pool.allocate(tuple(out[2].shape), torch.float32)
         wp.copy_(out[2])
-        for call in ("first", "repeated"):  # the full path makes the plan, the repeated call runs it
+        for call in ("first", "repeated"):
             got = kb.combine(yp, out[4], topk_weights=wp)
             assert_equal(got[0], ring[0], f"pull combine vs ring combine ({call} call)")
             assert_equal(got[1], ring[1], f"pull combined weights vs ring ({call} call)")
+            seen = _took(kb, seen, pulls=1)  # pulled
         assert_close(got[0], want[0], "pull combine vs reference", rtol=1e-2, atol=1e-2)
         assert_close(got[1], want[1], "pull combined weights vs reference", rtol=1e-5, atol=1e-5)
         # one rank's input outside its pool: every rank's pull kernel misses the call, the ring kernel moves it
         mixed = kb.combine(y if rank == 0 else yp, out[4], topk_weights=out[2] if rank == 0 else wp)
         assert_equal(mixed[0], ring[0], "combine with rank 0's input outside the pool")
+        seen = _took(kb, seen, pulls=1, pulls_missed=1)  # every rank's call missed
         # combine along a direct handle whose dispatch the ring moved (row_of_token still recorded): below
 
     # One rank's pool full: every rank's call falls back to the ring kernel, with the same results. The outputs
@@ -115,7 +136,9 @@ def _world_direct(rank: int, world_size: int) -> Dict:  # noqa: C901 (one world,
                             hog.append(pool.allocate((mib << 20,), torch.uint8))
                         except torch.OutOfMemoryError:
                             break
+            seen = _paths(kb)
             _, got = _dispatch(kb, x2, idx2, w2, e)
+            seen = _took(kb, seen, direct=1, missed=1)  # missed on every rank, moved by the ring kernel
             assert_equal(got[0][:n], want[0][:n], "recv_x (ring fallback)")
             assert_equal(got[1], want[1], "recv_topk_idx (ring fallback)")
             assert_equal(got[2], want[2], "recv_topk_weights (ring fallback)")
@@ -129,16 +152,21 @@ def _world_direct(rank: int, world_size: int) -> Dict:  # noqa: C901 (one world,
             del hog
             y2p = pool.allocate(tuple(y2.shape), y2.dtype)
             y2p.copy_(y2)
+            seen = _paths(kb)
             pulled = kb.combine(y2p, got[4])[0]
+            seen = _took(kb, seen, pulls=1)
             pushed = kb.combine(y2, got[4])[0]
+            _took(kb, seen, pulls=1, pulls_missed=1)
             assert_equal(pulled, pushed, "pull combine along a handle whose dispatch went through the ring")
             del got, cached_got, y2p
             torch.cuda.synchronize()
             dist.barrier()
             # and the next call, with room again everywhere, is direct and right
+            seen = _paths(kb)
             _, again = _dispatch(kb, x2, idx2, w2, e)
             assert_equal(again[0][:n], want[0][:n], "recv_x (direct again)")
             assert pool.contains(again[0]), "with room again the outputs must be the pool's"
+            _took(kb, seen, direct=1)
             del again
 
     # Many calls in a row (race-prone: the ready / arrival words and the published offsets of back-to-back calls).

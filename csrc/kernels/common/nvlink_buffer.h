@@ -86,6 +86,8 @@ struct Control {
   uint64_t pull_missed;                 // my latest pull combine whose inputs were not all peer-mapped
 };
 constexpr size_t kRingsOffset = (sizeof(Control) + 4095) / 4096 * 4096;
+static_assert(kRingsOffset == 77824, "Control outgrew its pages: moe_dispatcher/config.py's NVL_CONTROL_BYTES and "
+                                     "every Buffer size hint would move");
 
 // Host-mapped mailbox (cudaHostAlloc mapped): notify's results for the host's only synchronisation.
 struct Mailbox {

@@ -280,9 +280,9 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
 template <typename T, int kRanks>
 __global__ void __launch_bounds__(kCombineThreads, 1) ring_reduce_fallback_kernel(CombineArgs a) {
   const auto* ctl = reinterpret_cast<const Control*>(a.c.peers[a.c.rank]);
-  if (*reinterpret_cast<const volatile uint64_t*>(&ctl->pull_missed) !=
-      *reinterpret_cast<const volatile uint64_t*>(&ctl->pull_calls)) {
-    return;
+  if (call_refused(a.recv_channel_offset) || *reinterpret_cast<const volatile uint64_t*>(&ctl->pull_missed) !=
+                                                 *reinterpret_cast<const volatile uint64_t*>(&ctl->pull_calls)) {
+    return;  // the pull kernel moved the call, or zeroed the outputs of a refused one
   }
   __shared__ RingBoard board;
   __shared__ int shared_ok[kMaxRanks];

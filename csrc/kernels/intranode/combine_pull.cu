@@ -10,8 +10,7 @@
 // Protocol, per call n (n = my Control::pull_calls + 1, the same on every rank):
 //  1. Ready: my block 0 stores my input's offsets (x, top-k weights; -1: not peer-mapped) and my layout word into
 //     every peer's pull_x_offset / pull_w_offset / pull_layout [me] (plain stores), then n into its pull_ready[me]
-//     (st.release.sys). My
-//     kernel starts after everything my stream queued before it, so my input is complete.
+//     (st.release.sys). My kernel starts after everything my stream queued before it, so my input is complete.
 //  2. Verdict: threads 0..R-1 of every block acquire every rank's pull_ready (>= n) and read its offsets and its
 //     layout word (the call's ring signature: row bytes, dtype, top-k columns). One offset -1 or one word unlike
 //     mine and nobody reads: the call is missed and the ring combine queued after this kernel on every rank moves
@@ -104,7 +103,7 @@ __global__ void __launch_bounds__(kPullThreads, 1) combine_pull_kernel(CombinePu
           const int row = p.row_of_token[static_cast<int64_t>(t) * num_ranks + d];
           if (row >= 0) {
             src[d] = a.c.peers[d] + x_offset[d] + static_cast<int64_t>(row) * row_bytes;
-            if (a.topk_weights != nullptr) {
+            if (a.out_topk_weights != nullptr) {  // every rank passed weights (the layout word says so)
               weights[d] = a.c.peers[d] + w_offset[d] + static_cast<int64_t>(row) * a.num_topk * 4;
             }
           }
