@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist import GPU_WORLD_SIZES, assert_close, assert_equal, case, make_buffer, run_distributed
-from normal_cases import CASES, check_case, one_hop_tol
+from normal_cases import (CASES, case_inputs, check_case, combine_dtype, combine_inputs, one_hop_tol,
+                          worst_tokens)
 from normal_cases import dispatch as _dispatch
 from normal_cases import routing as _routing
 
@@ -60,6 +61,27 @@ def _world_direct(rank: int, world_size: int) -> Dict:  # noqa: C901 (one world,
         with case(c["name"]):
             _poison_pool(pool)
             check_case(kb, rb, c, i, stats, dev, combine_tol=one_hop_tol, poison=True, cached_returns_none=True)
+    # Pull combine over the case table: the combine inputs (and weights) copied into the pool, biases, every combine
+    # dtype, ranks without tokens or rows, num_worst_tokens: the ring combine's bits for the same rows, pulled.
+    for i, c in enumerate(CASES):
+        with case(f"pull combine: {c['name']}"):
+            inp = case_inputs(c, 50 + i, rank, world_size, dev)
+            _, ok = _dispatch(kb, inp.xin, inp.idx, inp.w, inp.num_experts, c.get("align", 1),
+                              worst_tokens(c, world_size))
+            handle = ok[4]
+            rows = (ok[0][0] if inp.scales is not None else ok[0]).shape[0]
+            y, bias = combine_inputs(c, inp, rows, combine_dtype(c, inp), dev)
+            seen = _paths(kb)
+            ring = kb.combine(y, handle, topk_weights=ok[2], bias=bias)
+            seen = _took(kb, seen, pulls=1, pulls_missed=1)
+            yp = pool.allocate(tuple(y.shape), y.dtype).copy_(y)
+            wp = None if ok[2] is None else pool.allocate(tuple(ok[2].shape), torch.float32).copy_(ok[2])
+            pulled = kb.combine(yp, handle, topk_weights=wp, bias=bias)
+            _took(kb, seen, pulls=1)
+            assert_equal(pulled[0], ring[0], "pulled combined_x vs the ring's")
+            if ring[1] is not None:
+                assert_equal(pulled[1], ring[1], "pulled combined_topk_weights vs the ring's")
+            del ok, handle, y, yp, wp, ring, pulled
     with case("num_worst_tokens padding rows"):
         _poison_pool(pool)
         g = torch.Generator().manual_seed(11 + rank)
