@@ -133,6 +133,14 @@ def report(results: dict[str, dict[str, Any]], skipped: dict[str, str], failed: 
                          + f"{sum(b.values()):>10.2f}{r.get('step_ms') or 0:>10.1f}"
                          + (f"{100 * busy:>9.0f}%" if busy is not None else f"{'-':>10}")
                          + (f"{100 * exposed:>9.0f}%" if exposed is not None else f"{'-':>10}"))
+    hosted = {n: r for n, r in results.items() if r.get("host_ms")}
+    if hosted:
+        host_parts = [p for p in PARTS if p != "rest"]
+        lines += ["", "host wall time inside the MoE parts, ms per profiled step on rank 0 (forward and backward; host "
+                      "syncs included)",
+                  f"{'dispatcher':<18}" + "".join(f"{p:>10}" for p in host_parts)]
+        for name, r in hosted.items():
+            lines.append(f"{name:<18}" + "".join(f"{r['host_ms'].get(p, 0):>10.2f}" for p in host_parts))
     if results:
         names = list(results)
         steps = max(len(r["losses"]) for r in results.values())

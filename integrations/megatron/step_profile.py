@@ -21,7 +21,7 @@ both. Only calls whose inputs and outputs take part in autograd get a backward r
 to "rest" (attention, dense layers, loss, gradient reduction, optimizer). Kernel times on concurrent
 streams add up, so the parts can sum to more than the step's wall time. ``gpu_busy()`` says how much of the
 wall time the GPU ran anything; ``exposed_dispatcher()`` how much of the MoE layers' GPU time the dispatcher's
-kernels run with no other kernel beside them.
+kernels run with no other kernel beside them; ``host_breakdown()`` the host's wall time inside each part.
 """
 from __future__ import annotations
 
@@ -175,6 +175,22 @@ class StepProfile:
         busy_ms = busy / 1e3 / self.num_steps
         return {"wall_ms": round(wall_ms, 2), "busy_ms": round(busy_ms, 2),
                 "busy_fraction": round(busy_ms / wall_ms, 3) if wall_ms else 0.0}
+
+    def host_breakdown(self) -> dict[str, float]:
+        """Milliseconds per step the host spends inside each MoE part's ranges (their CPU wall time, forward and
+        backward, nested ranges counted once, host syncs included: a part that waits for the GPU on the host shows
+        it here), for router, dispatch, permute, experts and combine; {} when nothing was profiled. With the GPU
+        idle part of the step (gpu_busy), it says which part keeps the host from running ahead."""
+        if self.profiler is None or not self.num_steps:
+            return {}
+        cpu = torch.autograd.DeviceType.CPU
+        spans: dict[str, list] = defaultdict(list)
+        for e in self.profiler.events():
+            if e.device_type == cpu and e.name.startswith("moe.") and e.time_range.end > e.time_range.start:
+                part = e.name[4:].split(".")[0]
+                if part in PARTS and part != "rest":
+                    spans[part].append((e.time_range.start, e.time_range.end))
+        return {part: round(covered(spans[part]) / 1e3 / self.num_steps, 3) for part in PARTS if part != "rest"}
 
     def _device_spans(self):
         """(part, start_us, end_us) of every device event (kernel, copy, memset) of the profiled steps; its part is

@@ -389,6 +389,7 @@ def _train(cfg: dict[str, dict[str, Any]], device: torch.device, show_progress: 
               "tokens_per_s": measured["tokens"] / measured["time"] if measured["time"] else None,
               "step_ms": step_ms, "breakdown_ms": profile.breakdown(), "top_kernels_ms": profile.top_kernels(),
               "gpu_busy": profile.gpu_busy(), "exposed_dispatcher": profile.exposed_dispatcher(),
+              "host_ms": profile.host_breakdown(),
               "profiled_steps": profile_steps,
               "breakdown_unit": "CPU op ms/step" if on_cpu else "GPU kernel ms/step",
               "comm_seconds": comm_total, "measured_seconds": measured["time"]}
@@ -402,6 +403,9 @@ def _train(cfg: dict[str, dict[str, Any]], device: torch.device, show_progress: 
             parts = " | ".join(f"{part} {ms:.2f}" for part, ms in result["breakdown_ms"].items())
             print(f"step breakdown over {profile_steps} profiled steps ({result['breakdown_unit']}, rank 0): {parts}",
                   flush=True)
+        if result["host_ms"]:
+            parts = " | ".join(f"{part} {ms:.2f}" for part, ms in result["host_ms"].items())
+            print(f"host wall time inside the MoE parts (ms per profiled step, rank 0): {parts}", flush=True)
         busy = result["gpu_busy"]
         if busy:
             print(f"GPU busy {busy['busy_ms']:.1f} of {busy['wall_ms']:.1f} ms per profiled step "

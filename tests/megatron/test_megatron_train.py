@@ -178,6 +178,31 @@ def test_gpu_busy_is_the_union_of_kernel_intervals():
     assert covered([(0.0, 4.0), (3.0, 6.0), (6.0, 7.0)]) == 7.0      # overlapping and touching
 
 
+def test_host_breakdown_is_the_cpu_time_inside_each_part():
+    """The host's wall time inside each MoE part's ranges, nested ranges once, per step; other CPU events and the
+    ranges' GPU-side spans do not count; the comparison prints it."""
+    from types import SimpleNamespace
+
+    from moe_dispatcher.integrations.megatron import compare
+    from moe_dispatcher.integrations.megatron.step_profile import StepProfile
+
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+    rng = lambda lo, hi: SimpleNamespace(start=lo, end=hi)  # noqa: E731
+    ev = lambda name, lo, hi, dev=cpu: SimpleNamespace(name=name, device_type=dev, time_range=rng(lo, hi))  # noqa: E731
+    profile = StepProfile.__new__(StepProfile)
+    profile.profiler = SimpleNamespace(events=lambda: [
+        ev("moe.dispatch", 0, 100), ev("moe.dispatch", 40, 60),   # a nested range of the same part counts once
+        ev("moe.dispatch.backward", 500, 530),                     # backward ranges count too
+        ev("moe.experts", 100, 300), ev("aten::mm", 100, 300),     # ops are not parts
+        ev("moe.combine", 300, 310, cuda),                         # a range's GPU-side span is not host time
+        ev("moe.combine", 300, 320)])
+    profile.num_steps = 2
+    got = profile.host_breakdown()
+    assert got == {"router": 0.0, "dispatch": 0.065, "permute": 0.0, "experts": 0.1, "combine": 0.01}, got
+    text = compare.report({"ours": {"losses": [1.0], "tokens_per_s": 1.0, "step_ms": 1.0, "host_ms": got}}, {}, [])
+    assert "host wall time inside the MoE parts" in text and "0.07" in text, text
+
+
 def test_exposed_dispatcher_time_is_what_no_other_kernel_hides(monkeypatch):
     """The dispatcher's exposed time: its kernels' union minus what other kernels (any stream) cover meanwhile,
     over the union of every MoE part; kernels are charged to the part of the CPU op that launched them."""
