@@ -22,43 +22,25 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 import dist as dist_helpers
-from dist import case, make_buffer, run_distributed
+from agreement_rounds import H
+from cached_agreement import CachedAgreement
+from dist import make_buffer, run_distributed
 
 pytestmark = pytest.mark.gpu(4)
 
-T, H, L, K = 64, 256, 4, 4
 WORLD, NVL = 4, 2
 ENV = {"MOE_DISPATCHER_TIMEOUT_S": "30", **dist_helpers.nvl_env(NVL)}  # a case that hangs fails in 30 s
 AGREEING_CALLS = 300
 
 
-def _routing(rank: int, num_ranks: int) -> torch.Tensor:
-    """int64 [T, K]: random experts, token 0 to the first expert of every rank (K >= num_ranks)."""
-    g = torch.Generator().manual_seed(rank)
-    idx = torch.rand(T, L * num_ranks, generator=g).topk(K, dim=1).indices
-    idx[0] = torch.tensor([(r % num_ranks) * L + r // num_ranks for r in range(K)])
-    return idx.cuda()
-
-
 def _world(rank: int, num_ranks: int) -> list[str]:
-    from moe_dispatcher.signature import SignatureMismatch
-    odd = rank == num_ranks - 1
     buf = make_buffer(hidden_bytes=4 * H * 4, backend="kernels", explicitly_destroy=True)
     assert buf._kernels is not None and buf._kernels.name == "internode", buf._kernels_why
     assert buf._kernels.nvl_size == NVL and buf._kernels.num_domains == num_ranks // NVL
-    idx = _routing(rank, num_ranks)
-    # Exact sums: small multiples of 1/16 in float32 (each domain's partial is exact in float32 too).
-    x = torch.randint(-64, 65, (T, H), generator=torch.Generator().manual_seed(rank)).float().cuda() / 16
-    ntr, _, nte, itr, _ = buf.get_dispatch_layout(idx, L * num_ranks)
-    recv_x, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=ntr, is_token_in_rank=itr,
-                                              num_tokens_per_expert=nte, topk_idx=idx)
-    copies = itr.sum(1, keepdim=True).float()
-    rows = recv_x.shape[0]
-    recv_w = torch.rand(rows, K, device="cuda")
-    scales = torch.ones(T, 4, device="cuda")
-    x8 = x.to(torch.float8_e4m3fn)
+    # Exact sums: each domain's partial is exact in float32 too.
+    s = CachedAgreement(buf, rank, num_ranks)
+    x, handle, recv_x, odd = s.x, s.handle, s.recv_x, s.odd
     # The default dispatch config with half the slots of one hop's rings (rows sit at other slots: read with the
     # default's, they would be other rows).
     default = type(buf).get_dispatch_config(num_ranks)
@@ -66,25 +48,10 @@ def _world(rank: int, num_ranks: int) -> list[str]:
                                      num_max_rdma_chunked_recv_tokens=default.num_max_rdma_chunked_recv_tokens // 2)
     fewer_nvl = dataclasses.replace(default,
                                     num_max_nvl_chunked_recv_tokens=default.num_max_nvl_chunked_recv_tokens // 2)
-
-    def fresh_dispatch():
-        lay = buf.get_dispatch_layout(idx, L * num_ranks)
-        return buf.dispatch(x, num_tokens_per_rank=lay[0], is_token_in_rank=lay[3], num_tokens_per_expert=lay[2],
-                            topk_idx=idx)
-
-    def agreeing_round() -> None:
-        """Cached dispatch and combine along the handle, and a fresh round: exact results."""
-        got = buf.dispatch(x, handle=handle)[0]
-        assert torch.equal(got, recv_x), "cached dispatch after the case gave other rows"
-        out, _, _ = buf.combine(got, handle)
-        assert torch.equal(out, x * copies), "combine after the case gave wrong sums"
-        fresh, _, _, _, h2, _ = fresh_dispatch()
-        assert torch.equal(buf.combine(fresh, h2)[0], x * copies), "the fresh round after the case gave wrong sums"
-
     cases = [
         ("cached dispatch: hidden on one rank", lambda: buf.dispatch(x.repeat(1, 2) if odd else x, handle=handle),
          r"cached dispatch: .*hidden differs: (256|512) on rank \d; (512|256) on rank \d"),
-        ("cached dispatch: FP8 on one rank", lambda: buf.dispatch((x8, scales) if odd else x, handle=handle),
+        ("cached dispatch: FP8 on one rank", lambda: buf.dispatch((s.x8, s.scales) if odd else x, handle=handle),
          r"cached dispatch: .*x dtype differs: .*x_scales dtype differs"),
         ("cached dispatch: dtype of equal row bytes on one rank",
          lambda: buf.dispatch(x.repeat(1, 2).bfloat16() if odd else x, handle=handle),
@@ -97,50 +64,16 @@ def _world(rank: int, num_ranks: int) -> list[str]:
          r"cached dispatch: .*config\.num_max_nvl_chunked_recv_tokens differs: \d+ on rank \d; \d+ on rank \d"),
         ("combine: hidden on one rank", lambda: buf.combine(recv_x.repeat(1, 2) if odd else recv_x, handle),
          r"combine: .*hidden differs: (256|512) on rank \d; (512|256) on rank \d"),
-        ("combine: topk_weights on one rank", lambda: buf.combine(recv_x, handle, topk_weights=recv_w if odd else None),
+        ("combine: topk_weights on one rank",
+         lambda: buf.combine(recv_x, handle, topk_weights=s.recv_w if odd else None),
          r"combine: .*topk_weights columns differs: (0|4) on rank \d; (4|0) on rank \d"),
         ("combine: bfloat16 rows of equal bytes on one rank",
          lambda: buf.combine(recv_x.repeat(1, 2).bfloat16() if odd else recv_x, handle),
          r"combine: .*x dtype differs: (float32|bfloat16) on rank \d; (bfloat16|float32) on rank \d"),
     ]
-    seen = []
-    for label, call, pattern in cases:
-        with case(label):
-            call()  # moves rows, raises nothing: the forwarders and receivers record the disagreement
-            buf.dispatch(x, handle=handle)  # cached calls go on (no rank raises alone)
-            with pytest.raises(SignatureMismatch, match=pattern) as info:
-                fresh_dispatch()  # its notify reports the finding on every rank
-            text = str(info.value)
-            # The odd rank receives rows from both hops' disagreeing peers, so it always reports.
-            assert f"on rank {num_ranks - 1}, a cached dispatch or combine" in text, text
-            seen.append(f"{label}: {info.value}")
-            agreeing_round()
-    with case(f"{AGREEING_CALLS} agreeing cached calls whose layout changes per call alike on every rank"):
-        wide = x.repeat(1, 2)
-        for i in range(AGREEING_CALLS):
-            kind = i % 4
-            if kind == 0:
-                got = buf.dispatch(x, handle=handle)[0]
-                out, w, _ = buf.combine(got, handle)
-            elif kind == 1:
-                got = buf.dispatch(wide, handle=handle)[0]
-                out, w, _ = buf.combine(got, handle, topk_weights=recv_w)
-            elif kind == 2:
-                got, _ = buf.dispatch((x8, scales), handle=handle)[0]
-                out, w, _ = buf.combine(recv_x.bfloat16(), handle)
-            else:
-                got = buf.dispatch(x.bfloat16(), handle=handle)[0]
-                out, w, _ = buf.combine(got.repeat(1, 2), handle, topk_weights=recv_w)
-            if i % 50 == kind:
-                torch.cuda.synchronize()
-                if kind == 0:
-                    assert torch.equal(out, x * copies), f"call {i}: wrong sums"
-                elif kind == 1:
-                    assert torch.equal(out, wide * copies), f"call {i}: wrong sums"
-                    assert w is not None and w.shape == (T, K)
-        torch.cuda.synchronize()
-        assert buf._kernels._ipc.take_ring_mismatch() is None, "an agreeing run recorded a disagreement"
-        agreeing_round()  # its fresh dispatch would raise if a receiver had flagged one
+    # The odd rank receives rows from both hops' disagreeing peers, so it always reports.
+    seen = s.run_cases(cases, reporters=(num_ranks - 1,))
+    s.run_agreeing(AGREEING_CALLS)
     buf.destroy()
     return seen
 
