@@ -89,13 +89,16 @@ def _world_pool(rank: int, world_size: int) -> None:
         dist.barrier()  # nobody writes into `a` any more
 
     with case("torch reuses a freed block of the pool"):
-        ptr, blocks = a.data_ptr(), pool.stats()["num_blocks"]
+        ptr, blocks, a_dev = a.data_ptr(), pool.stats()["num_blocks"], a.device
         side = torch.cuda.Stream()
         with torch.cuda.stream(side):
             a.mul_(2)
         a.record_stream(side)
         del a, theirs
         torch.cuda.synchronize()
+        # torch hands a record_stream'd block back to its pool when it processes stream events, which it does at an
+        # allocation made outside every pool context (inside one, it defers them): any ordinary allocation does
+        torch.empty(1, device=a_dev)
         a = pool.allocate((4096, HIDDEN), torch.bfloat16)
         # torch may place it elsewhere in its cached segments (not always at the freed address), but takes no new
         # segment from the region

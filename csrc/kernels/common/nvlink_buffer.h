@@ -84,6 +84,10 @@ struct Control {
   uint64_t pull_arrivals[kMaxRanks];    // [s]: blocks of s done reading my inputs in this call (red.release.sys)
   uint64_t pull_calls;                  // my pull combines so far (block 0 writes it at the end)
   uint64_t pull_missed;                 // my latest pull combine whose inputs were not all peer-mapped
+  // How many of my calls were missed so far (direct dispatches, pull combines): counts for tests and the bench
+  // (the *_missed words above name only the latest missed call); written by my block 0 beside them.
+  uint64_t direct_missed_total;
+  uint64_t pull_missed_total;
 };
 constexpr size_t kRingsOffset = (sizeof(Control) + 4095) / 4096 * 4096;
 static_assert(kRingsOffset == 77824, "Control outgrew its pages: moe_dispatcher/config.py's NVL_CONTROL_BYTES and "

@@ -128,7 +128,10 @@ __global__ void __launch_bounds__(kPullThreads, 1) combine_pull_kernel(CombinePu
   }
   __syncthreads();
   if (threadIdx.x == 0 && all_arrived) {
-    if (!in_pool) *reinterpret_cast<volatile uint64_t*>(&ctl->pull_missed) = n;
+    if (!in_pool) {
+      *reinterpret_cast<volatile uint64_t*>(&ctl->pull_missed) = n;
+      ctl->pull_missed_total += 1;
+    }
     *reinterpret_cast<volatile uint64_t*>(&ctl->pull_calls) = n;
   }
 }

@@ -188,7 +188,10 @@ __global__ void __launch_bounds__(kDirectThreads, 1) dispatch_direct_kernel(Dire
   }
   __syncthreads();
   if (threadIdx.x == 0 && all_arrived) {
-    if (!in_pool) *reinterpret_cast<volatile uint64_t*>(&ctl->direct_missed) = n;
+    if (!in_pool) {
+      *reinterpret_cast<volatile uint64_t*>(&ctl->direct_missed) = n;
+      ctl->direct_missed_total += 1;
+    }
     *reinterpret_cast<volatile uint64_t*>(&ctl->direct_calls) = n;
   }
 }
