@@ -189,11 +189,12 @@ def run(ctx: Context) -> None:
     counts, default = sm_counts(ctx, Topology.from_group(ctx.group))
     configs = [(s, get_dispatch_config(r, s), get_combine_config(r, s)) for s in counts]
     buffer = Buffer(ctx.group, num_nvl_bytes=nvl_bytes([c for _, d, cc in configs for c in (d, cc)], o.hidden, r),
-                    backend=o.backend)
+                    backend=o.backend, num_pool_bytes=o.num_pool_bytes)
     dtype = "BF16" if ctx.device.type == "cuda" else "FP32 on the CPU"
     ctx.say(f"== overlap mode: {r} ranks, {o.rounds} GEMMs of {o.gemm_size}^3 ({dtype}) beside {o.rounds} cached "
             f"BF16 dispatch+combine rounds (T={o.tokens} H={o.hidden} top-{o.topk} of {o.num_experts}), SMs {counts} "
-            f"(default choice {default}), {o.repeats} repeats after a warm-up")
+            f"(default choice {default}), {o.repeats} repeats after a warm-up"
+            + (f", peer pool {o.num_pool_bytes >> 20} MiB" if o.num_pool_bytes else ""))
     group = None
     try:
         group = nccl_group(ctx)
