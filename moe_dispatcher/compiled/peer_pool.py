@@ -108,15 +108,19 @@ class PeerPool:
             with torch.cuda.device(self.device), self.allocating():
                 return torch.empty(tuple(shape), dtype=dtype, device=self.device)
         except torch.OutOfMemoryError as exc:
-            if isinstance(exc, PeerPoolExhausted):
-                raise
-            nbytes = torch.Size(tuple(shape)).numel() * torch.empty((), dtype=dtype).element_size()
-            s = self.stats()
-            raise PeerPoolExhausted(
-                f"PeerPool of rank {self.rank}: no room for {tuple(shape)} {dtype} ({nbytes} bytes): "
-                f"{s['in_use']} of {s['capacity']} bytes are held by torch's segments of this pool, the largest free "
-                f"range is {s['largest_free']} bytes (torch rounds requests up to whole segments: 2 MiB for at most "
-                f"1 MiB, 20 MiB for 1-10 MiB); raise Buffer(num_pool_bytes=...) or free pool tensors") from exc
+            # Raised below, outside this block: an error raised in it would carry `exc` as its context, and exc's
+            # traceback holds torch.cuda.use_mem_pool's frame, hence the MemPool: while the caller kept the error,
+            # torch could never hand this pool's segments back (close() and empty_cache() would not free the region).
+            known = str(exc) if isinstance(exc, PeerPoolExhausted) else None
+        if known is not None:
+            raise PeerPoolExhausted(known)
+        nbytes = torch.Size(tuple(shape)).numel() * torch.empty((), dtype=dtype).element_size()
+        s = self.stats()
+        raise PeerPoolExhausted(
+            f"PeerPool of rank {self.rank}: no room for {tuple(shape)} {dtype} ({nbytes} bytes): "
+            f"{s['in_use']} of {s['capacity']} bytes are held by torch's segments of this pool, the largest free "
+            f"range is {s['largest_free']} bytes (torch rounds requests up to whole segments: 2 MiB for at most "
+            f"1 MiB, 20 MiB for 1-10 MiB); raise Buffer(num_pool_bytes=...) or free pool tensors")
 
     # ------------------------------------------------------------------ addresses
     def contains(self, tensor: torch.Tensor) -> bool:

@@ -71,9 +71,12 @@ def _world_direct(rank: int, world_size: int) -> Dict:  # noqa: C901 (one world,
             handle = ok[4]
             rows = (ok[0][0] if inp.scales is not None else ok[0]).shape[0]
             y, bias = combine_inputs(c, inp, rows, combine_dtype(c, inp), dev)
+            # An input without rows counts as peer-mapped: the call misses when some rank has rows outside its pool
+            some_rows = torch.tensor([rows], device=dev)
+            dist.all_reduce(some_rows)
             seen = _paths(kb)
             ring = kb.combine(y, handle, topk_weights=ok[2], bias=bias)
-            seen = _took(kb, seen, pulls=1, pulls_missed=1)
+            seen = _took(kb, seen, pulls=1, pulls_missed=int(some_rows.item() > 0))
             yp = pool.allocate(tuple(y.shape), y.dtype).copy_(y)
             wp = None if ok[2] is None else pool.allocate(tuple(ok[2].shape), torch.float32).copy_(ok[2])
             pulled = kb.combine(yp, handle, topk_weights=wp, bias=bias)
