@@ -237,7 +237,8 @@ class Buffer:
         row_bytes = data.shape[1] * data.element_size() if data.dim() == 2 else 0
         if row_bytes <= 0:
             return None
-        sms = _config.default_num_sms(self.group_size, self.topology.is_single_domain, row_bytes)
+        sms = _config.default_num_sms(self.group_size, self.topology.is_single_domain, row_bytes,
+                                      direct=self.num_pool_bytes > 0)
         return _config.get_dispatch_config(self.group_size, sms)
 
     @staticmethod

@@ -167,7 +167,8 @@ def measure(ctx: Context, streams: Streams, work: List[Tuple[Any, Callable[[int]
 def sm_counts(ctx: Context, topology: Topology) -> Tuple[List[int], int]:
     """The SM counts to run (--num-sms and the default choice, ascending) and the default choice."""
     o = ctx.opts
-    default = default_num_sms(ctx.num_ranks, topology.is_single_domain, o.hidden * 2, o.tokens)
+    default = default_num_sms(ctx.num_ranks, topology.is_single_domain, o.hidden * 2, o.tokens,
+                              direct=o.num_pool_bytes > 0)
     return sorted(set(o.num_sms) | {default}), default
 
 
@@ -311,5 +312,6 @@ def _rule_point(ctx: Context, buffer: Buffer, default: int) -> None:
         return
     key = (ctx.num_ranks, buffer.topology.is_single_domain)
     pick = smallest_at_ceiling(ours)
-    ctx.note(f"num_sms rule point (config.NUM_SMS_SWEEPS): {key}: {{{o.tokens} * {o.hidden * 2}: {ours}}}; the rule "
+    table = "NUM_SMS_SWEEPS_DIRECT" if o.num_pool_bytes else "NUM_SMS_SWEEPS"
+    ctx.note(f"num_sms rule point (config.{table}): {key}: {{{o.tokens} * {o.hidden * 2}: {ours}}}; the rule "
              f"would choose {pick} from it (the table's choice now: {default})")
