@@ -153,14 +153,16 @@ def _world_direct(rank: int, world_size: int) -> Dict:  # noqa: C901 (one world,
     n = int(want[4].rank_prefix_matrix[-1, rank])
     for victim in (0, world_size - 1):
         with case(f"rank {victim}'s pool full"):
+            # the pull combine's input, in the pool before it fills up (the same bits as the outputs' rows - 0.5)
+            y2 = (want[0].float() - 0.5).to(torch.bfloat16)
+            y2p = pool.allocate(tuple(y2.shape), y2.dtype)
             hog = []
             if rank == victim:
-                for mib in (64, 16, 4):
-                    while True:
-                        try:
-                            hog.append(pool.allocate((mib << 20,), torch.uint8))
-                        except torch.OutOfMemoryError:
-                            break
+                # Every free range of the region taken, each by one block: torch keeps a live pool's freed segments
+                # cached (it cannot hand them back to the region), so after `del hog` the largest one must be able
+                # to serve the next call's outputs.
+                while pool.stats()["largest_free"] >= (2 << 20):
+                    hog.append(pool.allocate((pool.stats()["largest_free"] >> 21 << 21,), torch.uint8))
             seen = _paths(kb)
             _, got = _dispatch(kb, x2, idx2, w2, e)
             seen = _took(kb, seen, direct=1, missed=1)  # missed on every rank, moved by the ring kernel
@@ -173,9 +175,7 @@ def _world_direct(rank: int, world_size: int) -> Dict:  # noqa: C901 (one world,
             cached_got = kb.dispatch(x2, handle=got[4])[0]
             assert_equal(cached_got[:n], want[0][:n], "cached recv_x (ring fallback)")
             # pull combine along this handle (row_of_token was recorded although the ring moved the rows)
-            y2 = (got[0].float() - 0.5).to(torch.bfloat16)
             del hog
-            y2p = pool.allocate(tuple(y2.shape), y2.dtype)
             y2p.copy_(y2)
             seen = _paths(kb)
             pulled = kb.combine(y2p, got[4])[0]
@@ -183,7 +183,7 @@ def _world_direct(rank: int, world_size: int) -> Dict:  # noqa: C901 (one world,
             pushed = kb.combine(y2, got[4])[0]
             _took(kb, seen, pulls=1, pulls_missed=1)
             assert_equal(pulled, pushed, "pull combine along a handle whose dispatch went through the ring")
-            del got, cached_got, y2p
+            del got, cached_got, y2p, y2
             torch.cuda.synchronize()
             dist.barrier()
             # and the next call, with room again everywhere, is direct and right

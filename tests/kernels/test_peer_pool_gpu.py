@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import gc
+import weakref
 
 import pytest
 import torch
@@ -116,6 +117,7 @@ def _world_pool(rank: int, world_size: int) -> None:
 
     with case("destroy() defers while pool tensors live"):
         base = pool.base
+        mem_pool = weakref.ref(pool._mem_pool)  # to name what keeps torch's MemPool alive, should it outlive close()
         a.fill_(7)
         torch.cuda.synchronize()
         buf.destroy()  # every rank, with their pool tensors alive
@@ -137,7 +139,12 @@ def _world_pool(rank: int, world_size: int) -> None:
         del a, b, small
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-        assert native.region_info(base) is None, "the region outlived its last tensor and empty_cache()"
+        alive = mem_pool()
+        holders = [] if alive is None else [type(r).__name__ + ":" + repr(r)[:160] for r in gc.get_referrers(alive)]
+        del alive
+        assert native.region_info(base) is None, (f"the region outlived its last tensor and empty_cache(): "
+                                                  f"{native.region_info(base)}; torch's MemPool collected: "
+                                                  f"{mem_pool() is None}; held by {holders}")
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
