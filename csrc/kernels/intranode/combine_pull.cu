@@ -1,13 +1,12 @@
 // Pull combine (the combine of a direct dispatch's handle when every rank's combine input lies in its peer pool):
 // each rank reduces its OWN tokens, reading each token's rows straight from the holders' inputs over NVLink, in
 // place of the holders pushing rows through rings and a receiver reducing them. Blocks 2c and 2c + 1 take channel
-// c's tokens (the ring combine's SM count for the same channels), warps interleaved: the W = 2 x 16 warps of the
-// pair take tokens begin + w, begin + w + W, ... For token t and rank d in ascending order, the row is
+// c's tokens (the ring combine's SM count for the same channels), warps interleaved: the W = 2 x (16 or 20) warps
+// of the pair take tokens begin + w, begin + w + W, ... For token t and rank d in ascending order, the row is
 // row_of_token[t][d] of d's input (the direct dispatch wrote where t landed in d's outputs, which are d's received
 // rows); out = cast(bias0 + bias1 + rows of ranks ascending), float32 in that order (as reduce_token.cuh): the
-// ring combine's and the reference's bits. Remote reads are latency-bound, so the bytes in flight set the
-// bandwidth: each warp streams its rows through shared-memory stages with cp.async (up to 8 KB in flight per warp,
-// 128 KB per SM), where register loads held 4 KB per warp (pull_tokens).
+// ring combine's and the reference's bits. Remote reads are latency-bound: see kStagedMaxChannels for the two
+// read paths and when each is taken.
 //
 // Protocol, per call n (n = my Control::pull_calls + 1, the same on every rank):
 //  1. Ready: my block 0 stores my input's offsets (x, top-k weights; -1: not peer-mapped) and my layout word into
@@ -42,14 +41,24 @@
 namespace moe_ep::intranode {
 namespace {
 
-constexpr int kPullWarps = 16;
-constexpr int kPullThreads = kPullWarps * 32;
-// Each warp streams its tokens' rows through kPullStages shared-memory stages (cp.async, 16 bytes per lane and
-// vector): a stage holds one chunk of a token, 8 vectors per lane in all (8 / kRanks of each rank's row), so a
-// warp keeps up to (kPullStages - 1) x 4 KB of remote loads in flight without holding them in registers.
+// Two ways to read the holders' rows, chosen by the channel count (the SMs the call may use), both measured on
+// 4 x H200 (BF16 combine, 4096 tokens x 7168, DeepEP's byte formula):
+//  - registers (reduce_token.cuh): 20 warps, 8 loads of 16 bytes in flight per lane (4 KB per warp; 96
+//    registers). 302 / 383 / 413 / 419 GB/s at 8 / 12 / 16 / 24 SMs: at few SMs the bytes in flight set the rate.
+//  - staged (pull_tokens below): 16 warps stream rows through shared memory with cp.async (12 KB per warp in
+//    flight, 192 KiB of stages per SM). 348 GB/s at 8 SMs, but ~350 at any count (605 us at 8 to 24 SMs: the
+//    device's throughput of cp.async over NVLink, not the SMs, bounds it).
+// So the staged reads serve calls of at most kStagedMaxChannels channels (8 SMs), registers the rest.
+constexpr int kStagedMaxChannels = 4;
+constexpr int kRegisterWarps = 20;
+constexpr int kStagedWarps = 16;
+__host__ __device__ constexpr int pull_warps(bool staged) { return staged ? kStagedWarps : kRegisterWarps; }
+// Each staged warp streams its tokens' rows through kPullStages shared-memory stages (cp.async, 16 bytes per lane
+// and vector): a stage holds one chunk of a token, 8 vectors per lane in all (8 / kRanks of each rank's row), so a
+// warp keeps up to kPullStages x 4 KB of remote loads in flight without holding them in registers.
 constexpr int kPullStages = 3;
 constexpr int kPullStageBytes = 8 * 32 * 16;
-constexpr size_t kPullSmemBytes = static_cast<size_t>(kPullWarps) * kPullStages * kPullStageBytes;  // 192 KiB
+constexpr size_t kPullSmemBytes = static_cast<size_t>(kStagedWarps) * kPullStages * kPullStageBytes;  // 192 KiB
 
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
@@ -190,8 +199,9 @@ __device__ __forceinline__ void pull_arrive(uint64_t* p) {
   asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(1ull) : "memory");
 }
 
-template <typename T, int kRanks>
-__global__ void __launch_bounds__(kPullThreads, 1) combine_pull_kernel(CombinePullArgs p) {
+template <typename T, int kRanks, bool kStaged>
+__global__ void __launch_bounds__(pull_warps(kStaged) * 32, 1) combine_pull_kernel(CombinePullArgs p) {
+  constexpr int kPullWarps = pull_warps(kStaged);
   extern __shared__ __align__(16) uint8_t pull_stages[];
   __shared__ uint64_t call;
   __shared__ int ready, in_pool, all_arrived;
@@ -239,8 +249,17 @@ __global__ void __launch_bounds__(kPullThreads, 1) combine_pull_kernel(CombinePu
 
   // 3. My tokens, from every holder's input.
   if (in_pool) {
-    pull_tokens<T, kRanks>(p, x_offset, w_offset, begin + half * kPullWarps + warp, end, 2 * kPullWarps, row_bytes,
-                           lane, pull_stages + static_cast<size_t>(warp) * kPullStages * kPullStageBytes);
+    if constexpr (kStaged) {
+      pull_tokens<T, kRanks>(p, x_offset, w_offset, begin + half * kPullWarps + warp, end, 2 * kPullWarps,
+                             row_bytes, lane, pull_stages + static_cast<size_t>(warp) * kPullStages * kPullStageBytes);
+    } else {
+      for (int t = begin + half * kPullWarps + warp; t < end; t += 2 * kPullWarps) {
+        const uint8_t* src[kRanks];
+        const uint8_t* weights[kRanks];
+        token_sources<kRanks>(p, x_offset, w_offset, t, row_bytes, src, weights);
+        reduce_token<T, kRanks>(a, t, src, weights, row_bytes, lane);
+      }
+    }
   }
   __threadfence_system();
   __syncthreads();
@@ -268,14 +287,19 @@ __global__ void __launch_bounds__(kPullThreads, 1) combine_pull_kernel(CombinePu
 
 template <typename T, int kRanks>
 void launch_ranks(const CombinePullArgs& args, dim3 grid, cudaStream_t stream) {
+  if (args.base.num_channels > kStagedMaxChannels) {
+    combine_pull_kernel<T, kRanks, false><<<grid, pull_warps(false) * 32, 0, stream>>>(args);
+    return;
+  }
   // The stages exceed the 48 KiB a kernel gets without opting in; once per process (one device per process).
-  static const cudaError_t opted_in = cudaFuncSetAttribute(
-      combine_pull_kernel<T, kRanks>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kPullSmemBytes));
+  static const cudaError_t opted_in =
+      cudaFuncSetAttribute(combine_pull_kernel<T, kRanks, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(kPullSmemBytes));
   if (opted_in != cudaSuccess) {
     throw std::runtime_error(std::string("moe_dispatcher: combine_pull_kernel's shared memory opt-in failed: ") +
                              cudaGetErrorString(opted_in));
   }
-  combine_pull_kernel<T, kRanks><<<grid, kPullThreads, kPullSmemBytes, stream>>>(args);
+  combine_pull_kernel<T, kRanks, true><<<grid, pull_warps(true) * 32, kPullSmemBytes, stream>>>(args);
 }
 
 template <typename T>
