@@ -15,6 +15,7 @@ from typing import Dict
 import pytest
 import torch
 import torch.distributed as dist
+from moe_dispatcher.config import get_dispatch_config
 from dist import GPU_WORLD_SIZES, assert_close, assert_equal, case, make_buffer, run_distributed
 from normal_cases import (CASES, case_inputs, check_case, combine_dtype, combine_inputs, one_hop_tol,
                           worst_tokens)
@@ -63,11 +64,12 @@ def _world_direct(rank: int, world_size: int) -> Dict:  # noqa: C901 (one world,
             check_case(kb, rb, c, i, stats, dev, combine_tol=one_hop_tol, poison=True, cached_returns_none=True)
     # Pull combine over the case table: the combine inputs (and weights) copied into the pool, biases, every combine
     # dtype, ranks without tokens or rows, num_worst_tokens: the ring combine's bits for the same rows, pulled.
-    for i, c in enumerate(CASES):
-        with case(f"pull combine: {c['name']}"):
+    # Both read paths of the pull kernel: staged (cp.async) at 8 SMs (4 channels), register loads at 20 SMs.
+    for sms, i, c in [(sms, i, c) for sms in (8, 20) for i, c in enumerate(CASES)]:
+        with case(f"pull combine at {sms} SMs: {c['name']}"):
             inp = case_inputs(c, 50 + i, rank, world_size, dev)
             _, ok = _dispatch(kb, inp.xin, inp.idx, inp.w, inp.num_experts, c.get("align", 1),
-                              worst_tokens(c, world_size))
+                              worst_tokens(c, world_size), config=get_dispatch_config(world_size, sms))
             handle = ok[4]
             rows = (ok[0][0] if inp.scales is not None else ok[0]).shape[0]
             y, bias = combine_inputs(c, inp, rows, combine_dtype(c, inp), dev)
