@@ -24,7 +24,7 @@ from normal_cases import routing as _routing
 
 pytestmark = pytest.mark.gpu
 MAX_HIDDEN_BYTES = 7168 * 2
-POOL_BYTES = 512 << 20
+POOL_BYTES = 1 << 30
 
 
 def _poison_pool(pool) -> None:
@@ -160,11 +160,17 @@ def _world_direct(rank: int, world_size: int) -> Dict:  # noqa: C901 (one world,
             y2p = pool.allocate(tuple(y2.shape), y2.dtype)
             hog = []
             if rank == victim:
-                # Every free range of the region taken, each by one block: torch keeps a live pool's freed segments
-                # cached (it cannot hand them back to the region), so after `del hog` the largest one must be able
-                # to serve the next call's outputs.
-                while pool.stats()["largest_free"] >= (2 << 20):
+                # The region's largest free range first, as one block: torch keeps a live pool's freed segments
+                # cached (it cannot hand them back to the region), so after `del hog` that one must serve the next
+                # call's outputs; then torch's cached blocks and the other ranges, until nothing fits.
+                if pool.stats()["largest_free"] >= (2 << 20):
                     hog.append(pool.allocate((pool.stats()["largest_free"] >> 21 << 21,), torch.uint8))
+                for mib in (64, 16, 4, 1):
+                    while True:
+                        try:
+                            hog.append(pool.allocate((mib << 20,), torch.uint8))
+                        except torch.OutOfMemoryError:
+                            break
             seen = _paths(kb)
             _, got = _dispatch(kb, x2, idx2, w2, e)
             seen = _took(kb, seen, direct=1, missed=1)  # missed on every rank, moved by the ring kernel

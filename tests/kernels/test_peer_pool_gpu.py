@@ -62,6 +62,7 @@ def _world_pool(rank: int, world_size: int) -> None:
             off = pool.offset_of(t)
             assert 0 <= off and off + t.numel() * t.element_size() <= POOL and off % 512 == 0, off
             spans.append((off, off + t.numel() * t.element_size()))
+        del t  # the loop variable would keep `small` (and its 2 MiB segment) alive to the end
         spans.sort()
         assert all(x[1] <= y[0] for x, y in zip(spans, spans[1:])), f"pool tensors overlap: {spans}"
         assert pool.offset_of(a[3:]) == pool.offset_of(a) + 3 * row
