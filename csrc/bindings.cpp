@@ -86,4 +86,5 @@ PYBIND11_MODULE(_C, m) {
   moe_ep::register_intranode(m);
   moe_ep::register_internode(m);
   moe_ep::register_low_latency(m);
+  moe_ep::register_peer_pool(m);
 }

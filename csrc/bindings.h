@@ -30,4 +30,7 @@ void register_internode(pybind11::module_& m);
 // csrc/low_latency_bindings.cpp: low-latency (NVSHMEM) dispatch/combine.
 void register_low_latency(pybind11::module_& m);
 
+// csrc/peer_pool_bindings.cpp: the peer pool's regions (torch tensors in peer-mapped memory).
+void register_peer_pool(pybind11::module_& m);
+
 }  // namespace moe_ep

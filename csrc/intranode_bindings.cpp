@@ -16,6 +16,7 @@
 
 #include "bindings.h"
 #include "bindings/cached_call.h"
+#include "bindings/carve.h"
 #include "bindings/layout_call.h"
 #include "bindings/stream_join.h"
 #include "ipc_bindings.h"
@@ -39,6 +40,10 @@ std::string phase_name(int phase) {
     case kPhaseCombineSend: return "combine (sender waiting for free ring slots)";
     case kPhaseCombineRecv: return "combine (receiver waiting for rows)";
     case kPhaseDrain: return "drain (sender waiting for a peer to finish the previous call)";
+    case kPhaseDirectReady: return "direct dispatch ready (waiting for a peer's kernel of the same call to start)";
+    case kPhaseDirectArrive: return "direct dispatch arrival (waiting for a peer's rows of this call)";
+    case kPhasePullReady: return "pull combine ready (waiting for a peer's kernel of the same call to start)";
+    case kPhasePullArrive: return "pull combine arrival (waiting for a peer to finish reading this rank's rows)";
     default: return "unknown phase " + std::to_string(phase);
   }
 }
@@ -129,6 +134,21 @@ uint64_t checked_ring_signature(int64_t word) {
   return static_cast<uint64_t>(word);
 }
 
+// (direct calls, of them missed, pull combines, of them missed) so far on this rank (Control's direct_calls,
+// direct_missed_total, pull_calls, pull_missed_total; the ring kernel moved a missed call): for tests and the
+// bench, which tell from them which path ran. Synchronises the device.
+py::tuple path_counters(const IpcBuffer& b) {
+  MOE_CHECK(b.alive(), "buffer destroyed");
+  const auto* ctl = reinterpret_cast<const Control*>(b.local());
+  uint64_t words[4];
+  MOE_CUDA_CHECK(cudaDeviceSynchronize());
+  MOE_CUDA_CHECK(cudaMemcpy(&words[0], &ctl->direct_calls, 8, cudaMemcpyDeviceToHost));
+  MOE_CUDA_CHECK(cudaMemcpy(&words[1], &ctl->direct_missed_total, 8, cudaMemcpyDeviceToHost));
+  MOE_CUDA_CHECK(cudaMemcpy(&words[2], &ctl->pull_calls, 8, cudaMemcpyDeviceToHost));
+  MOE_CUDA_CHECK(cudaMemcpy(&words[3], &ctl->pull_missed_total, 8, cudaMemcpyDeviceToHost));
+  return py::make_tuple(words[0], words[1], words[2], words[3]);
+}
+
 std::vector<int> expert_counts(const IpcBuffer& b, int n) {
   MOE_CHECK(n >= 0 && n <= kMaxLocalExperts, "too many local experts");
   const volatile Mailbox* box = b.host_mailbox();
@@ -157,16 +177,18 @@ void notify(const IpcBuffer& b, uint64_t timeout_ns, const at::Tensor& is_token_
             const at::Tensor& num_tokens_per_rank, const at::Tensor& num_tokens_per_expert, int num_channels,
             int expert_alignment, int num_worst_tokens, int seq, const at::Tensor& rank_prefix_matrix,
             const at::Tensor& recv_channel_offset, const c10::optional<at::Tensor>& em_layout, int signature_hash,
-            int problem) {
+            int problem, const c10::optional<at::Tensor>& send_row_offset) {
   const auto device = is_token_in_rank.get_device();
   for (const at::Tensor* t : {&is_token_in_rank, &num_tokens_per_rank, &num_tokens_per_expert, &rank_prefix_matrix,
                               &recv_channel_offset}) {
     expect_cuda(*t, device, "notify");
   }
   expect_cuda(em_layout, device, "notify: em_layout");
+  expect_cuda(send_row_offset, device, "notify: send_row_offset");
   const c10::cuda::CUDAGuard guard(device);
   NotifyArgs a{};
   a.em_layout = data_of<int>(em_layout);
+  a.send_row_offset = data_of<int>(send_row_offset);
   a.signature_hash = signature_hash;
   a.problem = problem;
   a.bad_expert_ids = &reinterpret_cast<Control*>(b.local())->bad_expert_ids;
@@ -262,16 +284,139 @@ void dispatch(const IpcBuffer& b, uint64_t timeout_ns, const at::Tensor& x, cons
   launch_dispatch(a, current_stream(device).stream());
 }
 
+// Direct dispatch (kernels/intranode/dispatch_direct.cu) of a fresh dispatch (ring_signature 0: top-k, when
+// given, and source indices too) or a cached one (ring_signature: its ring word; payload and scales only). The
+// outputs are carved from `payload` (uint8, direct_payload_bytes(...) at least: recv_x [rows, H] x.dtype,
+// recv_scales [rows, S]) and, fresh, `meta` (uint8, direct_meta_bytes(...): recv_topk_idx int64 [rows, K],
+// recv_topk_weights float32 [rows, K], recv_src_idx int32 [rows]). out_offset / meta_offset: where the blocks lie
+// in this rank's NVLink buffer (the peer pool), or -1 when they do not: then no rank writes directly and the ring
+// kernel queued after the direct one moves the call on every rank (it is queued always, and leaves at once when
+// the direct kernel moved the call). send_row_offset int32 [R, C] is notify's (fresh) or the handle's (cached).
+// row_of_token (fresh, optional): int32 [T, R] filled with -1, receives where each token landed in each
+// destination's outputs (the pull combine's map). -> (recv_x, recv_scales or None, recv_topk_idx and
+// recv_topk_weights or None (no topk_idx), recv_src_idx or None (cached)).
+py::tuple direct_dispatch(const IpcBuffer& b, uint64_t timeout_ns, const at::Tensor& x,
+                          const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& topk_idx,
+                          const c10::optional<at::Tensor>& topk_weights, const at::Tensor& is_token_in_rank,
+                          const at::Tensor& recv_channel_offset, const at::Tensor& send_row_offset,
+                          const at::Tensor& payload, int64_t out_offset, const c10::optional<at::Tensor>& meta,
+                          int64_t meta_offset, int64_t rows, int experts_per_rank, bool pad_rows, int num_channels,
+                          int chunk, int num_slots, int slot_bytes, int64_t ring_signature,
+                          const c10::optional<at::Tensor>& row_of_token) {
+  const bool fresh = ring_signature == 0;
+  const auto device = x.get_device();
+  expect_cuda(x, device, "direct dispatch: x");
+  expect_cuda(scales, device, "direct dispatch: scales");
+  expect_cuda(topk_idx, device, "direct dispatch: topk_idx");
+  expect_cuda(topk_weights, device, "direct dispatch: topk_weights");
+  expect_cuda(payload, device, "direct dispatch: payload");
+  expect_cuda(meta, device, "direct dispatch: meta");
+  expect_cuda(row_of_token, device, "direct dispatch: row_of_token");
+  MOE_CHECK(!topk_weights.has_value() || topk_idx.has_value(), "direct dispatch: topk_weights without topk_idx");
+  MOE_CHECK(fresh || (!topk_idx.has_value() && !row_of_token.has_value()),
+            "direct dispatch: a cached call takes no topk_idx or row_of_token");
+  MOE_CHECK(fresh == meta.has_value(), "direct dispatch: a fresh call (only) has a meta block");
+  MOE_CHECK(send_row_offset.numel() >= static_cast<int64_t>(b.num_ranks()) * num_channels,
+            "direct dispatch: send_row_offset must be [R, C]");
+  const DirectPayload o{rows, row_bytes(x), columns(scales)};
+  const DirectMeta m{rows, columns(topk_idx)};
+  auto lies_at = [&](const at::Tensor& block, int64_t offset, int64_t bytes, const char* what) {
+    MOE_CHECK(block.scalar_type() == at::kByte && block.is_contiguous() && block.numel() >= bytes,
+              std::string("direct dispatch: ") + what + " must be a contiguous uint8 tensor of its layout's bytes");
+    MOE_CHECK(offset == -1 || (offset >= 0 && offset % 16 == 0 &&
+                               static_cast<uint8_t*>(block.data_ptr()) == b.local() + offset),
+              std::string("direct dispatch: ") + what + "'s offset is not where it lies in this rank's NVLink buffer");
+  };
+  lies_at(payload, out_offset, o.bytes(), "payload");
+  if (fresh) lies_at(*meta, meta_offset, m.bytes(), "meta");
+  if (row_of_token.has_value()) {
+    MOE_CHECK(row_of_token->scalar_type() == at::kInt && row_of_token->is_contiguous() &&
+                  row_of_token->numel() == is_token_in_rank.size(0) * static_cast<int64_t>(b.num_ranks()),
+              "direct dispatch: row_of_token must be a contiguous int32 [T, R]");
+  }
+  MOE_CHECK(x.size(0) == is_token_in_rank.size(0), "direct dispatch: x and is_token_in_rank differ in tokens");
+  const c10::cuda::CUDAGuard guard(device);
+  const int64_t h = x.size(1), s = o.num_scales, k = m.num_topk;
+  at::Tensor recv_x = carve(payload, o.x_offset(), x.scalar_type(), {rows, h}, {h, 1});
+  py::object recv_scales = py::none(), recv_idx = py::none(), recv_w = py::none(), recv_src = py::none();
+  at::Tensor scales_out, idx_out, w_out, src_out;
+  if (scales.has_value()) {
+    scales_out = carve(payload, o.scales_offset(), scales->scalar_type(), {rows, s}, {s, 1});
+    recv_scales = py::cast(scales_out);
+  }
+  if (topk_idx.has_value()) {
+    idx_out = carve(*meta, m.idx_offset(), at::kLong, {rows, k}, {k, 1});
+    w_out = carve(*meta, m.weights_offset(), at::kFloat, {rows, k}, {k, 1});
+    recv_idx = py::cast(idx_out);
+    recv_w = py::cast(w_out);
+  }
+  if (fresh) {
+    src_out = carve(*meta, m.src_offset(), at::kInt, {rows}, {1});
+    recv_src = py::cast(src_out);
+  }
+
+  // The ring kernel's arguments first (their checks may throw): a rank must queue both kernels or neither.
+  DispatchArgs a = ring_dispatch_args(b, timeout_ns, Ring{num_channels, chunk, num_slots, slot_bytes});
+  set_routing(a, is_token_in_rank, recv_channel_offset);
+  a.x = data_of<const uint8_t>(x);
+  a.scales = data_of<const int32_t>(scales);
+  a.topk_idx = data_of<const int64_t>(topk_idx);
+  a.topk_weights = data_of<const float>(topk_weights);
+  a.recv_x = data_of<uint8_t>(recv_x);
+  a.recv_scales = scales.has_value() ? data_of<int32_t>(scales_out) : nullptr;
+  a.recv_topk_idx = topk_idx.has_value() ? data_of<int64_t>(idx_out) : nullptr;
+  a.recv_topk_weights = topk_idx.has_value() ? data_of<float>(w_out) : nullptr;
+  a.recv_src_idx = fresh ? data_of<int>(src_out) : nullptr;
+  a.hidden_bytes = o.hidden_bytes;
+  a.num_scales = o.num_scales;
+  a.num_topk = m.num_topk;
+  a.experts_per_rank = experts_per_rank;
+  a.num_rows = static_cast<int>(rows);
+  a.pad_rows = pad_rows ? 1 : 0;
+  a.ring_signature = fresh ? 0 : checked_ring_signature(ring_signature);  // cached: its ring word
+
+  DirectDispatchArgs d{};
+  d.c = a.c;
+  d.x = a.x;
+  d.scales = a.scales;
+  d.topk_idx = a.topk_idx;
+  d.topk_weights = a.topk_weights;
+  d.is_token_in_rank = a.is_token_in_rank;
+  d.recv_channel_offset = a.recv_channel_offset;
+  d.send_row_offset = data_of<const int>(send_row_offset);
+  d.out_offset = out_offset;
+  d.meta_offset = fresh ? meta_offset : 0;
+  d.out_rows = rows;
+  d.layout = a.ring_signature;
+  d.row_of_token = data_of<int>(row_of_token);
+  d.num_tokens = a.num_tokens;
+  d.hidden_bytes = a.hidden_bytes;
+  d.num_scales = a.num_scales;
+  d.num_topk = a.num_topk;
+  d.experts_per_rank = experts_per_rank;
+  d.write_meta = fresh ? 1 : 0;
+  d.pad_rows = a.pad_rows;
+  d.num_channels = num_channels;
+  const cudaStream_t stream = current_stream(device).stream();
+  launch_direct_dispatch(d, stream);
+  launch_ring_fallback(a, stream);
+  return py::make_tuple(recv_x, recv_scales, recv_idx, recv_w, recv_src);
+}
+
 // Combine (rank-major): x [rows, H] bf16/fp16/fp32, topk_weights float32 [rows, K] or None, bias0 / bias1 [T, H]
-// of x's dtype or None -> out [T, H], out_topk_weights float32 [T, K] (with topk_weights).
+// of x's dtype or None -> out [T, H], out_topk_weights float32 [T, K] (with topk_weights). Along a direct
+// dispatch's handle, row_of_token (int32 [T, R], the dispatch's) makes it a pull combine: x_offset / w_offset are
+// where x and topk_weights lie in this rank's NVLink buffer (its peer pool), or -1 when they do not.
 void combine(const IpcBuffer& b, uint64_t timeout_ns, const at::Tensor& x,
              const c10::optional<at::Tensor>& topk_weights,
              const c10::optional<at::Tensor>& bias0, const c10::optional<at::Tensor>& bias1,
              const at::Tensor& is_token_in_rank, const at::Tensor& recv_channel_offset, const at::Tensor& out,
              const c10::optional<at::Tensor>& out_topk_weights, int num_channels, int chunk, int num_slots,
-             int slot_bytes, int64_t ring_signature) {
+             int slot_bytes, int64_t ring_signature, const c10::optional<at::Tensor>& row_of_token,
+             int64_t x_offset, int64_t w_offset) {
   const auto device = x.get_device();
   expect_cuda(x, device, "combine: x");
+  expect_cuda(row_of_token, device, "combine: row_of_token");
   expect_cuda(topk_weights, device, "combine: topk_weights");
   expect_cuda(bias0, device, "combine: bias0");
   expect_cuda(bias1, device, "combine: bias1");
@@ -293,7 +438,30 @@ void combine(const IpcBuffer& b, uint64_t timeout_ns, const at::Tensor& x,
   a.num_topk = columns(topk_weights);
   a.num_x_rows = static_cast<int>(x.size(0));
   a.ring_signature = checked_ring_signature(ring_signature);
-  launch_combine(a, current_stream(device).stream());
+  const cudaStream_t stream = current_stream(device).stream();
+  if (!row_of_token.has_value()) {
+    launch_combine(a, stream);
+    return;
+  }
+  // Along a direct dispatch's handle: the pull combine, then the ring combine, which moves the call only when
+  // some rank's input is not peer-mapped (x_offset -1 on that rank).
+  MOE_CHECK(row_of_token->numel() == static_cast<int64_t>(a.num_tokens) * b.num_ranks(),
+            "combine: row_of_token must be [T, R]");
+  // (an input without rows is read by nobody: any offset will do)
+  MOE_CHECK(x_offset < 0 || x.numel() == 0 ||
+                (static_cast<const uint8_t*>(x.data_ptr()) == b.local() + x_offset &&
+                 (!topk_weights.has_value() ||
+                  static_cast<const uint8_t*>(topk_weights->data_ptr()) == b.local() + w_offset)),
+            "combine: x_offset / w_offset are not where x / topk_weights lie in this rank's NVLink buffer");
+  MOE_CHECK(row_of_token->scalar_type() == at::kInt && row_of_token->is_contiguous(),
+            "combine: row_of_token must be a contiguous int32 tensor");
+  CombinePullArgs p{};
+  p.base = a;
+  p.row_of_token = data_of<const int>(row_of_token);
+  p.x_offset = x_offset < 0 ? -1 : x_offset;
+  p.w_offset = p.x_offset < 0 ? -1 : w_offset;
+  launch_combine_pull(p, stream);
+  launch_ring_reduce_fallback(a, stream);
 }
 
 // Expert-major dispatch, local pass after the rank-major dispatch (em_permute.cu): received rows x [N, H] (scales
@@ -479,7 +647,8 @@ void register_intranode(py::module_& m) {
   sub.def("em_layout_words", [](int r, int l) { return ExpertMajorLayout::words(r, l); });
 
   py::class_<IpcBuffer>(sub, "IpcBuffer")
-      .def(py::init<int, int, size_t>(), py::arg("rank"), py::arg("num_ranks"), py::arg("num_bytes"))
+      .def(py::init<int, int, size_t, size_t>(), py::arg("rank"), py::arg("num_ranks"), py::arg("num_bytes"),
+           py::arg("num_pool_bytes") = 0)
       .def("ipc_handle", [](const IpcBuffer& b) { return py::bytes(b.ipc_handle()); })
       .def("open_peers",
            [](IpcBuffer& b, const std::vector<py::bytes>& handles) {
@@ -491,6 +660,16 @@ void register_intranode(py::module_& m) {
       .def("abandon", &IpcBuffer::abandon)
       .def_property_readonly("alive", &IpcBuffer::alive)
       .def_property_readonly("local_ptr", [](const IpcBuffer& b) { return reinterpret_cast<uintptr_t>(b.local()); })
+      // The peer pool's tail (runtime/ipc_buffer.h): offset and size; peer_ptrs: every rank's allocation as this
+      // process maps it (0 once closed).
+      .def_property_readonly("pool_offset", &IpcBuffer::pool_offset)
+      .def_property_readonly("pool_bytes", &IpcBuffer::pool_bytes)
+      .def("peer_ptrs",
+           [](const IpcBuffer& b) {
+             std::vector<uintptr_t> ptrs;
+             for (int r = 0; r < b.num_ranks(); ++r) ptrs.push_back(reinterpret_cast<uintptr_t>(b.peer(r)));
+             return ptrs;
+           })
       .def_property_readonly("src_block_bytes", [](const IpcBuffer& b) { return b.common(0).src_block_bytes; })
       .def("timeout_info", &timeout_info)
       // The peer abort (runtime/peer_abort.h): this rank raised in a Buffer call / its next call starts.
@@ -501,7 +680,8 @@ void register_intranode(py::module_& m) {
       .def("expert_counts", &expert_counts, py::arg("n"))
       .def("take_worst_overflow", &take_worst_overflow)
       .def("take_signature_mismatch", &take_signature_mismatch, py::arg("num_ranks"))
-      .def("take_ring_mismatch", &take_ring_mismatch);
+      .def("take_ring_mismatch", &take_ring_mismatch)
+      .def("path_counters", &path_counters);
 
   py::class_<CommStream>(sub, "CommStream")
       .def(py::init<const c10::Stream&>(), py::arg("stream"))
@@ -533,16 +713,34 @@ void register_intranode(py::module_& m) {
           py::arg("num_tokens_per_rank"), py::arg("num_tokens_per_expert"), py::arg("num_channels"),
           py::arg("expert_alignment"), py::arg("num_worst_tokens"), py::arg("seq"), py::arg("rank_prefix_matrix"),
           py::arg("recv_channel_offset"), py::arg("em_layout") = py::none(), py::arg("signature_hash") = 0,
-          py::arg("problem") = 0);
+          py::arg("problem") = 0, py::arg("send_row_offset") = py::none());
   sub.def("dispatch", &dispatch, py::arg("buffer"), py::arg("timeout_ns"), py::arg("x"), py::arg("scales"),
           py::arg("topk_idx"), py::arg("topk_weights"), py::arg("is_token_in_rank"), py::arg("recv_channel_offset"),
           py::arg("recv_x"), py::arg("recv_scales"), py::arg("recv_topk_idx"), py::arg("recv_topk_weights"),
           py::arg("recv_src_idx"), py::arg("experts_per_rank"), py::arg("pad_rows"), py::arg("num_channels"),
           py::arg("chunk"), py::arg("num_slots"), py::arg("slot_bytes"));
+  sub.def("direct_dispatch", &direct_dispatch, py::arg("buffer"), py::arg("timeout_ns"), py::arg("x"),
+          py::arg("scales"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("is_token_in_rank"),
+          py::arg("recv_channel_offset"), py::arg("send_row_offset"), py::arg("payload"), py::arg("out_offset"),
+          py::arg("meta"), py::arg("meta_offset"), py::arg("rows"), py::arg("experts_per_rank"), py::arg("pad_rows"),
+          py::arg("num_channels"), py::arg("chunk"), py::arg("num_slots"), py::arg("slot_bytes"),
+          py::arg("ring_signature") = 0, py::arg("row_of_token") = py::none());
+  // Bytes of a direct dispatch's output blocks for `rows` rows (DirectPayload / DirectMeta: the layouts' one
+  // source).
+  sub.def(
+      "direct_payload_bytes",
+      [](int64_t rows, int64_t hidden_bytes, int64_t num_scales) {
+        return DirectPayload{rows, hidden_bytes, num_scales}.bytes();
+      },
+      py::arg("rows"), py::arg("hidden_bytes"), py::arg("num_scales"));
+  sub.def(
+      "direct_meta_bytes", [](int64_t rows, int64_t num_topk) { return DirectMeta{rows, num_topk}.bytes(); },
+      py::arg("rows"), py::arg("num_topk"));
   sub.def("combine", &combine, py::arg("buffer"), py::arg("timeout_ns"), py::arg("x"), py::arg("topk_weights"),
           py::arg("bias0"), py::arg("bias1"), py::arg("is_token_in_rank"), py::arg("recv_channel_offset"),
           py::arg("out"), py::arg("out_topk_weights"), py::arg("num_channels"), py::arg("chunk"),
-          py::arg("num_slots"), py::arg("slot_bytes"), py::arg("ring_signature"));
+          py::arg("num_slots"), py::arg("slot_bytes"), py::arg("ring_signature"), py::arg("row_of_token") = py::none(),
+          py::arg("x_offset") = -1, py::arg("w_offset") = -1);
   sub.def("em_permute", &em_permute, py::arg("x"), py::arg("scales"), py::arg("recv_topk_idx"),
           py::arg("recv_topk_weights"), py::arg("pair_rank"), py::arg("layout"), py::arg("received"), py::arg("em_x"),
           py::arg("em_scales"), py::arg("em_weights"), py::arg("em_pair_row"), py::arg("em_pair_slot"),

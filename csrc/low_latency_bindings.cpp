@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "bindings.h"
+#include "bindings/carve.h"
 #include "bindings/stream_join.h"
 #include "kernels/low_latency/low_latency.h"
 #include "runtime/cuda_check.h"
@@ -61,17 +62,6 @@ size_t align_up(size_t n) { return (n + kCarveAlign - 1) / kCarveAlign * kCarveA
 
 [[noreturn]] void fail(const std::string& what) { throw std::runtime_error(what); }
 [[noreturn]] void bad_value(const std::string& what) { throw py::value_error(what); }
-
-// A typed view of `base`'s storage from byte `offset` with explicit sizes and strides (elements). Made
-// without the dispatcher (the per-call cost of view/as_strided is the point of carving one allocation).
-at::Tensor carve(const at::Tensor& base, size_t offset, at::ScalarType dtype, c10::IntArrayRef sizes,
-                 c10::IntArrayRef strides) {
-  const size_t esize = c10::elementSize(dtype);
-  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(base.storage()), base.key_set(),
-                                                   c10::scalarTypeToTypeMeta(dtype));
-  impl->set_sizes_and_strides(sizes, strides, static_cast<int64_t>(offset / esize));
-  return at::Tensor(std::move(impl));
-}
 
 // Invariant checks of one tensor argument (ValueError naming it).
 void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, int device) {

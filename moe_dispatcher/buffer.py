@@ -80,6 +80,9 @@ class Buffer:
             ranks (the order DeepEP's normal-mode combine uses across ranks). "per_expert": every row travels
             back and is summed in top-k order (DeepEP V1's low-latency combine). Settable between calls, on
             every rank alike.
+        num_pool_bytes: bytes of peer pool per GPU (default 0: none): torch tensors that every GPU of the NVLink
+            domain has mapped, from `peer_pool` (moe_dispatcher/compiled/peer_pool.py; compiled intranode
+            backend only). The same on every rank.
     """
 
     # DeepEP V1's class attribute: reads as 20. Until set_num_sms (or an assignment) replaces it, each fresh
@@ -90,12 +93,13 @@ class Buffer:
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False, use_fabric: bool = False,
                  explicitly_destroy: bool = False, enable_shrink: bool = False, *, backend: Optional[str] = None,
-                 topology: Optional[Topology] = None, low_latency_combine_reduction: Optional[str] = None) -> None:
+                 topology: Optional[Topology] = None, low_latency_combine_reduction: Optional[str] = None,
+                 num_pool_bytes: int = 0) -> None:
         for flag, name in ((allow_mnnvl, "allow_mnnvl"), (use_fabric, "use_fabric"), (enable_shrink, "enable_shrink")):
             if flag:
                 raise NotImplementedError(f"Buffer({name}=True) is not supported by moe_dispatcher")
         for value, name in ((num_nvl_bytes, "num_nvl_bytes"), (num_rdma_bytes, "num_rdma_bytes"),
-                            (num_qps_per_rank, "num_qps_per_rank")):
+                            (num_qps_per_rank, "num_qps_per_rank"), (num_pool_bytes, "num_pool_bytes")):
             check_count(name, value)
         if not dist.is_initialized():
             raise RuntimeError("Buffer needs torch.distributed to be initialised (init_process_group) first")
@@ -117,12 +121,13 @@ class Buffer:
             raise
         self._agree(Signature("Buffer creation", (
             num_nvl_bytes, num_rdma_bytes, bool(low_latency_mode), nvl_size, backend, num_qps_per_rank,
-            bool(allow_nvlink_for_low_latency_mode), bool(explicitly_destroy))))
+            bool(allow_nvlink_for_low_latency_mode), bool(explicitly_destroy), num_pool_bytes)))
         self.topology = topology if topology is not None else Topology.from_group(self.group)
         if (self.topology.rank, self.topology.num_ranks) != (self.rank, self.group_size):
             raise ValueError(f"topology describes rank {self.topology.rank} of {self.topology.num_ranks}, but this "
                              f"process is rank {self.rank} of {self.group_size} in the group")
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
+        self.num_pool_bytes = num_pool_bytes
         self.low_latency_mode = low_latency_mode
         self.num_qps_per_rank = num_qps_per_rank
         self.allow_nvlink_for_low_latency_mode = allow_nvlink_for_low_latency_mode
@@ -232,7 +237,8 @@ class Buffer:
         row_bytes = data.shape[1] * data.element_size() if data.dim() == 2 else 0
         if row_bytes <= 0:
             return None
-        sms = _config.default_num_sms(self.group_size, self.topology.is_single_domain, row_bytes)
+        sms = _config.default_num_sms(self.group_size, self.topology.is_single_domain, row_bytes,
+                                      direct=self.num_pool_bytes > 0)
         return _config.get_dispatch_config(self.group_size, sms)
 
     @staticmethod
@@ -308,6 +314,25 @@ class Buffer:
     def _check_alive(self) -> None:
         if self._destroyed:
             raise RuntimeError("this Buffer was destroyed")
+
+    @property
+    def peer_pool(self):
+        """The PeerPool of this rank (moe_dispatcher/compiled/peer_pool.py): torch tensors in memory every GPU of the
+        NVLink domain has mapped. Needs Buffer(num_pool_bytes=N > 0) served by the compiled intranode backend (one
+        NVLink domain); RuntimeError otherwise, or once the Buffer is destroyed (its tensors stay valid: destroy()
+        defers the free of the pool's memory until the last of them is gone)."""
+        self._check_alive()
+        pool = getattr(self._kernels, "peer_pool", None)
+        if pool is not None:
+            return pool
+        if self.num_pool_bytes == 0:
+            why = "the Buffer has no peer pool (num_pool_bytes=0)"
+        elif self._kernels is None:
+            why = f"the compiled kernels do not serve this Buffer: {self._kernels_why}"
+        else:
+            why = (f"only the intranode backend (one NVLink domain) has a peer pool; this Buffer's is "
+                   f"{self._kernels.name}")
+        raise RuntimeError(f"Buffer.peer_pool: {why}")
 
     def get_comm_stream(self) -> torch.cuda.Stream:
         """The CUDA stream communication kernels run on: of the highest priority, as DeepEP V1's, so that beside

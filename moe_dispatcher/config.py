@@ -187,6 +187,12 @@ def get_combine_config(num_ranks: int, num_sms: int = 20) -> Config:
 NUM_SMS_SWEEPS = {
     (4, True): {4096 * 7168 * 2: {8: 2496, 16: 1305, 20: 1092, 22: 1053, 24: 1186}},
 }
+# The same for a Buffer with a peer pool (num_pool_bytes > 0, one NVLink domain): direct dispatch and pull combine
+# reach the ceiling with fewer SMs. (4, True): 4 x H200, 2026-11-27, the normal bench with --num-pool-bytes 4 GiB,
+# cached BF16 dispatch + combine (bench/results/h200x4.md, "Peer pool").
+NUM_SMS_SWEEPS_DIRECT = {
+    (4, True): {4096 * 7168 * 2: {4: 2456, 6: 1689, 8: 1319, 10: 1096, 12: 1078, 16: 1036, 24: 1016}},
+}
 NUM_SMS_CEILING = 0.95  # a count "reaches the ceiling" when its time is within 1/0.95 of the sweep's best
 NUM_SMS_FALLBACK = 20  # (ranks, NVLink) without a sweep: DeepEP V1's default
 REFERENCE_TOKENS = 4096  # tokens per rank assumed when the caller knows no group-wide count
@@ -212,12 +218,13 @@ def smallest_at_ceiling(times_us: dict) -> int:
 
 
 def default_num_sms(num_ranks: int, nvlink: bool = True, hidden_bytes: int = 7168 * 2,
-                    num_tokens: Optional[int] = None) -> int:
+                    num_tokens: Optional[int] = None, direct: bool = False) -> int:
     """The smallest SM count that reaches the exchange's ceiling for this group and size.
 
     num_ranks: ranks of the group; nvlink: True when they share one NVLink domain (False: the internode path);
     hidden_bytes: bytes of one dispatched row (H x element size); num_tokens: tokens per rank, the same on every
-    rank (None: REFERENCE_TOKENS). Reads NUM_SMS_SWEEPS[(num_ranks, nvlink)] at the measured payload nearest to
+    rank (None: REFERENCE_TOKENS); direct: the Buffer has a peer pool (direct dispatch and pull combine, one NVLink
+    domain: NUM_SMS_SWEEPS_DIRECT). Reads NUM_SMS_SWEEPS[(num_ranks, nvlink)] at the measured payload nearest to
     num_tokens x hidden_bytes (log scale) and returns the smallest num_sms whose round time is within
     1/NUM_SMS_CEILING of that sweep's best; NUM_SMS_FALLBACK where no sweep was measured. Every rank must get the
     same answer (the ranks' channel counts must agree), so pass only group-wide facts.
@@ -226,7 +233,8 @@ def default_num_sms(num_ranks: int, nvlink: bool = True, hidden_bytes: int = 716
     check_count("hidden_bytes", hidden_bytes, 1)
     tokens = REFERENCE_TOKENS if num_tokens is None else check_count("num_tokens", num_tokens, 1)
     payload = hidden_bytes * tokens
-    sweeps = NUM_SMS_SWEEPS.get((num_ranks, bool(nvlink)))
+    table = NUM_SMS_SWEEPS_DIRECT if direct and nvlink else NUM_SMS_SWEEPS
+    sweeps = table.get((num_ranks, bool(nvlink)))
     if not sweeps:
         return NUM_SMS_FALLBACK
     nearest = min(sweeps, key=lambda size: abs(math.log(size / payload)))
@@ -238,6 +246,6 @@ def default_num_sms_bound(num_ranks: int) -> int:
     Buffer.get_dispatch_config / get_combine_config while Buffer.num_sms is the default, so a Buffer sized from
     them holds the rings of every default choice."""
     check_count("num_ranks", num_ranks, 1)
-    picks = [smallest_at_ceiling(times) for (ranks, _), sweeps in NUM_SMS_SWEEPS.items() if ranks == num_ranks
-             for times in sweeps.values()]
+    picks = [smallest_at_ceiling(times) for table in (NUM_SMS_SWEEPS, NUM_SMS_SWEEPS_DIRECT)
+             for (ranks, _), sweeps in table.items() if ranks == num_ranks for times in sweeps.values()]
     return max([NUM_SMS_FALLBACK] + picks)

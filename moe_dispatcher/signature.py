@@ -31,7 +31,8 @@ _CONFIG = ("config.num_sms", "config.num_max_nvl_chunked_send_tokens", "config.n
            "config.num_max_rdma_chunked_send_tokens", "config.num_max_rdma_chunked_recv_tokens")
 FIELDS: Dict[str, Tuple[str, ...]] = {
     "Buffer creation": ("num_nvl_bytes", "num_rdma_bytes", "low_latency_mode", "NVLink domain size", "backend",
-                        "num_qps_per_rank", "allow_nvlink_for_low_latency_mode", "explicitly_destroy"),
+                        "num_qps_per_rank", "allow_nvlink_for_low_latency_mode", "explicitly_destroy",
+                        "num_pool_bytes"),
     "dispatch": ("hidden", "x dtype", "x_scales dtype", "x_scales columns", "top-k", "topk_weights given",
                  "num_experts") + _CONFIG,
     "expert-major dispatch": ("hidden", "x dtype", "x_scales dtype", "x_scales columns", "top-k",

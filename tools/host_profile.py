@@ -65,7 +65,7 @@ def main() -> None:
     y = recv.clone()
     backend = buf._kernels
     comm = buf.get_comm_stream()
-    channels, offsets = handle.backend_state.routing
+    channels, offsets = handle.backend_state.routing[:2]
     _, chunk, slots = backend._config(None, combine=False)
     rows = handle.recv_src_idx.shape[0]
     recv_x = torch.empty(rows, h, dtype=x.dtype, device="cuda")

@@ -5,15 +5,20 @@
 #include <cstring>
 
 #include "runtime/cuda_check.h"
+#include "runtime/peer_pool/peer_pool.h"
 
 namespace moe_ep {
 
-IpcBuffer::IpcBuffer(int rank, int num_ranks, size_t num_bytes)
-    : rank_(rank), num_ranks_(num_ranks), num_bytes_(num_bytes) {
+IpcBuffer::IpcBuffer(int rank, int num_ranks, size_t num_bytes, size_t pool_bytes)
+    : rank_(rank),
+      num_ranks_(num_ranks),
+      num_bytes_(num_bytes),
+      pool_offset_(pool_bytes ? (num_bytes + kPoolAlignment - 1) / kPoolAlignment * kPoolAlignment : num_bytes),
+      pool_bytes_(pool_bytes) {
   MOE_CHECK(num_ranks >= 1 && num_ranks <= intranode::kMaxRanks, "intranode buffers serve 1 to 8 ranks");
   MOE_CHECK(rank >= 0 && rank < num_ranks, "rank out of range");
   MOE_CHECK(num_bytes > intranode::kRingsOffset, "NVLink buffer smaller than its control region");
-  MOE_CUDA_CHECK(cudaMalloc(&local_, num_bytes));
+  MOE_CUDA_CHECK(cudaMalloc(&local_, pool_offset_ + pool_bytes_));
   MOE_CUDA_CHECK(cudaMemset(local_, 0, intranode::kRingsOffset));
   MOE_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&host_mailbox_), sizeof(intranode::Mailbox),
                                cudaHostAllocMapped));
@@ -79,7 +84,11 @@ void IpcBuffer::close() {
 void IpcBuffer::destroy() {
   if (local_ == nullptr) return;
   close();
-  MOE_CUDA_CHECK(cudaFree(local_));
+  // A pool region with live blocks takes the allocation over and frees it at its last block; else it is forgotten
+  // (or never was registered) and the allocation goes now. Either way no peer maps it any more (see the header).
+  if (pool_bytes_ == 0 || !peer_pool::retire_region(reinterpret_cast<uintptr_t>(local_ + pool_offset_), local_)) {
+    MOE_CUDA_CHECK(cudaFree(local_));
+  }
   local_ = peers_[rank_] = nullptr;
   MOE_CUDA_CHECK(cudaFreeHost(host_mailbox_));
   host_mailbox_ = device_mailbox_ = nullptr;
@@ -92,6 +101,7 @@ void IpcBuffer::abandon() {
     close();
   } catch (...) {  // abandoning is the way out of a failed teardown: it never throws
   }
+  if (pool_bytes_ != 0) peer_pool::retire_region(reinterpret_cast<uintptr_t>(local_ + pool_offset_), nullptr);
   local_ = peers_[rank_] = nullptr;
   cudaFreeHost(host_mailbox_);
   host_mailbox_ = device_mailbox_ = nullptr;

@@ -144,6 +144,17 @@ class Workload:
         n = rotation(self.recv_rows * h * 2, dev)
         self.ys = [torch.randn(self.recv_rows, h, device=dev, generator=self._gen).to(torch.bfloat16)
                    for _ in range(n)]
+        if getattr(self.buffer, "num_pool_bytes", 0):  # combine inputs in the peer pool: the pull combine
+            try:
+                pool = self.buffer.peer_pool
+            except RuntimeError:  # not the compiled intranode backend: no pool
+                pool = None
+            if pool is not None:
+                try:
+                    self.ys = [pool.allocate(tuple(y.shape), y.dtype).copy_(y) for y in self.ys]
+                except torch.OutOfMemoryError:  # PeerPoolExhausted: the combines take the ring (counted below)
+                    self.ctx.say(f"  note: the combine inputs do not fit the peer pool ({self.buffer.num_pool_bytes} "
+                                 f"bytes): combine runs on the ring")
 
     # byte counts of this rank (bench/README.md)
     def bytes_bf16(self) -> Tuple[float, float]:
@@ -258,9 +269,11 @@ def run(ctx: Context) -> None:
     rows = sweep_configs(o, r)
     pd, pc = plot_config(o, r)
     configs = [d for _, d, _ in rows] + [c for _, _, c in rows if c is not None] + [pd, pc]
-    buffer = Buffer(ctx.group, num_nvl_bytes=nvl_bytes(configs, o.hidden, r), backend=o.backend)
+    buffer = Buffer(ctx.group, num_nvl_bytes=nvl_bytes(configs, o.hidden, r), backend=o.backend,
+                    num_pool_bytes=o.num_pool_bytes)
     ctx.say(f"== normal mode: {r} ranks, T={o.tokens} H={o.hidden} top-{o.topk} of {o.num_experts} experts, "
-            f"{o.iters} timed calls after {o.warmup} warm-up, {len(rows)} configs")
+            f"{o.iters} timed calls after {o.warmup} warm-up, {len(rows)} configs"
+            + (f", peer pool {o.num_pool_bytes >> 20} MiB" if o.num_pool_bytes else ""))
     try:
         w = Workload(ctx, buffer, o.tokens, seed=1)
         recv_x, handle0 = w.fresh(rows[0][1])
@@ -288,6 +301,11 @@ def run(ctx: Context) -> None:
         extras(ctx, w, pd, pc)
         del w
         _release(ctx.device)
+        counters = getattr(getattr(buffer, "_kernels", None), "_ipc", None)
+        if o.num_pool_bytes and hasattr(counters, "path_counters"):
+            direct, missed, pulls, pulls_missed = counters.path_counters()
+            ctx.say(f"  peer pool: {direct - missed} of {direct} dispatches direct, {pulls - pulls_missed} of {pulls} "
+                    f"combines pulled (the rest moved by the ring kernels)")
         if o.plot_sweep:
             token_sweep(ctx, buffer, pd, pc)
     finally:

@@ -167,7 +167,8 @@ def measure(ctx: Context, streams: Streams, work: List[Tuple[Any, Callable[[int]
 def sm_counts(ctx: Context, topology: Topology) -> Tuple[List[int], int]:
     """The SM counts to run (--num-sms and the default choice, ascending) and the default choice."""
     o = ctx.opts
-    default = default_num_sms(ctx.num_ranks, topology.is_single_domain, o.hidden * 2, o.tokens)
+    default = default_num_sms(ctx.num_ranks, topology.is_single_domain, o.hidden * 2, o.tokens,
+                              direct=o.num_pool_bytes > 0)
     return sorted(set(o.num_sms) | {default}), default
 
 
@@ -189,11 +190,12 @@ def run(ctx: Context) -> None:
     counts, default = sm_counts(ctx, Topology.from_group(ctx.group))
     configs = [(s, get_dispatch_config(r, s), get_combine_config(r, s)) for s in counts]
     buffer = Buffer(ctx.group, num_nvl_bytes=nvl_bytes([c for _, d, cc in configs for c in (d, cc)], o.hidden, r),
-                    backend=o.backend)
+                    backend=o.backend, num_pool_bytes=o.num_pool_bytes)
     dtype = "BF16" if ctx.device.type == "cuda" else "FP32 on the CPU"
     ctx.say(f"== overlap mode: {r} ranks, {o.rounds} GEMMs of {o.gemm_size}^3 ({dtype}) beside {o.rounds} cached "
             f"BF16 dispatch+combine rounds (T={o.tokens} H={o.hidden} top-{o.topk} of {o.num_experts}), SMs {counts} "
-            f"(default choice {default}), {o.repeats} repeats after a warm-up")
+            f"(default choice {default}), {o.repeats} repeats after a warm-up"
+            + (f", peer pool {o.num_pool_bytes >> 20} MiB" if o.num_pool_bytes else ""))
     group = None
     try:
         group = nccl_group(ctx)
@@ -310,5 +312,6 @@ def _rule_point(ctx: Context, buffer: Buffer, default: int) -> None:
         return
     key = (ctx.num_ranks, buffer.topology.is_single_domain)
     pick = smallest_at_ceiling(ours)
-    ctx.note(f"num_sms rule point (config.NUM_SMS_SWEEPS): {key}: {{{o.tokens} * {o.hidden * 2}: {ours}}}; the rule "
+    table = "NUM_SMS_SWEEPS_DIRECT" if o.num_pool_bytes else "NUM_SMS_SWEEPS"
+    ctx.note(f"num_sms rule point (config.{table}): {key}: {{{o.tokens} * {o.hidden * 2}: {ours}}}; the rule "
              f"would choose {pick} from it (the table's choice now: {default})")

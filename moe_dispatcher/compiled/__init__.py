@@ -42,7 +42,8 @@ class HandleState:
     """backend_state of a DispatchHandle from a backend whose cached calls run from native plans (intranode,
     internode).
 
-    routing:        the backend's tables of the handle (intranode: (num_channels, recv_channel_offset); internode:
+    routing:        the backend's tables of the handle (intranode: (num_channels, recv_channel_offset, direct), direct
+                    None or, for a direct dispatch's handle, (send_row_offset, row_of_token); internode:
                     (num_channels, recv_channel_offset, fwd_offset, fwd_mask, fwd_capacity)).
     dispatch_plans: [the native plan (CachedDispatch of csrc/bindings/cached_call.h) of the latest cached
                     dispatch of plain rows, that of FP8 rows with scales], None before the first such call;

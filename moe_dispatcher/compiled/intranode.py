@@ -8,6 +8,8 @@ semantics; methods here check what depends on the kernels (config limits, ring s
 current stream and launch. Cached calls (dispatch along a handle, combine) run from native plans kept in the
 handle's state: the Buffer's fast path calls a plan directly, once its first call made it (CachedPlans).
 docs/intranode.md describes the protocol and the host path.
+With Buffer(num_pool_bytes=N) the allocation has a tail of N bytes past the kernels' buffer, the region of the
+Buffer's PeerPool (peer_pool.py): torch tensors every peer has mapped, closed here before the mappings close.
 
 Host synchronisation: a fresh dispatch without num_worst_tokens waits (spinning on mapped memory) for
 notify's receive counts; cached dispatch, dispatch with num_worst_tokens, layout and combine never do.
@@ -44,8 +46,9 @@ from ..config import Config, align_slot
 from ..expert_major import ExpertMajorHandle, compose_expert_major_dispatch, gather_rows, unpermute
 from ..handle import DispatchHandle
 from ..signature import Signature, dispatch_signature, raise_disagreement, ring_signature_word, signature_hash
-from . import (STATUS_PEER_ABORTED, TIMEOUT_ENV, HandleState, buffer_view, combine_tensors, kernel_timeout_s,
-               posted_by_peer, recv_tensors, run_cached, timeout_message, wait_counts)
+from .peer_pool import PeerPool
+from . import (LAUNCH_CURRENT, STATUS_PEER_ABORTED, TIMEOUT_ENV, HandleState, buffer_view, combine_tensors,
+               kernel_timeout_s, posted_by_peer, recv_tensors, run_cached, timeout_message, wait_counts)
 
 # Dtypes of combine input the kernels reduce (others go to the reference backend: capabilities.combine_dtypes).
 COMBINE_DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32})
@@ -101,6 +104,78 @@ class _DeviceMemory:
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2}
 
 
+class _DirectDispatchPlan:
+    """The plan of a cached dispatch along the handle of a direct dispatch (IntranodeBackend._direct_dispatch): the
+    same duck type as the native plans (csrc/bindings/cached_call.h: run() answers None for a call unlike the one
+    it was made for, and the Buffer then takes its full path). It launches on the current stream only (the full
+    path's LAUNCH_CURRENT, inside the Buffer's stream scope); the fast path's modes answer None."""
+
+    __slots__ = ("backend", "in_rank", "num_tokens", "num_worst_tokens", "x_spec", "aux_spec", "config", "num_sms",
+                 "ring", "word")
+
+    def __init__(self, backend, handle: DispatchHandle, x: torch.Tensor, x_scales: Optional[torch.Tensor],
+                 config: Optional[Config], num_sms: int, ring: Tuple[int, int, int, int], word: int) -> None:
+        self.backend = backend
+        self.in_rank, self.num_tokens, self.num_worst_tokens = (handle.is_token_in_rank, handle.num_tokens,
+                                                                handle.num_worst_tokens)
+        self.x_spec = (x.dtype, tuple(x.shape), x.device)
+        self.aux_spec = None if x_scales is None else (x_scales.dtype, tuple(x_scales.shape), x_scales.device)
+        self.config, self.num_sms, self.ring, self.word = config, num_sms, ring, word
+
+    def _matches(self, handle, x: torch.Tensor, aux: Optional[torch.Tensor], config, num_sms: int) -> bool:
+        if (handle.is_token_in_rank is not self.in_rank or handle.num_tokens != self.num_tokens
+                or handle.num_worst_tokens != self.num_worst_tokens or not x.is_contiguous()
+                or (x.dtype, tuple(x.shape), x.device) != self.x_spec):
+            return False
+        if (aux is None) != (self.aux_spec is None) or (aux is not None and (
+                (aux.dtype, tuple(aux.shape), aux.device) != self.aux_spec or not aux.is_contiguous())):
+            return False
+        if (config is None) != (self.config is None):
+            return False
+        return num_sms == self.num_sms if config is None else (config is self.config or config == self.config)
+
+    def _serves(self, handle, x: torch.Tensor, aux: Optional[torch.Tensor], config, num_sms: int, mode: int) -> bool:
+        """This plan's call, on the current stream's mode, and the backend may still launch (else the full path
+        takes it and says why)."""
+        if mode != LAUNCH_CURRENT or not self._matches(handle, x, aux, config, num_sms):
+            return False
+        try:
+            self.backend._check()
+        except RuntimeError:
+            return False
+        return True
+
+    def run(self, handle, x: torch.Tensor, aux: Optional[torch.Tensor], config, num_sms: int, mode: int):
+        """-> (recv_x, recv_scales or None, None), or None when not _serves(...)."""
+        if not self._serves(handle, x, aux, config, num_sms, mode):
+            return None
+        _, offsets, direct = handle.backend_state.routing
+        rows = self.num_worst_tokens or handle.num_recv_tokens
+        out = self.backend._direct_dispatch(x, aux, None, None, self.in_rank, offsets, direct[0], rows, 1,
+                                            bool(self.num_worst_tokens), self.ring, self.word)
+        return out[0], out[1], None
+
+
+class _PullCombinePlan(_DirectDispatchPlan):
+    """The plan of a combine along a direct dispatch's handle (IntranodeBackend._combine_along: the pull kernel, the
+    ring kernel when some rank's input is not in its pool): the same contract as _DirectDispatchPlan, with the
+    top-k weights as its aux tensor."""
+
+    __slots__ = ()
+
+    def __init__(self, backend, handle: DispatchHandle, x: torch.Tensor, topk_weights: Optional[torch.Tensor],
+                 config: Optional[Config], num_sms: int, ring: Tuple[int, int, int, int]) -> None:
+        super().__init__(backend, handle, x, topk_weights, config, num_sms, ring, 0)
+
+    def run(self, handle, x: torch.Tensor, aux: Optional[torch.Tensor], config, num_sms: int, mode: int):
+        """-> (combined_x, combined_topk_weights or None, None), or None when not _serves(...)."""
+        if not self._serves(handle, x, aux, config, num_sms, mode):
+            return None
+        out, out_w, _, _ = combine_tensors(self.num_tokens, x, aux, ())
+        self.backend._combine_along(x, aux, None, None, handle, out, out_w, self.ring)
+        return out, out_w, None
+
+
 class IntranodeBackend(Backend):
     """Compiled normal-mode backend for one Buffer (see the module docstring). Float64 combines and more than
     MAX_LOCAL_EXPERTS experts per rank are not its (capabilities): the Buffer sends those to the reference."""
@@ -128,10 +203,17 @@ class IntranodeBackend(Backend):
                              f"{minimum}; use Config.get_nvl_buffer_size_hint)")
         self.device = torch.device("cuda", torch.cuda.current_device())
         self._num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        self._ipc = self._mod.IpcBuffer(self.rank, self.num_ranks, self.num_nvl_bytes)
+        self.num_pool_bytes = buffer.num_pool_bytes
+        # With num_pool_bytes the allocation has the peer pool's region as its tail (exported with the buffer).
+        self._ipc = (self._mod.IpcBuffer(self.rank, self.num_ranks, self.num_nvl_bytes, self.num_pool_bytes)
+                     if self.num_pool_bytes else self._mod.IpcBuffer(self.rank, self.num_ranks, self.num_nvl_bytes))
         handles: List[Optional[bytes]] = [None] * self.num_ranks
         dist.all_gather_object(handles, self._ipc.ipc_handle(), group=self.group)
         self._ipc.open_peers(handles)
+        self.peer_pool: Optional[PeerPool] = None
+        self._direct_blocks: Tuple[Optional[torch.Tensor], ...] = ()  # the latest direct dispatch's output blocks
+        if self.num_pool_bytes:
+            self.peer_pool = PeerPool(self._ipc, mod.peer_pool, mod.__file__, self.device, self.rank, self.num_ranks)
         # The Buffer's comm stream, with the events that join it to the caller's stream in cached calls.
         self._comm = self._mod.CommStream(buffer.get_comm_stream())
         self.launch_order = self._comm
@@ -222,10 +304,11 @@ class IntranodeBackend(Backend):
     # ------------------------------------------------------------------ dispatch
     def _notify(self, is_token_in_rank: torch.Tensor, num_tokens_per_rank: torch.Tensor,
                 num_tokens_per_expert: torch.Tensor, channels: int, expert_alignment: int, num_worst_tokens: int,
-                signature: Signature, em_layout: Optional[torch.Tensor] = None
-                ) -> Tuple[torch.Tensor, torch.Tensor, int]:
+                signature: Signature, em_layout: Optional[torch.Tensor] = None,
+                send_row_offset: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, int]:
         """Launch notify, which also compares every rank's `signature`: -> (rank_prefix_matrix int32 [R, R],
-        recv_channel_offset int32 [R, C + 1], its seq)."""
+        recv_channel_offset int32 [R, C + 1], its seq). send_row_offset (int32 [R, C], direct dispatch) receives
+        where this rank's rows of each channel start in each destination's outputs."""
         r, dev = self.num_ranks, is_token_in_rank.device
         prefix = torch.empty(r, r, dtype=torch.int32, device=dev)
         offsets = torch.empty(r, channels + 1, dtype=torch.int32, device=dev)
@@ -235,7 +318,8 @@ class IntranodeBackend(Backend):
             self._signatures.popitem(last=False)
         self._mod.notify(self._ipc, self._timeout_ns, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert,
                          channels, expert_alignment, num_worst_tokens, self._seq, prefix, offsets, em_layout,
-                         signature_hash=signature_hash(signature), problem=signature.problem)
+                         signature_hash=signature_hash(signature), problem=signature.problem,
+                         send_row_offset=send_row_offset)
         return prefix, offsets, self._seq
 
     def dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
@@ -257,9 +341,13 @@ class IntranodeBackend(Backend):
                   if num_worst_tokens else None)
         signature = dispatch_signature("dispatch", x, x_scales, topk_idx, topk_weights, num_tokens_per_expert.numel(),
                                        config or self._buffer_cls.get_dispatch_config(self.num_ranks))
+        # With a peer pool (the same on every rank: agreed at creation) the rows go straight into the receivers'
+        # outputs (_direct_dispatch); notify tells each rank where its rows start there.
+        send_rows = (torch.empty(self.num_ranks, channels, dtype=torch.int32, device=x.device)
+                     if self.peer_pool is not None else None)
         prefix, offsets, seq = self._notify(is_token_in_rank, num_tokens_per_rank.contiguous(),
                                             num_tokens_per_expert.contiguous(), channels, expert_alignment,
-                                            num_worst_tokens, signature, layout)
+                                            num_worst_tokens, signature, layout, send_rows)
         counts: List[int] = []
         num_recv: Optional[int] = None
         if num_worst_tokens:
@@ -271,16 +359,90 @@ class IntranodeBackend(Backend):
             counts = self._ipc.expert_counts(local)
             rows = num_recv
 
-        recv_x, recv_scales, recv_idx, recv_w, recv_src = recv_tensors(
-            rows, x, x_scales, _columns(x_scales), num_topk if topk_idx is not None else None)
-        self._mod.dispatch(self._ipc, self._timeout_ns, x, x_scales, topk_idx, topk_weights, is_token_in_rank, offsets,
-                           recv_x, recv_scales, recv_idx, recv_w, recv_src, local, bool(num_worst_tokens), channels,
-                           chunk, slots, slot_bytes)
+        direct = None
+        if send_rows is not None:
+            row_of_token = torch.full((x.shape[0], self.num_ranks), -1, dtype=torch.int32, device=x.device)
+            direct = (send_rows, row_of_token)
+            recv_x, recv_scales, recv_idx, recv_w, recv_src = self._direct_dispatch(
+                x, x_scales, topk_idx, topk_weights, is_token_in_rank, offsets, send_rows, rows, local,
+                bool(num_worst_tokens), (channels, chunk, slots, slot_bytes), 0, row_of_token)
+        else:
+            recv_x, recv_scales, recv_idx, recv_w, recv_src = recv_tensors(
+                rows, x, x_scales, _columns(x_scales), num_topk if topk_idx is not None else None)
+            self._mod.dispatch(self._ipc, self._timeout_ns, x, x_scales, topk_idx, topk_weights, is_token_in_rank,
+                               offsets, recv_x, recv_scales, recv_idx, recv_w, recv_src, local, bool(num_worst_tokens),
+                               channels, chunk, slots, slot_bytes)
         if topk_weights is None:
             recv_w = None
         handle = DispatchHandle(prefix, is_token_in_rank, recv_src, num_recv, x.shape[0], num_worst_tokens, self.name,
-                                self._buffer_token, backend_state=HandleState((channels, offsets)))
+                                self._buffer_token, backend_state=HandleState((channels, offsets, direct)))
         return recv_x, recv_scales, recv_idx, recv_w, counts, handle
+
+    def _direct_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
+                         topk_weights: Optional[torch.Tensor], is_token_in_rank: torch.Tensor, offsets: torch.Tensor,
+                         send_rows: torch.Tensor, rows: int, local: int, pad_rows: bool,
+                         ring: Tuple[int, int, int, int], ring_signature: int,
+                         row_of_token: Optional[torch.Tensor] = None) -> list:
+        """Dispatch by the direct kernel (kernels/intranode/dispatch_direct.cu) into outputs allocated in the peer
+        pool: a payload block carved natively into recv_x [rows, H] and recv_scales [rows, S] or None, and in a fresh
+        call (ring_signature 0) a meta block carved into recv_topk_idx [rows, K] and recv_topk_weights [rows, K] (or
+        None without topk_idx) and recv_src_idx [rows] (None in a cached call), apart so that the handle, which keeps
+        the source index, does not keep the payload's memory. A fresh call also fills row_of_token (int32 [T, R], -1
+        first: where each token landed at each rank, the pull combine's map). A block the pool has no room for (or
+        any block while a CUDA graph is being captured: the graph's allocations are its own pool's) comes from
+        torch's allocator, and the rank says so to its peers in the kernel: then no rank writes directly and the ring
+        kernel queued after it moves the call on every rank (the same outputs). The blocks of the latest call stay
+        referenced here: a peer that is late with it (or runs it after this rank gave up) writes into them, never
+        into memory handed out again."""
+        payload_bytes = self._mod.direct_payload_bytes(rows, _row_bytes(x), _columns(x_scales))
+        payload, out_offset = self._pool_block(payload_bytes, x.device)
+        meta, meta_offset = None, 0
+        if ring_signature == 0:
+            meta, meta_offset = self._pool_block(self._mod.direct_meta_bytes(rows, _columns(topk_idx)), x.device)
+        self._direct_blocks = (payload, meta)
+        return list(self._mod.direct_dispatch(self._ipc, self._timeout_ns, x, x_scales, topk_idx, topk_weights,
+                                              is_token_in_rank, offsets, send_rows, payload, out_offset, meta,
+                                              meta_offset, rows, local, pad_rows, *ring,
+                                              ring_signature=ring_signature, row_of_token=row_of_token))
+
+    def _pool_block(self, nbytes: int, device: torch.device) -> Tuple[torch.Tensor, int]:
+        """A uint8 block of at least `nbytes` bytes for a direct dispatch's outputs and its offset in this rank's
+        NVLink buffer: from the peer pool, its size rounded up to a power of two (2 MiB at least) so that torch's
+        cached blocks serve the next calls, whose sizes vary (torch cannot hand a live pool's cached segments back
+        to the region); or from torch's own allocator with offset -1 when the pool has no room or a CUDA graph is
+        being captured."""
+        if not torch.cuda.is_current_stream_capturing():
+            size = max(2 << 20, 1 << (max(nbytes, 1) - 1).bit_length())
+            try:
+                block = self.peer_pool.allocate((size,), torch.uint8)
+                return block, self._ipc.pool_offset + self.peer_pool.offset_of(block)
+            except torch.OutOfMemoryError:  # PeerPoolExhausted: the ring kernel moves this call on every rank
+                pass
+        return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device), -1
+
+    def _pull_offsets(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor]) -> dict:
+        """Where a combine's x and topk_weights lie in this rank's NVLink buffer (its peer pool), or -1 for both when
+        either is elsewhere (then every rank's call goes through the ring: the pull kernel's verdict); an x without
+        rows counts as peer-mapped."""
+        pool = self.peer_pool
+        if pool is None or pool.closed or torch.cuda.is_current_stream_capturing():
+            return {"x_offset": -1, "w_offset": -1}
+        if x.numel() == 0:  # no rows: nobody reads this input, wherever it lies
+            return {"x_offset": 0, "w_offset": 0}
+        if pool.contains(x) and (topk_weights is None or pool.contains(topk_weights)):
+            w_offset = -1 if topk_weights is None else self._ipc.pool_offset + pool.offset_of(topk_weights)
+            return {"x_offset": self._ipc.pool_offset + pool.offset_of(x), "w_offset": w_offset}
+        return {"x_offset": -1, "w_offset": -1}
+
+    def _combine_along(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor], bias0, bias1, handle,
+                       out: torch.Tensor, out_w: Optional[torch.Tensor], ring: Tuple[int, int, int, int]) -> None:
+        """Launch the combine of x along `handle` into out / out_w: the ring kernel, or along a direct dispatch's
+        handle the pull kernel (then the ring kernel moves the call only if some rank's input is not in its pool)."""
+        _, offsets, direct = handle.backend_state.routing
+        pull = {} if direct is None else {"row_of_token": direct[1], **self._pull_offsets(x, topk_weights)}
+        self._mod.combine(self._ipc, self._timeout_ns, x, topk_weights, bias0, bias1, handle.is_token_in_rank,
+                          offsets, out, out_w, *ring, ring_signature=_combine_ring_signature(x, topk_weights, ring[2]),
+                          **pull)
 
     def _wait_counts(self, seq: int) -> int:
         """The host's wait for notify call `seq` (fresh dispatch without num_worst_tokens): rows received (one
@@ -313,12 +475,15 @@ class IntranodeBackend(Backend):
 
     def _dispatch_plan(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], handle: DispatchHandle,
                        config: Optional[Config]):
-        """The checks of a cached dispatch, then its native plan."""
-        channels, offsets = handle.backend_state.routing
+        """The checks of a cached dispatch, then its plan: native, or _DirectDispatchPlan along a handle of a direct
+        dispatch."""
+        channels, offsets, direct = handle.backend_state.routing
         ring = self._ring(config, False, dispatch_slot_bytes(_row_bytes(x), _columns(x_scales), 0), "cached dispatch",
                           channels)
         word = ring_signature_word("cached dispatch", x.shape[1], x.dtype,
                                    x_scales.dtype if x_scales is not None else None, _columns(x_scales), 0, ring[2])
+        if direct is not None:
+            return _DirectDispatchPlan(self, handle, x, x_scales, config, self._buffer_cls.num_sms, ring, word)
         return self._mod.cached_dispatch(self._ipc, self._comm, self._timeout_ns, handle, offsets, x, x_scales, *ring,
                                          config, self._buffer_cls.num_sms, ring_signature=word)
 
@@ -332,19 +497,20 @@ class IntranodeBackend(Backend):
             return run_cached(self, handle.backend_state.combine_plans, topk_weights is not None, self._combine_plan,
                               handle, x, topk_weights, config)
         # With a bias (rare: no plan, and the Buffer's fast path does not take it).
-        channels, offsets = handle.backend_state.routing
+        channels = handle.backend_state.routing[0]
         ring = self._ring(config, True, combine_slot_bytes(_row_bytes(x), _columns(topk_weights)), "combine", channels)
         out, out_w, bias0, bias1 = combine_tensors(handle.num_tokens, x, topk_weights, bias)
-        self._mod.combine(self._ipc, self._timeout_ns, x, topk_weights, bias0, bias1,
-                          handle.is_token_in_rank, offsets, out, out_w, *ring,
-                          ring_signature=_combine_ring_signature(x, topk_weights, ring[2]))
+        self._combine_along(x, topk_weights, bias0, bias1, handle, out, out_w, ring)
         return out, out_w
 
     def _combine_plan(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor], handle: DispatchHandle,
                       config: Optional[Config]):
-        """The checks of a combine (x of a kernel dtype), then its native plan."""
-        channels, offsets = handle.backend_state.routing
+        """The checks of a combine (x of a kernel dtype), then its plan: native, or _PullCombinePlan along a direct
+        dispatch's handle."""
+        channels, offsets, direct = handle.backend_state.routing
         ring = self._ring(config, True, combine_slot_bytes(_row_bytes(x), _columns(topk_weights)), "combine", channels)
+        if direct is not None:
+            return _PullCombinePlan(self, handle, x, topk_weights, config, self._buffer_cls.num_sms, ring)
         return self._mod.cached_combine(self._ipc, self._comm, self._timeout_ns, handle, offsets, x, topk_weights,
                                         *ring, config, self._buffer_cls.num_sms,
                                         ring_signature=_combine_ring_signature(x, topk_weights, ring[2]))
@@ -409,7 +575,7 @@ class IntranodeBackend(Backend):
         tpe = layout[r_local + 2 * local + 1: r_local + 3 * local + 1]
         need = layout[r_local + local]
         dh = DispatchHandle(prefix, in_rank, recv_src, num_recv, x.shape[0], num_worst_tokens, self.name,
-                            self._buffer_token, backend_state=HandleState((channels, offsets)))
+                            self._buffer_token, backend_state=HandleState((channels, offsets, None)))
         handle = ExpertMajorHandle(dh, pair_row, pair_slot, tpe, k, rows_needed=need,
                                    backend_state=(inverse, layout, local, expert_alignment))
         return px, ps, pw, tpe, counts, handle
@@ -514,6 +680,10 @@ class IntranodeBackend(Backend):
             self._broken = timeout_message(self.name, self._ipc.timeout_info(), self.timeout_s, TIMEOUT_ENV,
                                            self._board)
         self._rdma_emulation = None
+        if self._broken is None:  # every direct call completed (its kernel saw every peer's writes): nobody writes
+            self._direct_blocks = ()  # into them any more; a broken backend keeps them (a late peer might)
+        if self.peer_pool is not None:  # before the mappings its peer addresses point into close
+            self.peer_pool.close()
         self._ipc.close()
 
     def views_alive(self) -> bool:
@@ -524,5 +694,7 @@ class IntranodeBackend(Backend):
         (this backend's, the views', the plans')."""
 
     def abandon(self) -> None:
-        """A peer never confirmed: leave the buffer allocated until the process exits."""
+        """A peer never confirmed: leave the buffer allocated until the process exits (the pool's region too)."""
+        if self.peer_pool is not None:
+            self.peer_pool.close()
         self._ipc.abandon()

@@ -44,8 +44,9 @@ def stub_intranode(rows: int) -> types.SimpleNamespace:
     class IpcBuffer:
         local_ptr = 0
 
-        def __init__(self, rank, num_ranks, num_bytes):
+        def __init__(self, rank, num_ranks, num_bytes, num_pool_bytes=0):
             self.alive = True
+            self.pool_bytes, self.pool_offset = num_pool_bytes, num_bytes  # the peer pool's tail (ipc_buffer.h)
             self.timeout: Optional[tuple] = None  # what timeout_info() reports (a test sets it)
             self.ring_mismatch: Optional[list] = None  # what take_ring_mismatch() reports (a test sets it)
             self.signature_mismatch: Optional[tuple] = None  # what take_signature_mismatch() reports (a test sets it)
@@ -202,7 +203,8 @@ def attach_stub_backend(buf, rows: int, patch: Callable = setattr):
     its dispatch (call backend.dispatch directly: the Buffer routes fresh CPU calls to the reference).
     patch(obj, name, value) replaces module attributes (pytest's monkeypatch.setattr undoes them)."""
     from moe_dispatcher import _ext
-    ext = types.SimpleNamespace(intranode=stub_intranode(rows))
+    # peer_pool / __file__: what the backend hands a PeerPool (a test that makes one replaces PeerPool).
+    ext = types.SimpleNamespace(intranode=stub_intranode(rows), peer_pool=None, __file__="stub")
     patch(_ext, "load", lambda: ext)
     patch(torch.cuda, "current_device", lambda: 0)
     patch(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(multi_processor_count=132))

@@ -29,8 +29,11 @@ ENV = {"MOE_DISPATCHER_TIMEOUT_S": "30"}  # a case that hangs fails in 30 s
 AGREEING_CALLS = 500
 
 
-def _world(rank: int, num_ranks: int) -> list[str]:
-    buf = make_buffer(hidden_bytes=4 * H * 4, backend="kernels", explicitly_destroy=True)
+def _world(rank: int, num_ranks: int, pool_bytes: int) -> list[str]:
+    # With a pool the calls are direct dispatches and pull combines: a disagreeing layout word makes every rank's
+    # call go through the ring kernel, whose signature check finds it, as without a pool.
+    extra = {"num_pool_bytes": pool_bytes} if pool_bytes else {}
+    buf = make_buffer(hidden_bytes=4 * H * 4, backend="kernels", explicitly_destroy=True, **extra)
     assert buf._kernels is not None and buf._kernels.name == "intranode", "the intranode kernels must serve this Buffer"
     s = CachedAgreement(buf, rank, num_ranks)
     x, handle, recv_x, odd = s.x, s.handle, s.recv_x, s.odd
@@ -65,7 +68,8 @@ def _world(rank: int, num_ranks: int) -> list[str]:
     return seen
 
 
+@pytest.mark.parametrize("pool_bytes", [0, 64 << 20], ids=["ring", "direct"])
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_disagreeing_cached_calls_raise_on_every_rank(world_size: int) -> None:
-    for line in run_distributed(_world, world_size, backend="nccl", env=ENV, timeout=300)[0]:
+def test_disagreeing_cached_calls_raise_on_every_rank(world_size: int, pool_bytes: int) -> None:
+    for line in run_distributed(_world, world_size, pool_bytes, backend="nccl", env=ENV, timeout=300)[0]:
         print(line)

@@ -65,7 +65,8 @@ def test_repeated_cached_calls_take_the_fast_path(world):
     assert _modes(w, "CachedDispatch") == [LAUNCH_CURRENT, LAUNCH_SYNC, LAUNCH_SYNC]
     assert _modes(w, "CachedCombine") == [LAUNCH_CURRENT, LAUNCH_CURRENT] + [LAUNCH_SYNC] * 4  # one plan per kind
     # Plans hold the geometry the checks passed (the handle's channels, the config's chunk and ring).
-    channels, offsets = h.backend_state.routing
+    channels, offsets, direct = h.backend_state.routing
+    assert direct is None  # no peer pool: the ring kernels
     _, chunk, slots = w.backend._config(None, combine=False)
     assert w.ext.plans[0] == ("CachedDispatch", (w.backend._timeout_ns, offsets, torch.bfloat16, (T, H), None, channels,
                                                  chunk, slots, dispatch_slot_bytes(H * 2, 0, 0), None, Buffer.num_sms,

@@ -35,12 +35,13 @@ def _all(t: torch.Tensor, value: int, what: str) -> None:
     assert bool((t == value).all()), f"{what}: {int((t != value).sum())} elements are not {value} (rows moved)"
 
 
-def _world(rank: int, num_ranks: int, kernels: str) -> list[str]:
+def _world(rank: int, num_ranks: int, kernels: str, pool_bytes: int = 0) -> list[str]:
     from moe_dispatcher import Buffer
     from moe_dispatcher.signature import SignatureMismatch
     odd = rank == num_ranks - 1
     e = L * num_ranks
-    buf = make_buffer(hidden_bytes=2 * H * 2, backend="kernels", explicitly_destroy=True)
+    extra = {"num_pool_bytes": pool_bytes} if pool_bytes else {}  # a pool: direct dispatch and pull combine
+    buf = make_buffer(hidden_bytes=2 * H * 2, backend="kernels", explicitly_destroy=True, **extra)
     assert buf._kernels is not None and buf._kernels.name == kernels, f"the {kernels} kernels must serve this Buffer"
     config = Buffer.get_dispatch_config(num_ranks)  # one config on every rank: only the case's field differs
     idx = _routing(rank, num_ranks)
@@ -114,9 +115,11 @@ def _world(rank: int, num_ranks: int, kernels: str) -> list[str]:
     return seen
 
 
+@pytest.mark.parametrize("pool_bytes", [0, 64 << 20], ids=["ring", "direct"])
 @pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
-def test_refused_calls_move_nothing_intranode(world_size: int) -> None:
-    for line in run_distributed(_world, world_size, "intranode", backend="nccl", env=TIMEOUT_ENV, timeout=180)[0]:
+def test_refused_calls_move_nothing_intranode(world_size: int, pool_bytes: int) -> None:
+    for line in run_distributed(_world, world_size, "intranode", pool_bytes, backend="nccl", env=TIMEOUT_ENV,
+                                timeout=180)[0]:
         print(line)
 
 

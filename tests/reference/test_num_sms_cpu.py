@@ -23,6 +23,7 @@ def sweeps(monkeypatch):
     table = {(1, True): {T * H * 2: SWEEP_SMALL, 4096 * H * 2: SWEEP_LARGE},
              (2, False): {T * H * 2: {6: 10.0, 10: 9.0}}}
     monkeypatch.setattr(cfg, "NUM_SMS_SWEEPS", table)
+    monkeypatch.setattr(cfg, "NUM_SMS_SWEEPS_DIRECT", {(1, True): {T * H * 2: {2: 90.0, 4: 40.0, 6: 39.0}}})
     return table
 
 
@@ -39,6 +40,10 @@ def test_rule_picks_the_smallest_count_at_the_ceiling(sweeps):
     assert cfg.default_num_sms(8) == 20
     # tokens unknown: REFERENCE_TOKENS per rank
     assert cfg.default_num_sms(1, True, H * 2) == cfg.default_num_sms(1, True, H * 2, cfg.REFERENCE_TOKENS)
+    # with a peer pool (direct dispatch, one NVLink domain) the direct table: 4 SMs (40 us <= 39 / 0.95)
+    assert cfg.default_num_sms(1, True, H * 2, T, direct=True) == 4
+    assert cfg.default_num_sms(2, False, H * 2, T, direct=True) == 10  # no direct path across domains
+    assert cfg.default_num_sms(2, True, H * 2, T, direct=True) == cfg.NUM_SMS_FALLBACK  # no sweep
     # the bound covers every answer (Buffers are sized from it)
     assert cfg.default_num_sms_bound(1) == 24 and cfg.default_num_sms_bound(2) == 20
     with pytest.raises(TypeError, match="num_tokens"):
@@ -48,14 +53,17 @@ def test_rule_picks_the_smallest_count_at_the_ceiling(sweeps):
 def test_committed_table_is_usable():
     """Every sweep of the committed table is a valid choice set: even positive SM counts, positive times; the bound
     covers every answer for sizes from 1 token to 64K tokens of 4 KB to 32 KB rows."""
-    for (ranks, nvlink), sweeps in cfg.NUM_SMS_SWEEPS.items():
+    for direct, (ranks, nvlink), sweeps in [(d, key, sweeps) for d, table in ((False, cfg.NUM_SMS_SWEEPS),
+                                                                         (True, cfg.NUM_SMS_SWEEPS_DIRECT))
+                                            for key, sweeps in table.items()]:
         assert isinstance(ranks, int) and ranks >= 1 and isinstance(nvlink, bool)
         for payload, times in sweeps.items():
             assert payload > 0 and len(times) >= 2, (ranks, nvlink, payload)
             assert all(s >= 2 and s % 2 == 0 and t > 0 for s, t in times.items()), times
         for hidden_bytes in (4096, 14336, 32768):
             for tokens in (1, 4096, 65536):
-                assert cfg.default_num_sms(ranks, nvlink, hidden_bytes, tokens) <= cfg.default_num_sms_bound(ranks)
+                assert (cfg.default_num_sms(ranks, nvlink, hidden_bytes, tokens, direct=direct)
+                        <= cfg.default_num_sms_bound(ranks))
 
 
 def test_buffer_num_sms_default_and_set():

@@ -23,6 +23,7 @@
 #include "kernels/common/ring_signature.cuh"
 #include "kernels/common/vec.cuh"
 #include "kernels/intranode/protocol.h"
+#include "kernels/intranode/reduce_token.cuh"
 #include "kernels/intranode/rings.cuh"
 
 namespace moe_ep::intranode {
@@ -34,67 +35,6 @@ __device__ __forceinline__ void send_row(const CombineArgs& a, int64_t r, uint8_
                       row_bytes / 16, lane);
   if (a.topk_weights != nullptr && lane < a.num_topk) {
     reinterpret_cast<float*>(slot + row_bytes)[lane] = a.topk_weights[r * a.num_topk + lane];
-  }
-}
-
-// Whole warp: output row `token` = cast(bias0 + bias1 + rows of ranks ascending), accumulated in float32 in
-// that order (the reference's order), and the top-k weights summed likewise. src[d]: the token's slot in the
-// ring from rank d, or null. kRanks: the rank count rounded up to 2, 4 or 8, so the per-rank arrays stay in
-// registers; each lane keeps 8 row loads in flight (8 / kRanks vectors of each rank's row).
-template <typename T, int kRanks>
-__device__ __forceinline__ void reduce_token(const CombineArgs& a, int64_t token, const uint8_t* const* src,
-                                             int row_bytes, int lane) {
-  constexpr int kUnroll = 8 / kRanks;
-  const int vecs = row_bytes / 16;
-  for (int v0 = lane; v0 < vecs; v0 += 32 * kUnroll) {
-    Vec<T> rows[kUnroll][kRanks];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int v = v0 + u * 32;
-#pragma unroll
-      for (int d = 0; d < kRanks; ++d) {
-        if (v < vecs && src[d] != nullptr) rows[u][d].raw = ptx::ld_cg_v4(reinterpret_cast<const int4*>(src[d]) + v);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int v = v0 + u * 32;
-      if (v >= vecs) break;
-      float acc[Vec<T>::kElems];
-#pragma unroll
-      for (int e = 0; e < Vec<T>::kElems; ++e) acc[e] = 0.f;
-      if (a.bias0 != nullptr) {
-        Vec<T> b;
-        b.raw = ptx::ld_nc_v4(reinterpret_cast<const int4*>(a.bias0 + token * row_bytes) + v);
-#pragma unroll
-        for (int e = 0; e < Vec<T>::kElems; ++e) acc[e] += to_float(b.elems[e]);
-      }
-      if (a.bias1 != nullptr) {
-        Vec<T> b;
-        b.raw = ptx::ld_nc_v4(reinterpret_cast<const int4*>(a.bias1 + token * row_bytes) + v);
-#pragma unroll
-        for (int e = 0; e < Vec<T>::kElems; ++e) acc[e] += to_float(b.elems[e]);
-      }
-#pragma unroll
-      for (int d = 0; d < kRanks; ++d) {
-        if (src[d] != nullptr) {
-#pragma unroll
-          for (int e = 0; e < Vec<T>::kElems; ++e) acc[e] += to_float(rows[u][d].elems[e]);
-        }
-      }
-      Vec<T> out;
-#pragma unroll
-      for (int e = 0; e < Vec<T>::kElems; ++e) out.elems[e] = from_float<T>(acc[e]);
-      reinterpret_cast<int4*>(a.out + token * row_bytes)[v] = out.raw;
-    }
-  }
-  if (a.out_topk_weights != nullptr && lane < a.num_topk) {
-    float wsum = 0.f;
-#pragma unroll
-    for (int d = 0; d < kRanks; ++d) {
-      if (src[d] != nullptr) wsum += __int_as_float(ptx::ld_cg(reinterpret_cast<const int*>(src[d] + row_bytes) + lane));
-    }
-    a.out_topk_weights[token * a.num_topk + lane] = wsum;
   }
 }
 
@@ -232,7 +172,10 @@ __device__ void reduce_tokens(const CombineArgs& a, int c, int warp, int lane, u
       src[d] = reinterpret_cast<const uint8_t*>(
           __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(mine), d));
     }
-    reduce_token<T, kRanks>(a, t, src, row_bytes, lane);
+    const uint8_t* weights[kRanks];  // a slot's top-k weights follow its row
+#pragma unroll
+    for (int d = 0; d < kRanks; ++d) weights[d] = src[d] != nullptr ? src[d] + row_bytes : nullptr;
+    reduce_token<T, kRanks>(a, t, src, weights, row_bytes, lane);
     board.advance(0, warp, j + kCombineWarps, lane);
   }
   board.leave(0, warp, j, lane);
@@ -285,10 +228,9 @@ __device__ void receive_channel(const CombineArgs& a, int c, int warp, int lane,
 
 // One instantiation per dtype and rank count (rounded up to 2, 4, 8), so that each compiles only its own
 // paths within the 96 registers.
+// The kernels below own the shared memory (board, shared_ok[kMaxRanks]) and pass it in.
 template <typename T, int kRanks>
-__global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs a) {
-  __shared__ RingBoard board;
-  __shared__ int shared_ok[kMaxRanks];
+__device__ __forceinline__ void ring_combine(const CombineArgs& a, RingBoard& board, int* shared_ok) {
   const int num_ranks = a.c.num_ranks, me = a.c.rank;
   const int c = blockIdx.x >> 1;
   const bool sender = (blockIdx.x & 1) == 0;
@@ -325,27 +267,53 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
   send_ring<T>(a, c, ring, warp % warps, warps, lane, base, board, &shared_ok[ring], dog);
 }
 
-template <typename T>
-void launch_typed(const CombineArgs& args, dim3 grid, cudaStream_t stream) {
-  if (args.c.num_ranks <= 2) {
-    combine_kernel<T, 2><<<grid, kCombineThreads, 0, stream>>>(args);
-  } else if (args.c.num_ranks <= 4) {
-    combine_kernel<T, 4><<<grid, kCombineThreads, 0, stream>>>(args);
-  } else {
-    combine_kernel<T, 8><<<grid, kCombineThreads, 0, stream>>>(args);
+template <typename T, int kRanks>
+__global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs a) {
+  __shared__ RingBoard board;
+  __shared__ int shared_ok[kMaxRanks];
+  ring_combine<T, kRanks>(a, board, shared_ok);
+}
+
+// The ring combine queued after a pull combine (combine_pull.cu): it moves the call only if the pull kernel, which
+// ended before it on the stream, missed it (Control::pull_missed == pull_calls, this rank's words, the same verdict
+// on every rank). Named apart from the call's kernel: a profile shows one kernel named for the combine.
+template <typename T, int kRanks>
+__global__ void __launch_bounds__(kCombineThreads, 1) ring_reduce_fallback_kernel(CombineArgs a) {
+  const auto* ctl = reinterpret_cast<const Control*>(a.c.peers[a.c.rank]);
+  if (call_refused(a.recv_channel_offset) || *reinterpret_cast<const volatile uint64_t*>(&ctl->pull_missed) !=
+                                                 *reinterpret_cast<const volatile uint64_t*>(&ctl->pull_calls)) {
+    return;  // the pull kernel moved the call, or zeroed the outputs of a refused one
   }
+  __shared__ RingBoard board;
+  __shared__ int shared_ok[kMaxRanks];
+  ring_combine<T, kRanks>(a, board, shared_ok);
+}
+
+template <typename T>
+void launch_typed(const CombineArgs& args, dim3 grid, cudaStream_t stream, bool fallback) {
+  if (args.c.num_ranks <= 2) {
+    (fallback ? ring_reduce_fallback_kernel<T, 2> : combine_kernel<T, 2>)<<<grid, kCombineThreads, 0, stream>>>(args);
+  } else if (args.c.num_ranks <= 4) {
+    (fallback ? ring_reduce_fallback_kernel<T, 4> : combine_kernel<T, 4>)<<<grid, kCombineThreads, 0, stream>>>(args);
+  } else {
+    (fallback ? ring_reduce_fallback_kernel<T, 8> : combine_kernel<T, 8>)<<<grid, kCombineThreads, 0, stream>>>(args);
+  }
+}
+
+void launch_any(const CombineArgs& args, cudaStream_t stream, bool fallback) {
+  const dim3 grid(2 * args.num_channels);
+  switch (args.dtype) {
+    case kBf16: launch_typed<__nv_bfloat16>(args, grid, stream, fallback); break;
+    case kFp16: launch_typed<__half>(args, grid, stream, fallback); break;
+    default: launch_typed<float>(args, grid, stream, fallback); break;
+  }
+  check_launch(fallback ? "ring_reduce_fallback_kernel" : "combine_kernel");
 }
 
 }  // namespace
 
-void launch_combine(const CombineArgs& args, cudaStream_t stream) {
-  const dim3 grid(2 * args.num_channels);
-  switch (args.dtype) {
-    case kBf16: launch_typed<__nv_bfloat16>(args, grid, stream); break;
-    case kFp16: launch_typed<__half>(args, grid, stream); break;
-    default: launch_typed<float>(args, grid, stream); break;
-  }
-  check_launch("combine_kernel");
-}
+void launch_combine(const CombineArgs& args, cudaStream_t stream) { launch_any(args, stream, false); }
+
+void launch_ring_reduce_fallback(const CombineArgs& args, cudaStream_t stream) { launch_any(args, stream, true); }
 
 }  // namespace moe_ep::intranode

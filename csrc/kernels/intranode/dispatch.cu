@@ -20,6 +20,7 @@
 #include "kernels/common/ring_signature.cuh"
 #include "kernels/intranode/protocol.h"
 #include "kernels/intranode/rings.cuh"
+#include "kernels/intranode/token_scan.cuh"
 
 namespace moe_ep::intranode {
 namespace {
@@ -102,39 +103,6 @@ __device__ void pad_worst_rows(const DispatchArgs& a, int c) {
 constexpr int kCopyWarps = kWarps;
 constexpr int kDispatchThreads = (kCopyWarps + 1) * 32;
 
-// A sender warp's walk over its channel's tokens bound for one destination, 32 at a time (every lane
-// holds the same state): the window [base, base + 32), its hits `mask`, and `before`, the hits of the
-// earlier windows. The next window's flags are loaded one window ahead (next_hit, lane i: token
-// base + 32 + i), so crossing a window rarely waits for memory.
-struct TokenScan {
-  const bool* in_rank;
-  int num_ranks, dst, end;
-  int base, before;
-  unsigned mask;
-  bool next_hit;
-
-  __device__ bool hit(int t) const { return t < end && in_rank[static_cast<int64_t>(t) * num_ranks + dst]; }
-  __device__ void start(int begin, int lane) {
-    base = begin;
-    before = 0;
-    mask = __ballot_sync(0xffffffffu, hit(begin + lane));
-    next_hit = hit(begin + 32 + lane);
-  }
-  // The token of the channel's k-th row for dst (k never decreases between calls), or -1 past the last.
-  __device__ int find(int k, int lane) {
-    while (k >= before + __popc(mask)) {
-      if (base + 32 >= end) return -1;
-      before += __popc(mask);
-      base += 32;
-      mask = __ballot_sync(0xffffffffu, next_hit);
-      next_hit = hit(base + 32 + lane);
-    }
-    const int j = k - before;
-    const bool mine = ((mask >> lane) & 1u) && __popc(mask & ((1u << lane) - 1u)) == j;
-    return base + __ffs(__ballot_sync(0xffffffffu, mine)) - 1;
-  }
-};
-
 // Sender warp `gw` of the `warps` serving destination d: rows gw, gw + warps, ... of ring (c, me -> d).
 __device__ void send_ring(const DispatchArgs& a, int c, int d, int gw, int warps, int lane, uint64_t tail0,
                             RingBoard& board, int* shared_ok, const Watchdog& dog) {
@@ -211,9 +179,8 @@ __device__ void receive_ring(const DispatchArgs& a, int c, int s, int gw, int wa
 
 // Block 2c sends channel c, 2c + 1 receives it; warp 24 is the publisher: tails of
 // the rings to every destination (sender block), heads of the rings from every source (receiver block).
-__global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchArgs a) {
-  __shared__ RingBoard board;
-  __shared__ int shared_ok[kMaxRanks];
+// The kernels below own the shared memory (board, shared_ok[kMaxRanks]) and pass it in.
+__device__ __forceinline__ void ring_dispatch(const DispatchArgs& a, RingBoard& board, int* shared_ok) {
   const int num_ranks = a.c.num_ranks, me = a.c.rank;
   const int c = blockIdx.x >> 1;
   const bool sender = (blockIdx.x & 1) == 0;
@@ -255,7 +222,35 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
   }
 }
 
+__global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchArgs a) {
+  __shared__ RingBoard board;
+  __shared__ int shared_ok[kMaxRanks];
+  ring_dispatch(a, board, shared_ok);
+}
+
+// The ring kernel queued after a direct dispatch (dispatch_direct.cu): it moves the call only if the direct kernel,
+// which ended before it on the stream, missed it (Control::direct_missed == direct_calls; both words are this
+// rank's, written by that kernel's block 0, and the verdict is the same on every rank, so all blocks of every rank
+// leave alike, before any counter is touched), or notify refused it (the ring kernel's refused path pads the
+// outputs and touches no counter; the direct kernel moved nothing). Named apart from the call's kernel: a profile shows one kernel
+// named for the dispatch (the direct one), and this one's few microseconds when it moves nothing.
+__global__ void __launch_bounds__(kDispatchThreads, 1) ring_fallback_kernel(DispatchArgs a) {
+  const auto* ctl = reinterpret_cast<const Control*>(a.c.peers[a.c.rank]);
+  if (!call_refused(a.recv_channel_offset) && *reinterpret_cast<const volatile uint64_t*>(&ctl->direct_missed) !=
+                                                  *reinterpret_cast<const volatile uint64_t*>(&ctl->direct_calls)) {
+    return;
+  }
+  __shared__ RingBoard board;
+  __shared__ int shared_ok[kMaxRanks];
+  ring_dispatch(a, board, shared_ok);
+}
+
 }  // namespace
+
+void launch_ring_fallback(const DispatchArgs& args, cudaStream_t stream) {
+  ring_fallback_kernel<<<2 * args.num_channels, kDispatchThreads, 0, stream>>>(args);
+  check_launch("ring_fallback_kernel");
+}
 
 void launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
   dispatch_kernel<<<2 * args.num_channels, kDispatchThreads, 0, stream>>>(args);

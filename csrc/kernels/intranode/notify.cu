@@ -161,6 +161,14 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a)
     for (int p = 0; p < s; ++p) base += sent(p, kNotifyCounts + me);
     a.recv_channel_offset[i] = (none && i == 0) ? kRefusedCall : base + (c == 0 ? 0 : sent(s, kNotifyChannels + c - 1));
   }
+  // The sender's side (direct dispatch): where my channel c's rows start in d's output, the rows that sources
+  // before me send to d plus my rows to d in channels before c (count[][] is my inclusive prefix over channels).
+  for (int i = threadIdx.x; a.send_row_offset != nullptr && i < num_ranks * num_channels; i += blockDim.x) {
+    const int d = i / num_channels, c = i % num_channels;
+    int base = 0;
+    for (int p = 0; p < me; ++p) base += sent(p, kNotifyCounts + d);
+    a.send_row_offset[i] = none ? 0 : base + (c == 0 ? 0 : count[c - 1][d]);
+  }
   const int align = a.expert_alignment;
   for (int l = threadIdx.x; l < num_local; l += blockDim.x) {
     int sum = 0;

@@ -47,6 +47,10 @@ enum Phase : int32_t {
   kPhaseCombineSend = 4,
   kPhaseCombineRecv = 5,
   kPhaseDrain = 6,         // sender: waiting for a peer to drain what an earlier call sent
+  kPhaseDirectReady = 7,   // direct dispatch sender: waiting for a peer's kernel to start (its outputs ready)
+  kPhaseDirectArrive = 8,  // direct dispatch receiver: waiting for a peer's blocks to finish writing rows here
+  kPhasePullReady = 9,     // pull combine: waiting for a peer's kernel to start (its input ready)
+  kPhasePullArrive = 10,   // pull combine: waiting for a peer's blocks to finish reading my input
 };
 
 struct Common {
@@ -67,6 +71,8 @@ struct NotifyArgs {
   int* rank_prefix_matrix;           // out [R, R]
   int* recv_channel_offset;          // out [R, C + 1]: first row of channel c from source s; [s][C] = end
   int* em_layout;                    // out, expert-major dispatch only (else null): see ExpertMajorLayout
+  int* send_row_offset;              // out [R, C] or null: the row of destination d's output where my channel
+                                     // c's rows to d start (direct dispatch); all 0 in a refused call
   int signature_hash;                // hash of this call's signature words (moe_dispatcher/signature.py)
   int problem;                       // this rank's problem word (0: none); notify adds the layout kernel's
   int* bad_expert_ids;               // Control::bad_expert_ids of this rank (read and cleared), or null
@@ -121,6 +127,58 @@ struct DispatchArgs {
   uint64_t ring_signature;   // cached dispatch: this call's ring signature (common/ring_signature.cuh); 0: fresh
 };
 
+// Direct dispatch (dispatch_direct.cu): every block a sender, rows written straight to their final row in the
+// destination's OUTPUT tensors, which the destination allocated in memory every peer has mapped (its NVLink
+// buffer: the peer pool after the rings, moe_dispatcher/compiled/peer_pool.py): no staging, no copy out.
+// A rank's outputs of one call are two blocks of that memory, each array starting at a 16-byte multiple: the
+// payload (DirectPayload: x [rows, hidden_bytes], then scales [rows, S] int32) and, in a fresh call, the meta
+// block (DirectMeta: top-k idx [rows, K] int64, weights [rows, K] float32, source index [rows] int32), apart so
+// that the handle, which keeps the source index, does not keep the payload's memory. The host carves its output
+// tensors from the blocks with these offsets (intranode_bindings.cpp, direct_dispatch).
+struct DirectPayload {
+  int64_t rows, hidden_bytes, num_scales;
+  __host__ __device__ static int64_t up16(int64_t n) { return (n + 15) / 16 * 16; }
+  __host__ __device__ int64_t x_offset() const { return 0; }
+  __host__ __device__ int64_t scales_offset() const { return up16(rows * hidden_bytes); }
+  __host__ __device__ int64_t bytes() const { return scales_offset() + up16(rows * num_scales * 4); }
+};
+struct DirectMeta {
+  int64_t rows, num_topk;
+  __host__ __device__ static int64_t up16(int64_t n) { return (n + 15) / 16 * 16; }
+  __host__ __device__ int64_t idx_offset() const { return 0; }
+  __host__ __device__ int64_t weights_offset() const { return up16(rows * num_topk * 8); }
+  __host__ __device__ int64_t src_offset() const { return weights_offset() + up16(rows * num_topk * 4); }
+  __host__ __device__ int64_t bytes() const { return src_offset() + up16(rows * 4); }
+};
+
+struct DirectDispatchArgs {
+  Common c;
+  const uint8_t* x;                // [T, hidden_bytes]
+  const int32_t* scales;           // [T, S] 4-byte scales or null
+  const int64_t* topk_idx;         // [T, K] or null
+  const float* topk_weights;       // [T, K] or null
+  const bool* is_token_in_rank;    // [T, R]
+  const int* recv_channel_offset;  // [R, C + 1]: [0][0] the refused-call word, [R-1][C] my received count
+  const int* send_row_offset;      // [R, C]: notify's, or kept in the handle for cached dispatch
+  // Published per call (Control::direct_*): where MY output blocks lie in my NVLink buffer (16-aligned), -1 when
+  // not peer-mapped (then every rank's call is missed: the ring kernel moves it); my rows (received count, or
+  // num_worst_tokens); and the call's layout word (0 in a fresh call, which notify checked; a cached call's ring
+  // signature): a rank whose word differs makes every rank's call missed, and the ring kernel's signature check
+  // reports it, so no rank writes rows of another layout into a peer's block.
+  int64_t out_offset, meta_offset, out_rows;
+  uint64_t layout;
+  int* row_of_token;               // [T, R] or null (cached): out, the row of my token t in d's outputs (filled with
+                                   // -1 by the host; -1 stays where t is not sent to d or its row was dropped)
+  int num_tokens, hidden_bytes, num_scales, num_topk, experts_per_rank;
+  int write_meta;                  // 1: top-k and source index too (fresh dispatch); 0: payload and scales only
+  int pad_rows;                    // 1: fill my rows past the received count (num_worst_tokens) as the ring does
+  int num_channels;
+};
+void launch_direct_dispatch(const DirectDispatchArgs& args, cudaStream_t stream);
+// The ring kernel of a dispatch queued after its direct kernel: it moves the call only if the direct one missed it.
+void launch_ring_fallback(const DispatchArgs& args, cudaStream_t stream);
+
+
 enum CombineDtype : int { kBf16 = 0, kFp16 = 1, kFp32 = 2 };
 
 struct CombineArgs {
@@ -140,6 +198,21 @@ struct CombineArgs {
   int num_slots, slot_bytes;
   uint64_t ring_signature;         // this call's ring signature (common/ring_signature.cuh), nonzero
 };
+
+// Pull combine (combine_pull.cu): each rank reduces its own tokens by reading their rows straight from the
+// holders' combine inputs, which every holder has in its peer pool (offsets published per call), instead of the
+// holders pushing rows through rings. base: the ring combine's arguments (bias, outputs, routing, dtype; its
+// ring fields unused); x and topk_weights of base are this rank's inputs, at x_offset / w_offset in its NVLink
+// buffer.
+struct CombinePullArgs {
+  CombineArgs base;
+  const int* row_of_token;  // [T, R]: my token t's row in rank d's received rows (the direct dispatch's), or -1
+  int64_t x_offset;         // my x in my NVLink buffer, or -1: not peer-mapped (every rank's call is then missed)
+  int64_t w_offset;         // my topk_weights in my NVLink buffer (when base.topk_weights is set)
+};
+void launch_combine_pull(const CombinePullArgs& args, cudaStream_t stream);
+// The ring combine queued after a pull combine: it moves the call only if the pull one missed it.
+void launch_ring_reduce_fallback(const CombineArgs& args, cudaStream_t stream);
 
 // Launchers (csrc/kernels/intranode/*.cu). They check the launch and throw std::runtime_error.
 void launch_notify(const NotifyArgs& args, cudaStream_t stream);

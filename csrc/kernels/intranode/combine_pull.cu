@@ -1,0 +1,328 @@
+// Pull combine (the combine of a direct dispatch's handle when every rank's combine input lies in its peer pool):
+// each rank reduces its OWN tokens, reading each token's rows straight from the holders' inputs over NVLink, in
+// place of the holders pushing rows through rings and a receiver reducing them. Blocks 2c and 2c + 1 take channel
+// c's tokens (the ring combine's SM count for the same channels), warps interleaved: the W = 2 x (16 or 20) warps
+// of the pair take tokens begin + w, begin + w + W, ... For token t and rank d in ascending order, the row is
+// row_of_token[t][d] of d's input (the direct dispatch wrote where t landed in d's outputs, which are d's received
+// rows); out = cast(bias0 + bias1 + rows of ranks ascending), float32 in that order (as reduce_token.cuh): the
+// ring combine's and the reference's bits. Remote reads are latency-bound: see kStagedMaxChannels for the two
+// read paths and when each is taken.
+//
+// Protocol, per call n (n = my Control::pull_calls + 1, the same on every rank):
+//  1. Ready: my block 0 stores my input's offsets (x, top-k weights; -1: not peer-mapped) and my layout word into
+//     every peer's pull_x_offset / pull_w_offset / pull_layout [me] (plain stores), then n into its pull_ready[me]
+//     (st.release.sys). My kernel starts after everything my stream queued before it, so my input is complete.
+//  2. Verdict: threads 0..R-1 of every block acquire every rank's pull_ready (>= n) and read its offsets and its
+//     layout word (the call's ring signature: row bytes, dtype, top-k columns). One offset -1 or one word unlike
+//     mine and nobody reads: the call is missed and the ring combine queued after this kernel on every rank moves
+//     it (its signature check reports a layout that differs), so no rank reads rows of another layout.
+//  3. Reads, then arrival: system fence (my loads of the peers' inputs are done: their values were used), block
+//     barrier, red.release.sys +1 on every rank's pull_arrivals[me].
+//  4. Completion: my block 0 waits until every rank's 2C blocks arrived, which orders every reader's loads of MY
+//     input before the end of my kernel, hence before any later write to it on my stream; resets the counters,
+//     marks a missed call (pull_missed = n), then pull_calls = n. A peer publishes call n + 1 only from its next
+//     kernel, after this one saw its arrivals, so the words of call n are read before they change.
+// A call that notify refused (common/refused_call.cuh) moves nothing: every block zeroes its share of the outputs
+// and returns at its start, touching no word.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "kernels/common/launch_check.cuh"
+#include "kernels/common/ptx.cuh"
+#include "kernels/common/refused_call.cuh"
+#include "kernels/common/ring_layout.cuh"
+#include "kernels/common/wait.cuh"
+#include "kernels/intranode/protocol.h"
+#include "kernels/intranode/reduce_token.cuh"
+
+namespace moe_ep::intranode {
+namespace {
+
+// Two ways to read the holders' rows, chosen by the channel count (the SMs the call may use), both measured on
+// 4 x H200 (BF16 combine, 4096 tokens x 7168, DeepEP's byte formula):
+//  - registers (reduce_token.cuh): 20 warps, 8 loads of 16 bytes in flight per lane (4 KB per warp; 96
+//    registers). 302 / 383 / 413 / 419 GB/s at 8 / 12 / 16 / 24 SMs: at few SMs the bytes in flight set the rate.
+//  - staged (pull_tokens below): 16 warps stream rows through shared memory with cp.async (12 KB per warp in
+//    flight, 192 KiB of stages per SM). 348 GB/s at 8 SMs, but ~350 at any count (605 us at 8 to 24 SMs: the
+//    device's throughput of cp.async over NVLink, not the SMs, bounds it).
+// So the staged reads serve calls of at most kStagedMaxChannels channels (8 SMs), registers the rest.
+constexpr int kStagedMaxChannels = 4;
+constexpr int kRegisterWarps = 20;
+constexpr int kStagedWarps = 16;
+__host__ __device__ constexpr int pull_warps(bool staged) { return staged ? kStagedWarps : kRegisterWarps; }
+// Each staged warp streams its tokens' rows through kPullStages shared-memory stages (cp.async, 16 bytes per lane
+// and vector): a stage holds one chunk of a token, 8 vectors per lane in all (8 / kRanks of each rank's row), so a
+// warp keeps up to kPullStages x 4 KB of remote loads in flight without holding them in registers.
+constexpr int kPullStages = 3;
+constexpr int kPullStageBytes = 8 * 32 * 16;
+constexpr size_t kPullSmemBytes = static_cast<size_t>(kStagedWarps) * kPullStages * kPullStageBytes;  // 192 KiB
+
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
+}
+
+// Token t's row pointers in the holders' inputs (null: rank d holds no row of t), and its top-k weights'.
+template <int kRanks>
+__device__ __forceinline__ void token_sources(const CombinePullArgs& p, const int64_t* x_offset,
+                                              const int64_t* w_offset, int t, int row_bytes,
+                                              const uint8_t** src, const uint8_t** weights) {
+  const CombineArgs& a = p.base;
+  const int num_ranks = a.c.num_ranks;
+#pragma unroll
+  for (int d = 0; d < kRanks; ++d) {
+    src[d] = nullptr;
+    if (weights != nullptr) weights[d] = nullptr;
+    if (d < num_ranks && a.is_token_in_rank[static_cast<int64_t>(t) * num_ranks + d]) {
+      const int row = p.row_of_token[static_cast<int64_t>(t) * num_ranks + d];
+      if (row >= 0) {
+        src[d] = a.c.peers[d] + x_offset[d] + static_cast<int64_t>(row) * row_bytes;
+        if (weights != nullptr && a.out_topk_weights != nullptr) {  // every rank passed weights (layout word)
+          weights[d] = a.c.peers[d] + w_offset[d] + static_cast<int64_t>(row) * a.num_topk * 4;
+        }
+      }
+    }
+  }
+}
+
+// Whole warp: the tokens first, first + step, ... below end, reduced as reduce_token does (the same float32 order:
+// bias0, bias1, ranks ascending; the ring combine's and the reference's bits), their rows streamed through the
+// warp's stages. Work items are (token, chunk) with chunk c covering vectors [c x 32U, (c + 1) x 32U) of the row
+// (U = 8 / kRanks); the load cursor runs kPullStages - 1 items ahead of the reduce cursor, one commit group per
+// item (empty past the end), so wait_group(kPullStages - 1) leaves exactly the reduce cursor's item complete.
+template <typename T, int kRanks>
+__device__ void pull_tokens(const CombinePullArgs& p, const int64_t* x_offset, const int64_t* w_offset, int first,
+                            int end, int step, int row_bytes, int lane, uint8_t* stages) {
+  constexpr int kU = 8 / kRanks;
+  const CombineArgs& a = p.base;
+  const int vecs = row_bytes / 16, chunks = (vecs + 32 * kU - 1) / (32 * kU);
+  int lt = first, lc = 0, rt = first, rc = 0, ls = 0, rs = 0;
+  const uint8_t* lsrc[kRanks];
+  const uint8_t* rsrc[kRanks];
+  if (lt < end) token_sources<kRanks>(p, x_offset, w_offset, lt, row_bytes, lsrc, nullptr);
+  auto issue = [&]() {  // the load cursor's item into stage ls, then advance the cursor
+    if (lt < end) {
+      int4* stage = reinterpret_cast<int4*>(stages + ls * kPullStageBytes);
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const int v = lc * 32 * kU + u * 32 + lane;
+#pragma unroll
+        for (int d = 0; d < kRanks; ++d) {
+          if (v < vecs && lsrc[d] != nullptr) {
+            cp_async_16(stage + (u * kRanks + d) * 32 + lane, reinterpret_cast<const int4*>(lsrc[d]) + v);
+          }
+        }
+      }
+      if (++lc == chunks) {
+        lc = 0;
+        lt += step;
+        if (lt < end) token_sources<kRanks>(p, x_offset, w_offset, lt, row_bytes, lsrc, nullptr);
+      }
+    }
+    cp_async_commit();
+    ls = ls + 1 == kPullStages ? 0 : ls + 1;
+  };
+#pragma unroll
+  for (int s = 0; s < kPullStages - 1; ++s) issue();
+  if (rt < end) token_sources<kRanks>(p, x_offset, w_offset, rt, row_bytes, rsrc, nullptr);
+  while (rt < end) {
+    issue();  // into the stage reduced last (every lane passed the __syncwarp after reading it)
+    cp_async_wait<kPullStages - 1>();
+    __syncwarp();  // every lane's copies of this item landed
+    const int4* stage = reinterpret_cast<const int4*>(stages + rs * kPullStageBytes);
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int v = rc * 32 * kU + u * 32 + lane;
+      if (v >= vecs) break;
+      float acc[Vec<T>::kElems];
+#pragma unroll
+      for (int e = 0; e < Vec<T>::kElems; ++e) acc[e] = 0.f;
+      if (a.bias0 != nullptr) {
+        Vec<T> b;
+        b.raw = ptx::ld_nc_v4(reinterpret_cast<const int4*>(a.bias0 + rt * static_cast<int64_t>(row_bytes)) + v);
+#pragma unroll
+        for (int e = 0; e < Vec<T>::kElems; ++e) acc[e] += to_float(b.elems[e]);
+      }
+      if (a.bias1 != nullptr) {
+        Vec<T> b;
+        b.raw = ptx::ld_nc_v4(reinterpret_cast<const int4*>(a.bias1 + rt * static_cast<int64_t>(row_bytes)) + v);
+#pragma unroll
+        for (int e = 0; e < Vec<T>::kElems; ++e) acc[e] += to_float(b.elems[e]);
+      }
+#pragma unroll
+      for (int d = 0; d < kRanks; ++d) {
+        if (rsrc[d] != nullptr) {
+          Vec<T> r;
+          r.raw = stage[(u * kRanks + d) * 32 + lane];
+#pragma unroll
+          for (int e = 0; e < Vec<T>::kElems; ++e) acc[e] += to_float(r.elems[e]);
+        }
+      }
+      Vec<T> out;
+#pragma unroll
+      for (int e = 0; e < Vec<T>::kElems; ++e) out.elems[e] = from_float<T>(acc[e]);
+      reinterpret_cast<int4*>(a.out + rt * static_cast<int64_t>(row_bytes))[v] = out.raw;
+    }
+    __syncwarp();  // every lane is done with the stage before it is refilled
+    rs = rs + 1 == kPullStages ? 0 : rs + 1;
+    if (++rc == chunks) {
+      if (a.out_topk_weights != nullptr) {
+        const uint8_t* weights[kRanks];
+        token_sources<kRanks>(p, x_offset, w_offset, rt, row_bytes, rsrc, weights);
+        if (lane < a.num_topk) {
+          float wsum = 0.f;
+#pragma unroll
+          for (int d = 0; d < kRanks; ++d) {
+            if (weights[d] != nullptr) wsum += __int_as_float(ptx::ld_cg(reinterpret_cast<const int*>(weights[d]) + lane));
+          }
+          a.out_topk_weights[static_cast<int64_t>(rt) * a.num_topk + lane] = wsum;
+        }
+      }
+      rc = 0;
+      rt += step;
+      if (rt < end) token_sources<kRanks>(p, x_offset, w_offset, rt, row_bytes, rsrc, nullptr);
+    }
+  }
+  cp_async_wait<0>();  // the empty groups past the end
+}
+
+// Arrival (step 3): release at system scope, cumulative over the block barrier that precedes it.
+__device__ __forceinline__ void pull_arrive(uint64_t* p) {
+  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(1ull) : "memory");
+}
+
+template <typename T, int kRanks, bool kStaged>
+__global__ void __launch_bounds__(pull_warps(kStaged) * 32, 1) combine_pull_kernel(CombinePullArgs p) {
+  constexpr int kPullWarps = pull_warps(kStaged);
+  extern __shared__ __align__(16) uint8_t pull_stages[];
+  __shared__ uint64_t call;
+  __shared__ int ready, in_pool, all_arrived;
+  __shared__ int64_t x_offset[kMaxRanks], w_offset[kMaxRanks];
+  const CombineArgs& a = p.base;
+  const int num_ranks = a.c.num_ranks, me = a.c.rank, c = blockIdx.x >> 1, half = blockIdx.x & 1;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int row_bytes = a.hidden * static_cast<int>(sizeof(T));
+  auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
+  int begin, end;
+  channel_range(a.num_tokens, a.num_channels, c, begin, end);
+  if (call_refused(a.recv_channel_offset)) {  // the same word in every block of every rank
+    const int mid = begin + (end - begin) / 2;
+    zero_refused_outputs(a.out, a.out_topk_weights, half ? mid : begin, half ? end : mid, row_bytes, a.num_topk);
+    return;
+  }
+  if (threadIdx.x == 0) {
+    call = *reinterpret_cast<volatile uint64_t*>(&ctl->pull_calls) + 1;
+    ready = in_pool = all_arrived = 1;
+  }
+  __syncthreads();
+  const uint64_t n = call;
+  if (blockIdx.x == 0 && threadIdx.x < num_ranks) {  // 1. my input's offsets of call n, then ready for call n
+    auto* peer = reinterpret_cast<Control*>(a.c.peers[threadIdx.x]);
+    peer->pull_x_offset[me] = p.x_offset;
+    peer->pull_w_offset[me] = p.w_offset;
+    peer->pull_layout[me] = a.ring_signature;
+    ptx::st_release_sys(&peer->pull_ready[me], n);
+  }
+  const Watchdog dog = make_watchdog(a.c.timeout_ns, me, &ctl->timeout_claim, &a.c.mailbox->timeout,
+                                     ctl->peer_aborted);
+  if (threadIdx.x < num_ranks) {  // 2. every rank's words of call n
+    const int d = threadIdx.x;
+    if (wait_at_least(&ctl->pull_ready[d], n, dog, kPhasePullReady, d)) {
+      x_offset[d] = *reinterpret_cast<volatile int64_t*>(&ctl->pull_x_offset[d]);
+      w_offset[d] = *reinterpret_cast<volatile int64_t*>(&ctl->pull_w_offset[d]);
+      const uint64_t layout = *reinterpret_cast<volatile uint64_t*>(&ctl->pull_layout[d]);
+      if (x_offset[d] < 0 || layout != a.ring_signature) in_pool = 0;
+    } else {
+      ready = 0;
+    }
+  }
+  __syncthreads();
+  if (!ready) return;  // a timeout, recorded: the call fails (no arrival anywhere: the peers time out too)
+
+  // 3. My tokens, from every holder's input.
+  if (in_pool) {
+    if constexpr (kStaged) {
+      pull_tokens<T, kRanks>(p, x_offset, w_offset, begin + half * kPullWarps + warp, end, 2 * kPullWarps,
+                             row_bytes, lane, pull_stages + static_cast<size_t>(warp) * kPullStages * kPullStageBytes);
+    } else {
+      for (int t = begin + half * kPullWarps + warp; t < end; t += 2 * kPullWarps) {
+        const uint8_t* src[kRanks];
+        const uint8_t* weights[kRanks];
+        token_sources<kRanks>(p, x_offset, w_offset, t, row_bytes, src, weights);
+        reduce_token<T, kRanks>(a, t, src, weights, row_bytes, lane);
+      }
+    }
+  }
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x < num_ranks) pull_arrive(&reinterpret_cast<Control*>(a.c.peers[threadIdx.x])->pull_arrivals[me]);
+  if (blockIdx.x != 0) return;
+
+  // 4. Completion (block 0): every rank's blocks are done with my input.
+  if (threadIdx.x < num_ranks) {
+    const int s = threadIdx.x;
+    if (wait_at_least(&ctl->pull_arrivals[s], static_cast<uint64_t>(gridDim.x), dog, kPhasePullArrive, s)) {
+      ctl->pull_arrivals[s] = 0;
+    } else {
+      all_arrived = 0;  // a timeout (recorded): the counters are left as they are, the call fails
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0 && all_arrived) {
+    if (!in_pool) {
+      *reinterpret_cast<volatile uint64_t*>(&ctl->pull_missed) = n;
+      ctl->pull_missed_total += 1;
+    }
+    *reinterpret_cast<volatile uint64_t*>(&ctl->pull_calls) = n;
+  }
+}
+
+template <typename T, int kRanks>
+void launch_ranks(const CombinePullArgs& args, dim3 grid, cudaStream_t stream) {
+  if (args.base.num_channels > kStagedMaxChannels) {
+    combine_pull_kernel<T, kRanks, false><<<grid, pull_warps(false) * 32, 0, stream>>>(args);
+    return;
+  }
+  // The stages exceed the 48 KiB a kernel gets without opting in; once per process (one device per process).
+  static const cudaError_t opted_in =
+      cudaFuncSetAttribute(combine_pull_kernel<T, kRanks, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(kPullSmemBytes));
+  if (opted_in != cudaSuccess) {
+    throw std::runtime_error(std::string("moe_dispatcher: combine_pull_kernel's shared memory opt-in failed: ") +
+                             cudaGetErrorString(opted_in));
+  }
+  combine_pull_kernel<T, kRanks, true><<<grid, pull_warps(true) * 32, kPullSmemBytes, stream>>>(args);
+}
+
+template <typename T>
+void launch_typed(const CombinePullArgs& args, dim3 grid, cudaStream_t stream) {
+  if (args.base.c.num_ranks <= 2) {
+    launch_ranks<T, 2>(args, grid, stream);
+  } else if (args.base.c.num_ranks <= 4) {
+    launch_ranks<T, 4>(args, grid, stream);
+  } else {
+    launch_ranks<T, 8>(args, grid, stream);
+  }
+}
+
+}  // namespace
+
+void launch_combine_pull(const CombinePullArgs& args, cudaStream_t stream) {
+  const dim3 grid(2 * args.base.num_channels);
+  switch (args.base.dtype) {
+    case kBf16: launch_typed<__nv_bfloat16>(args, grid, stream); break;
+    case kFp16: launch_typed<__half>(args, grid, stream); break;
+    default: launch_typed<float>(args, grid, stream); break;
+  }
+  check_launch("combine_pull_kernel");
+}
+
+}  // namespace moe_ep::intranode
