@@ -27,6 +27,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <atomic>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
@@ -103,7 +105,8 @@ __device__ void pull_tokens(const CombinePullArgs& p, const int64_t* x_offset, c
                             int end, int step, int row_bytes, int lane, uint8_t* stages) {
   constexpr int kU = 8 / kRanks;
   const CombineArgs& a = p.base;
-  const int vecs = row_bytes / 16, chunks = (vecs + 32 * kU - 1) / (32 * kU);
+  // At least one chunk per token, also for rows of 0 bytes (its weights are summed after its last chunk).
+  const int vecs = row_bytes / 16, chunks = max(1, (vecs + 32 * kU - 1) / (32 * kU));
   int lt = first, lc = 0, rt = first, rc = 0, ls = 0, rs = 0;
   const uint8_t* lsrc[kRanks];
   const uint8_t* rsrc[kRanks];
@@ -291,13 +294,21 @@ void launch_ranks(const CombinePullArgs& args, dim3 grid, cudaStream_t stream) {
     combine_pull_kernel<T, kRanks, false><<<grid, pull_warps(false) * 32, 0, stream>>>(args);
     return;
   }
-  // The stages exceed the 48 KiB a kernel gets without opting in; once per process (one device per process).
-  static const cudaError_t opted_in =
-      cudaFuncSetAttribute(combine_pull_kernel<T, kRanks, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(kPullSmemBytes));
-  if (opted_in != cudaSuccess) {
-    throw std::runtime_error(std::string("moe_dispatcher: combine_pull_kernel's shared memory opt-in failed: ") +
-                             cudaGetErrorString(opted_in));
+  // The stages exceed the 48 KiB a kernel gets without opting in: once per device (a bit per device here).
+  static std::atomic<uint64_t> opted_in{0};
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) {
+    throw std::runtime_error("moe_dispatcher: combine_pull_kernel: no current CUDA device");
+  }
+  if (!((opted_in.load(std::memory_order_relaxed) >> device) & 1u)) {
+    const cudaError_t err = cudaFuncSetAttribute(combine_pull_kernel<T, kRanks, true>,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 static_cast<int>(kPullSmemBytes));
+    if (err != cudaSuccess) {
+      throw std::runtime_error(std::string("moe_dispatcher: combine_pull_kernel's shared memory opt-in failed: ") +
+                               cudaGetErrorString(err));
+    }
+    opted_in.fetch_or(uint64_t{1} << device, std::memory_order_relaxed);
   }
   combine_pull_kernel<T, kRanks, true><<<grid, pull_warps(true) * 32, kPullSmemBytes, stream>>>(args);
 }

@@ -130,7 +130,25 @@ extern "C" void* moe_peer_pool_alloc(ssize_t size, int device, cudaStream_t) {
   return reinterpret_cast<void*>(it->second->base + offset);
 }
 
-extern "C" void moe_peer_pool_free(void* ptr, ssize_t, int, cudaStream_t) {
+namespace {
+
+// Waits for `device` (no lock held; never throws; errors, e.g. no device in the CPU tests, are cleared).
+void synchronize_device(int device) {
+  int before = -1;
+  const bool switched = cudaGetDevice(&before) == cudaSuccess && before != device &&
+                        cudaSetDevice(device) == cudaSuccess;
+  if (cudaDeviceSynchronize() != cudaSuccess) (void)cudaGetLastError();
+  if (switched) cudaSetDevice(before);
+}
+
+}  // namespace
+
+extern "C" void moe_peer_pool_free(void* ptr, ssize_t, int block_device, cudaStream_t) {
+  // torch returns a segment only once the streams recorded on its blocks are done, but the block's own stream may
+  // still run kernels queued before the free: torch relies on cudaFree synchronising the device. So wait before
+  // the range can go to another segment (rare: torch frees segments only on empty_cache, an out-of-memory retry or
+  // the pool's end).
+  synchronize_device(block_device);
   const uintptr_t p = reinterpret_cast<uintptr_t>(ptr);
   void* to_free = nullptr;
   int device = -1;
