@@ -4,6 +4,8 @@
 // exit status is the number of failed checks.
 #include "runtime/peer_pool/peer_pool.h"
 
+#include "expect.h"
+
 #include <cstdio>
 #include <stdexcept>
 #include <thread>
@@ -11,16 +13,6 @@
 using namespace moe_ep::peer_pool;
 
 namespace {
-
-int failures = 0;
-
-#define EXPECT(cond)                                                     \
-  do {                                                                   \
-    if (!(cond)) {                                                       \
-      std::printf("FAIL %s:%d: %s\n", __FILE__, __LINE__, #cond);       \
-      ++failures;                                                        \
-    }                                                                    \
-  } while (0)
 
 constexpr uintptr_t kA = 0x7f0000000000, kB = 0x7f0010000000;  // two fake regions of 1 MiB on devices 0 and 1
 constexpr size_t kMiB = 1 << 20;
@@ -107,6 +99,5 @@ int main() {
   active_region_routes_allocations();
   bad_frees_are_counted_not_acted_on();
   close_and_retire();
-  std::printf("peer_pool_registry_test: %d failed checks\n", failures);
-  return failures > 255 ? 255 : failures;
+  return moe_test::finish("peer_pool_registry_test");
 }

@@ -3,6 +3,8 @@
 // failed checks.
 #include "runtime/peer_pool/region_allocator.h"
 
+#include "expect.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
@@ -15,16 +17,6 @@ using moe_ep::peer_pool::RegionAllocator;
 using moe_ep::peer_pool::ReleaseResult;
 
 namespace {
-
-int failures = 0;
-
-#define EXPECT(cond)                                                     \
-  do {                                                                   \
-    if (!(cond)) {                                                       \
-      std::printf("FAIL %s:%d: %s\n", __FILE__, __LINE__, #cond);       \
-      ++failures;                                                        \
-    }                                                                    \
-  } while (0)
 
 constexpr size_t kNo = RegionAllocator::kNoRoom;
 
@@ -231,6 +223,5 @@ int main() {
   double_and_foreign_release();
   random_against_model();
   threads();
-  std::printf("region_allocator_test: %d failed checks\n", failures);
-  return failures > 255 ? 255 : failures;
+  return moe_test::finish("region_allocator_test");
 }
