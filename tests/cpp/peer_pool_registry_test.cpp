@@ -1,6 +1,6 @@
 // Plain C++ test of the peer pool's region registry and its C entry points (csrc/runtime/peer_pool/peer_pool.cpp)
-// without a GPU: regions are fake device addresses that nothing dereferences, and no path here reaches CUDA (a
-// retired region is handed no memory to free). Built and run by tests/kernels/test_region_allocator_cpu.py; the
+// without a GPU: regions are fake device addresses that nothing dereferences; the only CUDA calls are the free's
+// device synchronisation, which fails harmlessly without a GPU (a retired region is handed no memory to free). Built and run by tests/kernels/test_region_allocator_cpu.py; the
 // exit status is the number of failed checks.
 #include "runtime/peer_pool/peer_pool.h"
 
