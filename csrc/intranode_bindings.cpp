@@ -447,8 +447,8 @@ void combine(const IpcBuffer& b, uint64_t timeout_ns, const at::Tensor& x,
   // some rank's input is not peer-mapped (x_offset -1 on that rank).
   MOE_CHECK(row_of_token->numel() == static_cast<int64_t>(a.num_tokens) * b.num_ranks(),
             "combine: row_of_token must be [T, R]");
-  // (an input without rows is read by nobody: any offset will do)
-  MOE_CHECK(x_offset < 0 || x.numel() == 0 ||
+  // (an input without rows is read by nobody: any offset will do; rows of 0 bytes still have weights to read)
+  MOE_CHECK(x_offset < 0 || x.size(0) == 0 ||
                 (static_cast<const uint8_t*>(x.data_ptr()) == b.local() + x_offset &&
                  (!topk_weights.has_value() ||
                   static_cast<const uint8_t*>(topk_weights->data_ptr()) == b.local() + w_offset)),

@@ -427,7 +427,7 @@ class IntranodeBackend(Backend):
         pool = self.peer_pool
         if pool is None or pool.closed or torch.cuda.is_current_stream_capturing():
             return {"x_offset": -1, "w_offset": -1}
-        if x.numel() == 0:  # no rows: nobody reads this input, wherever it lies
+        if x.shape[0] == 0:  # no rows (nor weights): nobody reads this input, wherever it lies
             return {"x_offset": 0, "w_offset": 0}
         if pool.contains(x) and (topk_weights is None or pool.contains(topk_weights)):
             w_offset = -1 if topk_weights is None else self._ipc.pool_offset + pool.offset_of(topk_weights)
