@@ -210,9 +210,10 @@ __global__ void __launch_bounds__(pull_warps(kStaged) * 32, 1) combine_pull_kern
   }
   const Watchdog dog = make_watchdog(a.c.timeout_ns, me, &ctl->timeout_claim, &a.c.mailbox->timeout,
                                      ctl->peer_aborted);
+  const DirectCallSite<PullInputBlocks> site{&Control::pull, kPhasePullReady, kPhasePullArrive};
   const PullInputBlocks mine{p.x_offset, p.w_offset};
   const auto accepts = [](const PullInputBlocks& in) { return in.x_offset >= 0; };
-  if (!begin_direct_call(call, a.c, &Control::pull, mine, a.ring_signature, dog, kPhasePullReady, accepts)) return;
+  if (!begin_direct_call(call, a.c, site, mine, a.ring_signature, dog, accepts)) return;
 
   // My tokens, from every holder's input.
   if (call.in_pool) {
@@ -228,7 +229,7 @@ __global__ void __launch_bounds__(pull_warps(kStaged) * 32, 1) combine_pull_kern
       }
     }
   }
-  end_direct_call(call, a.c, &Control::pull, dog, kPhasePullArrive);
+  end_direct_call(call, a.c, site, dog);
 }
 
 template <typename T, int kRanks>

@@ -2,8 +2,9 @@
 // dispatch (dispatch_direct.cu) writes its rows straight into the receivers' output blocks, the pull combine
 // (combine_pull.cu) reads its tokens' rows straight from the holders' input blocks. Each runs it on its own set of
 // words (Control::direct, Control::pull: common/nvlink_buffer.h, DirectCallWords) with its own published blocks
-// (Blocks: DirectOutputBlocks, PullInputBlocks) and phases; the kernel's own work (the use of the peers' blocks)
-// lies between begin_direct_call and end_direct_call, which every thread of every block calls.
+// (Blocks: DirectOutputBlocks, PullInputBlocks) and timeout phases, which its DirectCallSite names. The kernel's
+// own work (its use of the peers' blocks) lies between begin_direct_call and end_direct_call, which every thread
+// of every block calls.
 //
 // Protocol, per call n (n = my words.calls + 1; every rank makes the same calls of a kind in the same order, so
 // n is the same on every rank):
@@ -13,7 +14,7 @@
 //     my blocks are free (a block the peers write: whatever used its memory before is done, as the pool's caching
 //     allocator hands a block back to its stream only in stream order) or complete (a block the peers read).
 //  2. Verdict (begin): threads 0..R-1 of every block acquire every rank's words.ready (>= n, the watchdog's wait
-//     under the kernel's ready phase) and read its blocks and layout word (after the acquire in program order);
+//     under the site's ready phase) and read its blocks and layout word (after the acquire in program order);
 //     the block barrier hands them to the block (DirectCallState, shared memory). Every rank's blocks peer-mapped
 //     (the kernel's `accepts`) and every layout word equal to mine: in_pool, the kernel uses the peers' blocks.
 //     Else the call is missed: nobody touches a peer's blocks, and the ring kernel queued next on every rank moves
@@ -25,7 +26,7 @@
 //     adds 1 to d's words.arrivals[me] (red.release.sys, cumulative over the barrier), also in a missed call: the
 //     arrival says the block is past its use of d's blocks and its reads of call n's words.
 //  4. Completion (end): my block 0 (thread s) waits with ld.acquire.sys until words.arrivals[s] reaches gridDim.x
-//     (every rank launches the same grid), under the kernel's arrive phase, which orders every rank's use of MY
+//     (every rank launches the same grid), under the site's arrive phase, which orders every rank's use of MY
 //     blocks (their rows written into them, their reads of them) before the end of my kernel, hence before any
 //     later work of my stream. Then it resets words.arrivals[s] to 0: no block of s adds to it again before s sees
 //     my words.ready of call n + 1, which my next kernel stores only after this one ended. Last, thread 0 marks a
@@ -46,6 +47,15 @@
 
 namespace moe_ep::intranode {
 
+// Which protocol a kernel runs: its set of words and the phases its timeouts name (one value per kernel, passed to
+// both begin_direct_call and end_direct_call).
+template <typename Blocks>
+struct DirectCallSite {
+  DirectCallWords<Blocks> Control::*words;  // &Control::direct or &Control::pull
+  int ready_phase;                          // step 2's wait for a rank's ready word
+  int arrive_phase;                         // step 4's wait for a rank's arrivals
+};
+
 // What begin_direct_call hands to its block: a __shared__ variable of the kernel's, read after begin returns.
 template <typename Blocks>
 struct DirectCallState {
@@ -56,11 +66,11 @@ struct DirectCallState {
   Blocks blocks[kMaxRanks];  // [d]: rank d's published blocks of call n
 };
 
-// My set of direct-call words (`words`: &Control::direct or &Control::pull) in rank d's buffer.
+// The site's set of words in rank d's buffer.
 template <typename Blocks>
 __device__ __forceinline__ DirectCallWords<Blocks>& direct_call_words(const Common& c, int d,
-                                                                      DirectCallWords<Blocks> Control::*words) {
-  return reinterpret_cast<Control*>(c.peers[d])->*words;
+                                                                      const DirectCallSite<Blocks>& site) {
+  return reinterpret_cast<Control*>(c.peers[d])->*site.words;
 }
 
 // Steps 1 and 2, by every thread of the block: publish my blocks `mine` and my `layout` word (block 0), then
@@ -68,14 +78,13 @@ __device__ __forceinline__ DirectCallWords<Blocks>& direct_call_words(const Comm
 // call.ready (false: a timeout, the kernel returns).
 template <typename Blocks, typename Accepts>
 __device__ __forceinline__ bool begin_direct_call(DirectCallState<Blocks>& call, const Common& c,
-                                                  DirectCallWords<Blocks> Control::*words, const Blocks& mine,
-                                                  uint64_t layout, const Watchdog& dog, int ready_phase,
-                                                  Accepts accepts) {
+                                                  const DirectCallSite<Blocks>& site, const Blocks& mine,
+                                                  uint64_t layout, const Watchdog& dog, Accepts accepts) {
   static_assert(sizeof(Blocks) % sizeof(int64_t) == 0 && alignof(Blocks) == alignof(int64_t),
                 "a Blocks struct is int64 words");
   constexpr int kBlockWords = sizeof(Blocks) / sizeof(int64_t);
   const int num_ranks = c.num_ranks, me = c.rank;
-  DirectCallWords<Blocks>& own = direct_call_words(c, me, words);
+  DirectCallWords<Blocks>& own = direct_call_words(c, me, site);
   if (threadIdx.x == 0) {
     call.n = *reinterpret_cast<volatile uint64_t*>(&own.calls) + 1;
     call.ready = call.in_pool = call.all_arrived = 1;
@@ -83,14 +92,14 @@ __device__ __forceinline__ bool begin_direct_call(DirectCallState<Blocks>& call,
   __syncthreads();
   const uint64_t n = call.n;
   if (blockIdx.x == 0 && threadIdx.x < num_ranks) {  // 1. my blocks of call n, then ready for call n
-    DirectCallWords<Blocks>& peer = direct_call_words(c, threadIdx.x, words);
+    DirectCallWords<Blocks>& peer = direct_call_words(c, threadIdx.x, site);
     peer.blocks[me] = mine;
     peer.layout[me] = layout;
     ptx::st_release_sys(&peer.ready[me], n);
   }
   if (threadIdx.x < num_ranks) {  // 2. every rank's words of call n, and the verdict
     const int d = threadIdx.x;
-    if (wait_at_least(&own.ready[d], n, dog, ready_phase, d)) {
+    if (wait_at_least(&own.ready[d], n, dog, site.ready_phase, d)) {
       Blocks theirs;
 #pragma unroll
       for (int i = 0; i < kBlockWords; ++i) {
@@ -111,22 +120,21 @@ __device__ __forceinline__ bool begin_direct_call(DirectCallState<Blocks>& call,
 // (block 0) wait for every rank's arrivals and close the call.
 template <typename Blocks>
 __device__ __forceinline__ void end_direct_call(DirectCallState<Blocks>& call, const Common& c,
-                                                DirectCallWords<Blocks> Control::*words, const Watchdog& dog,
-                                                int arrive_phase) {
+                                                const DirectCallSite<Blocks>& site, const Watchdog& dog) {
   const int num_ranks = c.num_ranks;
   __threadfence_system();
   __syncthreads();
   if (threadIdx.x < num_ranks) {  // 3. arrival: release at system scope, cumulative over the barrier
-    uint64_t* arrivals = &direct_call_words(c, threadIdx.x, words).arrivals[c.rank];
+    uint64_t* arrivals = &direct_call_words(c, threadIdx.x, site).arrivals[c.rank];
     asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(arrivals), "l"(1ull) : "memory");
   }
   if (blockIdx.x != 0) return;  // one block completes the call
 
   // 4. Completion (block 0): every rank's blocks arrived here.
-  DirectCallWords<Blocks>& own = direct_call_words(c, c.rank, words);
+  DirectCallWords<Blocks>& own = direct_call_words(c, c.rank, site);
   if (threadIdx.x < num_ranks) {
     const int s = threadIdx.x;
-    if (wait_at_least(&own.arrivals[s], static_cast<uint64_t>(gridDim.x), dog, arrive_phase, s)) {
+    if (wait_at_least(&own.arrivals[s], static_cast<uint64_t>(gridDim.x), dog, site.arrive_phase, s)) {
       own.arrivals[s] = 0;
     } else {
       call.all_arrived = 0;  // a timeout (recorded): the counters are left as they are, the call fails

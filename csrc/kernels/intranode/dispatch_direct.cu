@@ -91,11 +91,12 @@ __global__ void __launch_bounds__(kDirectThreads, 1) dispatch_direct_kernel(Dire
   if (call_refused(a.recv_channel_offset)) return;  // the same word in every block of every rank
   const Watchdog dog = make_watchdog(a.c.timeout_ns, me, &ctl->timeout_claim, &a.c.mailbox->timeout,
                                      ctl->peer_aborted);
+  const DirectCallSite<DirectOutputBlocks> site{&Control::direct, kPhaseDirectReady, kPhaseDirectArrive};
   const DirectOutputBlocks mine{a.out_offset, a.meta_offset, a.out_rows};
   const auto accepts = [&](const DirectOutputBlocks& o) {
     return o.out_offset >= 0 && (!a.write_meta || o.meta_offset >= 0);
   };
-  if (!begin_direct_call(call, a.c, &Control::direct, mine, a.layout, dog, kPhaseDirectReady, accepts)) return;
+  if (!begin_direct_call(call, a.c, site, mine, a.layout, dog, accepts)) return;
 
   // Rows (and my padding: my own outputs, written by nobody else). A missed call still walks the rows when
   // row_of_token is asked for (the pull combine along this handle needs it whichever kernel moved them).
@@ -123,7 +124,7 @@ __global__ void __launch_bounds__(kDirectThreads, 1) dispatch_direct_kernel(Dire
       if (a.row_of_token != nullptr && lane == 0) a.row_of_token[static_cast<int64_t>(t) * num_ranks + d] = row;
     }
   }
-  end_direct_call(call, a.c, &Control::direct, dog, kPhaseDirectArrive);
+  end_direct_call(call, a.c, site, dog);
 }
 
 }  // namespace
