@@ -142,18 +142,7 @@ __device__ void pull_tokens(const CombinePullArgs& p, const PullInputBlocks* inp
       float acc[Vec<T>::kElems];
 #pragma unroll
       for (int e = 0; e < Vec<T>::kElems; ++e) acc[e] = 0.f;
-      if (a.bias0 != nullptr) {
-        Vec<T> b;
-        b.raw = ptx::ld_nc_v4(reinterpret_cast<const int4*>(a.bias0 + rt * static_cast<int64_t>(row_bytes)) + v);
-#pragma unroll
-        for (int e = 0; e < Vec<T>::kElems; ++e) acc[e] += to_float(b.elems[e]);
-      }
-      if (a.bias1 != nullptr) {
-        Vec<T> b;
-        b.raw = ptx::ld_nc_v4(reinterpret_cast<const int4*>(a.bias1 + rt * static_cast<int64_t>(row_bytes)) + v);
-#pragma unroll
-        for (int e = 0; e < Vec<T>::kElems; ++e) acc[e] += to_float(b.elems[e]);
-      }
+      add_biases<T>(acc, a, rt, row_bytes, v);
 #pragma unroll
       for (int d = 0; d < kRanks; ++d) {
         if (rsrc[d] != nullptr) {
