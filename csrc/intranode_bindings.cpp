@@ -134,18 +134,18 @@ uint64_t checked_ring_signature(int64_t word) {
   return static_cast<uint64_t>(word);
 }
 
-// (direct calls, of them missed, pull combines, of them missed) so far on this rank (Control's direct_calls,
-// direct_missed_total, pull_calls, pull_missed_total; the ring kernel moved a missed call): for tests and the
+// (direct calls, of them missed, pull combines, of them missed) so far on this rank (Control's direct.calls,
+// direct.missed_total, pull.calls, pull.missed_total; the ring kernel moved a missed call): for tests and the
 // bench, which tell from them which path ran. Synchronises the device.
 py::tuple path_counters(const IpcBuffer& b) {
   MOE_CHECK(b.alive(), "buffer destroyed");
   const auto* ctl = reinterpret_cast<const Control*>(b.local());
   uint64_t words[4];
   MOE_CUDA_CHECK(cudaDeviceSynchronize());
-  MOE_CUDA_CHECK(cudaMemcpy(&words[0], &ctl->direct_calls, 8, cudaMemcpyDeviceToHost));
-  MOE_CUDA_CHECK(cudaMemcpy(&words[1], &ctl->direct_missed_total, 8, cudaMemcpyDeviceToHost));
-  MOE_CUDA_CHECK(cudaMemcpy(&words[2], &ctl->pull_calls, 8, cudaMemcpyDeviceToHost));
-  MOE_CUDA_CHECK(cudaMemcpy(&words[3], &ctl->pull_missed_total, 8, cudaMemcpyDeviceToHost));
+  MOE_CUDA_CHECK(cudaMemcpy(&words[0], &ctl->direct.calls, 8, cudaMemcpyDeviceToHost));
+  MOE_CUDA_CHECK(cudaMemcpy(&words[1], &ctl->direct.missed_total, 8, cudaMemcpyDeviceToHost));
+  MOE_CUDA_CHECK(cudaMemcpy(&words[2], &ctl->pull.calls, 8, cudaMemcpyDeviceToHost));
+  MOE_CUDA_CHECK(cudaMemcpy(&words[3], &ctl->pull.missed_total, 8, cudaMemcpyDeviceToHost));
   return py::make_tuple(words[0], words[1], words[2], words[3]);
 }
 

@@ -125,7 +125,13 @@ def _world_direct(rank: int, world_size: int) -> Dict:  # noqa: C901 (one world,
         dist.all_reduce(some_rows)
         seen = _paths(kb)
         pulled0 = kb.combine(y0p, got0[4], topk_weights=w0p)
-        seen = _took(kb, seen, pulls=1)
+        where = (kb._kernels._pull_offsets(y0p, w0p), pool.contains(y0p), pool.contains(w0p), tuple(y0p.shape),
+                 y0p.stride(), y0p.data_ptr() - pool.base, y0p.untyped_storage().data_ptr() - pool.base)
+        try:
+            seen = _took(kb, seen, pulls=1)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; this rank's input (offsets, x in pool, w in pool, shape, stride, x at, "
+                                 f"storage at): {where}") from None
         assert tuple(pulled0[0].shape) == (t0, 0), f"combined_x shape {tuple(pulled0[0].shape)}"
         assert_close(pulled0[1], want0[1], "pulled combined weights (hidden 0)", rtol=1e-5, atol=1e-5)
         pushed0 = kb.combine(y0p, got0[4], topk_weights=got0[2])  # weights outside the pool: the ring

@@ -31,6 +31,39 @@ constexpr int kNotifySignatureHash = kNotifyExperts + kMaxLocalExperts;
 constexpr int kNotifySignatureProblem = kNotifySignatureHash + 1;
 static_assert(kNotifySignatureProblem < kNotifyStride, "the signature words fit the message's spare words");
 
+// The words of one direct call protocol (intranode/direct_call.cuh, which describes the protocol): a direct
+// dispatch (Blocks = DirectOutputBlocks) or a pull combine (PullInputBlocks), whose kernels write straight into,
+// or read straight from, blocks of the peers' NVLink buffers. Two sets in Control; [d] below: the word rank d
+// writes into my buffer (into every peer's), or that my block 0 keeps about d.
+template <typename Blocks>
+struct DirectCallWords {
+  uint64_t ready[kMaxRanks];     // [d]: the number of d's latest call; written by d's block 0 at its kernel's start
+                                 // (st.release.sys), read by my blocks (ld.acquire.sys) before they use d's blocks
+  Blocks blocks[kMaxRanks];      // [d]: where d's blocks of that call lie in d's buffer, and
+  uint64_t layout[kMaxRanks];    // [d]: that call's layout word: plain stores by d before its ready store, which
+                                 // publishes them
+  uint64_t arrivals[kMaxRanks];  // [d]: blocks of d past their use of my blocks in this call; added by d
+                                 // (red.release.sys), read and reset by my block 0
+  uint64_t calls;                // my calls so far; read by my blocks at start, written by my block 0 at the end,
+                                 // after every block of mine has read it
+  uint64_t missed;               // my latest call that was missed (some rank's blocks not peer-mapped, or layouts
+                                 // differ); written by my block 0 before calls; read by the ring kernel queued next
+  uint64_t missed_total;         // how many of my calls were missed (tests, the bench); written beside missed
+};
+// What a direct dispatch's rank publishes: its output blocks for the call (protocol.h, DirectPayload /
+// DirectMeta; offsets in its buffer, -1: not peer-mapped) and their rows.
+struct DirectOutputBlocks {
+  int64_t out_offset;
+  int64_t meta_offset;
+  int64_t out_rows;
+};
+// What a pull combine's rank publishes: where its combine input x and its top-k weights lie in its buffer (-1:
+// not peer-mapped).
+struct PullInputBlocks {
+  int64_t x_offset;
+  int64_t w_offset;
+};
+
 // Control words at the start of every rank's NVLink buffer; the rings follow at kRingsOffset.
 // Writers/readers and scopes (channel.cuh describes the FIFO words):
 struct Control {
@@ -63,31 +96,10 @@ struct Control {
   // Last, so that no word above moves (the FIFO words keep their offsets and cache lines). Intranode only: the
   // internode kernels use RdmaControl's, which every rank of the group writes.
   alignas(8) uint8_t peer_aborted[kMaxAbortRanks];
-  // Direct dispatch (intranode/dispatch_direct.cu), after every word above so that none of them moves:
-  uint64_t direct_ready[kMaxRanks];     // [d]: the number of d's latest direct call; written by d at its kernel's
-                                        // start (st.release.sys), read by my senders before they write into d
-  int64_t direct_out_offset[kMaxRanks]; // [d]: where d's output blocks of that call lie in d's buffer (payload, meta),
-  int64_t direct_meta_offset[kMaxRanks];// their rows and the call's layout word (protocol.h, DirectDispatchArgs):
-  int64_t direct_out_rows[kMaxRanks];   // plain stores by d before its direct_ready store, which publishes them
-  uint64_t direct_layout[kMaxRanks];
-  uint64_t direct_arrivals[kMaxRanks];  // [s]: blocks of s that finished writing their rows here in this call;
-                                        // added by s (red.release.sys), read and reset by my block 0
-  uint64_t direct_calls;                // my direct calls so far; read by my blocks at start, written by my block 0
-                                        // at the end, after every block of mine has read it (see the kernel)
-  uint64_t direct_missed;               // my latest direct call whose outputs were not all peer-mapped (written by
-                                        // my block 0 before direct_calls; read by my ring dispatch after it)
-  // Pull combine (intranode/combine_pull.cu): the same protocol as direct dispatch's words above, for combine.
-  uint64_t pull_ready[kMaxRanks];       // [s]: the number of s's latest pull combine; written by s at its start
-  int64_t pull_x_offset[kMaxRanks];     // [s]: where s's combine input x (and its top-k weights) lie in s's
-  int64_t pull_w_offset[kMaxRanks];     // buffer, -1: not peer-mapped; plain stores by s before pull_ready, with
-  uint64_t pull_layout[kMaxRanks];      // the call's layout word (its ring signature)
-  uint64_t pull_arrivals[kMaxRanks];    // [s]: blocks of s done reading my inputs in this call (red.release.sys)
-  uint64_t pull_calls;                  // my pull combines so far (block 0 writes it at the end)
-  uint64_t pull_missed;                 // my latest pull combine whose inputs were not all peer-mapped
-  // How many of my calls were missed so far (direct dispatches, pull combines): counts for tests and the bench
-  // (the *_missed words above name only the latest missed call); written by my block 0 beside them.
-  uint64_t direct_missed_total;
-  uint64_t pull_missed_total;
+  // Direct dispatch (intranode/dispatch_direct.cu) and pull combine (intranode/combine_pull.cu), after every word
+  // above so that none of them moves: one set of direct-call words each (DirectCallWords above).
+  DirectCallWords<DirectOutputBlocks> direct;
+  DirectCallWords<PullInputBlocks> pull;
 };
 constexpr size_t kRingsOffset = (sizeof(Control) + 4095) / 4096 * 4096;
 static_assert(kRingsOffset == 77824, "Control outgrew its pages: moe_dispatcher/config.py's NVL_CONTROL_BYTES and "

@@ -275,13 +275,13 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
 }
 
 // The ring combine queued after a pull combine (combine_pull.cu): it moves the call only if the pull kernel, which
-// ended before it on the stream, missed it (Control::pull_missed == pull_calls, this rank's words, the same verdict
+// ended before it on the stream, missed it (Control::pull: missed == calls, this rank's words, the same verdict
 // on every rank). Named apart from the call's kernel: a profile shows one kernel named for the combine.
 template <typename T, int kRanks>
 __global__ void __launch_bounds__(kCombineThreads, 1) ring_reduce_fallback_kernel(CombineArgs a) {
   const auto* ctl = reinterpret_cast<const Control*>(a.c.peers[a.c.rank]);
-  if (call_refused(a.recv_channel_offset) || *reinterpret_cast<const volatile uint64_t*>(&ctl->pull_missed) !=
-                                                 *reinterpret_cast<const volatile uint64_t*>(&ctl->pull_calls)) {
+  if (call_refused(a.recv_channel_offset) || *reinterpret_cast<const volatile uint64_t*>(&ctl->pull.missed) !=
+                                                 *reinterpret_cast<const volatile uint64_t*>(&ctl->pull.calls)) {
     return;  // the pull kernel moved the call, or zeroed the outputs of a refused one
   }
   __shared__ RingBoard board;

@@ -8,20 +8,13 @@
 // ring combine's and the reference's bits. Remote reads are latency-bound: see kStagedMaxChannels for the two
 // read paths and when each is taken.
 //
-// Protocol, per call n (n = my Control::pull_calls + 1, the same on every rank):
-//  1. Ready: my block 0 stores my input's offsets (x, top-k weights; -1: not peer-mapped) and my layout word into
-//     every peer's pull_x_offset / pull_w_offset / pull_layout [me] (plain stores), then n into its pull_ready[me]
-//     (st.release.sys). My kernel starts after everything my stream queued before it, so my input is complete.
-//  2. Verdict: threads 0..R-1 of every block acquire every rank's pull_ready (>= n) and read its offsets and its
-//     layout word (the call's ring signature: row bytes, dtype, top-k columns). One offset -1 or one word unlike
-//     mine and nobody reads: the call is missed and the ring combine queued after this kernel on every rank moves
-//     it (its signature check reports a layout that differs), so no rank reads rows of another layout.
-//  3. Reads, then arrival: system fence (my loads of the peers' inputs are done: their values were used), block
-//     barrier, red.release.sys +1 on every rank's pull_arrivals[me].
-//  4. Completion: my block 0 waits until every rank's 2C blocks arrived, which orders every reader's loads of MY
-//     input before the end of my kernel, hence before any later write to it on my stream; resets the counters,
-//     marks a missed call (pull_missed = n), then pull_calls = n. A peer publishes call n + 1 only from its next
-//     kernel, after this one saw its arrivals, so the words of call n are read before they change.
+// Protocol (direct_call.cuh, on Control::pull, phases kPhasePullReady / kPhasePullArrive): my block 0 publishes
+// where my input lies (PullInputBlocks: x and top-k weights offsets in my buffer, -1: not peer-mapped) with the
+// call's layout word (its ring signature: row bytes, dtype, top-k columns); every block reads every rank's and
+// decides. One x offset -1 or one word unlike mine and nobody reads: the call is missed and
+// ring_reduce_fallback_kernel (combine.cu), queued next on every rank, moves it, so no rank reads rows of another
+// layout. A block arrives at d after its last load of d's input (the system fence: its values were used), so d's
+// kernel ends, and d's stream may write its input again, only after every reader is done with it.
 // A call that notify refused (common/refused_call.cuh) moves nothing: every block zeroes its share of the outputs
 // and returns at its start, touching no word.
 #include <cuda_bf16.h>
@@ -37,6 +30,7 @@
 #include "kernels/common/refused_call.cuh"
 #include "kernels/common/ring_layout.cuh"
 #include "kernels/common/wait.cuh"
+#include "kernels/intranode/direct_call.cuh"
 #include "kernels/intranode/protocol.h"
 #include "kernels/intranode/reduce_token.cuh"
 
@@ -73,10 +67,10 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 // Token t's row pointers in the holders' inputs (null: rank d holds no row of t), and its top-k weights'.
+// inputs: every rank's published input blocks of this call (shared memory, DirectCallState).
 template <int kRanks>
-__device__ __forceinline__ void token_sources(const CombinePullArgs& p, const int64_t* x_offset,
-                                              const int64_t* w_offset, int t, int row_bytes,
-                                              const uint8_t** src, const uint8_t** weights) {
+__device__ __forceinline__ void token_sources(const CombinePullArgs& p, const PullInputBlocks* inputs, int t,
+                                              int row_bytes, const uint8_t** src, const uint8_t** weights) {
   const CombineArgs& a = p.base;
   const int num_ranks = a.c.num_ranks;
 #pragma unroll
@@ -86,9 +80,9 @@ __device__ __forceinline__ void token_sources(const CombinePullArgs& p, const in
     if (d < num_ranks && a.is_token_in_rank[static_cast<int64_t>(t) * num_ranks + d]) {
       const int row = p.row_of_token[static_cast<int64_t>(t) * num_ranks + d];
       if (row >= 0) {
-        src[d] = a.c.peers[d] + x_offset[d] + static_cast<int64_t>(row) * row_bytes;
+        src[d] = a.c.peers[d] + inputs[d].x_offset + static_cast<int64_t>(row) * row_bytes;
         if (weights != nullptr && a.out_topk_weights != nullptr) {  // every rank passed weights (layout word)
-          weights[d] = a.c.peers[d] + w_offset[d] + static_cast<int64_t>(row) * a.num_topk * 4;
+          weights[d] = a.c.peers[d] + inputs[d].w_offset + static_cast<int64_t>(row) * a.num_topk * 4;
         }
       }
     }
@@ -101,8 +95,8 @@ __device__ __forceinline__ void token_sources(const CombinePullArgs& p, const in
 // (U = 8 / kRanks); the load cursor runs kPullStages - 1 items ahead of the reduce cursor, one commit group per
 // item (empty past the end), so wait_group(kPullStages - 1) leaves exactly the reduce cursor's item complete.
 template <typename T, int kRanks>
-__device__ void pull_tokens(const CombinePullArgs& p, const int64_t* x_offset, const int64_t* w_offset, int first,
-                            int end, int step, int row_bytes, int lane, uint8_t* stages) {
+__device__ void pull_tokens(const CombinePullArgs& p, const PullInputBlocks* inputs, int first, int end, int step,
+                            int row_bytes, int lane, uint8_t* stages) {
   constexpr int kU = 8 / kRanks;
   const CombineArgs& a = p.base;
   // At least one chunk per token, also for rows of 0 bytes (its weights are summed after its last chunk).
@@ -110,7 +104,7 @@ __device__ void pull_tokens(const CombinePullArgs& p, const int64_t* x_offset, c
   int lt = first, lc = 0, rt = first, rc = 0, ls = 0, rs = 0;
   const uint8_t* lsrc[kRanks];
   const uint8_t* rsrc[kRanks];
-  if (lt < end) token_sources<kRanks>(p, x_offset, w_offset, lt, row_bytes, lsrc, nullptr);
+  if (lt < end) token_sources<kRanks>(p, inputs, lt, row_bytes, lsrc, nullptr);
   auto issue = [&]() {  // the load cursor's item into stage ls, then advance the cursor
     if (lt < end) {
       int4* stage = reinterpret_cast<int4*>(stages + ls * kPullStageBytes);
@@ -127,7 +121,7 @@ __device__ void pull_tokens(const CombinePullArgs& p, const int64_t* x_offset, c
       if (++lc == chunks) {
         lc = 0;
         lt += step;
-        if (lt < end) token_sources<kRanks>(p, x_offset, w_offset, lt, row_bytes, lsrc, nullptr);
+        if (lt < end) token_sources<kRanks>(p, inputs, lt, row_bytes, lsrc, nullptr);
       }
     }
     cp_async_commit();
@@ -135,7 +129,7 @@ __device__ void pull_tokens(const CombinePullArgs& p, const int64_t* x_offset, c
   };
 #pragma unroll
   for (int s = 0; s < kPullStages - 1; ++s) issue();
-  if (rt < end) token_sources<kRanks>(p, x_offset, w_offset, rt, row_bytes, rsrc, nullptr);
+  if (rt < end) token_sources<kRanks>(p, inputs, rt, row_bytes, rsrc, nullptr);
   while (rt < end) {
     issue();  // into the stage reduced last (every lane passed the __syncwarp after reading it)
     cp_async_wait<kPullStages - 1>();
@@ -148,18 +142,7 @@ __device__ void pull_tokens(const CombinePullArgs& p, const int64_t* x_offset, c
       float acc[Vec<T>::kElems];
 #pragma unroll
       for (int e = 0; e < Vec<T>::kElems; ++e) acc[e] = 0.f;
-      if (a.bias0 != nullptr) {
-        Vec<T> b;
-        b.raw = ptx::ld_nc_v4(reinterpret_cast<const int4*>(a.bias0 + rt * static_cast<int64_t>(row_bytes)) + v);
-#pragma unroll
-        for (int e = 0; e < Vec<T>::kElems; ++e) acc[e] += to_float(b.elems[e]);
-      }
-      if (a.bias1 != nullptr) {
-        Vec<T> b;
-        b.raw = ptx::ld_nc_v4(reinterpret_cast<const int4*>(a.bias1 + rt * static_cast<int64_t>(row_bytes)) + v);
-#pragma unroll
-        for (int e = 0; e < Vec<T>::kElems; ++e) acc[e] += to_float(b.elems[e]);
-      }
+      add_biases<T>(acc, a, rt, row_bytes, v);
 #pragma unroll
       for (int d = 0; d < kRanks; ++d) {
         if (rsrc[d] != nullptr) {
@@ -179,7 +162,7 @@ __device__ void pull_tokens(const CombinePullArgs& p, const int64_t* x_offset, c
     if (++rc == chunks) {
       if (a.out_topk_weights != nullptr) {
         const uint8_t* weights[kRanks];
-        token_sources<kRanks>(p, x_offset, w_offset, rt, row_bytes, rsrc, weights);
+        token_sources<kRanks>(p, inputs, rt, row_bytes, rsrc, weights);
         if (lane < a.num_topk) {
           float wsum = 0.f;
 #pragma unroll
@@ -191,26 +174,19 @@ __device__ void pull_tokens(const CombinePullArgs& p, const int64_t* x_offset, c
       }
       rc = 0;
       rt += step;
-      if (rt < end) token_sources<kRanks>(p, x_offset, w_offset, rt, row_bytes, rsrc, nullptr);
+      if (rt < end) token_sources<kRanks>(p, inputs, rt, row_bytes, rsrc, nullptr);
     }
   }
   cp_async_wait<0>();  // the empty groups past the end
-}
-
-// Arrival (step 3): release at system scope, cumulative over the block barrier that precedes it.
-__device__ __forceinline__ void pull_arrive(uint64_t* p) {
-  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(1ull) : "memory");
 }
 
 template <typename T, int kRanks, bool kStaged>
 __global__ void __launch_bounds__(pull_warps(kStaged) * 32, 1) combine_pull_kernel(CombinePullArgs p) {
   constexpr int kPullWarps = pull_warps(kStaged);
   extern __shared__ __align__(16) uint8_t pull_stages[];
-  __shared__ uint64_t call;
-  __shared__ int ready, in_pool, all_arrived;
-  __shared__ int64_t x_offset[kMaxRanks], w_offset[kMaxRanks];
+  __shared__ DirectCallState<PullInputBlocks> call;
   const CombineArgs& a = p.base;
-  const int num_ranks = a.c.num_ranks, me = a.c.rank, c = blockIdx.x >> 1, half = blockIdx.x & 1;
+  const int me = a.c.rank, c = blockIdx.x >> 1, half = blockIdx.x & 1;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int row_bytes = a.hidden * static_cast<int>(sizeof(T));
   auto* ctl = reinterpret_cast<Control*>(a.c.peers[me]);
@@ -221,71 +197,28 @@ __global__ void __launch_bounds__(pull_warps(kStaged) * 32, 1) combine_pull_kern
     zero_refused_outputs(a.out, a.out_topk_weights, half ? mid : begin, half ? end : mid, row_bytes, a.num_topk);
     return;
   }
-  if (threadIdx.x == 0) {
-    call = *reinterpret_cast<volatile uint64_t*>(&ctl->pull_calls) + 1;
-    ready = in_pool = all_arrived = 1;
-  }
-  __syncthreads();
-  const uint64_t n = call;
-  if (blockIdx.x == 0 && threadIdx.x < num_ranks) {  // 1. my input's offsets of call n, then ready for call n
-    auto* peer = reinterpret_cast<Control*>(a.c.peers[threadIdx.x]);
-    peer->pull_x_offset[me] = p.x_offset;
-    peer->pull_w_offset[me] = p.w_offset;
-    peer->pull_layout[me] = a.ring_signature;
-    ptx::st_release_sys(&peer->pull_ready[me], n);
-  }
   const Watchdog dog = make_watchdog(a.c.timeout_ns, me, &ctl->timeout_claim, &a.c.mailbox->timeout,
                                      ctl->peer_aborted);
-  if (threadIdx.x < num_ranks) {  // 2. every rank's words of call n
-    const int d = threadIdx.x;
-    if (wait_at_least(&ctl->pull_ready[d], n, dog, kPhasePullReady, d)) {
-      x_offset[d] = *reinterpret_cast<volatile int64_t*>(&ctl->pull_x_offset[d]);
-      w_offset[d] = *reinterpret_cast<volatile int64_t*>(&ctl->pull_w_offset[d]);
-      const uint64_t layout = *reinterpret_cast<volatile uint64_t*>(&ctl->pull_layout[d]);
-      if (x_offset[d] < 0 || layout != a.ring_signature) in_pool = 0;
-    } else {
-      ready = 0;
-    }
-  }
-  __syncthreads();
-  if (!ready) return;  // a timeout, recorded: the call fails (no arrival anywhere: the peers time out too)
+  const DirectCallSite<PullInputBlocks> site{&Control::pull, kPhasePullReady, kPhasePullArrive};
+  const PullInputBlocks mine{p.x_offset, p.w_offset};
+  const auto accepts = [](const PullInputBlocks& in) { return in.x_offset >= 0; };
+  if (!begin_direct_call(call, a.c, site, mine, a.ring_signature, dog, accepts)) return;
 
-  // 3. My tokens, from every holder's input.
-  if (in_pool) {
+  // My tokens, from every holder's input.
+  if (call.in_pool) {
     if constexpr (kStaged) {
-      pull_tokens<T, kRanks>(p, x_offset, w_offset, begin + half * kPullWarps + warp, end, 2 * kPullWarps,
-                             row_bytes, lane, pull_stages + static_cast<size_t>(warp) * kPullStages * kPullStageBytes);
+      pull_tokens<T, kRanks>(p, call.blocks, begin + half * kPullWarps + warp, end, 2 * kPullWarps, row_bytes, lane,
+                             pull_stages + static_cast<size_t>(warp) * kPullStages * kPullStageBytes);
     } else {
       for (int t = begin + half * kPullWarps + warp; t < end; t += 2 * kPullWarps) {
         const uint8_t* src[kRanks];
         const uint8_t* weights[kRanks];
-        token_sources<kRanks>(p, x_offset, w_offset, t, row_bytes, src, weights);
+        token_sources<kRanks>(p, call.blocks, t, row_bytes, src, weights);
         reduce_token<T, kRanks>(a, t, src, weights, row_bytes, lane);
       }
     }
   }
-  __threadfence_system();
-  __syncthreads();
-  if (threadIdx.x < num_ranks) pull_arrive(&reinterpret_cast<Control*>(a.c.peers[threadIdx.x])->pull_arrivals[me]);
-  if (blockIdx.x != 0) return;
-
-  // 4. Completion (block 0): every rank's blocks are done with my input.
-  if (threadIdx.x < num_ranks) {
-    const int s = threadIdx.x;
-    if (wait_at_least(&ctl->pull_arrivals[s], static_cast<uint64_t>(gridDim.x), dog, kPhasePullArrive, s)) {
-      ctl->pull_arrivals[s] = 0;
-    } else {
-      all_arrived = 0;  // a timeout (recorded): the counters are left as they are, the call fails
-    }
-  }
-  __syncthreads();
-  if (threadIdx.x == 0 && all_arrived) {
-    if (!in_pool) {
-      *reinterpret_cast<volatile uint64_t*>(&ctl->pull_missed) = n;
-      ctl->pull_missed_total += 1;
-    }
-    *reinterpret_cast<volatile uint64_t*>(&ctl->pull_calls) = n;
-  }
+  end_direct_call(call, a.c, site, dog);
 }
 
 template <typename T, int kRanks>

@@ -229,15 +229,15 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
 }
 
 // The ring kernel queued after a direct dispatch (dispatch_direct.cu): it moves the call only if the direct kernel,
-// which ended before it on the stream, missed it (Control::direct_missed == direct_calls; both words are this
+// which ended before it on the stream, missed it (Control::direct: missed == calls; both words are this
 // rank's, written by that kernel's block 0, and the verdict is the same on every rank, so all blocks of every rank
 // leave alike, before any counter is touched), or notify refused it (the ring kernel's refused path pads the
 // outputs and touches no counter; the direct kernel moved nothing). Named apart from the call's kernel: a profile shows one kernel
 // named for the dispatch (the direct one), and this one's few microseconds when it moves nothing.
 __global__ void __launch_bounds__(kDispatchThreads, 1) ring_fallback_kernel(DispatchArgs a) {
   const auto* ctl = reinterpret_cast<const Control*>(a.c.peers[a.c.rank]);
-  if (!call_refused(a.recv_channel_offset) && *reinterpret_cast<const volatile uint64_t*>(&ctl->direct_missed) !=
-                                                  *reinterpret_cast<const volatile uint64_t*>(&ctl->direct_calls)) {
+  if (!call_refused(a.recv_channel_offset) && *reinterpret_cast<const volatile uint64_t*>(&ctl->direct.missed) !=
+                                                  *reinterpret_cast<const volatile uint64_t*>(&ctl->direct.calls)) {
     return;
   }
   __shared__ RingBoard board;

@@ -14,6 +14,8 @@ namespace moe_ep::intranode {
 
 // The NVLink buffer's layout and the mailbox are shared with the internode kernels (common/nvlink_buffer.h).
 using nvlink::Control;
+using nvlink::DirectCallWords;
+using nvlink::DirectOutputBlocks;
 using nvlink::kBadIdOutOfRange;
 using nvlink::kBadIdRepeated;
 using nvlink::kFlagLayoutMismatch;
@@ -36,6 +38,7 @@ using nvlink::kRefusedCall;
 using nvlink::kNotifyStride;
 using nvlink::kRingsOffset;
 using nvlink::Mailbox;
+using nvlink::PullInputBlocks;
 
 constexpr int kWarps = 24;              // copy warps of a dispatch block (the publisher warp comes on top)
 

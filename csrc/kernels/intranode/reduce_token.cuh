@@ -10,6 +10,21 @@
 
 namespace moe_ep::intranode {
 
+// acc += the biases' vector v of row `token` (bias0, then bias1; either may be absent): the start of every combine
+// reduction's float32 order.
+template <typename T>
+__device__ __forceinline__ void add_biases(float* acc, const CombineArgs& a, int64_t token, int row_bytes, int v) {
+  const uint8_t* biases[2] = {a.bias0, a.bias1};
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    if (biases[i] == nullptr) continue;
+    Vec<T> b;
+    b.raw = ptx::ld_nc_v4(reinterpret_cast<const int4*>(biases[i] + token * row_bytes) + v);
+#pragma unroll
+    for (int e = 0; e < Vec<T>::kElems; ++e) acc[e] += to_float(b.elems[e]);
+  }
+}
+
 // Whole warp: output row `token` = cast(bias0 + bias1 + rows of ranks ascending), accumulated in float32 in
 // that order (the reference's order), and the top-k weights summed likewise. src[d]: the token's row from rank d
 // (row_bytes bytes), or null; weights[d]: its top-k weights (float32 [K]; read only with out_topk_weights), null
@@ -38,18 +53,7 @@ __device__ __forceinline__ void reduce_token(const CombineArgs& a, int64_t token
       float acc[Vec<T>::kElems];
 #pragma unroll
       for (int e = 0; e < Vec<T>::kElems; ++e) acc[e] = 0.f;
-      if (a.bias0 != nullptr) {
-        Vec<T> b;
-        b.raw = ptx::ld_nc_v4(reinterpret_cast<const int4*>(a.bias0 + token * row_bytes) + v);
-#pragma unroll
-        for (int e = 0; e < Vec<T>::kElems; ++e) acc[e] += to_float(b.elems[e]);
-      }
-      if (a.bias1 != nullptr) {
-        Vec<T> b;
-        b.raw = ptx::ld_nc_v4(reinterpret_cast<const int4*>(a.bias1 + token * row_bytes) + v);
-#pragma unroll
-        for (int e = 0; e < Vec<T>::kElems; ++e) acc[e] += to_float(b.elems[e]);
-      }
+      add_biases<T>(acc, a, token, row_bytes, v);
 #pragma unroll
       for (int d = 0; d < kRanks; ++d) {
         if (src[d] != nullptr) {
