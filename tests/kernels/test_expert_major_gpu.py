@@ -132,11 +132,16 @@ CASES: List[Dict] = [
 ]
 
 
-def _world_fused_matches(rank: int, world_size: int) -> None:
+def _world_fused_matches(rank: int, world_size: int, pool: bool) -> None:
     from moe_dispatcher import Buffer
-    kb = make_buffer(hidden_bytes=MAX_HIDDEN_BYTES, backend="kernels", explicitly_destroy=True)
+    kb = make_buffer(hidden_bytes=MAX_HIDDEN_BYTES, backend="kernels", explicitly_destroy=True,
+                     num_pool_bytes=(1 << 30) if pool else 0)
     rb = Buffer(backend="reference", explicitly_destroy=True)
     _check_cases(kb, rb, rank, world_size)
+    if pool:  # the rank-major part of every expert-major call went direct, and its combines pulled
+        direct, missed, pulls, pulls_missed = kb._kernels._ipc.path_counters()
+        assert direct > 0 and pulls > 0, (direct, pulls)
+        assert pulls - pulls_missed >= len(CASES) * 4, (pulls, pulls_missed)  # 4 expert-major combines per case
     kb.destroy()
     rb.destroy()
 
@@ -198,8 +203,11 @@ def _check_cases(kb, rb, rank: int, world_size: int) -> None:
     torch.cuda.synchronize()
 
 
+@pytest.mark.parametrize("pool", [False, True], ids=["ring", "peer-pool"])
 @pytest.mark.parametrize("world_size", tdist.GPU_WORLD_SIZES)
-def test_fused_expert_major_matches(world_size: int) -> None:
+def test_fused_expert_major_matches(world_size: int, pool: bool) -> None:
+    """pool: Buffer(num_pool_bytes=1 GiB): the rank-major part of expert-major dispatch by the direct kernel, and
+    em_unpermute's rows in the pool, so that the combine pulls (the same bits as the ring kernels')."""
     if torch.cuda.device_count() < world_size:
         pytest.skip(f"needs {world_size} GPUs")
-    run_distributed(_world_fused_matches, world_size, backend="nccl", timeout=300)
+    run_distributed(_world_fused_matches, world_size, pool, backend="nccl", timeout=300)
