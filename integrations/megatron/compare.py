@@ -70,7 +70,10 @@ def _launch(config: str, overrides: list[str], name: str, nproc: int, log: str) 
     for item in [*overrides, *RUNS[name]]:
         cmd += ["--set", item]
     print(f"\n=== {name}: {' '.join(cmd[3:])}", flush=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **RUN_ENV.get(name, {})}
+    # Every run gets exactly its RUN_ENV entries of the variables any run sets (a caller's exported
+    # MOE_DISPATCHER_POOL_BYTES must not turn "ours" into "ours-pool").
+    env = {k: v for k, v in os.environ.items() if not any(k in e for e in RUN_ENV.values())}
+    env.update({"OMP_NUM_THREADS": "1", **RUN_ENV.get(name, {})})
     return subprocess.run(cmd, check=False, env=env).returncode
 
 

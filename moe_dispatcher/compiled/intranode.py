@@ -652,13 +652,18 @@ class IntranodeBackend(Backend):
                        pooled: bool) -> torch.Tensor:
         """An uninitialised tensor for rows a combine sends: in the peer pool when `pooled` (the handle's dispatch
         was direct, so the combine pulls its rows from every holder's pool), unless the pool is closed or has no
-        room or a CUDA graph is being captured (then torch's memory: the ring kernel moves that combine)."""
+        room or a CUDA graph is being captured (then torch's memory: the ring kernel moves that combine). A pool
+        tensor is a view of a block whose size is rounded up to a power of two."""
         pool = self.peer_pool
-        if pooled and pool is not None and not pool.closed and not torch.cuda.is_current_stream_capturing():
-            try:
-                return pool.allocate(shape, dtype)
-            except torch.OutOfMemoryError:  # PeerPoolExhausted
-                pass
+        if pooled and pool is not None and not pool.closed:
+            numel = 1
+            for n in shape:
+                numel *= n
+            nbytes = numel * dtype.itemsize
+            # A block rounded as the dispatch's (_pool_block): the row count varies from call to call, and torch
+            # cannot hand a live pool's cached segments of other sizes back to the region.
+            block, _ = self._pool_block(nbytes, device)  # torch's memory when the pool has no room (or capture)
+            return block[:nbytes].view(dtype).view(shape)
         return torch.empty(shape, dtype=dtype, device=device)
 
     def expert_major_combine(self, x: torch.Tensor, handle: ExpertMajorHandle, weights: Optional[torch.Tensor],

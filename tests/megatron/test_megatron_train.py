@@ -275,7 +275,8 @@ def test_compare_keeps_the_runs_done_when_cut_short(tmp_path, monkeypatch):
 
 
 def test_compare_pool_run_gets_its_environment(monkeypatch):
-    """--compare ours-pool launches ours with MOE_DISPATCHER_POOL_BYTES set (and only that run)."""
+    """--compare ours-pool launches ours with MOE_DISPATCHER_POOL_BYTES set, and only that run (a value the caller
+    exported reaches no run)."""
     from moe_dispatcher.integrations.megatron import compare
     envs = {}
 
@@ -284,7 +285,7 @@ def test_compare_pool_run_gets_its_environment(monkeypatch):
         return subprocess.CompletedProcess(cmd, 0)
 
     monkeypatch.setattr(compare.subprocess, "run", fake_run)
-    monkeypatch.delenv("MOE_DISPATCHER_POOL_BYTES", raising=False)
+    monkeypatch.setenv("MOE_DISPATCHER_POOL_BYTES", "12345")  # exported by the caller: only ours-pool's own counts
     compare._launch("cfg.yaml", [], "ours-pool", 2, "pool.json")
     compare._launch("cfg.yaml", [], "ours", 2, "plain.json")
     assert envs["pool.json"]["MOE_DISPATCHER_POOL_BYTES"] == str(1 << 30)
