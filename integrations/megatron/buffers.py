@@ -13,9 +13,11 @@ import torch.distributed as dist
 from moe_dispatcher import Buffer, Topology
 from moe_dispatcher.buffer import BACKEND_ENV
 from moe_dispatcher.buffer import BACKENDS as BUFFER_BACKENDS
-from moe_dispatcher.env import env_choice
+from moe_dispatcher.env import env_choice, env_int
 
+POOL_ENV = "MOE_DISPATCHER_POOL_BYTES"
 _backend = {"chosen": None}  # register(backend=...)'s choice; None: $MOE_DISPATCHER_BACKEND, else auto
+_pool = {"bytes": None}  # register(pool_bytes=...)'s choice; None: $MOE_DISPATCHER_POOL_BYTES, else 0
 _topologies: dict[int, tuple[dist.ProcessGroup, Topology]] = {}
 _buffers: dict[tuple[int, bool], tuple[dist.ProcessGroup, Buffer]] = {}
 
@@ -37,6 +39,21 @@ def check_buffer_backend(name: str, where: str) -> str:
         raise ValueError(f"moe_dispatcher: unknown Buffer backend {name!r} (from {where}); "
                          f"choose one of {', '.join(BUFFER_BACKENDS)}")
     return name
+
+
+def pool_bytes() -> int:
+    """Bytes of peer pool per GPU of the normal-mode Buffers (Buffer(num_pool_bytes=...)): register(pool_bytes=...),
+    else $MOE_DISPATCHER_POOL_BYTES, else 0 (none). With a pool the dispatch writes rows straight into the
+    receivers' memory and the combine pulls them (docs/intranode.md, "direct dispatch", "pull combine")."""
+    chosen = _pool["bytes"]
+    return chosen if chosen is not None else env_int(POOL_ENV, 0, minimum=0)
+
+
+def choose_pool_bytes(num_bytes: int) -> None:
+    """register(pool_bytes=...): the peer pool of every normal-mode Buffer created afterwards."""
+    if isinstance(num_bytes, bool) or not isinstance(num_bytes, int) or num_bytes < 0:
+        raise ValueError(f"moe_dispatcher: register(pool_bytes=...) must be an int >= 0, got {num_bytes!r}")
+    _pool["bytes"] = num_bytes
 
 
 def dispatch_group(pg_collection=None) -> dist.ProcessGroup:
@@ -83,17 +100,18 @@ def get_buffer(group: dist.ProcessGroup, *, hidden: int, element_size: int, low_
     else:
         # DeepEP's convention: rows are sized for at least 2 bytes per element (bf16 combine of fp8 dispatch).
         nvl, rdma = normal_buffer_bytes(hidden * max(element_size, 2), num_ranks, topology.num_domains)
+    pool = 0 if low_latency else pool_bytes()
     key = (id(group), low_latency)
     entry = _buffers.get(key)
     if entry is not None and entry[0] is group:
         buffer = entry[1]
-        if (buffer.num_nvl_bytes >= nvl and buffer.num_rdma_bytes >= rdma
+        if (buffer.num_nvl_bytes >= nvl and buffer.num_rdma_bytes >= rdma and buffer.num_pool_bytes == pool
                 and (backend is None or buffer.backend == backend)):
             return buffer
     # DeepEP's low-latency convention: one queue pair per local expert.
     qps = {"num_qps_per_rank": max(1, num_experts // num_ranks)} if low_latency else {}
     buffer = Buffer(group, num_nvl_bytes=nvl, num_rdma_bytes=rdma, low_latency_mode=low_latency, backend=backend,
-                    topology=topology, **qps)
+                    topology=topology, num_pool_bytes=pool, **qps)
     _buffers[key] = (group, buffer)
     return buffer
 

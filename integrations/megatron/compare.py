@@ -8,7 +8,8 @@ the same config, seed and data; the runs go one after the other in this one call
 dispatcher: tokens/s, our speed-up over it, the profiler's step breakdown (router, dispatch, permute,
 experts, combine, rest; step_profile.py) and the loss curves side by side. ``flex-deepep`` (Megatron's flex
 dispatcher on DeepEP V1) runs only when ``deep_ep`` is importable (put its build on PYTHONPATH); otherwise it
-is reported as skipped. ``ours-overlap`` and ``alltoall-overlap`` run ours and Megatron's alltoall through
+is reported as skipped. ``ours-pool`` is ours with a peer pool (RUN_ENV; GPUs only). ``ours-overlap`` and
+``alltoall-overlap`` run ours and Megatron's alltoall through
 Megatron's EP-overlap schedule (``overlap_moe_expert_parallel_comm``; GPUs only, with ``--set
 data.num_microbatches=2`` or more, which the plain runs then use as well, so that every run trains on the same
 microbatches).
@@ -33,7 +34,11 @@ RUNS: dict[str, list[str]] = {
     "alltoall-overlap": ["model.moe_token_dispatcher_type=alltoall", EP_OVERLAP],
     "allgather": ["model.moe_token_dispatcher_type=allgather"],
     "flex-deepep": ["model.moe_token_dispatcher_type=flex", "model.moe_flex_dispatcher_backend=deepep"],
+    "ours-pool": ["model.moe_token_dispatcher_type=moe_dispatcher"],
 }
+# name -> environment of its run: "ours-pool" gives the dispatcher's Buffers a 1 GiB peer pool (direct dispatch and
+# pull combine; MOE_DISPATCHER_POOL_BYTES), enough for the configs in configs/
+RUN_ENV: dict[str, dict[str, str]] = {"ours-pool": {"MOE_DISPATCHER_POOL_BYTES": str(1 << 30)}}
 PARTS = ("router", "dispatch", "permute", "experts", "combine", "rest")
 
 
@@ -53,6 +58,8 @@ def _unavailable(name: str) -> str | None:
         return "needs CUDA (Megatron's EP-overlap schedule uses CUDA streams)"
     if name in ("alltoall", "flex-deepep") and not torch.cuda.is_available():
         return "needs CUDA (Megatron's dispatcher uses CUDA streams)"
+    if name == "ours-pool" and not torch.cuda.is_available():
+        return "needs CUDA (the peer pool is memory every GPU has mapped)"
     return None
 
 
@@ -63,7 +70,11 @@ def _launch(config: str, overrides: list[str], name: str, nproc: int, log: str) 
     for item in [*overrides, *RUNS[name]]:
         cmd += ["--set", item]
     print(f"\n=== {name}: {' '.join(cmd[3:])}", flush=True)
-    return subprocess.run(cmd, check=False, env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode
+    # Every run gets exactly its RUN_ENV entries of the variables any run sets (a caller's exported
+    # MOE_DISPATCHER_POOL_BYTES must not turn "ours" into "ours-pool").
+    env = {k: v for k, v in os.environ.items() if not any(k in e for e in RUN_ENV.values())}
+    env.update({"OMP_NUM_THREADS": "1", **RUN_ENV.get(name, {})})
+    return subprocess.run(cmd, check=False, env=env).returncode
 
 
 def run(config: str, overrides: list[str], names: list[str], nproc: int | None,

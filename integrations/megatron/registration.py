@@ -37,7 +37,7 @@ import functools
 import typing
 from collections.abc import Callable
 
-from .buffers import buffer_backend, choose_buffer_backend  # noqa: F401  (buffer_backend: part of this API)
+from .buffers import buffer_backend, choose_buffer_backend, choose_pool_bytes  # noqa: F401  (buffer_backend: API)
 from .guard import run_step
 
 NORMAL = "moe_dispatcher"
@@ -97,14 +97,17 @@ def _widen_literal(cls, name: str, extra: tuple) -> tuple:
     return own
 
 
-def register(backend: str | None = None) -> None:
+def register(backend: str | None = None, pool_bytes: int | None = None) -> None:
     """Teach Megatron-Core the dispatcher types "moe_dispatcher" and "moe_dispatcher_ll". Idempotent.
 
     Importing ``moe_dispatcher.integrations.megatron`` calls this. ``backend`` picks the Buffer backend
-    ("auto", "kernels" or "reference"; default: $MOE_DISPATCHER_BACKEND, else "auto").
+    ("auto", "kernels" or "reference"; default: $MOE_DISPATCHER_BACKEND, else "auto"); ``pool_bytes`` the peer
+    pool of the normal-mode Buffers (bytes per GPU; default: $MOE_DISPATCHER_POOL_BYTES, else 0: none).
     """
     if backend is not None:
         choose_buffer_backend(backend)
+    if pool_bytes is not None:
+        choose_pool_bytes(pool_bytes)
     if _state["registered"]:
         return
     from megatron.core.models.common import utils as schedule_utils

@@ -522,7 +522,8 @@ class IntranodeBackend(Backend):
         """Dispatch into expert-major rows (docs/intranode.md, "Expert-major dispatch"). notify turns every
         source's per-expert counts into the layout table (each expert's first row); the rank-major dispatch kernel
         moves the rows; then pair ranks over the received top-k and em_permute, which copies each received row to
-        its expert-major rows over the whole GPU. Returns (permuted_x, permuted_scales, permuted_weights,
+        its expert-major rows over the whole GPU (with a peer pool the rank-major rows move by the direct kernel,
+        into a pool block). Returns (permuted_x, permuted_scales, permuted_weights,
         tokens_per_expert int32 [L] (device), counts (python ints; empty with num_worst_tokens),
         ExpertMajorHandle). No host sync with num_worst_tokens; otherwise one wait for notify's counts, like
         dispatch."""
@@ -544,8 +545,11 @@ class IntranodeBackend(Backend):
         # one pair), so notify's received-rows check is off (0); the Buffer checks rows_needed instead.
         signature = dispatch_signature("expert-major dispatch", x, x_scales, topk_idx, topk_weights, num_experts,
                                        config or self._buffer_cls.get_dispatch_config(self.num_ranks))
+        # With a peer pool the rank-major rows go straight into the receivers' temporaries (direct dispatch), and
+        # the handle keeps where each token landed, so the combine can pull (see expert_major_combine).
+        send_rows = torch.empty(r, channels, dtype=torch.int32, device=dev) if self.peer_pool is not None else None
         prefix, offsets, seq = self._notify(in_rank, per_rank, per_expert, channels, expert_alignment, 0, signature,
-                                            layout)
+                                            layout, send_rows)
         counts: List[int] = []
         num_recv: Optional[int] = None
         if num_worst_tokens:
@@ -558,9 +562,18 @@ class IntranodeBackend(Backend):
         # Rank-major rows in (source rank, token) order, top-k as local experts; no padding rows (pad_rows off):
         # the passes below read only the rows received. Launched before the other outputs are allocated, so
         # after a host sync the GPU starts on the transfer first.
-        recv_x, recv_s, recv_idx, recv_w, recv_src = recv_tensors(rows, x, x_scales, _columns(x_scales), k)
-        self._mod.dispatch(self._ipc, self._timeout_ns, x, x_scales, topk_idx, topk_weights, in_rank, offsets, recv_x,
-                           recv_s, recv_idx, recv_w, recv_src, local, False, channels, chunk, slots, slot_bytes)
+        direct = None
+        if send_rows is not None:
+            row_of_token = torch.full((x.shape[0], r), -1, dtype=torch.int32, device=dev)
+            direct = (send_rows, row_of_token)
+            recv_x, recv_s, recv_idx, recv_w, recv_src = self._direct_dispatch(
+                x, x_scales, topk_idx, topk_weights, in_rank, offsets, send_rows, rows, local, False,
+                (channels, chunk, slots, slot_bytes), 0, row_of_token)
+        else:
+            recv_x, recv_s, recv_idx, recv_w, recv_src = recv_tensors(rows, x, x_scales, _columns(x_scales), k)
+            self._mod.dispatch(self._ipc, self._timeout_ns, x, x_scales, topk_idx, topk_weights, in_rank, offsets,
+                               recv_x, recv_s, recv_idx, recv_w, recv_src, local, False, channels, chunk, slots,
+                               slot_bytes)
         px = torch.empty(m, x.shape[1], dtype=x.dtype, device=dev)
         ps = torch.empty(m, _columns(x_scales), dtype=x_scales.dtype, device=dev) if x_scales is not None else None
         pw = torch.empty(m, dtype=torch.float32, device=dev) if topk_weights is not None else None
@@ -575,7 +588,7 @@ class IntranodeBackend(Backend):
         tpe = layout[r_local + 2 * local + 1: r_local + 3 * local + 1]
         need = layout[r_local + local]
         dh = DispatchHandle(prefix, in_rank, recv_src, num_recv, x.shape[0], num_worst_tokens, self.name,
-                            self._buffer_token, backend_state=HandleState((channels, offsets, None)))
+                            self._buffer_token, backend_state=HandleState((channels, offsets, direct)))
         handle = ExpertMajorHandle(dh, pair_row, pair_slot, tpe, k, rows_needed=need,
                                    backend_state=(inverse, layout, local, expert_alignment))
         return px, ps, pw, tpe, counts, handle
@@ -629,10 +642,29 @@ class IntranodeBackend(Backend):
         n, k = inverse.shape
         offsets = handle.dispatch.backend_state.routing[1]
         x, weights, topk_weights = x.contiguous(), _contiguous(weights), _contiguous(topk_weights)
-        rows = torch.empty(n, x.shape[1], dtype=x.dtype, device=x.device)
-        w_rows = torch.empty(n, k, dtype=torch.float32, device=x.device) if topk_weights is not None else None
+        pooled = handle.dispatch.backend_state.routing[2] is not None  # the combine of a direct dispatch pulls
+        rows = self._combine_input((n, x.shape[1]), x.dtype, x.device, pooled)
+        w_rows = self._combine_input((n, k), torch.float32, x.device, pooled) if topk_weights is not None else None
         self._mod.em_unpermute(x, inverse, weights, topk_weights, offsets[-1, -1:], rows, w_rows)
         return rows, w_rows
+
+    def _combine_input(self, shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                       pooled: bool) -> torch.Tensor:
+        """An uninitialised tensor for rows a combine sends: in the peer pool when `pooled` (the handle's dispatch
+        was direct, so the combine pulls its rows from every holder's pool), unless the pool is closed or has no
+        room or a CUDA graph is being captured (then torch's memory: the ring kernel moves that combine). A pool
+        tensor is a view of a block whose size is rounded up to a power of two."""
+        pool = self.peer_pool
+        if pooled and pool is not None and not pool.closed:
+            numel = 1
+            for n in shape:
+                numel *= n
+            nbytes = numel * dtype.itemsize
+            # A block rounded as the dispatch's (_pool_block): the row count varies from call to call, and torch
+            # cannot hand a live pool's cached segments of other sizes back to the region.
+            block, _ = self._pool_block(nbytes, device)  # torch's memory when the pool has no room (or capture)
+            return block[:nbytes].view(dtype).view(shape)
+        return torch.empty(shape, dtype=dtype, device=device)
 
     def expert_major_combine(self, x: torch.Tensor, handle: ExpertMajorHandle, weights: Optional[torch.Tensor],
                              topk_weights: Optional[torch.Tensor], bias: Sequence[torch.Tensor],

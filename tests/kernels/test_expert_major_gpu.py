@@ -37,7 +37,18 @@ def _compose(backend, xin, idx, w, num_experts, align, worst):
     return compose_expert_major_dispatch(backend, data, scales, idx, w, num_experts, local, align, worst)
 
 
-def _check_case(kb, rb, c: Dict, seed: int) -> None:
+def _took(kb, before, want: tuple):
+    """With a peer pool: assert which kernels moved the calls since `before` ((direct dispatches, of them missed,
+    pull combines, of them missed), IpcBuffer.path_counters()); -> the counters now. Without a pool: None."""
+    if before is None:
+        return None
+    now = kb._kernels._ipc.path_counters()
+    got = tuple(a - b for a, b in zip(now, before))
+    assert got == want, f"(direct, missed, pulls, pulls missed) since the last check: {got}, expected {want}"
+    return now
+
+
+def _check_case(kb, rb, c: Dict, seed: int, pool: bool) -> None:
     from moe_dispatcher.expert_major import unpermute
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -48,8 +59,10 @@ def _check_case(kb, rb, c: Dict, seed: int) -> None:
     backend = kb._kernels
 
     _poison()
+    seen = kb._kernels._ipc.path_counters() if pool else None
     px, pw, counts, tpe, hk, _ = kb.expert_major_dispatch(xin, topk_idx=idx, topk_weights=w, num_experts=e,
                                                           expert_alignment=align, num_worst_tokens=worst)
+    _took(kb, seen, (1, 0, 0, 0))  # with a pool the exchange went direct
     assert hk.backend_state is not None, "the compiled backend must serve this case with its fused kernels"
     cx, cs, cw, ctpe, ccounts, ch = _compose(backend, xin, idx, w, e, align, worst)
     rx, rw, rcounts, rtpe, rh, _ = rb.expert_major_dispatch(xin, topk_idx=idx, topk_weights=w, num_experts=e,
@@ -78,7 +91,9 @@ def _check_case(kb, rb, c: Dict, seed: int) -> None:
     # Cached dispatch of new data along the handle.
     x2in = cached_input(inp, dev)
     _poison()
+    seen = kb._kernels._ipc.path_counters() if pool else None
     got = kb.expert_major_dispatch(x2in, handle=hk)[0]
+    _took(kb, seen, (1, 0, 0, 0))
     want = rb.expert_major_dispatch(x2in, handle=rh)[0]
     if scales is None:
         assert_equal(got.view(torch.uint8), want.view(torch.uint8), "cached permuted_x", bitwise=True)
@@ -98,7 +113,9 @@ def _check_case(kb, rb, c: Dict, seed: int) -> None:
                       ("topk_weights + bias", dict(topk_weights=topk_w, bias=bias)),
                       ("weighted + topk_weights", dict(weights=weights, topk_weights=topk_w))):
         _poison()
+        seen = kb._kernels._ipc.path_counters() if pool else None
         yk, wk, _ = kb.expert_major_combine(y, hk, **kw)
+        _took(kb, seen, (0, 0, 1, 0))  # with a pool em_unpermute's rows lie in it: pulled
         rows, w_rows = unpermute(y, ch, kw.get("weights"), kw.get("topk_weights"))
         biases = [] if kw.get("bias") is None else [kw["bias"]]
         yc, wc = backend.combine(rows, ch.dispatch, w_rows, biases)
@@ -132,20 +149,21 @@ CASES: List[Dict] = [
 ]
 
 
-def _world_fused_matches(rank: int, world_size: int) -> None:
+def _world_fused_matches(rank: int, world_size: int, pool: bool) -> None:
     from moe_dispatcher import Buffer
-    kb = make_buffer(hidden_bytes=MAX_HIDDEN_BYTES, backend="kernels", explicitly_destroy=True)
+    kb = make_buffer(hidden_bytes=MAX_HIDDEN_BYTES, backend="kernels", explicitly_destroy=True,
+                     num_pool_bytes=(1 << 30) if pool else 0)
     rb = Buffer(backend="reference", explicitly_destroy=True)
-    _check_cases(kb, rb, rank, world_size)
+    _check_cases(kb, rb, rank, world_size, pool)
     kb.destroy()
     rb.destroy()
 
 
-def _check_cases(kb, rb, rank: int, world_size: int) -> None:
+def _check_cases(kb, rb, rank: int, world_size: int, pool: bool = False) -> None:
     """Every case, then the overflow and the CUDA graph checks."""
     for i, c in enumerate(CASES):
         with case(c["name"]):
-            _check_case(kb, rb, c, i)
+            _check_case(kb, rb, c, i, pool)
     torch.cuda.synchronize()
 
     # ---- Overflow: num_worst_tokens below what arrives; reported on every rank at the next synchronised call.
@@ -198,8 +216,11 @@ def _check_cases(kb, rb, rank: int, world_size: int) -> None:
     torch.cuda.synchronize()
 
 
+@pytest.mark.parametrize("pool", [False, True], ids=["ring", "peer-pool"])
 @pytest.mark.parametrize("world_size", tdist.GPU_WORLD_SIZES)
-def test_fused_expert_major_matches(world_size: int) -> None:
+def test_fused_expert_major_matches(world_size: int, pool: bool) -> None:
+    """pool: Buffer(num_pool_bytes=1 GiB): the rank-major part of expert-major dispatch by the direct kernel, and
+    em_unpermute's rows in the pool, so that the combine pulls (the same bits as the ring kernels')."""
     if torch.cuda.device_count() < world_size:
         pytest.skip(f"needs {world_size} GPUs")
-    run_distributed(_world_fused_matches, world_size, backend="nccl", timeout=300)
+    run_distributed(_world_fused_matches, world_size, pool, backend="nccl", timeout=300)

@@ -240,8 +240,15 @@ def _buffer_reuse() -> dict[str, Any]:
     again = buffers.get_buffer(group, hidden=H // 2, element_size=2)
     bigger = buffers.get_buffer(group, hidden=4 * H, element_size=4)
     after = buffers.get_buffer(group, hidden=H, element_size=4)
+    buffers.choose_pool_bytes(1 << 20)  # register(pool_bytes=...): a Buffer with that pool replaces it
+    try:
+        pooled = buffers.get_buffer(group, hidden=H, element_size=4)
+        pooled_again = buffers.get_buffer(group, hidden=H, element_size=4)
+    finally:
+        buffers._pool["bytes"] = None
     return {"same_when_smaller": again is first, "new_when_bigger": bigger is not first,
-            "kept_bigger": after is bigger}
+            "kept_bigger": after is bigger, "new_with_pool": pooled is not after and pooled.num_pool_bytes == 1 << 20,
+            "kept_pooled": pooled_again is pooled}
 
 
 def _ep2_worker(rank: int, world: int) -> dict[str, Any]:
@@ -310,6 +317,17 @@ def _gpu_worker(rank: int, world: int) -> dict[str, Any]:
         res["overlap"] = _parity("moe_dispatcher", "alltoall", 1, world, dtype=torch.bfloat16, bf16=True,
                                  params_dtype=torch.bfloat16, moe_shared_expert_intermediate_size=FFN,
                                  moe_shared_expert_overlap=True)
+    with case("moe_dispatcher with a peer pool vs alltoall as a training step, bf16"):
+        # register(pool_bytes=...): expert-major dispatch by the direct kernel, its combine pulled (counted below)
+        from moe_dispatcher.integrations.megatron import buffers
+        buffers.choose_pool_bytes(512 << 20)
+        try:
+            res["pool"] = _parity("moe_dispatcher", "alltoall", 1, world, dtype=torch.bfloat16, stepped=True,
+                                  num_tokens=tokens, bf16=True, params_dtype=torch.bfloat16)
+            pooled = [b for _, b in buffers._buffers.values() if b.num_pool_bytes]
+            res["pool_paths"] = [tuple(b._kernels._ipc.path_counters()) for b in pooled]
+        finally:
+            buffers._pool["bytes"] = None
     with case("moe_dispatcher with fp8 dispatch vs without, bf16"):
         res["fp8_dispatch"] = _parity("moe_dispatcher", "moe_dispatcher", 1, world, dtype=torch.bfloat16,
                                       num_tokens=tokens, fp8_dispatch=True, bf16=True, params_dtype=torch.bfloat16)
@@ -414,7 +432,8 @@ def test_fp8_router_padding_counts(ep2, variant, multiple):
 
 def test_one_buffer_per_group_reused(ep2):
     for res in ep2:
-        assert res["buffers"] == {"same_when_smaller": True, "new_when_bigger": True, "kept_bigger": True}
+        assert res["buffers"] == {"same_when_smaller": True, "new_when_bigger": True, "kept_bigger": True,
+                                  "new_with_pool": True, "kept_pooled": True}
 
 
 def test_layer_matches_allgather_etp2_ep2(etp):
@@ -433,8 +452,12 @@ def test_layer_matches_alltoall_on_gpus():
     results = run_distributed(_gpu_worker, n, backend="nccl", env={"MOE_DISPATCHER_BACKEND": "kernels"},
                               timeout=300)
     for rank, res in enumerate(results):
-        for key in ("moe_dispatcher", "moe_dispatcher_ll", "overlap", "stepped", "bound"):
+        for key in ("moe_dispatcher", "moe_dispatcher_ll", "overlap", "stepped", "bound", "pool"):
             _check_parity(res[key], 3e-2, f"rank {rank} {key} (NCCL, kernels, bf16)")
+        # (direct dispatches, of them missed, pull combines, of them missed) of the pooled Buffer: every call direct
+        assert len(res["pool_paths"]) == 1, res["pool_paths"]
+        direct, missed, pulls, pulls_missed = res["pool_paths"][0]
+        assert direct > 0 and pulls > 0 and missed == 0 and pulls_missed == 0, (rank, res["pool_paths"])
         assert res["stepped"]["rows_asked"] == [0, 0], res["stepped"]["rows_asked"]  # exact on GPUs too
         for key in ("fp8_dispatch", "fp8_dispatch_bound"):  # the CPU test's bound (e4m3 rounding of the rows)
             assert res[key]["out"][0] > 0, f"rank {rank} {key}: the rows were not quantised"

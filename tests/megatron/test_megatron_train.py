@@ -138,14 +138,14 @@ def _compare(tmp_path, config: str, names: str, nproc: int, *extra: str, env: di
 
 def test_compare_cpu_grouped_experts(tmp_path):
     """One call runs ours and Megatron's allgather in turn (grouped-GEMM experts), prints tokens/s, the step
-    breakdown and the loss curves; alltoall and flex-deepep are reported as skipped on CPU."""
+    breakdown and the loss curves; alltoall, flex-deepep and ours-pool are reported as skipped on CPU."""
     steps = 12
-    out, stdout = _compare(tmp_path, "configs/tiny_cpu.yaml", "ours,allgather,alltoall,flex-deepep", 2,
+    out, stdout = _compare(tmp_path, "configs/tiny_cpu.yaml", "ours,allgather,alltoall,flex-deepep,ours-pool", 2,
                            "--steps", str(steps), "--set", "train.log_interval=4", "--set", "train.profile_steps=2",
                            "--set", "model.moe_grouped_gemm=true")
     results = out["results"]
     assert sorted(results) == ["allgather", "ours"] and not out["failed"], out
-    assert sorted(out["skipped"]) == ["alltoall", "flex-deepep"], out["skipped"]
+    assert sorted(out["skipped"]) == ["alltoall", "flex-deepep", "ours-pool"], out["skipped"]
     for name, res in results.items():
         assert len(res["losses"]) == steps and res["tokens_per_s"] > 0, (name, res)
         assert res["profiled_steps"] == 2, res
@@ -272,3 +272,21 @@ def test_compare_keeps_the_runs_done_when_cut_short(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         compare.run("cfg.yaml", [], ["ours", "alltoall"], 2, str(log))
     assert seen and list(seen[0]["results"]) == ["ours"], seen
+
+
+def test_compare_pool_run_gets_its_environment(monkeypatch):
+    """--compare ours-pool launches ours with MOE_DISPATCHER_POOL_BYTES set, and only that run (a value the caller
+    exported reaches no run)."""
+    from moe_dispatcher.integrations.megatron import compare
+    envs = {}
+
+    def fake_run(cmd, check, env):
+        envs[cmd[cmd.index("--log-json") + 1]] = env
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(compare.subprocess, "run", fake_run)
+    monkeypatch.setenv("MOE_DISPATCHER_POOL_BYTES", "12345")  # exported by the caller: only ours-pool's own counts
+    compare._launch("cfg.yaml", [], "ours-pool", 2, "pool.json")
+    compare._launch("cfg.yaml", [], "ours", 2, "plain.json")
+    assert envs["pool.json"]["MOE_DISPATCHER_POOL_BYTES"] == str(1 << 30)
+    assert "MOE_DISPATCHER_POOL_BYTES" not in envs["plain.json"]
