@@ -42,6 +42,7 @@
 
 #include "bindings.h"
 #include "bindings/carve.h"
+#include "bindings/device_scope.h"
 #include "bindings/stream_join.h"
 #include "kernels/low_latency/low_latency.h"
 #include "runtime/cuda_check.h"
@@ -93,14 +94,29 @@ struct Plan {
 
 class Runtime;
 
-// backend_state of a LowLatencyHandle made by this runtime: the dispatch's routing (the handle's
-// src_info and layout_range, plus row_of: [l][s*maxT + t] = the row of source s's token t at local
-// expert l, for the per-rank combine) and what combine checks its arguments against.
+// What a LowLatencyHandle made by this runtime carries in its backend_state (a capsule named kStateName that
+// owns it): the dispatch's routing (the handle's src_info and layout_range, plus row_of: [l][s*maxT + t] = the
+// row of source s's token t at local expert l, for the per-rank combine) and what combine checks its arguments
+// against. row_of has no tensor of its own: it lies in the dispatch's output block, at row_of_offset bytes of
+// src_info's storage, which src_info keeps alive.
 struct DispatchState {
   uint64_t owner;  // Runtime::id_ of the runtime that made it (ids are never reused, addresses could be)
-  at::Tensor src_info, row_of, layout_range;  // int32 [L, R*maxT], int32 [L, R*maxT], int64 [L, R]
-  int max_tokens, hidden, num_experts, num_tokens, half;
+  at::Tensor src_info, layout_range;  // int32 [L, R*maxT], int64 [L, R]
+  size_t row_of_offset;               // int32 [L, R*maxT]
+  int max_tokens, hidden, num_experts, num_tokens;
+  int* row_of() const { return reinterpret_cast<int*>(static_cast<uint8_t*>(src_info.storage().mutable_data()) +
+                                                      row_of_offset); }
 };
+constexpr const char* kStateName = "moe_dispatcher.low_latency.DispatchState";
+void free_state(PyObject* capsule) { delete static_cast<DispatchState*>(PyCapsule_GetPointer(capsule, kStateName)); }
+
+// LowLatencyHandle's fields (moe_dispatcher/handle.py), in order: the runtime builds handles as tuples of its
+// type (what its generated __new__ does, without the Python frame) and reads backend_state by position, so
+// the runtime checks these names once when it is made.
+constexpr std::array<const char*, 9> kHandleFields = {
+    "src_info", "layout_range", "num_max_dispatch_tokens_per_rank", "hidden", "num_experts", "backend",
+    "buffer_token", "backend_state", "num_tokens"};
+constexpr int kHandleStateField = 7;
 
 // The send-now / receive-later half of a call made with return_recv_hook.
 struct PendingReceive {
@@ -132,6 +148,10 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
     MOE_CHECK(static_cast<int>(abort_targets.size()) == num_ranks, "low_latency: one abort target per rank");
     MOE_CHECK(peer_aborts != 0 && peer_aborts % 8 == 0, "low_latency: the abort bytes must be 8-byte aligned");
     MOE_CHECK(num_blocks >= 1, "low_latency: num_blocks must be positive");
+    check_handle_type(handle_cls_);
+    handle_type_ = reinterpret_cast<PyTypeObject*>(handle_cls_.ptr());
+    backend_name_ = py::str("low_latency");
+    buffer_token_obj_ = py::int_(buffer_token);
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
     // The symmetric buffer as the backend's uint8 tensor: every view carved from it (the zero-copy combine buffer)
     // shares its storage, whose owner keeps the memory from being freed while a view lives.
@@ -206,11 +226,13 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
       check_tensor(*wait_stats, "dispatch_wait_recv_cost_stats", at::kLong, device_);
       check_shape(*wait_stats, "dispatch_wait_recv_cost_stats", {num_ranks_});
     }
-    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+    const DeviceScope scope(static_cast<c10::DeviceIndex>(device_));
     const int half = start_call(p);
 
-    // Outputs, carved from one allocation: recv_x [L, rows, H] (fp8 or bf16), scales [L, rows, G]
-    // token-minor (fp8), recv_count [L], src_info and row_of [L, rows], layout_range [L, R].
+    // Outputs, carved from one allocation (one block of the caching allocator, on the current stream; the views
+    // share its storage, which the last of them to go frees): recv_x [L, rows, H] (fp8 or bf16), scales
+    // [L, rows, G] token-minor (fp8), recv_count [L], src_info and row_of [L, rows] (row_of: no tensor, the
+    // handle's state keeps its offset), layout_range [L, R].
     const int64_t L = p.local, rows = p.rows, H = h, R = num_ranks_;
     const int64_t groups = use_ue8m0 ? H / 512 : H / 128;
     const size_t data_bytes = align_up(static_cast<size_t>(L * rows * H) * (use_fp8 ? 1 : 2));
@@ -218,9 +240,7 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
     const size_t count_bytes = align_up(static_cast<size_t>(L) * 4);
     const size_t info_bytes = align_up(static_cast<size_t>(L * rows) * 4);
     const size_t range_bytes = align_up(static_cast<size_t>(L * R) * 8);
-    const at::Tensor block = empty_on(static_cast<c10::DeviceIndex>(device_), at::kByte,
-                                      {static_cast<int64_t>(data_bytes + scale_bytes + count_bytes + 2 * info_bytes +
-                                                            range_bytes)});
+    const c10::Storage block = cuda_block(data_bytes + scale_bytes + count_bytes + 2 * info_bytes + range_bytes);
     size_t off = 0;
     at::Tensor data = carve(block, off, use_fp8 ? at::kFloat8_e4m3fn : at::kBFloat16, {L, rows, H},
                             {rows * H, H, 1});
@@ -234,7 +254,8 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
     off += count_bytes;
     at::Tensor src_info = carve(block, off, at::kInt, {L, rows}, {rows, 1});
     off += info_bytes;
-    at::Tensor row_of = carve(block, off, at::kInt, {L, rows}, {rows, 1});
+    const size_t row_of_offset = off;
+    int* const row_of = reinterpret_cast<int*>(static_cast<uint8_t*>(block.mutable_data()) + off);
     off += info_bytes;
     at::Tensor layout_range = carve(block, off, at::kLong, {L, R}, {R, 1});
 
@@ -257,20 +278,19 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
     a.recv_x = data.data_ptr();
     a.recv_scales = use_fp8 ? scales.data_ptr() : nullptr;
     a.src_info = src_info.data_ptr<int>();
-    a.row_of = row_of.data_ptr<int>();
+    a.row_of = row_of;
     a.layout_range = layout_range.data_ptr<int64_t>();
     a.recv_count = recv_count.data_ptr<int>();
     a.cumulative_recv_stats = cum_stats ? cum_stats->data_ptr<int>() : nullptr;
     a.wait_stats = wait_stats ? wait_stats->data_ptr<int64_t>() : nullptr;
 
-    auto state = std::make_shared<DispatchState>(DispatchState{id_, src_info, row_of, layout_range,
-                                                               p.max_tokens, h, p.num_experts, t, half});
-    py::object handle = handle_cls_(src_info, layout_range, p.max_tokens, h, p.num_experts, "low_latency",
-                                    buffer_token_, py::cast(state), t);
+    py::object handle = make_handle(p, t, std::make_unique<DispatchState>(DispatchState{
+                                              id_, src_info, layout_range, row_of_offset, p.max_tokens, h,
+                                              p.num_experts, t}));
     py::object recv_x = use_fp8 ? py::object(py::make_tuple(data, scales)) : py::cast(data);
     std::vector<at::Tensor> keep;
     if (async_finish || return_recv_hook) {
-      keep = {x, topk_idx, block};
+      keep = {x, topk_idx, src_info};  // src_info: the output block's storage (every output is a view of it)
       if (cum_stats) keep.push_back(*cum_stats);
       if (wait_stats) keep.push_back(*wait_stats);
     }
@@ -283,7 +303,8 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
                     const OptTensor& out, const OptTensor& wait_stats) {
     check_usable();
     if (async_finish && return_recv_hook) bad_value("async_finish and return_recv_hook cannot both be set");
-    const DispatchState& s = state_of(handle);
+    py::object state;  // the handle's backend_state, held for the call (s lives in it)
+    const DispatchState& s = state_of(handle, state);
     check_tensor(topk_idx, "topk_idx", at::kLong, device_);
     check_tensor(topk_weights, "topk_weights", at::kFloat, device_);
     if (topk_idx.dim() != 2 || topk_idx.size(0) != s.num_tokens)
@@ -302,9 +323,12 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
       check_tensor(*wait_stats, "combine_wait_recv_cost_stats", at::kLong, device_);
       check_shape(*wait_stats, "combine_wait_recv_cost_stats", {num_ranks_});
     }
-    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+    const DeviceScope scope(static_cast<c10::DeviceIndex>(device_));
     const int half = start_call(p);
-    at::Tensor result = out ? *out : empty_on(static_cast<c10::DeviceIndex>(device_), at::kBFloat16, {t, s.hidden});
+    const int64_t hidden = s.hidden;
+    at::Tensor result = out ? *out
+                            : carve(cuda_block(static_cast<size_t>(t) * hidden * 2), 0, at::kBFloat16, {t, hidden},
+                                    {hidden, 1});
 
     Common c = common(p, half, 1);
     // The per-rank send waits for every peer's routing; a hooked send must not wait on peers (the caller
@@ -316,7 +340,7 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
     a.topk_idx = topk_idx.data_ptr<int64_t>();
     a.topk_weights = topk_weights.data_ptr<float>();
     a.src_info = s.src_info.data_ptr<int>();
-    a.row_of = s.row_of.data_ptr<int>();
+    a.row_of = s.row_of();
     a.layout_range = s.layout_range.data_ptr<int64_t>();
     a.out = result.data_ptr();
     a.num_tokens = t;
@@ -325,7 +349,7 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
     a.wait_stats = wait_stats ? wait_stats->data_ptr<int64_t>() : nullptr;
     std::vector<at::Tensor> keep;
     if (async_finish || return_recv_hook) {
-      keep = {x, topk_idx, topk_weights, s.src_info, s.row_of, s.layout_range, result};
+      keep = {x, topk_idx, topk_weights, s.src_info, s.layout_range, result};  // src_info's storage holds row_of
       if (wait_stats) keep.push_back(*wait_stats);
     }
     auto [event, hook] = launch(false, c, nullptr, &a, half, async_finish, return_recv_hook, std::move(keep));
@@ -335,7 +359,8 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   // bf16 [L, R*maxT, H] view of the send region of the next call's half: the rows a zero-copy combine sends.
   at::Tensor next_combine_buffer(const py::object& handle) {
     check_usable();
-    const DispatchState& s = state_of(handle);
+    py::object state;
+    const DispatchState& s = state_of(handle, state);
     const Plan& p = plan(s.max_tokens, s.hidden, s.num_experts, 1, /*clean_on_change=*/false);
     const size_t begin = next_half_ * p.layout.half_bytes + p.layout.send_off;
     const int64_t rows = p.rows, h = s.hidden;
@@ -589,15 +614,49 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
     return {event_cls_(py::cast(std::make_unique<CommEvent>(*comm_)), extra), py::none()};
   }
 
-  const DispatchState& state_of(const py::object& handle) const {
-    py::object state = handle.attr("backend_state");
-    if (!py::isinstance<DispatchState>(state)) {
-      throw py::type_error("handle must be a LowLatencyHandle returned by this Buffer's low_latency_dispatch");
+  // The DispatchState of a handle this runtime made (held: its backend_state, which owns it, for the call).
+  const DispatchState& state_of(const py::object& handle, py::object& held) const {
+    if (Py_TYPE(handle.ptr()) == handle_type_) {
+      held = py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(handle.ptr(), kHandleStateField));
+    } else {
+      held = handle.attr("backend_state");
     }
-    const DispatchState& s = state.cast<const DispatchState&>();
-    if (s.owner != id_)
+    if (!PyCapsule_IsValid(held.ptr(), kStateName))
+      throw py::type_error("handle must be a LowLatencyHandle returned by this Buffer's low_latency_dispatch");
+    const auto* s = static_cast<const DispatchState*>(PyCapsule_GetPointer(held.ptr(), kStateName));
+    if (s->owner != id_)
       fail("handle was made by another Buffer; pass the handle this Buffer's dispatch returned");
-    return s;
+    return *s;
+  }
+
+  // A LowLatencyHandle of a dispatch of plan p with t tokens, owning `state` (its backend_state): the tuple its
+  // type's __new__ would build (tuple.__new__ of the type and the fields in order), with the constant fields'
+  // objects made once.
+  py::object make_handle(const Plan& p, int t, std::unique_ptr<DispatchState> state) const {
+    const DispatchState& s = *state;
+    py::object capsule = py::reinterpret_steal<py::object>(PyCapsule_New(state.get(), kStateName, free_state));
+    if (!capsule) throw py::error_already_set();
+    state.release();  // the capsule owns it now
+    const py::tuple fields = py::make_tuple(s.src_info, s.layout_range, p.max_tokens, p.hidden, p.num_experts,
+                                            backend_name_, buffer_token_obj_, capsule, t);
+    const py::tuple args = py::make_tuple(fields);
+    py::object handle = py::reinterpret_steal<py::object>(PyTuple_Type.tp_new(handle_type_, args.ptr(), nullptr));
+    if (!handle) throw py::error_already_set();
+    return handle;
+  }
+
+  // The handle type must be a tuple type with LowLatencyHandle's fields in order (make_handle, state_of).
+  static void check_handle_type(const py::object& cls) {
+    bool ok = PyType_Check(cls.ptr()) &&
+              PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(cls.ptr()), &PyTuple_Type) &&
+              py::hasattr(cls, "_fields");
+    if (ok) {
+      const py::tuple fields = cls.attr("_fields");
+      ok = fields.size() == kHandleFields.size();
+      for (size_t i = 0; ok && i < kHandleFields.size(); ++i)
+        ok = fields[i].cast<std::string>() == kHandleFields[i];
+    }
+    MOE_CHECK(ok, "low_latency: handle_cls must be a NamedTuple with LowLatencyHandle's fields in order");
   }
 
   static inline std::atomic<uint64_t> next_id_{1};
@@ -630,6 +689,8 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   std::array<std::array<unsigned long long*, 2>, kTraceKinds> traces_{};
   std::array<std::pair<int, int>, kTraceKinds> trace_last_{{{-1, 0}, {-1, 0}}};
   py::object handle_cls_, event_cls_, no_event_, barrier_, timeout_message_, signature_error_;
+  PyTypeObject* handle_type_ = nullptr;          // handle_cls_ (check_handle_type)
+  py::object backend_name_, buffer_token_obj_;  // the handles' constant fields
 
  public:
   // For the hook: the stale / already-called rules, then the receive phase on the current stream.
@@ -639,7 +700,7 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
     if (half_owner_[r.half] != r.call)
       fail("stale low-latency hook: its buffer half was reused by a later call; call each hook before making "
            "two more low-latency calls");
-    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+    const DeviceScope scope(static_cast<c10::DeviceIndex>(device_));
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device_).stream();
     if (r.dispatch) {
       launch_dispatch(r.c, r.da, kPhaseRecv, stream);
@@ -703,12 +764,6 @@ void register_low_latency(py::module_& parent) {
     m.attr("TRACE_DISPATCH_EVENTS") = d;
     m.attr("TRACE_COMBINE_EVENTS") = c;
   }
-
-  py::class_<DispatchState, std::shared_ptr<DispatchState>>(
-      m, "DispatchState", "backend_state of a LowLatencyHandle of this runtime (half, row_of).")
-      .def_property_readonly("half", [](const DispatchState& s) { return s.half; })
-      .def_property_readonly("row_of", [](const DispatchState& s) { return s.row_of; });
-
 
   py::class_<PendingReceive, std::shared_ptr<PendingReceive>>(
       m, "ReceiveHook", "hook() of a return_recv_hook call: launches the receive phase on the current stream.")
