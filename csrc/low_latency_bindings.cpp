@@ -43,6 +43,7 @@
 #include "bindings.h"
 #include "bindings/carve.h"
 #include "bindings/device_scope.h"
+#include "bindings/fast_call.h"
 #include "bindings/stream_join.h"
 #include "kernels/low_latency/low_latency.h"
 #include "runtime/cuda_check.h"
@@ -716,6 +717,73 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   }
 };
 
+// ---------------------------------------------------------------------------- the hot calls
+// Runtime.dispatch / Runtime.combine as METH_FASTCALL functions (bindings/fast_call.h: what pybind11's dispatcher
+// would cost per call), each bound to a capsule that owns a reference to its runtime (the function's self).
+constexpr const char* kBoundName = "moe_dispatcher.low_latency.Runtime";
+void free_bound(PyObject* capsule) {
+  delete static_cast<std::shared_ptr<Runtime>*>(PyCapsule_GetPointer(capsule, kBoundName));
+}
+Runtime& bound_runtime(PyObject* self) {
+  return **static_cast<std::shared_ptr<Runtime>*>(PyCapsule_GetPointer(self, kBoundName));
+}
+
+PyObject* dispatch_call(PyObject* self, PyObject* const* a, Py_ssize_t nargs) {
+  namespace f = fast_call;
+  return f::run([&] {
+    f::expect_args(nargs, 11, "dispatch");
+    // Converted in order (a call's arguments are evaluated in no set order): the first bad one is named.
+    const at::Tensor& x = f::tensor(a[0], "x");
+    const at::Tensor& topk_idx = f::tensor(a[1], "topk_idx");
+    const int64_t max_tokens = f::integer(a[2], "num_max_dispatch_tokens_per_rank");
+    const int64_t num_experts = f::integer(a[3], "num_experts");
+    const OptTensor cum_stats = f::optional_tensor(a[4], "cumulative_local_expert_recv_stats");
+    const OptTensor wait_stats = f::optional_tensor(a[5], "dispatch_wait_recv_cost_stats");
+    const bool use_fp8 = f::flag(a[6], "use_fp8"), round_scale = f::flag(a[7], "round_scale");
+    const bool use_ue8m0 = f::flag(a[8], "use_ue8m0"), async_finish = f::flag(a[9], "async_finish");
+    const bool return_recv_hook = f::flag(a[10], "return_recv_hook");
+    return bound_runtime(self).dispatch(x, topk_idx, max_tokens, num_experts, cum_stats, wait_stats, use_fp8,
+                                        round_scale, use_ue8m0, async_finish, return_recv_hook);
+  });
+}
+
+PyObject* combine_call(PyObject* self, PyObject* const* a, Py_ssize_t nargs) {
+  namespace f = fast_call;
+  return f::run([&] {
+    f::expect_args(nargs, 9, "combine");
+    const at::Tensor& x = f::tensor(a[0], "x");
+    const at::Tensor& topk_idx = f::tensor(a[1], "topk_idx");
+    const at::Tensor& topk_weights = f::tensor(a[2], "topk_weights");
+    const py::object handle = py::reinterpret_borrow<py::object>(a[3]);
+    const bool zero_copy = f::flag(a[4], "zero_copy"), async_finish = f::flag(a[5], "async_finish");
+    const bool return_recv_hook = f::flag(a[6], "return_recv_hook");
+    const OptTensor out = f::optional_tensor(a[7], "out");
+    const OptTensor wait_stats = f::optional_tensor(a[8], "combine_wait_recv_cost_stats");
+    return bound_runtime(self).combine(x, topk_idx, topk_weights, handle, zero_copy, async_finish, return_recv_hook,
+                                       out, wait_stats);
+  });
+}
+
+PyMethodDef kDispatchDef{
+    "dispatch", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(dispatch_call)), METH_FASTCALL,
+    "dispatch(x, topk_idx, max_tokens, num_experts, cum_stats, wait_stats, use_fp8, round_scale, use_ue8m0, "
+    "async_finish, return_recv_hook) -> (recv_x, recv_count, handle, EventOverlap, hook or None)"};
+PyMethodDef kCombineDef{
+    "combine", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(combine_call)), METH_FASTCALL,
+    "combine(x, topk_idx, topk_weights, handle, zero_copy, async_finish, return_recv_hook, out, wait_stats) "
+    "-> (combined_x, EventOverlap, hook or None)"};
+
+// A new function object of `def` bound to `rt`.
+py::object bound_call(PyMethodDef& def, const std::shared_ptr<Runtime>& rt) {
+  auto owner = std::make_unique<std::shared_ptr<Runtime>>(rt);
+  py::object capsule = py::reinterpret_steal<py::object>(PyCapsule_New(owner.get(), kBoundName, free_bound));
+  if (!capsule) throw py::error_already_set();
+  owner.release();  // the capsule owns it now
+  py::object fn = py::reinterpret_steal<py::object>(PyCFunction_New(&def, capsule.ptr()));
+  if (!fn) throw py::error_already_set();
+  return fn;
+}
+
 }  // namespace
 
 void register_low_latency(py::module_& parent) {
@@ -779,12 +847,12 @@ void register_low_latency(py::module_& parent) {
            py::arg("rank_partials"), py::arg("trace"), py::arg("handle_cls"), py::arg("event_cls"),
            py::arg("no_event"), py::arg("barrier"), py::arg("timeout_message"), py::arg("buffer_token"),
            py::arg("peer_aborts"), py::arg("abort_targets"), py::arg("signature_error"))
-      .def("dispatch", &Runtime::dispatch,
-           "dispatch(x, topk_idx, max_tokens, num_experts, cum_stats, wait_stats, use_fp8, round_scale, use_ue8m0, "
-           "async_finish, return_recv_hook) -> (recv_x, recv_count, handle, EventOverlap, hook or None)")
-      .def("combine", &Runtime::combine,
-           "combine(x, topk_idx, topk_weights, handle, zero_copy, async_finish, return_recv_hook, out, wait_stats) "
-           "-> (combined_x, EventOverlap, hook or None)")
+      // The calls, positional arguments only (their signatures: kDispatchDef, kCombineDef); each read gives a new
+      // function object bound to this runtime: the backend keeps one.
+      .def_property_readonly("dispatch",
+                             [](const std::shared_ptr<Runtime>& rt) { return bound_call(kDispatchDef, rt); })
+      .def_property_readonly("combine",
+                             [](const std::shared_ptr<Runtime>& rt) { return bound_call(kCombineDef, rt); })
       .def("next_combine_buffer", &Runtime::next_combine_buffer, py::arg("handle"))
       .def("clean", &Runtime::clean, py::arg("max_tokens"), py::arg("hidden"), py::arg("num_experts"))
       .def("set_rank_partials", &Runtime::set_rank_partials)

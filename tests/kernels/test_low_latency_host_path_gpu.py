@@ -6,6 +6,7 @@ Checked per rank, on the compiled kernels (docs/low_latency.md, "Host path"):
   on the Buffer's device; the dispatch's outputs are views of one block (one storage) that stays valid while any
   of them lives; the handle is a LowLatencyHandle whose backend_state is the runtime's capsule;
 * a call made while another GPU is current runs on the Buffer's device and gives the same bits;
+* the runtime's calls (METH_FASTCALL functions) name a wrongly typed argument in their TypeError;
 * the per-call inventory in steady state (torch.profiler's CUDA runtime events over N eager pairs): N launches per
   call kind, exactly one kernel whose name holds "dispatch" per dispatch and one holding "combine" per combine,
   and no memset, event, stream-wait, allocation or function-attribute call.
@@ -78,6 +79,19 @@ def _contract_worker(rank: int, num_ranks: int) -> None:
             assert out.dtype == torch.bfloat16 and out.shape == (t, H) and out.stride() == (H, 1)
             assert out.device == dev
             assert out.untyped_storage().data_ptr() != handle.src_info.untyped_storage().data_ptr()
+    with case("the runtime's calls name a wrongly typed argument"):
+        run = buf._kernels_ll.low_latency_dispatch
+        with pytest.raises(TypeError, match="num_experts must be an integer, got float"):
+            run(x, idx, MAX_T, float(E), None, None, False, False, False, False, False)
+        with pytest.raises(TypeError, match="topk_idx must be a torch.Tensor"):
+            run(x, idx.tolist(), MAX_T, E, None, None, False, False, False, False, False)
+        with pytest.raises(TypeError, match="takes 11 positional arguments, 2 given"):
+            run(x, idx)
+        _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, MAX_T, E, use_fp8=False)
+        with pytest.raises(TypeError, match="handle must be a LowLatencyHandle"):
+            buf._kernels_ll.low_latency_combine(y, idx, w, handle._replace(backend_state=None), False, False, False,
+                                                None, None)
+        buf.low_latency_combine(y, idx, w, handle)  # the runtime is still usable
     with case("the block outlives every view but one"):
         recv_x, count, handle, _, _ = buf.low_latency_dispatch(x, idx, MAX_T, E, use_fp8=False)
         torch.cuda.synchronize()

@@ -1,0 +1,82 @@
+// Native calls as CPython METH_FASTCALL functions: the arguments of a hot call converted by hand from the
+// caller's argument array. pybind11's generic dispatcher (an argument vector per call, its overload loop, one
+// caster per argument) costs ~0.2 us of host time per call of 9-11 arguments (2-core x86 dev host: a no-op
+// method of the low-latency dispatch's signature, 324 ns through pybind11, 107 ns as a FASTCALL function);
+// for a call whose own work is one allocation and one launch that is a sizeable share. Host only; the GIL is
+// held throughout (as in any bound function).
+//
+// The argument rules are those of pybind11's casters (what the same function bound with pybind11 accepts):
+// a tensor is a torch.Tensor (subclasses too), an optional tensor None or a tensor, an integer anything with
+// __index__ (not a float), a flag any object with a truth value. A wrong one raises TypeError naming the
+// argument. C++ exceptions become Python exceptions through pybind11's translators (a pybind11 value_error a
+// ValueError, a std::runtime_error a RuntimeError, a pending Python error itself), as for a pybind11 function.
+#pragma once
+
+#include <Python.h>
+#include <pybind11/pybind11.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <optional>
+#include <string>
+
+namespace moe_ep::fast_call {
+
+[[noreturn]] inline void bad_type(const char* name, const char* want, PyObject* got) {
+  throw pybind11::type_error(std::string(name) + " must be " + want + ", got " + Py_TYPE(got)->tp_name);
+}
+
+inline const at::Tensor& tensor(PyObject* o, const char* name) {
+  if (!THPVariable_Check(o)) bad_type(name, "a torch.Tensor", o);
+  return THPVariable_Unpack(o);
+}
+
+inline std::optional<at::Tensor> optional_tensor(PyObject* o, const char* name) {
+  if (o == Py_None) return std::nullopt;
+  return tensor(o, name);
+}
+
+inline int64_t integer(PyObject* o, const char* name) {
+  if (PyLong_CheckExact(o)) {
+    const long long v = PyLong_AsLongLong(o);
+    if (v == -1 && PyErr_Occurred()) throw pybind11::error_already_set();  // out of range
+    return v;
+  }
+  if (PyFloat_Check(o) || !PyIndex_Check(o)) bad_type(name, "an integer", o);
+  const pybind11::object index = pybind11::reinterpret_steal<pybind11::object>(PyNumber_Index(o));
+  if (!index) throw pybind11::error_already_set();
+  const long long v = PyLong_AsLongLong(index.ptr());
+  if (v == -1 && PyErr_Occurred()) throw pybind11::error_already_set();
+  return v;
+}
+
+inline bool flag(PyObject* o, const char* name) {
+  if (o == Py_True) return true;
+  if (o == Py_False) return false;
+  const int v = PyObject_IsTrue(o);
+  if (v < 0) {
+    PyErr_Clear();
+    bad_type(name, "a truth value", o);
+  }
+  return v != 0;
+}
+
+// `nargs` must be `want` (FASTCALL functions take no keywords: Python refuses those itself).
+inline void expect_args(Py_ssize_t nargs, Py_ssize_t want, const char* function) {
+  if (nargs != want)
+    throw pybind11::type_error(std::string(function) + "() takes " + std::to_string(want) + " positional arguments, " +
+                               std::to_string(nargs) + " given");
+}
+
+// Runs body() (returning a pybind11 object) for a METH_FASTCALL function: its new reference, or null with the
+// Python error set from whatever body threw.
+template <class Body>
+PyObject* run(Body&& body) {
+  try {
+    return body().release().ptr();
+  } catch (...) {
+    pybind11::detail::try_translate_exceptions();
+    return nullptr;
+  }
+}
+
+}  // namespace moe_ep::fast_call
