@@ -140,7 +140,7 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
           py::object barrier, py::object timeout_message, int64_t buffer_token, uint64_t peer_aborts,
           const std::vector<uint64_t>& abort_targets, py::object signature_error)
       : num_bytes_(num_bytes), rank_(rank), num_ranks_(num_ranks), device_(device), num_blocks_(num_blocks),
-        timeout_ns_(timeout_ns), rank_partials_(rank_partials), buffer_token_(buffer_token),
+        timeout_ns_(timeout_ns), rank_partials_(rank_partials),
         handle_cls_(std::move(handle_cls)), event_cls_(std::move(event_cls)), no_event_(std::move(no_event)),
         barrier_(std::move(barrier)), timeout_message_(std::move(timeout_message)),
         signature_error_(std::move(signature_error)) {
@@ -152,7 +152,7 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
     check_handle_type(handle_cls_);
     handle_type_ = reinterpret_cast<PyTypeObject*>(handle_cls_.ptr());
     backend_name_ = py::str("low_latency");
-    buffer_token_obj_ = py::int_(buffer_token);
+    buffer_token_ = py::int_(buffer_token);
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
     // The symmetric buffer as the backend's uint8 tensor: every view carved from it (the zero-copy combine buffer)
     // shares its storage, whose owner keeps the memory from being freed while a view lives.
@@ -617,7 +617,8 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
 
   // The DispatchState of a handle this runtime made (held: its backend_state, which owns it, for the call).
   const DispatchState& state_of(const py::object& handle, py::object& held) const {
-    if (Py_TYPE(handle.ptr()) == handle_type_) {
+    constexpr auto kFields = static_cast<Py_ssize_t>(kHandleFields.size());
+    if (Py_TYPE(handle.ptr()) == handle_type_ && PyTuple_GET_SIZE(handle.ptr()) == kFields) {
       held = py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(handle.ptr(), kHandleStateField));
     } else {
       held = handle.attr("backend_state");
@@ -639,7 +640,7 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
     if (!capsule) throw py::error_already_set();
     state.release();  // the capsule owns it now
     const py::tuple fields = py::make_tuple(s.src_info, s.layout_range, p.max_tokens, p.hidden, p.num_experts,
-                                            backend_name_, buffer_token_obj_, capsule, t);
+                                            backend_name_, buffer_token_, capsule, t);
     const py::tuple args = py::make_tuple(fields);
     py::object handle = py::reinterpret_steal<py::object>(PyTuple_Type.tp_new(handle_type_, args.ptr(), nullptr));
     if (!handle) throw py::error_already_set();
@@ -667,7 +668,6 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   int rank_, num_ranks_, device_, num_blocks_;
   uint64_t timeout_ns_;
   bool rank_partials_, nvlink_all_ = true, alive_ = true;
-  int64_t buffer_token_;
   std::optional<c10::cuda::CUDAStream> comm_;
   c10::cuda::CUDAEvent before_;  // comm stream waits for the current one (async_finish)
   TimeoutRecord* host_timeout_ = nullptr;
@@ -691,7 +691,7 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   std::array<std::pair<int, int>, kTraceKinds> trace_last_{{{-1, 0}, {-1, 0}}};
   py::object handle_cls_, event_cls_, no_event_, barrier_, timeout_message_, signature_error_;
   PyTypeObject* handle_type_ = nullptr;          // handle_cls_ (check_handle_type)
-  py::object backend_name_, buffer_token_obj_;  // the handles' constant fields
+  py::object backend_name_, buffer_token_;  // the handles' constant fields
 
  public:
   // For the hook: the stale / already-called rules, then the receive phase on the current stream.
