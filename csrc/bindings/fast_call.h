@@ -19,6 +19,11 @@
 #include <optional>
 #include <string>
 
+// pybind11::detail::try_translate_exceptions (run() below) is pybind11's own path from a C++ exception to the
+// Python error, with every registered translator (torch's among them: a caching-allocator OOM stays
+// torch.OutOfMemoryError).
+static_assert(PYBIND11_VERSION_HEX >= 0x020D0000, "bindings/fast_call.h needs pybind11 >= 2.13");
+
 namespace moe_ep::fast_call {
 
 [[noreturn]] inline void bad_type(const char* name, const char* want, PyObject* got) {
