@@ -6,10 +6,13 @@
 // held throughout (as in any bound function).
 //
 // The argument rules are those of pybind11's casters (what the same function bound with pybind11 accepts):
-// a tensor is a torch.Tensor (subclasses too), an optional tensor None or a tensor, an integer anything with
-// __index__ (not a float), a flag any object with a truth value. A wrong one raises TypeError naming the
-// argument. C++ exceptions become Python exceptions through pybind11's translators (a pybind11 value_error a
-// ValueError, a std::runtime_error a RuntimeError, a pending Python error itself), as for a pybind11 function.
+// a tensor is a torch.Tensor (subclasses too); an optional tensor None or a tensor; an integer anything with
+// __index__ (not a float); a flag True, False, None (false), or an object whose type defines __bool__ (the
+// nb_bool slot: numpy.bool_, int, float, ...), which gives its value; a str, list, tuple or dict is not a flag
+// (their truth comes from __len__, which pybind11 does not consult), nor an object whose __bool__ raises or
+// returns something else. A wrong one raises TypeError naming the argument. C++ exceptions become Python
+// exceptions through pybind11's translators (a pybind11 value_error a ValueError, a std::runtime_error a
+// RuntimeError, a pending Python error itself), as for a pybind11 function.
 #pragma once
 
 #include <Python.h>
@@ -57,12 +60,16 @@ inline int64_t integer(PyObject* o, const char* name) {
 inline bool flag(PyObject* o, const char* name) {
   if (o == Py_True) return true;
   if (o == Py_False) return false;
-  const int v = PyObject_IsTrue(o);
-  if (v < 0) {
+  if (o == Py_None) return false;
+  // pybind11's bool caster (convert pass): the type's nb_bool slot only, not PyObject_IsTrue (which falls back to
+  // __len__).
+  const PyNumberMethods* number = Py_TYPE(o)->tp_as_number;
+  if (number != nullptr && number->nb_bool != nullptr) {
+    const int v = number->nb_bool(o);
+    if (v == 0 || v == 1) return v == 1;
     PyErr_Clear();
-    bad_type(name, "a truth value", o);
   }
-  return v != 0;
+  bad_type(name, "a bool (True, False or None)", o);
 }
 
 // `nargs` must be `want` (FASTCALL functions take no keywords: Python refuses those itself).
