@@ -34,6 +34,7 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -64,6 +65,14 @@ size_t align_up(size_t n) { return (n + kCarveAlign - 1) / kCarveAlign * kCarveA
 
 [[noreturn]] void fail(const std::string& what) { throw std::runtime_error(what); }
 [[noreturn]] void bad_value(const std::string& what) { throw py::value_error(what); }
+
+// An int64 argument that the plan keeps as int: a value outside int's range is a ValueError naming it, never
+// truncated into range (2**32 + 8 would otherwise pass as 8).
+int narrow(int64_t value, const char* name) {
+  if (value < std::numeric_limits<int>::min() || value > std::numeric_limits<int>::max())
+    bad_value(std::string("low-latency: ") + name + "=" + std::to_string(value) + " is out of range");
+  return static_cast<int>(value);
+}
 
 // Invariant checks of one tensor argument (ValueError naming it).
 void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, int device) {
@@ -218,7 +227,8 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
     if (t > max_tokens) bad_value("low-latency dispatch: x has " + std::to_string(t) +
                                   " tokens, more than num_max_dispatch_tokens_per_rank=" + std::to_string(max_tokens));
     if (use_ue8m0 && h % 512) bad_value("use_ue8m0 packs 4 scales per int32: hidden must be divisible by 512");
-    const Plan& p = plan(static_cast<int>(max_tokens), h, static_cast<int>(num_experts), k);
+    const Plan& p =
+        plan(narrow(max_tokens, "num_max_dispatch_tokens_per_rank"), h, narrow(num_experts, "num_experts"), k);
     if (cum_stats) {
       check_tensor(*cum_stats, "cumulative_local_expert_recv_stats", at::kInt, device_);
       check_shape(*cum_stats, "cumulative_local_expert_recv_stats", {p.local});

@@ -6,13 +6,14 @@
 // held throughout (as in any bound function).
 //
 // The argument rules are those of pybind11's casters (what the same function bound with pybind11 accepts):
-// a tensor is a torch.Tensor (subclasses too); an optional tensor None or a tensor; an integer anything with
-// __index__ (not a float); a flag True, False, None (false), or an object whose type defines __bool__ (the
-// nb_bool slot: numpy.bool_, int, float, ...), which gives its value; a str, list, tuple or dict is not a flag
-// (their truth comes from __len__, which pybind11 does not consult), nor an object whose __bool__ raises or
-// returns something else. A wrong one raises TypeError naming the argument. C++ exceptions become Python
-// exceptions through pybind11's translators (a pybind11 value_error a ValueError, a std::runtime_error a
-// RuntimeError, a pending Python error itself), as for a pybind11 function.
+// a tensor is a torch.Tensor (subclasses too); an optional tensor None or a tensor; an integer an int in int64
+// range, or an object with __index__ or __int__ giving one (not a float; integer() below); a flag True, False,
+// None (false), or an object whose type defines __bool__ (the nb_bool slot: numpy.bool_, int, float, ...), which
+// gives its value; a str, list, tuple or dict is not a flag (their truth comes from __len__, which pybind11 does
+// not consult), nor an object whose __bool__ raises or returns something else. A wrong one raises TypeError
+// naming the argument. C++ exceptions become Python exceptions through pybind11's translators (a pybind11
+// value_error a ValueError, a std::runtime_error a RuntimeError, a pending Python error itself), as for a
+// pybind11 function.
 #pragma once
 
 #include <Python.h>
@@ -43,17 +44,35 @@ inline std::optional<at::Tensor> optional_tensor(PyObject* o, const char* name) 
   return tensor(o, name);
 }
 
+// pybind11's int64_t caster (convert pass): a float is refused; otherwise the value through __index__
+// (PyLong_AsLongLong), and if that fails, for an object with a number slot (__index__, __int__ or __float__),
+// through int(o) (so an object with __int__ only is taken, truncated as int() truncates it); a value outside
+// int64 is refused. Every failure is a TypeError naming the argument (pybind11: "incompatible arguments").
 inline int64_t integer(PyObject* o, const char* name) {
   if (PyLong_CheckExact(o)) {
     const long long v = PyLong_AsLongLong(o);
-    if (v == -1 && PyErr_Occurred()) throw pybind11::error_already_set();  // out of range
+    if (v == -1 && PyErr_Occurred()) {  // out of range
+      PyErr_Clear();
+      bad_type(name, "an integer in int64 range", o);
+    }
     return v;
   }
-  if (PyFloat_Check(o) || !PyIndex_Check(o)) bad_type(name, "an integer", o);
-  const pybind11::object index = pybind11::reinterpret_steal<pybind11::object>(PyNumber_Index(o));
-  if (!index) throw pybind11::error_already_set();
-  const long long v = PyLong_AsLongLong(index.ptr());
-  if (v == -1 && PyErr_Occurred()) throw pybind11::error_already_set();
+  if (PyFloat_Check(o)) bad_type(name, "an integer", o);
+  long long v = PyLong_AsLongLong(o);
+  if (v == -1 && PyErr_Occurred()) {
+    PyErr_Clear();
+    if (PyNumber_Check(o) == 0) bad_type(name, "an integer", o);
+    const pybind11::object as_int = pybind11::reinterpret_steal<pybind11::object>(PyNumber_Long(o));
+    if (!as_int) {
+      PyErr_Clear();
+      bad_type(name, "an integer", o);
+    }
+    v = PyLong_AsLongLong(as_int.ptr());
+    if (v == -1 && PyErr_Occurred()) {
+      PyErr_Clear();
+      bad_type(name, "an integer in int64 range", o);
+    }
+  }
   return v;
 }
 
