@@ -20,6 +20,10 @@
 #include <pybind11/pybind11.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#ifdef __GLIBCXX__
+#include <cxxabi.h>
+#endif
+
 #include <optional>
 #include <string>
 
@@ -99,11 +103,16 @@ inline void expect_args(Py_ssize_t nargs, Py_ssize_t want, const char* function)
 }
 
 // Runs body() (returning a pybind11 object) for a METH_FASTCALL function: its new reference, or null with the
-// Python error set from whatever body threw.
+// Python error set from whatever body threw, except glibc's forced unwind (pthread_cancel / pthread_exit), which
+// is rethrown, as pybind11's dispatcher does.
 template <class Body>
 PyObject* run(Body&& body) {
   try {
     return body().release().ptr();
+#ifdef __GLIBCXX__
+  } catch (abi::__forced_unwind&) {
+    throw;  // a thread being cancelled unwinds through here: it must not be caught and turned into a Python error
+#endif
   } catch (...) {
     pybind11::detail::try_translate_exceptions();
     return nullptr;
