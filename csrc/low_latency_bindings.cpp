@@ -107,15 +107,16 @@ class Runtime;
 // What a LowLatencyHandle made by this runtime carries in its backend_state (a capsule named kStateName that
 // owns it): the dispatch's routing (the handle's src_info and layout_range, plus row_of: [l][s*maxT + t] = the
 // row of source s's token t at local expert l, for the per-rank combine) and what combine checks its arguments
-// against. row_of has no tensor of its own: it lies in the dispatch's output block, at row_of_offset bytes of
-// src_info's storage, which src_info keeps alive.
+// against. The routing is read through the dispatch's output block itself, which the state owns (its storage),
+// never through the handle's tensors: those are the user's (src_info.set_(...) would move a tensor to other
+// memory, and the kernels would read or write there). row_of has no tensor at all.
 struct DispatchState {
-  uint64_t owner;  // Runtime::id_ of the runtime that made it (ids are never reused, addresses could be)
-  at::Tensor src_info, layout_range;  // int32 [L, R*maxT], int64 [L, R]
-  size_t row_of_offset;               // int32 [L, R*maxT]
+  uint64_t owner;        // Runtime::id_ of the runtime that made it (ids are never reused, addresses could be)
+  c10::Storage block;    // the dispatch's output block (every output is a view of it): kept alive by the state
+  const int* src_info;   // int32 [L, R*maxT], in block
+  const int* row_of;     // int32 [L, R*maxT], in block
+  const int64_t* layout_range;  // int64 [L, R], in block
   int max_tokens, hidden, num_experts, num_tokens;
-  int* row_of() const { return reinterpret_cast<int*>(static_cast<uint8_t*>(src_info.storage().mutable_data()) +
-                                                      row_of_offset); }
 };
 constexpr const char* kStateName = "moe_dispatcher.low_latency.DispatchState";
 void free_state(PyObject* capsule) { delete static_cast<DispatchState*>(PyCapsule_GetPointer(capsule, kStateName)); }
@@ -241,9 +242,9 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
     const int half = start_call(p);
 
     // Outputs, carved from one allocation (one block of the caching allocator, on the current stream; the views
-    // share its storage, which the last of them to go frees): recv_x [L, rows, H] (fp8 or bf16), scales
-    // [L, rows, G] token-minor (fp8), recv_count [L], src_info and row_of [L, rows] (row_of: no tensor, the
-    // handle's state keeps its offset), layout_range [L, R].
+    // share its storage, and so does the handle's state: the last of them to go frees it): recv_x [L, rows, H]
+    // (fp8 or bf16), scales [L, rows, G] token-minor (fp8), recv_count [L], src_info and row_of [L, rows] (row_of:
+    // no tensor, the handle's state keeps its address), layout_range [L, R].
     const int64_t L = p.local, rows = p.rows, H = h, R = num_ranks_;
     const int64_t groups = use_ue8m0 ? H / 512 : H / 128;
     const size_t data_bytes = align_up(static_cast<size_t>(L * rows * H) * (use_fp8 ? 1 : 2));
@@ -265,7 +266,6 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
     off += count_bytes;
     at::Tensor src_info = carve(block, off, at::kInt, {L, rows}, {rows, 1});
     off += info_bytes;
-    const size_t row_of_offset = off;
     int* const row_of = reinterpret_cast<int*>(static_cast<uint8_t*>(block.mutable_data()) + off);
     off += info_bytes;
     at::Tensor layout_range = carve(block, off, at::kLong, {L, R}, {R, 1});
@@ -295,13 +295,13 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
     a.cumulative_recv_stats = cum_stats ? cum_stats->data_ptr<int>() : nullptr;
     a.wait_stats = wait_stats ? wait_stats->data_ptr<int64_t>() : nullptr;
 
-    py::object handle = make_handle(p, t, std::make_unique<DispatchState>(DispatchState{
-                                              id_, src_info, layout_range, row_of_offset, p.max_tokens, h,
-                                              p.num_experts, t}));
+    py::object handle = make_handle(p, t, src_info, layout_range, std::make_unique<DispatchState>(DispatchState{
+                                              id_, block, src_info.data_ptr<int>(), row_of,
+                                              layout_range.data_ptr<int64_t>(), p.max_tokens, h, p.num_experts, t}));
     py::object recv_x = use_fp8 ? py::object(py::make_tuple(data, scales)) : py::cast(data);
     std::vector<at::Tensor> keep;
     if (async_finish || return_recv_hook) {
-      keep = {x, topk_idx, src_info};  // src_info: the output block's storage (every output is a view of it)
+      keep = {x, topk_idx, src_info};  // src_info: a view of the output block (every output is one)
       if (cum_stats) keep.push_back(*cum_stats);
       if (wait_stats) keep.push_back(*wait_stats);
     }
@@ -350,9 +350,9 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
     a.x = zero_copy ? nullptr : x.data_ptr();
     a.topk_idx = topk_idx.data_ptr<int64_t>();
     a.topk_weights = topk_weights.data_ptr<float>();
-    a.src_info = s.src_info.data_ptr<int>();
-    a.row_of = s.row_of();
-    a.layout_range = s.layout_range.data_ptr<int64_t>();
+    a.src_info = s.src_info;
+    a.row_of = s.row_of;
+    a.layout_range = s.layout_range;
     a.out = result.data_ptr();
     a.num_tokens = t;
     a.num_topk = k;
@@ -360,7 +360,9 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
     a.wait_stats = wait_stats ? wait_stats->data_ptr<int64_t>() : nullptr;
     std::vector<at::Tensor> keep;
     if (async_finish || return_recv_hook) {
-      keep = {x, topk_idx, topk_weights, s.src_info, s.layout_range, result};  // src_info's storage holds row_of
+      // The dispatch's block (routing) as one byte tensor: what keeps and record_stream see.
+      const at::Tensor routing = carve(s.block, 0, at::kByte, {static_cast<int64_t>(s.block.nbytes())}, {1});
+      keep = {x, topk_idx, topk_weights, routing, result};
       if (wait_stats) keep.push_back(*wait_stats);
     }
     auto [event, hook] = launch(false, c, nullptr, &a, half, async_finish, return_recv_hook, std::move(keep));
@@ -641,15 +643,15 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
     return *s;
   }
 
-  // A LowLatencyHandle of a dispatch of plan p with t tokens, owning `state` (its backend_state): the tuple its
-  // type's __new__ would build (tuple.__new__ of the type and the fields in order), with the constant fields'
-  // objects made once.
-  py::object make_handle(const Plan& p, int t, std::unique_ptr<DispatchState> state) const {
-    const DispatchState& s = *state;
+  // A LowLatencyHandle of a dispatch of plan p with t tokens, with src_info and layout_range as its tensors, owning
+  // `state` (its backend_state): the tuple its type's __new__ would build (tuple.__new__ of the type and the
+  // fields in order), with the constant fields' objects made once.
+  py::object make_handle(const Plan& p, int t, const at::Tensor& src_info, const at::Tensor& layout_range,
+                         std::unique_ptr<DispatchState> state) const {
     py::object capsule = py::reinterpret_steal<py::object>(PyCapsule_New(state.get(), kStateName, free_state));
     if (!capsule) throw py::error_already_set();
     state.release();  // the capsule owns it now
-    const py::tuple fields = py::make_tuple(s.src_info, s.layout_range, p.max_tokens, p.hidden, p.num_experts,
+    const py::tuple fields = py::make_tuple(src_info, layout_range, p.max_tokens, p.hidden, p.num_experts,
                                             backend_name_, buffer_token_, capsule, t);
     const py::tuple args = py::make_tuple(fields);
     py::object handle = py::reinterpret_steal<py::object>(PyTuple_Type.tp_new(handle_type_, args.ptr(), nullptr));
