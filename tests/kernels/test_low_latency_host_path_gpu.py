@@ -5,14 +5,26 @@ Checked per rank, on the compiled kernels (docs/low_latency.md, "Host path"):
   int32 scales, token-minor), recv_count, the handle's src_info and layout_range, and the combine's output, all
   on the Buffer's device; the dispatch's outputs are views of one block (one storage) that stays valid while any
   of them lives; the handle is a LowLatencyHandle whose backend_state is the runtime's capsule;
-* a call made while another GPU is current runs on the Buffer's device and gives the same bits;
-* the runtime's calls (METH_FASTCALL functions) name a wrongly typed argument in their TypeError;
+* the dispatch's block lives while any of its outputs (or the handle) does and is freed with the last one
+  (torch.cuda.memory_allocated: nothing freed before, about the block's bytes after);
+* combine reads the routing from the dispatch's block, not through the handle's tensors (a src_info moved to
+  other memory with set_ changes nothing);
+* a call made while another GPU is current, and one made from a thread where c10's (deferred) current device is
+  not CUDA's, runs on the Buffer's device and gives the same bits;
+* the runtime's calls (METH_FASTCALL functions) name a wrongly typed argument in their TypeError, take flags by
+  pybind11's rule (True, False, None, numpy.bool_; not a str or a list) and integers by pybind11's int64 rule
+  (an object with __int__ only; out of int64 a TypeError), and refuse a count outside int's range (ValueError)
+  instead of truncating it;
+* a caching-allocator OOM inside a call reaches Python as torch.OutOfMemoryError;
 * the per-call inventory in steady state (torch.profiler's CUDA runtime events over N eager pairs): N launches per
   call kind, exactly one kernel whose name holds "dispatch" per dispatch and one holding "combine" per combine,
   and no memset, event, stream-wait, allocation or function-attribute call.
 """
 from __future__ import annotations
 
+import threading
+
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -62,6 +74,21 @@ def _check_dispatch_outputs(buf, recv_x, count, handle, num_ranks: int, fp8: boo
     assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
 
 
+def _block_bytes(num_ranks: int) -> int:
+    """Bytes of a BF16 dispatch's output block as the runtime carves it (each part 256-byte aligned): recv_x
+    [L, rows, H] bf16, recv_count [L] int32, src_info and row_of [L, rows] int32, layout_range [L, R] int64."""
+    local, rows = E // num_ranks, num_ranks * MAX_T
+    parts = (local * rows * H * 2, local * 4, local * rows * 4, local * rows * 4, local * num_ranks * 8)
+    return sum((n + 255) // 256 * 256 for n in parts)
+
+
+class _OnlyInt:
+    """An integer through __int__ only (no __index__): pybind11's convert pass takes it as int() does."""
+
+    def __int__(self) -> int:
+        return MAX_T
+
+
 def _contract_worker(rank: int, num_ranks: int) -> None:
     dev = device()
     buf = make_buffer(low_latency=True, max_tokens=MAX_T, hidden=H, num_experts=E, backend="kernels",
@@ -92,16 +119,83 @@ def _contract_worker(rank: int, num_ranks: int) -> None:
             buf._kernels_ll.low_latency_combine(y, idx, w, handle._replace(backend_state=None), False, False, False,
                                                 None, None)
         buf.low_latency_combine(y, idx, w, handle)  # the runtime is still usable
-    with case("the block outlives every view but one"):
+    with case("flags by pybind11's rule: True, False, None (false), numpy.bool_; a str or a list is refused"):
+        run = buf._kernels_ll.low_latency_dispatch
+        for use_fp8, round_scale in ((None, None), (True, False), (False, None), (np.bool_(True), np.bool_(True))):
+            recv_x, count, handle, _, _ = run(x, idx, MAX_T, E, None, None, use_fp8, round_scale, False, None, False)
+            _check_dispatch_outputs(buf, recv_x, count, handle, num_ranks, bool(use_fp8), False)
+        with pytest.raises(TypeError, match="use_fp8 must be a bool .*got str"):
+            run(x, idx, MAX_T, E, None, None, "False", False, False, False, False)
+        with pytest.raises(TypeError, match="round_scale must be a bool .*got list"):
+            run(x, idx, MAX_T, E, None, None, False, [], False, False, False)
+        with pytest.raises(TypeError, match="return_recv_hook must be a bool .*got str"):
+            run(x, idx, MAX_T, E, None, None, False, False, False, False, "")
+    with case("integers by pybind11's int64 rule; a count outside int's range is refused, not truncated"):
+        recv_x, count, handle, _, _ = run(x, idx, _OnlyInt(), E, None, None, False, False, False, False, False)
+        _check_dispatch_outputs(buf, recv_x, count, handle, num_ranks, False, False)
+        with pytest.raises(TypeError, match="num_max_dispatch_tokens_per_rank must be an integer in int64 range"):
+            run(x, idx, 1 << 64, E, None, None, False, False, False, False, False)
+        with pytest.raises(ValueError, match=f"num_max_dispatch_tokens_per_rank={(1 << 32) + MAX_T} is out of range"):
+            run(x, idx, (1 << 32) + MAX_T, E, None, None, False, False, False, False, False)
+        with pytest.raises(ValueError, match=f"num_experts={(1 << 32) + E} is out of range"):
+            run(x, idx, MAX_T, (1 << 32) + E, None, None, False, False, False, False, False)
+    with case("the block lives while any output does, and goes with the last"):
         recv_x, count, handle, _, _ = buf.low_latency_dispatch(x, idx, MAX_T, E, use_fp8=False)
         torch.cuda.synchronize()
         want = count.clone()
+        held = torch.cuda.memory_allocated(dev)
         del recv_x, handle
-        torch.cuda.empty_cache()
-        noise = torch.full((1 << 20,), -7, dtype=torch.int32, device=dev)  # would reuse a freed block
-        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated(dev) == held, "memory was freed while recv_count still lives"
         assert_equal(count, want, "recv_count after the other views went")
-        del noise
+        del count
+        freed = held - torch.cuda.memory_allocated(dev)
+        block = _block_bytes(num_ranks)
+        # The caching allocator rounds a large block up (512 bytes by default); 1 MiB of slack for its settings.
+        assert block <= freed <= block + (1 << 20), f"freed {freed} bytes with the last output, block {block}"
+    with case("combine reads the routing from the dispatch's block, not through the handle's tensors"):
+        y = torch.randn(E // num_ranks, num_ranks * MAX_T, H, device=dev).to(torch.bfloat16)
+        handle = buf.low_latency_dispatch(x, idx, MAX_T, E, use_fp8=False)[2]
+        want = buf.low_latency_combine(y, idx, w, handle)[0].clone()
+        handle = buf.low_latency_dispatch(x, idx, MAX_T, E, use_fp8=False)[2]
+        src_info = handle.src_info
+        decoy = torch.zeros(src_info.untyped_storage().nbytes() // 4, dtype=torch.int32, device=dev)
+        src_info.set_(decoy.untyped_storage(), 0, src_info.shape, src_info.stride())  # the user moves it
+        got = buf.low_latency_combine(y, idx, w, handle)[0]
+        torch.cuda.synchronize()
+        assert_equal(got, want, "combine after the handle's src_info was moved to zeroed memory", bitwise=True)
+    with case("a call from a thread whose c10 current device (deferred) is not CUDA's"):
+        # A fresh thread's CUDA device is 0. Entering the Buffer's device and leaving it makes CUDA's current
+        # device the Buffer's and, when device 0 has no primary context, c10 defers the switch back: c10 says 0
+        # (where its caching allocator would allocate), CUDA says the Buffer's. Rank 0 (or a process with a
+        # context on device 0) gets no such split: its call is checked all the same.
+        split = dev.index != 0 and not torch._C._cuda_hasPrimaryContext(0)
+        handle = buf.low_latency_dispatch(x, idx, MAX_T, E, use_fp8=False)[2]
+        want = buf.low_latency_combine(y, idx, w, handle)[0].clone()
+        torch.cuda.synchronize()
+        found: dict = {}
+
+        def body() -> None:
+            try:
+                with torch.cuda.device(dev.index):
+                    pass
+                found["c10 device"] = torch.cuda.current_device()
+                recv_x, count, handle, _, _ = buf.low_latency_dispatch(x, idx, MAX_T, E, use_fp8=False)
+                got, _, _ = buf.low_latency_combine(y, idx, w, handle)
+                found["devices"] = {recv_x.device, count.device, handle.src_info.device, got.device}
+                torch.cuda.synchronize(dev)
+                found["got"] = got
+            except BaseException as e:  # noqa: BLE001 (re-raised on the test's thread)
+                found["error"] = e
+
+        thread = threading.Thread(target=body)
+        thread.start()
+        thread.join()
+        if "error" in found:
+            raise found["error"]
+        if split:
+            assert found["c10 device"] == 0, f"precondition: c10's current device in the thread is {found}"
+        assert found["devices"] == {dev}, f"outputs on {found['devices']}, the Buffer's device is {dev}"
+        assert_equal(found["got"], want, "combine made from the thread", bitwise=True)
     if torch.cuda.device_count() > 1:
         with case("a call made while another GPU is current"):
             _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, MAX_T, E, use_fp8=False)
@@ -116,6 +210,17 @@ def _contract_worker(rank: int, num_ranks: int) -> None:
             assert recv_x.device == dev and got.device == dev and count.device == dev
             torch.cuda.synchronize(dev)
             assert_equal(got, want, "combine made under another current GPU", bitwise=True)
+    with case("an allocation that fails inside a call is torch.OutOfMemoryError"):
+        # The last case: the failed dispatch took a buffer half (on every rank alike) and made nothing.
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        limit = torch.cuda.memory_reserved(dev) + (64 << 20)  # far less than a dispatch's block
+        torch.cuda.set_per_process_memory_fraction(limit / torch.cuda.get_device_properties(dev).total_memory, dev)
+        try:
+            with pytest.raises(torch.OutOfMemoryError):
+                buf.low_latency_dispatch(x, idx, MAX_T, E, use_fp8=False)
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0, dev)
     dist.barrier()
     buf.destroy()
 
