@@ -34,6 +34,7 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -42,6 +43,8 @@
 
 #include "bindings.h"
 #include "bindings/carve.h"
+#include "bindings/device_scope.h"
+#include "bindings/fast_call.h"
 #include "bindings/stream_join.h"
 #include "kernels/low_latency/low_latency.h"
 #include "runtime/cuda_check.h"
@@ -62,6 +65,14 @@ size_t align_up(size_t n) { return (n + kCarveAlign - 1) / kCarveAlign * kCarveA
 
 [[noreturn]] void fail(const std::string& what) { throw std::runtime_error(what); }
 [[noreturn]] void bad_value(const std::string& what) { throw py::value_error(what); }
+
+// An int64 argument that the plan keeps as int: a value outside int's range is a ValueError naming it, never
+// truncated into range (2**32 + 8 would otherwise pass as 8).
+int narrow(int64_t value, const char* name) {
+  if (value < std::numeric_limits<int>::min() || value > std::numeric_limits<int>::max())
+    bad_value(std::string("low-latency: ") + name + "=" + std::to_string(value) + " is out of range");
+  return static_cast<int>(value);
+}
 
 // Invariant checks of one tensor argument (ValueError naming it).
 void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, int device) {
@@ -93,14 +104,30 @@ struct Plan {
 
 class Runtime;
 
-// backend_state of a LowLatencyHandle made by this runtime: the dispatch's routing (the handle's
-// src_info and layout_range, plus row_of: [l][s*maxT + t] = the row of source s's token t at local
-// expert l, for the per-rank combine) and what combine checks its arguments against.
+// What a LowLatencyHandle made by this runtime carries in its backend_state (a capsule named kStateName that
+// owns it): the dispatch's routing (the handle's src_info and layout_range, plus row_of: [l][s*maxT + t] = the
+// row of source s's token t at local expert l, for the per-rank combine) and what combine checks its arguments
+// against. The routing is read through the dispatch's output block itself, which the state owns (its storage),
+// never through the handle's tensors: those are the user's (src_info.set_(...) would move a tensor to other
+// memory, and the kernels would read or write there). row_of has no tensor at all.
 struct DispatchState {
-  uint64_t owner;  // Runtime::id_ of the runtime that made it (ids are never reused, addresses could be)
-  at::Tensor src_info, row_of, layout_range;  // int32 [L, R*maxT], int32 [L, R*maxT], int64 [L, R]
-  int max_tokens, hidden, num_experts, num_tokens, half;
+  uint64_t owner;        // Runtime::id_ of the runtime that made it (ids are never reused, addresses could be)
+  c10::Storage block;    // the dispatch's output block (every output is a view of it): kept alive by the state
+  const int* src_info;   // int32 [L, R*maxT], in block
+  const int* row_of;     // int32 [L, R*maxT], in block
+  const int64_t* layout_range;  // int64 [L, R], in block
+  int max_tokens, hidden, num_experts, num_tokens;
 };
+constexpr const char* kStateName = "moe_dispatcher.low_latency.DispatchState";
+void free_state(PyObject* capsule) { delete static_cast<DispatchState*>(PyCapsule_GetPointer(capsule, kStateName)); }
+
+// LowLatencyHandle's fields (moe_dispatcher/handle.py), in order: the runtime builds handles as tuples of its
+// type (what its generated __new__ does, without the Python frame) and reads backend_state by position, so
+// the runtime checks these names once when it is made.
+constexpr std::array<const char*, 9> kHandleFields = {
+    "src_info", "layout_range", "num_max_dispatch_tokens_per_rank", "hidden", "num_experts", "backend",
+    "buffer_token", "backend_state", "num_tokens"};
+constexpr int kHandleStateField = 7;
 
 // The send-now / receive-later half of a call made with return_recv_hook.
 struct PendingReceive {
@@ -123,7 +150,7 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
           py::object barrier, py::object timeout_message, int64_t buffer_token, uint64_t peer_aborts,
           const std::vector<uint64_t>& abort_targets, py::object signature_error)
       : num_bytes_(num_bytes), rank_(rank), num_ranks_(num_ranks), device_(device), num_blocks_(num_blocks),
-        timeout_ns_(timeout_ns), rank_partials_(rank_partials), buffer_token_(buffer_token),
+        timeout_ns_(timeout_ns), rank_partials_(rank_partials),
         handle_cls_(std::move(handle_cls)), event_cls_(std::move(event_cls)), no_event_(std::move(no_event)),
         barrier_(std::move(barrier)), timeout_message_(std::move(timeout_message)),
         signature_error_(std::move(signature_error)) {
@@ -132,6 +159,10 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
     MOE_CHECK(static_cast<int>(abort_targets.size()) == num_ranks, "low_latency: one abort target per rank");
     MOE_CHECK(peer_aborts != 0 && peer_aborts % 8 == 0, "low_latency: the abort bytes must be 8-byte aligned");
     MOE_CHECK(num_blocks >= 1, "low_latency: num_blocks must be positive");
+    check_handle_type(handle_cls_);
+    handle_type_ = reinterpret_cast<PyTypeObject*>(handle_cls_.ptr());
+    backend_name_ = py::str("low_latency");
+    buffer_token_ = py::int_(buffer_token);
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
     // The symmetric buffer as the backend's uint8 tensor: every view carved from it (the zero-copy combine buffer)
     // shares its storage, whose owner keeps the memory from being freed while a view lives.
@@ -197,7 +228,8 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
     if (t > max_tokens) bad_value("low-latency dispatch: x has " + std::to_string(t) +
                                   " tokens, more than num_max_dispatch_tokens_per_rank=" + std::to_string(max_tokens));
     if (use_ue8m0 && h % 512) bad_value("use_ue8m0 packs 4 scales per int32: hidden must be divisible by 512");
-    const Plan& p = plan(static_cast<int>(max_tokens), h, static_cast<int>(num_experts), k);
+    const Plan& p =
+        plan(narrow(max_tokens, "num_max_dispatch_tokens_per_rank"), h, narrow(num_experts, "num_experts"), k);
     if (cum_stats) {
       check_tensor(*cum_stats, "cumulative_local_expert_recv_stats", at::kInt, device_);
       check_shape(*cum_stats, "cumulative_local_expert_recv_stats", {p.local});
@@ -206,11 +238,13 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
       check_tensor(*wait_stats, "dispatch_wait_recv_cost_stats", at::kLong, device_);
       check_shape(*wait_stats, "dispatch_wait_recv_cost_stats", {num_ranks_});
     }
-    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+    const DeviceScope scope(static_cast<c10::DeviceIndex>(device_));
     const int half = start_call(p);
 
-    // Outputs, carved from one allocation: recv_x [L, rows, H] (fp8 or bf16), scales [L, rows, G]
-    // token-minor (fp8), recv_count [L], src_info and row_of [L, rows], layout_range [L, R].
+    // Outputs, carved from one allocation (one block of the caching allocator, on the current stream; the views
+    // share its storage, and so does the handle's state: the last of them to go frees it): recv_x [L, rows, H]
+    // (fp8 or bf16), scales [L, rows, G] token-minor (fp8), recv_count [L], src_info and row_of [L, rows] (row_of:
+    // no tensor, the handle's state keeps its address), layout_range [L, R].
     const int64_t L = p.local, rows = p.rows, H = h, R = num_ranks_;
     const int64_t groups = use_ue8m0 ? H / 512 : H / 128;
     const size_t data_bytes = align_up(static_cast<size_t>(L * rows * H) * (use_fp8 ? 1 : 2));
@@ -218,9 +252,7 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
     const size_t count_bytes = align_up(static_cast<size_t>(L) * 4);
     const size_t info_bytes = align_up(static_cast<size_t>(L * rows) * 4);
     const size_t range_bytes = align_up(static_cast<size_t>(L * R) * 8);
-    const at::Tensor block = empty_on(static_cast<c10::DeviceIndex>(device_), at::kByte,
-                                      {static_cast<int64_t>(data_bytes + scale_bytes + count_bytes + 2 * info_bytes +
-                                                            range_bytes)});
+    const c10::Storage block = cuda_block(data_bytes + scale_bytes + count_bytes + 2 * info_bytes + range_bytes);
     size_t off = 0;
     at::Tensor data = carve(block, off, use_fp8 ? at::kFloat8_e4m3fn : at::kBFloat16, {L, rows, H},
                             {rows * H, H, 1});
@@ -234,7 +266,7 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
     off += count_bytes;
     at::Tensor src_info = carve(block, off, at::kInt, {L, rows}, {rows, 1});
     off += info_bytes;
-    at::Tensor row_of = carve(block, off, at::kInt, {L, rows}, {rows, 1});
+    int* const row_of = reinterpret_cast<int*>(static_cast<uint8_t*>(block.mutable_data()) + off);
     off += info_bytes;
     at::Tensor layout_range = carve(block, off, at::kLong, {L, R}, {R, 1});
 
@@ -257,20 +289,19 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
     a.recv_x = data.data_ptr();
     a.recv_scales = use_fp8 ? scales.data_ptr() : nullptr;
     a.src_info = src_info.data_ptr<int>();
-    a.row_of = row_of.data_ptr<int>();
+    a.row_of = row_of;
     a.layout_range = layout_range.data_ptr<int64_t>();
     a.recv_count = recv_count.data_ptr<int>();
     a.cumulative_recv_stats = cum_stats ? cum_stats->data_ptr<int>() : nullptr;
     a.wait_stats = wait_stats ? wait_stats->data_ptr<int64_t>() : nullptr;
 
-    auto state = std::make_shared<DispatchState>(DispatchState{id_, src_info, row_of, layout_range,
-                                                               p.max_tokens, h, p.num_experts, t, half});
-    py::object handle = handle_cls_(src_info, layout_range, p.max_tokens, h, p.num_experts, "low_latency",
-                                    buffer_token_, py::cast(state), t);
+    py::object handle = make_handle(p, t, src_info, layout_range, std::make_unique<DispatchState>(DispatchState{
+                                              id_, block, src_info.data_ptr<int>(), row_of,
+                                              layout_range.data_ptr<int64_t>(), p.max_tokens, h, p.num_experts, t}));
     py::object recv_x = use_fp8 ? py::object(py::make_tuple(data, scales)) : py::cast(data);
     std::vector<at::Tensor> keep;
     if (async_finish || return_recv_hook) {
-      keep = {x, topk_idx, block};
+      keep = {x, topk_idx, src_info};  // src_info: a view of the output block (every output is one)
       if (cum_stats) keep.push_back(*cum_stats);
       if (wait_stats) keep.push_back(*wait_stats);
     }
@@ -283,7 +314,8 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
                     const OptTensor& out, const OptTensor& wait_stats) {
     check_usable();
     if (async_finish && return_recv_hook) bad_value("async_finish and return_recv_hook cannot both be set");
-    const DispatchState& s = state_of(handle);
+    py::object state;  // the handle's backend_state, held for the call (s lives in it)
+    const DispatchState& s = state_of(handle, state);
     check_tensor(topk_idx, "topk_idx", at::kLong, device_);
     check_tensor(topk_weights, "topk_weights", at::kFloat, device_);
     if (topk_idx.dim() != 2 || topk_idx.size(0) != s.num_tokens)
@@ -302,9 +334,12 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
       check_tensor(*wait_stats, "combine_wait_recv_cost_stats", at::kLong, device_);
       check_shape(*wait_stats, "combine_wait_recv_cost_stats", {num_ranks_});
     }
-    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+    const DeviceScope scope(static_cast<c10::DeviceIndex>(device_));
     const int half = start_call(p);
-    at::Tensor result = out ? *out : empty_on(static_cast<c10::DeviceIndex>(device_), at::kBFloat16, {t, s.hidden});
+    const int64_t hidden = s.hidden;
+    at::Tensor result = out ? *out
+                            : carve(cuda_block(static_cast<size_t>(t) * hidden * 2), 0, at::kBFloat16, {t, hidden},
+                                    {hidden, 1});
 
     Common c = common(p, half, 1);
     // The per-rank send waits for every peer's routing; a hooked send must not wait on peers (the caller
@@ -315,9 +350,9 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
     a.x = zero_copy ? nullptr : x.data_ptr();
     a.topk_idx = topk_idx.data_ptr<int64_t>();
     a.topk_weights = topk_weights.data_ptr<float>();
-    a.src_info = s.src_info.data_ptr<int>();
-    a.row_of = s.row_of.data_ptr<int>();
-    a.layout_range = s.layout_range.data_ptr<int64_t>();
+    a.src_info = s.src_info;
+    a.row_of = s.row_of;
+    a.layout_range = s.layout_range;
     a.out = result.data_ptr();
     a.num_tokens = t;
     a.num_topk = k;
@@ -325,7 +360,9 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
     a.wait_stats = wait_stats ? wait_stats->data_ptr<int64_t>() : nullptr;
     std::vector<at::Tensor> keep;
     if (async_finish || return_recv_hook) {
-      keep = {x, topk_idx, topk_weights, s.src_info, s.row_of, s.layout_range, result};
+      // The dispatch's block (routing) as one byte tensor: what keeps and record_stream see.
+      const at::Tensor routing = carve(s.block, 0, at::kByte, {static_cast<int64_t>(s.block.nbytes())}, {1});
+      keep = {x, topk_idx, topk_weights, routing, result};
       if (wait_stats) keep.push_back(*wait_stats);
     }
     auto [event, hook] = launch(false, c, nullptr, &a, half, async_finish, return_recv_hook, std::move(keep));
@@ -335,7 +372,8 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   // bf16 [L, R*maxT, H] view of the send region of the next call's half: the rows a zero-copy combine sends.
   at::Tensor next_combine_buffer(const py::object& handle) {
     check_usable();
-    const DispatchState& s = state_of(handle);
+    py::object state;
+    const DispatchState& s = state_of(handle, state);
     const Plan& p = plan(s.max_tokens, s.hidden, s.num_experts, 1, /*clean_on_change=*/false);
     const size_t begin = next_half_ * p.layout.half_bytes + p.layout.send_off;
     const int64_t rows = p.rows, h = s.hidden;
@@ -589,15 +627,50 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
     return {event_cls_(py::cast(std::make_unique<CommEvent>(*comm_)), extra), py::none()};
   }
 
-  const DispatchState& state_of(const py::object& handle) const {
-    py::object state = handle.attr("backend_state");
-    if (!py::isinstance<DispatchState>(state)) {
-      throw py::type_error("handle must be a LowLatencyHandle returned by this Buffer's low_latency_dispatch");
+  // The DispatchState of a handle this runtime made (held: its backend_state, which owns it, for the call).
+  const DispatchState& state_of(const py::object& handle, py::object& held) const {
+    constexpr auto kFields = static_cast<Py_ssize_t>(kHandleFields.size());
+    if (Py_TYPE(handle.ptr()) == handle_type_ && PyTuple_GET_SIZE(handle.ptr()) == kFields) {
+      held = py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(handle.ptr(), kHandleStateField));
+    } else {
+      held = handle.attr("backend_state");
     }
-    const DispatchState& s = state.cast<const DispatchState&>();
-    if (s.owner != id_)
+    if (!PyCapsule_IsValid(held.ptr(), kStateName))
+      throw py::type_error("handle must be a LowLatencyHandle returned by this Buffer's low_latency_dispatch");
+    const auto* s = static_cast<const DispatchState*>(PyCapsule_GetPointer(held.ptr(), kStateName));
+    if (s->owner != id_)
       fail("handle was made by another Buffer; pass the handle this Buffer's dispatch returned");
-    return s;
+    return *s;
+  }
+
+  // A LowLatencyHandle of a dispatch of plan p with t tokens, with src_info and layout_range as its tensors, owning
+  // `state` (its backend_state): the tuple its type's __new__ would build (tuple.__new__ of the type and the
+  // fields in order), with the constant fields' objects made once.
+  py::object make_handle(const Plan& p, int t, const at::Tensor& src_info, const at::Tensor& layout_range,
+                         std::unique_ptr<DispatchState> state) const {
+    py::object capsule = py::reinterpret_steal<py::object>(PyCapsule_New(state.get(), kStateName, free_state));
+    if (!capsule) throw py::error_already_set();
+    state.release();  // the capsule owns it now
+    const py::tuple fields = py::make_tuple(src_info, layout_range, p.max_tokens, p.hidden, p.num_experts,
+                                            backend_name_, buffer_token_, capsule, t);
+    const py::tuple args = py::make_tuple(fields);
+    py::object handle = py::reinterpret_steal<py::object>(PyTuple_Type.tp_new(handle_type_, args.ptr(), nullptr));
+    if (!handle) throw py::error_already_set();
+    return handle;
+  }
+
+  // The handle type must be a tuple type with LowLatencyHandle's fields in order (make_handle, state_of).
+  static void check_handle_type(const py::object& cls) {
+    bool ok = PyType_Check(cls.ptr()) &&
+              PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(cls.ptr()), &PyTuple_Type) &&
+              py::hasattr(cls, "_fields");
+    if (ok) {
+      const py::tuple fields = cls.attr("_fields");
+      ok = fields.size() == kHandleFields.size();
+      for (size_t i = 0; ok && i < kHandleFields.size(); ++i)
+        ok = fields[i].cast<std::string>() == kHandleFields[i];
+    }
+    MOE_CHECK(ok, "low_latency: handle_cls must be a NamedTuple with LowLatencyHandle's fields in order");
   }
 
   static inline std::atomic<uint64_t> next_id_{1};
@@ -607,7 +680,6 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   int rank_, num_ranks_, device_, num_blocks_;
   uint64_t timeout_ns_;
   bool rank_partials_, nvlink_all_ = true, alive_ = true;
-  int64_t buffer_token_;
   std::optional<c10::cuda::CUDAStream> comm_;
   c10::cuda::CUDAEvent before_;  // comm stream waits for the current one (async_finish)
   TimeoutRecord* host_timeout_ = nullptr;
@@ -630,6 +702,8 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   std::array<std::array<unsigned long long*, 2>, kTraceKinds> traces_{};
   std::array<std::pair<int, int>, kTraceKinds> trace_last_{{{-1, 0}, {-1, 0}}};
   py::object handle_cls_, event_cls_, no_event_, barrier_, timeout_message_, signature_error_;
+  PyTypeObject* handle_type_ = nullptr;          // handle_cls_ (check_handle_type)
+  py::object backend_name_, buffer_token_;  // the handles' constant fields
 
  public:
   // For the hook: the stale / already-called rules, then the receive phase on the current stream.
@@ -639,7 +713,7 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
     if (half_owner_[r.half] != r.call)
       fail("stale low-latency hook: its buffer half was reused by a later call; call each hook before making "
            "two more low-latency calls");
-    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+    const DeviceScope scope(static_cast<c10::DeviceIndex>(device_));
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device_).stream();
     if (r.dispatch) {
       launch_dispatch(r.c, r.da, kPhaseRecv, stream);
@@ -654,6 +728,73 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
     pending_.swap(left);
   }
 };
+
+// ---------------------------------------------------------------------------- the hot calls
+// Runtime.dispatch / Runtime.combine as METH_FASTCALL functions (bindings/fast_call.h: what pybind11's dispatcher
+// would cost per call), each bound to a capsule that owns a reference to its runtime (the function's self).
+constexpr const char* kBoundName = "moe_dispatcher.low_latency.Runtime";
+void free_bound(PyObject* capsule) {
+  delete static_cast<std::shared_ptr<Runtime>*>(PyCapsule_GetPointer(capsule, kBoundName));
+}
+Runtime& bound_runtime(PyObject* self) {
+  return **static_cast<std::shared_ptr<Runtime>*>(PyCapsule_GetPointer(self, kBoundName));
+}
+
+PyObject* dispatch_call(PyObject* self, PyObject* const* a, Py_ssize_t nargs) {
+  namespace f = fast_call;
+  return f::run([&] {
+    f::expect_args(nargs, 11, "dispatch");
+    // Converted in order (a call's arguments are evaluated in no set order): the first bad one is named.
+    const at::Tensor& x = f::tensor(a[0], "x");
+    const at::Tensor& topk_idx = f::tensor(a[1], "topk_idx");
+    const int64_t max_tokens = f::integer(a[2], "num_max_dispatch_tokens_per_rank");
+    const int64_t num_experts = f::integer(a[3], "num_experts");
+    const OptTensor cum_stats = f::optional_tensor(a[4], "cumulative_local_expert_recv_stats");
+    const OptTensor wait_stats = f::optional_tensor(a[5], "dispatch_wait_recv_cost_stats");
+    const bool use_fp8 = f::flag(a[6], "use_fp8"), round_scale = f::flag(a[7], "round_scale");
+    const bool use_ue8m0 = f::flag(a[8], "use_ue8m0"), async_finish = f::flag(a[9], "async_finish");
+    const bool return_recv_hook = f::flag(a[10], "return_recv_hook");
+    return bound_runtime(self).dispatch(x, topk_idx, max_tokens, num_experts, cum_stats, wait_stats, use_fp8,
+                                        round_scale, use_ue8m0, async_finish, return_recv_hook);
+  });
+}
+
+PyObject* combine_call(PyObject* self, PyObject* const* a, Py_ssize_t nargs) {
+  namespace f = fast_call;
+  return f::run([&] {
+    f::expect_args(nargs, 9, "combine");
+    const at::Tensor& x = f::tensor(a[0], "x");
+    const at::Tensor& topk_idx = f::tensor(a[1], "topk_idx");
+    const at::Tensor& topk_weights = f::tensor(a[2], "topk_weights");
+    const py::object handle = py::reinterpret_borrow<py::object>(a[3]);
+    const bool zero_copy = f::flag(a[4], "zero_copy"), async_finish = f::flag(a[5], "async_finish");
+    const bool return_recv_hook = f::flag(a[6], "return_recv_hook");
+    const OptTensor out = f::optional_tensor(a[7], "out");
+    const OptTensor wait_stats = f::optional_tensor(a[8], "combine_wait_recv_cost_stats");
+    return bound_runtime(self).combine(x, topk_idx, topk_weights, handle, zero_copy, async_finish, return_recv_hook,
+                                       out, wait_stats);
+  });
+}
+
+PyMethodDef kDispatchDef{
+    "dispatch", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(dispatch_call)), METH_FASTCALL,
+    "dispatch(x, topk_idx, max_tokens, num_experts, cum_stats, wait_stats, use_fp8, round_scale, use_ue8m0, "
+    "async_finish, return_recv_hook) -> (recv_x, recv_count, handle, EventOverlap, hook or None)"};
+PyMethodDef kCombineDef{
+    "combine", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(combine_call)), METH_FASTCALL,
+    "combine(x, topk_idx, topk_weights, handle, zero_copy, async_finish, return_recv_hook, out, wait_stats) "
+    "-> (combined_x, EventOverlap, hook or None)"};
+
+// A new function object of `def` bound to `rt`.
+py::object bound_call(PyMethodDef& def, const std::shared_ptr<Runtime>& rt) {
+  auto owner = std::make_unique<std::shared_ptr<Runtime>>(rt);
+  py::object capsule = py::reinterpret_steal<py::object>(PyCapsule_New(owner.get(), kBoundName, free_bound));
+  if (!capsule) throw py::error_already_set();
+  owner.release();  // the capsule owns it now
+  py::object fn = py::reinterpret_steal<py::object>(PyCFunction_New(&def, capsule.ptr()));
+  if (!fn) throw py::error_already_set();
+  return fn;
+}
 
 }  // namespace
 
@@ -704,12 +845,6 @@ void register_low_latency(py::module_& parent) {
     m.attr("TRACE_COMBINE_EVENTS") = c;
   }
 
-  py::class_<DispatchState, std::shared_ptr<DispatchState>>(
-      m, "DispatchState", "backend_state of a LowLatencyHandle of this runtime (half, row_of).")
-      .def_property_readonly("half", [](const DispatchState& s) { return s.half; })
-      .def_property_readonly("row_of", [](const DispatchState& s) { return s.row_of; });
-
-
   py::class_<PendingReceive, std::shared_ptr<PendingReceive>>(
       m, "ReceiveHook", "hook() of a return_recv_hook call: launches the receive phase on the current stream.")
       .def("__call__", [](PendingReceive& r) { r.rt->receive(r); });
@@ -724,12 +859,12 @@ void register_low_latency(py::module_& parent) {
            py::arg("rank_partials"), py::arg("trace"), py::arg("handle_cls"), py::arg("event_cls"),
            py::arg("no_event"), py::arg("barrier"), py::arg("timeout_message"), py::arg("buffer_token"),
            py::arg("peer_aborts"), py::arg("abort_targets"), py::arg("signature_error"))
-      .def("dispatch", &Runtime::dispatch,
-           "dispatch(x, topk_idx, max_tokens, num_experts, cum_stats, wait_stats, use_fp8, round_scale, use_ue8m0, "
-           "async_finish, return_recv_hook) -> (recv_x, recv_count, handle, EventOverlap, hook or None)")
-      .def("combine", &Runtime::combine,
-           "combine(x, topk_idx, topk_weights, handle, zero_copy, async_finish, return_recv_hook, out, wait_stats) "
-           "-> (combined_x, EventOverlap, hook or None)")
+      // The calls, positional arguments only (their signatures: kDispatchDef, kCombineDef); each read gives a new
+      // function object bound to this runtime: the backend keeps one.
+      .def_property_readonly("dispatch",
+                             [](const std::shared_ptr<Runtime>& rt) { return bound_call(kDispatchDef, rt); })
+      .def_property_readonly("combine",
+                             [](const std::shared_ptr<Runtime>& rt) { return bound_call(kCombineDef, rt); })
       .def("next_combine_buffer", &Runtime::next_combine_buffer, py::arg("handle"))
       .def("clean", &Runtime::clean, py::arg("max_tokens"), py::arg("hidden"), py::arg("num_experts"))
       .def("set_rank_partials", &Runtime::set_rank_partials)

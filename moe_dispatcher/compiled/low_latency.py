@@ -3,8 +3,8 @@
 One LowLatencyBackend belongs to one Buffer(low_latency_mode=True). It brings NVSHMEM up over the Buffer's
 group (moe_dispatcher.runtime.nvshmem), holds one symmetric allocation of num_rdma_bytes split into two
 halves, and makes the native runtime (_C.low_latency.LowLatencyRuntime, csrc/low_latency_bindings.cpp) that
-serves every call: low_latency_dispatch / low_latency_combine ARE the runtime's bound methods, so a Buffer call
-is one Python call into C++ (checks of the tensors against the shape's plan, the buffer half, the output
+serves every call: low_latency_dispatch / low_latency_combine ARE the runtime's functions (METH_FASTCALL, bound to
+it; positional arguments only), so a Buffer call is one Python call into C++ (checks of the tensors against the shape's plan, the buffer half, the output
 allocation, the launch, the handle, the hook or the event). docs/low_latency.md describes the layout, the
 protocol and which kernels a call runs (chosen per shape: no switch).
 
@@ -65,8 +65,8 @@ class LowLatencyBackend(Backend):
 
     low_latency_dispatch(x, topk_idx, max_tokens, num_experts, cum_stats, wait_stats, use_fp8, round_scale,
     use_ue8m0, async_finish, return_recv_hook) and low_latency_combine(x, topk_idx, topk_weights, handle,
-    zero_copy, async_finish, return_recv_hook, out, wait_stats) are the native runtime's methods (Backend's
-    signatures; the instance attributes shadow the base class's methods).
+    zero_copy, async_finish, return_recv_hook, out, wait_stats) are the native runtime's functions (Backend's
+    signatures, positional arguments only; the instance attributes shadow the base class's methods).
     """
 
     name = "low_latency"
