@@ -429,6 +429,8 @@ class IntranodeBackend(Backend):
             return {"x_offset": -1, "w_offset": -1}
         if x.shape[0] == 0:  # no rows (nor weights): nobody reads this input, wherever it lies
             return {"x_offset": 0, "w_offset": 0}
+        if x.numel() == 0:  # rows of 0 bytes: torch gives a tensor without elements no address (data_ptr() 0)
+            return {"x_offset": -1, "w_offset": -1}
         if pool.contains(x) and (topk_weights is None or pool.contains(topk_weights)):
             w_offset = -1 if topk_weights is None else self._ipc.pool_offset + pool.offset_of(topk_weights)
             return {"x_offset": self._ipc.pool_offset + pool.offset_of(x), "w_offset": w_offset}
