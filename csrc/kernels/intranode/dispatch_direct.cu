@@ -20,8 +20,8 @@
 // arrival is made in a missed call too.
 // A call that notify refused (common/refused_call.cuh) moves nothing and touches no word: every block returns at
 // its start (the ring kernel queued next pads the outputs of a refused call).
-#include "kernels/common/copy.cuh"
 #include "kernels/common/launch_check.cuh"
+#include "kernels/common/ptx.cuh"
 #include "kernels/common/refused_call.cuh"
 #include "kernels/common/ring_layout.cuh"
 #include "kernels/common/wait.cuh"
@@ -35,26 +35,72 @@ namespace {
 
 constexpr int kDirectWarps = 24;  // as the ring kernel: 1024 threads would cap ptxas at 64 registers (it spilled)
 constexpr int kDirectThreads = kDirectWarps * 32;
-constexpr int kDirectUnroll = 4;  // 16-byte loads in flight per lane while copying a row
+constexpr int kDirectUnroll = 4;  // loads in flight per lane while copying a row (a round: 32 x 4 slots)
+
+// Whole warp: one row's payload (n16 16-byte vectors) and its scales (num_scales 4-byte words) as one sequence of
+// n16 + num_scales slots; lane l takes slots l, l + 32, ..., kDirectUnroll loads in flight before their stores. The
+// rounds that hold only payload run unpredicated; the last round(s) carry the payload's rest and the scales, so the
+// scales ride in the slots the payload leaves free (7168-byte FP8 rows with 56 scales: 448 + 56 = 504 slots, 4
+// rounds; a loop of its own after the payload took 2 more load round trips, each load waiting for the store
+// before it). Both loops stay rolled: unrolled, they need more than the 80 registers a thread of 768 has, and
+// ptxas spills. Loads are ld.global.nc (the inputs are read-only while the kernel runs); stores are plain, to a
+// peer over NVLink (end_direct_call publishes them).
+__device__ __forceinline__ void copy_row(int4* dst_x, const int4* src_x, int n16, int32_t* dst_scales,
+                                         const int32_t* src_scales, int num_scales, int lane) {
+  constexpr int kRound = 32 * kDirectUnroll;
+  int r = 0;  // the round's first slot (the same in every lane)
+#pragma unroll 1
+  for (; r + kRound <= n16; r += kRound) {
+    int4 v[kDirectUnroll];
+#pragma unroll
+    for (int u = 0; u < kDirectUnroll; ++u) v[u] = ptx::ld_nc_v4(src_x + r + u * 32 + lane);
+#pragma unroll
+    for (int u = 0; u < kDirectUnroll; ++u) dst_x[r + u * 32 + lane] = v[u];
+  }
+  const int n = n16 + num_scales;
+#pragma unroll 1
+  for (; r < n; r += kRound) {
+    int4 v[kDirectUnroll];
+#pragma unroll
+    for (int u = 0; u < kDirectUnroll; ++u) {
+      const int i = r + u * 32 + lane;
+      if (i < n16) {
+        v[u] = ptx::ld_nc_v4(src_x + i);
+      } else if (i < n) {
+        v[u].x = __ldg(src_scales + (i - n16));
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kDirectUnroll; ++u) {
+      const int i = r + u * 32 + lane;
+      if (i < n16) {
+        dst_x[i] = v[u];
+      } else if (i < n) {
+        dst_scales[i - n16] = v[u].x;
+      }
+    }
+  }
+}
 
 // Whole warp: token t's row into row `row` of the outputs (payload `out` laid out as `o`, meta block `meta` as
-// `m`) of the rank whose experts are [lo, hi): payload, scales, top-k rebased to its local experts (weights zeroed
-// elsewhere), source index.
+// `m`) of the rank whose experts are [lo, hi): payload and scales (copy_row), top-k rebased to its local experts
+// (weights zeroed elsewhere), source index. A top-k lane loads its index and its weight together (one round trip;
+// the weight of an entry outside [lo, hi) is read and dropped).
 __device__ __forceinline__ void write_row(const DirectDispatchArgs& a, const DirectPayload& o, uint8_t* out,
                                           const DirectMeta& m, uint8_t* meta, int64_t row, int t, int lo, int hi,
                                           int lane) {
-  warp_copy<false, kDirectUnroll>(
-      reinterpret_cast<int4*>(out + o.x_offset() + row * a.hidden_bytes),
-      reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(t) * a.hidden_bytes), a.hidden_bytes / 16, lane);
-  auto* scales = reinterpret_cast<int32_t*>(out + o.scales_offset()) + row * a.num_scales;
-  for (int j = lane; j < a.num_scales; j += 32) scales[j] = a.scales[static_cast<int64_t>(t) * a.num_scales + j];
+  copy_row(reinterpret_cast<int4*>(out + o.x_offset() + row * a.hidden_bytes),
+           reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(t) * a.hidden_bytes), a.hidden_bytes / 16,
+           reinterpret_cast<int32_t*>(out + o.scales_offset()) + row * a.num_scales,
+           a.scales + static_cast<int64_t>(t) * a.num_scales, a.num_scales, lane);
   if (!a.write_meta) return;
   if (a.topk_idx != nullptr && lane < a.num_topk) {
-    const int64_t e = a.topk_idx[static_cast<int64_t>(t) * a.num_topk + lane];
+    const int64_t at = static_cast<int64_t>(t) * a.num_topk + lane;
+    const int64_t e = __ldg(a.topk_idx + at);
+    const float weight = a.topk_weights != nullptr ? __ldg(a.topk_weights + at) : 0.f;
     const int local = (e >= lo && e < hi) ? static_cast<int>(e - lo) : -1;
     reinterpret_cast<int64_t*>(meta + m.idx_offset())[row * a.num_topk + lane] = local;
-    reinterpret_cast<float*>(meta + m.weights_offset())[row * a.num_topk + lane] =
-        (local >= 0 && a.topk_weights != nullptr) ? a.topk_weights[static_cast<int64_t>(t) * a.num_topk + lane] : 0.f;
+    reinterpret_cast<float*>(meta + m.weights_offset())[row * a.num_topk + lane] = local >= 0 ? weight : 0.f;
   }
   if (lane == 0) reinterpret_cast<int32_t*>(meta + m.src_offset())[row] = t;
 }
