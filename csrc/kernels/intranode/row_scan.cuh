@@ -1,0 +1,89 @@
+// RowScan: a sender warp's walk over every row its channel sends, whatever the destination (the direct dispatch,
+// dispatch_direct.cu, where the warps of a channel share its rows for all destinations).
+#pragma once
+
+#include <cstdint>
+
+namespace moe_ep::intranode {
+
+// Where a channel row goes: its token (relative to the channel's first), destination and k, the row's index
+// among the channel's rows for that destination.
+struct ChannelRow {
+  int token, dst, k;
+};
+
+// The channel's rows are its hits of is_token_in_rank read as one flat sequence of entries f = token * R + dst
+// (tokens ascending, then destinations), 32 entries a window; the q-th hit is the channel's q-th row. Every
+// lane holds the same window state: [base, base + 32), its hits `mask`, `before` (the hits of the earlier
+// windows) and, in lane d < R, `dst_before` (the hits for destination d in the earlier windows); lane i's own
+// entry base + i is (my_token, my_dst). The flags of the next two windows are loaded ahead (ahead1, ahead2:
+// lane i's entries base + 32 + i and base + 64 + i): a warp takes one row in 2 x 24, so it crosses about two
+// windows a row (as many as the hits of 48 entries need), and a flag loaded two windows before its use is
+// back by then.
+struct RowScan {
+  const bool* flags;  // is_token_in_rank of the channel's first token: (end - begin) x R entries
+  int n, num_ranks;
+  int step_tokens, step_dst;  // 32 entries = step_tokens tokens + step_dst destinations
+  int base, before, dst_before;
+  int my_token, my_dst;
+  unsigned mask;
+  bool ahead1, ahead2;
+
+  __device__ bool hit(int f) const { return f < n && flags[f]; }
+
+  __device__ void start(const bool* channel_flags, int num_entries, int ranks, int lane) {
+    flags = channel_flags;
+    n = num_entries;
+    num_ranks = ranks;
+    step_tokens = 32 / ranks;
+    step_dst = 32 % ranks;
+    base = before = dst_before = 0;
+    my_token = lane / ranks;
+    my_dst = lane % ranks;
+    mask = __ballot_sync(0xffffffffu, hit(lane));
+    ahead1 = hit(32 + lane);
+    ahead2 = hit(64 + lane);
+  }
+
+  // The next window. First lane d < R adds the window's hits for destination d: every lane counts the hits of
+  // its own entry's destination, and lane d takes the count of the lane among 0..R-1 whose entry is destination
+  // d (lane 0's entry is destination base % R, so that is lane (d - base % R) mod R). Then every lane moves its
+  // entry on by 32.
+  __device__ void advance(int lane) {
+    const unsigned same_dst = __match_any_sync(0xffffffffu, my_dst);  // lanes whose entry has my destination
+    const int hits_of_my_dst = __popc(mask & same_dst);
+    int from = lane - __shfl_sync(0xffffffffu, my_dst, 0);  // lane 0's entry is destination base % R
+    if (from < 0) from += num_ranks;
+    const int add = __shfl_sync(0xffffffffu, hits_of_my_dst, from & 31);
+    if (lane < num_ranks) dst_before += add;
+    before += __popc(mask);
+    base += 32;
+    my_token += step_tokens;
+    my_dst += step_dst;
+    if (my_dst >= num_ranks) {
+      my_dst -= num_ranks;
+      my_token += 1;
+    }
+    mask = __ballot_sync(0xffffffffu, ahead1);
+    ahead1 = ahead2;
+    ahead2 = hit(base + 64 + lane);
+  }
+
+  // The channel's q-th row (q never decreases between calls): false past the last.
+  __device__ bool find(int q, int lane, ChannelRow& row) {
+    while (q >= before + __popc(mask)) {
+      if (base + 32 >= n) return false;
+      advance(lane);
+    }
+    const int j = q - before;
+    const bool mine = ((mask >> lane) & 1u) && __popc(mask & ((1u << lane) - 1u)) == j;
+    const int at = __ffs(__ballot_sync(0xffffffffu, mine)) - 1;  // the lane whose entry is the row
+    row.token = __shfl_sync(0xffffffffu, my_token, at);
+    row.dst = __shfl_sync(0xffffffffu, my_dst, at);
+    const unsigned earlier_same_dst = __ballot_sync(0xffffffffu, my_dst == row.dst) & mask & ((1u << at) - 1u);
+    row.k = __shfl_sync(0xffffffffu, dst_before, row.dst) + __popc(earlier_same_dst);
+    return true;
+  }
+};
+
+}  // namespace moe_ep::intranode
