@@ -15,16 +15,18 @@ struct ChannelRow {
 // The channel's rows are its hits of is_token_in_rank read as one flat sequence of entries f = token * R + dst
 // (tokens ascending, then destinations), 32 entries a window; the q-th hit is the channel's q-th row. Every
 // lane holds the same window state: [base, base + 32), its hits `mask`, `before` (the hits of the earlier
-// windows) and, in lane d < R, `dst_before` (the hits for destination d in the earlier windows); lane i's own
-// entry base + i is (my_token, my_dst). The flags of the next two windows are loaded ahead (ahead1, ahead2:
-// lane i's entries base + 32 + i and base + 64 + i): a warp takes one row in 2 x 24, so it crosses about two
-// windows a row (as many as the hits of 48 entries need), and a flag loaded two windows before its use is
-// back by then.
+// windows); lane d < R also holds `dst_before` (the hits for destination d in the earlier windows) and
+// `dst_lanes` (the lanes whose entry in this window is destination d). Lane i's own entry base + i is
+// (my_token, my_dst). The flags of the next two windows are loaded ahead (ahead1, ahead2: lane i's entries
+// base + 32 + i and base + 64 + i): a warp takes one row in 2 x 24, so it crosses about two windows a row (as
+// many as the hits of 48 entries need), and a flag loaded two windows before its use is back by then.
 struct RowScan {
   const bool* flags;  // is_token_in_rank of the channel's first token: (end - begin) x R entries
   int n, num_ranks;
   int step_tokens, step_dst;  // 32 entries = step_tokens tokens + step_dst destinations
+  int from_lane;              // lane d < R: destination d's lanes in the next window are (d - step_dst) mod R's now
   int base, before, dst_before;
+  unsigned dst_lanes;
   int my_token, my_dst;
   unsigned mask;
   bool ahead1, ahead2;
@@ -37,25 +39,25 @@ struct RowScan {
     num_ranks = ranks;
     step_tokens = 32 / ranks;
     step_dst = 32 % ranks;
+    from_lane = lane < ranks ? (lane - step_dst + ranks) % ranks : lane;
     base = before = dst_before = 0;
     my_token = lane / ranks;
     my_dst = lane % ranks;
+    dst_lanes = 0;
+    for (int d = 0; d < ranks; ++d) {
+      const unsigned lanes = __ballot_sync(0xffffffffu, my_dst == d);
+      if (lane == d) dst_lanes = lanes;
+    }
     mask = __ballot_sync(0xffffffffu, hit(lane));
     ahead1 = hit(32 + lane);
     ahead2 = hit(64 + lane);
   }
 
-  // The next window. First lane d < R adds the window's hits for destination d: every lane counts the hits of
-  // its own entry's destination, and lane d takes the count of the lane among 0..R-1 whose entry is destination
-  // d (lane 0's entry is destination base % R, so that is lane (d - base % R) mod R). Then every lane moves its
-  // entry on by 32.
+  // The next window: lane d < R counts the hits for destination d of the window it leaves, every lane moves its
+  // entry on by 32 (and lane d takes destination d's lanes of the next window).
   __device__ void advance(int lane) {
-    const unsigned same_dst = __match_any_sync(0xffffffffu, my_dst);  // lanes whose entry has my destination
-    const int hits_of_my_dst = __popc(mask & same_dst);
-    int from = lane - __shfl_sync(0xffffffffu, my_dst, 0);  // lane 0's entry is destination base % R
-    if (from < 0) from += num_ranks;
-    const int add = __shfl_sync(0xffffffffu, hits_of_my_dst, from & 31);
-    if (lane < num_ranks) dst_before += add;
+    if (lane < num_ranks) dst_before += __popc(mask & dst_lanes);
+    dst_lanes = __shfl_sync(0xffffffffu, dst_lanes, from_lane);
     before += __popc(mask);
     base += 32;
     my_token += step_tokens;
@@ -80,7 +82,7 @@ struct RowScan {
     const int at = __ffs(__ballot_sync(0xffffffffu, mine)) - 1;  // the lane whose entry is the row
     row.token = __shfl_sync(0xffffffffu, my_token, at);
     row.dst = __shfl_sync(0xffffffffu, my_dst, at);
-    const unsigned earlier_same_dst = __ballot_sync(0xffffffffu, my_dst == row.dst) & mask & ((1u << at) - 1u);
+    const unsigned earlier_same_dst = __shfl_sync(0xffffffffu, dst_lanes, row.dst) & mask & ((1u << at) - 1u);
     row.k = __shfl_sync(0xffffffffu, dst_before, row.dst) + __popc(earlier_same_dst);
     return true;
   }
