@@ -137,12 +137,12 @@ int num_forward(const IpcBuffer& b) { return b.host_mailbox()->num_forward; }
 void notify(const Context& ctx, uint64_t timeout_ns, const at::Tensor& is_token_in_rank,
             const at::Tensor& num_tokens_per_rank, const at::Tensor& num_tokens_per_expert, int num_channels,
             int expert_alignment, int num_worst_tokens, int seq, const at::Tensor& rank_prefix_matrix,
-            const at::Tensor& recv_channel_offset, const at::Tensor& fwd_offset,
+            const at::Tensor& recv_channel_offset, const at::Tensor& fwd_offset, const at::Tensor& fwd_row_offset,
             const c10::optional<at::Tensor>& recv_expert_counts, int signature_hash, int problem) {
   const auto device = is_token_in_rank.get_device();
   MOE_CHECK(problem >= 0 && problem < 8, "a problem word travels in 3 bits");
   for (const at::Tensor* t : {&is_token_in_rank, &num_tokens_per_rank, &num_tokens_per_expert, &rank_prefix_matrix,
-                              &recv_channel_offset, &fwd_offset}) {
+                              &recv_channel_offset, &fwd_offset, &fwd_row_offset}) {
     expect_cuda(*t, device, "internode notify");
   }
   const int num_experts = static_cast<int>(num_tokens_per_expert.numel());
@@ -161,6 +161,10 @@ void notify(const Context& ctx, uint64_t timeout_ns, const at::Tensor& is_token_
                     num_worst_tokens, seq, reinterpret_cast<uintptr_t>(rank_prefix_matrix.data_ptr()),
                     reinterpret_cast<uintptr_t>(recv_channel_offset.data_ptr()));
   a.fwd_offset = data_of<int>(fwd_offset);
+  MOE_CHECK(fwd_row_offset.scalar_type() == at::kInt && fwd_row_offset.is_contiguous() &&
+                fwd_row_offset.numel() == static_cast<int64_t>(a.c.num_domains) * a.c.nvl_size * num_channels,
+            "internode notify: fwd_row_offset must be contiguous int32 [D, nvl, C]");
+  a.fwd_row_offset = data_of<int>(fwd_row_offset);
   expect_cuda(recv_expert_counts, device, "internode notify: recv_expert_counts");
   MOE_CHECK(!recv_expert_counts.has_value() || (recv_expert_counts->scalar_type() == at::kInt &&
                                                 recv_expert_counts->numel() == num_experts / a.c.num_ranks),
@@ -436,7 +440,8 @@ void register_internode(py::module_& m) {
   sub.def("notify", &notify, py::arg("ctx"), py::arg("timeout_ns"), py::arg("is_token_in_rank"),
           py::arg("num_tokens_per_rank"), py::arg("num_tokens_per_expert"), py::arg("num_channels"),
           py::arg("expert_alignment"), py::arg("num_worst_tokens"), py::arg("seq"), py::arg("rank_prefix_matrix"),
-          py::arg("recv_channel_offset"), py::arg("fwd_offset"), py::arg("recv_expert_counts") = py::none(),
+          py::arg("recv_channel_offset"), py::arg("fwd_offset"), py::arg("fwd_row_offset"),
+          py::arg("recv_expert_counts") = py::none(),
           py::arg("signature_hash") = 0, py::arg("problem") = 0);
   sub.def("dispatch", &dispatch, py::arg("ctx"), py::arg("timeout_ns"), py::arg("x"), py::arg("scales"),
           py::arg("topk_idx"), py::arg("topk_weights"), py::arg("is_token_in_rank"), py::arg("recv_channel_offset"),

@@ -221,6 +221,7 @@ class InternodeBackend(Backend):
         prefix = torch.empty(r, r, dtype=torch.int32, device=dev)
         offsets = torch.empty(r, channels + 1, dtype=torch.int32, device=dev)
         fwd_offset = torch.empty(self.num_domains, channels + 1, dtype=torch.int32, device=dev)
+        fwd_row_offset = torch.empty(self.num_domains, self.nvl_size, channels, dtype=torch.int32, device=dev)
         self._seq = self._seq % 2_000_000_000 + 1
         seq = self._seq
         signature = dispatch_signature("dispatch", x, x_scales, topk_idx, topk_weights, num_experts,
@@ -231,7 +232,8 @@ class InternodeBackend(Backend):
         # With num_worst_tokens the per-expert counts stay on the device (Backend.dispatch): notify writes them.
         device_counts = torch.empty(local, dtype=torch.int32, device=dev) if num_worst_tokens else None
         self._mod.notify(self._ctx, self._timeout_ns, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert,
-                         channels, expert_alignment, num_worst_tokens, seq, prefix, offsets, fwd_offset, device_counts,
+                         channels, expert_alignment, num_worst_tokens, seq, prefix, offsets, fwd_offset, fwd_row_offset,
+                         device_counts,
                          signature_hash=signature_hash(signature), problem=signature.problem)
         counts = device_counts
         num_recv: Optional[int] = None
@@ -260,7 +262,8 @@ class InternodeBackend(Backend):
             recv_w = None
         handle = DispatchHandle(prefix, is_token_in_rank, recv_src, num_recv, t, num_worst_tokens, self.name,
                                 self._buffer_token,
-                                backend_state=HandleState((channels, offsets, fwd_offset, fwd_mask, fwd_capacity)))
+                                backend_state=HandleState((channels, offsets, fwd_offset, fwd_mask, fwd_capacity,
+                                                           fwd_row_offset, None)))
         return recv_x, recv_scales, recv_idx, recv_w, counts, handle
 
     def cached_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], handle: DispatchHandle,
@@ -274,7 +277,7 @@ class InternodeBackend(Backend):
     def _dispatch_plan(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], handle: DispatchHandle,
                        config: Optional[Config]):
         """The checks of a cached dispatch, then its native plan."""
-        channels, offsets, fwd_offset, fwd_mask, fwd_capacity = handle.backend_state.routing
+        channels, offsets, fwd_offset, fwd_mask, fwd_capacity, _, _ = handle.backend_state.routing
         geo = self._geometry(config, False, dispatch_slot_bytes(_row_bytes(x), _columns(x_scales), 0), channels,
                              "cached dispatch")
         return self._mod.cached_dispatch(self._ctx, self._ipc, self._comm, self._timeout_ns, handle, offsets,
@@ -295,7 +298,7 @@ class InternodeBackend(Backend):
             return run_cached(self, handle.backend_state.combine_plans, topk_weights is not None, self._combine_plan,
                               handle, x, topk_weights, config)
         # With a bias (rare: no plan, and the Buffer's fast path does not take it).
-        channels, offsets, fwd_offset, fwd_mask, fwd_capacity = handle.backend_state.routing
+        channels, offsets, fwd_offset, fwd_mask, fwd_capacity, _, _ = handle.backend_state.routing
         geo = self._geometry(config, True, combine_slot_bytes(_row_bytes(x), _columns(topk_weights)), channels,
                              "combine")
         out, out_w, bias0, bias1 = combine_tensors(handle.num_tokens, x, topk_weights, bias)
@@ -307,7 +310,7 @@ class InternodeBackend(Backend):
     def _combine_plan(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor], handle: DispatchHandle,
                       config: Optional[Config]):
         """The checks of a combine (x of a kernel dtype), then its native plan."""
-        channels, offsets, fwd_offset, fwd_mask, fwd_capacity = handle.backend_state.routing
+        channels, offsets, fwd_offset, fwd_mask, fwd_capacity, _, _ = handle.backend_state.routing
         geo = self._geometry(config, True, combine_slot_bytes(_row_bytes(x), _columns(topk_weights)), channels,
                              "combine")
         return self._mod.cached_combine(self._ctx, self._ipc, self._comm, self._timeout_ns, handle, offsets, fwd_offset,

@@ -105,6 +105,10 @@ struct NotifyArgs {
   int* rank_prefix_matrix;           // out [R, R]
   int* recv_channel_offset;          // out [R, C + 1]: first row here of channel c from source s
   int* fwd_offset;                   // out [D, C + 1]: first forwarded token of (source domain x, channel c)
+  int* fwd_row_offset;               // out [D, nvl, C]: as the forwarder of source s = (x, my local index), the row
+                                     // of local rank j's output where s's rows of channel c start, i.e. (my domain,
+                                     // j)'s recv_channel_offset[s][c] (the direct NVLink hop writes there); all 0
+                                     // in a refused call
   int* recv_expert_counts;           // out [L] or null: pairs received per local expert, rounded up to the
                                      // alignment (the mailbox's expert_counts, for the stream's later kernels)
   int signature_hash;                // hash of this call's signature (moe_dispatcher/signature.py); 24 bits travel
