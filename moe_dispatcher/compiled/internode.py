@@ -4,7 +4,10 @@ One InternodeBackend belongs to one Buffer whose topology has more than one NVLi
 - the NVLink buffer of its domain: an intranode.IpcBuffer over the domain's ranks (CUDA IPC handles are
   gathered over the whole group, each rank opens only its domain's; nothing assumes two domains share a host);
 - one NVSHMEM symmetric allocation of num_rdma_bytes (moe_dispatcher.runtime.nvshmem bootstrap over the
-  Buffer's group; PE id == group rank). Across domains the kernels use public NVSHMEM calls only.
+  Buffer's group; PE id == group rank). Across domains the kernels use public NVSHMEM calls only;
+- with Buffer(num_pool_bytes=N), the Buffer's PeerPool (peer_pool.py): the tail of the NVLink buffer's allocation,
+  mapped by the GPUs of the domain (PeerPool rank = local index, num_ranks = nvl_size), closed here before the
+  mappings close.
 
 Same methods and host-synchronisation rules as IntranodeBackend: only a fresh dispatch without
 num_worst_tokens waits (mapped mailbox) for the receive counts; cached dispatch, num_worst_tokens dispatch
@@ -33,6 +36,7 @@ from . import (STATUS_PEER_ABORTED, TIMEOUT_ENV, HandleState, buffer_view, combi
                posted_by_peer, recv_tensors, run_cached, timeout_message, wait_counts)
 from .intranode import (COMBINE_DTYPES, KEPT_SIGNATURES, _columns, _contiguous, _DeviceMemory, _row_bytes,
                         combine_slot_bytes)
+from .peer_pool import PeerPool
 
 
 def dispatch_slot_bytes(hidden_bytes: int, num_scales: int, num_topk: int) -> int:
@@ -84,11 +88,20 @@ class InternodeBackend(Backend):
             raise ValueError(f"num_nvl_bytes={self.num_nvl_bytes} is too small for the internode kernels; size it with "
                              f"Config.get_nvl_buffer_size_hint")
         self.device = torch.device("cuda", torch.cuda.current_device())
-        # NVLink buffer of the domain: handles gathered over the group, only the domain's opened.
-        self._ipc = self._intra.IpcBuffer(topo.local_index, self.nvl_size, self.num_nvl_bytes)
+        # NVLink buffer of the domain: handles gathered over the group, only the domain's opened. With
+        # num_pool_bytes the allocation has the peer pool's region as its tail (exported with the buffer), mapped by
+        # the domain's GPUs only.
+        self.num_pool_bytes = buffer.num_pool_bytes
+        self._ipc = (self._intra.IpcBuffer(topo.local_index, self.nvl_size, self.num_nvl_bytes, self.num_pool_bytes)
+                     if self.num_pool_bytes else self._intra.IpcBuffer(topo.local_index, self.nvl_size,
+                                                                        self.num_nvl_bytes))
         gathered: List[Optional[tuple]] = [None] * self.num_ranks
         dist.all_gather_object(gathered, (self._ipc.ipc_handle(), socket.gethostname()), group=self.group)
         self._ipc.open_peers([gathered[r][0] for r in topo.domain_ranks()])
+        self.peer_pool: Optional[PeerPool] = None
+        if self.num_pool_bytes:
+            self.peer_pool = PeerPool(self._ipc, mod.peer_pool, mod.__file__, self.device, topo.local_index,
+                                      self.nvl_size)
         # The Buffer's comm stream, with the events that join it to the caller's stream in cached calls.
         self._comm = self._intra.CommStream(buffer.get_comm_stream())
         self.launch_order = self._comm
@@ -100,6 +113,8 @@ class InternodeBackend(Backend):
             self._rdma_ptr = self._state.malloc(self.num_rdma_bytes)
         except Exception:
             self._state.finalize()
+            if self.peer_pool is not None:
+                self.peer_pool.close()
             self._ipc.destroy()
             raise
         memory = _DeviceMemory(self._rdma_ptr, self.num_rdma_bytes)
@@ -350,6 +365,8 @@ class InternodeBackend(Backend):
                 self._broken = timeout_message(self.name, info, self.timeout_s, TIMEOUT_ENV, self._board)
         self._alive = False
         self._rdma_raw = None
+        if self.peer_pool is not None:  # before the mappings its peer addresses point into close
+            self.peer_pool.close()
         self._ipc.close()
 
     def views_alive(self) -> bool:
@@ -364,5 +381,7 @@ class InternodeBackend(Backend):
             self._state.release(self._rdma_ptr, self.device)
 
     def abandon(self) -> None:
-        """A rank never confirmed: both buffers stay allocated until the process exits."""
+        """A rank never confirmed: both buffers stay allocated until the process exits (the pool's region too)."""
+        if self.peer_pool is not None:
+            self.peer_pool.close()
         self._ipc.abandon()
