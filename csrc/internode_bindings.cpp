@@ -321,7 +321,7 @@ void dispatch(const Context& ctx, uint64_t timeout_ns, const at::Tensor& x, cons
 // the direct-call protocol over the domain and writes the NVLink hop's rows straight into the domain peers' outputs
 // when every rank of the domain has its outputs in its pool (else the FIFO path, into the same outputs). Fresh
 // (ring_signatures empty: top-k when given, source indices, fwd_mask written, fwd_rows int32 [max(fwd_capacity, 1),
-// nvl] filled with -1 first, written) or cached (ring_signatures: (RDMA hop, NVLink hop); payload and scales only;
+// nvl] written for every forwarded token) or cached (ring_signatures: (RDMA hop, NVLink hop); payload and scales only;
 // handle_fwd_mask: the handle's, read only). The outputs are carved from `payload` (uint8, intranode
 // direct_payload_bytes(...) at least: recv_x [rows, H] x.dtype, recv_scales [rows, S]) and, fresh, `meta` (uint8,
 // direct_meta_bytes(...): recv_topk_idx int64 [rows, K], recv_topk_weights float32 [rows, K], recv_src_idx int32

@@ -288,8 +288,8 @@ class InternodeBackend(Backend):
         if self.peer_pool is not None:
             # The NVLink hop writes straight into the domain peers' outputs (pool blocks), or takes the FIFOs when
             # some rank of the domain has no room (dispatch.cu, "Direct mode"); fwd_rows: where each forwarded
-            # token landed at each local rank (-1: not there), recorded either way.
-            fwd_rows = torch.full((max(fwd_capacity, 1), self.nvl_size), -1, dtype=torch.int32, device=dev)
+            # token landed at each local rank (-1: not there), every entry of a forwarded token written either way.
+            fwd_rows = torch.empty((max(fwd_capacity, 1), self.nvl_size), dtype=torch.int32, device=dev)
             recv_x, recv_scales, recv_idx, recv_w, recv_src = self._direct_dispatch(
                 x, x_scales, topk_idx, topk_weights, is_token_in_rank, offsets, fwd_offset, fwd_row_offset, fwd_mask,
                 fwd_capacity, fwd_rows, rows, local, bool(num_worst_tokens), geo)

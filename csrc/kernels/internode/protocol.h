@@ -158,8 +158,8 @@ struct DispatchArgs {
   int write_meta;                   // 1: top-k and source index too (fresh); 0: payload and scales (cached)
   const int* fwd_row_offset;        // [D, nvl, C]: notify's (fresh) or the handle's (cached)
   int* fwd_rows;                    // [fwd_capacity, nvl] out or null (cached, no pool): the row of forwarded token
-                                    // idx in local rank j's outputs, -1 where not sent there or dropped (the host
-                                    // fills -1 first); written in both modes (pull combine's map)
+                                    // idx in local rank j's outputs, -1 where not sent there or dropped; every
+                                    // entry of a forwarded token is written, in both modes (pull combine's map)
 };
 
 enum CombineDtype : int { kBf16 = 0, kFp16 = 1, kFp32 = 2 };
