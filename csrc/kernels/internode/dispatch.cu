@@ -641,6 +641,11 @@ __device__ __forceinline__ void set_domain_common(intranode::Common& d, const Co
   d.src_block_bytes = 0;
 }
 
+// The direct-call site of the NVLink hop: Control::direct, its phases, timeouts naming group ranks.
+__device__ __forceinline__ intranode::DirectCallSite<DirectOutputBlocks> nvl_direct_site(const Common& c) {
+  return {&nvlink::Control::direct, kPhaseNvlDirectReady, kPhaseNvlDirectArrive, c.domain * c.nvl_size};
+}
+
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a) {
   __shared__ DirectCall call;
   __shared__ intranode::Common domain;  // direct_call: the domain's buffers for the protocol
@@ -663,8 +668,6 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a) {
   if (threadIdx.x < kMaxNvl) shared_bad[threadIdx.x] = 0;  // before the drain's block barriers
   // Direct NVLink hop: ready and verdict (direct_call.cuh steps 1-2) before the drain, whose barriers hand
   // call.in_pool to every thread (without a pool: FIFO mode, no word touched).
-  const intranode::DirectCallSite<DirectOutputBlocks> site{&nvlink::Control::direct, kPhaseNvlDirectReady,
-                                                           kPhaseNvlDirectArrive, c.domain * c.nvl_size};
   if (a.direct_call) {
     if (threadIdx.x == 0) set_domain_common(domain, c);
     __syncthreads();
@@ -672,7 +675,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a) {
     const auto accepts = [&](const DirectOutputBlocks& o) {
       return o.out_offset >= 0 && (!a.write_meta || o.meta_offset >= 0);
     };
-    if (!intranode::begin_direct_call(call, domain, site, mine, a.layout, dog, accepts)) return;
+    if (!intranode::begin_direct_call(call, domain, nvl_direct_site(c), mine, a.layout, dog, accepts)) return;
   } else if (threadIdx.x == 0) {
     call.in_pool = 0;
   }
@@ -700,7 +703,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a) {
   }
   // Arrival at every domain peer, after this block's last store into their outputs (either mode), and (block 0)
   // completion: every peer's rows into my outputs are in before my kernel ends (direct_call.cuh steps 3-4).
-  if (a.direct_call) intranode::end_direct_call(call, domain, site, dog);
+  if (a.direct_call) intranode::end_direct_call(call, domain, nvl_direct_site(c), dog);
 }
 
 }  // namespace
