@@ -9,7 +9,8 @@ NVLink hop's rows straight into the domain peers' outputs (pool blocks) and each
 from its inputs. Every case of the normal-mode table (pool poisoned first) must be the reference's bits, fresh and
 cached, every call direct (path counters). One rank's pool full: its domain's calls take the FIFO path (missed on
 both of its ranks), the other domain's stay direct, the outputs the same. fwd_rows (the pull combine's map) names
-exactly the rows each local rank received from this rank's team, in both modes. 100 calls back to back.
+exactly the rows each local rank received from this rank's team, in both modes. A CUDA graph's replays are missed
+(its outputs are the graph's memory) and still right. 100 calls back to back.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import torch.distributed as dist
 import dist as dist_helpers
 from dist import assert_equal, case, make_buffer, run_distributed
 from normal_cases import CASES as INTRANODE_CASES
-from normal_cases import GROUP_CASES, check_case, two_hop_tol
+from normal_cases import GROUP_CASES, check_case, check_graph_replay, two_hop_tol
 from normal_cases import dispatch as _dispatch
 from normal_cases import routing as _routing
 
@@ -205,6 +206,12 @@ def _world_direct(rank: int, world_size: int) -> None:  # noqa: C901 (one world,
             assert pool.contains(again[0]), "with room again the outputs must be the pool's"
             _took(kb, seen, direct=1)
             del again
+
+    with case("cuda graph capture + replay: missed on every rank (the graph's outputs are not pool blocks)"):
+        seen = _paths(kb)
+        check_graph_replay(kb, rb, rank, world_size, dev, 384, 2048, e, 6, 384 * world_size, combine_tol=two_hop_tol,
+                           check_src_idx=False, after_replay=kb._kernels._check)
+        _took(kb, seen, direct=4, missed=3)  # the eager warm-up direct, the 3 replays missed
 
     with case("100 calls back to back"):
         del want

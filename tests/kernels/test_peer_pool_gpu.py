@@ -158,7 +158,6 @@ def test_peer_pool(world_size: int) -> None:
 
 def _world_internode_pool(rank: int, world_size: int) -> None:
     """4 ranks as 2 emulated NVLink domains of 2: the internode backend's pool spans the rank's domain only."""
-    dev = device()
     buf = _pool_buffer()
     assert buf._kernels is not None and buf._kernels.name == "internode", buf._kernels_why
     pool = buf.peer_pool
