@@ -81,8 +81,8 @@ class Buffer:
             back and is summed in top-k order (DeepEP V1's low-latency combine). Settable between calls, on
             every rank alike.
         num_pool_bytes: bytes of peer pool per GPU (default 0: none): torch tensors that every GPU of the NVLink
-            domain has mapped, from `peer_pool` (moe_dispatcher/compiled/peer_pool.py; compiled intranode
-            backend only). The same on every rank.
+            domain has mapped, from `peer_pool` (moe_dispatcher/compiled/peer_pool.py; compiled intranode and
+            internode backends). The same on every rank.
     """
 
     # DeepEP V1's class attribute: reads as 20. Until set_num_sms (or an assignment) replaces it, each fresh
@@ -318,9 +318,10 @@ class Buffer:
     @property
     def peer_pool(self):
         """The PeerPool of this rank (moe_dispatcher/compiled/peer_pool.py): torch tensors in memory every GPU of the
-        NVLink domain has mapped. Needs Buffer(num_pool_bytes=N > 0) served by the compiled intranode backend (one
-        NVLink domain); RuntimeError otherwise, or once the Buffer is destroyed (its tensors stay valid: destroy()
-        defers the free of the pool's memory until the last of them is gone)."""
+        NVLink domain has mapped. Needs Buffer(num_pool_bytes=N > 0) served by the compiled intranode or internode
+        backend (internode: the pool's ranks are the local ranks of this rank's domain); RuntimeError otherwise, or
+        once the Buffer is destroyed (its tensors stay valid: destroy() defers the free of the pool's memory until
+        the last of them is gone)."""
         self._check_alive()
         pool = getattr(self._kernels, "peer_pool", None)
         if pool is not None:
@@ -330,7 +331,7 @@ class Buffer:
         elif self._kernels is None:
             why = f"the compiled kernels do not serve this Buffer: {self._kernels_why}"
         else:
-            why = (f"only the intranode backend (one NVLink domain) has a peer pool; this Buffer's is "
+            why = (f"only the intranode and internode backends have a peer pool; this Buffer's is "
                    f"{self._kernels.name}")
         raise RuntimeError(f"Buffer.peer_pool: {why}")
 

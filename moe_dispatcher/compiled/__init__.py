@@ -44,7 +44,8 @@ class HandleState:
 
     routing:        the backend's tables of the handle (intranode: (num_channels, recv_channel_offset, direct), direct
                     None or, for a direct dispatch's handle, (send_row_offset, row_of_token); internode:
-                    (num_channels, recv_channel_offset, fwd_offset, fwd_mask, fwd_capacity)).
+                    (num_channels, recv_channel_offset, fwd_offset, fwd_mask, fwd_capacity, fwd_row_offset,
+                    fwd_rows), fwd_rows None without a peer pool).
     dispatch_plans: [the native plan (CachedDispatch of csrc/bindings/cached_call.h) of the latest cached
                     dispatch of plain rows, that of FP8 rows with scales], None before the first such call;
                     combine_plans likewise (CachedCombine), [without, with top-k weights]. One slot per kind, so

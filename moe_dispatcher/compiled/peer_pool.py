@@ -1,6 +1,7 @@
 """Peer pool: torch tensors in memory that every GPU of the Buffer's NVLink domain has mapped.
 
-A Buffer made with num_pool_bytes=N > 0 (compiled intranode backend) has an N-byte region past its NVLink buffer, in
+A Buffer made with num_pool_bytes=N > 0 (compiled intranode or internode backend; internode: the GPUs of the rank's
+NVLink domain, indexed by local rank) has an N-byte region past its NVLink buffer, in
 the same cudaMalloc allocation: exported with it through CUDA IPC, so every peer maps it when it maps the buffer and
 nothing new is exchanged. PeerPool hands out torch tensors from that region through torch's caching allocator (a
 torch.cuda.MemPool over a CUDAPluggableAllocator whose functions are moe_dispatcher._C's moe_peer_pool_alloc /
@@ -47,7 +48,7 @@ class PeerPoolExhausted(torch.OutOfMemoryError):
 
 
 class PeerPool:
-    """The peer pool of one rank of a Buffer (see the module docstring); made by the intranode backend.
+    """The peer pool of one rank of a Buffer (see the module docstring); made by the intranode or internode backend.
 
     Attributes:
         device:     the rank's CUDA device.
