@@ -688,21 +688,38 @@ void register_intranode(py::module_& m) {
       .def("enter_current", &CommStream::enter_current)
       .def("enter_full_path", &CommStream::enter_full_path, py::arg("joined_any"), py::arg("joined"))
       .def("caller_joined", &CommStream::caller_joined, py::arg("caller"));
-  // keep_alive: a plan holds raw pointers to the buffer and the comm stream.
-  py::class_<CachedDispatch>(sub, "CachedDispatch")
-      .def("run", &CachedDispatch::run, py::arg("handle"), py::arg("x"), py::arg("scales"), py::arg("config"),
-           py::arg("num_sms"), py::arg("mode"));
-  py::class_<CachedCombine>(sub, "CachedCombine")
-      .def("run", &CachedCombine::run, py::arg("handle"), py::arg("x"), py::arg("topk_weights"), py::arg("config"),
-           py::arg("num_sms"), py::arg("mode"));
-  sub.def("cached_dispatch", &make_cached_dispatch, py::arg("buffer"), py::arg("comm"), py::arg("timeout_ns"),
-          py::arg("handle"), py::arg("recv_channel_offset"), py::arg("x"), py::arg("scales"), py::arg("num_channels"),
-          py::arg("chunk"), py::arg("num_slots"), py::arg("slot_bytes"), py::arg("config"), py::arg("num_sms"),
-          py::arg("ring_signature"), py::keep_alive<0, 1>(), py::keep_alive<0, 2>());
-  sub.def("cached_combine", &make_cached_combine, py::arg("buffer"), py::arg("comm"), py::arg("timeout_ns"),
-          py::arg("handle"), py::arg("recv_channel_offset"), py::arg("x"), py::arg("topk_weights"),
-          py::arg("num_channels"), py::arg("chunk"), py::arg("num_slots"), py::arg("slot_bytes"), py::arg("config"),
-          py::arg("num_sms"), py::arg("ring_signature"), py::keep_alive<0, 1>(), py::keep_alive<0, 2>());
+  // A plan is a METH_FASTCALL function that owns it (cached_call.h: plan_function) and keeps the buffer and the comm
+  // stream it points to referenced.
+  sub.def(
+      "cached_dispatch",
+      [](const py::object& buffer, const py::object& comm, uint64_t timeout_ns, const py::tuple& handle,
+         const at::Tensor& recv_channel_offset, const at::Tensor& x, const c10::optional<at::Tensor>& scales,
+         int num_channels, int chunk, int num_slots, int slot_bytes, py::object config, int num_sms,
+         int64_t ring_signature) {
+        return plan_function(make_cached_dispatch(buffer.cast<const IpcBuffer&>(), comm.cast<CommStream&>(),
+                                                  timeout_ns, handle, recv_channel_offset, x, scales, num_channels,
+                                                  chunk, num_slots, slot_bytes, std::move(config), num_sms,
+                                                  ring_signature),
+                             {buffer, comm});
+      },
+      py::arg("buffer"), py::arg("comm"), py::arg("timeout_ns"), py::arg("handle"), py::arg("recv_channel_offset"),
+      py::arg("x"), py::arg("scales"), py::arg("num_channels"), py::arg("chunk"), py::arg("num_slots"),
+      py::arg("slot_bytes"), py::arg("config"), py::arg("num_sms"), py::arg("ring_signature"));
+  sub.def(
+      "cached_combine",
+      [](const py::object& buffer, const py::object& comm, uint64_t timeout_ns, const py::tuple& handle,
+         const at::Tensor& recv_channel_offset, const at::Tensor& x, const c10::optional<at::Tensor>& topk_weights,
+         int num_channels, int chunk, int num_slots, int slot_bytes, py::object config, int num_sms,
+         int64_t ring_signature) {
+        return plan_function(make_cached_combine(buffer.cast<const IpcBuffer&>(), comm.cast<CommStream&>(),
+                                                 timeout_ns, handle, recv_channel_offset, x, topk_weights,
+                                                 num_channels, chunk, num_slots, slot_bytes, std::move(config),
+                                                 num_sms, ring_signature),
+                             {buffer, comm});
+      },
+      py::arg("buffer"), py::arg("comm"), py::arg("timeout_ns"), py::arg("handle"), py::arg("recv_channel_offset"),
+      py::arg("x"), py::arg("topk_weights"), py::arg("num_channels"), py::arg("chunk"), py::arg("num_slots"),
+      py::arg("slot_bytes"), py::arg("config"), py::arg("num_sms"), py::arg("ring_signature"));
 
   // get_dispatch_layout (layout_call.h: layout_call_on).
   sub.def(

@@ -70,10 +70,10 @@ def run_cached(backend, plans: list, kind: int, make: Callable, handle, x: torch
     backend.refused(). -> (output, aux output or None)."""
     num_sms = backend._buffer_cls.num_sms
     plan = plans[kind]
-    result = plan.run(handle, x, aux, config, num_sms, LAUNCH_CURRENT) if plan is not None else None
+    result = plan(handle, x, aux, config, num_sms, LAUNCH_CURRENT) if plan is not None else None
     if result is None:
         plan = plans[kind] = make(x, aux, handle, config)
-        result = plan.run(handle, x, aux, config, num_sms, LAUNCH_CURRENT)
+        result = plan(handle, x, aux, config, num_sms, LAUNCH_CURRENT)
         if result is None:
             backend.refused()
     return result[0], result[1]

@@ -106,9 +106,10 @@ class _DeviceMemory:
 
 class _DirectDispatchPlan:
     """The plan of a cached dispatch along the handle of a direct dispatch (IntranodeBackend._direct_dispatch): the
-    same duck type as the native plans (csrc/bindings/cached_call.h: run() answers None for a call unlike the one
-    it was made for, and the Buffer then takes its full path). It launches on the current stream only (the full
-    path's LAUNCH_CURRENT, inside the Buffer's stream scope); the fast path's modes answer None."""
+    same callable as the native plans (csrc/bindings/cached_call.h: plan(handle, x, aux, config, num_sms, mode)
+    answers None for a call unlike the one it was made for, and the Buffer then takes its full path). It launches on
+    the current stream only (the full path's LAUNCH_CURRENT, inside the Buffer's stream scope); the fast path's
+    modes answer None."""
 
     __slots__ = ("backend", "in_rank", "num_tokens", "num_worst_tokens", "x_spec", "aux_spec", "config", "num_sms",
                  "ring", "word")
@@ -145,7 +146,7 @@ class _DirectDispatchPlan:
             return False
         return True
 
-    def run(self, handle, x: torch.Tensor, aux: Optional[torch.Tensor], config, num_sms: int, mode: int):
+    def __call__(self, handle, x: torch.Tensor, aux: Optional[torch.Tensor], config, num_sms: int, mode: int):
         """-> (recv_x, recv_scales or None, None), or None when not _serves(...)."""
         if not self._serves(handle, x, aux, config, num_sms, mode):
             return None

@@ -140,7 +140,7 @@ def stub_intranode(rows: int) -> types.SimpleNamespace:
                 return False
             return aux is None or fits(aux, self.aux)
 
-        def run(self, handle, x, aux, config, num_sms, mode):
+        def __call__(self, handle, x, aux, config, num_sms, mode):
             if not self.matches(handle, x, aux, config, num_sms):
                 return None
             if not self.buffer.alive or self.buffer.timeout is not None:
