@@ -403,17 +403,65 @@ py::tuple direct_dispatch(const IpcBuffer& b, uint64_t timeout_ns, const at::Ten
   return py::make_tuple(recv_x, recv_scales, recv_idx, recv_w, recv_src);
 }
 
+// Where a pull combine's inputs lie in this rank's NVLink buffer: x (x_rows rows, x_bytes bytes from x) and
+// topk_weights (w_bytes bytes from w, or null) -> {x_offset, w_offset}, or {-1, -1} when either is outside the
+// buffer's peer pool, the buffer has none or is closed, or `stream` (the launch's) is capturing a CUDA graph (the
+// graph's tensors come from its own pool, and a replay must not depend on this call's addresses). -1 makes the pull
+// kernel's verdict "missed" on every rank, and the ring kernel queued after it moves the call. An x without rows is
+// read by nobody: any offset will do (0, 0); rows of 0 bytes have no address (torch gives a tensor without elements
+// a null data pointer) but their weights are read, so they count as outside. The pool is the tail of the
+// allocation, [pool_offset, pool_offset + pool_bytes) from local(); torch's own allocations never lie there, so a
+// tensor whose bytes lie there is a pool tensor.
+std::pair<int64_t, int64_t> pull_offsets(const IpcBuffer& b, const void* x, int64_t x_rows, size_t x_bytes,
+                                         const void* w, size_t w_bytes, cudaStream_t stream) {
+  constexpr std::pair<int64_t, int64_t> kElsewhere{-1, -1};
+  if (!b.alive() || b.pool_bytes() == 0) return kElsewhere;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  MOE_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  if (capture != cudaStreamCaptureStatusNone) return kElsewhere;
+  if (x_rows == 0) return {0, 0};
+  if (x == nullptr || x_bytes == 0) return kElsewhere;
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(b.local()) + b.pool_offset();
+  const uintptr_t end = begin + b.pool_bytes();
+  auto offset_of = [&](const void* p, size_t n) -> int64_t {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+    if (a < begin || a > end || n > end - a) return -1;
+    return static_cast<int64_t>(a - reinterpret_cast<uintptr_t>(b.local()));
+  };
+  const int64_t x_offset = offset_of(x, x_bytes);
+  if (x_offset < 0) return kElsewhere;
+  if (w == nullptr) return {x_offset, -1};
+  const int64_t w_offset = offset_of(w, w_bytes);
+  if (w_offset < 0) return kElsewhere;
+  return {x_offset, w_offset};
+}
+
+int64_t tensor_bytes(const c10::optional<at::Tensor>& t) { return t.has_value() ? t->numel() * t->element_size() : 0; }
+
+// The pull combine, then the ring combine, which moves the call only when some rank's input is not peer-mapped
+// (the pull kernel's verdict, the same on every rank). `a`: the ring combine's arguments with the call's tensors.
+void launch_pull_then_ring(const IpcBuffer& b, const CombineArgs& a, const int* row_of_token, size_t x_bytes,
+                           size_t w_bytes, cudaStream_t stream) {
+  const auto offsets = pull_offsets(b, a.x, a.num_x_rows, x_bytes, a.topk_weights, w_bytes, stream);
+  CombinePullArgs p{};
+  p.base = a;
+  p.row_of_token = row_of_token;
+  p.x_offset = offsets.first;
+  p.w_offset = offsets.second;
+  launch_combine_pull(p, stream);
+  launch_ring_reduce_fallback(a, stream);
+}
+
 // Combine (rank-major): x [rows, H] bf16/fp16/fp32, topk_weights float32 [rows, K] or None, bias0 / bias1 [T, H]
 // of x's dtype or None -> out [T, H], out_topk_weights float32 [T, K] (with topk_weights). Along a direct
-// dispatch's handle, row_of_token (int32 [T, R], the dispatch's) makes it a pull combine: x_offset / w_offset are
-// where x and topk_weights lie in this rank's NVLink buffer (its peer pool), or -1 when they do not.
+// dispatch's handle, row_of_token (int32 [T, R], the dispatch's) makes it a pull combine (pull_offsets: whether
+// x and topk_weights lie in this rank's peer pool).
 void combine(const IpcBuffer& b, uint64_t timeout_ns, const at::Tensor& x,
              const c10::optional<at::Tensor>& topk_weights,
              const c10::optional<at::Tensor>& bias0, const c10::optional<at::Tensor>& bias1,
              const at::Tensor& is_token_in_rank, const at::Tensor& recv_channel_offset, const at::Tensor& out,
              const c10::optional<at::Tensor>& out_topk_weights, int num_channels, int chunk, int num_slots,
-             int slot_bytes, int64_t ring_signature, const c10::optional<at::Tensor>& row_of_token,
-             int64_t x_offset, int64_t w_offset) {
+             int slot_bytes, int64_t ring_signature, const c10::optional<at::Tensor>& row_of_token) {
   const auto device = x.get_device();
   expect_cuda(x, device, "combine: x");
   expect_cuda(row_of_token, device, "combine: row_of_token");
@@ -443,25 +491,12 @@ void combine(const IpcBuffer& b, uint64_t timeout_ns, const at::Tensor& x,
     launch_combine(a, stream);
     return;
   }
-  // Along a direct dispatch's handle: the pull combine, then the ring combine, which moves the call only when
-  // some rank's input is not peer-mapped (x_offset -1 on that rank).
   MOE_CHECK(row_of_token->numel() == static_cast<int64_t>(a.num_tokens) * b.num_ranks(),
             "combine: row_of_token must be [T, R]");
-  // (an input without rows is read by nobody: any offset will do; rows of 0 bytes still have weights to read)
-  MOE_CHECK(x_offset < 0 || x.size(0) == 0 ||
-                (static_cast<const uint8_t*>(x.data_ptr()) == b.local() + x_offset &&
-                 (!topk_weights.has_value() ||
-                  static_cast<const uint8_t*>(topk_weights->data_ptr()) == b.local() + w_offset)),
-            "combine: x_offset / w_offset are not where x / topk_weights lie in this rank's NVLink buffer");
   MOE_CHECK(row_of_token->scalar_type() == at::kInt && row_of_token->is_contiguous(),
             "combine: row_of_token must be a contiguous int32 tensor");
-  CombinePullArgs p{};
-  p.base = a;
-  p.row_of_token = data_of<const int>(row_of_token);
-  p.x_offset = x_offset < 0 ? -1 : x_offset;
-  p.w_offset = p.x_offset < 0 ? -1 : w_offset;
-  launch_combine_pull(p, stream);
-  launch_ring_reduce_fallback(a, stream);
+  launch_pull_then_ring(b, a, data_of<const int>(row_of_token), x.numel() * x.element_size(),
+                        tensor_bytes(topk_weights), stream);
 }
 
 // Expert-major dispatch, local pass after the rank-major dispatch (em_permute.cu): received rows x [N, H] (scales
@@ -603,6 +638,31 @@ std::unique_ptr<CachedDispatch> make_cached_dispatch(const IpcBuffer& b, CommStr
                                           num_sms);
 }
 
+// The arguments of a cached combine along a direct dispatch's handle (a pull plan): the ring combine's, with the
+// fields CachedCall sets per call (x, topk_weights, out, out_topk_weights, by the names of CombineArgs), the
+// dispatch's row_of_token, and what pull_offsets needs (the buffer, the inputs' bytes).
+struct PullCombineArgs {
+  CombineArgs ring{};
+  const int* row_of_token = nullptr;
+  const IpcBuffer* buffer = nullptr;
+  size_t x_bytes = 0, w_bytes = 0;
+  const uint8_t* x = nullptr;
+  const float* topk_weights = nullptr;
+  uint8_t* out = nullptr;
+  float* out_topk_weights = nullptr;
+};
+
+void launch_pull_plan(const PullCombineArgs& p, cudaStream_t stream) {
+  CombineArgs a = p.ring;
+  a.x = p.x;
+  a.topk_weights = p.topk_weights;
+  a.out = p.out;
+  a.out_topk_weights = p.out_topk_weights;
+  launch_pull_then_ring(*p.buffer, a, p.row_of_token, p.x_bytes, p.w_bytes, stream);
+}
+
+using CachedPullCombine = CachedCall<PullCombineArgs, launch_pull_plan, CallKind::kCombine>;
+
 // Combine along a handle: x [rows, H] bf16/fp16/fp32, topk_weights float32 [rows, K] when given -> out [T, H],
 // out_topk_weights float32 [T, K].
 std::unique_ptr<CachedCombine> make_cached_combine(const IpcBuffer& b, CommStream& comm, uint64_t timeout_ns,
@@ -630,6 +690,41 @@ std::unique_ptr<CachedCombine> make_cached_combine(const IpcBuffer& b, CommStrea
                                          input, aux,
                                          TensorSpec{x.scalar_type(), tokens, x.size(1)}, aux_out, std::move(config),
                                          num_sms);
+}
+
+// Combine along a direct dispatch's handle (the pull combine, with the ring combine after it): as
+// make_cached_combine, with the dispatch's row_of_token (int32 [T, R]).
+std::unique_ptr<CachedPullCombine> make_cached_pull_combine(
+    const IpcBuffer& b, CommStream& comm, uint64_t timeout_ns, const py::tuple& handle,
+    const at::Tensor& recv_channel_offset, const at::Tensor& row_of_token, const at::Tensor& x,
+    const c10::optional<at::Tensor>& topk_weights, int num_channels, int chunk, int num_slots, int slot_bytes,
+    py::object config, int num_sms, int64_t ring_signature) {
+  PullCombineArgs p{};
+  p.ring = ring_combine_args(b, timeout_ns, Ring{num_channels, chunk, num_slots, slot_bytes});
+  const at::Tensor is_token_in_rank = py::cast<at::Tensor>(handle[kIsTokenInRank]);
+  set_routing(p.ring, is_token_in_rank, recv_channel_offset);
+  const int64_t tokens = py::cast<int64_t>(handle[kNumTokens]);
+  MOE_CHECK(row_of_token.scalar_type() == at::kInt && row_of_token.is_contiguous() &&
+                row_of_token.numel() == static_cast<int64_t>(p.ring.num_tokens) * b.num_ranks(),
+            "cached pull combine: row_of_token must be a contiguous int32 [T, R]");
+  p.ring.dtype = combine_dtype(x);
+  p.ring.hidden = static_cast<int>(x.size(1));
+  p.ring.num_topk = columns(topk_weights);
+  p.ring.num_x_rows = static_cast<int>(x.size(0));
+  p.ring.ring_signature = checked_ring_signature(ring_signature);
+  p.row_of_token = data_of<const int>(row_of_token);
+  p.buffer = &b;
+  p.x_bytes = static_cast<size_t>(x.numel() * x.element_size());
+  p.w_bytes = static_cast<size_t>(tensor_bytes(topk_weights));
+  const TensorSpec input{x.scalar_type(), x.size(0), x.size(1)};
+  c10::optional<TensorSpec> aux, aux_out;
+  if (topk_weights.has_value()) {
+    aux = TensorSpec{at::kFloat, x.size(0), topk_weights->size(1)};
+    aux_out = TensorSpec{at::kFloat, tokens, topk_weights->size(1)};
+  }
+  return std::make_unique<CachedPullCombine>(
+      b, comm, handle, std::vector<at::Tensor>{is_token_in_rank, recv_channel_offset, row_of_token}, p, input, aux,
+      TensorSpec{x.scalar_type(), tokens, x.size(1)}, aux_out, std::move(config), num_sms);
 }
 
 }  // namespace
@@ -721,6 +816,22 @@ void register_intranode(py::module_& m) {
       py::arg("x"), py::arg("topk_weights"), py::arg("num_channels"), py::arg("chunk"), py::arg("num_slots"),
       py::arg("slot_bytes"), py::arg("config"), py::arg("num_sms"), py::arg("ring_signature"));
 
+  sub.def(
+      "cached_pull_combine",
+      [](const py::object& buffer, const py::object& comm, uint64_t timeout_ns, const py::tuple& handle,
+         const at::Tensor& recv_channel_offset, const at::Tensor& row_of_token, const at::Tensor& x,
+         const c10::optional<at::Tensor>& topk_weights, int num_channels, int chunk, int num_slots, int slot_bytes,
+         py::object config, int num_sms, int64_t ring_signature) {
+        return plan_function(make_cached_pull_combine(buffer.cast<const IpcBuffer&>(), comm.cast<CommStream&>(),
+                                                      timeout_ns, handle, recv_channel_offset, row_of_token, x,
+                                                      topk_weights, num_channels, chunk, num_slots, slot_bytes,
+                                                      std::move(config), num_sms, ring_signature),
+                             {buffer, comm});
+      },
+      py::arg("buffer"), py::arg("comm"), py::arg("timeout_ns"), py::arg("handle"), py::arg("recv_channel_offset"),
+      py::arg("row_of_token"), py::arg("x"), py::arg("topk_weights"), py::arg("num_channels"), py::arg("chunk"),
+      py::arg("num_slots"), py::arg("slot_bytes"), py::arg("config"), py::arg("num_sms"), py::arg("ring_signature"));
+
   // get_dispatch_layout (layout_call.h: layout_call_on).
   sub.def(
       "layout_call", &layout_call_on,
@@ -756,8 +867,7 @@ void register_intranode(py::module_& m) {
   sub.def("combine", &combine, py::arg("buffer"), py::arg("timeout_ns"), py::arg("x"), py::arg("topk_weights"),
           py::arg("bias0"), py::arg("bias1"), py::arg("is_token_in_rank"), py::arg("recv_channel_offset"),
           py::arg("out"), py::arg("out_topk_weights"), py::arg("num_channels"), py::arg("chunk"),
-          py::arg("num_slots"), py::arg("slot_bytes"), py::arg("ring_signature"), py::arg("row_of_token") = py::none(),
-          py::arg("x_offset") = -1, py::arg("w_offset") = -1);
+          py::arg("num_slots"), py::arg("slot_bytes"), py::arg("ring_signature"), py::arg("row_of_token") = py::none());
   sub.def("em_permute", &em_permute, py::arg("x"), py::arg("scales"), py::arg("recv_topk_idx"),
           py::arg("recv_topk_weights"), py::arg("pair_rank"), py::arg("layout"), py::arg("received"), py::arg("em_x"),
           py::arg("em_scales"), py::arg("em_weights"), py::arg("em_pair_row"), py::arg("em_pair_slot"),

@@ -157,26 +157,6 @@ class _DirectDispatchPlan:
         return out[0], out[1], None
 
 
-class _PullCombinePlan(_DirectDispatchPlan):
-    """The plan of a combine along a direct dispatch's handle (IntranodeBackend._combine_along: the pull kernel, the
-    ring kernel when some rank's input is not in its pool): the same contract as _DirectDispatchPlan, with the
-    top-k weights as its aux tensor."""
-
-    __slots__ = ()
-
-    def __init__(self, backend, handle: DispatchHandle, x: torch.Tensor, topk_weights: Optional[torch.Tensor],
-                 config: Optional[Config], num_sms: int, ring: Tuple[int, int, int, int]) -> None:
-        super().__init__(backend, handle, x, topk_weights, config, num_sms, ring, 0)
-
-    def run(self, handle, x: torch.Tensor, aux: Optional[torch.Tensor], config, num_sms: int, mode: int):
-        """-> (combined_x, combined_topk_weights or None, None), or None when not _serves(...)."""
-        if not self._serves(handle, x, aux, config, num_sms, mode):
-            return None
-        out, out_w, _, _ = combine_tensors(self.num_tokens, x, aux, ())
-        self.backend._combine_along(x, aux, None, None, handle, out, out_w, self.ring)
-        return out, out_w, None
-
-
 class IntranodeBackend(Backend):
     """Compiled normal-mode backend for one Buffer (see the module docstring). Float64 combines and more than
     MAX_LOCAL_EXPERTS experts per rank are not its (capabilities): the Buffer sends those to the reference."""
@@ -421,28 +401,13 @@ class IntranodeBackend(Backend):
                 pass
         return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device), -1
 
-    def _pull_offsets(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor]) -> dict:
-        """Where a combine's x and topk_weights lie in this rank's NVLink buffer (its peer pool), or -1 for both when
-        either is elsewhere (then every rank's call goes through the ring: the pull kernel's verdict); an x without
-        rows counts as peer-mapped."""
-        pool = self.peer_pool
-        if pool is None or pool.closed or torch.cuda.is_current_stream_capturing():
-            return {"x_offset": -1, "w_offset": -1}
-        if x.shape[0] == 0:  # no rows (nor weights): nobody reads this input, wherever it lies
-            return {"x_offset": 0, "w_offset": 0}
-        if x.numel() == 0:  # rows of 0 bytes: torch gives a tensor without elements no address (data_ptr() 0)
-            return {"x_offset": -1, "w_offset": -1}
-        if pool.contains(x) and (topk_weights is None or pool.contains(topk_weights)):
-            w_offset = -1 if topk_weights is None else self._ipc.pool_offset + pool.offset_of(topk_weights)
-            return {"x_offset": self._ipc.pool_offset + pool.offset_of(x), "w_offset": w_offset}
-        return {"x_offset": -1, "w_offset": -1}
-
     def _combine_along(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor], bias0, bias1, handle,
                        out: torch.Tensor, out_w: Optional[torch.Tensor], ring: Tuple[int, int, int, int]) -> None:
         """Launch the combine of x along `handle` into out / out_w: the ring kernel, or along a direct dispatch's
-        handle the pull kernel (then the ring kernel moves the call only if some rank's input is not in its pool)."""
+        handle the pull kernel (then the ring kernel moves the call only if some rank's input is not in its pool: the
+        binding finds where x and topk_weights lie)."""
         _, offsets, direct = handle.backend_state.routing
-        pull = {} if direct is None else {"row_of_token": direct[1], **self._pull_offsets(x, topk_weights)}
+        pull = {} if direct is None else {"row_of_token": direct[1]}
         self._mod.combine(self._ipc, self._timeout_ns, x, topk_weights, bias0, bias1, handle.is_token_in_rank,
                           offsets, out, out_w, *ring, ring_signature=_combine_ring_signature(x, topk_weights, ring[2]),
                           **pull)
@@ -508,15 +473,17 @@ class IntranodeBackend(Backend):
 
     def _combine_plan(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor], handle: DispatchHandle,
                       config: Optional[Config]):
-        """The checks of a combine (x of a kernel dtype), then its plan: native, or _PullCombinePlan along a direct
-        dispatch's handle."""
+        """The checks of a combine (x of a kernel dtype), then its native plan: the ring combine, or along a direct
+        dispatch's handle the pull combine (the ring one after it)."""
         channels, offsets, direct = handle.backend_state.routing
         ring = self._ring(config, True, combine_slot_bytes(_row_bytes(x), _columns(topk_weights)), "combine", channels)
+        word = _combine_ring_signature(x, topk_weights, ring[2])
         if direct is not None:
-            return _PullCombinePlan(self, handle, x, topk_weights, config, self._buffer_cls.num_sms, ring)
+            return self._mod.cached_pull_combine(self._ipc, self._comm, self._timeout_ns, handle, offsets, direct[1], x,
+                                                 topk_weights, *ring, config, self._buffer_cls.num_sms,
+                                                 ring_signature=word)
         return self._mod.cached_combine(self._ipc, self._comm, self._timeout_ns, handle, offsets, x, topk_weights,
-                                        *ring, config, self._buffer_cls.num_sms,
-                                        ring_signature=_combine_ring_signature(x, topk_weights, ring[2]))
+                                        *ring, config, self._buffer_cls.num_sms, ring_signature=word)
 
     # ------------------------------------------------------------------ expert-major (local passes)
     def expert_major_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: torch.Tensor,
