@@ -71,8 +71,9 @@ enum HandleField : int {
 // out_topk_weights). The Args of both backends name these fields alike.
 enum class CallKind { kDispatch, kCombine };
 
-// The plan of one cached call. Args: a DispatchArgs or CombineArgs whose every field but the four tensors of the
-// call is set (routing included: `routing` keeps those tensors alive); `input` / `aux` (FP8 scales of a
+// The plan of one cached call. Args: a DispatchArgs or CombineArgs (or a struct that names the same four tensor
+// fields, as the pull combine's plan does) whose every field but the four tensors of the call is set (routing
+// included: `routing` keeps those tensors alive); `input` / `aux` (FP8 scales of a
 // dispatch, top-k weights of a combine; none: the call has none) describe the arguments; `output` /
 // `aux_output` the outputs. `buffer`: the IpcBuffer whose mailbox records the backend's timeouts.
 template <class Args, void (*Launch)(const Args&, cudaStream_t), CallKind kKind>
