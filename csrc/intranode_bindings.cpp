@@ -4,6 +4,7 @@
 // shape) and allocates the outputs of fresh calls. Here only invariants are checked (MOE_CHECK: a failure is
 // a caller's bug), and the kernels' Args structs (csrc/kernels/intranode/protocol.h) are filled.
 #include <torch/extension.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -24,6 +25,7 @@
 #include "kernels/intranode/protocol.h"
 #include "runtime/cuda_check.h"
 #include "runtime/ipc_buffer.h"
+#include "runtime/peer_pool/peer_pool.h"
 
 namespace py = pybind11;
 
@@ -663,6 +665,106 @@ void launch_pull_plan(const PullCombineArgs& p, cudaStream_t stream) {
 
 using CachedPullCombine = CachedCall<PullCombineArgs, launch_pull_plan, CallKind::kCombine>;
 
+// The arguments of a cached dispatch along a direct dispatch's handle (a direct plan): the direct kernel's and those
+// of the ring kernel queued after it (which moves the call when some rank's outputs are not in its pool), with the
+// fields CachedCall sets per call (x, scales, recv_x, recv_scales, by the names of DispatchArgs). output_block (the
+// CachedCall hook) takes the call's outputs from the peer pool as IntranodeBackend._pool_block does: one block in
+// DirectPayload's layout, its size rounded up to a power of two (2 MiB at least, so that torch's cached blocks of
+// the pool serve the next calls, whose sizes vary), allocated through torch's caching allocator into the pool's
+// MemPool with this rank's region active (what PeerPool.allocate does: torch.cuda.use_mem_pool inside
+// PeerPool.allocating()); from torch's own memory with offset -1 when the pool has no room or the launch stream is
+// capturing a graph (then no rank writes directly: the ring kernel moves the call on every rank). The block is kept
+// as the backend's latest direct block (`latest`, its list [payload, meta]): a peer late with this call writes into
+// it, never into memory handed out again.
+struct DirectDispatchPlanArgs {
+  DispatchArgs ring{};
+  DirectDispatchArgs direct{};
+  const IpcBuffer* buffer = nullptr;
+  c10::DeviceIndex device = 0;
+  c10::MempoolId_t pool_id{0, 0};
+  PyObject* latest = nullptr;  // the backend's list (the plan's function keeps it referenced)
+  int64_t out_offset = -1;     // this call's block in this rank's NVLink buffer, or -1 (output_block sets it)
+  const uint8_t* x = nullptr;
+  const int32_t* scales = nullptr;
+  uint8_t* recv_x = nullptr;
+  int32_t* recv_scales = nullptr;
+
+  std::pair<c10::Storage, size_t> output_block(size_t out_bytes, size_t aux_bytes, cudaStream_t stream) {
+    const DirectPayload o{static_cast<int64_t>(ring.num_rows), ring.hidden_bytes, ring.num_scales};
+    MOE_CHECK(static_cast<size_t>(o.scales_offset()) >= out_bytes &&
+                  static_cast<size_t>(o.bytes() - o.scales_offset()) >= aux_bytes,
+              "cached direct dispatch: the outputs do not fit the payload layout");
+    const size_t nbytes = static_cast<size_t>(o.bytes());
+    auto [block, offset] = pool_block(nbytes, stream);
+    out_offset = offset;
+    // The backend keeps the latest direct call's blocks: this call's payload (a cached call has no meta block).
+    PyObject* payload = THPVariable_Wrap(carve(block, 0, at::kByte, {static_cast<int64_t>(block.nbytes())}, {1}));
+    if (payload == nullptr) throw pybind11::error_already_set();
+    PyList_SetItem(latest, 0, payload);  // steals payload
+    Py_INCREF(Py_None);
+    PyList_SetItem(latest, 1, Py_None);
+    return {std::move(block), static_cast<size_t>(o.scales_offset())};
+  }
+
+ private:
+  std::pair<c10::Storage, int64_t> pool_block(size_t nbytes, cudaStream_t stream) const {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    MOE_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    if (capture == cudaStreamCaptureStatusNone) {
+      size_t size = size_t{2} << 20;
+      while (size < nbytes) size <<= 1;
+      const uintptr_t base = reinterpret_cast<uintptr_t>(buffer->local()) + buffer->pool_offset();
+      const uintptr_t previous = peer_pool::set_active_region(device, base);
+      if (previous != 0 && previous != base) {
+        peer_pool::set_active_region(device, previous);
+        throw std::runtime_error("PeerPool.allocating(): another PeerPool's context is active on this device and "
+                                 "thread; pool contexts of one device do not nest");
+      }
+      // torch.cuda.use_mem_pool: this thread's allocations on the device go to the pool, then the routing ends
+      // and the use it took is released.
+      const std::thread::id thread = std::this_thread::get_id();
+      c10::cuda::CUDACachingAllocator::beginAllocateToPool(
+          device, pool_id, [thread](cudaStream_t) { return std::this_thread::get_id() == thread; });
+      c10::Storage block;
+      bool exhausted = false;
+      try {
+        block = cuda_block(size);
+      } catch (const c10::OutOfMemoryError&) {
+        exhausted = true;  // PeerPoolExhausted: torch's memory below
+      } catch (...) {
+        c10::cuda::CUDACachingAllocator::endAllocateToPool(device, pool_id);
+        c10::cuda::CUDACachingAllocator::releasePool(device, pool_id);
+        peer_pool::set_active_region(device, previous);
+        throw;
+      }
+      c10::cuda::CUDACachingAllocator::endAllocateToPool(device, pool_id);
+      c10::cuda::CUDACachingAllocator::releasePool(device, pool_id);
+      peer_pool::set_active_region(device, previous);
+      if (!exhausted) {
+        const int64_t offset = static_cast<uint8_t*>(block.mutable_data()) - buffer->local();
+        return {std::move(block), offset};
+      }
+    }
+    return {cuda_block(std::max<size_t>(nbytes, 1)), -1};
+  }
+};
+
+void launch_direct_plan(const DirectDispatchPlanArgs& p, cudaStream_t stream) {
+  DispatchArgs a = p.ring;
+  a.x = p.x;
+  a.scales = p.scales;
+  a.recv_x = p.recv_x;
+  a.recv_scales = p.recv_scales;
+  DirectDispatchArgs d = p.direct;
+  d.x = a.x;
+  d.scales = a.scales;
+  d.out_offset = p.out_offset;
+  launch_direct_dispatch(d, stream);
+  launch_ring_fallback(a, stream);
+}
+
+using CachedDirectDispatch = CachedCall<DirectDispatchPlanArgs, launch_direct_plan, CallKind::kDispatch>;
+
 // Combine along a handle: x [rows, H] bf16/fp16/fp32, topk_weights float32 [rows, K] when given -> out [T, H],
 // out_topk_weights float32 [T, K].
 std::unique_ptr<CachedCombine> make_cached_combine(const IpcBuffer& b, CommStream& comm, uint64_t timeout_ns,
@@ -690,6 +792,61 @@ std::unique_ptr<CachedCombine> make_cached_combine(const IpcBuffer& b, CommStrea
                                          input, aux,
                                          TensorSpec{x.scalar_type(), tokens, x.size(1)}, aux_out, std::move(config),
                                          num_sms);
+}
+
+// Dispatch along a direct dispatch's handle (the direct kernel into outputs in the peer pool, the ring kernel after
+// it): as make_cached_dispatch, with the handle's send_row_offset (int32 [R, C]), the pool's MemPool id and the
+// backend's list of its latest direct blocks.
+std::unique_ptr<CachedDirectDispatch> make_cached_direct_dispatch(
+    const IpcBuffer& b, CommStream& comm, uint64_t timeout_ns, const py::tuple& handle,
+    const at::Tensor& recv_channel_offset, const at::Tensor& send_row_offset, const at::Tensor& x,
+    const c10::optional<at::Tensor>& scales, int num_channels, int chunk, int num_slots, int slot_bytes,
+    py::object config, int num_sms, int64_t ring_signature, c10::MempoolId_t pool_id, const py::list& latest) {
+  MOE_CHECK(b.pool_bytes() > 0, "cached direct dispatch: the buffer has no peer pool");
+  MOE_CHECK(py::len(latest) == 2, "cached direct dispatch: latest must be the backend's [payload, meta] list");
+  MOE_CHECK(send_row_offset.scalar_type() == at::kInt && send_row_offset.is_contiguous() &&
+                send_row_offset.numel() >= static_cast<int64_t>(b.num_ranks()) * num_channels,
+            "cached direct dispatch: send_row_offset must be a contiguous int32 [R, C]");
+  DirectDispatchPlanArgs p{};
+  DispatchArgs& a = p.ring;
+  a = ring_dispatch_args(b, timeout_ns, Ring{num_channels, chunk, num_slots, slot_bytes});
+  const at::Tensor is_token_in_rank = py::cast<at::Tensor>(handle[kIsTokenInRank]);
+  set_routing(a, is_token_in_rank, recv_channel_offset);
+  const int64_t rows = py::cast<at::Tensor>(handle[kRecvSrcIdx]).size(0);
+  a.hidden_bytes = row_bytes(x);
+  a.num_scales = columns(scales);
+  a.num_rows = static_cast<int>(rows);
+  a.pad_rows = py::cast<int64_t>(handle[kNumWorstTokens]) != 0 ? 1 : 0;
+  a.ring_signature = checked_ring_signature(ring_signature);
+  DirectDispatchArgs& d = p.direct;
+  d.c = a.c;
+  d.is_token_in_rank = a.is_token_in_rank;
+  d.recv_channel_offset = a.recv_channel_offset;
+  d.send_row_offset = data_of<const int>(send_row_offset);
+  d.meta_offset = 0;
+  d.out_rows = rows;
+  d.layout = a.ring_signature;
+  d.num_tokens = a.num_tokens;
+  d.hidden_bytes = a.hidden_bytes;
+  d.num_scales = a.num_scales;
+  d.num_topk = 0;
+  d.experts_per_rank = a.experts_per_rank;
+  d.write_meta = 0;
+  d.pad_rows = a.pad_rows;
+  d.num_channels = num_channels;
+  p.buffer = &b;
+  p.device = comm.device();
+  p.pool_id = pool_id;
+  p.latest = latest.ptr();
+  const TensorSpec input{x.scalar_type(), x.size(0), x.size(1)};
+  c10::optional<TensorSpec> aux, aux_out;
+  if (scales.has_value()) {
+    aux = TensorSpec{scales->scalar_type(), x.size(0), scales->size(1)};
+    aux_out = TensorSpec{scales->scalar_type(), rows, scales->size(1)};
+  }
+  return std::make_unique<CachedDirectDispatch>(
+      b, comm, handle, std::vector<at::Tensor>{is_token_in_rank, recv_channel_offset, send_row_offset}, p, input,
+      aux, TensorSpec{x.scalar_type(), rows, x.size(1)}, aux_out, std::move(config), num_sms);
 }
 
 // Combine along a direct dispatch's handle (the pull combine, with the ring combine after it): as
@@ -816,6 +973,23 @@ void register_intranode(py::module_& m) {
       py::arg("x"), py::arg("topk_weights"), py::arg("num_channels"), py::arg("chunk"), py::arg("num_slots"),
       py::arg("slot_bytes"), py::arg("config"), py::arg("num_sms"), py::arg("ring_signature"));
 
+  sub.def(
+      "cached_direct_dispatch",
+      [](const py::object& buffer, const py::object& comm, uint64_t timeout_ns, const py::tuple& handle,
+         const at::Tensor& recv_channel_offset, const at::Tensor& send_row_offset, const at::Tensor& x,
+         const c10::optional<at::Tensor>& scales, int num_channels, int chunk, int num_slots, int slot_bytes,
+         py::object config, int num_sms, int64_t ring_signature, c10::MempoolId_t pool_id, const py::list& latest) {
+        return plan_function(
+            make_cached_direct_dispatch(buffer.cast<const IpcBuffer&>(), comm.cast<CommStream&>(), timeout_ns, handle,
+                                        recv_channel_offset, send_row_offset, x, scales, num_channels, chunk,
+                                        num_slots, slot_bytes, std::move(config), num_sms, ring_signature, pool_id,
+                                        latest),
+            {buffer, comm, latest});
+      },
+      py::arg("buffer"), py::arg("comm"), py::arg("timeout_ns"), py::arg("handle"), py::arg("recv_channel_offset"),
+      py::arg("send_row_offset"), py::arg("x"), py::arg("scales"), py::arg("num_channels"), py::arg("chunk"),
+      py::arg("num_slots"), py::arg("slot_bytes"), py::arg("config"), py::arg("num_sms"), py::arg("ring_signature"),
+      py::arg("pool_id"), py::arg("latest"));
   sub.def(
       "cached_pull_combine",
       [](const py::object& buffer, const py::object& comm, uint64_t timeout_ns, const py::tuple& handle,

@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 #include <pybind11/pybind11.h>
 
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -72,8 +73,10 @@ enum HandleField : int {
 enum class CallKind { kDispatch, kCombine };
 
 // The plan of one cached call. Args: a DispatchArgs or CombineArgs (or a struct that names the same four tensor
-// fields, as the pull combine's plan does) whose every field but the four tensors of the call is set (routing
-// included: `routing` keeps those tensors alive); `input` / `aux` (FP8 scales of a
+// fields, as the pull combine's and the direct dispatch's plans do) whose every field but the four tensors of the
+// call is set (routing included: `routing` keeps those tensors alive); an Args with
+// output_block(output bytes, aux output bytes, launch stream) -> (block, aux output's byte offset) places the
+// outputs itself, else they share one caching-allocator block; `input` / `aux` (FP8 scales of a
 // dispatch, top-k weights of a combine; none: the call has none) describe the arguments; `output` /
 // `aux_output` the outputs. `buffer`: the IpcBuffer whose mailbox records the backend's timeouts.
 template <class Args, void (*Launch)(const Args&, cudaStream_t), CallKind kKind>
@@ -111,14 +114,22 @@ class CachedCall {
     } else if (mode == kSync) {
       comm_->enter_sync(caller);
     }
+    const c10::cuda::CUDAStream& stream = mode == kAsync ? comm_->stream() : caller;
     const size_t out_bytes = output_.bytes();
-    const size_t aux_offset = aux_output_.has_value() ? second_output_offset(out_bytes) : out_bytes;
-    const c10::Storage block = cuda_block(aux_output_.has_value() ? aux_offset + aux_output_->bytes() : out_bytes);
+    const size_t aux_bytes = aux_output_.has_value() ? aux_output_->bytes() : 0;
+    c10::Storage block;
+    size_t aux_offset = 0;
+    if constexpr (requires(Args& a, size_t n, cudaStream_t s) { a.output_block(n, n, s); }) {
+      // Args places the outputs itself (a direct dispatch's: in the peer pool, in its payload layout).
+      std::tie(block, aux_offset) = a_.output_block(out_bytes, aux_bytes, stream.stream());
+    } else {
+      aux_offset = aux_output_.has_value() ? second_output_offset(out_bytes) : out_bytes;
+      block = cuda_block(aux_offset + aux_bytes);
+    }
     at::Tensor out = output_.carve_from(block, 0);
     c10::optional<at::Tensor> aux_out;
     if (aux_output_.has_value()) aux_out = aux_output_->carve_from(block, aux_offset);
     set_tensors(a_, x, aux, out, aux_out);
-    const c10::cuda::CUDAStream& stream = mode == kAsync ? comm_->stream() : caller;
     Launch(a_, stream.stream());
     pybind11::object event = pybind11::none();
     if (mode == kAsync) {

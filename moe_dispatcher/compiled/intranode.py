@@ -47,7 +47,7 @@ from ..expert_major import ExpertMajorHandle, compose_expert_major_dispatch, gat
 from ..handle import DispatchHandle
 from ..signature import Signature, dispatch_signature, raise_disagreement, ring_signature_word, signature_hash
 from .peer_pool import PeerPool
-from . import (LAUNCH_CURRENT, STATUS_PEER_ABORTED, TIMEOUT_ENV, HandleState, buffer_view, combine_tensors,
+from . import (STATUS_PEER_ABORTED, TIMEOUT_ENV, HandleState, buffer_view, combine_tensors,
                kernel_timeout_s, posted_by_peer, recv_tensors, run_cached, timeout_message, wait_counts)
 
 # Dtypes of combine input the kernels reduce (others go to the reference backend: capabilities.combine_dtypes).
@@ -104,59 +104,6 @@ class _DeviceMemory:
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2}
 
 
-class _DirectDispatchPlan:
-    """The plan of a cached dispatch along the handle of a direct dispatch (IntranodeBackend._direct_dispatch): the
-    same callable as the native plans (csrc/bindings/cached_call.h: plan(handle, x, aux, config, num_sms, mode)
-    answers None for a call unlike the one it was made for, and the Buffer then takes its full path). It launches on
-    the current stream only (the full path's LAUNCH_CURRENT, inside the Buffer's stream scope); the fast path's
-    modes answer None."""
-
-    __slots__ = ("backend", "in_rank", "num_tokens", "num_worst_tokens", "x_spec", "aux_spec", "config", "num_sms",
-                 "ring", "word")
-
-    def __init__(self, backend, handle: DispatchHandle, x: torch.Tensor, x_scales: Optional[torch.Tensor],
-                 config: Optional[Config], num_sms: int, ring: Tuple[int, int, int, int], word: int) -> None:
-        self.backend = backend
-        self.in_rank, self.num_tokens, self.num_worst_tokens = (handle.is_token_in_rank, handle.num_tokens,
-                                                                handle.num_worst_tokens)
-        self.x_spec = (x.dtype, tuple(x.shape), x.device)
-        self.aux_spec = None if x_scales is None else (x_scales.dtype, tuple(x_scales.shape), x_scales.device)
-        self.config, self.num_sms, self.ring, self.word = config, num_sms, ring, word
-
-    def _matches(self, handle, x: torch.Tensor, aux: Optional[torch.Tensor], config, num_sms: int) -> bool:
-        if (handle.is_token_in_rank is not self.in_rank or handle.num_tokens != self.num_tokens
-                or handle.num_worst_tokens != self.num_worst_tokens or not x.is_contiguous()
-                or (x.dtype, tuple(x.shape), x.device) != self.x_spec):
-            return False
-        if (aux is None) != (self.aux_spec is None) or (aux is not None and (
-                (aux.dtype, tuple(aux.shape), aux.device) != self.aux_spec or not aux.is_contiguous())):
-            return False
-        if (config is None) != (self.config is None):
-            return False
-        return num_sms == self.num_sms if config is None else (config is self.config or config == self.config)
-
-    def _serves(self, handle, x: torch.Tensor, aux: Optional[torch.Tensor], config, num_sms: int, mode: int) -> bool:
-        """This plan's call, on the current stream's mode, and the backend may still launch (else the full path
-        takes it and says why)."""
-        if mode != LAUNCH_CURRENT or not self._matches(handle, x, aux, config, num_sms):
-            return False
-        try:
-            self.backend._check()
-        except RuntimeError:
-            return False
-        return True
-
-    def __call__(self, handle, x: torch.Tensor, aux: Optional[torch.Tensor], config, num_sms: int, mode: int):
-        """-> (recv_x, recv_scales or None, None), or None when not _serves(...)."""
-        if not self._serves(handle, x, aux, config, num_sms, mode):
-            return None
-        _, offsets, direct = handle.backend_state.routing
-        rows = self.num_worst_tokens or handle.num_recv_tokens
-        out = self.backend._direct_dispatch(x, aux, None, None, self.in_rank, offsets, direct[0], rows, 1,
-                                            bool(self.num_worst_tokens), self.ring, self.word)
-        return out[0], out[1], None
-
-
 class IntranodeBackend(Backend):
     """Compiled normal-mode backend for one Buffer (see the module docstring). Float64 combines and more than
     MAX_LOCAL_EXPERTS experts per rank are not its (capabilities): the Buffer sends those to the reference."""
@@ -192,7 +139,9 @@ class IntranodeBackend(Backend):
         dist.all_gather_object(handles, self._ipc.ipc_handle(), group=self.group)
         self._ipc.open_peers(handles)
         self.peer_pool: Optional[PeerPool] = None
-        self._direct_blocks: Tuple[Optional[torch.Tensor], ...] = ()  # the latest direct dispatch's output blocks
+        # The latest direct dispatch's output blocks [payload, meta] (one list for the backend's life: the native plans
+        # of cached direct dispatches set its items too).
+        self._direct_blocks: List[Optional[torch.Tensor]] = [None, None]
         if self.num_pool_bytes:
             self.peer_pool = PeerPool(self._ipc, mod.peer_pool, mod.__file__, self.device, self.rank, self.num_ranks)
         # The Buffer's comm stream, with the events that join it to the caller's stream in cached calls.
@@ -380,7 +329,7 @@ class IntranodeBackend(Backend):
         meta, meta_offset = None, 0
         if ring_signature == 0:
             meta, meta_offset = self._pool_block(self._mod.direct_meta_bytes(rows, _columns(topk_idx)), x.device)
-        self._direct_blocks = (payload, meta)
+        self._direct_blocks[:] = (payload, meta)
         return list(self._mod.direct_dispatch(self._ipc, self._timeout_ns, x, x_scales, topk_idx, topk_weights,
                                               is_token_in_rank, offsets, send_rows, payload, out_offset, meta,
                                               meta_offset, rows, local, pad_rows, *ring,
@@ -443,15 +392,17 @@ class IntranodeBackend(Backend):
 
     def _dispatch_plan(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], handle: DispatchHandle,
                        config: Optional[Config]):
-        """The checks of a cached dispatch, then its plan: native, or _DirectDispatchPlan along a handle of a direct
-        dispatch."""
+        """The checks of a cached dispatch, then its native plan: the ring dispatch, or along a handle of a direct
+        dispatch the direct kernel into outputs in the peer pool (the ring kernel after it)."""
         channels, offsets, direct = handle.backend_state.routing
         ring = self._ring(config, False, dispatch_slot_bytes(_row_bytes(x), _columns(x_scales), 0), "cached dispatch",
                           channels)
         word = ring_signature_word("cached dispatch", x.shape[1], x.dtype,
                                    x_scales.dtype if x_scales is not None else None, _columns(x_scales), 0, ring[2])
         if direct is not None:
-            return _DirectDispatchPlan(self, handle, x, x_scales, config, self._buffer_cls.num_sms, ring, word)
+            return self._mod.cached_direct_dispatch(self._ipc, self._comm, self._timeout_ns, handle, offsets, direct[0],
+                                                    x, x_scales, *ring, config, self._buffer_cls.num_sms, word,
+                                                    self.peer_pool.mem_pool_id, self._direct_blocks)
         return self._mod.cached_dispatch(self._ipc, self._comm, self._timeout_ns, handle, offsets, x, x_scales, *ring,
                                          config, self._buffer_cls.num_sms, ring_signature=word)
 
@@ -683,7 +634,8 @@ class IntranodeBackend(Backend):
                                            self._board)
         self._rdma_emulation = None
         if self._broken is None:  # every direct call completed (its kernel saw every peer's writes): nobody writes
-            self._direct_blocks = ()  # into them any more; a broken backend keeps them (a late peer might)
+            self._direct_blocks[:] = (None, None)  # into them any more; a broken backend keeps them (a late peer
+            # might)
         if self.peer_pool is not None:  # before the mappings its peer addresses point into close
             self.peer_pool.close()
         self._ipc.close()

@@ -3,9 +3,10 @@ the host and what it leaves behind.
 
 Checked per rank, on the compiled intranode kernels (csrc/bindings/cached_call.h):
 * a handle's plans are METH_FASTCALL functions that own the native plan (builtins, not pybind11 instances), with a
-  peer pool too: the combine along a direct dispatch's handle is a native plan that launches in every mode (the
-  fast path's synchronous and async_finish calls included), pulling when the input lies in the pool and taking the
-  ring otherwise;
+  peer pool too: along a direct dispatch's handle the combine plan launches in every mode (the fast path's
+  synchronous and async_finish calls included), pulling when the input lies in the pool and taking the ring
+  otherwise, and the dispatch plan writes directly into outputs it allocates in the pool (the backend keeps the
+  latest block), with the full path's bits;
 * the fast path gives the bits of the full path (a call with previous_event), for BF16 and FP8 dispatch and for
   combine with and without top-k weights;
 * a call with two outputs (FP8 dispatch: rows and scales; combine with weights) makes one allocation: both are
@@ -201,6 +202,30 @@ def _pool_worker(rank: int, num_ranks: int) -> None:
         assert (now[2] - seen[2], now[3] - seen[3]) == (1, 0)
         assert_equal(got, ring[0], "async pulled combined_x")
         assert_equal(got_w, ring[1], "async pulled combined_topk_weights")
+    with case("the cached dispatch plan along a direct dispatch's handle is native: outputs in the pool"):
+        want = buf.dispatch(x, handle=handle, previous_event=_full_path())[0]  # makes the plan (the full path)
+        plan = handle.backend_state.dispatch_plans[0]
+        assert isinstance(plan, types.BuiltinFunctionType), type(plan)
+        for label in ("sync", "async"):
+            seen = _paths(buf)
+            got, *_, event = buf.dispatch(x, handle=handle, async_finish=label == "async")
+            assert (event.event is not None) == (label == "async")
+            event.current_stream_wait()
+            torch.cuda.synchronize()
+            now = _paths(buf)
+            assert (now[0] - seen[0], now[1] - seen[1]) == (1, 0), f"one direct call, not missed ({label})"
+            assert pool.contains(got), f"the outputs must be the pool's ({label})"
+            latest = buf._kernels._direct_blocks
+            assert latest[1] is None and latest[0].untyped_storage().data_ptr() == got.untyped_storage().data_ptr()
+            assert_equal(got, want, f"cached direct dispatch ({label}) vs the full path's")
+        x8 = x.float().to(torch.float8_e4m3fn)
+        scales = torch.rand(T, H // 128, device=dev)
+        (want8, want_s), *_ = buf.dispatch((x8, scales), handle=handle, previous_event=_full_path())
+        (got8, got_s), *_ = buf.dispatch((x8, scales), handle=handle)
+        torch.cuda.synchronize()
+        assert pool.contains(got8) and got_s.untyped_storage().data_ptr() == got8.untyped_storage().data_ptr()
+        assert_equal(got8, want8, "cached direct FP8 dispatch rows")
+        assert_equal(got_s, want_s, "cached direct FP8 dispatch scales")
     del yp, wp
     torch.cuda.synchronize()
     dist.barrier()
@@ -248,7 +273,8 @@ def test_cached_host_path_contract(world_size: int) -> None:
 
 @pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
 def test_cached_pull_combine_plan(world_size: int) -> None:
-    """With a peer pool: the combine plan is native, pulls on the fast path (sync and async), rings from outside."""
+    """With a peer pool: the combine plan is native, pulls on the fast path (sync and async), rings from outside; the
+    dispatch plan is native, its outputs in the pool."""
     run_distributed(_pool_worker, world_size, backend="nccl")
 
 

@@ -412,3 +412,32 @@ def test_combine_along_a_direct_dispatch_handle_takes_the_fast_path(world):
     # With a bias (no plan) the full path's combine launcher gets the map and finds the pool offsets itself.
     w.buf.combine(w.y, direct, bias=torch.zeros(T, H, dtype=torch.bfloat16))
     assert w.ext.launches[-1][0] == "combine" and w.ext.launches[-1][1][-1] is row_of_token
+
+
+def test_dispatch_along_a_direct_dispatch_handle_takes_the_fast_path(world):
+    """Along the handle of a direct dispatch the cached dispatch's plan is native too (cached_direct_dispatch: the
+    handle's send_row_offset, the pool's MemPool id, and the backend's list of its latest direct blocks, which the
+    plan updates in place), serving the fast path's synchronous and async_finish calls (the Python plan it replaces
+    served the full path only)."""
+    w = world
+    h = w.handle
+    channels, offsets, _ = h.backend_state.routing
+    send_rows = torch.zeros(1, channels, dtype=torch.int32)
+    direct = h._replace(backend_state=HandleState((channels, offsets, (send_rows, torch.full((T, 1), -1,
+                                                                                             dtype=torch.int32)))))
+    blocks = w.backend._direct_blocks
+    w.backend.peer_pool = types.SimpleNamespace(mem_pool_id=(3, 4))
+    try:
+        for _ in range(3):
+            recv = w.buf.dispatch(w.x, handle=direct)[0]
+            assert recv.shape == (ROWS, H)
+        w.buf.dispatch(w.x, handle=direct, async_finish=True)
+    finally:
+        w.backend.peer_pool = None  # the stub has no pool to close at teardown
+    assert _modes(w, "CachedDirectDispatch") == [LAUNCH_CURRENT, LAUNCH_SYNC, LAUNCH_SYNC, LAUNCH_ASYNC]
+    kind, args = w.ext.plans[-1]
+    _, chunk, slots = w.backend._config(None, combine=False)
+    assert kind == "CachedDirectDispatch" and args[1] is offsets and args[2] is send_rows
+    assert args[6:10] == (channels, chunk, slots, dispatch_slot_bytes(H * 2, 0, 0))
+    assert args[-3] == ring_signature_word("cached dispatch", H, torch.bfloat16, None, 0, 0, slots)
+    assert args[-2] == (3, 4) and args[-1] is blocks and w.backend._direct_blocks is blocks
