@@ -405,17 +405,17 @@ py::tuple direct_dispatch(const IpcBuffer& b, uint64_t timeout_ns, const at::Ten
   return py::make_tuple(recv_x, recv_scales, recv_idx, recv_w, recv_src);
 }
 
-// Where a pull combine's inputs lie in this rank's NVLink buffer: x (x_rows rows, x_bytes bytes from x) and
-// topk_weights (w_bytes bytes from w, or null) -> {x_offset, w_offset}, or {-1, -1} when either is outside the
-// buffer's peer pool, the buffer has none or is closed, or `stream` (the launch's) is capturing a CUDA graph (the
-// graph's tensors come from its own pool, and a replay must not depend on this call's addresses). -1 makes the pull
-// kernel's verdict "missed" on every rank, and the ring kernel queued after it moves the call. An x without rows is
-// read by nobody: any offset will do (0, 0); rows of 0 bytes have no address (torch gives a tensor without elements
-// a null data pointer) but their weights are read, so they count as outside. The pool is the tail of the
-// allocation, [pool_offset, pool_offset + pool_bytes) from local(); torch's own allocations never lie there, so a
-// tensor whose bytes lie there is a pool tensor.
+// Where a pull combine's inputs lie in this rank's NVLink buffer: x (x_rows rows, x_bytes bytes from x) and, when
+// has_w, topk_weights (w_bytes bytes from w) -> {x_offset, w_offset (-1 without weights)}, or {-1, -1} when either
+// is outside the buffer's peer pool, the buffer has none or is closed, or `stream` (the launch's) is capturing a
+// CUDA graph (the graph's tensors come from its own pool, and a replay must not depend on this call's addresses).
+// -1 makes the pull kernel's verdict "missed" on every rank, and the ring kernel queued after it moves the call. An
+// x without rows is read by nobody: any offset will do (0, 0); rows of 0 bytes have no address (torch gives a
+// tensor without elements a null data pointer) but their weights are read, so they count as outside, as do weights
+// without elements. The pool is the tail of the allocation, [pool_offset, pool_offset + pool_bytes) from local();
+// torch's own allocations never lie there, so a tensor whose bytes lie there is a pool tensor.
 std::pair<int64_t, int64_t> pull_offsets(const IpcBuffer& b, const void* x, int64_t x_rows, size_t x_bytes,
-                                         const void* w, size_t w_bytes, cudaStream_t stream) {
+                                         bool has_w, const void* w, size_t w_bytes, cudaStream_t stream) {
   constexpr std::pair<int64_t, int64_t> kElsewhere{-1, -1};
   if (!b.alive() || b.pool_bytes() == 0) return kElsewhere;
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
@@ -432,8 +432,8 @@ std::pair<int64_t, int64_t> pull_offsets(const IpcBuffer& b, const void* x, int6
   };
   const int64_t x_offset = offset_of(x, x_bytes);
   if (x_offset < 0) return kElsewhere;
-  if (w == nullptr) return {x_offset, -1};
-  const int64_t w_offset = offset_of(w, w_bytes);
+  if (!has_w) return {x_offset, -1};
+  const int64_t w_offset = w == nullptr || w_bytes == 0 ? -1 : offset_of(w, w_bytes);
   if (w_offset < 0) return kElsewhere;
   return {x_offset, w_offset};
 }
@@ -442,9 +442,10 @@ int64_t tensor_bytes(const c10::optional<at::Tensor>& t) { return t.has_value() 
 
 // The pull combine, then the ring combine, which moves the call only when some rank's input is not peer-mapped
 // (the pull kernel's verdict, the same on every rank). `a`: the ring combine's arguments with the call's tensors.
+// has_w: the call has top-k weights (a.topk_weights, w_bytes bytes; null when they have no elements).
 void launch_pull_then_ring(const IpcBuffer& b, const CombineArgs& a, const int* row_of_token, size_t x_bytes,
-                           size_t w_bytes, cudaStream_t stream) {
-  const auto offsets = pull_offsets(b, a.x, a.num_x_rows, x_bytes, a.topk_weights, w_bytes, stream);
+                           bool has_w, size_t w_bytes, cudaStream_t stream) {
+  const auto offsets = pull_offsets(b, a.x, a.num_x_rows, x_bytes, has_w, a.topk_weights, w_bytes, stream);
   CombinePullArgs p{};
   p.base = a;
   p.row_of_token = row_of_token;
@@ -498,7 +499,7 @@ void combine(const IpcBuffer& b, uint64_t timeout_ns, const at::Tensor& x,
   MOE_CHECK(row_of_token->scalar_type() == at::kInt && row_of_token->is_contiguous(),
             "combine: row_of_token must be a contiguous int32 tensor");
   launch_pull_then_ring(b, a, data_of<const int>(row_of_token), x.numel() * x.element_size(),
-                        tensor_bytes(topk_weights), stream);
+                        topk_weights.has_value(), tensor_bytes(topk_weights), stream);
 }
 
 // Expert-major dispatch, local pass after the rank-major dispatch (em_permute.cu): received rows x [N, H] (scales
@@ -648,6 +649,7 @@ struct PullCombineArgs {
   const int* row_of_token = nullptr;
   const IpcBuffer* buffer = nullptr;
   size_t x_bytes = 0, w_bytes = 0;
+  bool has_weights = false;
   const uint8_t* x = nullptr;
   const float* topk_weights = nullptr;
   uint8_t* out = nullptr;
@@ -660,7 +662,7 @@ void launch_pull_plan(const PullCombineArgs& p, cudaStream_t stream) {
   a.topk_weights = p.topk_weights;
   a.out = p.out;
   a.out_topk_weights = p.out_topk_weights;
-  launch_pull_then_ring(*p.buffer, a, p.row_of_token, p.x_bytes, p.w_bytes, stream);
+  launch_pull_then_ring(*p.buffer, a, p.row_of_token, p.x_bytes, p.has_weights, p.w_bytes, stream);
 }
 
 using CachedPullCombine = CachedCall<PullCombineArgs, launch_pull_plan, CallKind::kCombine>;
@@ -873,6 +875,7 @@ std::unique_ptr<CachedPullCombine> make_cached_pull_combine(
   p.buffer = &b;
   p.x_bytes = static_cast<size_t>(x.numel() * x.element_size());
   p.w_bytes = static_cast<size_t>(tensor_bytes(topk_weights));
+  p.has_weights = topk_weights.has_value();
   const TensorSpec input{x.scalar_type(), x.size(0), x.size(1)};
   c10::optional<TensorSpec> aux, aux_out;
   if (topk_weights.has_value()) {
