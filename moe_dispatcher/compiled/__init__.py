@@ -45,9 +45,11 @@ class HandleState:
     routing:        the backend's tables of the handle (intranode: (num_channels, recv_channel_offset, direct), direct
                     None or, for a direct dispatch's handle, (send_row_offset, row_of_token); internode:
                     (num_channels, recv_channel_offset, fwd_offset, fwd_mask, fwd_capacity)).
-    dispatch_plans: [the native plan (CachedDispatch of csrc/bindings/cached_call.h) of the latest cached
-                    dispatch of plain rows, that of FP8 rows with scales], None before the first such call;
-                    combine_plans likewise (CachedCombine), [without, with top-k weights]. One slot per kind, so
+    dispatch_plans: [the native plan of the latest cached dispatch of plain rows, that of FP8 rows with scales],
+                    None before the first such call; combine_plans likewise, [without, with top-k weights]. A plan
+                    is a function that owns its native CachedCall (csrc/bindings/cached_call.h, plan_function):
+                    plan(handle, x, aux, config, num_sms, mode) -> (output, aux output or None, event or None), or
+                    None when the call is not the one it was made for. One slot per kind, so
                     that a model alternating the kinds on a handle (combine, then combine with weights in the
                     backward) keeps both. A plan holds the handle's routing tensors but not the handle (the
                     handle owns it), so dropping the handle frees everything at once.
