@@ -18,6 +18,7 @@
 #include "bindings.h"
 #include "bindings/cached_call.h"
 #include "bindings/carve.h"
+#include "bindings/device_scope.h"
 #include "bindings/layout_call.h"
 #include "bindings/stream_join.h"
 #include "ipc_bindings.h"
@@ -667,15 +668,61 @@ void launch_pull_plan(const PullCombineArgs& p, cudaStream_t stream) {
 
 using CachedPullCombine = CachedCall<PullCombineArgs, launch_pull_plan, CallKind::kCombine>;
 
+// A uint8 block of at least `nbytes` bytes for a direct dispatch's outputs (or rows a pull combine reads) and its
+// offset in this rank's NVLink buffer: from the peer pool through torch's caching allocator, what PeerPool.allocate
+// does (this rank's region made active for the thread, the allocator routed to the pool's MemPool `pool_id` for
+// this thread as torch.cuda.use_mem_pool routes it, then the routing ended and its use released), the size rounded
+// up to a power of two (2 MiB at least) so that torch's cached blocks of the pool serve the next calls, whose sizes
+// vary (torch cannot hand a live pool's cached segments back to the region); or from torch's own memory with offset
+// -1 when the pool has no room (PeerPoolExhausted) or `stream` (where the block is used) is capturing a CUDA graph.
+// The block belongs to the current stream of `device`, which the caller made current.
+std::pair<c10::Storage, int64_t> pool_block(const IpcBuffer& b, c10::DeviceIndex device, c10::MempoolId_t pool_id,
+                                            size_t nbytes, cudaStream_t stream) {
+  MOE_CHECK(b.alive() && b.pool_bytes() > 0, "pool_block: the buffer has no open peer pool");
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  MOE_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  if (capture == cudaStreamCaptureStatusNone) {
+    size_t size = size_t{2} << 20;
+    while (size < nbytes) size <<= 1;
+    const uintptr_t base = reinterpret_cast<uintptr_t>(b.local()) + b.pool_offset();
+    const uintptr_t previous = peer_pool::set_active_region(device, base);
+    if (previous != 0 && previous != base) {
+      peer_pool::set_active_region(device, previous);
+      throw std::runtime_error("PeerPool.allocating(): another PeerPool's context is active on this device and "
+                               "thread; pool contexts of one device do not nest");
+    }
+    const std::thread::id thread = std::this_thread::get_id();
+    c10::cuda::CUDACachingAllocator::beginAllocateToPool(
+        device, pool_id, [thread](cudaStream_t) { return std::this_thread::get_id() == thread; });
+    auto end_routing = [&] {
+      c10::cuda::CUDACachingAllocator::endAllocateToPool(device, pool_id);
+      c10::cuda::CUDACachingAllocator::releasePool(device, pool_id);
+      peer_pool::set_active_region(device, previous);
+    };
+    c10::Storage block;
+    bool exhausted = false;
+    try {
+      block = cuda_block(size);
+    } catch (const c10::OutOfMemoryError&) {
+      exhausted = true;  // PeerPoolExhausted: the ring kernel moves this call on every rank
+    } catch (...) {
+      end_routing();
+      throw;
+    }
+    end_routing();
+    if (!exhausted) {
+      const int64_t offset = static_cast<uint8_t*>(block.mutable_data()) - b.local();
+      return {std::move(block), offset};
+    }
+  }
+  return {cuda_block(std::max<size_t>(nbytes, 1)), -1};
+}
+
 // The arguments of a cached dispatch along a direct dispatch's handle (a direct plan): the direct kernel's and those
 // of the ring kernel queued after it (which moves the call when some rank's outputs are not in its pool), with the
 // fields CachedCall sets per call (x, scales, recv_x, recv_scales, by the names of DispatchArgs). output_block (the
-// CachedCall hook) takes the call's outputs from the peer pool as IntranodeBackend._pool_block does: one block in
-// DirectPayload's layout, its size rounded up to a power of two (2 MiB at least, so that torch's cached blocks of
-// the pool serve the next calls, whose sizes vary), allocated through torch's caching allocator into the pool's
-// MemPool with this rank's region active (what PeerPool.allocate does: torch.cuda.use_mem_pool inside
-// PeerPool.allocating()); from torch's own memory with offset -1 when the pool has no room or the launch stream is
-// capturing a graph (then no rank writes directly: the ring kernel moves the call on every rank). The block is kept
+// CachedCall hook) takes the call's outputs from one pool_block in DirectPayload's layout (offset -1: no rank writes
+// directly, the ring kernel moves the call on every rank). The block is kept
 // as the backend's latest direct block (`latest`, its list [payload, meta]): a peer late with this call writes into
 // it, never into memory handed out again.
 struct DirectDispatchPlanArgs {
@@ -697,7 +744,7 @@ struct DirectDispatchPlanArgs {
                   static_cast<size_t>(o.bytes() - o.scales_offset()) >= aux_bytes,
               "cached direct dispatch: the outputs do not fit the payload layout");
     const size_t nbytes = static_cast<size_t>(o.bytes());
-    auto [block, offset] = pool_block(nbytes, stream);
+    auto [block, offset] = pool_block(*buffer, device, pool_id, nbytes, stream);
     out_offset = offset;
     // The backend keeps the latest direct call's blocks: this call's payload (a cached call has no meta block).
     PyObject* payload = THPVariable_Wrap(carve(block, 0, at::kByte, {static_cast<int64_t>(block.nbytes())}, {1}));
@@ -706,48 +753,6 @@ struct DirectDispatchPlanArgs {
     Py_INCREF(Py_None);
     PyList_SetItem(latest, 1, Py_None);
     return {std::move(block), static_cast<size_t>(o.scales_offset())};
-  }
-
- private:
-  std::pair<c10::Storage, int64_t> pool_block(size_t nbytes, cudaStream_t stream) const {
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    MOE_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-    if (capture == cudaStreamCaptureStatusNone) {
-      size_t size = size_t{2} << 20;
-      while (size < nbytes) size <<= 1;
-      const uintptr_t base = reinterpret_cast<uintptr_t>(buffer->local()) + buffer->pool_offset();
-      const uintptr_t previous = peer_pool::set_active_region(device, base);
-      if (previous != 0 && previous != base) {
-        peer_pool::set_active_region(device, previous);
-        throw std::runtime_error("PeerPool.allocating(): another PeerPool's context is active on this device and "
-                                 "thread; pool contexts of one device do not nest");
-      }
-      // torch.cuda.use_mem_pool: this thread's allocations on the device go to the pool, then the routing ends
-      // and the use it took is released.
-      const std::thread::id thread = std::this_thread::get_id();
-      c10::cuda::CUDACachingAllocator::beginAllocateToPool(
-          device, pool_id, [thread](cudaStream_t) { return std::this_thread::get_id() == thread; });
-      c10::Storage block;
-      bool exhausted = false;
-      try {
-        block = cuda_block(size);
-      } catch (const c10::OutOfMemoryError&) {
-        exhausted = true;  // PeerPoolExhausted: torch's memory below
-      } catch (...) {
-        c10::cuda::CUDACachingAllocator::endAllocateToPool(device, pool_id);
-        c10::cuda::CUDACachingAllocator::releasePool(device, pool_id);
-        peer_pool::set_active_region(device, previous);
-        throw;
-      }
-      c10::cuda::CUDACachingAllocator::endAllocateToPool(device, pool_id);
-      c10::cuda::CUDACachingAllocator::releasePool(device, pool_id);
-      peer_pool::set_active_region(device, previous);
-      if (!exhausted) {
-        const int64_t offset = static_cast<uint8_t*>(block.mutable_data()) - buffer->local();
-        return {std::move(block), offset};
-      }
-    }
-    return {cuda_block(std::max<size_t>(nbytes, 1)), -1};
   }
 };
 
@@ -976,6 +981,19 @@ void register_intranode(py::module_& m) {
       py::arg("x"), py::arg("topk_weights"), py::arg("num_channels"), py::arg("chunk"), py::arg("num_slots"),
       py::arg("slot_bytes"), py::arg("config"), py::arg("num_sms"), py::arg("ring_signature"));
 
+  // IntranodeBackend._pool_block: (uint8 tensor of the block, its offset in the NVLink buffer or -1).
+  sub.def(
+      "pool_block",
+      [](const IpcBuffer& b, int device, c10::MempoolId_t pool_id, int64_t nbytes) {
+        MOE_CHECK(nbytes >= 0, "pool_block: nbytes must be >= 0");
+        const auto index = static_cast<c10::DeviceIndex>(device);
+        const DeviceScope scope(index);
+        auto [block, offset] = pool_block(b, index, pool_id, static_cast<size_t>(nbytes),
+                                          current_stream(index).stream());
+        const int64_t size = static_cast<int64_t>(block.nbytes());
+        return py::make_tuple(carve(block, 0, at::kByte, {size}, {1}), offset);
+      },
+      py::arg("buffer"), py::arg("device"), py::arg("pool_id"), py::arg("nbytes"));
   sub.def(
       "cached_direct_dispatch",
       [](const py::object& buffer, const py::object& comm, uint64_t timeout_ns, const py::tuple& handle,

@@ -340,15 +340,10 @@ class IntranodeBackend(Backend):
         NVLink buffer: from the peer pool, its size rounded up to a power of two (2 MiB at least) so that torch's
         cached blocks serve the next calls, whose sizes vary (torch cannot hand a live pool's cached segments back
         to the region); or from torch's own allocator with offset -1 when the pool has no room or a CUDA graph is
-        being captured."""
-        if not torch.cuda.is_current_stream_capturing():
-            size = max(2 << 20, 1 << (max(nbytes, 1) - 1).bit_length())
-            try:
-                block = self.peer_pool.allocate((size,), torch.uint8)
-                return block, self._ipc.pool_offset + self.peer_pool.offset_of(block)
-            except torch.OutOfMemoryError:  # PeerPoolExhausted: the ring kernel moves this call on every rank
-                pass
-        return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device), -1
+        being captured. One native rule (pool_block in csrc/intranode_bindings.cpp), which the cached direct
+        dispatch's plan follows too."""
+        block, offset = self._mod.pool_block(self._ipc, device.index, self.peer_pool.mem_pool_id, nbytes)
+        return block, offset
 
     def _combine_along(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor], bias0, bias1, handle,
                        out: torch.Tensor, out_w: Optional[torch.Tensor], ring: Tuple[int, int, int, int]) -> None:
