@@ -295,7 +295,7 @@ class IntranodeBackend(Backend):
             direct = (send_rows, row_of_token)
             recv_x, recv_scales, recv_idx, recv_w, recv_src = self._direct_dispatch(
                 x, x_scales, topk_idx, topk_weights, is_token_in_rank, offsets, send_rows, rows, local,
-                bool(num_worst_tokens), (channels, chunk, slots, slot_bytes), 0, row_of_token)
+                bool(num_worst_tokens), (channels, chunk, slots, slot_bytes), row_of_token)
         else:
             recv_x, recv_scales, recv_idx, recv_w, recv_src = recv_tensors(
                 rows, x, x_scales, _columns(x_scales), num_topk if topk_idx is not None else None)
@@ -311,29 +311,25 @@ class IntranodeBackend(Backend):
     def _direct_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
                          topk_weights: Optional[torch.Tensor], is_token_in_rank: torch.Tensor, offsets: torch.Tensor,
                          send_rows: torch.Tensor, rows: int, local: int, pad_rows: bool,
-                         ring: Tuple[int, int, int, int], ring_signature: int,
-                         row_of_token: Optional[torch.Tensor] = None) -> list:
-        """Dispatch by the direct kernel (kernels/intranode/dispatch_direct.cu) into outputs allocated in the peer
-        pool: a payload block carved natively into recv_x [rows, H] and recv_scales [rows, S] or None, and in a fresh
-        call (ring_signature 0) a meta block carved into recv_topk_idx [rows, K] and recv_topk_weights [rows, K] (or
-        None without topk_idx) and recv_src_idx [rows] (None in a cached call), apart so that the handle, which keeps
-        the source index, does not keep the payload's memory. A fresh call also fills row_of_token (int32 [T, R], -1
-        first: where each token landed at each rank, the pull combine's map). A block the pool has no room for (or
-        any block while a CUDA graph is being captured: the graph's allocations are its own pool's) comes from
-        torch's allocator, and the rank says so to its peers in the kernel: then no rank writes directly and the ring
-        kernel queued after it moves the call on every rank (the same outputs). The blocks of the latest call stay
-        referenced here: a peer that is late with it (or runs it after this rank gave up) writes into them, never
-        into memory handed out again."""
+                         ring: Tuple[int, int, int, int], row_of_token: torch.Tensor) -> list:
+        """A fresh dispatch by the direct kernel (kernels/intranode/dispatch_direct.cu) into outputs allocated in the
+        peer pool: a payload block carved natively into recv_x [rows, H] and recv_scales [rows, S] or None, and a
+        meta block carved into recv_topk_idx [rows, K] and recv_topk_weights [rows, K] (or None without topk_idx)
+        and recv_src_idx [rows], apart so that the handle, which keeps the source index, does not keep the
+        payload's memory; row_of_token (int32 [T, R], -1 first) receives where each token landed at each rank, the
+        pull combine's map (a cached dispatch along such a handle runs from its native plan, cached_direct_dispatch).
+        A block the pool has no room for (or any block while a CUDA graph is being captured: the graph's allocations
+        are its own pool's) comes from torch's allocator, and the rank says so to its peers in the kernel: then no
+        rank writes directly and the ring kernel queued after it moves the call on every rank (the same outputs). The
+        blocks of the latest call stay referenced here: a peer that is late with it (or runs it after this rank gave
+        up) writes into them, never into memory handed out again."""
         payload_bytes = self._mod.direct_payload_bytes(rows, _row_bytes(x), _columns(x_scales))
         payload, out_offset = self._pool_block(payload_bytes, x.device)
-        meta, meta_offset = None, 0
-        if ring_signature == 0:
-            meta, meta_offset = self._pool_block(self._mod.direct_meta_bytes(rows, _columns(topk_idx)), x.device)
+        meta, meta_offset = self._pool_block(self._mod.direct_meta_bytes(rows, _columns(topk_idx)), x.device)
         self._direct_blocks[:] = (payload, meta)
         return list(self._mod.direct_dispatch(self._ipc, self._timeout_ns, x, x_scales, topk_idx, topk_weights,
                                               is_token_in_rank, offsets, send_rows, payload, out_offset, meta,
-                                              meta_offset, rows, local, pad_rows, *ring,
-                                              ring_signature=ring_signature, row_of_token=row_of_token))
+                                              meta_offset, rows, local, pad_rows, *ring, row_of_token=row_of_token))
 
     def _pool_block(self, nbytes: int, device: torch.device) -> Tuple[torch.Tensor, int]:
         """A uint8 block of at least `nbytes` bytes for a direct dispatch's outputs and its offset in this rank's
@@ -484,7 +480,7 @@ class IntranodeBackend(Backend):
             direct = (send_rows, row_of_token)
             recv_x, recv_s, recv_idx, recv_w, recv_src = self._direct_dispatch(
                 x, x_scales, topk_idx, topk_weights, in_rank, offsets, send_rows, rows, local, False,
-                (channels, chunk, slots, slot_bytes), 0, row_of_token)
+                (channels, chunk, slots, slot_bytes), row_of_token)
         else:
             recv_x, recv_s, recv_idx, recv_w, recv_src = recv_tensors(rows, x, x_scales, _columns(x_scales), k)
             self._mod.dispatch(self._ipc, self._timeout_ns, x, x_scales, topk_idx, topk_weights, in_rank, offsets,
