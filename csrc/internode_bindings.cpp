@@ -566,23 +566,42 @@ void register_internode(py::module_& m) {
           py::arg("fwd_rows"), py::arg("payload"), py::arg("out_offset"), py::arg("meta"), py::arg("meta_offset"),
           py::arg("rows"), py::arg("experts_per_rank"), py::arg("pad_rows"), py::arg("geometry"),
           py::arg("ring_signatures") = std::vector<int64_t>{}, py::arg("handle_fwd_mask") = py::none());
-  // keep_alive: a plan holds raw pointers to the IpcBuffer and the comm stream (the Context is copied into it).
-  py::class_<CachedDispatch>(sub, "CachedDispatch")
-      .def("run", &CachedDispatch::run, py::arg("handle"), py::arg("x"), py::arg("scales"), py::arg("config"),
-           py::arg("num_sms"), py::arg("mode"));
-  py::class_<CachedCombine>(sub, "CachedCombine")
-      .def("run", &CachedCombine::run, py::arg("handle"), py::arg("x"), py::arg("topk_weights"), py::arg("config"),
-           py::arg("num_sms"), py::arg("mode"));
-  sub.def("cached_dispatch", &make_cached_dispatch, py::arg("ctx"), py::arg("ipc"), py::arg("comm"),
-          py::arg("timeout_ns"), py::arg("handle"), py::arg("recv_channel_offset"), py::arg("fwd_offset"),
-          py::arg("fwd_mask"), py::arg("fwd_capacity"), py::arg("x"), py::arg("scales"), py::arg("geometry"),
-          py::arg("config"), py::arg("num_sms"), py::arg("ring_signatures"), py::keep_alive<0, 2>(),
-          py::keep_alive<0, 3>());
-  sub.def("cached_combine", &make_cached_combine, py::arg("ctx"), py::arg("ipc"), py::arg("comm"),
-          py::arg("timeout_ns"), py::arg("handle"), py::arg("recv_channel_offset"), py::arg("fwd_offset"),
-          py::arg("fwd_mask"), py::arg("fwd_capacity"), py::arg("x"), py::arg("topk_weights"), py::arg("geometry"),
-          py::arg("config"), py::arg("num_sms"), py::arg("ring_signatures"), py::keep_alive<0, 2>(),
-          py::keep_alive<0, 3>());
+  // A plan is a METH_FASTCALL function that owns it (cached_call.h: plan_function) and keeps the IpcBuffer and the
+  // comm stream it points to referenced (the Context is copied into it).
+  sub.def(
+      "cached_dispatch",
+      [](const Context& ctx, const py::object& ipc, const py::object& comm, uint64_t timeout_ns,
+         const py::tuple& handle, const at::Tensor& recv_channel_offset, const at::Tensor& fwd_offset,
+         const at::Tensor& fwd_mask, int fwd_capacity, const at::Tensor& x, const c10::optional<at::Tensor>& scales,
+         const std::vector<int>& geometry, py::object config, int num_sms,
+         const std::vector<int64_t>& ring_signatures) {
+        return plan_function(make_cached_dispatch(ctx, ipc.cast<const IpcBuffer&>(), comm.cast<CommStream&>(),
+                                                  timeout_ns, handle, recv_channel_offset, fwd_offset, fwd_mask,
+                                                  fwd_capacity, x, scales, geometry, std::move(config), num_sms,
+                                                  ring_signatures),
+                             {ipc, comm});
+      },
+      py::arg("ctx"), py::arg("ipc"), py::arg("comm"), py::arg("timeout_ns"), py::arg("handle"),
+      py::arg("recv_channel_offset"), py::arg("fwd_offset"), py::arg("fwd_mask"), py::arg("fwd_capacity"),
+      py::arg("x"), py::arg("scales"), py::arg("geometry"), py::arg("config"), py::arg("num_sms"),
+      py::arg("ring_signatures"));
+  sub.def(
+      "cached_combine",
+      [](const Context& ctx, const py::object& ipc, const py::object& comm, uint64_t timeout_ns,
+         const py::tuple& handle, const at::Tensor& recv_channel_offset, const at::Tensor& fwd_offset,
+         const at::Tensor& fwd_mask, int fwd_capacity, const at::Tensor& x,
+         const c10::optional<at::Tensor>& topk_weights, const std::vector<int>& geometry, py::object config,
+         int num_sms, const std::vector<int64_t>& ring_signatures) {
+        return plan_function(make_cached_combine(ctx, ipc.cast<const IpcBuffer&>(), comm.cast<CommStream&>(),
+                                                 timeout_ns, handle, recv_channel_offset, fwd_offset, fwd_mask,
+                                                 fwd_capacity, x, topk_weights, geometry, std::move(config), num_sms,
+                                                 ring_signatures),
+                             {ipc, comm});
+      },
+      py::arg("ctx"), py::arg("ipc"), py::arg("comm"), py::arg("timeout_ns"), py::arg("handle"),
+      py::arg("recv_channel_offset"), py::arg("fwd_offset"), py::arg("fwd_mask"), py::arg("fwd_capacity"),
+      py::arg("x"), py::arg("topk_weights"), py::arg("geometry"), py::arg("config"), py::arg("num_sms"),
+      py::arg("ring_signatures"));
   sub.def("combine", &combine, py::arg("ctx"), py::arg("timeout_ns"), py::arg("x"), py::arg("topk_weights"),
           py::arg("bias0"), py::arg("bias1"), py::arg("is_token_in_rank"), py::arg("recv_channel_offset"),
           py::arg("fwd_offset"), py::arg("fwd_mask"), py::arg("fwd_capacity"), py::arg("out"),

@@ -32,10 +32,10 @@ from ..config import Config, align_slot
 from ..handle import DispatchHandle
 from ..reference.board import PeerError
 from ..signature import dispatch_signature, raise_disagreement, ring_signature_word, signature_hash
-from . import (STATUS_PEER_ABORTED, TIMEOUT_ENV, HandleState, buffer_view, combine_tensors, kernel_timeout_s,
-               posted_by_peer, recv_tensors, run_cached, timeout_message, wait_counts)
-from .intranode import (COMBINE_DTYPES, KEPT_SIGNATURES, _columns, _contiguous, _DeviceMemory,
-                        _DirectDispatchPlan as _IntranodeDirectPlan, _row_bytes, combine_slot_bytes)
+from . import (LAUNCH_CURRENT, STATUS_PEER_ABORTED, TIMEOUT_ENV, HandleState, buffer_view, combine_tensors,
+               kernel_timeout_s, posted_by_peer, recv_tensors, run_cached, timeout_message, wait_counts)
+from .intranode import (COMBINE_DTYPES, KEPT_SIGNATURES, _columns, _contiguous, _DeviceMemory, _row_bytes,
+                        combine_slot_bytes)
 from .peer_pool import PeerPool
 
 
@@ -56,16 +56,43 @@ def ring_signatures(operation: str, x: torch.Tensor, scales: Optional[torch.Tens
                                 slots) for slots in (geometry[5], geometry[2])]
 
 
-class _DirectDispatchPlan(_IntranodeDirectPlan):
+class _DirectDispatchPlan:
     """The plan of a cached dispatch along the handle of a Buffer with a peer pool (InternodeBackend._direct_dispatch,
-    cached): the intranode direct plan's contract (current stream only; None for a call unlike its own, and the
-    Buffer then takes its full path), its ring the geometry and its word the two ring signatures."""
+    cached), called as the native plans are (csrc/bindings/cached_call.h): plan(handle, x, aux, config, num_sms,
+    mode) -> (recv_x, recv_scales or None, None), or None for a call unlike its own (the Buffer then takes its full
+    path). It launches on the current stream only (the full path's LAUNCH_CURRENT, inside the Buffer's stream
+    scope); the fast path's modes answer None. Its ring is the geometry, its word the two ring signatures."""
 
-    __slots__ = ()
+    __slots__ = ("backend", "in_rank", "num_tokens", "num_worst_tokens", "x_spec", "aux_spec", "config", "num_sms",
+                 "ring", "word")
 
-    def run(self, handle, x: torch.Tensor, aux: Optional[torch.Tensor], config, num_sms: int, mode: int):
-        """-> (recv_x, recv_scales or None, None), or None when not _serves(...)."""
-        if not self._serves(handle, x, aux, config, num_sms, mode):
+    def __init__(self, backend, handle: DispatchHandle, x: torch.Tensor, x_scales: Optional[torch.Tensor],
+                 config: Optional[Config], num_sms: int, ring: Sequence[int], word: Sequence[int]) -> None:
+        self.backend = backend
+        self.in_rank, self.num_tokens, self.num_worst_tokens = (handle.is_token_in_rank, handle.num_tokens,
+                                                                handle.num_worst_tokens)
+        self.x_spec = (x.dtype, tuple(x.shape), x.device)
+        self.aux_spec = None if x_scales is None else (x_scales.dtype, tuple(x_scales.shape), x_scales.device)
+        self.config, self.num_sms, self.ring, self.word = config, num_sms, ring, word
+
+    def _matches(self, handle, x: torch.Tensor, aux: Optional[torch.Tensor], config, num_sms: int) -> bool:
+        if (handle.is_token_in_rank is not self.in_rank or handle.num_tokens != self.num_tokens
+                or handle.num_worst_tokens != self.num_worst_tokens or not x.is_contiguous()
+                or (x.dtype, tuple(x.shape), x.device) != self.x_spec):
+            return False
+        if (aux is None) != (self.aux_spec is None) or (aux is not None and (
+                (aux.dtype, tuple(aux.shape), aux.device) != self.aux_spec or not aux.is_contiguous())):
+            return False
+        if (config is None) != (self.config is None):
+            return False
+        return num_sms == self.num_sms if config is None else (config is self.config or config == self.config)
+
+    def __call__(self, handle, x: torch.Tensor, aux: Optional[torch.Tensor], config, num_sms: int, mode: int):
+        if mode != LAUNCH_CURRENT or not self._matches(handle, x, aux, config, num_sms):
+            return None
+        try:
+            self.backend._check()
+        except RuntimeError:  # the full path takes the call and says why
             return None
         out = self.backend._cached_direct_dispatch(x, aux, handle, self.ring, self.word)
         return out[0], out[1], None

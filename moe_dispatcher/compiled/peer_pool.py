@@ -123,6 +123,14 @@ class PeerPool:
             f"range is {s['largest_free']} bytes (torch rounds requests up to whole segments: 2 MiB for at most "
             f"1 MiB, 20 MiB for 1-10 MiB); raise Buffer(num_pool_bytes=...) or free pool tensors")
 
+    @property
+    def mem_pool_id(self) -> tuple:
+        """The id of the torch.cuda.MemPool the region's blocks come through (for native callers that allocate
+        from it as use_mem_pool does: csrc/intranode_bindings.cpp, cached direct dispatch). RuntimeError once
+        closed."""
+        self._check_open("mem_pool_id")
+        return self._mem_pool.id
+
     # ------------------------------------------------------------------ addresses
     def contains(self, tensor: torch.Tensor) -> bool:
         """True when all of `tensor`'s storage lies in this rank's region."""
