@@ -127,8 +127,8 @@ def _outcome(w, call):
     if w.entries:
         dispatch, combine = buf.low_latency_dispatch, buf.low_latency_combine
     else:
-        dispatch = lambda *a, **k: Buffer.low_latency_dispatch(buf, *a, **k)  # noqa: E731
-        combine = lambda *a, **k: Buffer.low_latency_combine(buf, *a, **k)  # noqa: E731
+        dispatch = lambda *a, **k: Buffer.low_latency_dispatch(buf, *a, **k)
+        combine = lambda *a, **k: Buffer.low_latency_combine(buf, *a, **k)
     try:
         got = ("ok", _summary(call(dispatch, combine)))
     except BaseException as e:  # noqa: BLE001 (the exception is the outcome)
@@ -194,7 +194,7 @@ def test_dispatch_forms_agree(pair):
 
 
 def test_combine_forms_agree(pair):
-    x, idx, w, y = _inputs()
+    _, idx, w, y = _inputs()
     handles = [_handle(p) for p in pair]
 
     def each(make):
