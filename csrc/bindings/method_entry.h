@@ -176,29 +176,46 @@ inline PyObject* call_with(PyObject* callable, PyObject* self, PyObject* const* 
                              nullptr);
 }
 
-// The method's `except Exception as exc: self._post_abort(exc); raise` for the error now set (result null).
-inline PyObject* after_error(const Entry& e, PyObject* buffer) {
-  if (buffer == nullptr || !PyErr_ExceptionMatches(PyExc_Exception)) return nullptr;
+// The error now set as its exception object (normalized, its traceback attached), cleared; and back.
+inline PyObject* take_error() {
+#if PY_VERSION_HEX >= 0x030C0000
+  return PyErr_GetRaisedException();
+#else
   PyObject *type, *value, *tb;
   PyErr_Fetch(&type, &value, &tb);
   PyErr_NormalizeException(&type, &value, &tb);
   if (tb != nullptr) PyException_SetTraceback(value, tb);
-  PyObject* argv[2] = {buffer, value};
+  Py_XDECREF(type);
+  Py_XDECREF(tb);
+  return value;
+#endif
+}
+inline void restore_error(PyObject* exc) {  // steals exc
+#if PY_VERSION_HEX >= 0x030C0000
+  PyErr_SetRaisedException(exc);
+#else
+  PyErr_Restore(Py_NewRef(reinterpret_cast<PyObject*>(Py_TYPE(exc))), exc, PyException_GetTraceback(exc));
+#endif
+}
+
+// The method's `except Exception as exc: self._post_abort(exc); raise` for the error now set (result null).
+inline void after_error(const Entry& e, PyObject* buffer) {
+  if (!PyErr_ExceptionMatches(PyExc_Exception)) return;
+  PyObject* exc = take_error();
+  PyObject* argv[2] = {buffer, exc};
   PyObject* r = PyObject_VectorcallMethod(e.post_abort, argv, 2, nullptr);
   if (r == nullptr) {  // raised inside the except block: that error propagates, with the call's as its context
-    PyObject *t2, *v2, *tb2;
-    PyErr_Fetch(&t2, &v2, &tb2);
-    PyErr_NormalizeException(&t2, &v2, &tb2);
-    if (tb2 != nullptr) PyException_SetTraceback(v2, tb2);
-    PyException_SetContext(v2, value);  // steals value
-    Py_XDECREF(type);
-    Py_XDECREF(tb);
-    PyErr_Restore(t2, v2, tb2);
-    return nullptr;
+    PyObject* raised = take_error();
+    if (raised != exc) {
+      PyException_SetContext(raised, exc);  // steals exc
+    } else {
+      Py_DECREF(exc);  // the same exception raised again: no context to itself, as Python does
+    }
+    restore_error(raised);
+    return;
   }
   Py_DECREF(r);
-  PyErr_Restore(type, value, tb);
-  return nullptr;
+  restore_error(exc);
 }
 
 // The method's own call: Buffer.<method>(buffer, *args, **kwargs).
