@@ -831,6 +831,9 @@ class Buffer:
     # On a miss, _first_ll_dispatch / _first_ll_combine validate the arguments (moe_dispatcher.validation),
     # resolve the backend and, for the compiled one, remember the method under the key. The reference
     # backend is never remembered: its calls are validated every time (its checks read values too).
+    # With the compiled backend, these two methods run in C: the instance's attributes of their names are native
+    # entries doing what their bodies do (_install_ll_entries; _LL_ENTRIES, below the class, lists what each
+    # body reads and passes: change it with them).
     def low_latency_dispatch(self, x: Tensor, topk_idx: Tensor, num_max_dispatch_tokens_per_rank: int,
                              num_experts: int, cumulative_local_expert_recv_stats: Optional[Tensor] = None,
                              dispatch_wait_recv_cost_stats: Optional[Tensor] = None, use_fp8: bool = True,
