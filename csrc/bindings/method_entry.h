@@ -254,9 +254,10 @@ inline PyObject* call_method(const Entry& e, PyObject* buffer, PyObject* const* 
   return r;
 }
 
-inline PyObject* call(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+// The entry's METH_FASTCALL | METH_KEYWORDS function: args[0, nargs) positional, then the keywords' values in
+// kwnames' order.
+inline PyObject* call(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
   Entry& e = *static_cast<Entry*>(PyCapsule_GetPointer(self, kEntryName));
-  const Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
   PyObject* a[kMaxParams];
   Key key;
   PyObject* buffer = PyWeakref_GetObject(e.buffer);  // borrowed; Py_None once the Buffer is gone
