@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from moe_dispatcher.config import get_dispatch_config
 from dist import GPU_WORLD_SIZES, assert_close, assert_equal, case, make_buffer, run_distributed
-from normal_cases import (CASES, case_inputs, check_case, combine_dtype, combine_inputs, one_hop_tol,
-                          worst_tokens)
+from normal_cases import (CASES, case_inputs, check_case, check_worst_overflow, combine_dtype, combine_inputs,
+                          one_hop_tol, worst_tokens)
 from normal_cases import dispatch as _dispatch
 from normal_cases import routing as _routing
 
@@ -228,6 +228,14 @@ def _world_direct(rank: int, world_size: int) -> Dict:  # noqa: C901 (one world,
             assert pool.contains(again[0]), "with room again the outputs must be the pool's"
             _took(kb, seen, direct=1)
             del again
+
+    with case("num_worst_tokens overflow: rows past a destination's count dropped, then every rank raises"):
+        check_worst_overflow(kb, dev, 384, 2048, e, combine_dropped=True)
+        seen = _paths(kb)
+        _, again = _dispatch(kb, x, idx, w, e)
+        assert pool.contains(again[0]), "after the overflow the outputs must be the pool's again"
+        _took(kb, seen, direct=1)
+        del again
 
     # Many calls in a row (race-prone: the ready / arrival words and the published offsets of back-to-back calls).
     # Other data every call: a write that went missing or elsewhere leaves an earlier call's rows, which differ.

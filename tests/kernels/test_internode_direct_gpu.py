@@ -20,7 +20,7 @@ import torch.distributed as dist
 import dist as dist_helpers
 from dist import assert_equal, case, make_buffer, run_distributed
 from normal_cases import CASES as INTRANODE_CASES
-from normal_cases import GROUP_CASES, check_case, check_graph_replay, two_hop_tol
+from normal_cases import GROUP_CASES, check_case, check_graph_replay, check_worst_overflow, two_hop_tol
 from normal_cases import dispatch as _dispatch
 from normal_cases import routing as _routing
 
@@ -213,6 +213,13 @@ def _world_direct(rank: int, world_size: int) -> None:  # noqa: C901 (one world,
                            check_src_idx=False, after_replay=kb._kernels._check)
         _took(kb, seen, direct=4, missed=3)  # the eager warm-up direct, the 3 replays missed
 
+    with case("num_worst_tokens overflow: rows past a destination's count dropped, then every rank raises"):
+        check_worst_overflow(kb, dev, 384, 2048, e, combine_dropped=True)
+        seen = _paths(kb)
+        _, again = _dispatch(kb, x, idx, w, e)
+        _took(kb, seen, direct=1)
+        del again
+
     with case("100 calls back to back"):
         del want
         _, want = _dispatch(rb, x, idx, w, e)
@@ -235,5 +242,6 @@ def _world_direct(rank: int, world_size: int) -> None:  # noqa: C901 (one world,
     rb.destroy()
 
 
-def test_direct_dispatch_matches_reference() -> None:
-    run_distributed(_world_direct, 4, backend="nccl", timeout=300.0, env=dist_helpers.nvl_env(2))
+@pytest.mark.parametrize("world_size,nvl", WORLDS)
+def test_direct_dispatch_matches_reference(world_size: int, nvl: int) -> None:
+    run_distributed(_world_direct, world_size, backend="nccl", timeout=300.0, env=dist_helpers.nvl_env(nvl))

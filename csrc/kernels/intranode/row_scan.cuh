@@ -17,9 +17,12 @@ struct ChannelRow {
 // lane holds the same window state: [base, base + 32), its hits `mask`, `before` (the hits of the earlier
 // windows); lane d < R also holds `dst_before` (the hits for destination d in the earlier windows) and
 // `dst_lanes` (the lanes whose entry in this window is destination d). Lane i's own entry base + i is
-// (my_token, my_dst). The flags of the next two windows are loaded ahead (ahead1, ahead2: lane i's entries
-// base + 32 + i and base + 64 + i): a warp takes one row in 2 x 24, so it crosses about two windows a row (as
-// many as the hits of 48 entries need), and a flag loaded two windows before its use is back by then.
+// (my_token, my_dst). The flags of the next two windows are held ahead (ahead1, ahead2: lane i's entries
+// base + 32 + i and base + 64 + i). A warp takes one row in 48 (one in 2 x 24 warps), so it crosses about one
+// and a half windows a row when every flag is set and more at sparser routings (about 2.3 at R = 8 with top-8
+// of 256). The compiler packs the held bools into one register at their load, so the load's latency is paid
+// at the crossing that issues it, not two windows later (the block's warps read the same 32-byte windows,
+// mostly from L1).
 struct RowScan {
   const bool* flags;  // is_token_in_rank of the channel's first token: (end - begin) x R entries
   int n, num_ranks;
