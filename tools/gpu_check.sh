@@ -4,8 +4,10 @@
 #   2. every GPU test family, one pytest per file: intranode, expert-major, low-latency (every world size from 2
 #      to N), internode (N >= 4: domains of N/2 and N/4 GPUs, e.g. 2 x 2 and 4 x 1 on 4 GPUs, 2 x 4 and 4 x 2 on
 #      8), teardown (a rank SIGKILLed, exit after an error, create/destroy cycles, views after destroy), the peer
-#      pool (torch tensors in peer-mapped memory), the 10,000-call soak (MOE_SOAK_CALLS), Megatron-Core GPU parity
-#      and the 200-step training curve;
+#      pool (torch tensors in peer-mapped memory) and the direct dispatch / pull combine over it, cross-rank
+#      agreement (disagreeing and refused calls, fresh and cached, every mode), the low-latency host path, the
+#      overlap bench's GPU test, the 10,000-call soak (MOE_SOAK_CALLS), Megatron-Core GPU parity and the 200-step
+#      training curve;
 #   3. the benches beside NCCL: normal mode and low-latency mode at N and at 2 GPUs, internode in domains of N/2;
 #   4. the host time of a cached call (tools/host_profile.py);
 #   5. extras, cut first by the deadline: the NVLink all-to-all ceiling (tools/nvlink_ceiling.py, needs CuPy), the
@@ -115,6 +117,11 @@ run test_kernel_names 60 "${PYTEST[@]}" tests/kernels/test_kernel_names.py tests
 run test_teardown_faults 240 "${PYTEST[@]}" -s tests/kernels/test_teardown_gpu.py -k "sigkill or clean_error"
 run test_teardown 150 "${PYTEST[@]}" -s tests/kernels/test_teardown_gpu.py -k "cycles or views"
 run test_peer_pool 150 "${PYTEST[@]}" -s tests/kernels/test_peer_pool_gpu.py
+run test_direct_dispatch 200 "${PYTEST[@]}" -s tests/kernels/test_direct_dispatch_gpu.py
+run test_agreement 240 "${PYTEST[@]}" -s tests/kernels/test_agreement_gpu.py tests/kernels/test_cached_agreement_gpu.py \
+  tests/kernels/test_refused_calls_gpu.py tests/kernels/test_internode_cached_agreement_gpu.py
+run test_ll_host_path 90 "${PYTEST[@]}" -s tests/kernels/test_low_latency_host_path_gpu.py
+run test_overlap 90 "${PYTEST[@]}" -s tests/kernels/test_overlap_gpu.py
 run test_soak 240 "${PYTEST[@]}" -s tests/kernels/test_teardown_gpu.py -k soak
 run test_reference_nccl 60 "${PYTEST[@]}" tests/reference
 run test_megatron_layer 60 "${PYTEST[@]}" tests/megatron/test_megatron_layer.py

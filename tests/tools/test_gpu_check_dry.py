@@ -29,6 +29,13 @@ def test_four_gpus_run_every_family(tmp_path):
     assert "-k 4-nvl2 or 4-nvl1" in text and "--nvl-size 2" in text
 
 
+def test_every_kernel_gpu_test_file_is_a_step(tmp_path):
+    """A GPU test file that no step runs is never run by the whole check."""
+    text = _check(tmp_path, 4)
+    missing = [p.name for p in sorted((ROOT / "tests" / "kernels").glob("test_*_gpu.py")) if p.name not in text]
+    assert not missing, f"tests/kernels files no step of tools/gpu_check.sh runs: {missing}"
+
+
 def test_two_gpus_skip_internode_and_honour_skip(tmp_path):
     text = _check(tmp_path, 2, SKIP="bench_ll_2 host_profile")
     assert "SKIP test_internode (needs 4 GPUs or more)" in text
