@@ -28,6 +28,10 @@
 // no slot of that FIFO: it writes zero rows for every source the FIFO carries in the channel. Both still consume
 // and credit every row, so every rank finishes the call and the counters stay in step.
 //
+// Two instantiations of the one kernel body (launch_dispatch picks by direct_call): kDirectCall = false for a Buffer
+// without a peer pool (direct_call = 0), the FIFO path alone, with no direct-mode code (its registers and spills are
+// those of the FIFO-only kernel); kDirectCall = true for a pool Buffer, whose per-call verdict picks direct or FIFO.
+//
 // Direct mode (a Buffer with a peer pool: direct_call = 1). The outputs of every rank are blocks of its peer pool
 // (intranode DirectPayload / DirectMeta), which its domain peers map. The kernel runs intranode's direct-call
 // protocol (intranode/direct_call.cuh) over the domain, on Control::direct of the NVLink buffer (indexed by local
@@ -41,7 +45,7 @@
 //     FIFO, no reservation, no tail release); block 3c+2 becomes the local direct sender (local_direct_send: my
 //     own tokens for my domain, straight into each j's outputs at fwd_row_offset[my domain][j][c] + rank). The rows
 //     land where the FIFO path puts them, so the outputs are the same bits. fwd_mask is written by both writers.
-//   missed (some peer's block not in its pool, a layout word that differs, a CUDA graph capture): this kernel as
+//   missed (some peer's block not in its pool, a layout word that differs, a CUDA graph capture): the FIFO path as
 //     described above, unchanged; the FIFO receivers write into the same (local) blocks.
 //   arrival + completion, at the end of every block: arrive at every domain peer (after a system fence and a block
 //     barrier: every store of the block into their outputs, either mode), and block 0 waits for every peer's 3C
@@ -264,8 +268,10 @@ __device__ __forceinline__ void write_token_row(const DispatchArgs& a, int t, ui
 // In both modes the forwarder records fwd_rows (when asked) from the same row numbers.
 constexpr int kFwdStep = kMaxChunk;
 
-__device__ void forward(const DispatchArgs& a, const DirectCall& call, bool direct, int ch, int warp, int lane,
+template <bool kDirectCall>
+__device__ void forward(const DispatchArgs& a, const DirectCall& call, bool direct_verdict, int ch, int warp, int lane,
                         const Watchdog& dog) {
+  const bool direct = kDirectCall && direct_verdict;  // a constant false in the pool-less kernel
   const Common& c = a.c;
   const int D = c.num_domains, nvl = c.nvl_size, C = a.num_channels;
   RdmaControl* rctl = rdma_ctl(c);
@@ -283,14 +289,17 @@ __device__ void forward(const DispatchArgs& a, const DirectCall& call, bool dire
   __shared__ int s_pos[kFwdStep][kMaxNvl];  // position of row i among the rows for j in this step, or -1
   __shared__ int s_cnt[kMaxNvl];            // rows for j in this step
   __shared__ uint64_t s_tail[kMaxNvl];      // tail of NVL FIFO (ch, me -> j) before this step
-  __shared__ int s_run[kMaxDomains][kMaxNvl];  // rows of source (x, my local index) for j so far in this channel
+  // kDirectCall: rows of source (x, my local index) for j so far in this channel (direct rows and fwd_rows).
+  __shared__ int s_run[kMaxDomains][kMaxNvl];
   for (int x = threadIdx.x; x < D; x += blockDim.x) {
     rhead[x] = *reinterpret_cast<volatile uint64_t*>(&rctl->head_copy[ch][x]);
     consumed[x] = 0;
     s_bad[x] = 0;
     expect[x] = (direct && x == c.domain) ? 0 : a.fwd_offset[x * (C + 1) + ch + 1] - a.fwd_offset[x * (C + 1) + ch];
   }
-  for (int i = threadIdx.x; i < D * nvl; i += blockDim.x) s_run[i / nvl][i % nvl] = 0;
+  if constexpr (kDirectCall) {
+    for (int i = threadIdx.x; i < D * nvl; i += blockDim.x) s_run[i / nvl][i % nvl] = 0;
+  }
   if (threadIdx.x < nvl) {
     s_tail[threadIdx.x] = *reinterpret_cast<volatile uint64_t*>(&nctl->tail_copy[ch][threadIdx.x]);
     // Cached: the NVLink ring signature into local rank j's Control, published by every FIFO tail release of
@@ -434,7 +443,8 @@ __device__ void forward(const DispatchArgs& a, const DirectCall& call, bool dire
       const int idx = a.fwd_offset[x * (C + 1) + ch] + consumed[x] + threadIdx.x;
       if (idx < a.fwd_capacity) a.fwd_mask[idx] = s_mask[threadIdx.x];
     }
-    if (a.fwd_rows != nullptr && static_cast<int>(threadIdx.x) < n * nvl) {  // thread (i, j): row i's row at j
+    // fwd_rows (pool Buffers only: never set without one), thread (i, j): row i's row at j.
+    if (kDirectCall && a.fwd_rows != nullptr && static_cast<int>(threadIdx.x) < n * nvl) {
       const int i = threadIdx.x / nvl, j = threadIdx.x % nvl, pos = s_pos[i][j];
       const int idx = a.fwd_offset[x * (C + 1) + ch] + consumed[x] + i;
       const int64_t row = a.fwd_row_offset[(x * nvl + j) * C + ch] + s_run[x][j] + pos;
@@ -444,7 +454,8 @@ __device__ void forward(const DispatchArgs& a, const DirectCall& call, bool dire
     }
     __syncthreads();  // every NVL slot store and RDMA slot load of the step precede the flags
     if (warp == 0) {
-      if (lane < nvl) s_run[x][lane] += s_cnt[lane];  // after every use of this step's s_run (the barrier above)
+      // After every use of this step's s_run (the barrier above).
+      if (kDirectCall && lane < nvl) s_run[x][lane] += s_cnt[lane];
       if (!direct && lane < nvl && s_cnt[lane] > 0) {
         s_tail[lane] += s_cnt[lane];
         ptx::st_release_sys(&nvl_ctl(c, lane)->fifo_tail[ch][c.local], s_tail[lane]);
@@ -646,9 +657,13 @@ __device__ __forceinline__ intranode::DirectCallSite<DirectOutputBlocks> nvl_dir
   return {&nvlink::Control::direct, kPhaseNvlDirectReady, kPhaseNvlDirectArrive, c.domain * c.nvl_size};
 }
 
+// kDirectCall: the launch's a.direct_call (launch_dispatch picks the instantiation), so a pool-less Buffer runs a
+// kernel with no direct-mode code at all (no protocol words, no local direct sender, no direct writes, no fwd_rows:
+// the host passes fwd_rows only with a pool), while a pool Buffer's kernel still decides direct or FIFO per call.
+template <bool kDirectCall>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a) {
   __shared__ DirectCall call;
-  __shared__ intranode::Common domain;  // direct_call: the domain's buffers for the protocol
+  __shared__ intranode::Common domain;  // kDirectCall: the domain's buffers for the protocol
   __shared__ int chunk_tokens[kWarps][kMaxChunk];
   __shared__ int chunk_masks[kWarps][kMaxChunk];
   __shared__ int shared_ok[kMaxNvl];
@@ -668,7 +683,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a) {
   if (threadIdx.x < kMaxNvl) shared_bad[threadIdx.x] = 0;  // before the drain's block barriers
   // Direct NVLink hop: ready and verdict (direct_call.cuh steps 1-2) before the drain, whose barriers hand
   // call.in_pool to every thread (without a pool: FIFO mode, no word touched).
-  if (a.direct_call) {
+  if constexpr (kDirectCall) {
     if (threadIdx.x == 0) set_domain_common(domain, c);
     __syncthreads();
     const DirectOutputBlocks mine{a.out_offset, a.write_meta ? a.meta_offset : 0, a.out_rows};
@@ -676,15 +691,14 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a) {
       return o.out_offset >= 0 && (!a.write_meta || o.meta_offset >= 0);
     };
     if (!intranode::begin_direct_call(call, domain, nvl_direct_site(c), mine, a.layout, dog, accepts)) return;
-  } else if (threadIdx.x == 0) {
-    call.in_pool = 0;
   }
   if (!drain_previous_calls(c, dog)) return;  // earlier calls drained; no ring written before this
-  const bool direct = call.in_pool != 0;      // the same in every block of every rank of the domain
+  // The same in every block of every rank of the domain; a constant false without a pool.
+  const bool direct = kDirectCall && call.in_pool != 0;
   if (role == 2 && a.pad_rows) pad_worst_rows(a, ch);
 
   if (role == 1) {
-    forward(a, call, direct, ch, warp, lane, dog);
+    forward<kDirectCall>(a, call, direct, ch, warp, lane, dog);
   } else if (role == 2 && direct) {
     local_direct_send(a, call, ch, warp, lane);
   } else {
@@ -703,13 +717,17 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a) {
   }
   // Arrival at every domain peer, after this block's last store into their outputs (either mode), and (block 0)
   // completion: every peer's rows into my outputs are in before my kernel ends (direct_call.cuh steps 3-4).
-  if (a.direct_call) intranode::end_direct_call(call, domain, nvl_direct_site(c), dog);
+  if constexpr (kDirectCall) intranode::end_direct_call(call, domain, nvl_direct_site(c), dog);
 }
 
 }  // namespace
 
 void launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
-  dispatch_kernel<<<3 * args.num_channels, kThreads, 0, stream>>>(args);
+  if (args.direct_call) {
+    dispatch_kernel<true><<<3 * args.num_channels, kThreads, 0, stream>>>(args);
+  } else {
+    dispatch_kernel<false><<<3 * args.num_channels, kThreads, 0, stream>>>(args);
+  }
   check_launch("internode dispatch_kernel");
 }
 
