@@ -403,20 +403,25 @@ __device__ void forward(const DispatchArgs& a, const DirectCall& call, bool dire
     const int x = s_x, n = s_n;
     if (n == 0) break;
     const uint8_t* ring = rdma_recv_ring(c, x, ch, a.rdma_slots, a.rdma_slot_bytes);
-    for (int item = warp; item < n * nvl; item += kWarps) {
+    // Items (row i, local rank j), one warp each: a loop per mode (one loop with a branch per item spills more in
+    // the pool Buffer's kernel).
+    for (int item = warp; direct && item < n * nvl; item += kWarps) {  // direct: into j's outputs
       const int i = item / nvl, j = item % nvl;
       const int pos = s_pos[i][j];
       if (pos < 0) continue;
       uint8_t* src = ring_slot(const_cast<uint8_t*>(ring), rhead[x] + i, a.rdma_slots, a.rdma_slot_bytes);
-      if (direct) {
-        const DirectOutputBlocks& to = call.blocks[j];
-        const int64_t row = a.fwd_row_offset[(x * nvl + j) * C + ch] + s_run[x][j] + pos;
-        if (row < to.out_rows) {  // else more rows than num_worst_tokens: dropped, as the FIFO receiver drops them
-          write_slot_row(a, rlayout, src, c.nvl[j] + to.out_offset, c.nvl[j] + to.meta_offset, to.out_rows, row,
-                         (c.domain * nvl + j) * L, s_dis, lane);
-        }
-        continue;
+      const DirectOutputBlocks& to = call.blocks[j];
+      const int64_t row = a.fwd_row_offset[(x * nvl + j) * C + ch] + s_run[x][j] + pos;
+      if (row < to.out_rows) {  // else more rows than num_worst_tokens: dropped, as the FIFO receiver drops them
+        write_slot_row(a, rlayout, src, c.nvl[j] + to.out_offset, c.nvl[j] + to.meta_offset, to.out_rows, row,
+                       (c.domain * nvl + j) * L, s_dis, lane);
       }
+    }
+    for (int item = warp; !direct && item < n * nvl; item += kWarps) {  // FIFO: into FIFO (ch, me -> j)
+      const int i = item / nvl, j = item % nvl;
+      const int pos = s_pos[i][j];
+      if (pos < 0) continue;
+      uint8_t* src = ring_slot(const_cast<uint8_t*>(ring), rhead[x] + i, a.rdma_slots, a.rdma_slot_bytes);
       uint8_t* dst = ring_slot(nvl_ring(c, c.nvl[j], c.local, ch, a.nvl_slots, a.nvl_slot_bytes), s_tail[j] + pos,
                                a.nvl_slots, a.nvl_slot_bytes);
       if (s_dis) {  // a zero row in this rank's layout, tagged with its source domain (nothing read from src)
@@ -657,6 +662,14 @@ __device__ __forceinline__ intranode::DirectCallSite<DirectOutputBlocks> nvl_dir
   return {&nvlink::Control::direct, kPhaseNvlDirectReady, kPhaseNvlDirectArrive, c.domain * c.nvl_size};
 }
 
+// Steps 3-4 of the direct-call protocol (end_direct_call) for the NVLink hop, out of line: inlined into the kernel,
+// the state it needs after the roles (the watchdog above all) stays live in registers through every role, and the
+// pool Buffer's kernel spills more (ptxas); out of line, the watchdog lives in the kernel's stack frame instead.
+__device__ __noinline__ void end_nvl_direct_call(DirectCall& call, const intranode::Common& domain, const Common& c,
+                                                 const Watchdog& dog) {
+  intranode::end_direct_call(call, domain, nvl_direct_site(c), dog);
+}
+
 // kDirectCall: the launch's a.direct_call (launch_dispatch picks the instantiation), so a pool-less Buffer runs a
 // kernel with no direct-mode code at all (no protocol words, no local direct sender, no direct writes, no fwd_rows:
 // the host passes fwd_rows only with a pool), while a pool Buffer's kernel still decides direct or FIFO per call.
@@ -717,7 +730,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a) {
   }
   // Arrival at every domain peer, after this block's last store into their outputs (either mode), and (block 0)
   // completion: every peer's rows into my outputs are in before my kernel ends (direct_call.cuh steps 3-4).
-  if constexpr (kDirectCall) intranode::end_direct_call(call, domain, nvl_direct_site(c), dog);
+  if constexpr (kDirectCall) end_nvl_direct_call(call, domain, c, dog);
 }
 
 }  // namespace
