@@ -227,7 +227,9 @@ __device__ __forceinline__ void reduce_row(uint8_t* out, float* out_w, const uin
 // order, where p_s = srcs[s] (a remote domain's partial, of the row dtype) for s < own_at, then (own_at >= 0) my
 // own domain's partial cast(own[0] + own[1] + ... + own[nown - 1]) (summed in float32 from 0, rounded to the row
 // dtype: the partial my own ring carried in FIFO mode), then the remaining srcs; the top-k weights likewise (own
-// weights from own_w, summed in float32 from 0, not rounded; partials' weights after their rows).
+// weights from own_w, summed in float32 from 0, not rounded; partials' weights after their rows). kOwnUnroll
+// vectors per lane and source: the rounded own partial is held beside the float32 sums (registers).
+constexpr int kOwnUnroll = 2;
 template <typename T>
 __device__ __forceinline__ void reduce_row_own(uint8_t* out, float* out_w, const uint8_t* const* srcs, int nsrc,
                                                int own_at, const uint8_t* const* own, const uint8_t* const* own_w,
@@ -235,22 +237,22 @@ __device__ __forceinline__ void reduce_row_own(uint8_t* out, float* out_w, const
                                                int num_topk, int lane) {
   constexpr int E = Vec<T>::kElems;
   const int vecs = row_bytes / 16;
-  for (int v0 = lane; v0 < vecs; v0 += 32 * kLoadUnroll) {
+  for (int v0 = lane; v0 < vecs; v0 += 32 * kOwnUnroll) {
     // My own domain's partial first, rounded (kept in the row dtype while the sum runs).
-    Vec<T> ownp[kLoadUnroll];
+    Vec<T> ownp[kOwnUnroll];
     if (own_at >= 0) {
-      float part[kLoadUnroll][E];
+      float part[kOwnUnroll][E];
 #pragma unroll
-      for (int u = 0; u < kLoadUnroll; ++u) {
+      for (int u = 0; u < kOwnUnroll; ++u) {
 #pragma unroll
         for (int e = 0; e < E; ++e) part[u][e] = 0.f;
       }
       for (int s0 = 0; s0 < nown; s0 += kLoadGroup) {
-        Vec<T> rows[kLoadGroup][kLoadUnroll];
+        Vec<T> rows[kLoadGroup][kOwnUnroll];
 #pragma unroll
         for (int g = 0; g < kLoadGroup; ++g) {
 #pragma unroll
-          for (int u = 0; u < kLoadUnroll; ++u) {
+          for (int u = 0; u < kOwnUnroll; ++u) {
             const int v = v0 + u * 32;
             if (s0 + g < nown && v < vecs) rows[g][u].raw = ptx::ld_cg_v4(reinterpret_cast<const int4*>(own[s0 + g]) + v);
           }
@@ -258,7 +260,7 @@ __device__ __forceinline__ void reduce_row_own(uint8_t* out, float* out_w, const
 #pragma unroll
         for (int g = 0; g < kLoadGroup; ++g) {
 #pragma unroll
-          for (int u = 0; u < kLoadUnroll; ++u) {
+          for (int u = 0; u < kOwnUnroll; ++u) {
             if (s0 + g < nown && v0 + u * 32 < vecs) {
 #pragma unroll
               for (int e = 0; e < E; ++e) part[u][e] += to_float(rows[g][u].elems[e]);
@@ -267,14 +269,14 @@ __device__ __forceinline__ void reduce_row_own(uint8_t* out, float* out_w, const
         }
       }
 #pragma unroll
-      for (int u = 0; u < kLoadUnroll; ++u) {
+      for (int u = 0; u < kOwnUnroll; ++u) {
 #pragma unroll
         for (int e = 0; e < E; ++e) ownp[u].elems[e] = from_float<T>(part[u][e]);
       }
     }
-    float acc[kLoadUnroll][E];
+    float acc[kOwnUnroll][E];
 #pragma unroll
-    for (int u = 0; u < kLoadUnroll; ++u) {
+    for (int u = 0; u < kOwnUnroll; ++u) {
       const int v = v0 + u * 32;
 #pragma unroll
       for (int e = 0; e < E; ++e) acc[u][e] = 0.f;
@@ -294,20 +296,20 @@ __device__ __forceinline__ void reduce_row_own(uint8_t* out, float* out_w, const
     for (int s = 0; s <= nsrc; ++s) {
       if (s == own_at) {
 #pragma unroll
-        for (int u = 0; u < kLoadUnroll; ++u) {
+        for (int u = 0; u < kOwnUnroll; ++u) {
 #pragma unroll
           for (int e = 0; e < E; ++e) acc[u][e] += to_float(ownp[u].elems[e]);
         }
       }
       if (s < nsrc) {
-        Vec<T> rows[kLoadUnroll];
+        Vec<T> rows[kOwnUnroll];
 #pragma unroll
-        for (int u = 0; u < kLoadUnroll; ++u) {
+        for (int u = 0; u < kOwnUnroll; ++u) {
           const int v = v0 + u * 32;
           if (v < vecs) rows[u].raw = ptx::ld_cg_v4(reinterpret_cast<const int4*>(srcs[s]) + v);
         }
 #pragma unroll
-        for (int u = 0; u < kLoadUnroll; ++u) {
+        for (int u = 0; u < kOwnUnroll; ++u) {
           if (v0 + u * 32 < vecs) {
 #pragma unroll
             for (int e = 0; e < E; ++e) acc[u][e] += to_float(rows[u].elems[e]);
@@ -316,7 +318,7 @@ __device__ __forceinline__ void reduce_row_own(uint8_t* out, float* out_w, const
       }
     }
 #pragma unroll
-    for (int u = 0; u < kLoadUnroll; ++u) {
+    for (int u = 0; u < kOwnUnroll; ++u) {
       const int v = v0 + u * 32;
       if (v < vecs) {
         Vec<T> o;
