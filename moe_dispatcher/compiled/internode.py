@@ -384,7 +384,8 @@ class InternodeBackend(Backend):
         """Reduce the rows of each source token in two hops; returns (combined_x, combined_topk_weights or None).
 
         Order: out = cast(bias0 + bias1 + sum over domains ascending of partial_domain), float32, where a
-        partial is the float32 sum of that domain's rows (ranks ascending) rounded to x.dtype."""
+        partial is the float32 sum of that domain's rows (ranks ascending) rounded to x.dtype; the same whether
+        the NVLink hop pulls (inputs in the peer pool along a pool handle) or takes the FIFOs."""
         self._check()
         x, topk_weights = x.contiguous(), _contiguous(topk_weights)
         if not bias:
