@@ -77,9 +77,12 @@
 //     FIFO mode (the same rows in the same order: the same partial), stages and puts it; no FIFO wait, no head
 //     release (the inputs were complete when the verdict acquired every peer's ready word). The source receiver
 //     waits for and credits only the remote domains' partials; my own domain's rows it reads in place, at
-//     fwd_rows[fwd_offset[my domain][c] + k][j] for the k-th token of the channel that went to my domain, and
-//     folds them in at my domain's place as round(sum over j ascending), the partial my own ring carried in FIFO
-//     mode: out = cast(b0 + b1 + sum over domains ascending of partial_x), the same bits.
+//     fwd_rows[fwd_offset[my domain][c] + k][j] for the k-th token of the channel that went to my domain, writes
+//     their round(sum over j ascending) (the partial my own ring carried in FIFO mode) into the token's output row
+//     first, and reads it back (the same lanes) at my domain's place in out = cast(b0 + b1 + sum over domains
+//     ascending of partial_x): the same bits. (A separate register-held own partial spilled: this costs a local
+//     row write and read per token instead.) Each mode is its own instantiation of the roles: FIFO mode's
+//     registers stay today's.
 //   missed (some peer's input not in its pool, a layout word that differs, a CUDA graph capture): this kernel as
 //     described above, unchanged.
 //   arrival + completion, at the end of every block (either mode): arrive at every domain peer after a system
@@ -223,125 +226,6 @@ __device__ __forceinline__ void reduce_row(uint8_t* out, float* out_w, const uin
   }
 }
 
-// One warp, the source receiver in pull mode: out = cast(bias0 + bias1 + p_0 + p_1 + ...) in float32, in that
-// order, where p_s = srcs[s] (a remote domain's partial, of the row dtype) for s < own_at, then (own_at >= 0) my
-// own domain's partial cast(own[0] + own[1] + ... + own[nown - 1]) (summed in float32 from 0, rounded to the row
-// dtype: the partial my own ring carried in FIFO mode), then the remaining srcs; the top-k weights likewise (own
-// weights from own_w, summed in float32 from 0, not rounded; partials' weights after their rows). kOwnUnroll
-// vectors per lane and source: the rounded own partial is held beside the float32 sums (registers).
-constexpr int kOwnUnroll = 2;
-template <typename T>
-__device__ __forceinline__ void reduce_row_own(uint8_t* out, float* out_w, const uint8_t* const* srcs, int nsrc,
-                                               int own_at, const uint8_t* const* own, const uint8_t* const* own_w,
-                                               int nown, const uint8_t* bias0, const uint8_t* bias1, int row_bytes,
-                                               int num_topk, int lane) {
-  constexpr int E = Vec<T>::kElems;
-  const int vecs = row_bytes / 16;
-  for (int v0 = lane; v0 < vecs; v0 += 32 * kOwnUnroll) {
-    // My own domain's partial first, rounded (kept in the row dtype while the sum runs).
-    Vec<T> ownp[kOwnUnroll];
-    if (own_at >= 0) {
-      float part[kOwnUnroll][E];
-#pragma unroll
-      for (int u = 0; u < kOwnUnroll; ++u) {
-#pragma unroll
-        for (int e = 0; e < E; ++e) part[u][e] = 0.f;
-      }
-      for (int s0 = 0; s0 < nown; s0 += kLoadGroup) {
-        Vec<T> rows[kLoadGroup][kOwnUnroll];
-#pragma unroll
-        for (int g = 0; g < kLoadGroup; ++g) {
-#pragma unroll
-          for (int u = 0; u < kOwnUnroll; ++u) {
-            const int v = v0 + u * 32;
-            if (s0 + g < nown && v < vecs) rows[g][u].raw = ptx::ld_cg_v4(reinterpret_cast<const int4*>(own[s0 + g]) + v);
-          }
-        }
-#pragma unroll
-        for (int g = 0; g < kLoadGroup; ++g) {
-#pragma unroll
-          for (int u = 0; u < kOwnUnroll; ++u) {
-            if (s0 + g < nown && v0 + u * 32 < vecs) {
-#pragma unroll
-              for (int e = 0; e < E; ++e) part[u][e] += to_float(rows[g][u].elems[e]);
-            }
-          }
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kOwnUnroll; ++u) {
-#pragma unroll
-        for (int e = 0; e < E; ++e) ownp[u].elems[e] = from_float<T>(part[u][e]);
-      }
-    }
-    float acc[kOwnUnroll][E];
-#pragma unroll
-    for (int u = 0; u < kOwnUnroll; ++u) {
-      const int v = v0 + u * 32;
-#pragma unroll
-      for (int e = 0; e < E; ++e) acc[u][e] = 0.f;
-      if (v < vecs && bias0 != nullptr) {
-        Vec<T> b;
-        b.raw = ptx::ld_nc_v4(reinterpret_cast<const int4*>(bias0) + v);
-#pragma unroll
-        for (int e = 0; e < E; ++e) acc[u][e] += to_float(b.elems[e]);
-      }
-      if (v < vecs && bias1 != nullptr) {
-        Vec<T> b;
-        b.raw = ptx::ld_nc_v4(reinterpret_cast<const int4*>(bias1) + v);
-#pragma unroll
-        for (int e = 0; e < E; ++e) acc[u][e] += to_float(b.elems[e]);
-      }
-    }
-    for (int s = 0; s <= nsrc; ++s) {
-      if (s == own_at) {
-#pragma unroll
-        for (int u = 0; u < kOwnUnroll; ++u) {
-#pragma unroll
-          for (int e = 0; e < E; ++e) acc[u][e] += to_float(ownp[u].elems[e]);
-        }
-      }
-      if (s < nsrc) {
-        Vec<T> rows[kOwnUnroll];
-#pragma unroll
-        for (int u = 0; u < kOwnUnroll; ++u) {
-          const int v = v0 + u * 32;
-          if (v < vecs) rows[u].raw = ptx::ld_cg_v4(reinterpret_cast<const int4*>(srcs[s]) + v);
-        }
-#pragma unroll
-        for (int u = 0; u < kOwnUnroll; ++u) {
-          if (v0 + u * 32 < vecs) {
-#pragma unroll
-            for (int e = 0; e < E; ++e) acc[u][e] += to_float(rows[u].elems[e]);
-          }
-        }
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kOwnUnroll; ++u) {
-      const int v = v0 + u * 32;
-      if (v < vecs) {
-        Vec<T> o;
-#pragma unroll
-        for (int e = 0; e < E; ++e) o.elems[e] = from_float<T>(acc[u][e]);
-        reinterpret_cast<int4*>(out)[v] = o.raw;
-      }
-    }
-  }
-  if (out_w != nullptr && lane < num_topk) {
-    float w = 0.f;
-    for (int s = 0; s <= nsrc; ++s) {
-      if (s == own_at) {
-        float p = 0.f;
-        for (int i = 0; i < nown; ++i) p += __int_as_float(ptx::ld_cg(reinterpret_cast<const int*>(own_w[i]) + lane));
-        w += p;
-      }
-      if (s < nsrc) w += __int_as_float(ptx::ld_cg(reinterpret_cast<const int*>(srcs[s] + row_bytes) + lane));
-    }
-    out_w[lane] = w;
-  }
-}
-
 // Warp: add to lane b's count (b < 32: lo, else hi, lane b - 32) the lanes whose `bits` has bit b,
 // for b < nbits. Lanes with no token pass bits = 0.
 __device__ __forceinline__ void count_bits(uint64_t bits, int nbits, int lane, uint32_t& lo, uint32_t& hi) {
@@ -413,9 +297,10 @@ struct FwdSeq {
   }
 };
 
-// pull (pull mode, else null): the domain's published inputs; the token's rows are read in place from them
-// (wsrcs: their top-k weights), with no FIFO wait and no ring signature check (the verdict compared the words).
-template <typename T>
+// kPull (pull mode): the token's rows are read in place from the domain's published inputs `pull` (wsrcs: their
+// top-k weights), with no FIFO wait and no ring signature check (the verdict compared the words). Each mode is its
+// own instantiation, so the FIFO mode's registers are today's.
+template <typename T, bool kPull>
 __device__ void forward_worker(const CombineArgs& a, const PullCall* pull, int ch, int warp, int lane,
                                const Watchdog& dog, int row_bytes, const FwdSeq& seq, const uint64_t* rtail0,
                                const uint64_t* nhead0, ChunkBoard& board, volatile int* stop, const uint8_t** srcs,
@@ -438,7 +323,7 @@ __device__ void forward_worker(const CombineArgs& a, const PullCall* pull, int c
     count_bits(static_cast<uint32_t>(mask), nvl, lane, mine, unused);
     const uint64_t first_slot = rtail0[x] + k0;
     bool good = true;
-    if (pull == nullptr && lane < nvl && mine > 0) {
+    if (!kPull && lane < nvl && mine > 0) {
       // FIFO tail: written by local rank `lane`'s NVL sender (st.release.sys after a group barrier).
       good = wait_at_least(&nctl->fifo_tail[ch][lane], nhead0[lane] + cnt + mine, dog, kPhaseCombineForward,
                            c.domain * nvl + lane, AbortFlag{stop});
@@ -454,7 +339,7 @@ __device__ void forward_worker(const CombineArgs& a, const PullCall* pull, int c
       return;
     }
     // Lane j's first rows of FIFO j: its tail acquire (past the call's first row) published j's signature.
-    if (pull == nullptr && lane < nvl && mine > 0 && verdict == 0) {
+    if (!kPull && lane < nvl && mine > 0 && verdict == 0) {
       verdict = ring_word_disagrees(&nctl->ring_signature[lane], nctl, c.mailbox, c.domain * nvl + lane,
                                     a.nvl_signature, true) ? 2 : 1;
     }
@@ -465,7 +350,7 @@ __device__ void forward_worker(const CombineArgs& a, const PullCall* pull, int c
       const int mi = __shfl_sync(0xffffffffu, mask, i);
       const unsigned below = (1u << i) - 1u;
       int nsrc = 0;
-      if (pull != nullptr) {  // rows in place: fwd_rows of this forwarded token (-1: not sent to j, or dropped)
+      if constexpr (kPull) {  // rows in place: fwd_rows of this forwarded token (-1: not sent to j, or dropped)
         const int64_t idx = seq.first[x] + k0 + i;
         for (int j = 0; j < nvl; ++j) {
           const int row = ((mi >> j) & 1) && idx < a.fwd_capacity ? a.fwd_rows[idx * nvl + j] : -1;  // uniform
@@ -477,7 +362,7 @@ __device__ void forward_worker(const CombineArgs& a, const PullCall* pull, int c
           ++nsrc;
         }
       }
-      for (int j = 0; pull == nullptr && j < nvl; ++j) {
+      for (int j = 0; !kPull && j < nvl; ++j) {
         const unsigned b = __ballot_sync(0xffffffffu, (mask >> j) & 1);
         const uint32_t base = __shfl_sync(0xffffffffu, cnt, j);
         if (((mi & ~left_out) >> j) & 1) {  // uniform
@@ -491,7 +376,7 @@ __device__ void forward_worker(const CombineArgs& a, const PullCall* pull, int c
       __syncwarp();
       uint8_t* dst = ring_slot(out_ring, first_slot + i, a.rdma_slots, a.rdma_slot_bytes);
       reduce_row<T>(dst, has_weights ? reinterpret_cast<float*>(dst + row_bytes) : nullptr, srcs, nsrc, nullptr, nullptr,
-                    row_bytes, a.num_topk, lane, pull != nullptr ? wsrcs : nullptr);
+                    row_bytes, a.num_topk, lane, kPull ? wsrcs : nullptr);
       __syncwarp();  // srcs is rewritten for the next token
     }
     rdma_put_rows(c, x, ch, first_slot, n, a.rdma_slots, a.rdma_slot_bytes, lane);  // remote: put + quiet
@@ -540,8 +425,9 @@ __device__ void forward_commit(const CombineArgs& a, bool pull, int ch, int lane
   if (!pull && lane < nvl) nvl_ctl(c, c.local)->head_copy[ch][lane] = nhead0[lane] + cnt;
 }
 
-// pull (pull mode, else null): my own domain's tokens are the source receivers' (no chunk of them here).
-template <typename T>
+// kPull (pull mode; pull: the domain's published inputs): my own domain's tokens are the source receivers' (no
+// chunk of them here).
+template <typename T, bool kPull>
 __device__ void forward(const CombineArgs& a, const PullCall* pull, int ch, int warp, int lane, const Watchdog& dog,
                         int row_bytes) {
   const Common& c = a.c;
@@ -557,7 +443,7 @@ __device__ void forward(const CombineArgs& a, const PullCall* pull, int ch, int 
   __shared__ const uint8_t* s_wsrcs[kWorkers][kMaxNvl];  // pull mode: the rows' top-k weights
   for (int x = threadIdx.x; x < D; x += blockDim.x) {
     s_first[x] = a.fwd_offset[x * (C + 1) + ch];
-    s_count[x] = (pull != nullptr && x == c.domain) ? 0 : a.fwd_offset[x * (C + 1) + ch + 1] - s_first[x];
+    s_count[x] = (kPull && x == c.domain) ? 0 : a.fwd_offset[x * (C + 1) + ch + 1] - s_first[x];
     s_rtail0[x] = *reinterpret_cast<volatile uint64_t*>(&rctl->tail_copy[ch][x]);
     // The ring signature, completed before the barriers below, hence before the commit warp's tail signals.
     rdma_publish_signature(c, x, a.rdma_signature);
@@ -577,9 +463,9 @@ __device__ void forward(const CombineArgs& a, const PullCall* pull, int ch, int 
   __syncthreads();  // the last block-wide barrier: from here on warps wait only on their own words
   const FwdSeq seq{s_first, s_count, s_cstart, a.fwd_mask, a.fwd_capacity, nvl};
   if (warp == kCommitWarp) {
-    forward_commit(a, pull != nullptr, ch, lane, dog, seq, s_rtail0, s_nhead0, s_board, &s_abort);
+    forward_commit(a, kPull, ch, lane, dog, seq, s_rtail0, s_nhead0, s_board, &s_abort);
   } else {
-    forward_worker<T>(a, pull, ch, warp, lane, dog, row_bytes, seq, s_rtail0, s_nhead0, s_board, &s_abort,
+    forward_worker<T, kPull>(a, pull, ch, warp, lane, dog, row_bytes, seq, s_rtail0, s_nhead0, s_board, &s_abort,
                       s_srcs[warp], s_wsrcs[warp]);
   }
 }
@@ -609,18 +495,18 @@ __device__ __forceinline__ void recv_scan_to(const CombineArgs& a, int& st, int 
   }
 }
 
-// pull (pull mode, else null): my own domain's rows are read in place (own, own_w: a token's rows and their
-// weights), at the forwarded index of the token among the channel's tokens that went to my domain (the scan's count
-// of my domain, which is not waited for nor credited: no partial of it travels).
-template <typename T>
+// kPull (pull mode; pull: the domain's published inputs): my own domain's rows are read in place (own, own_w: a
+// token's rows and their weights), at the forwarded index of the token among the channel's tokens that went to my
+// domain (the scan's count of my domain, which is not waited for nor credited: no partial of it travels).
+template <typename T, bool kPull>
 __device__ void receive_worker(const CombineArgs& a, const PullCall* pull, int ch, int warp, int lane,
                                const Watchdog& dog, int row_bytes, int begin, int end, const uint64_t* rhead0,
-                               ChunkBoard& board, volatile int* stop, const uint8_t** srcs, const uint8_t** own,
-                               const uint8_t** own_w) {
+                               ChunkBoard& board, volatile int* stop, const uint8_t** srcs,
+                               const uint8_t** wsrcs) {
   const Common& c = a.c;
   const int D = c.num_domains, K = a.chunk_tokens, total = (end - begin + K - 1) / K, nvl = c.nvl_size;
-  const uint64_t own_bit = pull != nullptr ? 1ull << c.domain : 0;  // my domain, when its partial does not travel
-  const int own_first = a.fwd_offset[c.domain * (a.num_channels + 1) + ch];  // my domain's first forwarded index
+  const uint64_t own_bit = kPull ? 1ull << c.domain : 0;  // my domain, when its partial does not travel
+  const int own_first = kPull ? a.fwd_offset[c.domain * (a.num_channels + 1) + ch] : 0;  // my domain's first fwd index
   RdmaControl* rctl = rdma_ctl(c);
   nvlink::Control* nctl = nvl_ctl(c, c.local);
   uint32_t lo = 0, hi = 0;  // lane x (& 31): partials of domain x (lo: x < 32, hi: x >= 32) before st
@@ -665,44 +551,55 @@ __device__ void receive_worker(const CombineArgs& a, const PullCall* pull, int c
       const int64_t token = t0 + i;
       const unsigned below = (1u << i) - 1u;
       const uint64_t tbits = __shfl_sync(0xffffffffu, bits, i);
-      uint64_t rest = tbits & ~left_out & ~own_bit;
+      const uint64_t rest = tbits & ~left_out & ~own_bit;
       int nsrc = 0;
-      int own_at = -1, nown = 0;  // pull mode: where my domain's partial goes among the sources, its rows
-      if ((tbits & own_bit) != 0) {
+      float* out_w = a.out_topk_weights != nullptr ? a.out_topk_weights + token * a.num_topk : nullptr;
+      uint8_t* out = a.out + token * row_bytes;
+      const bool own = (tbits & own_bit) != 0;  // pull mode, a token that went to my domain
+      if (own) {
+        // My domain's partial first, into the token's output row (and weights): round(sum over j ascending) of its
+        // rows read in place, the partial my own ring carried in FIFO mode.
         const unsigned b = __ballot_sync(0xffffffffu, (bits & own_bit) != 0);
         const int64_t idx = own_first + count_of(lo, hi, c.domain) + __popc(b & below);
-        own_at = __popcll(rest & (own_bit - 1));  // the remote domains below mine
+        int nown = 0;
         for (int j = 0; j < nvl; ++j) {
           const int row = idx < a.fwd_capacity ? a.fwd_rows[idx * nvl + j] : -1;  // uniform; -1: not sent to j
           if (row < 0) continue;
           if (lane == 0) {
-            own[nown] = c.nvl[j] + pull->blocks[j].x_offset + static_cast<int64_t>(row) * row_bytes;
-            own_w[nown] = c.nvl[j] + pull->blocks[j].w_offset + static_cast<int64_t>(row) * a.num_topk * 4;
+            srcs[nown] = c.nvl[j] + pull->blocks[j].x_offset + static_cast<int64_t>(row) * row_bytes;
+            wsrcs[nown] = c.nvl[j] + pull->blocks[j].w_offset + static_cast<int64_t>(row) * a.num_topk * 4;
           }
           ++nown;
         }
+        __syncwarp();
+        reduce_row<T>(out, out_w, srcs, nown, nullptr, nullptr, row_bytes, a.num_topk, lane, wsrcs);
+        __syncwarp();  // srcs is rewritten below
       }
-      while (rest != 0) {  // domains ascending (uniform)
-        const int x = __ffsll(static_cast<long long>(rest)) - 1;
-        rest &= rest - 1;
+      // The partials, domains ascending (uniform); my domain's (pull mode) is the output row just written, read
+      // back by the lanes that wrote it (reduce_row maps each vector and weight to the same lane every call).
+      for (uint64_t todo = rest | (own ? own_bit : 0); todo != 0; todo &= todo - 1) {
+        const int x = __ffsll(static_cast<long long>(todo)) - 1;
+        if (kPull && x == c.domain) {
+          if (lane == 0) {
+            srcs[nsrc] = out;
+            wsrcs[nsrc] = reinterpret_cast<const uint8_t*>(out_w);
+          }
+          ++nsrc;
+          continue;
+        }
         const unsigned b = __ballot_sync(0xffffffffu, (bits >> x) & 1u);
         const uint64_t index = rhead0[x] + count_of(lo, hi, x) + __popc(b & below);
         if (lane == 0) {
           srcs[nsrc] = ring_slot(rdma_recv_ring(c, x, ch, a.rdma_slots, a.rdma_slot_bytes), index, a.rdma_slots,
                                  a.rdma_slot_bytes);
+          if (kPull) wsrcs[nsrc] = srcs[nsrc] + row_bytes;
         }
         ++nsrc;
       }
       __syncwarp();
-      float* out_w = a.out_topk_weights != nullptr ? a.out_topk_weights + token * a.num_topk : nullptr;
-      const uint8_t* bias0 = a.bias0 != nullptr ? a.bias0 + token * row_bytes : nullptr;
-      const uint8_t* bias1 = a.bias1 != nullptr ? a.bias1 + token * row_bytes : nullptr;
-      if (own_at >= 0) {
-        reduce_row_own<T>(a.out + token * row_bytes, out_w, srcs, nsrc, own_at, own, own_w, nown, bias0, bias1,
-                          row_bytes, a.num_topk, lane);
-      } else {
-        reduce_row<T>(a.out + token * row_bytes, out_w, srcs, nsrc, bias0, bias1, row_bytes, a.num_topk, lane);
-      }
+      reduce_row<T>(out, out_w, srcs, nsrc, a.bias0 != nullptr ? a.bias0 + token * row_bytes : nullptr,
+                    a.bias1 != nullptr ? a.bias1 + token * row_bytes : nullptr, row_bytes, a.num_topk, lane,
+                    kPull ? wsrcs : nullptr);
       __syncwarp();  // srcs is rewritten for the next token
     }
     board.advance(0, warp, k + kWorkers, lane);  // every lane's slot loads before the board's release
@@ -742,7 +639,7 @@ __device__ void receive_commit(const CombineArgs& a, bool pull, int ch, int lane
   if (lane + 32 < D && !(pull && lane + 32 == c.domain)) rctl->head_copy[ch][lane + 32] = rhead0[lane + 32] + hi;
 }
 
-template <typename T>
+template <typename T, bool kPull>
 __device__ void receive(const CombineArgs& a, const PullCall* pull, int ch, int warp, int lane, const Watchdog& dog,
                         int row_bytes) {
   const Common& c = a.c;
@@ -751,8 +648,7 @@ __device__ void receive(const CombineArgs& a, const PullCall* pull, int ch, int 
   __shared__ ChunkBoard s_board;
   __shared__ int s_abort;
   __shared__ const uint8_t* s_srcs[kWorkers][kMaxDomains];
-  __shared__ const uint8_t* s_own[kWorkers][kMaxNvl];    // pull mode: a token's rows in my domain
-  __shared__ const uint8_t* s_own_w[kWorkers][kMaxNvl];  // and their top-k weights
+  __shared__ const uint8_t* s_wsrcs[kWorkers][kMaxDomains];  // pull mode: the sources' top-k weights
   for (int x = threadIdx.x; x < c.num_domains; x += blockDim.x) {
     s_rhead0[x] = *reinterpret_cast<volatile uint64_t*>(&rctl->head_copy[ch][x]);
   }
@@ -762,10 +658,10 @@ __device__ void receive(const CombineArgs& a, const PullCall* pull, int ch, int 
   int begin, end;
   channel_range(a.num_tokens, a.num_channels, ch, begin, end);
   if (warp == kCommitWarp) {
-    receive_commit(a, pull != nullptr, ch, lane, dog, begin, end, s_rhead0, s_board, &s_abort);
+    receive_commit(a, kPull, ch, lane, dog, begin, end, s_rhead0, s_board, &s_abort);
   } else {
-    receive_worker<T>(a, pull, ch, warp, lane, dog, row_bytes, begin, end, s_rhead0, s_board, &s_abort, s_srcs[warp],
-                      s_own[warp], s_own_w[warp]);
+    receive_worker<T, kPull>(a, pull, ch, warp, lane, dog, row_bytes, begin, end, s_rhead0, s_board, &s_abort, s_srcs[warp],
+                      s_wsrcs[warp]);
   }
 }
 
@@ -807,9 +703,11 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
   if (!drain_previous_calls(c, dog)) return;  // earlier calls drained; no ring written before this
   const PullCall* pull = call.in_pool ? &call : nullptr;  // the same in every block of every rank of the domain
   if (role == 1) {
-    forward<T>(a, pull, ch, warp, lane, dog, row_bytes);
+    if (pull != nullptr) forward<T, true>(a, pull, ch, warp, lane, dog, row_bytes);
+    else forward<T, false>(a, nullptr, ch, warp, lane, dog, row_bytes);
   } else if (role == 2) {
-    receive<T>(a, pull, ch, warp, lane, dog, row_bytes);
+    if (pull != nullptr) receive<T, true>(a, pull, ch, warp, lane, dog, row_bytes);
+    else receive<T, false>(a, nullptr, ch, warp, lane, dog, row_bytes);
   } else if (pull == nullptr) {  // pull mode: the NVLink senders have nothing to send
     const int warps = kWarps / c.nvl_size;
     const int group = warp / warps, group_warp = warp % warps;
