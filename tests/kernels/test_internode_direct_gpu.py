@@ -281,11 +281,14 @@ def _world_pull(rank: int, world_size: int) -> None:  # noqa: C901 (one world, m
     e, k = 8 * world_size, 8
 
     def combine_both(y, handle, w, bias, what: str):
-        """The combine with inputs outside the pool (every domain missed: the FIFO kernel), then in the pool
-        (pulled): the same bits. Returns the pulled outputs."""
+        """The combine with inputs outside the pool (its domain missed: the FIFO kernel, unless no rank of the
+        domain holds a row, as an input without rows counts as peer-mapped), then in the pool (pulled): the same
+        bits. Returns the pulled outputs."""
+        held = handle.rank_prefix_matrix[-1].cpu()  # rows each rank received (its combine input's rows)
+        d = rank // nvl
         seen = _pulls(kb)
         ring = kb.combine(y.clone(), handle, topk_weights=None if w is None else w.clone(), bias=bias)
-        seen = _pulled(kb, seen, 1, 1)
+        seen = _pulled(kb, seen, 1, int(bool((held[d * nvl:(d + 1) * nvl] > 0).any())))
         yp, wp = _in_pool(pool, y), None if w is None else _in_pool(pool, w)
         pulled = kb.combine(yp, handle, topk_weights=wp, bias=bias)
         _pulled(kb, seen, 1, 0)
