@@ -16,7 +16,8 @@ Pull combine (the same world): along the handles of direct dispatches, a combine
 lies in every rank's pool reads the domain's rows in place (pull counters: a call, none missed) and must give the
 bits of the same combine with the inputs outside the pool (every domain missed: today's FIFO kernel), for every
 combine dtype, with and without top-k weights and biases, and the reference's values within the two-hop tolerance.
-One rank's input outside its pool: only its domain misses, the outputs the same bits. 100 calls back to back.
+One rank's input outside its pool: only its domain misses, the outputs the same bits. Along the handle of a dispatch
+whose domain took the FIFOs the pull combine reads the same rows. 100 calls back to back.
 """
 from __future__ import annotations
 
@@ -342,6 +343,28 @@ def _world_pull(rank: int, world_size: int) -> None:  # noqa: C901 (one world, m
             assert_equal(got[0], want[0], "combined x (one domain FIFO)")
             assert_equal(got[1], want[1], "combined weights (one domain FIFO)")
             del y, yw, got
+
+    # Along the handle of a dispatch whose domain took the FIFOs (rank 0's pool full then): fwd_rows is the FIFO
+    # forwarder's, and the pull combine must read the same rows.
+    with case("pull combine along a missed dispatch's handle"):
+        hog = []
+        if rank == 0:
+            if pool.stats()["largest_free"] >= (2 << 20):
+                hog.append(pool.allocate((pool.stats()["largest_free"] >> 21 << 21,), torch.uint8))
+            for mib in (64, 16, 4, 1):
+                while True:
+                    try:
+                        hog.append(pool.allocate((mib << 20,), torch.uint8))
+                    except torch.OutOfMemoryError:
+                        break
+        seen = _paths(kb)
+        _, fifo = _dispatch(kb, x, idx, w, e)
+        _took(kb, seen, direct=1, missed=int(rank // nvl == 0))
+        del hog
+        torch.cuda.synchronize()
+        dist.barrier()
+        combine_both(fifo[0].clone(), fifo[4], fifo[2].clone(), None, "along a missed dispatch's handle")
+        del fifo
 
     with case("100 calls back to back"):
         yp = _in_pool(pool, out[0])
