@@ -127,6 +127,9 @@ std::string phase_name(int phase) {
     case kPhaseNvlDirectReady: return "nvl direct ready (dispatch waiting for a domain peer's kernel to start)";
     case kPhaseNvlDirectArrive:
       return "nvl direct arrive (dispatch waiting for a domain peer's blocks to finish writing its rows here)";
+    case kPhaseNvlPullReady: return "nvl pull ready (combine waiting for a domain peer's kernel to start)";
+    case kPhaseNvlPullArrive:
+      return "nvl pull arrive (combine waiting for a domain peer to finish reading this rank's rows)";
     default: return "unknown phase " + std::to_string(phase);
   }
 }
@@ -426,14 +429,18 @@ py::tuple direct_dispatch(const Context& ctx, uint64_t timeout_ns, const at::Ten
 }
 
 // Combine: x [rows, H] bf16/fp16/fp32, topk_weights float32 [rows, K] or None, bias0 / bias1 [T, H] of x's dtype or
-// None -> out [T, H], out_topk_weights float32 [T, K] (with topk_weights).
+// None -> out [T, H], out_topk_weights float32 [T, K] (with topk_weights). Along the handle of a Buffer with a peer
+// pool, fwd_rows (int32 [fwd_capacity, nvl], the dispatch's) makes the kernel run the pull NVLink hop's protocol
+// (combine.cu, "Pull mode"): x_offset / w_offset are where x and topk_weights lie in this rank's NVLink buffer (its
+// peer pool), or -1 when they do not (then the domain's call takes the FIFOs).
 void combine(const Context& ctx, uint64_t timeout_ns, const at::Tensor& x,
              const c10::optional<at::Tensor>& topk_weights,
              const c10::optional<at::Tensor>& bias0, const c10::optional<at::Tensor>& bias1,
              const at::Tensor& is_token_in_rank, const at::Tensor& recv_channel_offset, const at::Tensor& fwd_offset,
              const at::Tensor& fwd_mask, int fwd_capacity, const at::Tensor& out,
              const c10::optional<at::Tensor>& out_topk_weights, const std::vector<int>& geometry,
-             const std::vector<int64_t>& ring_signatures) {
+             const std::vector<int64_t>& ring_signatures, const c10::optional<at::Tensor>& fwd_rows,
+             int64_t x_offset, int64_t w_offset) {
   const auto device = x.get_device();
   expect_cuda(x, device, "combine: x");
   expect_cuda(topk_weights, device, "combine: topk_weights");
@@ -452,6 +459,23 @@ void combine(const Context& ctx, uint64_t timeout_ns, const at::Tensor& x,
   a.bias1 = data_of<const uint8_t>(bias1);
   a.out = data_of<uint8_t>(out);
   a.out_topk_weights = data_of<float>(out_topk_weights);
+  if (fwd_rows.has_value()) {
+    expect_cuda(*fwd_rows, device, "combine: fwd_rows");
+    MOE_CHECK(fwd_rows->scalar_type() == at::kInt && fwd_rows->is_contiguous() &&
+                  fwd_rows->numel() >= static_cast<int64_t>(fwd_capacity) * a.c.nvl_size,
+              "combine: fwd_rows must be contiguous int32 [fwd_capacity, nvl]");
+    // (an input without rows is read by nobody: any offset will do; rows of 0 bytes still have weights to read)
+    const uint8_t* local = ctx.c.nvl[ctx.c.local];
+    MOE_CHECK(x_offset < 0 || x.size(0) == 0 ||
+                  (x_offset % 16 == 0 && static_cast<const uint8_t*>(x.data_ptr()) == local + x_offset &&
+                   (!topk_weights.has_value() ||
+                    static_cast<const uint8_t*>(topk_weights->data_ptr()) == local + w_offset)),
+              "combine: x_offset / w_offset are not where x / topk_weights lie in this rank's NVLink buffer");
+    a.pull_call = 1;
+    a.fwd_rows = data_of<const int>(*fwd_rows);
+    a.x_offset = x_offset < 0 ? -1 : x_offset;
+    a.w_offset = a.x_offset < 0 ? -1 : w_offset;
+  }
   launch_combine(a, current_stream(device).stream());
 }
 
@@ -605,7 +629,8 @@ void register_internode(py::module_& m) {
   sub.def("combine", &combine, py::arg("ctx"), py::arg("timeout_ns"), py::arg("x"), py::arg("topk_weights"),
           py::arg("bias0"), py::arg("bias1"), py::arg("is_token_in_rank"), py::arg("recv_channel_offset"),
           py::arg("fwd_offset"), py::arg("fwd_mask"), py::arg("fwd_capacity"), py::arg("out"),
-          py::arg("out_topk_weights"), py::arg("geometry"), py::arg("ring_signatures"));
+          py::arg("out_topk_weights"), py::arg("geometry"), py::arg("ring_signatures"),
+          py::arg("fwd_rows") = py::none(), py::arg("x_offset") = -1, py::arg("w_offset") = -1);
 }
 
 }  // namespace moe_ep

@@ -2,7 +2,8 @@
 
 `python -m moe_dispatcher.bench --mode internode --nvl-size 2 --backend kernels` on 4 GPUs: emulated 2 domains
 x 2 GPUs (MOE_DISPATCHER_NVL_SIZE semantics, given here as a Topology); with --num-pool-bytes N both Buffers get a
-peer pool (the internode one: its NVLink hop writes straight into the domain peers' outputs). Byte counts (bench/README.md):
+peer pool (the internode one: its NVLink hop writes straight into the domain peers' outputs, and its combine,
+whose inputs the Workload allocates in the pool, pulls the domain's rows in place). Byte counts (bench/README.md):
 NVL bytes = recv_x rows x H x 2 (logical; physical = rows from other ranks); RDMA bytes = (token, destination
 domain) pairs x H x 2 sent by this rank (physical = pairs to other domains). On one host the "RDMA" hop is an
 NVSHMEM put over NVLink (P2P transport): real cross-node figures cannot be measured here.
@@ -31,7 +32,8 @@ def run(ctx: Context) -> None:
     ctx.say(f"== internode normal mode: {r} ranks as {r // nvl} domains x {nvl}, T={o.tokens} H={o.hidden} "
             f"top-{o.topk} of {o.num_experts}, sms={dcfg.num_sms}; RDMA buffer {rdma_b / 2 ** 20:.0f} MiB")
     # --num-pool-bytes: both Buffers get a peer pool (intranode: direct dispatch and pull combine; internode: the
-    # NVLink hop's direct dispatch), so the comparison is pool against pool.
+    # NVLink hop's direct dispatch and pull combine; the Workload puts the combine inputs in the pool), so the
+    # comparison is pool against pool.
     intra = Buffer(ctx.group, num_nvl_bytes=nvl_b, backend=o.backend, topology=Topology(ctx.rank, r, r),
                    num_pool_bytes=o.num_pool_bytes)
     inter = Buffer(ctx.group, num_nvl_bytes=nvl_b, num_rdma_bytes=rdma_b, backend=o.backend,

@@ -98,6 +98,29 @@ class _DirectDispatchPlan:
         return out[0], out[1], None
 
 
+class _PullCombinePlan(_DirectDispatchPlan):
+    """The plan of a combine along the handle of a Buffer with a peer pool (InternodeBackend._combine_along: the
+    pull NVLink hop, or the FIFOs when some rank of the domain has its input outside its pool): the dispatch plan's
+    contract, with the top-k weights as its aux tensor. -> (combined_x, combined_topk_weights or None, None)."""
+
+    __slots__ = ()
+
+    def __init__(self, backend, handle: DispatchHandle, x: torch.Tensor, topk_weights: Optional[torch.Tensor],
+                 config: Optional[Config], num_sms: int, ring: Sequence[int]) -> None:
+        super().__init__(backend, handle, x, topk_weights, config, num_sms, ring, ())
+
+    def __call__(self, handle, x: torch.Tensor, aux: Optional[torch.Tensor], config, num_sms: int, mode: int):
+        if mode != LAUNCH_CURRENT or not self._matches(handle, x, aux, config, num_sms):
+            return None
+        try:
+            self.backend._check()
+        except RuntimeError:  # the full path takes the call and says why
+            return None
+        out, out_w, _, _ = combine_tensors(self.num_tokens, x, aux, ())
+        self.backend._combine_along(x, aux, None, None, handle, out, out_w, self.ring)
+        return out, out_w, None
+
+
 class InternodeBackend(Backend):
     """Compiled internode normal-mode backend for one Buffer (see the module docstring)."""
 
@@ -410,28 +433,58 @@ class InternodeBackend(Backend):
         """Reduce the rows of each source token in two hops; returns (combined_x, combined_topk_weights or None).
 
         Order: out = cast(bias0 + bias1 + sum over domains ascending of partial_domain), float32, where a
-        partial is the float32 sum of that domain's rows (ranks ascending) rounded to x.dtype."""
+        partial is the float32 sum of that domain's rows (ranks ascending) rounded to x.dtype; the same whether
+        the NVLink hop pulls (inputs in the peer pool along a pool handle) or takes the FIFOs."""
         self._check()
         x, topk_weights = x.contiguous(), _contiguous(topk_weights)
         if not bias:
             return run_cached(self, handle.backend_state.combine_plans, topk_weights is not None, self._combine_plan,
                               handle, x, topk_weights, config)
         # With a bias (rare: no plan, and the Buffer's fast path does not take it).
-        channels, offsets, fwd_offset, fwd_mask, fwd_capacity, _, _ = handle.backend_state.routing
+        channels = handle.backend_state.routing[0]
         geo = self._geometry(config, True, combine_slot_bytes(_row_bytes(x), _columns(topk_weights)), channels,
                              "combine")
         out, out_w, bias0, bias1 = combine_tensors(handle.num_tokens, x, topk_weights, bias)
-        self._mod.combine(self._ctx, self._timeout_ns, x, topk_weights, bias0, bias1,
-                          handle.is_token_in_rank, offsets, fwd_offset, fwd_mask, fwd_capacity, out, out_w, geo,
-                          ring_signatures=ring_signatures("combine", x, None, topk_weights, geo))
+        self._combine_along(x, topk_weights, bias0, bias1, handle, out, out_w, geo)
         return out, out_w
+
+    def _combine_along(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor], bias0, bias1, handle,
+                       out: torch.Tensor, out_w: Optional[torch.Tensor], geo: Sequence[int]) -> None:
+        """Launch the combine of x along `handle` into out / out_w. Along the handle of a Buffer with a peer pool
+        (its fwd_rows) the kernel runs the pull NVLink hop's protocol: it reads the domain's rows in place when every
+        rank of the domain has its input in its pool (_pull_offsets), else takes the FIFOs (combine.cu, "Pull
+        mode")."""
+        _, offsets, fwd_offset, fwd_mask, fwd_capacity, _, fwd_rows = handle.backend_state.routing
+        pull = {} if fwd_rows is None else {"fwd_rows": fwd_rows, **self._pull_offsets(x, topk_weights)}
+        self._mod.combine(self._ctx, self._timeout_ns, x, topk_weights, bias0, bias1, handle.is_token_in_rank, offsets,
+                          fwd_offset, fwd_mask, fwd_capacity, out, out_w, list(geo),
+                          ring_signatures=ring_signatures("combine", x, None, topk_weights, geo), **pull)
+
+    def _pull_offsets(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor]) -> dict:
+        """Where a combine's x and topk_weights lie in this rank's NVLink buffer (its peer pool), or -1 for both when
+        either is elsewhere (then the domain's call takes the FIFOs: the kernel's verdict); an x without rows counts
+        as peer-mapped, an x of rows of 0 bytes does not (torch gives it no address)."""
+        pool = self.peer_pool
+        if pool is None or pool.closed or torch.cuda.is_current_stream_capturing():
+            return {"x_offset": -1, "w_offset": -1}
+        if x.shape[0] == 0:  # no rows (nor weights): nobody reads this input, wherever it lies
+            return {"x_offset": 0, "w_offset": 0}
+        if x.numel() == 0:  # rows of 0 bytes: torch gives a tensor without elements no address (data_ptr() 0)
+            return {"x_offset": -1, "w_offset": -1}
+        if pool.contains(x) and (topk_weights is None or pool.contains(topk_weights)):
+            w_offset = -1 if topk_weights is None else self._ipc.pool_offset + pool.offset_of(topk_weights)
+            return {"x_offset": self._ipc.pool_offset + pool.offset_of(x), "w_offset": w_offset}
+        return {"x_offset": -1, "w_offset": -1}
 
     def _combine_plan(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor], handle: DispatchHandle,
                       config: Optional[Config]):
-        """The checks of a combine (x of a kernel dtype), then its native plan."""
-        channels, offsets, fwd_offset, fwd_mask, fwd_capacity, _, _ = handle.backend_state.routing
+        """The checks of a combine (x of a kernel dtype), then its plan: native, or along the handle of a Buffer with
+        a peer pool the pull plan (_combine_along, whose offsets are the call's own)."""
+        channels, offsets, fwd_offset, fwd_mask, fwd_capacity, _, fwd_rows = handle.backend_state.routing
         geo = self._geometry(config, True, combine_slot_bytes(_row_bytes(x), _columns(topk_weights)), channels,
                              "combine")
+        if fwd_rows is not None:
+            return _PullCombinePlan(self, handle, x, topk_weights, config, self._buffer_cls.num_sms, geo)
         return self._mod.cached_combine(self._ctx, self._ipc, self._comm, self._timeout_ns, handle, offsets, fwd_offset,
                                         fwd_mask, fwd_capacity, x, topk_weights, geo, config,
                                         self._buffer_cls.num_sms,

@@ -114,3 +114,66 @@ def test_handle_without_pool_keeps_the_native_plan(backend) -> None:
     h = _handle(Buffer.get_dispatch_config(RANKS).num_channels, pooled=False)
     b.cached_dispatch(torch.randn(T, H).bfloat16(), None, h)
     assert not b.direct_calls and [kind for kind, _ in b._intra.plans] == ["CachedDispatch"]
+
+
+class _InputPool(_Pool):
+    """_Pool with the membership test of a combine's inputs (PeerPool.contains)."""
+
+    def contains(self, tensor) -> bool:
+        return any(b is tensor for b in self.blocks)
+
+
+def _record_combines(b) -> list:
+    calls = []
+
+    def combine(ctx, timeout_ns, x, topk_weights, bias0, bias1, is_token_in_rank, offsets, fwd_offset, fwd_mask,
+                fwd_capacity, out, out_w, geometry, ring_signatures, fwd_rows=None, x_offset=-1, w_offset=-1):
+        calls.append(dict(x=x, bias0=bias0, fwd_rows=fwd_rows, x_offset=x_offset, w_offset=w_offset,
+                          geometry=list(geometry), ring_signatures=list(ring_signatures)))
+
+    b._mod.combine = combine
+    return calls
+
+
+@pytest.mark.parametrize("where", ["pool", "outside", "no rows", "graph capture"])
+@pytest.mark.parametrize("bias", [False, True], ids=["plan", "bias"])
+def test_combine_of_a_pool_handle_passes_fwd_rows_and_input_offsets(backend, monkeypatch, where: str,
+                                                                    bias: bool) -> None:
+    """Along a pool handle, a combine (its Python plan, or the bias path) launches the kernel with the handle's
+    fwd_rows and where x / topk_weights lie in the NVLink buffer: pool_offset + their pool offsets when both are
+    pool blocks, 0 for an x without rows, -1 for both otherwise (outside the pool, or a graph capture)."""
+    b = backend
+    b.peer_pool = _InputPool(False)
+    calls = _record_combines(b)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: where == "graph capture")
+    h = _handle(Buffer.get_combine_config(RANKS).num_channels, pooled=True)
+    rows = 0 if where == "no rows" else ROWS
+    if where in ("pool", "graph capture"):
+        x = b.peer_pool.allocate((rows, H), torch.bfloat16)
+        w = b.peer_pool.allocate((rows, 8), torch.float32)
+    else:
+        x, w = torch.randn(rows, H).bfloat16(), torch.rand(rows, 8)
+    extra = [torch.randn(T, H).bfloat16()] if bias else []
+    b.combine(x, h, w, extra)
+    (call,) = calls
+    assert call["fwd_rows"] is h.backend_state.routing[6] and not b._intra.plans
+    assert (call["bias0"] is not None) == bias
+    if where == "pool":
+        assert (call["x_offset"], call["w_offset"]) == (b._ipc.pool_offset + 4096, b._ipc.pool_offset + 8192)
+    elif where == "no rows":
+        assert (call["x_offset"], call["w_offset"]) == (0, 0)
+    else:
+        assert (call["x_offset"], call["w_offset"]) == (-1, -1)
+    assert call["ring_signatures"] == ring_signatures("combine", x, None, w, call["geometry"])
+    if not bias:
+        b.combine(x, h, w, [])  # the handle's plan again: the same launch
+        assert len(calls) == 2 and calls[1]["x_offset"] == call["x_offset"]
+
+
+def test_combine_of_a_handle_without_pool_keeps_the_native_plan(backend) -> None:
+    b = backend
+    b.peer_pool = None
+    calls = _record_combines(b)
+    h = _handle(Buffer.get_combine_config(RANKS).num_channels, pooled=False)
+    b.combine(torch.randn(ROWS, H).bfloat16(), h, None, [])
+    assert not calls and [kind for kind, _ in b._intra.plans] == ["CachedCombine"]

@@ -11,6 +11,13 @@ cached, every call direct (path counters). One rank's pool full: its domain's ca
 both of its ranks), the other domain's stay direct, the outputs the same. fwd_rows (the pull combine's map) names
 exactly the rows each local rank received from this rank's team, in both modes. A CUDA graph's replays are missed
 (its outputs are the graph's memory) and still right. 100 calls back to back.
+
+Pull combine (the same world): along the handles of direct dispatches, a combine whose input x (and topk_weights)
+lies in every rank's pool reads the domain's rows in place (pull counters: a call, none missed) and must give the
+bits of the same combine with the inputs outside the pool (every domain missed: today's FIFO kernel), for every
+combine dtype, with and without top-k weights and biases, and the reference's values within the two-hop tolerance.
+One rank's input outside its pool: only its domain misses, the outputs the same bits. Along the handle of a dispatch
+whose domain took the FIFOs the pull combine reads the same rows. 100 calls back to back.
 """
 from __future__ import annotations
 
@@ -99,8 +106,20 @@ def _poison_pool(pool) -> None:
 
 def _paths(kb) -> tuple:
     """(dispatches that ran the direct-call protocol, of them missed) so far on this rank (the NVLink buffer's
-    Control::direct words; the pull counters stay 0: combine is the ring kernel)."""
+    Control::direct words; a combine counts in the pull words: _pulls)."""
     return tuple(kb._kernels._ipc.path_counters()[:2])
+
+
+def _pulls(kb) -> tuple:
+    """(combines that ran the pull protocol, of them missed) so far on this rank (Control::pull words)."""
+    return tuple(kb._kernels._ipc.path_counters()[2:4])
+
+
+def _pulled(kb, before: tuple, calls: int, missed: int = 0) -> tuple:
+    now = _pulls(kb)
+    got = tuple(a - b for a, b in zip(now, before))
+    assert got == (calls, missed), f"(combines, of them missed) since the last check: {got}, expected {(calls, missed)}"
+    return now
 
 
 def _took(kb, before: tuple, direct: int, missed: int = 0) -> tuple:
@@ -245,3 +264,131 @@ def _world_direct(rank: int, world_size: int) -> None:  # noqa: C901 (one world,
 @pytest.mark.parametrize("world_size,nvl", WORLDS)
 def test_direct_dispatch_matches_reference(world_size: int, nvl: int) -> None:
     run_distributed(_world_direct, world_size, backend="nccl", timeout=300.0, env=dist_helpers.nvl_env(nvl))
+
+
+def _in_pool(pool, t: torch.Tensor) -> torch.Tensor:
+    """A copy of t in this rank's peer pool (t itself when it has no elements: an input without rows counts as
+    peer-mapped wherever it lies)."""
+    if t.numel() == 0:
+        return t
+    out = pool.allocate(tuple(t.shape), t.dtype)
+    out.copy_(t)
+    assert pool.contains(out)
+    return out
+
+
+def _world_pull(rank: int, world_size: int) -> None:  # noqa: C901 (one world, many cases)
+    from moe_dispatcher import Buffer
+    dev = torch.device("cuda", torch.cuda.current_device())
+    kb = make_buffer(hidden_bytes=MAX_HIDDEN_BYTES, backend="kernels", explicitly_destroy=True,
+                     num_pool_bytes=POOL_BYTES)
+    rb = Buffer(backend="reference", explicitly_destroy=True)
+    assert kb._kernels is not None and kb._kernels.name == "internode", kb._kernels_why
+    pool = kb.peer_pool
+    nvl = kb.topology.nvl_size
+    g = torch.Generator().manual_seed(11 + rank)
+    e, k = 8 * world_size, 8
+
+    def combine_both(y, handle, w, bias, what: str):
+        """The combine with inputs outside the pool (its domain missed: the FIFO kernel, unless no rank of the
+        domain holds a row, as an input without rows counts as peer-mapped), then in the pool (pulled): the same
+        bits. Returns the pulled outputs."""
+        held = handle.rank_prefix_matrix[-1].cpu()  # rows each rank received (its combine input's rows)
+        d = rank // nvl
+        seen = _pulls(kb)
+        ring = kb.combine(y.clone(), handle, topk_weights=None if w is None else w.clone(), bias=bias)
+        seen = _pulled(kb, seen, 1, int(bool((held[d * nvl:(d + 1) * nvl] > 0).any())))
+        yp, wp = _in_pool(pool, y), None if w is None else _in_pool(pool, w)
+        pulled = kb.combine(yp, handle, topk_weights=wp, bias=bias)
+        _pulled(kb, seen, 1, 0)
+        assert_equal(pulled[0], ring[0], f"combined x, pulled vs FIFO ({what})")
+        if w is not None:
+            assert_equal(pulled[1], ring[1], f"combined weights, pulled vs FIFO ({what})")
+        del yp, wp
+        return pulled
+
+    for t, h, kind in [(512, 4096, "random"), (300, 7168, "skewed"), (77, 1024, "empty_last"), (129, 2048, "one_rank"),
+                       (0 if rank == 1 else 64, 1024, "random"), (5, 512, "dense")]:
+        idx = _routing(g, t, e, k, world_size, kind).to(dev)
+        x = torch.randn(t, h, generator=g).to(torch.bfloat16).to(dev)
+        w = torch.rand(t, k, generator=g).to(dev)
+        _, out = _dispatch(kb, x, idx, w, e)
+        _, ref = _dispatch(rb, x, idx, w, e)
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            for with_w in (False, True):
+                for nbias in (0, 1, 2):
+                    what = f"{kind}, T={t}, H={h}, {dtype}, weights={with_w}, biases={nbias}"
+                    with case(what):
+                        y = (out[0].float() * 0.5 + 0.25).to(dtype)
+                        yw = out[2] if with_w else None
+                        biases = [torch.randn(t, h, generator=g).to(dtype).to(dev) for _ in range(nbias)]
+                        bias = None if nbias == 0 else (biases[0] if nbias == 1 else tuple(biases))
+                        got = combine_both(y, out[4], yw, bias, what)
+                        want = rb.combine((ref[0].float() * 0.5 + 0.25).to(dtype), ref[4],
+                                          topk_weights=ref[2] if with_w else None, bias=bias)
+                        atol, rtol = two_hop_tol(dtype)
+                        torch.testing.assert_close(got[0].float(), want[0].float(), atol=atol * 4, rtol=rtol,
+                                                   msg=lambda m: f"{what}: combined x vs reference: {m}")
+                        if with_w:
+                            torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
+        del out, ref
+
+    # One rank's input outside its pool (as when its pool is full): its domain misses, the other pulls.
+    t, h = 1024, 7168
+    idx = _routing(g, t, e, k, world_size, "dense").to(dev)
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16).to(dev)
+    w = torch.rand(t, k, generator=g).to(dev)
+    _, out = _dispatch(kb, x, idx, w, e)
+    seen = _pulls(kb)
+    want = kb.combine(out[0].clone(), out[4], topk_weights=out[2].clone())
+    seen = _pulled(kb, seen, 1, 1)
+    for victim in (0, world_size - 1):
+        with case(f"rank {victim}'s input outside its pool"):
+            y = out[0].clone() if rank == victim else _in_pool(pool, out[0])
+            yw = out[2].clone() if rank == victim else _in_pool(pool, out[2])
+            got = kb.combine(y, out[4], topk_weights=yw)
+            seen = _pulled(kb, seen, 1, int(rank // nvl == victim // nvl))
+            assert_equal(got[0], want[0], "combined x (one domain FIFO)")
+            assert_equal(got[1], want[1], "combined weights (one domain FIFO)")
+            del y, yw, got
+
+    # Along the handle of a dispatch whose domain took the FIFOs (rank 0's pool full then): fwd_rows is the FIFO
+    # forwarder's, and the pull combine must read the same rows.
+    with case("pull combine along a missed dispatch's handle"):
+        hog = []
+        if rank == 0:
+            if pool.stats()["largest_free"] >= (2 << 20):
+                hog.append(pool.allocate((pool.stats()["largest_free"] >> 21 << 21,), torch.uint8))
+            for mib in (64, 16, 4, 1):
+                while True:
+                    try:
+                        hog.append(pool.allocate((mib << 20,), torch.uint8))
+                    except torch.OutOfMemoryError:
+                        break
+        seen = _paths(kb)
+        _, fifo = _dispatch(kb, x, idx, w, e)
+        _took(kb, seen, direct=1, missed=int(rank // nvl == 0))
+        del hog
+        torch.cuda.synchronize()
+        dist.barrier()
+        combine_both(fifo[0].clone(), fifo[4], fifo[2].clone(), None, "along a missed dispatch's handle")
+        del fifo
+
+    with case("100 calls back to back"):
+        yp = _in_pool(pool, out[0])
+        seen = _pulls(kb)
+        for i in range(100):
+            yp.copy_(out[0] + i)  # other data every call: a read of the wrong call's rows shows
+            got = kb.combine(yp, out[4])[0]
+            if i % 10 == 0 or i == 99:
+                ring = kb.combine((out[0] + i).contiguous(), out[4])[0]
+                assert_equal(got, ring, f"combined x of call {i}")
+        _pulled(kb, seen, 100 + 11, 11)
+    torch.cuda.synchronize()
+    dist.barrier()
+    kb.destroy()
+    rb.destroy()
+
+
+def test_pull_combine_matches_fifo_combine() -> None:
+    run_distributed(_world_pull, 4, backend="nccl", timeout=300.0, env=dist_helpers.nvl_env(2))

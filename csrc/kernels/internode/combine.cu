@@ -61,6 +61,34 @@
 // worker lane j, at its first rows of FIFO j in the call, compares j's word; a source receiver lane x, at its
 // first partials of domain x, compares x's word. A source whose word differs is left out of the sums (its slots
 // are not read), but its rows are still waited for and credited, so every rank finishes the call.
+//
+// Pull mode (along the handle of a Buffer with a peer pool: pull_call = 1). The combine input x (and topk_weights)
+// of every rank may be a block of its peer pool, which its domain peers map. The kernel runs intranode's
+// direct-call protocol (intranode/direct_call.cuh) over the domain, on Control::pull of the NVLink buffer (indexed
+// by local rank; nothing else uses those words here), phases kPhaseNvlPullReady / kPhaseNvlPullArrive:
+//   ready + verdict, before the drain: block 0 publishes where my x / topk_weights lie in my buffer (-1: not
+//     peer-mapped) with the layout word nvl_signature (row bytes, dtype, top-k columns); every block acquires every
+//     domain peer's and decides: pull when every peer's x is peer-mapped and every word equals mine. Every rank of
+//     the domain reads the same words, so the domain agrees; other domains need not (the RDMA traffic is the same
+//     in both modes: the same partials, bit for bit).
+//   pull: block 3c (NVL sender) is idle, no FIFO is touched. The forwarder serves only the remote source domains
+//     (my own domain's ring stays unused): for forwarded token idx and local rank j ascending in its mask it reads
+//     row fwd_rows[idx][j] of j's x in place (the dispatch recorded where the token landed at j), reduces as in
+//     FIFO mode (the same rows in the same order: the same partial), stages and puts it; no FIFO wait, no head
+//     release (the inputs were complete when the verdict acquired every peer's ready word). The source receiver
+//     waits for and credits only the remote domains' partials; my own domain's rows it reads in place, at
+//     fwd_rows[fwd_offset[my domain][c] + k][j] for the k-th token of the channel that went to my domain, writes
+//     their round(sum over j ascending) (the partial my own ring carried in FIFO mode) into the token's output row
+//     first, and reads it back (the same lanes) at my domain's place in out = cast(b0 + b1 + sum over domains
+//     ascending of partial_x): the same bits. (A separate register-held own partial spilled: this costs a local
+//     row write and read per token instead.) Each mode is its own instantiation of the roles: FIFO mode's
+//     registers stay today's.
+//   missed (some peer's input not in its pool, a layout word that differs, a CUDA graph capture): this kernel as
+//     described above, unchanged.
+//   arrival + completion, at the end of every block (either mode): arrive at every domain peer after a system
+//     fence and a block barrier (its reads of their x are done), and block 0 waits for every peer's 3C arrivals, so
+//     no later work of my stream overwrites my x while a peer still reads it; a missed call counts in
+//     pull.missed_total (IpcBuffer.path_counters()).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -71,9 +99,13 @@
 #include "kernels/common/refused_call.cuh"
 #include "kernels/common/ring_layout.cuh"
 #include "kernels/internode/common.cuh"
+#include "kernels/internode/domain_call.cuh"
 
 namespace moe_ep::internode {
 namespace {
+
+using nvlink::PullInputBlocks;
+using PullCall = intranode::DirectCallState<PullInputBlocks>;
 
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
@@ -123,13 +155,13 @@ constexpr int kLoadGroup = 2;   // sources whose vectors are loaded together (8 
 
 
 // One warp: out = cast(bias0 + bias1 + srcs[0] + srcs[1] + ...) in float32, in that order, and the
-// top-k weights after each source row summed likewise into out_w (if non-null). kLoadGroup sources x
-// kLoadUnroll vectors per lane are loaded before any of them is added, so a lane keeps 8 loads in
-// flight instead of nsrc.
+// top-k weights after each source row summed likewise into out_w (if non-null; from wsrcs[i] when wsrcs is
+// non-null, else from the slot layout: srcs[i] + row_bytes). kLoadGroup sources x kLoadUnroll vectors per lane are
+// loaded before any of them is added, so a lane keeps 8 loads in flight instead of nsrc.
 template <typename T>
 __device__ __forceinline__ void reduce_row(uint8_t* out, float* out_w, const uint8_t* const* srcs, int nsrc,
                                            const uint8_t* bias0, const uint8_t* bias1, int row_bytes, int num_topk,
-                                           int lane) {
+                                           int lane, const uint8_t* const* wsrcs = nullptr) {
   constexpr int E = Vec<T>::kElems;
   const int vecs = row_bytes / 16;
   for (int v0 = lane; v0 < vecs; v0 += 32 * kLoadUnroll) {
@@ -186,7 +218,10 @@ __device__ __forceinline__ void reduce_row(uint8_t* out, float* out_w, const uin
   }
   if (out_w != nullptr && lane < num_topk) {
     float w = 0.f;
-    for (int i = 0; i < nsrc; ++i) w += __int_as_float(ptx::ld_cg(reinterpret_cast<const int*>(srcs[i] + row_bytes) + lane));
+    for (int i = 0; i < nsrc; ++i) {
+      const uint8_t* ws = wsrcs != nullptr ? wsrcs[i] : srcs[i] + row_bytes;
+      w += __int_as_float(ptx::ld_cg(reinterpret_cast<const int*>(ws) + lane));
+    }
     out_w[lane] = w;
   }
 }
@@ -262,10 +297,14 @@ struct FwdSeq {
   }
 };
 
-template <typename T>
-__device__ void forward_worker(const CombineArgs& a, int ch, int warp, int lane, const Watchdog& dog, int row_bytes,
-                               const FwdSeq& seq, const uint64_t* rtail0, const uint64_t* nhead0,
-                               ChunkBoard& board, volatile int* stop, const uint8_t** srcs) {
+// kPull (pull mode): the token's rows are read in place from the domain's published inputs `pull` (wsrcs: their
+// top-k weights), with no FIFO wait and no ring signature check (the verdict compared the words). Each mode is its
+// own instantiation, so the FIFO mode's registers are today's.
+template <typename T, bool kPull>
+__device__ void forward_worker(const CombineArgs& a, const PullCall* pull, int ch, int warp, int lane,
+                               const Watchdog& dog, int row_bytes, const FwdSeq& seq, const uint64_t* rtail0,
+                               const uint64_t* nhead0, ChunkBoard& board, volatile int* stop, const uint8_t** srcs,
+                               const uint8_t** wsrcs) {
   const Common& c = a.c;
   const int nvl = c.nvl_size, K = a.chunk_tokens, total = seq.cstart[c.num_domains];
   RdmaControl* rctl = rdma_ctl(c);
@@ -284,7 +323,7 @@ __device__ void forward_worker(const CombineArgs& a, int ch, int warp, int lane,
     count_bits(static_cast<uint32_t>(mask), nvl, lane, mine, unused);
     const uint64_t first_slot = rtail0[x] + k0;
     bool good = true;
-    if (lane < nvl && mine > 0) {
+    if (!kPull && lane < nvl && mine > 0) {
       // FIFO tail: written by local rank `lane`'s NVL sender (st.release.sys after a group barrier).
       good = wait_at_least(&nctl->fifo_tail[ch][lane], nhead0[lane] + cnt + mine, dog, kPhaseCombineForward,
                            c.domain * nvl + lane, AbortFlag{stop});
@@ -300,7 +339,7 @@ __device__ void forward_worker(const CombineArgs& a, int ch, int warp, int lane,
       return;
     }
     // Lane j's first rows of FIFO j: its tail acquire (past the call's first row) published j's signature.
-    if (lane < nvl && mine > 0 && verdict == 0) {
+    if (!kPull && lane < nvl && mine > 0 && verdict == 0) {
       verdict = ring_word_disagrees(&nctl->ring_signature[lane], nctl, c.mailbox, c.domain * nvl + lane,
                                     a.nvl_signature, true) ? 2 : 1;
     }
@@ -311,7 +350,19 @@ __device__ void forward_worker(const CombineArgs& a, int ch, int warp, int lane,
       const int mi = __shfl_sync(0xffffffffu, mask, i);
       const unsigned below = (1u << i) - 1u;
       int nsrc = 0;
-      for (int j = 0; j < nvl; ++j) {
+      if constexpr (kPull) {  // rows in place: fwd_rows of this forwarded token (-1: not sent to j, or dropped)
+        const int64_t idx = seq.first[x] + k0 + i;
+        for (int j = 0; j < nvl; ++j) {
+          const int row = ((mi >> j) & 1) && idx < a.fwd_capacity ? a.fwd_rows[idx * nvl + j] : -1;  // uniform
+          if (row < 0) continue;
+          if (lane == 0) {
+            srcs[nsrc] = c.nvl[j] + pull->blocks[j].x_offset + static_cast<int64_t>(row) * row_bytes;
+            wsrcs[nsrc] = c.nvl[j] + pull->blocks[j].w_offset + static_cast<int64_t>(row) * a.num_topk * 4;
+          }
+          ++nsrc;
+        }
+      }
+      for (int j = 0; !kPull && j < nvl; ++j) {
         const unsigned b = __ballot_sync(0xffffffffu, (mask >> j) & 1);
         const uint32_t base = __shfl_sync(0xffffffffu, cnt, j);
         if (((mi & ~left_out) >> j) & 1) {  // uniform
@@ -325,7 +376,7 @@ __device__ void forward_worker(const CombineArgs& a, int ch, int warp, int lane,
       __syncwarp();
       uint8_t* dst = ring_slot(out_ring, first_slot + i, a.rdma_slots, a.rdma_slot_bytes);
       reduce_row<T>(dst, has_weights ? reinterpret_cast<float*>(dst + row_bytes) : nullptr, srcs, nsrc, nullptr, nullptr,
-                    row_bytes, a.num_topk, lane);
+                    row_bytes, a.num_topk, lane, kPull ? wsrcs : nullptr);
       __syncwarp();  // srcs is rewritten for the next token
     }
     rdma_put_rows(c, x, ch, first_slot, n, a.rdma_slots, a.rdma_slot_bytes, lane);  // remote: put + quiet
@@ -334,9 +385,10 @@ __device__ void forward_worker(const CombineArgs& a, int ch, int warp, int lane,
   }
 }
 
-__device__ void forward_commit(const CombineArgs& a, int ch, int lane, const Watchdog& dog, const FwdSeq& seq,
-                               const uint64_t* rtail0, const uint64_t* nhead0, const ChunkBoard& board,
-                               const volatile int* stop) {
+// pull: pull mode (no FIFO was read: its heads stay).
+__device__ void forward_commit(const CombineArgs& a, bool pull, int ch, int lane, const Watchdog& dog,
+                               const FwdSeq& seq, const uint64_t* rtail0, const uint64_t* nhead0,
+                               const ChunkBoard& board, const volatile int* stop) {
   const Common& c = a.c;
   const int nvl = c.nvl_size, K = a.chunk_tokens, D = c.num_domains, total = seq.cstart[D];
   RdmaControl* rctl = rdma_ctl(c);
@@ -364,17 +416,20 @@ __device__ void forward_commit(const CombineArgs& a, int ch, int lane, const Wat
       kc = last;
     }
     // The FIFO heads: local rank j may reuse the slots of every committed row.
-    if (lane < nvl && cnt != published) {
+    if (!pull && lane < nvl && cnt != published) {
       published = cnt;
       ptx::st_release_sys(&nvl_ctl(c, lane)->fifo_head[ch][c.local], nhead0[lane] + cnt);
     }
   }
   if (lane == 0 && any_remote) nvshmem_quiet();  // complete the tail signals before the kernel ends
-  if (lane < nvl) nvl_ctl(c, c.local)->head_copy[ch][lane] = nhead0[lane] + cnt;
+  if (!pull && lane < nvl) nvl_ctl(c, c.local)->head_copy[ch][lane] = nhead0[lane] + cnt;
 }
 
-template <typename T>
-__device__ void forward(const CombineArgs& a, int ch, int warp, int lane, const Watchdog& dog, int row_bytes) {
+// kPull (pull mode; pull: the domain's published inputs): my own domain's tokens are the source receivers' (no
+// chunk of them here).
+template <typename T, bool kPull>
+__device__ void forward(const CombineArgs& a, const PullCall* pull, int ch, int warp, int lane, const Watchdog& dog,
+                        int row_bytes) {
   const Common& c = a.c;
   const int D = c.num_domains, nvl = c.nvl_size, C = a.num_channels, K = a.chunk_tokens;
   RdmaControl* rctl = rdma_ctl(c);
@@ -385,9 +440,10 @@ __device__ void forward(const CombineArgs& a, int ch, int warp, int lane, const 
   __shared__ ChunkBoard s_board;              // the worker warps' progress in this call
   __shared__ int s_abort;
   __shared__ const uint8_t* s_srcs[kWorkers][kMaxNvl];
+  __shared__ const uint8_t* s_wsrcs[kWorkers][kMaxNvl];  // pull mode: the rows' top-k weights
   for (int x = threadIdx.x; x < D; x += blockDim.x) {
     s_first[x] = a.fwd_offset[x * (C + 1) + ch];
-    s_count[x] = a.fwd_offset[x * (C + 1) + ch + 1] - s_first[x];
+    s_count[x] = (kPull && x == c.domain) ? 0 : a.fwd_offset[x * (C + 1) + ch + 1] - s_first[x];
     s_rtail0[x] = *reinterpret_cast<volatile uint64_t*>(&rctl->tail_copy[ch][x]);
     // The ring signature, completed before the barriers below, hence before the commit warp's tail signals.
     rdma_publish_signature(c, x, a.rdma_signature);
@@ -407,9 +463,10 @@ __device__ void forward(const CombineArgs& a, int ch, int warp, int lane, const 
   __syncthreads();  // the last block-wide barrier: from here on warps wait only on their own words
   const FwdSeq seq{s_first, s_count, s_cstart, a.fwd_mask, a.fwd_capacity, nvl};
   if (warp == kCommitWarp) {
-    forward_commit(a, ch, lane, dog, seq, s_rtail0, s_nhead0, s_board, &s_abort);
+    forward_commit(a, kPull, ch, lane, dog, seq, s_rtail0, s_nhead0, s_board, &s_abort);
   } else {
-    forward_worker<T>(a, ch, warp, lane, dog, row_bytes, seq, s_rtail0, s_nhead0, s_board, &s_abort, s_srcs[warp]);
+    forward_worker<T, kPull>(a, pull, ch, warp, lane, dog, row_bytes, seq, s_rtail0, s_nhead0, s_board, &s_abort,
+                      s_srcs[warp], s_wsrcs[warp]);
   }
 }
 
@@ -438,12 +495,18 @@ __device__ __forceinline__ void recv_scan_to(const CombineArgs& a, int& st, int 
   }
 }
 
-template <typename T>
-__device__ void receive_worker(const CombineArgs& a, int ch, int warp, int lane, const Watchdog& dog, int row_bytes,
-                               int begin, int end, const uint64_t* rhead0, ChunkBoard& board, volatile int* stop,
-                               const uint8_t** srcs) {
+// kPull (pull mode; pull: the domain's published inputs): my own domain's rows are read in place (own, own_w: a
+// token's rows and their weights), at the forwarded index of the token among the channel's tokens that went to my
+// domain (the scan's count of my domain, which is not waited for nor credited: no partial of it travels).
+template <typename T, bool kPull>
+__device__ void receive_worker(const CombineArgs& a, const PullCall* pull, int ch, int warp, int lane,
+                               const Watchdog& dog, int row_bytes, int begin, int end, const uint64_t* rhead0,
+                               ChunkBoard& board, volatile int* stop, const uint8_t** srcs,
+                               const uint8_t** wsrcs) {
   const Common& c = a.c;
-  const int D = c.num_domains, K = a.chunk_tokens, total = (end - begin + K - 1) / K;
+  const int D = c.num_domains, K = a.chunk_tokens, total = (end - begin + K - 1) / K, nvl = c.nvl_size;
+  const uint64_t own_bit = kPull ? 1ull << c.domain : 0;  // my domain, when its partial does not travel
+  const int own_first = kPull ? a.fwd_offset[c.domain * (a.num_channels + 1) + ch] : 0;  // my domain's first fwd index
   RdmaControl* rctl = rdma_ctl(c);
   nvlink::Control* nctl = nvl_ctl(c, c.local);
   uint32_t lo = 0, hi = 0;  // lane x (& 31): partials of domain x (lo: x < 32, hi: x >= 32) before st
@@ -456,7 +519,7 @@ __device__ void receive_worker(const CombineArgs& a, int ch, int warp, int lane,
     recv_scan_to(a, st, t0, lo, hi, lane);
     const uint64_t bits = lane < n ? token_domains(a, t0 + lane) : 0;
     uint32_t mlo = 0, mhi = 0;
-    count_bits(bits, D, lane, mlo, mhi);
+    count_bits(bits & ~own_bit, D, lane, mlo, mhi);  // partials that travel: waited for, signatures checked
     bool good = true;
     // RDMA tails: written by the team member of domain `lane` (its forward commit warp, rdma_signal_tail).
     if (lane < D && mlo > 0) {
@@ -487,31 +550,65 @@ __device__ void receive_worker(const CombineArgs& a, int ch, int warp, int lane,
     for (int i = 0; i < n; ++i) {
       const int64_t token = t0 + i;
       const unsigned below = (1u << i) - 1u;
-      uint64_t rest = __shfl_sync(0xffffffffu, bits, i) & ~left_out;
+      const uint64_t tbits = __shfl_sync(0xffffffffu, bits, i);
+      const uint64_t rest = tbits & ~left_out & ~own_bit;
       int nsrc = 0;
-      while (rest != 0) {  // domains ascending (uniform)
-        const int x = __ffsll(static_cast<long long>(rest)) - 1;
-        rest &= rest - 1;
+      float* out_w = a.out_topk_weights != nullptr ? a.out_topk_weights + token * a.num_topk : nullptr;
+      uint8_t* out = a.out + token * row_bytes;
+      const bool own = (tbits & own_bit) != 0;  // pull mode, a token that went to my domain
+      if (own) {
+        // My domain's partial first, into the token's output row (and weights): round(sum over j ascending) of its
+        // rows read in place, the partial my own ring carried in FIFO mode.
+        const unsigned b = __ballot_sync(0xffffffffu, (bits & own_bit) != 0);
+        const int64_t idx = own_first + count_of(lo, hi, c.domain) + __popc(b & below);
+        int nown = 0;
+        for (int j = 0; j < nvl; ++j) {
+          const int row = idx < a.fwd_capacity ? a.fwd_rows[idx * nvl + j] : -1;  // uniform; -1: not sent to j
+          if (row < 0) continue;
+          if (lane == 0) {
+            srcs[nown] = c.nvl[j] + pull->blocks[j].x_offset + static_cast<int64_t>(row) * row_bytes;
+            wsrcs[nown] = c.nvl[j] + pull->blocks[j].w_offset + static_cast<int64_t>(row) * a.num_topk * 4;
+          }
+          ++nown;
+        }
+        __syncwarp();
+        reduce_row<T>(out, out_w, srcs, nown, nullptr, nullptr, row_bytes, a.num_topk, lane, wsrcs);
+        __syncwarp();  // srcs is rewritten below
+      }
+      // The partials, domains ascending (uniform); my domain's (pull mode) is the output row just written, read
+      // back by the lanes that wrote it (reduce_row maps each vector and weight to the same lane every call).
+      for (uint64_t todo = rest | (own ? own_bit : 0); todo != 0; todo &= todo - 1) {
+        const int x = __ffsll(static_cast<long long>(todo)) - 1;
+        if (kPull && x == c.domain) {
+          if (lane == 0) {
+            srcs[nsrc] = out;
+            wsrcs[nsrc] = reinterpret_cast<const uint8_t*>(out_w);
+          }
+          ++nsrc;
+          continue;
+        }
         const unsigned b = __ballot_sync(0xffffffffu, (bits >> x) & 1u);
         const uint64_t index = rhead0[x] + count_of(lo, hi, x) + __popc(b & below);
         if (lane == 0) {
           srcs[nsrc] = ring_slot(rdma_recv_ring(c, x, ch, a.rdma_slots, a.rdma_slot_bytes), index, a.rdma_slots,
                                  a.rdma_slot_bytes);
+          if (kPull) wsrcs[nsrc] = srcs[nsrc] + row_bytes;
         }
         ++nsrc;
       }
       __syncwarp();
-      reduce_row<T>(a.out + token * row_bytes, a.out_topk_weights != nullptr ? a.out_topk_weights + token * a.num_topk : nullptr,
-                    srcs, nsrc, a.bias0 != nullptr ? a.bias0 + token * row_bytes : nullptr,
-                    a.bias1 != nullptr ? a.bias1 + token * row_bytes : nullptr, row_bytes, a.num_topk, lane);
+      reduce_row<T>(out, out_w, srcs, nsrc, a.bias0 != nullptr ? a.bias0 + token * row_bytes : nullptr,
+                    a.bias1 != nullptr ? a.bias1 + token * row_bytes : nullptr, row_bytes, a.num_topk, lane,
+                    kPull ? wsrcs : nullptr);
       __syncwarp();  // srcs is rewritten for the next token
     }
     board.advance(0, warp, k + kWorkers, lane);  // every lane's slot loads before the board's release
   }
 }
 
-__device__ void receive_commit(const CombineArgs& a, int ch, int lane, const Watchdog& dog, int begin, int end,
-                               const uint64_t* rhead0, const ChunkBoard& board, const volatile int* stop) {
+// pull: pull mode (my own domain's ring carried nothing: neither credited nor its head copy moved).
+__device__ void receive_commit(const CombineArgs& a, bool pull, int ch, int lane, const Watchdog& dog, int begin,
+                               int end, const uint64_t* rhead0, const ChunkBoard& board, const volatile int* stop) {
   const Common& c = a.c;
   const int D = c.num_domains, K = a.chunk_tokens, total = (end - begin + K - 1) / K;
   RdmaControl* rctl = rdma_ctl(c);
@@ -529,7 +626,7 @@ __device__ void receive_commit(const CombineArgs& a, int ch, int lane, const Wat
     // Credits (lane 0 issues every signal, so its final quiet completes them all).
     for (int x = 0; x < D; ++x) {
       const uint32_t now = count_of(lo, hi, x), before = count_of(plo, phi, x);
-      if (lane == 0 && now != before) {
+      if (lane == 0 && now != before && !(pull && x == c.domain)) {
         rdma_credit(c, x, ch, rhead0[x] + now);
         any_remote |= x != c.domain;
       }
@@ -538,18 +635,20 @@ __device__ void receive_commit(const CombineArgs& a, int ch, int lane, const Wat
     phi = hi;
   }
   if (lane == 0 && any_remote) nvshmem_quiet();  // complete the credit signals before the kernel ends
-  if (lane < D) rctl->head_copy[ch][lane] = rhead0[lane] + lo;
-  if (lane + 32 < D) rctl->head_copy[ch][lane + 32] = rhead0[lane + 32] + hi;
+  if (lane < D && !(pull && lane == c.domain)) rctl->head_copy[ch][lane] = rhead0[lane] + lo;
+  if (lane + 32 < D && !(pull && lane + 32 == c.domain)) rctl->head_copy[ch][lane + 32] = rhead0[lane + 32] + hi;
 }
 
-template <typename T>
-__device__ void receive(const CombineArgs& a, int ch, int warp, int lane, const Watchdog& dog, int row_bytes) {
+template <typename T, bool kPull>
+__device__ void receive(const CombineArgs& a, const PullCall* pull, int ch, int warp, int lane, const Watchdog& dog,
+                        int row_bytes) {
   const Common& c = a.c;
   RdmaControl* rctl = rdma_ctl(c);
   __shared__ uint64_t s_rhead0[kMaxDomains];  // head of my ring (ch, from x), at kernel start
   __shared__ ChunkBoard s_board;
   __shared__ int s_abort;
   __shared__ const uint8_t* s_srcs[kWorkers][kMaxDomains];
+  __shared__ const uint8_t* s_wsrcs[kWorkers][kMaxDomains];  // pull mode: the sources' top-k weights
   for (int x = threadIdx.x; x < c.num_domains; x += blockDim.x) {
     s_rhead0[x] = *reinterpret_cast<volatile uint64_t*>(&rctl->head_copy[ch][x]);
   }
@@ -559,15 +658,23 @@ __device__ void receive(const CombineArgs& a, int ch, int warp, int lane, const 
   int begin, end;
   channel_range(a.num_tokens, a.num_channels, ch, begin, end);
   if (warp == kCommitWarp) {
-    receive_commit(a, ch, lane, dog, begin, end, s_rhead0, s_board, &s_abort);
+    receive_commit(a, kPull, ch, lane, dog, begin, end, s_rhead0, s_board, &s_abort);
   } else {
-    receive_worker<T>(a, ch, warp, lane, dog, row_bytes, begin, end, s_rhead0, s_board, &s_abort, s_srcs[warp]);
+    receive_worker<T, kPull>(a, pull, ch, warp, lane, dog, row_bytes, begin, end, s_rhead0, s_board, &s_abort, s_srcs[warp],
+                      s_wsrcs[warp]);
   }
+}
+
+// The direct-call site of the pull NVLink hop: Control::pull, its phases, timeouts naming group ranks.
+__device__ __forceinline__ intranode::DirectCallSite<PullInputBlocks> nvl_pull_site(const Common& c) {
+  return {&nvlink::Control::pull, kPhaseNvlPullReady, kPhaseNvlPullArrive, c.domain * c.nvl_size};
 }
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
   __shared__ int shared_ok[kMaxNvl];
+  __shared__ PullCall call;
+  __shared__ intranode::Common domain;  // pull_call: the domain's buffers for the protocol
   const Common& c = a.c;
   const int ch = blockIdx.x / 3, role = blockIdx.x % 3;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -582,17 +689,33 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
   }
   const Watchdog dog = make_watchdog(c.timeout_ns, c.rank, &nvl_ctl(c, c.local)->timeout_claim, &c.mailbox->timeout,
                                      rdma_ctl(c)->peer_aborted);
+  // Pull NVLink hop: ready and verdict (direct_call.cuh steps 1-2) before the drain, whose barriers hand
+  // call.in_pool to every thread (without a pool handle: FIFO mode, no word touched).
+  if (a.pull_call) {
+    if (threadIdx.x == 0) set_domain_common(domain, c);
+    __syncthreads();
+    const PullInputBlocks mine{a.x_offset, a.w_offset};
+    const auto accepts = [](const PullInputBlocks& in) { return in.x_offset >= 0; };  // w_offset goes with it
+    if (!intranode::begin_direct_call(call, domain, nvl_pull_site(c), mine, a.nvl_signature, dog, accepts)) return;
+  } else if (threadIdx.x == 0) {
+    call.in_pool = 0;
+  }
   if (!drain_previous_calls(c, dog)) return;  // earlier calls drained; no ring written before this
+  const PullCall* pull = call.in_pool ? &call : nullptr;  // the same in every block of every rank of the domain
   if (role == 1) {
-    forward<T>(a, ch, warp, lane, dog, row_bytes);
+    if (pull != nullptr) forward<T, true>(a, pull, ch, warp, lane, dog, row_bytes);
+    else forward<T, false>(a, nullptr, ch, warp, lane, dog, row_bytes);
   } else if (role == 2) {
-    receive<T>(a, ch, warp, lane, dog, row_bytes);
-  } else {
+    if (pull != nullptr) receive<T, true>(a, pull, ch, warp, lane, dog, row_bytes);
+    else receive<T, false>(a, nullptr, ch, warp, lane, dog, row_bytes);
+  } else if (pull == nullptr) {  // pull mode: the NVLink senders have nothing to send
     const int warps = kWarps / c.nvl_size;
     const int group = warp / warps, group_warp = warp % warps;
-    if (group >= c.nvl_size) return;
-    nvl_send(a, ch, group, group_warp, warps, lane, &shared_ok[group], dog, row_bytes);
+    if (group < c.nvl_size) nvl_send(a, ch, group, group_warp, warps, lane, &shared_ok[group], dog, row_bytes);
   }
+  // Arrival at every domain peer, after this block's last read of their inputs (either mode), and (block 0)
+  // completion: every peer's reads of my input are done before my kernel ends (direct_call.cuh steps 3-4).
+  if (a.pull_call) intranode::end_direct_call(call, domain, nvl_pull_site(c), dog);
 }
 
 }  // namespace

@@ -58,7 +58,7 @@
 #include "kernels/common/refused_call.cuh"
 #include "kernels/common/ring_layout.cuh"
 #include "kernels/internode/common.cuh"
-#include "kernels/intranode/direct_call.cuh"
+#include "kernels/internode/domain_call.cuh"
 
 namespace moe_ep::internode {
 namespace {
@@ -644,17 +644,6 @@ __device__ void pad_worst_rows(const DispatchArgs& a, int ch) {
     a.recv_topk_weights[first * a.num_topk + i] = 0.f;
   }
   for (int64_t i = start; a.recv_src_idx != nullptr && i < extra; i += stride) a.recv_src_idx[first + i] = -1;
-}
-
-// One thread: the domain as intranode's direct-call protocol sees it (intranode/direct_call.cuh), into shared
-// memory (a copy per thread would live on the stack): its NVLink buffers, indexed by local rank.
-__device__ __forceinline__ void set_domain_common(intranode::Common& d, const Common& c) {
-  for (int j = 0; j < kMaxNvl; ++j) d.peers[j] = c.nvl[j];
-  d.rank = c.local;
-  d.num_ranks = c.nvl_size;
-  d.mailbox = c.mailbox;
-  d.timeout_ns = c.timeout_ns;
-  d.src_block_bytes = 0;
 }
 
 // The direct-call site of the NVLink hop: Control::direct, its phases, timeouts naming group ranks.

@@ -46,6 +46,8 @@ enum Phase : int32_t {
   kPhaseNvlDrain = 32,      // NVL sender waiting for a local rank to drain an earlier call
   kPhaseNvlDirectReady = 33,   // dispatch, direct NVLink hop: waiting for a domain peer's kernel to start
   kPhaseNvlDirectArrive = 34,  // dispatch, direct NVLink hop: waiting for a domain peer's blocks to finish writing here
+  kPhaseNvlPullReady = 35,     // combine, pull NVLink hop: waiting for a domain peer's kernel to start
+  kPhaseNvlPullArrive = 36,    // combine, pull NVLink hop: waiting for a domain peer to finish reading this rank's rows
 };
 
 // Start of the symmetric (NVSHMEM) buffer of every rank. Every word is written by exactly one
@@ -183,6 +185,15 @@ struct CombineArgs {
   int rdma_slots, rdma_slot_bytes;
   uint64_t rdma_signature, nvl_signature;  // this call's ring signatures, one per hop (as DispatchArgs'), nonzero
   int chunk_tokens;                 // tokens per warp chunk of the forwarder and receiver (1..kMaxCombineChunk)
+  // The pull NVLink hop (along the handle of a Buffer with a peer pool; combine.cu, "Pull mode"). pull_call 1: the
+  // kernel runs the direct-call protocol (intranode/direct_call.cuh) over the domain on Control::pull of the NVLink
+  // buffer (indexed by local rank), and the domain's verdict picks pull or FIFO mode; 0: FIFO mode, no word touched.
+  // Published per call: where MY x and topk_weights lie in my NVLink buffer (its peer pool; 16-aligned, -1 when not
+  // peer-mapped, which makes the domain's call missed) and the layout word (nvl_signature).
+  int pull_call;
+  int64_t x_offset, w_offset;
+  const int* fwd_rows;              // [fwd_capacity, nvl] (pull_call): the dispatch's row of forwarded token idx in
+                                    // local rank j's x, -1 where not sent there
 };
 constexpr int kMaxCombineChunk = 32;  // a chunk's tokens are one warp's lanes
 
