@@ -264,6 +264,26 @@ __device__ __forceinline__ int done_upto(const ChunkBoard& board, int total, int
   return min(board.lowest_in_warp(0, kWorkers, lane), total);
 }
 
+// A worker warp's sources of the row it reduces (the forwarder's up to kMaxNvl, the source receiver's up to
+// kMaxDomains): one table per block, declared in the kernel (a block has one role), row w for worker w.
+using WorkerSources = const uint8_t* [kWorkers][kMaxDomains];
+static_assert(kMaxNvl <= kMaxDomains, "a receiver's own domain (pull mode) has up to kMaxNvl sources");
+
+// Pull mode, warp: the sources read in place for one row, local ranks j ascending. Lane j passes `row`, the row of
+// j's x it reads (fwd_rows; -1: none; lanes >= nvl pass -1); a lane with a row writes entry (rows of the lanes below
+// it) of srcs (the row in j's x) and wsrcs (its top-k weights in j's topk_weights). Returns how many (every lane).
+// The caller's __syncwarp orders these stores before the reduction's reads of the table.
+__device__ __forceinline__ int pull_sources(const Common& c, const PullCall* pull, int row, int row_bytes,
+                                            int num_topk, int lane, const uint8_t** srcs, const uint8_t** wsrcs) {
+  const unsigned have = __ballot_sync(0xffffffffu, row >= 0);
+  if (row >= 0) {
+    const int at = __popc(have & ((1u << lane) - 1u));
+    srcs[at] = c.nvl[lane] + pull->blocks[lane].x_offset + static_cast<int64_t>(row) * row_bytes;
+    wsrcs[at] = c.nvl[lane] + pull->blocks[lane].w_offset + static_cast<int64_t>(row) * num_topk * 4;
+  }
+  return __popc(have);
+}
+
 // ------------------------------------------------------------------ forwarder (reduce in the domain, put back)
 // Sequence of this channel's forwarded tokens: source domain x ascending, then token order (the
 // order in which every local rank's NVL sender returns its rows). Chunks never span two domains.
@@ -317,10 +337,12 @@ __device__ void forward_worker(const CombineArgs& a, const PullCall* pull, int c
   for (int k = warp; k < total; k += kWorkers) {
     while (k >= seq.cstart[cx + 1]) ++cx;
     const int x = cx, k0 = (k - seq.cstart[x]) * K, n = min(K, seq.count[x] - k0);
-    seq.scan_to(sx, sk, x, k0, cnt, lane);
     const int mask = lane < n ? seq.mask(x, k0 + lane) : 0;
-    uint32_t mine = 0;
-    count_bits(static_cast<uint32_t>(mask), nvl, lane, mine, unused);
+    uint32_t mine = 0;  // FIFO mode: lane j, rows of FIFO j in this chunk (cnt: before it)
+    if constexpr (!kPull) {
+      seq.scan_to(sx, sk, x, k0, cnt, lane);
+      count_bits(static_cast<uint32_t>(mask), nvl, lane, mine, unused);
+    }
     const uint64_t first_slot = rtail0[x] + k0;
     bool good = true;
     if (!kPull && lane < nvl && mine > 0) {
@@ -352,15 +374,8 @@ __device__ void forward_worker(const CombineArgs& a, const PullCall* pull, int c
       int nsrc = 0;
       if constexpr (kPull) {  // rows in place: fwd_rows of this forwarded token (-1: not sent to j, or dropped)
         const int64_t idx = seq.first[x] + k0 + i;
-        for (int j = 0; j < nvl; ++j) {
-          const int row = ((mi >> j) & 1) && idx < a.fwd_capacity ? a.fwd_rows[idx * nvl + j] : -1;  // uniform
-          if (row < 0) continue;
-          if (lane == 0) {
-            srcs[nsrc] = c.nvl[j] + pull->blocks[j].x_offset + static_cast<int64_t>(row) * row_bytes;
-            wsrcs[nsrc] = c.nvl[j] + pull->blocks[j].w_offset + static_cast<int64_t>(row) * a.num_topk * 4;
-          }
-          ++nsrc;
-        }
+        const int row = lane < nvl && ((mi >> lane) & 1) && idx < a.fwd_capacity ? a.fwd_rows[idx * nvl + lane] : -1;
+        nsrc = pull_sources(c, pull, row, row_bytes, a.num_topk, lane, srcs, wsrcs);
       }
       for (int j = 0; !kPull && j < nvl; ++j) {
         const unsigned b = __ballot_sync(0xffffffffu, (mask >> j) & 1);
@@ -406,7 +421,7 @@ __device__ void forward_commit(const CombineArgs& a, bool pull, int ch, int lane
       while (kc >= seq.cstart[cx + 1]) ++cx;
       const int x = cx, last = min(upto, seq.cstart[x + 1]);  // chunks [kc, last) are x's
       const int end = min((last - seq.cstart[x]) * K, seq.count[x]);
-      seq.scan_to(sx, sk, x, end, cnt, lane);
+      if (!pull) seq.scan_to(sx, sk, x, end, cnt, lane);  // the FIFO rows they consumed (pull mode: none)
       if (lane == 0) {
         const uint64_t tail = rtail0[x] + end;
         rdma_signal_tail(c, x, ch, tail);
@@ -427,9 +442,10 @@ __device__ void forward_commit(const CombineArgs& a, bool pull, int ch, int lane
 
 // kPull (pull mode; pull: the domain's published inputs): my own domain's tokens are the source receivers' (no
 // chunk of them here).
+// srcs / wsrcs (pull mode only: else null): the block's source tables (the kernel's).
 template <typename T, bool kPull>
 __device__ void forward(const CombineArgs& a, const PullCall* pull, int ch, int warp, int lane, const Watchdog& dog,
-                        int row_bytes) {
+                        int row_bytes, WorkerSources& srcs, WorkerSources* wsrcs) {
   const Common& c = a.c;
   const int D = c.num_domains, nvl = c.nvl_size, C = a.num_channels, K = a.chunk_tokens;
   RdmaControl* rctl = rdma_ctl(c);
@@ -439,8 +455,6 @@ __device__ void forward(const CombineArgs& a, const PullCall* pull, int ch, int 
   __shared__ uint64_t s_nhead0[kMaxNvl];      // head of FIFO (ch, j -> me), at kernel start
   __shared__ ChunkBoard s_board;              // the worker warps' progress in this call
   __shared__ int s_abort;
-  __shared__ const uint8_t* s_srcs[kWorkers][kMaxNvl];
-  __shared__ const uint8_t* s_wsrcs[kWorkers][kMaxNvl];  // pull mode: the rows' top-k weights
   for (int x = threadIdx.x; x < D; x += blockDim.x) {
     s_first[x] = a.fwd_offset[x * (C + 1) + ch];
     s_count[x] = (kPull && x == c.domain) ? 0 : a.fwd_offset[x * (C + 1) + ch + 1] - s_first[x];
@@ -466,7 +480,7 @@ __device__ void forward(const CombineArgs& a, const PullCall* pull, int ch, int 
     forward_commit(a, kPull, ch, lane, dog, seq, s_rtail0, s_nhead0, s_board, &s_abort);
   } else {
     forward_worker<T, kPull>(a, pull, ch, warp, lane, dog, row_bytes, seq, s_rtail0, s_nhead0, s_board, &s_abort,
-                      s_srcs[warp], s_wsrcs[warp]);
+                             srcs[warp], kPull ? (*wsrcs)[warp] : nullptr);
   }
 }
 
@@ -561,16 +575,8 @@ __device__ void receive_worker(const CombineArgs& a, const PullCall* pull, int c
         // rows read in place, the partial my own ring carried in FIFO mode.
         const unsigned b = __ballot_sync(0xffffffffu, (bits & own_bit) != 0);
         const int64_t idx = own_first + count_of(lo, hi, c.domain) + __popc(b & below);
-        int nown = 0;
-        for (int j = 0; j < nvl; ++j) {
-          const int row = idx < a.fwd_capacity ? a.fwd_rows[idx * nvl + j] : -1;  // uniform; -1: not sent to j
-          if (row < 0) continue;
-          if (lane == 0) {
-            srcs[nown] = c.nvl[j] + pull->blocks[j].x_offset + static_cast<int64_t>(row) * row_bytes;
-            wsrcs[nown] = c.nvl[j] + pull->blocks[j].w_offset + static_cast<int64_t>(row) * a.num_topk * 4;
-          }
-          ++nown;
-        }
+        const int row = lane < nvl && idx < a.fwd_capacity ? a.fwd_rows[idx * nvl + lane] : -1;  // -1: not sent to j
+        const int nown = pull_sources(c, pull, row, row_bytes, a.num_topk, lane, srcs, wsrcs);
         __syncwarp();
         reduce_row<T>(out, out_w, srcs, nown, nullptr, nullptr, row_bytes, a.num_topk, lane, wsrcs);
         __syncwarp();  // srcs is rewritten below
@@ -639,16 +645,15 @@ __device__ void receive_commit(const CombineArgs& a, bool pull, int ch, int lane
   if (lane + 32 < D && !(pull && lane + 32 == c.domain)) rctl->head_copy[ch][lane + 32] = rhead0[lane + 32] + hi;
 }
 
+// srcs / wsrcs (pull mode only: else null): the block's source tables (the kernel's).
 template <typename T, bool kPull>
 __device__ void receive(const CombineArgs& a, const PullCall* pull, int ch, int warp, int lane, const Watchdog& dog,
-                        int row_bytes) {
+                        int row_bytes, WorkerSources& srcs, WorkerSources* wsrcs) {
   const Common& c = a.c;
   RdmaControl* rctl = rdma_ctl(c);
   __shared__ uint64_t s_rhead0[kMaxDomains];  // head of my ring (ch, from x), at kernel start
   __shared__ ChunkBoard s_board;
   __shared__ int s_abort;
-  __shared__ const uint8_t* s_srcs[kWorkers][kMaxDomains];
-  __shared__ const uint8_t* s_wsrcs[kWorkers][kMaxDomains];  // pull mode: the sources' top-k weights
   for (int x = threadIdx.x; x < c.num_domains; x += blockDim.x) {
     s_rhead0[x] = *reinterpret_cast<volatile uint64_t*>(&rctl->head_copy[ch][x]);
   }
@@ -660,8 +665,8 @@ __device__ void receive(const CombineArgs& a, const PullCall* pull, int ch, int 
   if (warp == kCommitWarp) {
     receive_commit(a, kPull, ch, lane, dog, begin, end, s_rhead0, s_board, &s_abort);
   } else {
-    receive_worker<T, kPull>(a, pull, ch, warp, lane, dog, row_bytes, begin, end, s_rhead0, s_board, &s_abort, s_srcs[warp],
-                      s_wsrcs[warp]);
+    receive_worker<T, kPull>(a, pull, ch, warp, lane, dog, row_bytes, begin, end, s_rhead0, s_board, &s_abort,
+                             srcs[warp], kPull ? (*wsrcs)[warp] : nullptr);
   }
 }
 
@@ -670,11 +675,23 @@ __device__ __forceinline__ intranode::DirectCallSite<PullInputBlocks> nvl_pull_s
   return {&nvlink::Control::pull, kPhaseNvlPullReady, kPhaseNvlPullArrive, c.domain * c.nvl_size};
 }
 
-template <typename T>
+// Steps 3-4 of the direct-call protocol (end_direct_call) for the pull NVLink hop, out of line: inlined, the state
+// it needs after the roles (the watchdog above all) stays live in registers through every role.
+__device__ __noinline__ void end_nvl_pull_call(PullCall& call, const intranode::Common& domain, const Common& c,
+                                               const Watchdog& dog) {
+  intranode::end_direct_call(call, domain, nvl_pull_site(c), dog);
+}
+
+// kPullCall: the launch's a.pull_call (launch_combine picks the instantiation), so a Buffer without a pool runs a
+// kernel with no pull-mode code at all (no protocol words, no in-place reads, no fwd_rows: the host passes fwd_rows
+// only along a pool handle), while a pool Buffer's kernel still decides pull or FIFO per call.
+template <typename T, bool kPullCall>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
   __shared__ int shared_ok[kMaxNvl];
-  __shared__ PullCall call;
-  __shared__ intranode::Common domain;  // pull_call: the domain's buffers for the protocol
+  __shared__ WorkerSources s_srcs;   // the worker warps' source rows (forwarder or source receiver)
+  __shared__ WorkerSources s_wsrcs;  // kPullCall, pull mode: the top-k weights of s_srcs' rows
+  __shared__ PullCall call;           // kPullCall: the domain's published inputs and the verdict
+  __shared__ intranode::Common domain;  // kPullCall: the domain's buffers for the protocol
   const Common& c = a.c;
   const int ch = blockIdx.x / 3, role = blockIdx.x % 3;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -690,42 +707,50 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
   const Watchdog dog = make_watchdog(c.timeout_ns, c.rank, &nvl_ctl(c, c.local)->timeout_claim, &c.mailbox->timeout,
                                      rdma_ctl(c)->peer_aborted);
   // Pull NVLink hop: ready and verdict (direct_call.cuh steps 1-2) before the drain, whose barriers hand
-  // call.in_pool to every thread (without a pool handle: FIFO mode, no word touched).
-  if (a.pull_call) {
+  // call.in_pool to every thread.
+  if constexpr (kPullCall) {
     if (threadIdx.x == 0) set_domain_common(domain, c);
     __syncthreads();
     const PullInputBlocks mine{a.x_offset, a.w_offset};
     const auto accepts = [](const PullInputBlocks& in) { return in.x_offset >= 0; };  // w_offset goes with it
     if (!intranode::begin_direct_call(call, domain, nvl_pull_site(c), mine, a.nvl_signature, dog, accepts)) return;
-  } else if (threadIdx.x == 0) {
-    call.in_pool = 0;
   }
   if (!drain_previous_calls(c, dog)) return;  // earlier calls drained; no ring written before this
-  const PullCall* pull = call.in_pool ? &call : nullptr;  // the same in every block of every rank of the domain
+  // The same in every block of every rank of the domain; a constant false without a pool.
+  const bool pull = kPullCall && call.in_pool != 0;
   if (role == 1) {
-    if (pull != nullptr) forward<T, true>(a, pull, ch, warp, lane, dog, row_bytes);
-    else forward<T, false>(a, nullptr, ch, warp, lane, dog, row_bytes);
+    if (pull) forward<T, true>(a, &call, ch, warp, lane, dog, row_bytes, s_srcs, &s_wsrcs);
+    else forward<T, false>(a, nullptr, ch, warp, lane, dog, row_bytes, s_srcs, nullptr);
   } else if (role == 2) {
-    if (pull != nullptr) receive<T, true>(a, pull, ch, warp, lane, dog, row_bytes);
-    else receive<T, false>(a, nullptr, ch, warp, lane, dog, row_bytes);
-  } else if (pull == nullptr) {  // pull mode: the NVLink senders have nothing to send
+    if (pull) receive<T, true>(a, &call, ch, warp, lane, dog, row_bytes, s_srcs, &s_wsrcs);
+    else receive<T, false>(a, nullptr, ch, warp, lane, dog, row_bytes, s_srcs, nullptr);
+  } else if (!pull) {  // pull mode: the NVLink senders have nothing to send
     const int warps = kWarps / c.nvl_size;
     const int group = warp / warps, group_warp = warp % warps;
     if (group < c.nvl_size) nvl_send(a, ch, group, group_warp, warps, lane, &shared_ok[group], dog, row_bytes);
   }
   // Arrival at every domain peer, after this block's last read of their inputs (either mode), and (block 0)
   // completion: every peer's reads of my input are done before my kernel ends (direct_call.cuh steps 3-4).
-  if (a.pull_call) intranode::end_direct_call(call, domain, nvl_pull_site(c), dog);
+  if constexpr (kPullCall) end_nvl_pull_call(call, domain, c, dog);
+}
+
+template <bool kPullCall>
+void launch_typed(const CombineArgs& args, dim3 grid, cudaStream_t stream) {
+  switch (args.dtype) {
+    case kBf16: combine_kernel<__nv_bfloat16, kPullCall><<<grid, kThreads, 0, stream>>>(args); break;
+    case kFp16: combine_kernel<__half, kPullCall><<<grid, kThreads, 0, stream>>>(args); break;
+    default: combine_kernel<float, kPullCall><<<grid, kThreads, 0, stream>>>(args); break;
+  }
 }
 
 }  // namespace
 
 void launch_combine(const CombineArgs& args, cudaStream_t stream) {
   const dim3 grid(3 * args.num_channels);
-  switch (args.dtype) {
-    case kBf16: combine_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(args); break;
-    case kFp16: combine_kernel<__half><<<grid, kThreads, 0, stream>>>(args); break;
-    default: combine_kernel<float><<<grid, kThreads, 0, stream>>>(args); break;
+  if (args.pull_call) {
+    launch_typed<true>(args, grid, stream);
+  } else {
+    launch_typed<false>(args, grid, stream);
   }
   check_launch("internode combine_kernel");
 }
