@@ -81,14 +81,18 @@
 //     their round(sum over j ascending) (the partial my own ring carried in FIFO mode) into the token's output row
 //     first, and reads it back (the same lanes) at my domain's place in out = cast(b0 + b1 + sum over domains
 //     ascending of partial_x): the same bits. (A separate register-held own partial spilled: this costs a local
-//     row write and read per token instead.) Each mode is its own instantiation of the roles: FIFO mode's
-//     registers stay today's.
+//     row write and read per token instead.) In both roles lane j loads fwd_rows[.][j] once per token and writes
+//     its source entry itself (pull_sources).
 //   missed (some peer's input not in its pool, a layout word that differs, a CUDA graph capture): this kernel as
 //     described above, unchanged.
 //   arrival + completion, at the end of every block (either mode): arrive at every domain peer after a system
 //     fence and a block barrier (its reads of their x are done), and block 0 waits for every peer's 3C arrivals, so
 //     no later work of my stream overwrites my x while a peer still reads it; a missed call counts in
 //     pull.missed_total (IpcBuffer.path_counters()).
+// Compiled per launch mode (kPullCall = pull_call, picked by launch_combine): a launch without a pool handle runs a
+// kernel with the FIFO path alone (no protocol, no pull-mode code); a pool handle's kernel holds both modes, each
+// its own instantiation of the forwarder and receiver roles (kPull), and decides per call. The workers' source
+// tables are the kernel's, one per block whatever its role.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
