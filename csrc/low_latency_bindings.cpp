@@ -46,7 +46,6 @@
 #include "bindings/carve.h"
 #include "bindings/device_scope.h"
 #include "bindings/fast_call.h"
-#include "bindings/method_entry.h"
 #include "bindings/stream_join.h"
 #include "kernels/low_latency/low_latency.h"
 #include "runtime/cuda_check.h"
@@ -833,10 +832,6 @@ void register_low_latency(py::module_& parent) {
   m.attr("CONTROL_BYTES") = kControlBytes;
   m.attr("MAX_TOKENS_PER_RANK") = kMaxTokensPerRank;
   // The packing the kernels carry (low_latency.h); compiled/low_latency.py decodes it (tests compare the two).
-  // Buffer.low_latency_dispatch / low_latency_combine as native entries (Buffer._install_ll_entries).
-  m.def("method_entry", &method_entry::make, py::arg("kind"), py::arg("method"), py::arg("buffer"), py::arg("runs"),
-        py::arg("first"), py::arg("served"), py::arg("key"), py::arg("first_args"), py::arg("run_args"),
-        py::arg("handle_type"));
   m.def("dispatch_signature", &dispatch_signature, py::arg("hidden"), py::arg("max_tokens"), py::arg("num_experts"),
         py::arg("num_topk"), py::arg("use_fp8"), py::arg("round_scale"), py::arg("use_ue8m0"));
   // Phase trace (low_latency.h, kTrace*): one record is TRACE_WORDS int64 words; events of block b at

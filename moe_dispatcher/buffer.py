@@ -165,8 +165,6 @@ class Buffer:
         # Low-latency fast path (see low_latency_dispatch): call key -> the compiled backend's method.
         self._ll_dispatch_runs: dict = {}
         self._ll_combine_runs: dict = {}
-        if self._kernels_ll is not None:
-            self._install_ll_entries(self._kernels_ll.method_entry)
         self._resolved: dict = {}  # (mode, device type, call facts) -> Backend: _resolve's decisions
         self._pending_row_checks: List[Tuple[Tensor, int]] = []
         if self._kernels is not None or self._kernels_ll is not None:
@@ -281,8 +279,6 @@ class Buffer:
         self._kernels = self._kernels_ll = None
         for name in ("_local_buffers", "_ll_dispatch_runs", "_ll_combine_runs", "_resolved"):
             getattr(self, name, {}).clear()  # (all of them exist unless __init__ raised)
-        for name in _LL_ENTRIES:
-            self.__dict__.pop(name, None)  # the native entries (_install_ll_entries) hold the backend's calls
         return backends
 
     def __del__(self) -> None:
@@ -832,9 +828,6 @@ class Buffer:
     # On a miss, _first_ll_dispatch / _first_ll_combine validate the arguments (moe_dispatcher.validation),
     # resolve the backend and, for the compiled one, remember the method under the key. The reference
     # backend is never remembered: its calls are validated every time (its checks read values too).
-    # With the compiled backend, these two methods run in C: the instance's attributes of their names are native
-    # entries doing what their bodies do (_install_ll_entries; _LL_ENTRIES, below the class, lists what each
-    # body reads and passes: change it with them).
     def low_latency_dispatch(self, x: Tensor, topk_idx: Tensor, num_max_dispatch_tokens_per_rank: int,
                              num_experts: int, cumulative_local_expert_recv_stats: Optional[Tensor] = None,
                              dispatch_wait_recv_cost_stats: Optional[Tensor] = None, use_fp8: bool = True,
@@ -882,16 +875,6 @@ class Buffer:
         except Exception as exc:  # a peer waiting for this call fails fast (_post_abort)
             self._post_abort(exc)
             raise
-
-    def _install_ll_entries(self, make: Callable) -> None:
-        """Make this instance's low_latency_dispatch / low_latency_combine the native entries of the two methods
-        above (make: the extension's method_entry, csrc/bindings/method_entry.h): each does what its method does,
-        in C, without the method's Python frame. Not for a subclass that overrides a method (its own runs)."""
-        for name, (kind, runs, first, key, first_args, run_args) in _LL_ENTRIES.items():
-            if getattr(type(self), name) is getattr(Buffer, name):
-                self.__dict__[name] = make(kind, getattr(Buffer, name), self, getattr(self, runs), first,
-                                           getattr(self._kernels_ll, name), key, first_args, run_args,
-                                           LowLatencyHandle)
 
     def _check_low_latency(self, max_tokens: int, hidden: int, num_experts: int) -> None:
         if not self.low_latency_mode:
@@ -981,29 +964,6 @@ class Buffer:
         if self._kernels_ll is not None:
             self._kernels_ll.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
-
-# The low-latency methods' fast path as data for their native entries (Buffer._install_ll_entries,
-# csrc/bindings/method_entry.h): name -> (kind, runs dict, validating method, the parameters of the key in the
-# order the entry reads them (dispatch: x for x.is_cuda, the two counts, the five flags; combine: handle for
-# handle.backend, the three flags), those passed to the validating method and those passed to run, as the
-# methods' bodies pass them).
-_LL_ENTRIES = {
-    "low_latency_dispatch": (
-        "dispatch", "_ll_dispatch_runs", "_first_ll_dispatch",
-        ("x", "num_max_dispatch_tokens_per_rank", "num_experts", "use_fp8", "round_scale", "use_ue8m0",
-         "async_finish", "return_recv_hook"),
-        ("x", "topk_idx", "num_max_dispatch_tokens_per_rank", "num_experts", "cumulative_local_expert_recv_stats",
-         "dispatch_wait_recv_cost_stats", "use_fp8", "round_scale", "use_ue8m0", "async_finish", "return_recv_hook"),
-        ("x", "topk_idx", "num_max_dispatch_tokens_per_rank", "num_experts", "cumulative_local_expert_recv_stats",
-         "dispatch_wait_recv_cost_stats", "use_fp8", "round_scale", "use_ue8m0", "async_finish", "return_recv_hook")),
-    "low_latency_combine": (
-        "combine", "_ll_combine_runs", "_first_ll_combine",
-        ("handle", "use_logfmt", "async_finish", "return_recv_hook"),
-        ("x", "topk_idx", "topk_weights", "handle", "use_logfmt", "async_finish", "return_recv_hook", "out",
-         "combine_wait_recv_cost_stats"),
-        ("x", "topk_idx", "topk_weights", "handle", "zero_copy", "async_finish", "return_recv_hook", "out",
-         "combine_wait_recv_cost_stats")),
-}
 
 # Reasons the reference backend served CUDA calls, warned about once per process.
 _warned_fallbacks: set = set()

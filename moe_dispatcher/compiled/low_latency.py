@@ -4,10 +4,8 @@ One LowLatencyBackend belongs to one Buffer(low_latency_mode=True). It brings NV
 group (moe_dispatcher.runtime.nvshmem), holds one symmetric allocation of num_rdma_bytes split into two
 halves, and makes the native runtime (_C.low_latency.LowLatencyRuntime, csrc/low_latency_bindings.cpp) that
 serves every call: low_latency_dispatch / low_latency_combine ARE the runtime's functions (METH_FASTCALL, bound to
-it; positional arguments only), and the Buffer's low_latency_dispatch / low_latency_combine are native entries
-(csrc/bindings/method_entry.h) that call them, so a Buffer call is one Python call into C++ (the Buffer method's
-key look-up, checks of the tensors against the shape's plan, the buffer half, the output allocation, the launch,
-the handle, the hook or the event). docs/low_latency.md describes the layout, the
+it; positional arguments only), so a Buffer call is one Python call into C++ (checks of the tensors against the shape's plan, the buffer half, the output
+allocation, the launch, the handle, the hook or the event). docs/low_latency.md describes the layout, the
 protocol and which kernels a call runs (chosen per shape: no switch).
 
 Streams (DeepEP V1's semantics): kernels run on the current stream; with async_finish on the Buffer's comm
@@ -131,8 +129,6 @@ class LowLatencyBackend(Backend):
         # The calls: one native call each (see the class docstring).
         self.low_latency_dispatch = self.runtime.dispatch
         self.low_latency_combine = self.runtime.combine
-        # The factory of the Buffer methods' native entries (Buffer._install_ll_entries).
-        self.method_entry = self._mod.method_entry
         self._alive = True
         self._state.barrier()  # nobody sends before every peer zeroed its buffer
         torch.cuda.current_stream().synchronize()
