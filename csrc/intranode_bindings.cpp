@@ -691,10 +691,20 @@ std::pair<c10::Storage, int64_t> pool_block(const IpcBuffer& b, c10::DeviceIndex
       throw std::runtime_error("PeerPool.allocating(): another PeerPool's context is active on this device and "
                                "thread; pool contexts of one device do not nest");
     }
+    // Inside this pool's own allocating() context (previous == base) the thread is routed to the pool already.
+    const bool routed_here = previous == base;
     const std::thread::id thread = std::this_thread::get_id();
-    c10::cuda::CUDACachingAllocator::beginAllocateToPool(
-        device, pool_id, [thread](cudaStream_t) { return std::this_thread::get_id() == thread; });
+    if (!routed_here) {
+      try {
+        c10::cuda::CUDACachingAllocator::beginAllocateToPool(
+            device, pool_id, [thread](cudaStream_t) { return std::this_thread::get_id() == thread; });
+      } catch (...) {
+        peer_pool::set_active_region(device, previous);
+        throw;
+      }
+    }
     auto end_routing = [&] {
+      if (routed_here) return;
       c10::cuda::CUDACachingAllocator::endAllocateToPool(device, pool_id);
       c10::cuda::CUDACachingAllocator::releasePool(device, pool_id);
       peer_pool::set_active_region(device, previous);
@@ -711,8 +721,13 @@ std::pair<c10::Storage, int64_t> pool_block(const IpcBuffer& b, c10::DeviceIndex
     }
     end_routing();
     if (!exhausted) {
-      const int64_t offset = static_cast<uint8_t*>(block.mutable_data()) - b.local();
-      return {std::move(block), offset};
+      // Only a block inside the region may be published to the peers: an allocator path that ignores the routing
+      // (PYTORCH_NO_CUDA_MEMORY_CACHING=1 allocates with cudaMalloc) gives ordinary memory, which takes the ring.
+      const uintptr_t at = reinterpret_cast<uintptr_t>(block.mutable_data());
+      if (at >= base && at + size <= base + b.pool_bytes() && at % 16 == 0) {
+        return {std::move(block), static_cast<int64_t>(at - reinterpret_cast<uintptr_t>(b.local()))};
+      }
+      return {std::move(block), -1};
     }
   }
   return {cuda_block(std::max<size_t>(nbytes, 1)), -1};

@@ -572,13 +572,21 @@ class Buffer:
             mode = LAUNCH_ASYNC if async_finish else LAUNCH_SYNC
             if type(x) is Tensor:
                 plan = handle.backend_state.dispatch_plans[0]
-                out = plan(handle, x, None, config, self.num_sms, mode) if plan is not None else None
+                try:
+                    out = plan(handle, x, None, config, self.num_sms, mode) if plan is not None else None
+                except Exception as exc:  # a peer waiting for this call (a direct one) fails fast (_post_abort)
+                    self._post_abort(exc)
+                    raise
                 if out is not None:
                     return out[0], None, None, None, None, (EventOverlap(out[2], (x, out[0])) if async_finish
                                                             else _NO_EVENT)
             elif type(x) is tuple and len(x) == 2 and type(x[0]) is Tensor and type(x[1]) is Tensor:
                 plan = handle.backend_state.dispatch_plans[1]
-                out = plan(handle, x[0], x[1], config, self.num_sms, mode) if plan is not None else None
+                try:
+                    out = plan(handle, x[0], x[1], config, self.num_sms, mode) if plan is not None else None
+                except Exception as exc:
+                    self._post_abort(exc)
+                    raise
                 if out is not None:
                     return (out[0], out[1]), None, None, None, None, (EventOverlap(out[2], (*x, out[0], out[1]))
                                                                        if async_finish else _NO_EVENT)
@@ -654,7 +662,11 @@ class Buffer:
             plan = handle.backend_state.combine_plans[topk_weights is not None]
             if plan is not None:
                 mode = LAUNCH_ASYNC if async_finish else LAUNCH_SYNC
-                out = plan(handle, x, topk_weights, config, self.num_sms, mode)
+                try:
+                    out = plan(handle, x, topk_weights, config, self.num_sms, mode)
+                except Exception as exc:  # a peer waiting for this call (a pull) fails fast (_post_abort)
+                    self._post_abort(exc)
+                    raise
                 if out is not None:
                     if not async_finish:
                         return out[0], out[1], _NO_EVENT
