@@ -764,9 +764,10 @@ struct DirectDispatchPlanArgs {
     // The backend keeps the latest direct call's blocks: this call's payload (a cached call has no meta block).
     PyObject* payload = THPVariable_Wrap(carve(block, 0, at::kByte, {static_cast<int64_t>(block.nbytes())}, {1}));
     if (payload == nullptr) throw pybind11::error_already_set();
-    PyList_SetItem(latest, 0, payload);  // steals payload
+    // `latest` is the backend's list of two (_direct_blocks): the stores fail only if it were not.
+    if (PyList_SetItem(latest, 0, payload) != 0) throw pybind11::error_already_set();  // steals payload
     Py_INCREF(Py_None);
-    PyList_SetItem(latest, 1, Py_None);
+    if (PyList_SetItem(latest, 1, Py_None) != 0) throw pybind11::error_already_set();
     return {std::move(block), static_cast<size_t>(o.scales_offset())};
   }
 };

@@ -162,6 +162,8 @@ def _pool_worker(rank: int, num_ranks: int) -> None:
     y = torch.randn_like(recv_x)
     yp = pool.allocate(tuple(y.shape), y.dtype).copy_(y)
     wp = pool.allocate(tuple(recv_w.shape), torch.float32).copy_(recv_w)
+    w_out = recv_w.clone()  # recv_w itself is a direct dispatch's output: in the pool
+    assert pool.contains(recv_w) and not pool.contains(w_out) and not pool.contains(y)
     ring = buf.combine(y, handle, topk_weights=recv_w)  # makes the plan (the full path): y is outside the pool
     ring_plain = buf.combine(y, handle)
     torch.cuda.synchronize()
@@ -178,8 +180,8 @@ def _pool_worker(rank: int, num_ranks: int) -> None:
         assert_equal(out[1], ring[1], "pulled combined_topk_weights vs the ring's")
     with case("fast-path combines pull from the pool and take the ring from outside it"):
         for label, inp, weights, missed, want in (("in the pool", yp, wp, 0, ring),
-                                                 ("outside the pool", y, recv_w, 1, ring),
-                                                 ("weights outside the pool", yp, recv_w, 1, ring),
+                                                 ("outside the pool", y, w_out, 1, ring),
+                                                 ("weights outside the pool", yp, w_out, 1, ring),
                                                  ("no weights, in the pool", yp, None, 0, ring_plain)):
             seen = _paths(buf)
             got, got_w, event = buf.combine(inp, handle, topk_weights=weights)

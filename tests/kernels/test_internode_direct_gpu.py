@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import dist as dist_helpers
-from dist import assert_equal, case, make_buffer, run_distributed
+from dist import assert_equal, case, fill_pool, make_buffer, run_distributed
 from normal_cases import CASES as INTRANODE_CASES
 from normal_cases import GROUP_CASES, check_case, check_graph_replay, check_worst_overflow, two_hop_tol
 from normal_cases import dispatch as _dispatch
@@ -194,18 +194,17 @@ def _world_direct(rank: int, world_size: int) -> None:  # noqa: C901 (one world,
         with case(f"rank {victim}'s pool full"):
             hog = []
             if rank == victim:
-                if pool.stats()["largest_free"] >= (2 << 20):
-                    hog.append(pool.allocate((pool.stats()["largest_free"] >> 21 << 21,), torch.uint8))
-                for mib in (64, 16, 4, 1):
-                    while True:
-                        try:
-                            hog.append(pool.allocate((mib << 20,), torch.uint8))
-                        except torch.OutOfMemoryError:
-                            break
+                hog = fill_pool(pool, (torch.cuda.current_stream(), kb.get_comm_stream()))
             missed = int(rank // nvl == victim // nvl)
+            before = pool.stats()
             seen = _paths(kb)
             _, got = _dispatch(kb, x2, idx2, w2, e)
-            seen = _took(kb, seen, direct=1, missed=missed)
+            try:
+                seen = _took(kb, seen, direct=1, missed=missed)
+            except AssertionError as exc:  # what the pool held: enough to tell a hog that left room from a kernel
+                raise AssertionError(f"{exc}; pool before the call {before}, after {pool.stats()}; outputs in the "
+                                     f"pool: {pool.contains(got[0])}, {len(hog)} hog blocks of "
+                                     f"{sum(b.numel() for b in hog)} B") from None
             assert_equal(got[0][:n], want[0][:n], "recv_x (FIFO fallback)")
             assert_equal(got[1], want[1], "recv_topk_idx (FIFO fallback)")
             assert_equal(got[2], want[2], "recv_topk_weights (FIFO fallback)")
@@ -357,14 +356,7 @@ def _world_pull(rank: int, world_size: int) -> None:  # noqa: C901 (one world, m
     with case("pull combine along a missed dispatch's handle"):
         hog = []
         if rank == 0:
-            if pool.stats()["largest_free"] >= (2 << 20):
-                hog.append(pool.allocate((pool.stats()["largest_free"] >> 21 << 21,), torch.uint8))
-            for mib in (64, 16, 4, 1):
-                while True:
-                    try:
-                        hog.append(pool.allocate((mib << 20,), torch.uint8))
-                    except torch.OutOfMemoryError:
-                        break
+            hog = fill_pool(pool, (torch.cuda.current_stream(), kb.get_comm_stream()))
         seen = _paths(kb)
         _, fifo = _dispatch(kb, x, idx, w, e)
         _took(kb, seen, direct=1, missed=int(rank // nvl == 0))

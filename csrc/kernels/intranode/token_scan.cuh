@@ -1,5 +1,5 @@
-// TokenScan: a sender warp's walk over its channel's tokens bound for one destination (the ring sender of the
-// intranode dispatch, dispatch.cu; the direct dispatch walks all destinations at once: row_scan.cuh).
+// TokenScan: a sender warp's walk over its channel's tokens bound for one destination (intranode dispatch
+// kernels: the ring sender of dispatch.cu and the direct sender of dispatch_direct.cu).
 #pragma once
 
 #include <cstdint>
