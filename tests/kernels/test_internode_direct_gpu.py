@@ -33,6 +33,7 @@ from normal_cases import routing as _routing
 
 pytestmark = pytest.mark.gpu
 MAX_HIDDEN_BYTES = 7168 * 2
+MAX_COMBINE_ROW_BYTES = 7168 * 4  # the pull test combines float32 rows of hidden 7168
 WORLDS = [pytest.param(4, 2, id="4-nvl2"), pytest.param(4, 1, id="4-nvl1")]
 POOL_BYTES = 1 << 30
 
@@ -212,6 +213,8 @@ def _world_direct(rank: int, world_size: int) -> None:  # noqa: C901 (one world,
             if rank == victim:
                 assert not pool.contains(got[0]), "the full pool's rank must have its outputs outside the pool"
             _check_fwd_rows(kb, got[4], "FIFO fallback" if missed else "direct beside a FIFO domain")
+            if rank == victim:  # the call let the blocks of the latest one go (the backend keeps only its own):
+                hog += fill_pool(pool, (torch.cuda.current_stream(), kb.get_comm_stream()))  # room again, taken
             cached = kb.dispatch(x2, handle=got[4])[0]
             _took(kb, seen, direct=1, missed=missed)
             assert_equal(cached[:n], want[0][:n], "cached recv_x (FIFO fallback)")
@@ -279,7 +282,7 @@ def _in_pool(pool, t: torch.Tensor) -> torch.Tensor:
 def _world_pull(rank: int, world_size: int) -> None:  # noqa: C901 (one world, many cases)
     from moe_dispatcher import Buffer
     dev = torch.device("cuda", torch.cuda.current_device())
-    kb = make_buffer(hidden_bytes=MAX_HIDDEN_BYTES, backend="kernels", explicitly_destroy=True,
+    kb = make_buffer(hidden_bytes=MAX_COMBINE_ROW_BYTES, backend="kernels", explicitly_destroy=True,
                      num_pool_bytes=POOL_BYTES)
     rb = Buffer(backend="reference", explicitly_destroy=True)
     assert kb._kernels is not None and kb._kernels.name == "internode", kb._kernels_why
