@@ -16,6 +16,7 @@
 
 #include "bindings.h"
 #include "bindings/cached_call.h"
+#include "bindings/carve.h"
 #include "bindings/layout_call.h"
 #include "bindings/stream_join.h"
 #include "ipc_bindings.h"
@@ -123,6 +124,12 @@ std::string phase_name(int phase) {
     case kPhaseCombineRecv: return "combine receive (source waiting for partial sums)";
     case kPhaseRdmaDrain: return "rdma drain (waiting for a team member to finish the previous call)";
     case kPhaseNvlDrain: return "nvl drain (waiting for a local rank to finish the previous call)";
+    case kPhaseNvlDirectReady: return "nvl direct ready (dispatch waiting for a domain peer's kernel to start)";
+    case kPhaseNvlDirectArrive:
+      return "nvl direct arrive (dispatch waiting for a domain peer's blocks to finish writing its rows here)";
+    case kPhaseNvlPullReady: return "nvl pull ready (combine waiting for a domain peer's kernel to start)";
+    case kPhaseNvlPullArrive:
+      return "nvl pull arrive (combine waiting for a domain peer to finish reading this rank's rows)";
     default: return "unknown phase " + std::to_string(phase);
   }
 }
@@ -137,12 +144,12 @@ int num_forward(const IpcBuffer& b) { return b.host_mailbox()->num_forward; }
 void notify(const Context& ctx, uint64_t timeout_ns, const at::Tensor& is_token_in_rank,
             const at::Tensor& num_tokens_per_rank, const at::Tensor& num_tokens_per_expert, int num_channels,
             int expert_alignment, int num_worst_tokens, int seq, const at::Tensor& rank_prefix_matrix,
-            const at::Tensor& recv_channel_offset, const at::Tensor& fwd_offset,
+            const at::Tensor& recv_channel_offset, const at::Tensor& fwd_offset, const at::Tensor& fwd_row_offset,
             const c10::optional<at::Tensor>& recv_expert_counts, int signature_hash, int problem) {
   const auto device = is_token_in_rank.get_device();
   MOE_CHECK(problem >= 0 && problem < 8, "a problem word travels in 3 bits");
   for (const at::Tensor* t : {&is_token_in_rank, &num_tokens_per_rank, &num_tokens_per_expert, &rank_prefix_matrix,
-                              &recv_channel_offset, &fwd_offset}) {
+                              &recv_channel_offset, &fwd_offset, &fwd_row_offset}) {
     expect_cuda(*t, device, "internode notify");
   }
   const int num_experts = static_cast<int>(num_tokens_per_expert.numel());
@@ -161,6 +168,10 @@ void notify(const Context& ctx, uint64_t timeout_ns, const at::Tensor& is_token_
                     num_worst_tokens, seq, reinterpret_cast<uintptr_t>(rank_prefix_matrix.data_ptr()),
                     reinterpret_cast<uintptr_t>(recv_channel_offset.data_ptr()));
   a.fwd_offset = data_of<int>(fwd_offset);
+  MOE_CHECK(fwd_row_offset.scalar_type() == at::kInt && fwd_row_offset.is_contiguous() &&
+                fwd_row_offset.numel() == static_cast<int64_t>(a.c.num_domains) * a.c.nvl_size * num_channels,
+            "internode notify: fwd_row_offset must be contiguous int32 [D, nvl, C]");
+  a.fwd_row_offset = data_of<int>(fwd_row_offset);
   expect_cuda(recv_expert_counts, device, "internode notify: recv_expert_counts");
   MOE_CHECK(!recv_expert_counts.has_value() || (recv_expert_counts->scalar_type() == at::kInt &&
                                                 recv_expert_counts->numel() == num_experts / a.c.num_ranks),
@@ -309,15 +320,127 @@ void dispatch(const Context& ctx, uint64_t timeout_ns, const at::Tensor& x, cons
   launch_dispatch(a, current_stream(device).stream());
 }
 
+// Dispatch of a Buffer with a peer pool (kernels/internode/dispatch.cu, "Direct mode"): the same kernel, which runs
+// the direct-call protocol over the domain and writes the NVLink hop's rows straight into the domain peers' outputs
+// when every rank of the domain has its outputs in its pool (else the FIFO path, into the same outputs). Fresh
+// (ring_signatures empty: top-k when given, source indices, fwd_mask written, fwd_rows int32 [max(fwd_capacity, 1),
+// nvl] written for every forwarded token) or cached (ring_signatures: (RDMA hop, NVLink hop); payload and scales only;
+// handle_fwd_mask: the handle's, read only). The outputs are carved from `payload` (uint8, intranode
+// direct_payload_bytes(...) at least: recv_x [rows, H] x.dtype, recv_scales [rows, S]) and, fresh, `meta` (uint8,
+// direct_meta_bytes(...): recv_topk_idx int64 [rows, K], recv_topk_weights float32 [rows, K], recv_src_idx int32
+// [rows]); out_offset / meta_offset: where they lie in this rank's NVLink buffer (its peer pool), or -1. fwd_row_offset
+// int32 [D, nvl, C]: notify's (fresh) or the handle's. -> (recv_x, recv_scales or None, recv_topk_idx and
+// recv_topk_weights or None, recv_src_idx or None (cached)).
+py::tuple direct_dispatch(const Context& ctx, uint64_t timeout_ns, const at::Tensor& x,
+                          const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& topk_idx,
+                          const c10::optional<at::Tensor>& topk_weights, const at::Tensor& is_token_in_rank,
+                          const at::Tensor& recv_channel_offset, const at::Tensor& fwd_offset,
+                          const at::Tensor& fwd_row_offset, const c10::optional<at::Tensor>& fwd_mask,
+                          int fwd_capacity, const c10::optional<at::Tensor>& fwd_rows, const at::Tensor& payload,
+                          int64_t out_offset, const c10::optional<at::Tensor>& meta, int64_t meta_offset, int64_t rows,
+                          int experts_per_rank, bool pad_rows, const std::vector<int>& geometry,
+                          const std::vector<int64_t>& ring_signatures, const c10::optional<at::Tensor>& handle_fwd_mask) {
+  const bool fresh = ring_signatures.empty();
+  const auto device = x.get_device();
+  for (const c10::optional<at::Tensor>* t : {&scales, &topk_idx, &topk_weights, &fwd_mask, &fwd_rows, &meta,
+                                             &handle_fwd_mask}) {
+    expect_cuda(*t, device, "internode direct dispatch");
+  }
+  expect_cuda(x, device, "internode direct dispatch: x");
+  expect_cuda(payload, device, "internode direct dispatch: payload");
+  expect_cuda(fwd_row_offset, device, "internode direct dispatch: fwd_row_offset");
+  MOE_CHECK(!topk_weights.has_value() || topk_idx.has_value(), "direct dispatch: topk_weights without topk_idx");
+  MOE_CHECK(fresh == meta.has_value() && fresh == fwd_mask.has_value() && fresh == fwd_rows.has_value() &&
+                fresh != handle_fwd_mask.has_value() && (fresh || !topk_idx.has_value()),
+            "internode direct dispatch: a fresh call has meta, fwd_mask and fwd_rows; a cached one the handle's "
+            "fwd_mask and no topk_idx");
+  const c10::cuda::CUDAGuard guard(device);
+  DispatchArgs a = dispatch_args(ctx, timeout_ns, geometry);
+  const int64_t nvl = a.c.nvl_size;
+  MOE_CHECK(fwd_row_offset.scalar_type() == at::kInt && fwd_row_offset.is_contiguous() &&
+                fwd_row_offset.numel() == a.c.num_domains * nvl * a.num_channels,
+            "internode direct dispatch: fwd_row_offset must be contiguous int32 [D, nvl, C]");
+  MOE_CHECK(!fwd_rows.has_value() || (fwd_rows->scalar_type() == at::kInt && fwd_rows->is_contiguous() &&
+                                      fwd_rows->numel() >= static_cast<int64_t>(fwd_capacity) * nvl),
+            "internode direct dispatch: fwd_rows must be contiguous int32 [fwd_capacity, nvl]");
+  set_routing(a, is_token_in_rank, recv_channel_offset, fwd_offset, fwd_mask, fwd_capacity);
+  MOE_CHECK(x.size(0) == a.num_tokens, "internode direct dispatch: x and is_token_in_rank differ in tokens");
+  const intranode::DirectPayload o{rows, x.size(1) * x.element_size(),
+                                   scales.has_value() ? scales->size(1) : 0};
+  const intranode::DirectMeta m{rows, topk_idx.has_value() ? topk_idx->size(1) : 0};
+  const uint8_t* local = ctx.c.nvl[ctx.c.local];
+  auto lies_at = [&](const at::Tensor& block, int64_t offset, int64_t bytes, const char* what) {
+    MOE_CHECK(block.scalar_type() == at::kByte && block.is_contiguous() && block.numel() >= bytes,
+              std::string("internode direct dispatch: ") + what + " must be a contiguous uint8 tensor of its bytes");
+    MOE_CHECK(offset == -1 || (offset >= 0 && offset % 16 == 0 && static_cast<uint8_t*>(block.data_ptr()) == local + offset),
+              std::string("internode direct dispatch: ") + what + "'s offset is not where it lies in the NVLink buffer");
+  };
+  lies_at(payload, out_offset, o.bytes(), "payload");
+  if (fresh) lies_at(*meta, meta_offset, m.bytes(), "meta");
+  const int64_t h = x.size(1), ns = o.num_scales, k = m.num_topk;
+  at::Tensor recv_x = carve(payload, o.x_offset(), x.scalar_type(), {rows, h}, {h, 1});
+  py::object recv_scales = py::none(), recv_idx = py::none(), recv_w = py::none(), recv_src = py::none();
+  at::Tensor scales_out, idx_out, w_out, src_out;
+  if (scales.has_value()) {
+    scales_out = carve(payload, o.scales_offset(), scales->scalar_type(), {rows, ns}, {ns, 1});
+    recv_scales = py::cast(scales_out);
+  }
+  if (topk_idx.has_value()) {
+    idx_out = carve(*meta, m.idx_offset(), at::kLong, {rows, k}, {k, 1});
+    w_out = carve(*meta, m.weights_offset(), at::kFloat, {rows, k}, {k, 1});
+    recv_idx = py::cast(idx_out);
+    recv_w = py::cast(w_out);
+  }
+  if (fresh) {
+    src_out = carve(*meta, m.src_offset(), at::kInt, {rows}, {1});
+    recv_src = py::cast(src_out);
+  }
+  a.x = data_of<const uint8_t>(x);
+  a.scales = data_of<const int32_t>(scales);
+  a.topk_idx = data_of<const int64_t>(topk_idx);
+  a.topk_weights = data_of<const float>(topk_weights);
+  a.recv_x = data_of<uint8_t>(recv_x);
+  a.recv_scales = scales.has_value() ? data_of<int32_t>(scales_out) : nullptr;
+  a.recv_topk_idx = topk_idx.has_value() ? data_of<int64_t>(idx_out) : nullptr;
+  a.recv_topk_weights = topk_idx.has_value() ? data_of<float>(w_out) : nullptr;
+  a.recv_src_idx = fresh ? data_of<int>(src_out) : nullptr;
+  a.hidden_bytes = static_cast<int>(o.hidden_bytes);
+  a.num_scales = static_cast<int>(ns);
+  a.num_topk = static_cast<int>(k);
+  a.experts_per_rank = experts_per_rank;
+  a.num_rows = static_cast<int>(rows);
+  a.pad_rows = pad_rows ? 1 : 0;
+  if (!fresh) {
+    MOE_CHECK(ring_signatures.size() == 2, "cached dispatch: ring signatures (RDMA hop, NVLink hop)");
+    a.rdma_signature = checked_ring_signature(ring_signatures[0]);
+    a.nvl_signature = checked_ring_signature(ring_signatures[1]);
+    a.handle_fwd_mask = data_of<const int>(handle_fwd_mask);
+  }
+  a.direct_call = 1;
+  a.out_offset = out_offset;
+  a.meta_offset = fresh ? meta_offset : 0;
+  a.out_rows = rows;
+  a.layout = a.nvl_signature;  // 0 fresh (notify checked the call), the NVLink hop's ring word cached
+  a.write_meta = fresh ? 1 : 0;
+  a.fwd_row_offset = data_of<const int>(fwd_row_offset);
+  a.fwd_rows = data_of<int>(fwd_rows);
+  launch_dispatch(a, current_stream(device).stream());
+  return py::make_tuple(recv_x, recv_scales, recv_idx, recv_w, recv_src);
+}
+
 // Combine: x [rows, H] bf16/fp16/fp32, topk_weights float32 [rows, K] or None, bias0 / bias1 [T, H] of x's dtype or
-// None -> out [T, H], out_topk_weights float32 [T, K] (with topk_weights).
+// None -> out [T, H], out_topk_weights float32 [T, K] (with topk_weights). Along the handle of a Buffer with a peer
+// pool, fwd_rows (int32 [fwd_capacity, nvl], the dispatch's) makes the kernel run the pull NVLink hop's protocol
+// (combine.cu, "Pull mode"): x_offset / w_offset are where x and topk_weights lie in this rank's NVLink buffer (its
+// peer pool), or -1 when they do not (then the domain's call takes the FIFOs).
 void combine(const Context& ctx, uint64_t timeout_ns, const at::Tensor& x,
              const c10::optional<at::Tensor>& topk_weights,
              const c10::optional<at::Tensor>& bias0, const c10::optional<at::Tensor>& bias1,
              const at::Tensor& is_token_in_rank, const at::Tensor& recv_channel_offset, const at::Tensor& fwd_offset,
              const at::Tensor& fwd_mask, int fwd_capacity, const at::Tensor& out,
              const c10::optional<at::Tensor>& out_topk_weights, const std::vector<int>& geometry,
-             const std::vector<int64_t>& ring_signatures) {
+             const std::vector<int64_t>& ring_signatures, const c10::optional<at::Tensor>& fwd_rows,
+             int64_t x_offset, int64_t w_offset) {
   const auto device = x.get_device();
   expect_cuda(x, device, "combine: x");
   expect_cuda(topk_weights, device, "combine: topk_weights");
@@ -336,6 +459,23 @@ void combine(const Context& ctx, uint64_t timeout_ns, const at::Tensor& x,
   a.bias1 = data_of<const uint8_t>(bias1);
   a.out = data_of<uint8_t>(out);
   a.out_topk_weights = data_of<float>(out_topk_weights);
+  if (fwd_rows.has_value()) {
+    expect_cuda(*fwd_rows, device, "combine: fwd_rows");
+    MOE_CHECK(fwd_rows->scalar_type() == at::kInt && fwd_rows->is_contiguous() &&
+                  fwd_rows->numel() >= static_cast<int64_t>(fwd_capacity) * a.c.nvl_size,
+              "combine: fwd_rows must be contiguous int32 [fwd_capacity, nvl]");
+    // (an input without rows is read by nobody: any offset will do; rows of 0 bytes still have weights to read)
+    const uint8_t* local = ctx.c.nvl[ctx.c.local];
+    MOE_CHECK(x_offset < 0 || x.size(0) == 0 ||
+                  (x_offset % 16 == 0 && static_cast<const uint8_t*>(x.data_ptr()) == local + x_offset &&
+                   (!topk_weights.has_value() ||
+                    static_cast<const uint8_t*>(topk_weights->data_ptr()) == local + w_offset)),
+              "combine: x_offset / w_offset are not where x / topk_weights lie in this rank's NVLink buffer");
+    a.pull_call = 1;
+    a.fwd_rows = data_of<const int>(*fwd_rows);
+    a.x_offset = x_offset < 0 ? -1 : x_offset;
+    a.w_offset = a.x_offset < 0 ? -1 : w_offset;
+  }
   launch_combine(a, current_stream(device).stream());
 }
 
@@ -436,34 +576,61 @@ void register_internode(py::module_& m) {
   sub.def("notify", &notify, py::arg("ctx"), py::arg("timeout_ns"), py::arg("is_token_in_rank"),
           py::arg("num_tokens_per_rank"), py::arg("num_tokens_per_expert"), py::arg("num_channels"),
           py::arg("expert_alignment"), py::arg("num_worst_tokens"), py::arg("seq"), py::arg("rank_prefix_matrix"),
-          py::arg("recv_channel_offset"), py::arg("fwd_offset"), py::arg("recv_expert_counts") = py::none(),
+          py::arg("recv_channel_offset"), py::arg("fwd_offset"), py::arg("fwd_row_offset"),
+          py::arg("recv_expert_counts") = py::none(),
           py::arg("signature_hash") = 0, py::arg("problem") = 0);
   sub.def("dispatch", &dispatch, py::arg("ctx"), py::arg("timeout_ns"), py::arg("x"), py::arg("scales"),
           py::arg("topk_idx"), py::arg("topk_weights"), py::arg("is_token_in_rank"), py::arg("recv_channel_offset"),
           py::arg("fwd_offset"), py::arg("fwd_mask"), py::arg("fwd_capacity"), py::arg("recv_x"),
           py::arg("recv_scales"), py::arg("recv_topk_idx"), py::arg("recv_topk_weights"), py::arg("recv_src_idx"),
           py::arg("experts_per_rank"), py::arg("pad_rows"), py::arg("geometry"));
-  // keep_alive: a plan holds raw pointers to the IpcBuffer and the comm stream (the Context is copied into it).
-  py::class_<CachedDispatch>(sub, "CachedDispatch")
-      .def("run", &CachedDispatch::run, py::arg("handle"), py::arg("x"), py::arg("scales"), py::arg("config"),
-           py::arg("num_sms"), py::arg("mode"));
-  py::class_<CachedCombine>(sub, "CachedCombine")
-      .def("run", &CachedCombine::run, py::arg("handle"), py::arg("x"), py::arg("topk_weights"), py::arg("config"),
-           py::arg("num_sms"), py::arg("mode"));
-  sub.def("cached_dispatch", &make_cached_dispatch, py::arg("ctx"), py::arg("ipc"), py::arg("comm"),
-          py::arg("timeout_ns"), py::arg("handle"), py::arg("recv_channel_offset"), py::arg("fwd_offset"),
-          py::arg("fwd_mask"), py::arg("fwd_capacity"), py::arg("x"), py::arg("scales"), py::arg("geometry"),
-          py::arg("config"), py::arg("num_sms"), py::arg("ring_signatures"), py::keep_alive<0, 2>(),
-          py::keep_alive<0, 3>());
-  sub.def("cached_combine", &make_cached_combine, py::arg("ctx"), py::arg("ipc"), py::arg("comm"),
-          py::arg("timeout_ns"), py::arg("handle"), py::arg("recv_channel_offset"), py::arg("fwd_offset"),
-          py::arg("fwd_mask"), py::arg("fwd_capacity"), py::arg("x"), py::arg("topk_weights"), py::arg("geometry"),
-          py::arg("config"), py::arg("num_sms"), py::arg("ring_signatures"), py::keep_alive<0, 2>(),
-          py::keep_alive<0, 3>());
+  sub.def("direct_dispatch", &direct_dispatch, py::arg("ctx"), py::arg("timeout_ns"), py::arg("x"), py::arg("scales"),
+          py::arg("topk_idx"), py::arg("topk_weights"), py::arg("is_token_in_rank"), py::arg("recv_channel_offset"),
+          py::arg("fwd_offset"), py::arg("fwd_row_offset"), py::arg("fwd_mask"), py::arg("fwd_capacity"),
+          py::arg("fwd_rows"), py::arg("payload"), py::arg("out_offset"), py::arg("meta"), py::arg("meta_offset"),
+          py::arg("rows"), py::arg("experts_per_rank"), py::arg("pad_rows"), py::arg("geometry"),
+          py::arg("ring_signatures") = std::vector<int64_t>{}, py::arg("handle_fwd_mask") = py::none());
+  // A plan is a METH_FASTCALL function that owns it (cached_call.h: plan_function) and keeps the IpcBuffer and the
+  // comm stream it points to referenced (the Context is copied into it).
+  sub.def(
+      "cached_dispatch",
+      [](const Context& ctx, const py::object& ipc, const py::object& comm, uint64_t timeout_ns,
+         const py::tuple& handle, const at::Tensor& recv_channel_offset, const at::Tensor& fwd_offset,
+         const at::Tensor& fwd_mask, int fwd_capacity, const at::Tensor& x, const c10::optional<at::Tensor>& scales,
+         const std::vector<int>& geometry, py::object config, int num_sms,
+         const std::vector<int64_t>& ring_signatures) {
+        return plan_function(make_cached_dispatch(ctx, ipc.cast<const IpcBuffer&>(), comm.cast<CommStream&>(),
+                                                  timeout_ns, handle, recv_channel_offset, fwd_offset, fwd_mask,
+                                                  fwd_capacity, x, scales, geometry, std::move(config), num_sms,
+                                                  ring_signatures),
+                             {ipc, comm});
+      },
+      py::arg("ctx"), py::arg("ipc"), py::arg("comm"), py::arg("timeout_ns"), py::arg("handle"),
+      py::arg("recv_channel_offset"), py::arg("fwd_offset"), py::arg("fwd_mask"), py::arg("fwd_capacity"),
+      py::arg("x"), py::arg("scales"), py::arg("geometry"), py::arg("config"), py::arg("num_sms"),
+      py::arg("ring_signatures"));
+  sub.def(
+      "cached_combine",
+      [](const Context& ctx, const py::object& ipc, const py::object& comm, uint64_t timeout_ns,
+         const py::tuple& handle, const at::Tensor& recv_channel_offset, const at::Tensor& fwd_offset,
+         const at::Tensor& fwd_mask, int fwd_capacity, const at::Tensor& x,
+         const c10::optional<at::Tensor>& topk_weights, const std::vector<int>& geometry, py::object config,
+         int num_sms, const std::vector<int64_t>& ring_signatures) {
+        return plan_function(make_cached_combine(ctx, ipc.cast<const IpcBuffer&>(), comm.cast<CommStream&>(),
+                                                 timeout_ns, handle, recv_channel_offset, fwd_offset, fwd_mask,
+                                                 fwd_capacity, x, topk_weights, geometry, std::move(config), num_sms,
+                                                 ring_signatures),
+                             {ipc, comm});
+      },
+      py::arg("ctx"), py::arg("ipc"), py::arg("comm"), py::arg("timeout_ns"), py::arg("handle"),
+      py::arg("recv_channel_offset"), py::arg("fwd_offset"), py::arg("fwd_mask"), py::arg("fwd_capacity"),
+      py::arg("x"), py::arg("topk_weights"), py::arg("geometry"), py::arg("config"), py::arg("num_sms"),
+      py::arg("ring_signatures"));
   sub.def("combine", &combine, py::arg("ctx"), py::arg("timeout_ns"), py::arg("x"), py::arg("topk_weights"),
           py::arg("bias0"), py::arg("bias1"), py::arg("is_token_in_rank"), py::arg("recv_channel_offset"),
           py::arg("fwd_offset"), py::arg("fwd_mask"), py::arg("fwd_capacity"), py::arg("out"),
-          py::arg("out_topk_weights"), py::arg("geometry"), py::arg("ring_signatures"));
+          py::arg("out_topk_weights"), py::arg("geometry"), py::arg("ring_signatures"),
+          py::arg("fwd_rows") = py::none(), py::arg("x_offset") = -1, py::arg("w_offset") = -1);
 }
 
 }  // namespace moe_ep

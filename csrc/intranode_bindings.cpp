@@ -4,6 +4,7 @@
 // shape) and allocates the outputs of fresh calls. Here only invariants are checked (MOE_CHECK: a failure is
 // a caller's bug), and the kernels' Args structs (csrc/kernels/intranode/protocol.h) are filled.
 #include <torch/extension.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -17,6 +18,7 @@
 #include "bindings.h"
 #include "bindings/cached_call.h"
 #include "bindings/carve.h"
+#include "bindings/device_scope.h"
 #include "bindings/layout_call.h"
 #include "bindings/stream_join.h"
 #include "ipc_bindings.h"
@@ -24,6 +26,7 @@
 #include "kernels/intranode/protocol.h"
 #include "runtime/cuda_check.h"
 #include "runtime/ipc_buffer.h"
+#include "runtime/peer_pool/peer_pool.h"
 
 namespace py = pybind11;
 
@@ -403,17 +406,66 @@ py::tuple direct_dispatch(const IpcBuffer& b, uint64_t timeout_ns, const at::Ten
   return py::make_tuple(recv_x, recv_scales, recv_idx, recv_w, recv_src);
 }
 
+// Where a pull combine's inputs lie in this rank's NVLink buffer: x (x_rows rows, x_bytes bytes from x) and, when
+// has_w, topk_weights (w_bytes bytes from w) -> {x_offset, w_offset (-1 without weights)}, or {-1, -1} when either
+// is outside the buffer's peer pool, the buffer has none or is closed, or `stream` (the launch's) is capturing a
+// CUDA graph (the graph's tensors come from its own pool, and a replay must not depend on this call's addresses).
+// -1 makes the pull kernel's verdict "missed" on every rank, and the ring kernel queued after it moves the call. An
+// x without rows is read by nobody: any offset will do (0, 0); rows of 0 bytes have no address (torch gives a
+// tensor without elements a null data pointer) but their weights are read, so they count as outside, as do weights
+// without elements. The pool is the tail of the allocation, [pool_offset, pool_offset + pool_bytes) from local();
+// torch's own allocations never lie there, so a tensor whose bytes lie there is a pool tensor.
+std::pair<int64_t, int64_t> pull_offsets(const IpcBuffer& b, const void* x, int64_t x_rows, size_t x_bytes,
+                                         bool has_w, const void* w, size_t w_bytes, cudaStream_t stream) {
+  constexpr std::pair<int64_t, int64_t> kElsewhere{-1, -1};
+  if (!b.alive() || b.pool_bytes() == 0) return kElsewhere;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  MOE_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  if (capture != cudaStreamCaptureStatusNone) return kElsewhere;
+  if (x_rows == 0) return {0, 0};
+  if (x == nullptr || x_bytes == 0) return kElsewhere;
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(b.local()) + b.pool_offset();
+  const uintptr_t end = begin + b.pool_bytes();
+  auto offset_of = [&](const void* p, size_t n) -> int64_t {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+    if (a < begin || a > end || n > end - a) return -1;
+    return static_cast<int64_t>(a - reinterpret_cast<uintptr_t>(b.local()));
+  };
+  const int64_t x_offset = offset_of(x, x_bytes);
+  if (x_offset < 0) return kElsewhere;
+  if (!has_w) return {x_offset, -1};
+  const int64_t w_offset = w == nullptr || w_bytes == 0 ? -1 : offset_of(w, w_bytes);
+  if (w_offset < 0) return kElsewhere;
+  return {x_offset, w_offset};
+}
+
+int64_t tensor_bytes(const c10::optional<at::Tensor>& t) { return t.has_value() ? t->numel() * t->element_size() : 0; }
+
+// The pull combine, then the ring combine, which moves the call only when some rank's input is not peer-mapped
+// (the pull kernel's verdict, the same on every rank). `a`: the ring combine's arguments with the call's tensors.
+// has_w: the call has top-k weights (a.topk_weights, w_bytes bytes; null when they have no elements).
+void launch_pull_then_ring(const IpcBuffer& b, const CombineArgs& a, const int* row_of_token, size_t x_bytes,
+                           bool has_w, size_t w_bytes, cudaStream_t stream) {
+  const auto offsets = pull_offsets(b, a.x, a.num_x_rows, x_bytes, has_w, a.topk_weights, w_bytes, stream);
+  CombinePullArgs p{};
+  p.base = a;
+  p.row_of_token = row_of_token;
+  p.x_offset = offsets.first;
+  p.w_offset = offsets.second;
+  launch_combine_pull(p, stream);
+  launch_ring_reduce_fallback(a, stream);
+}
+
 // Combine (rank-major): x [rows, H] bf16/fp16/fp32, topk_weights float32 [rows, K] or None, bias0 / bias1 [T, H]
 // of x's dtype or None -> out [T, H], out_topk_weights float32 [T, K] (with topk_weights). Along a direct
-// dispatch's handle, row_of_token (int32 [T, R], the dispatch's) makes it a pull combine: x_offset / w_offset are
-// where x and topk_weights lie in this rank's NVLink buffer (its peer pool), or -1 when they do not.
+// dispatch's handle, row_of_token (int32 [T, R], the dispatch's) makes it a pull combine (pull_offsets: whether
+// x and topk_weights lie in this rank's peer pool).
 void combine(const IpcBuffer& b, uint64_t timeout_ns, const at::Tensor& x,
              const c10::optional<at::Tensor>& topk_weights,
              const c10::optional<at::Tensor>& bias0, const c10::optional<at::Tensor>& bias1,
              const at::Tensor& is_token_in_rank, const at::Tensor& recv_channel_offset, const at::Tensor& out,
              const c10::optional<at::Tensor>& out_topk_weights, int num_channels, int chunk, int num_slots,
-             int slot_bytes, int64_t ring_signature, const c10::optional<at::Tensor>& row_of_token,
-             int64_t x_offset, int64_t w_offset) {
+             int slot_bytes, int64_t ring_signature, const c10::optional<at::Tensor>& row_of_token) {
   const auto device = x.get_device();
   expect_cuda(x, device, "combine: x");
   expect_cuda(row_of_token, device, "combine: row_of_token");
@@ -443,25 +495,12 @@ void combine(const IpcBuffer& b, uint64_t timeout_ns, const at::Tensor& x,
     launch_combine(a, stream);
     return;
   }
-  // Along a direct dispatch's handle: the pull combine, then the ring combine, which moves the call only when
-  // some rank's input is not peer-mapped (x_offset -1 on that rank).
   MOE_CHECK(row_of_token->numel() == static_cast<int64_t>(a.num_tokens) * b.num_ranks(),
             "combine: row_of_token must be [T, R]");
-  // (an input without rows is read by nobody: any offset will do; rows of 0 bytes still have weights to read)
-  MOE_CHECK(x_offset < 0 || x.size(0) == 0 ||
-                (static_cast<const uint8_t*>(x.data_ptr()) == b.local() + x_offset &&
-                 (!topk_weights.has_value() ||
-                  static_cast<const uint8_t*>(topk_weights->data_ptr()) == b.local() + w_offset)),
-            "combine: x_offset / w_offset are not where x / topk_weights lie in this rank's NVLink buffer");
   MOE_CHECK(row_of_token->scalar_type() == at::kInt && row_of_token->is_contiguous(),
             "combine: row_of_token must be a contiguous int32 tensor");
-  CombinePullArgs p{};
-  p.base = a;
-  p.row_of_token = data_of<const int>(row_of_token);
-  p.x_offset = x_offset < 0 ? -1 : x_offset;
-  p.w_offset = p.x_offset < 0 ? -1 : w_offset;
-  launch_combine_pull(p, stream);
-  launch_ring_reduce_fallback(a, stream);
+  launch_pull_then_ring(b, a, data_of<const int>(row_of_token), x.numel() * x.element_size(),
+                        topk_weights.has_value(), tensor_bytes(topk_weights), stream);
 }
 
 // Expert-major dispatch, local pass after the rank-major dispatch (em_permute.cu): received rows x [N, H] (scales
@@ -603,6 +642,152 @@ std::unique_ptr<CachedDispatch> make_cached_dispatch(const IpcBuffer& b, CommStr
                                           num_sms);
 }
 
+// The arguments of a cached combine along a direct dispatch's handle (a pull plan): the ring combine's, with the
+// fields CachedCall sets per call (x, topk_weights, out, out_topk_weights, by the names of CombineArgs), the
+// dispatch's row_of_token, and what pull_offsets needs (the buffer, the inputs' bytes).
+struct PullCombineArgs {
+  CombineArgs ring{};
+  const int* row_of_token = nullptr;
+  const IpcBuffer* buffer = nullptr;
+  size_t x_bytes = 0, w_bytes = 0;
+  bool has_weights = false;
+  const uint8_t* x = nullptr;
+  const float* topk_weights = nullptr;
+  uint8_t* out = nullptr;
+  float* out_topk_weights = nullptr;
+};
+
+void launch_pull_plan(const PullCombineArgs& p, cudaStream_t stream) {
+  CombineArgs a = p.ring;
+  a.x = p.x;
+  a.topk_weights = p.topk_weights;
+  a.out = p.out;
+  a.out_topk_weights = p.out_topk_weights;
+  launch_pull_then_ring(*p.buffer, a, p.row_of_token, p.x_bytes, p.has_weights, p.w_bytes, stream);
+}
+
+using CachedPullCombine = CachedCall<PullCombineArgs, launch_pull_plan, CallKind::kCombine>;
+
+// A uint8 block of at least `nbytes` bytes for a direct dispatch's outputs (or rows a pull combine reads) and its
+// offset in this rank's NVLink buffer: from the peer pool through torch's caching allocator, what PeerPool.allocate
+// does (this rank's region made active for the thread, the allocator routed to the pool's MemPool `pool_id` for
+// this thread as torch.cuda.use_mem_pool routes it, then the routing ended and its use released), the size rounded
+// up to a power of two (2 MiB at least) so that torch's cached blocks of the pool serve the next calls, whose sizes
+// vary (torch cannot hand a live pool's cached segments back to the region); or from torch's own memory with offset
+// -1 when the pool has no room (PeerPoolExhausted) or `stream` (where the block is used) is capturing a CUDA graph.
+// The block belongs to the current stream of `device`, which the caller made current.
+std::pair<c10::Storage, int64_t> pool_block(const IpcBuffer& b, c10::DeviceIndex device, c10::MempoolId_t pool_id,
+                                            size_t nbytes, cudaStream_t stream) {
+  MOE_CHECK(b.alive() && b.pool_bytes() > 0, "pool_block: the buffer has no open peer pool");
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  MOE_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  if (capture == cudaStreamCaptureStatusNone) {
+    size_t size = size_t{2} << 20;
+    while (size < nbytes) size <<= 1;
+    const uintptr_t base = reinterpret_cast<uintptr_t>(b.local()) + b.pool_offset();
+    const uintptr_t previous = peer_pool::set_active_region(device, base);
+    if (previous != 0 && previous != base) {
+      peer_pool::set_active_region(device, previous);
+      throw std::runtime_error("PeerPool.allocating(): another PeerPool's context is active on this device and "
+                               "thread; pool contexts of one device do not nest");
+    }
+    // Inside this pool's own allocating() context (previous == base) the thread is routed to the pool already.
+    const bool routed_here = previous == base;
+    const std::thread::id thread = std::this_thread::get_id();
+    if (!routed_here) {
+      try {
+        c10::cuda::CUDACachingAllocator::beginAllocateToPool(
+            device, pool_id, [thread](cudaStream_t) { return std::this_thread::get_id() == thread; });
+      } catch (...) {
+        peer_pool::set_active_region(device, previous);
+        throw;
+      }
+    }
+    auto end_routing = [&] {
+      if (routed_here) return;
+      c10::cuda::CUDACachingAllocator::endAllocateToPool(device, pool_id);
+      c10::cuda::CUDACachingAllocator::releasePool(device, pool_id);
+      peer_pool::set_active_region(device, previous);
+    };
+    c10::Storage block;
+    bool exhausted = false;
+    try {
+      block = cuda_block(size);
+    } catch (const c10::OutOfMemoryError&) {
+      exhausted = true;  // PeerPoolExhausted: the ring kernel moves this call on every rank
+    } catch (...) {
+      end_routing();
+      throw;
+    }
+    end_routing();
+    if (!exhausted) {
+      // Only a block inside the region may be published to the peers: an allocator path that ignores the routing
+      // (PYTORCH_NO_CUDA_MEMORY_CACHING=1 allocates with cudaMalloc) gives ordinary memory, which takes the ring.
+      const uintptr_t at = reinterpret_cast<uintptr_t>(block.mutable_data());
+      if (at >= base && at + size <= base + b.pool_bytes() && at % 16 == 0) {
+        return {std::move(block), static_cast<int64_t>(at - reinterpret_cast<uintptr_t>(b.local()))};
+      }
+      return {std::move(block), -1};
+    }
+  }
+  return {cuda_block(std::max<size_t>(nbytes, 1)), -1};
+}
+
+// The arguments of a cached dispatch along a direct dispatch's handle (a direct plan): the direct kernel's and those
+// of the ring kernel queued after it (which moves the call when some rank's outputs are not in its pool), with the
+// fields CachedCall sets per call (x, scales, recv_x, recv_scales, by the names of DispatchArgs). output_block (the
+// CachedCall hook) takes the call's outputs from one pool_block in DirectPayload's layout (offset -1: no rank writes
+// directly, the ring kernel moves the call on every rank). The block is kept
+// as the backend's latest direct block (`latest`, its list [payload, meta]): a peer late with this call writes into
+// it, never into memory handed out again.
+struct DirectDispatchPlanArgs {
+  DispatchArgs ring{};
+  DirectDispatchArgs direct{};
+  const IpcBuffer* buffer = nullptr;
+  c10::DeviceIndex device = 0;
+  c10::MempoolId_t pool_id{0, 0};
+  PyObject* latest = nullptr;  // the backend's list (the plan's function keeps it referenced)
+  int64_t out_offset = -1;     // this call's block in this rank's NVLink buffer, or -1 (output_block sets it)
+  const uint8_t* x = nullptr;
+  const int32_t* scales = nullptr;
+  uint8_t* recv_x = nullptr;
+  int32_t* recv_scales = nullptr;
+
+  std::pair<c10::Storage, size_t> output_block(size_t out_bytes, size_t aux_bytes, cudaStream_t stream) {
+    const DirectPayload o{static_cast<int64_t>(ring.num_rows), ring.hidden_bytes, ring.num_scales};
+    MOE_CHECK(static_cast<size_t>(o.scales_offset()) >= out_bytes &&
+                  static_cast<size_t>(o.bytes() - o.scales_offset()) >= aux_bytes,
+              "cached direct dispatch: the outputs do not fit the payload layout");
+    const size_t nbytes = static_cast<size_t>(o.bytes());
+    auto [block, offset] = pool_block(*buffer, device, pool_id, nbytes, stream);
+    out_offset = offset;
+    // The backend keeps the latest direct call's blocks: this call's payload (a cached call has no meta block).
+    PyObject* payload = THPVariable_Wrap(carve(block, 0, at::kByte, {static_cast<int64_t>(block.nbytes())}, {1}));
+    if (payload == nullptr) throw pybind11::error_already_set();
+    // `latest` is the backend's list of two (_direct_blocks): the stores fail only if it were not.
+    if (PyList_SetItem(latest, 0, payload) != 0) throw pybind11::error_already_set();  // steals payload
+    Py_INCREF(Py_None);
+    if (PyList_SetItem(latest, 1, Py_None) != 0) throw pybind11::error_already_set();
+    return {std::move(block), static_cast<size_t>(o.scales_offset())};
+  }
+};
+
+void launch_direct_plan(const DirectDispatchPlanArgs& p, cudaStream_t stream) {
+  DispatchArgs a = p.ring;
+  a.x = p.x;
+  a.scales = p.scales;
+  a.recv_x = p.recv_x;
+  a.recv_scales = p.recv_scales;
+  DirectDispatchArgs d = p.direct;
+  d.x = a.x;
+  d.scales = a.scales;
+  d.out_offset = p.out_offset;
+  launch_direct_dispatch(d, stream);
+  launch_ring_fallback(a, stream);
+}
+
+using CachedDirectDispatch = CachedCall<DirectDispatchPlanArgs, launch_direct_plan, CallKind::kDispatch>;
+
 // Combine along a handle: x [rows, H] bf16/fp16/fp32, topk_weights float32 [rows, K] when given -> out [T, H],
 // out_topk_weights float32 [T, K].
 std::unique_ptr<CachedCombine> make_cached_combine(const IpcBuffer& b, CommStream& comm, uint64_t timeout_ns,
@@ -630,6 +815,97 @@ std::unique_ptr<CachedCombine> make_cached_combine(const IpcBuffer& b, CommStrea
                                          input, aux,
                                          TensorSpec{x.scalar_type(), tokens, x.size(1)}, aux_out, std::move(config),
                                          num_sms);
+}
+
+// Dispatch along a direct dispatch's handle (the direct kernel into outputs in the peer pool, the ring kernel after
+// it): as make_cached_dispatch, with the handle's send_row_offset (int32 [R, C]), the pool's MemPool id and the
+// backend's list of its latest direct blocks.
+std::unique_ptr<CachedDirectDispatch> make_cached_direct_dispatch(
+    const IpcBuffer& b, CommStream& comm, uint64_t timeout_ns, const py::tuple& handle,
+    const at::Tensor& recv_channel_offset, const at::Tensor& send_row_offset, const at::Tensor& x,
+    const c10::optional<at::Tensor>& scales, int num_channels, int chunk, int num_slots, int slot_bytes,
+    py::object config, int num_sms, int64_t ring_signature, c10::MempoolId_t pool_id, const py::list& latest) {
+  MOE_CHECK(b.pool_bytes() > 0, "cached direct dispatch: the buffer has no peer pool");
+  MOE_CHECK(py::len(latest) == 2, "cached direct dispatch: latest must be the backend's [payload, meta] list");
+  MOE_CHECK(send_row_offset.scalar_type() == at::kInt && send_row_offset.is_contiguous() &&
+                send_row_offset.numel() >= static_cast<int64_t>(b.num_ranks()) * num_channels,
+            "cached direct dispatch: send_row_offset must be a contiguous int32 [R, C]");
+  DirectDispatchPlanArgs p{};
+  DispatchArgs& a = p.ring;
+  a = ring_dispatch_args(b, timeout_ns, Ring{num_channels, chunk, num_slots, slot_bytes});
+  const at::Tensor is_token_in_rank = py::cast<at::Tensor>(handle[kIsTokenInRank]);
+  set_routing(a, is_token_in_rank, recv_channel_offset);
+  const int64_t rows = py::cast<at::Tensor>(handle[kRecvSrcIdx]).size(0);
+  a.hidden_bytes = row_bytes(x);
+  a.num_scales = columns(scales);
+  a.num_rows = static_cast<int>(rows);
+  a.pad_rows = py::cast<int64_t>(handle[kNumWorstTokens]) != 0 ? 1 : 0;
+  a.ring_signature = checked_ring_signature(ring_signature);
+  DirectDispatchArgs& d = p.direct;
+  d.c = a.c;
+  d.is_token_in_rank = a.is_token_in_rank;
+  d.recv_channel_offset = a.recv_channel_offset;
+  d.send_row_offset = data_of<const int>(send_row_offset);
+  d.meta_offset = 0;
+  d.out_rows = rows;
+  d.layout = a.ring_signature;
+  d.num_tokens = a.num_tokens;
+  d.hidden_bytes = a.hidden_bytes;
+  d.num_scales = a.num_scales;
+  d.num_topk = 0;
+  d.experts_per_rank = a.experts_per_rank;
+  d.write_meta = 0;
+  d.pad_rows = a.pad_rows;
+  d.num_channels = num_channels;
+  p.buffer = &b;
+  p.device = comm.device();
+  p.pool_id = pool_id;
+  p.latest = latest.ptr();
+  const TensorSpec input{x.scalar_type(), x.size(0), x.size(1)};
+  c10::optional<TensorSpec> aux, aux_out;
+  if (scales.has_value()) {
+    aux = TensorSpec{scales->scalar_type(), x.size(0), scales->size(1)};
+    aux_out = TensorSpec{scales->scalar_type(), rows, scales->size(1)};
+  }
+  return std::make_unique<CachedDirectDispatch>(
+      b, comm, handle, std::vector<at::Tensor>{is_token_in_rank, recv_channel_offset, send_row_offset}, p, input,
+      aux, TensorSpec{x.scalar_type(), rows, x.size(1)}, aux_out, std::move(config), num_sms);
+}
+
+// Combine along a direct dispatch's handle (the pull combine, with the ring combine after it): as
+// make_cached_combine, with the dispatch's row_of_token (int32 [T, R]).
+std::unique_ptr<CachedPullCombine> make_cached_pull_combine(
+    const IpcBuffer& b, CommStream& comm, uint64_t timeout_ns, const py::tuple& handle,
+    const at::Tensor& recv_channel_offset, const at::Tensor& row_of_token, const at::Tensor& x,
+    const c10::optional<at::Tensor>& topk_weights, int num_channels, int chunk, int num_slots, int slot_bytes,
+    py::object config, int num_sms, int64_t ring_signature) {
+  PullCombineArgs p{};
+  p.ring = ring_combine_args(b, timeout_ns, Ring{num_channels, chunk, num_slots, slot_bytes});
+  const at::Tensor is_token_in_rank = py::cast<at::Tensor>(handle[kIsTokenInRank]);
+  set_routing(p.ring, is_token_in_rank, recv_channel_offset);
+  const int64_t tokens = py::cast<int64_t>(handle[kNumTokens]);
+  MOE_CHECK(row_of_token.scalar_type() == at::kInt && row_of_token.is_contiguous() &&
+                row_of_token.numel() == static_cast<int64_t>(p.ring.num_tokens) * b.num_ranks(),
+            "cached pull combine: row_of_token must be a contiguous int32 [T, R]");
+  p.ring.dtype = combine_dtype(x);
+  p.ring.hidden = static_cast<int>(x.size(1));
+  p.ring.num_topk = columns(topk_weights);
+  p.ring.num_x_rows = static_cast<int>(x.size(0));
+  p.ring.ring_signature = checked_ring_signature(ring_signature);
+  p.row_of_token = data_of<const int>(row_of_token);
+  p.buffer = &b;
+  p.x_bytes = static_cast<size_t>(x.numel() * x.element_size());
+  p.w_bytes = static_cast<size_t>(tensor_bytes(topk_weights));
+  p.has_weights = topk_weights.has_value();
+  const TensorSpec input{x.scalar_type(), x.size(0), x.size(1)};
+  c10::optional<TensorSpec> aux, aux_out;
+  if (topk_weights.has_value()) {
+    aux = TensorSpec{at::kFloat, x.size(0), topk_weights->size(1)};
+    aux_out = TensorSpec{at::kFloat, tokens, topk_weights->size(1)};
+  }
+  return std::make_unique<CachedPullCombine>(
+      b, comm, handle, std::vector<at::Tensor>{is_token_in_rank, recv_channel_offset, row_of_token}, p, input, aux,
+      TensorSpec{x.scalar_type(), tokens, x.size(1)}, aux_out, std::move(config), num_sms);
 }
 
 }  // namespace
@@ -688,21 +964,84 @@ void register_intranode(py::module_& m) {
       .def("enter_current", &CommStream::enter_current)
       .def("enter_full_path", &CommStream::enter_full_path, py::arg("joined_any"), py::arg("joined"))
       .def("caller_joined", &CommStream::caller_joined, py::arg("caller"));
-  // keep_alive: a plan holds raw pointers to the buffer and the comm stream.
-  py::class_<CachedDispatch>(sub, "CachedDispatch")
-      .def("run", &CachedDispatch::run, py::arg("handle"), py::arg("x"), py::arg("scales"), py::arg("config"),
-           py::arg("num_sms"), py::arg("mode"));
-  py::class_<CachedCombine>(sub, "CachedCombine")
-      .def("run", &CachedCombine::run, py::arg("handle"), py::arg("x"), py::arg("topk_weights"), py::arg("config"),
-           py::arg("num_sms"), py::arg("mode"));
-  sub.def("cached_dispatch", &make_cached_dispatch, py::arg("buffer"), py::arg("comm"), py::arg("timeout_ns"),
-          py::arg("handle"), py::arg("recv_channel_offset"), py::arg("x"), py::arg("scales"), py::arg("num_channels"),
-          py::arg("chunk"), py::arg("num_slots"), py::arg("slot_bytes"), py::arg("config"), py::arg("num_sms"),
-          py::arg("ring_signature"), py::keep_alive<0, 1>(), py::keep_alive<0, 2>());
-  sub.def("cached_combine", &make_cached_combine, py::arg("buffer"), py::arg("comm"), py::arg("timeout_ns"),
-          py::arg("handle"), py::arg("recv_channel_offset"), py::arg("x"), py::arg("topk_weights"),
-          py::arg("num_channels"), py::arg("chunk"), py::arg("num_slots"), py::arg("slot_bytes"), py::arg("config"),
-          py::arg("num_sms"), py::arg("ring_signature"), py::keep_alive<0, 1>(), py::keep_alive<0, 2>());
+  // A plan is a METH_FASTCALL function that owns it (cached_call.h: plan_function) and keeps the buffer and the comm
+  // stream it points to referenced.
+  sub.def(
+      "cached_dispatch",
+      [](const py::object& buffer, const py::object& comm, uint64_t timeout_ns, const py::tuple& handle,
+         const at::Tensor& recv_channel_offset, const at::Tensor& x, const c10::optional<at::Tensor>& scales,
+         int num_channels, int chunk, int num_slots, int slot_bytes, py::object config, int num_sms,
+         int64_t ring_signature) {
+        return plan_function(make_cached_dispatch(buffer.cast<const IpcBuffer&>(), comm.cast<CommStream&>(),
+                                                  timeout_ns, handle, recv_channel_offset, x, scales, num_channels,
+                                                  chunk, num_slots, slot_bytes, std::move(config), num_sms,
+                                                  ring_signature),
+                             {buffer, comm});
+      },
+      py::arg("buffer"), py::arg("comm"), py::arg("timeout_ns"), py::arg("handle"), py::arg("recv_channel_offset"),
+      py::arg("x"), py::arg("scales"), py::arg("num_channels"), py::arg("chunk"), py::arg("num_slots"),
+      py::arg("slot_bytes"), py::arg("config"), py::arg("num_sms"), py::arg("ring_signature"));
+  sub.def(
+      "cached_combine",
+      [](const py::object& buffer, const py::object& comm, uint64_t timeout_ns, const py::tuple& handle,
+         const at::Tensor& recv_channel_offset, const at::Tensor& x, const c10::optional<at::Tensor>& topk_weights,
+         int num_channels, int chunk, int num_slots, int slot_bytes, py::object config, int num_sms,
+         int64_t ring_signature) {
+        return plan_function(make_cached_combine(buffer.cast<const IpcBuffer&>(), comm.cast<CommStream&>(),
+                                                 timeout_ns, handle, recv_channel_offset, x, topk_weights,
+                                                 num_channels, chunk, num_slots, slot_bytes, std::move(config),
+                                                 num_sms, ring_signature),
+                             {buffer, comm});
+      },
+      py::arg("buffer"), py::arg("comm"), py::arg("timeout_ns"), py::arg("handle"), py::arg("recv_channel_offset"),
+      py::arg("x"), py::arg("topk_weights"), py::arg("num_channels"), py::arg("chunk"), py::arg("num_slots"),
+      py::arg("slot_bytes"), py::arg("config"), py::arg("num_sms"), py::arg("ring_signature"));
+
+  // IntranodeBackend._pool_block: (uint8 tensor of the block, its offset in the NVLink buffer or -1).
+  sub.def(
+      "pool_block",
+      [](const IpcBuffer& b, int device, c10::MempoolId_t pool_id, int64_t nbytes) {
+        MOE_CHECK(nbytes >= 0, "pool_block: nbytes must be >= 0");
+        const auto index = static_cast<c10::DeviceIndex>(device);
+        const DeviceScope scope(index);
+        auto [block, offset] = pool_block(b, index, pool_id, static_cast<size_t>(nbytes),
+                                          current_stream(index).stream());
+        const int64_t size = static_cast<int64_t>(block.nbytes());
+        return py::make_tuple(carve(block, 0, at::kByte, {size}, {1}), offset);
+      },
+      py::arg("buffer"), py::arg("device"), py::arg("pool_id"), py::arg("nbytes"));
+  sub.def(
+      "cached_direct_dispatch",
+      [](const py::object& buffer, const py::object& comm, uint64_t timeout_ns, const py::tuple& handle,
+         const at::Tensor& recv_channel_offset, const at::Tensor& send_row_offset, const at::Tensor& x,
+         const c10::optional<at::Tensor>& scales, int num_channels, int chunk, int num_slots, int slot_bytes,
+         py::object config, int num_sms, int64_t ring_signature, c10::MempoolId_t pool_id, const py::list& latest) {
+        return plan_function(
+            make_cached_direct_dispatch(buffer.cast<const IpcBuffer&>(), comm.cast<CommStream&>(), timeout_ns, handle,
+                                        recv_channel_offset, send_row_offset, x, scales, num_channels, chunk,
+                                        num_slots, slot_bytes, std::move(config), num_sms, ring_signature, pool_id,
+                                        latest),
+            {buffer, comm, latest});
+      },
+      py::arg("buffer"), py::arg("comm"), py::arg("timeout_ns"), py::arg("handle"), py::arg("recv_channel_offset"),
+      py::arg("send_row_offset"), py::arg("x"), py::arg("scales"), py::arg("num_channels"), py::arg("chunk"),
+      py::arg("num_slots"), py::arg("slot_bytes"), py::arg("config"), py::arg("num_sms"), py::arg("ring_signature"),
+      py::arg("pool_id"), py::arg("latest"));
+  sub.def(
+      "cached_pull_combine",
+      [](const py::object& buffer, const py::object& comm, uint64_t timeout_ns, const py::tuple& handle,
+         const at::Tensor& recv_channel_offset, const at::Tensor& row_of_token, const at::Tensor& x,
+         const c10::optional<at::Tensor>& topk_weights, int num_channels, int chunk, int num_slots, int slot_bytes,
+         py::object config, int num_sms, int64_t ring_signature) {
+        return plan_function(make_cached_pull_combine(buffer.cast<const IpcBuffer&>(), comm.cast<CommStream&>(),
+                                                      timeout_ns, handle, recv_channel_offset, row_of_token, x,
+                                                      topk_weights, num_channels, chunk, num_slots, slot_bytes,
+                                                      std::move(config), num_sms, ring_signature),
+                             {buffer, comm});
+      },
+      py::arg("buffer"), py::arg("comm"), py::arg("timeout_ns"), py::arg("handle"), py::arg("recv_channel_offset"),
+      py::arg("row_of_token"), py::arg("x"), py::arg("topk_weights"), py::arg("num_channels"), py::arg("chunk"),
+      py::arg("num_slots"), py::arg("slot_bytes"), py::arg("config"), py::arg("num_sms"), py::arg("ring_signature"));
 
   // get_dispatch_layout (layout_call.h: layout_call_on).
   sub.def(
@@ -739,8 +1078,7 @@ void register_intranode(py::module_& m) {
   sub.def("combine", &combine, py::arg("buffer"), py::arg("timeout_ns"), py::arg("x"), py::arg("topk_weights"),
           py::arg("bias0"), py::arg("bias1"), py::arg("is_token_in_rank"), py::arg("recv_channel_offset"),
           py::arg("out"), py::arg("out_topk_weights"), py::arg("num_channels"), py::arg("chunk"),
-          py::arg("num_slots"), py::arg("slot_bytes"), py::arg("ring_signature"), py::arg("row_of_token") = py::none(),
-          py::arg("x_offset") = -1, py::arg("w_offset") = -1);
+          py::arg("num_slots"), py::arg("slot_bytes"), py::arg("ring_signature"), py::arg("row_of_token") = py::none());
   sub.def("em_permute", &em_permute, py::arg("x"), py::arg("scales"), py::arg("recv_topk_idx"),
           py::arg("recv_topk_weights"), py::arg("pair_rank"), py::arg("layout"), py::arg("received"), py::arg("em_x"),
           py::arg("em_scales"), py::arg("em_weights"), py::arg("em_pair_row"), py::arg("em_pair_slot"),

@@ -33,6 +33,7 @@
 
 #include <array>
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <memory>
@@ -644,19 +645,36 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   }
 
   // A LowLatencyHandle of a dispatch of plan p with t tokens, with src_info and layout_range as its tensors, owning
-  // `state` (its backend_state): the tuple its type's __new__ would build (tuple.__new__ of the type and the
-  // fields in order), with the constant fields' objects made once.
+  // `state` (its backend_state): what its type's __new__ (tuple.__new__ of the type and the fields in order) builds,
+  // with the constant fields' objects made once.
   py::object make_handle(const Plan& p, int t, const at::Tensor& src_info, const at::Tensor& layout_range,
                          std::unique_ptr<DispatchState> state) const {
     py::object capsule = py::reinterpret_steal<py::object>(PyCapsule_New(state.get(), kStateName, free_state));
     if (!capsule) throw py::error_already_set();
     state.release();  // the capsule owns it now
-    const py::tuple fields = py::make_tuple(src_info, layout_range, p.max_tokens, p.hidden, p.num_experts,
-                                            backend_name_, buffer_token_, capsule, t);
-    const py::tuple args = py::make_tuple(fields);
-    py::object handle = py::reinterpret_steal<py::object>(PyTuple_Type.tp_new(handle_type_, args.ptr(), nullptr));
-    if (!handle) throw py::error_already_set();
-    return handle;
+    std::array<py::object, kHandleFields.size()> fields{
+        py::cast(src_info), py::cast(layout_range), py::int_(p.max_tokens), py::int_(p.hidden),
+        py::int_(p.num_experts), backend_name_, buffer_token_, std::move(capsule), py::int_(t)};
+    if constexpr (offsetof(PyTupleObject, ob_item) == sizeof(PyVarObject)) {
+      // Tuples without a hash cache: tuple.__new__ of a subtype is the type's tp_alloc (zeroed, GC-tracked; a
+      // null item is skipped by the collector) and the items set in place, which is done here directly (no
+      // argument tuple, no copy of a fields tuple). The type has tuple's layout (check_handle_type).
+      PyObject* handle = handle_type_->tp_alloc(handle_type_, static_cast<Py_ssize_t>(fields.size()));
+      if (handle == nullptr) throw py::error_already_set();
+      for (size_t i = 0; i < fields.size(); ++i)
+        PyTuple_SET_ITEM(handle, static_cast<Py_ssize_t>(i), fields[i].release().ptr());
+      return py::reinterpret_steal<py::object>(handle);
+    } else {
+      // Tuples that cache their hash: tuple.__new__ itself (it resets the cache, which a zeroed object lacks).
+      py::tuple items(fields.size());
+      for (size_t i = 0; i < fields.size(); ++i)
+        PyTuple_SET_ITEM(items.ptr(), static_cast<Py_ssize_t>(i), fields[i].release().ptr());
+      const py::tuple args = py::make_tuple(items);
+      py::object handle =
+          py::reinterpret_steal<py::object>(PyTuple_Type.tp_new(handle_type_, args.ptr(), nullptr));
+      if (!handle) throw py::error_already_set();
+      return handle;
+    }
   }
 
   // The handle type must be a tuple type with LowLatencyHandle's fields in order (make_handle, state_of).
@@ -670,6 +688,10 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
       for (size_t i = 0; ok && i < kHandleFields.size(); ++i)
         ok = fields[i].cast<std::string>() == kHandleFields[i];
     }
+    // tuple's own instance layout (no __dict__, no slots of its own): make_handle builds it as tuple.__new__ does.
+    const auto* type = reinterpret_cast<const PyTypeObject*>(cls.ptr());
+    ok = ok && type->tp_basicsize == PyTuple_Type.tp_basicsize && type->tp_itemsize == PyTuple_Type.tp_itemsize &&
+         type->tp_dictoffset == 0;
     MOE_CHECK(ok, "low_latency: handle_cls must be a NamedTuple with LowLatencyHandle's fields in order");
   }
 

@@ -81,8 +81,8 @@ class Buffer:
             back and is summed in top-k order (DeepEP V1's low-latency combine). Settable between calls, on
             every rank alike.
         num_pool_bytes: bytes of peer pool per GPU (default 0: none): torch tensors that every GPU of the NVLink
-            domain has mapped, from `peer_pool` (moe_dispatcher/compiled/peer_pool.py; compiled intranode
-            backend only). The same on every rank.
+            domain has mapped, from `peer_pool` (moe_dispatcher/compiled/peer_pool.py; compiled intranode and
+            internode backends). The same on every rank.
     """
 
     # DeepEP V1's class attribute: reads as 20. Until set_num_sms (or an assignment) replaces it, each fresh
@@ -318,9 +318,10 @@ class Buffer:
     @property
     def peer_pool(self):
         """The PeerPool of this rank (moe_dispatcher/compiled/peer_pool.py): torch tensors in memory every GPU of the
-        NVLink domain has mapped. Needs Buffer(num_pool_bytes=N > 0) served by the compiled intranode backend (one
-        NVLink domain); RuntimeError otherwise, or once the Buffer is destroyed (its tensors stay valid: destroy()
-        defers the free of the pool's memory until the last of them is gone)."""
+        NVLink domain has mapped. Needs Buffer(num_pool_bytes=N > 0) served by the compiled intranode or internode
+        backend (internode: the pool's ranks are the local ranks of this rank's domain); RuntimeError otherwise, or
+        once the Buffer is destroyed (its tensors stay valid: destroy() defers the free of the pool's memory until
+        the last of them is gone)."""
         self._check_alive()
         pool = getattr(self._kernels, "peer_pool", None)
         if pool is not None:
@@ -330,7 +331,7 @@ class Buffer:
         elif self._kernels is None:
             why = f"the compiled kernels do not serve this Buffer: {self._kernels_why}"
         else:
-            why = (f"only the intranode backend (one NVLink domain) has a peer pool; this Buffer's is "
+            why = (f"only the intranode and internode backends have a peer pool; this Buffer's is "
                    f"{self._kernels.name}")
         raise RuntimeError(f"Buffer.peer_pool: {why}")
 
@@ -571,13 +572,21 @@ class Buffer:
             mode = LAUNCH_ASYNC if async_finish else LAUNCH_SYNC
             if type(x) is Tensor:
                 plan = handle.backend_state.dispatch_plans[0]
-                out = plan.run(handle, x, None, config, self.num_sms, mode) if plan is not None else None
+                try:
+                    out = plan(handle, x, None, config, self.num_sms, mode) if plan is not None else None
+                except Exception as exc:  # a peer waiting for this call (a direct one) fails fast (_post_abort)
+                    self._post_abort(exc)
+                    raise
                 if out is not None:
                     return out[0], None, None, None, None, (EventOverlap(out[2], (x, out[0])) if async_finish
                                                             else _NO_EVENT)
             elif type(x) is tuple and len(x) == 2 and type(x[0]) is Tensor and type(x[1]) is Tensor:
                 plan = handle.backend_state.dispatch_plans[1]
-                out = plan.run(handle, x[0], x[1], config, self.num_sms, mode) if plan is not None else None
+                try:
+                    out = plan(handle, x[0], x[1], config, self.num_sms, mode) if plan is not None else None
+                except Exception as exc:
+                    self._post_abort(exc)
+                    raise
                 if out is not None:
                     return (out[0], out[1]), None, None, None, None, (EventOverlap(out[2], (*x, out[0], out[1]))
                                                                        if async_finish else _NO_EVENT)
@@ -653,7 +662,11 @@ class Buffer:
             plan = handle.backend_state.combine_plans[topk_weights is not None]
             if plan is not None:
                 mode = LAUNCH_ASYNC if async_finish else LAUNCH_SYNC
-                out = plan.run(handle, x, topk_weights, config, self.num_sms, mode)
+                try:
+                    out = plan(handle, x, topk_weights, config, self.num_sms, mode)
+                except Exception as exc:  # a peer waiting for this call (a pull) fails fast (_post_abort)
+                    self._post_abort(exc)
+                    raise
                 if out is not None:
                     if not async_finish:
                         return out[0], out[1], _NO_EVENT

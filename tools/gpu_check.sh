@@ -118,6 +118,12 @@ run test_teardown_faults 240 "${PYTEST[@]}" -s tests/kernels/test_teardown_gpu.p
 run test_teardown 150 "${PYTEST[@]}" -s tests/kernels/test_teardown_gpu.py -k "cycles or views"
 run test_peer_pool 150 "${PYTEST[@]}" -s tests/kernels/test_peer_pool_gpu.py
 run test_direct_dispatch 200 "${PYTEST[@]}" -s tests/kernels/test_direct_dispatch_gpu.py
+if (( N >= 4 )); then
+  run test_internode_direct 200 "${PYTEST[@]}" -s tests/kernels/test_internode_direct_gpu.py
+else
+  say "SKIP test_internode_direct (needs 4 GPUs or more)"
+fi
+run test_cached_host_path 90 "${PYTEST[@]}" -s tests/kernels/test_cached_host_path_gpu.py
 run test_agreement 240 "${PYTEST[@]}" -s tests/kernels/test_agreement_gpu.py tests/kernels/test_cached_agreement_gpu.py \
   tests/kernels/test_refused_calls_gpu.py tests/kernels/test_internode_cached_agreement_gpu.py
 run test_ll_host_path 90 "${PYTEST[@]}" -s tests/kernels/test_low_latency_host_path_gpu.py

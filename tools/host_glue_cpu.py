@@ -22,7 +22,6 @@ import os
 import sys
 import tempfile
 import time
-import types
 
 import torch
 import torch.distributed as dist
@@ -105,12 +104,12 @@ def main() -> None:
             ("public cached dispatch, full path", lambda: buf.dispatch(x, handle=handle, previous_event=done)),
             ("public combine, full path", lambda: buf.combine(y, handle, previous_event=done)),
             ("backend.cached_dispatch", lambda: backend.cached_dispatch(x, None, handle)),
-            ("stub plan run (the native call)", lambda: plan.run(handle, x, None, None, buf.num_sms, 2))]
+            ("stub plan run (the native call)", lambda: plan(handle, x, None, None, buf.num_sms, 2))]
     # The Buffer's own glue: a handle whose plan answers at once (what the public call costs beyond the native one).
     answer = (torch.empty(handle.recv_src_idx.shape[0], h, dtype=x.dtype), None, None)
     from moe_dispatcher.compiled import HandleState
     free = handle._replace(backend_state=HandleState(handle.backend_state.routing))
-    free.backend_state.dispatch_plans[0] = types.SimpleNamespace(run=lambda *args: answer)
+    free.backend_state.dispatch_plans[0] = lambda *args: answer
     rows.append(("public cached dispatch, the native call free", lambda: buf.dispatch(x, handle=free)))
     print(f"Python glue per call (CPU tensors, stub extension), T={t} H={h}, {opts.calls} calls each:")
     for name, fn in rows:

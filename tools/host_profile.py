@@ -84,7 +84,7 @@ def main() -> None:
     plan = handle.backend_state.dispatch_plans[0]
 
     def plan_call(join):
-        return lambda: plan.run(handle, x, None, None, buf.num_sms, join)
+        return lambda: plan(handle, x, None, None, buf.num_sms, join)
 
     def backend_only():
         with torch.cuda.stream(comm):

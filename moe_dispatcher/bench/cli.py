@@ -54,8 +54,8 @@ def parser() -> argparse.ArgumentParser:
     a("--backend", choices=("auto", "kernels", "reference"), default="auto",
       help="Buffer(backend=...): kernels = error instead of falling back to the reference backend")
     a("--num-pool-bytes", type=int, default=0, metavar="N",
-      help="normal and overlap modes: Buffer(num_pool_bytes=N): dispatch writes straight into outputs in the peer "
-           "pool and combine pulls its inputs from the pool (0: none)")
+      help="normal, overlap and internode modes: Buffer(num_pool_bytes=N): dispatch writes straight into outputs in "
+           "the peer pool and combine pulls its inputs from the pool (internode: over the NVLink domain) (0: none)")
     a("--num-ranks", type=int, default=None, help="ranks (default: every visible GPU; on CPU 2)")
     a("--cpu", action="store_true", help="gloo ranks on the CPU even when GPUs are visible")
     a("--json", default=None, metavar="PATH", help="write every record as JSON here")

@@ -1,7 +1,9 @@
 """Internode (two-hop) normal mode beside the intranode kernels and NCCL, on the same GPUs and routing.
 
 `python -m moe_dispatcher.bench --mode internode --nvl-size 2 --backend kernels` on 4 GPUs: emulated 2 domains
-x 2 GPUs (MOE_DISPATCHER_NVL_SIZE semantics, given here as a Topology). Byte counts (bench/README.md):
+x 2 GPUs (MOE_DISPATCHER_NVL_SIZE semantics, given here as a Topology); with --num-pool-bytes N both Buffers get a
+peer pool (the internode one: its NVLink hop writes straight into the domain peers' outputs, and its combine,
+whose inputs the Workload allocates in the pool, pulls the domain's rows in place). Byte counts (bench/README.md):
 NVL bytes = recv_x rows x H x 2 (logical; physical = rows from other ranks); RDMA bytes = (token, destination
 domain) pairs x H x 2 sent by this rank (physical = pairs to other domains). On one host the "RDMA" hop is an
 NVSHMEM put over NVLink (P2P transport): real cross-node figures cannot be measured here.
@@ -29,9 +31,13 @@ def run(ctx: Context) -> None:
     rdma_b = max(c.get_rdma_buffer_size_hint(hb, r, nvl) for c in configs)
     ctx.say(f"== internode normal mode: {r} ranks as {r // nvl} domains x {nvl}, T={o.tokens} H={o.hidden} "
             f"top-{o.topk} of {o.num_experts}, sms={dcfg.num_sms}; RDMA buffer {rdma_b / 2 ** 20:.0f} MiB")
-    intra = Buffer(ctx.group, num_nvl_bytes=nvl_b, backend=o.backend, topology=Topology(ctx.rank, r, r))
+    # --num-pool-bytes: both Buffers get a peer pool (intranode: direct dispatch and pull combine; internode: the
+    # NVLink hop's direct dispatch and pull combine; the Workload puts the combine inputs in the pool), so the
+    # comparison is pool against pool.
+    intra = Buffer(ctx.group, num_nvl_bytes=nvl_b, backend=o.backend, topology=Topology(ctx.rank, r, r),
+                   num_pool_bytes=o.num_pool_bytes)
     inter = Buffer(ctx.group, num_nvl_bytes=nvl_b, num_rdma_bytes=rdma_b, backend=o.backend,
-                   topology=Topology(ctx.rank, r, nvl))
+                   topology=Topology(ctx.rank, r, nvl), num_pool_bytes=o.num_pool_bytes)
     try:
         results: Dict[str, Dict[str, Any]] = {}
         nccl = None
@@ -61,6 +67,11 @@ def run(ctx: Context) -> None:
             for rec in recs:
                 results[f"{name} {rec['op']} {rec['dtype']}"] = rec
             ctx.records.extend(recs)
+            counters = getattr(getattr(buf, "_kernels", None), "_ipc", None)
+            if o.num_pool_bytes and hasattr(counters, "path_counters"):
+                direct, missed, pulls, pulls_missed = counters.path_counters()
+                ctx.say(f"  {name} peer pool: {direct - missed} of {direct} dispatches direct, "
+                        f"{pulls - pulls_missed} of {pulls} combines pulled")
             del recv_x, h0, w
             _release(ctx.device)
         for op in ("dispatch bf16", "dispatch fp8", "combine bf16"):

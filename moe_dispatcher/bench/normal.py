@@ -147,7 +147,7 @@ class Workload:
         if getattr(self.buffer, "num_pool_bytes", 0):  # combine inputs in the peer pool: the pull combine
             try:
                 pool = self.buffer.peer_pool
-            except RuntimeError:  # not the compiled intranode backend: no pool
+            except RuntimeError:  # not a compiled backend with a pool (intranode, or internode over its domain)
                 pool = None
             if pool is not None:
                 try:

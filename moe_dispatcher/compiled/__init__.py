@@ -44,10 +44,13 @@ class HandleState:
 
     routing:        the backend's tables of the handle (intranode: (num_channels, recv_channel_offset, direct), direct
                     None or, for a direct dispatch's handle, (send_row_offset, row_of_token); internode:
-                    (num_channels, recv_channel_offset, fwd_offset, fwd_mask, fwd_capacity)).
-    dispatch_plans: [the native plan (CachedDispatch of csrc/bindings/cached_call.h) of the latest cached
-                    dispatch of plain rows, that of FP8 rows with scales], None before the first such call;
-                    combine_plans likewise (CachedCombine), [without, with top-k weights]. One slot per kind, so
+                    (num_channels, recv_channel_offset, fwd_offset, fwd_mask, fwd_capacity, fwd_row_offset,
+                    fwd_rows), fwd_rows None without a peer pool).
+    dispatch_plans: [the native plan of the latest cached dispatch of plain rows, that of FP8 rows with scales],
+                    None before the first such call; combine_plans likewise, [without, with top-k weights]. A plan
+                    is a function that owns its native CachedCall (csrc/bindings/cached_call.h, plan_function):
+                    plan(handle, x, aux, config, num_sms, mode) -> (output, aux output or None, event or None), or
+                    None when the call is not the one it was made for. One slot per kind, so
                     that a model alternating the kinds on a handle (combine, then combine with weights in the
                     backward) keeps both. A plan holds the handle's routing tensors but not the handle (the
                     handle owns it), so dropping the handle frees everything at once.
@@ -70,10 +73,10 @@ def run_cached(backend, plans: list, kind: int, make: Callable, handle, x: torch
     backend.refused(). -> (output, aux output or None)."""
     num_sms = backend._buffer_cls.num_sms
     plan = plans[kind]
-    result = plan.run(handle, x, aux, config, num_sms, LAUNCH_CURRENT) if plan is not None else None
+    result = plan(handle, x, aux, config, num_sms, LAUNCH_CURRENT) if plan is not None else None
     if result is None:
         plan = plans[kind] = make(x, aux, handle, config)
-        result = plan.run(handle, x, aux, config, num_sms, LAUNCH_CURRENT)
+        result = plan(handle, x, aux, config, num_sms, LAUNCH_CURRENT)
         if result is None:
             backend.refused()
     return result[0], result[1]

@@ -4,7 +4,10 @@ One InternodeBackend belongs to one Buffer whose topology has more than one NVLi
 - the NVLink buffer of its domain: an intranode.IpcBuffer over the domain's ranks (CUDA IPC handles are
   gathered over the whole group, each rank opens only its domain's; nothing assumes two domains share a host);
 - one NVSHMEM symmetric allocation of num_rdma_bytes (moe_dispatcher.runtime.nvshmem bootstrap over the
-  Buffer's group; PE id == group rank). Across domains the kernels use public NVSHMEM calls only.
+  Buffer's group; PE id == group rank). Across domains the kernels use public NVSHMEM calls only;
+- with Buffer(num_pool_bytes=N), the Buffer's PeerPool (peer_pool.py): the tail of the NVLink buffer's allocation,
+  mapped by the GPUs of the domain (PeerPool rank = local index, num_ranks = nvl_size), closed here before the
+  mappings close.
 
 Same methods and host-synchronisation rules as IntranodeBackend: only a fresh dispatch without
 num_worst_tokens waits (mapped mailbox) for the receive counts; cached dispatch, num_worst_tokens dispatch
@@ -18,7 +21,7 @@ from __future__ import annotations
 import socket
 import weakref
 from collections import OrderedDict
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -29,10 +32,11 @@ from ..config import Config, align_slot
 from ..handle import DispatchHandle
 from ..reference.board import PeerError
 from ..signature import dispatch_signature, raise_disagreement, ring_signature_word, signature_hash
-from . import (STATUS_PEER_ABORTED, TIMEOUT_ENV, HandleState, buffer_view, combine_tensors, kernel_timeout_s,
-               posted_by_peer, recv_tensors, run_cached, timeout_message, wait_counts)
+from . import (LAUNCH_CURRENT, STATUS_PEER_ABORTED, TIMEOUT_ENV, HandleState, buffer_view, combine_tensors,
+               kernel_timeout_s, posted_by_peer, recv_tensors, run_cached, timeout_message, wait_counts)
 from .intranode import (COMBINE_DTYPES, KEPT_SIGNATURES, _columns, _contiguous, _DeviceMemory, _row_bytes,
                         combine_slot_bytes)
+from .peer_pool import PeerPool
 
 
 def dispatch_slot_bytes(hidden_bytes: int, num_scales: int, num_topk: int) -> int:
@@ -50,6 +54,71 @@ def ring_signatures(operation: str, x: torch.Tensor, scales: Optional[torch.Tens
     scales_dtype = scales.dtype if scales is not None else None
     return [ring_signature_word(operation, x.shape[1], x.dtype, scales_dtype, _columns(scales), _columns(topk_weights),
                                 slots) for slots in (geometry[5], geometry[2])]
+
+
+class _DirectDispatchPlan:
+    """The plan of a cached dispatch along the handle of a Buffer with a peer pool (InternodeBackend._direct_dispatch,
+    cached), called as the native plans are (csrc/bindings/cached_call.h): plan(handle, x, aux, config, num_sms,
+    mode) -> (recv_x, recv_scales or None, None), or None for a call unlike its own (the Buffer then takes its full
+    path). It launches on the current stream only (the full path's LAUNCH_CURRENT, inside the Buffer's stream
+    scope); the fast path's modes answer None. Its ring is the geometry, its word the two ring signatures."""
+
+    __slots__ = ("backend", "in_rank", "num_tokens", "num_worst_tokens", "x_spec", "aux_spec", "config", "num_sms",
+                 "ring", "word")
+
+    def __init__(self, backend, handle: DispatchHandle, x: torch.Tensor, x_scales: Optional[torch.Tensor],
+                 config: Optional[Config], num_sms: int, ring: Sequence[int], word: Sequence[int]) -> None:
+        self.backend = backend
+        self.in_rank, self.num_tokens, self.num_worst_tokens = (handle.is_token_in_rank, handle.num_tokens,
+                                                                handle.num_worst_tokens)
+        self.x_spec = (x.dtype, tuple(x.shape), x.device)
+        self.aux_spec = None if x_scales is None else (x_scales.dtype, tuple(x_scales.shape), x_scales.device)
+        self.config, self.num_sms, self.ring, self.word = config, num_sms, ring, word
+
+    def _matches(self, handle, x: torch.Tensor, aux: Optional[torch.Tensor], config, num_sms: int) -> bool:
+        if (handle.is_token_in_rank is not self.in_rank or handle.num_tokens != self.num_tokens
+                or handle.num_worst_tokens != self.num_worst_tokens or not x.is_contiguous()
+                or (x.dtype, tuple(x.shape), x.device) != self.x_spec):
+            return False
+        if (aux is None) != (self.aux_spec is None) or (aux is not None and (
+                (aux.dtype, tuple(aux.shape), aux.device) != self.aux_spec or not aux.is_contiguous())):
+            return False
+        if (config is None) != (self.config is None):
+            return False
+        return num_sms == self.num_sms if config is None else (config is self.config or config == self.config)
+
+    def __call__(self, handle, x: torch.Tensor, aux: Optional[torch.Tensor], config, num_sms: int, mode: int):
+        if mode != LAUNCH_CURRENT or not self._matches(handle, x, aux, config, num_sms):
+            return None
+        try:
+            self.backend._check()
+        except RuntimeError:  # the full path takes the call and says why
+            return None
+        out = self.backend._cached_direct_dispatch(x, aux, handle, self.ring, self.word)
+        return out[0], out[1], None
+
+
+class _PullCombinePlan(_DirectDispatchPlan):
+    """The plan of a combine along the handle of a Buffer with a peer pool (InternodeBackend._combine_along: the
+    pull NVLink hop, or the FIFOs when some rank of the domain has its input outside its pool): the dispatch plan's
+    contract, with the top-k weights as its aux tensor. -> (combined_x, combined_topk_weights or None, None)."""
+
+    __slots__ = ()
+
+    def __init__(self, backend, handle: DispatchHandle, x: torch.Tensor, topk_weights: Optional[torch.Tensor],
+                 config: Optional[Config], num_sms: int, ring: Sequence[int]) -> None:
+        super().__init__(backend, handle, x, topk_weights, config, num_sms, ring, ())
+
+    def __call__(self, handle, x: torch.Tensor, aux: Optional[torch.Tensor], config, num_sms: int, mode: int):
+        if mode != LAUNCH_CURRENT or not self._matches(handle, x, aux, config, num_sms):
+            return None
+        try:
+            self.backend._check()
+        except RuntimeError:  # the full path takes the call and says why
+            return None
+        out, out_w, _, _ = combine_tensors(self.num_tokens, x, aux, ())
+        self.backend._combine_along(x, aux, None, None, handle, out, out_w, self.ring)
+        return out, out_w, None
 
 
 class InternodeBackend(Backend):
@@ -84,11 +153,21 @@ class InternodeBackend(Backend):
             raise ValueError(f"num_nvl_bytes={self.num_nvl_bytes} is too small for the internode kernels; size it with "
                              f"Config.get_nvl_buffer_size_hint")
         self.device = torch.device("cuda", torch.cuda.current_device())
-        # NVLink buffer of the domain: handles gathered over the group, only the domain's opened.
-        self._ipc = self._intra.IpcBuffer(topo.local_index, self.nvl_size, self.num_nvl_bytes)
+        # NVLink buffer of the domain: handles gathered over the group, only the domain's opened. With
+        # num_pool_bytes the allocation has the peer pool's region as its tail (exported with the buffer), mapped by
+        # the domain's GPUs only.
+        self.num_pool_bytes = buffer.num_pool_bytes
+        self._ipc = (self._intra.IpcBuffer(topo.local_index, self.nvl_size, self.num_nvl_bytes, self.num_pool_bytes)
+                     if self.num_pool_bytes else self._intra.IpcBuffer(topo.local_index, self.nvl_size,
+                                                                        self.num_nvl_bytes))
         gathered: List[Optional[tuple]] = [None] * self.num_ranks
         dist.all_gather_object(gathered, (self._ipc.ipc_handle(), socket.gethostname()), group=self.group)
         self._ipc.open_peers([gathered[r][0] for r in topo.domain_ranks()])
+        self.peer_pool: Optional[PeerPool] = None
+        self._direct_blocks: Tuple[Optional[torch.Tensor], ...] = ()  # the latest pool dispatch's output blocks
+        if self.num_pool_bytes:
+            self.peer_pool = PeerPool(self._ipc, mod.peer_pool, mod.__file__, self.device, topo.local_index,
+                                      self.nvl_size)
         # The Buffer's comm stream, with the events that join it to the caller's stream in cached calls.
         self._comm = self._intra.CommStream(buffer.get_comm_stream())
         self.launch_order = self._comm
@@ -100,6 +179,8 @@ class InternodeBackend(Backend):
             self._rdma_ptr = self._state.malloc(self.num_rdma_bytes)
         except Exception:
             self._state.finalize()
+            if self.peer_pool is not None:
+                self.peer_pool.close()
             self._ipc.destroy()
             raise
         memory = _DeviceMemory(self._rdma_ptr, self.num_rdma_bytes)
@@ -221,6 +302,7 @@ class InternodeBackend(Backend):
         prefix = torch.empty(r, r, dtype=torch.int32, device=dev)
         offsets = torch.empty(r, channels + 1, dtype=torch.int32, device=dev)
         fwd_offset = torch.empty(self.num_domains, channels + 1, dtype=torch.int32, device=dev)
+        fwd_row_offset = torch.empty(self.num_domains, self.nvl_size, channels, dtype=torch.int32, device=dev)
         self._seq = self._seq % 2_000_000_000 + 1
         seq = self._seq
         signature = dispatch_signature("dispatch", x, x_scales, topk_idx, topk_weights, num_experts,
@@ -231,7 +313,8 @@ class InternodeBackend(Backend):
         # With num_worst_tokens the per-expert counts stay on the device (Backend.dispatch): notify writes them.
         device_counts = torch.empty(local, dtype=torch.int32, device=dev) if num_worst_tokens else None
         self._mod.notify(self._ctx, self._timeout_ns, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert,
-                         channels, expert_alignment, num_worst_tokens, seq, prefix, offsets, fwd_offset, device_counts,
+                         channels, expert_alignment, num_worst_tokens, seq, prefix, offsets, fwd_offset, fwd_row_offset,
+                         device_counts,
                          signature_hash=signature_hash(signature), problem=signature.problem)
         counts = device_counts
         num_recv: Optional[int] = None
@@ -250,18 +333,78 @@ class InternodeBackend(Backend):
             rows = num_recv
             fwd_capacity = self._mod.num_forward(self._ipc)
 
-        recv_x, recv_scales, recv_idx, recv_w, recv_src = recv_tensors(
-            rows, x, x_scales, num_scales, num_topk if topk_idx is not None else None)
         fwd_mask = torch.zeros(max(fwd_capacity, 1), dtype=torch.int32, device=dev)
-        self._mod.dispatch(self._ctx, self._timeout_ns, x, x_scales, topk_idx, topk_weights, is_token_in_rank, offsets,
-                           fwd_offset, fwd_mask, fwd_capacity, recv_x, recv_scales, recv_idx, recv_w, recv_src, local,
-                           bool(num_worst_tokens), geo)
+        fwd_rows = None
+        if self.peer_pool is not None:
+            # The NVLink hop writes straight into the domain peers' outputs (pool blocks), or takes the FIFOs when
+            # some rank of the domain has no room (dispatch.cu, "Direct mode"); fwd_rows: where each forwarded
+            # token landed at each local rank (-1: not there), every entry of a forwarded token written either way.
+            fwd_rows = torch.empty((max(fwd_capacity, 1), self.nvl_size), dtype=torch.int32, device=dev)
+            recv_x, recv_scales, recv_idx, recv_w, recv_src = self._direct_dispatch(
+                x, x_scales, topk_idx, topk_weights, is_token_in_rank, offsets, fwd_offset, fwd_row_offset, fwd_mask,
+                fwd_capacity, fwd_rows, rows, local, bool(num_worst_tokens), geo)
+        else:
+            recv_x, recv_scales, recv_idx, recv_w, recv_src = recv_tensors(
+                rows, x, x_scales, num_scales, num_topk if topk_idx is not None else None)
+            self._mod.dispatch(self._ctx, self._timeout_ns, x, x_scales, topk_idx, topk_weights, is_token_in_rank,
+                               offsets, fwd_offset, fwd_mask, fwd_capacity, recv_x, recv_scales, recv_idx, recv_w,
+                               recv_src, local, bool(num_worst_tokens), geo)
         if topk_weights is None:
             recv_w = None
         handle = DispatchHandle(prefix, is_token_in_rank, recv_src, num_recv, t, num_worst_tokens, self.name,
                                 self._buffer_token,
-                                backend_state=HandleState((channels, offsets, fwd_offset, fwd_mask, fwd_capacity)))
+                                backend_state=HandleState((channels, offsets, fwd_offset, fwd_mask, fwd_capacity,
+                                                           fwd_row_offset, fwd_rows)))
         return recv_x, recv_scales, recv_idx, recv_w, counts, handle
+
+    def _direct_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
+                         topk_weights: Optional[torch.Tensor], is_token_in_rank: torch.Tensor, offsets: torch.Tensor,
+                         fwd_offset: torch.Tensor, fwd_row_offset: torch.Tensor, fwd_mask: Optional[torch.Tensor],
+                         fwd_capacity: int, fwd_rows: Optional[torch.Tensor], rows: int, local: int, pad_rows: bool,
+                         geo: Sequence[int], ring_signatures: Sequence[int] = (),
+                         handle_fwd_mask: Optional[torch.Tensor] = None) -> list:
+        """Dispatch of a Buffer with a peer pool into outputs allocated in the pool: a payload block carved natively
+        into recv_x [rows, H] and recv_scales [rows, S] or None, and in a fresh call (no ring_signatures) a meta
+        block carved into recv_topk_idx / recv_topk_weights [rows, K] (or None without topk_idx) and recv_src_idx
+        [rows] (None cached), as the intranode direct dispatch lays them out. A block the pool has no room for (or
+        any block while a CUDA graph is being captured) comes from torch's allocator, and the rank says so to its
+        domain peers in the kernel: then the domain's NVLink hop takes the FIFOs (the same outputs). The blocks of
+        the latest call stay referenced here: a peer that is late with it writes into them, never into memory
+        handed out again."""
+        payload, out_offset = self._pool_block(self._intra.direct_payload_bytes(rows, _row_bytes(x),
+                                                                                _columns(x_scales)), x.device)
+        meta, meta_offset = None, 0
+        if not ring_signatures:
+            meta, meta_offset = self._pool_block(self._intra.direct_meta_bytes(rows, _columns(topk_idx)), x.device)
+        self._direct_blocks = (payload, meta)
+        return list(self._mod.direct_dispatch(self._ctx, self._timeout_ns, x, x_scales, topk_idx, topk_weights,
+                                              is_token_in_rank, offsets, fwd_offset, fwd_row_offset, fwd_mask,
+                                              fwd_capacity, fwd_rows, payload, out_offset, meta, meta_offset, rows,
+                                              local, pad_rows, list(geo), ring_signatures=list(ring_signatures),
+                                              handle_fwd_mask=handle_fwd_mask))
+
+    def _cached_direct_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], handle: DispatchHandle,
+                                geo: Sequence[int], ring_signatures: Sequence[int]) -> list:
+        """A cached dispatch along a pool Buffer's handle (_DirectDispatchPlan): payload and scales only."""
+        _, offsets, fwd_offset, fwd_mask, fwd_capacity, fwd_row_offset, _ = handle.backend_state.routing
+        rows = handle.num_worst_tokens or handle.num_recv_tokens
+        return self._direct_dispatch(x, x_scales, None, None, handle.is_token_in_rank, offsets, fwd_offset,
+                                     fwd_row_offset, None, fwd_capacity, None, rows, 1, bool(handle.num_worst_tokens),
+                                     geo, ring_signatures, fwd_mask)
+
+    def _pool_block(self, nbytes: int, device: torch.device) -> Tuple[torch.Tensor, int]:
+        """A uint8 block of at least `nbytes` bytes for a dispatch's outputs and its offset in this rank's NVLink
+        buffer: from the peer pool, its size rounded up to a power of two (2 MiB at least) so that torch's cached
+        blocks serve the next calls, whose sizes vary; or from torch's own allocator with offset -1 when the pool
+        has no room or a CUDA graph is being captured (the graph's allocations are its own pool's)."""
+        if not torch.cuda.is_current_stream_capturing() and not self.peer_pool.closed:
+            size = max(2 << 20, 1 << (max(nbytes, 1) - 1).bit_length())
+            try:
+                block = self.peer_pool.allocate((size,), torch.uint8)
+                return block, self._ipc.pool_offset + self.peer_pool.offset_of(block)
+            except torch.OutOfMemoryError:  # PeerPoolExhausted: the domain's NVLink hop takes the FIFOs
+                pass
+        return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device), -1
 
     def cached_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], handle: DispatchHandle,
                         config: Optional[Config] = None):
@@ -274,13 +417,15 @@ class InternodeBackend(Backend):
     def _dispatch_plan(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], handle: DispatchHandle,
                        config: Optional[Config]):
         """The checks of a cached dispatch, then its native plan."""
-        channels, offsets, fwd_offset, fwd_mask, fwd_capacity = handle.backend_state.routing
+        channels, offsets, fwd_offset, fwd_mask, fwd_capacity, _, fwd_rows = handle.backend_state.routing
         geo = self._geometry(config, False, dispatch_slot_bytes(_row_bytes(x), _columns(x_scales), 0), channels,
                              "cached dispatch")
+        words = ring_signatures("cached dispatch", x, x_scales, None, geo)
+        if fwd_rows is not None:  # the handle of a Buffer with a peer pool: outputs in the pool
+            return _DirectDispatchPlan(self, handle, x, x_scales, config, self._buffer_cls.num_sms, geo, words)
         return self._mod.cached_dispatch(self._ctx, self._ipc, self._comm, self._timeout_ns, handle, offsets,
                                          fwd_offset, fwd_mask, fwd_capacity, x, x_scales, geo, config,
-                                         self._buffer_cls.num_sms,
-                                         ring_signatures=ring_signatures("cached dispatch", x, x_scales, None, geo))
+                                         self._buffer_cls.num_sms, ring_signatures=words)
 
     # ------------------------------------------------------------------ combine
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
@@ -288,28 +433,58 @@ class InternodeBackend(Backend):
         """Reduce the rows of each source token in two hops; returns (combined_x, combined_topk_weights or None).
 
         Order: out = cast(bias0 + bias1 + sum over domains ascending of partial_domain), float32, where a
-        partial is the float32 sum of that domain's rows (ranks ascending) rounded to x.dtype."""
+        partial is the float32 sum of that domain's rows (ranks ascending) rounded to x.dtype; the same whether
+        the NVLink hop pulls (inputs in the peer pool along a pool handle) or takes the FIFOs."""
         self._check()
         x, topk_weights = x.contiguous(), _contiguous(topk_weights)
         if not bias:
             return run_cached(self, handle.backend_state.combine_plans, topk_weights is not None, self._combine_plan,
                               handle, x, topk_weights, config)
         # With a bias (rare: no plan, and the Buffer's fast path does not take it).
-        channels, offsets, fwd_offset, fwd_mask, fwd_capacity = handle.backend_state.routing
+        channels = handle.backend_state.routing[0]
         geo = self._geometry(config, True, combine_slot_bytes(_row_bytes(x), _columns(topk_weights)), channels,
                              "combine")
         out, out_w, bias0, bias1 = combine_tensors(handle.num_tokens, x, topk_weights, bias)
-        self._mod.combine(self._ctx, self._timeout_ns, x, topk_weights, bias0, bias1,
-                          handle.is_token_in_rank, offsets, fwd_offset, fwd_mask, fwd_capacity, out, out_w, geo,
-                          ring_signatures=ring_signatures("combine", x, None, topk_weights, geo))
+        self._combine_along(x, topk_weights, bias0, bias1, handle, out, out_w, geo)
         return out, out_w
+
+    def _combine_along(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor], bias0, bias1, handle,
+                       out: torch.Tensor, out_w: Optional[torch.Tensor], geo: Sequence[int]) -> None:
+        """Launch the combine of x along `handle` into out / out_w. Along the handle of a Buffer with a peer pool
+        (its fwd_rows) the kernel runs the pull NVLink hop's protocol: it reads the domain's rows in place when every
+        rank of the domain has its input in its pool (_pull_offsets), else takes the FIFOs (combine.cu, "Pull
+        mode")."""
+        _, offsets, fwd_offset, fwd_mask, fwd_capacity, _, fwd_rows = handle.backend_state.routing
+        pull = {} if fwd_rows is None else {"fwd_rows": fwd_rows, **self._pull_offsets(x, topk_weights)}
+        self._mod.combine(self._ctx, self._timeout_ns, x, topk_weights, bias0, bias1, handle.is_token_in_rank, offsets,
+                          fwd_offset, fwd_mask, fwd_capacity, out, out_w, list(geo),
+                          ring_signatures=ring_signatures("combine", x, None, topk_weights, geo), **pull)
+
+    def _pull_offsets(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor]) -> dict:
+        """Where a combine's x and topk_weights lie in this rank's NVLink buffer (its peer pool), or -1 for both when
+        either is elsewhere (then the domain's call takes the FIFOs: the kernel's verdict); an x without rows counts
+        as peer-mapped, an x of rows of 0 bytes does not (torch gives it no address)."""
+        pool = self.peer_pool
+        if pool is None or pool.closed or torch.cuda.is_current_stream_capturing():
+            return {"x_offset": -1, "w_offset": -1}
+        if x.shape[0] == 0:  # no rows (nor weights): nobody reads this input, wherever it lies
+            return {"x_offset": 0, "w_offset": 0}
+        if x.numel() == 0:  # rows of 0 bytes: torch gives a tensor without elements no address (data_ptr() 0)
+            return {"x_offset": -1, "w_offset": -1}
+        if pool.contains(x) and (topk_weights is None or pool.contains(topk_weights)):
+            w_offset = -1 if topk_weights is None else self._ipc.pool_offset + pool.offset_of(topk_weights)
+            return {"x_offset": self._ipc.pool_offset + pool.offset_of(x), "w_offset": w_offset}
+        return {"x_offset": -1, "w_offset": -1}
 
     def _combine_plan(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor], handle: DispatchHandle,
                       config: Optional[Config]):
-        """The checks of a combine (x of a kernel dtype), then its native plan."""
-        channels, offsets, fwd_offset, fwd_mask, fwd_capacity = handle.backend_state.routing
+        """The checks of a combine (x of a kernel dtype), then its plan: native, or along the handle of a Buffer with
+        a peer pool the pull plan (_combine_along, whose offsets are the call's own)."""
+        channels, offsets, fwd_offset, fwd_mask, fwd_capacity, _, fwd_rows = handle.backend_state.routing
         geo = self._geometry(config, True, combine_slot_bytes(_row_bytes(x), _columns(topk_weights)), channels,
                              "combine")
+        if fwd_rows is not None:
+            return _PullCombinePlan(self, handle, x, topk_weights, config, self._buffer_cls.num_sms, geo)
         return self._mod.cached_combine(self._ctx, self._ipc, self._comm, self._timeout_ns, handle, offsets, fwd_offset,
                                         fwd_mask, fwd_capacity, x, topk_weights, geo, config,
                                         self._buffer_cls.num_sms,
@@ -347,6 +522,10 @@ class InternodeBackend(Backend):
                 self._broken = timeout_message(self.name, info, self.timeout_s, TIMEOUT_ENV, self._board)
         self._alive = False
         self._rdma_raw = None
+        if self._broken is None:  # every pool dispatch completed (its kernel saw every peer's writes): nobody writes
+            self._direct_blocks = ()  # into them any more; a broken backend keeps them (a late peer might)
+        if self.peer_pool is not None:  # before the mappings its peer addresses point into close
+            self.peer_pool.close()
         self._ipc.close()
 
     def views_alive(self) -> bool:
@@ -361,5 +540,7 @@ class InternodeBackend(Backend):
             self._state.release(self._rdma_ptr, self.device)
 
     def abandon(self) -> None:
-        """A rank never confirmed: both buffers stay allocated until the process exits."""
+        """A rank never confirmed: both buffers stay allocated until the process exits (the pool's region too)."""
+        if self.peer_pool is not None:
+            self.peer_pool.close()
         self._ipc.abandon()

@@ -47,7 +47,7 @@ from ..expert_major import ExpertMajorHandle, compose_expert_major_dispatch, gat
 from ..handle import DispatchHandle
 from ..signature import Signature, dispatch_signature, raise_disagreement, ring_signature_word, signature_hash
 from .peer_pool import PeerPool
-from . import (LAUNCH_CURRENT, STATUS_PEER_ABORTED, TIMEOUT_ENV, HandleState, buffer_view, combine_tensors,
+from . import (STATUS_PEER_ABORTED, TIMEOUT_ENV, HandleState, buffer_view, combine_tensors,
                kernel_timeout_s, posted_by_peer, recv_tensors, run_cached, timeout_message, wait_counts)
 
 # Dtypes of combine input the kernels reduce (others go to the reference backend: capabilities.combine_dtypes).
@@ -104,78 +104,6 @@ class _DeviceMemory:
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2}
 
 
-class _DirectDispatchPlan:
-    """The plan of a cached dispatch along the handle of a direct dispatch (IntranodeBackend._direct_dispatch): the
-    same duck type as the native plans (csrc/bindings/cached_call.h: run() answers None for a call unlike the one
-    it was made for, and the Buffer then takes its full path). It launches on the current stream only (the full
-    path's LAUNCH_CURRENT, inside the Buffer's stream scope); the fast path's modes answer None."""
-
-    __slots__ = ("backend", "in_rank", "num_tokens", "num_worst_tokens", "x_spec", "aux_spec", "config", "num_sms",
-                 "ring", "word")
-
-    def __init__(self, backend, handle: DispatchHandle, x: torch.Tensor, x_scales: Optional[torch.Tensor],
-                 config: Optional[Config], num_sms: int, ring: Tuple[int, int, int, int], word: int) -> None:
-        self.backend = backend
-        self.in_rank, self.num_tokens, self.num_worst_tokens = (handle.is_token_in_rank, handle.num_tokens,
-                                                                handle.num_worst_tokens)
-        self.x_spec = (x.dtype, tuple(x.shape), x.device)
-        self.aux_spec = None if x_scales is None else (x_scales.dtype, tuple(x_scales.shape), x_scales.device)
-        self.config, self.num_sms, self.ring, self.word = config, num_sms, ring, word
-
-    def _matches(self, handle, x: torch.Tensor, aux: Optional[torch.Tensor], config, num_sms: int) -> bool:
-        if (handle.is_token_in_rank is not self.in_rank or handle.num_tokens != self.num_tokens
-                or handle.num_worst_tokens != self.num_worst_tokens or not x.is_contiguous()
-                or (x.dtype, tuple(x.shape), x.device) != self.x_spec):
-            return False
-        if (aux is None) != (self.aux_spec is None) or (aux is not None and (
-                (aux.dtype, tuple(aux.shape), aux.device) != self.aux_spec or not aux.is_contiguous())):
-            return False
-        if (config is None) != (self.config is None):
-            return False
-        return num_sms == self.num_sms if config is None else (config is self.config or config == self.config)
-
-    def _serves(self, handle, x: torch.Tensor, aux: Optional[torch.Tensor], config, num_sms: int, mode: int) -> bool:
-        """This plan's call, on the current stream's mode, and the backend may still launch (else the full path
-        takes it and says why)."""
-        if mode != LAUNCH_CURRENT or not self._matches(handle, x, aux, config, num_sms):
-            return False
-        try:
-            self.backend._check()
-        except RuntimeError:
-            return False
-        return True
-
-    def run(self, handle, x: torch.Tensor, aux: Optional[torch.Tensor], config, num_sms: int, mode: int):
-        """-> (recv_x, recv_scales or None, None), or None when not _serves(...)."""
-        if not self._serves(handle, x, aux, config, num_sms, mode):
-            return None
-        _, offsets, direct = handle.backend_state.routing
-        rows = self.num_worst_tokens or handle.num_recv_tokens
-        out = self.backend._direct_dispatch(x, aux, None, None, self.in_rank, offsets, direct[0], rows, 1,
-                                            bool(self.num_worst_tokens), self.ring, self.word)
-        return out[0], out[1], None
-
-
-class _PullCombinePlan(_DirectDispatchPlan):
-    """The plan of a combine along a direct dispatch's handle (IntranodeBackend._combine_along: the pull kernel, the
-    ring kernel when some rank's input is not in its pool): the same contract as _DirectDispatchPlan, with the
-    top-k weights as its aux tensor."""
-
-    __slots__ = ()
-
-    def __init__(self, backend, handle: DispatchHandle, x: torch.Tensor, topk_weights: Optional[torch.Tensor],
-                 config: Optional[Config], num_sms: int, ring: Tuple[int, int, int, int]) -> None:
-        super().__init__(backend, handle, x, topk_weights, config, num_sms, ring, 0)
-
-    def run(self, handle, x: torch.Tensor, aux: Optional[torch.Tensor], config, num_sms: int, mode: int):
-        """-> (combined_x, combined_topk_weights or None, None), or None when not _serves(...)."""
-        if not self._serves(handle, x, aux, config, num_sms, mode):
-            return None
-        out, out_w, _, _ = combine_tensors(self.num_tokens, x, aux, ())
-        self.backend._combine_along(x, aux, None, None, handle, out, out_w, self.ring)
-        return out, out_w, None
-
-
 class IntranodeBackend(Backend):
     """Compiled normal-mode backend for one Buffer (see the module docstring). Float64 combines and more than
     MAX_LOCAL_EXPERTS experts per rank are not its (capabilities): the Buffer sends those to the reference."""
@@ -211,7 +139,9 @@ class IntranodeBackend(Backend):
         dist.all_gather_object(handles, self._ipc.ipc_handle(), group=self.group)
         self._ipc.open_peers(handles)
         self.peer_pool: Optional[PeerPool] = None
-        self._direct_blocks: Tuple[Optional[torch.Tensor], ...] = ()  # the latest direct dispatch's output blocks
+        # The latest direct dispatch's output blocks [payload, meta] (one list for the backend's life: the native plans
+        # of cached direct dispatches set its items too).
+        self._direct_blocks: List[Optional[torch.Tensor]] = [None, None]
         if self.num_pool_bytes:
             self.peer_pool = PeerPool(self._ipc, mod.peer_pool, mod.__file__, self.device, self.rank, self.num_ranks)
         # The Buffer's comm stream, with the events that join it to the caller's stream in cached calls.
@@ -365,7 +295,7 @@ class IntranodeBackend(Backend):
             direct = (send_rows, row_of_token)
             recv_x, recv_scales, recv_idx, recv_w, recv_src = self._direct_dispatch(
                 x, x_scales, topk_idx, topk_weights, is_token_in_rank, offsets, send_rows, rows, local,
-                bool(num_worst_tokens), (channels, chunk, slots, slot_bytes), 0, row_of_token)
+                bool(num_worst_tokens), (channels, chunk, slots, slot_bytes), row_of_token)
         else:
             recv_x, recv_scales, recv_idx, recv_w, recv_src = recv_tensors(
                 rows, x, x_scales, _columns(x_scales), num_topk if topk_idx is not None else None)
@@ -381,67 +311,43 @@ class IntranodeBackend(Backend):
     def _direct_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
                          topk_weights: Optional[torch.Tensor], is_token_in_rank: torch.Tensor, offsets: torch.Tensor,
                          send_rows: torch.Tensor, rows: int, local: int, pad_rows: bool,
-                         ring: Tuple[int, int, int, int], ring_signature: int,
-                         row_of_token: Optional[torch.Tensor] = None) -> list:
-        """Dispatch by the direct kernel (kernels/intranode/dispatch_direct.cu) into outputs allocated in the peer
-        pool: a payload block carved natively into recv_x [rows, H] and recv_scales [rows, S] or None, and in a fresh
-        call (ring_signature 0) a meta block carved into recv_topk_idx [rows, K] and recv_topk_weights [rows, K] (or
-        None without topk_idx) and recv_src_idx [rows] (None in a cached call), apart so that the handle, which keeps
-        the source index, does not keep the payload's memory. A fresh call also fills row_of_token (int32 [T, R], -1
-        first: where each token landed at each rank, the pull combine's map). A block the pool has no room for (or
-        any block while a CUDA graph is being captured: the graph's allocations are its own pool's) comes from
-        torch's allocator, and the rank says so to its peers in the kernel: then no rank writes directly and the ring
-        kernel queued after it moves the call on every rank (the same outputs). The blocks of the latest call stay
-        referenced here: a peer that is late with it (or runs it after this rank gave up) writes into them, never
-        into memory handed out again."""
+                         ring: Tuple[int, int, int, int], row_of_token: torch.Tensor) -> list:
+        """A fresh dispatch by the direct kernel (kernels/intranode/dispatch_direct.cu) into outputs allocated in the
+        peer pool: a payload block carved natively into recv_x [rows, H] and recv_scales [rows, S] or None, and a
+        meta block carved into recv_topk_idx [rows, K] and recv_topk_weights [rows, K] (or None without topk_idx)
+        and recv_src_idx [rows], apart so that the handle, which keeps the source index, does not keep the
+        payload's memory; row_of_token (int32 [T, R], -1 first) receives where each token landed at each rank, the
+        pull combine's map (a cached dispatch along such a handle runs from its native plan, cached_direct_dispatch).
+        A block the pool has no room for (or any block while a CUDA graph is being captured: the graph's allocations
+        are its own pool's) comes from torch's allocator, and the rank says so to its peers in the kernel: then no
+        rank writes directly and the ring kernel queued after it moves the call on every rank (the same outputs). The
+        blocks of the latest call stay referenced here: a peer that is late with it (or runs it after this rank gave
+        up) writes into them, never into memory handed out again."""
         payload_bytes = self._mod.direct_payload_bytes(rows, _row_bytes(x), _columns(x_scales))
         payload, out_offset = self._pool_block(payload_bytes, x.device)
-        meta, meta_offset = None, 0
-        if ring_signature == 0:
-            meta, meta_offset = self._pool_block(self._mod.direct_meta_bytes(rows, _columns(topk_idx)), x.device)
-        self._direct_blocks = (payload, meta)
+        meta, meta_offset = self._pool_block(self._mod.direct_meta_bytes(rows, _columns(topk_idx)), x.device)
+        self._direct_blocks[:] = (payload, meta)
         return list(self._mod.direct_dispatch(self._ipc, self._timeout_ns, x, x_scales, topk_idx, topk_weights,
                                               is_token_in_rank, offsets, send_rows, payload, out_offset, meta,
-                                              meta_offset, rows, local, pad_rows, *ring,
-                                              ring_signature=ring_signature, row_of_token=row_of_token))
+                                              meta_offset, rows, local, pad_rows, *ring, row_of_token=row_of_token))
 
     def _pool_block(self, nbytes: int, device: torch.device) -> Tuple[torch.Tensor, int]:
         """A uint8 block of at least `nbytes` bytes for a direct dispatch's outputs and its offset in this rank's
         NVLink buffer: from the peer pool, its size rounded up to a power of two (2 MiB at least) so that torch's
         cached blocks serve the next calls, whose sizes vary (torch cannot hand a live pool's cached segments back
         to the region); or from torch's own allocator with offset -1 when the pool has no room or a CUDA graph is
-        being captured."""
-        if not torch.cuda.is_current_stream_capturing():
-            size = max(2 << 20, 1 << (max(nbytes, 1) - 1).bit_length())
-            try:
-                block = self.peer_pool.allocate((size,), torch.uint8)
-                return block, self._ipc.pool_offset + self.peer_pool.offset_of(block)
-            except torch.OutOfMemoryError:  # PeerPoolExhausted: the ring kernel moves this call on every rank
-                pass
-        return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device), -1
-
-    def _pull_offsets(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor]) -> dict:
-        """Where a combine's x and topk_weights lie in this rank's NVLink buffer (its peer pool), or -1 for both when
-        either is elsewhere (then every rank's call goes through the ring: the pull kernel's verdict); an x without
-        rows counts as peer-mapped."""
-        pool = self.peer_pool
-        if pool is None or pool.closed or torch.cuda.is_current_stream_capturing():
-            return {"x_offset": -1, "w_offset": -1}
-        if x.shape[0] == 0:  # no rows (nor weights): nobody reads this input, wherever it lies
-            return {"x_offset": 0, "w_offset": 0}
-        if x.numel() == 0:  # rows of 0 bytes: torch gives a tensor without elements no address (data_ptr() 0)
-            return {"x_offset": -1, "w_offset": -1}
-        if pool.contains(x) and (topk_weights is None or pool.contains(topk_weights)):
-            w_offset = -1 if topk_weights is None else self._ipc.pool_offset + pool.offset_of(topk_weights)
-            return {"x_offset": self._ipc.pool_offset + pool.offset_of(x), "w_offset": w_offset}
-        return {"x_offset": -1, "w_offset": -1}
+        being captured. One native rule (pool_block in csrc/intranode_bindings.cpp), which the cached direct
+        dispatch's plan follows too."""
+        block, offset = self._mod.pool_block(self._ipc, device.index, self.peer_pool.mem_pool_id, nbytes)
+        return block, offset
 
     def _combine_along(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor], bias0, bias1, handle,
                        out: torch.Tensor, out_w: Optional[torch.Tensor], ring: Tuple[int, int, int, int]) -> None:
         """Launch the combine of x along `handle` into out / out_w: the ring kernel, or along a direct dispatch's
-        handle the pull kernel (then the ring kernel moves the call only if some rank's input is not in its pool)."""
+        handle the pull kernel (then the ring kernel moves the call only if some rank's input is not in its pool: the
+        binding finds where x and topk_weights lie)."""
         _, offsets, direct = handle.backend_state.routing
-        pull = {} if direct is None else {"row_of_token": direct[1], **self._pull_offsets(x, topk_weights)}
+        pull = {} if direct is None else {"row_of_token": direct[1]}
         self._mod.combine(self._ipc, self._timeout_ns, x, topk_weights, bias0, bias1, handle.is_token_in_rank,
                           offsets, out, out_w, *ring, ring_signature=_combine_ring_signature(x, topk_weights, ring[2]),
                           **pull)
@@ -477,15 +383,17 @@ class IntranodeBackend(Backend):
 
     def _dispatch_plan(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], handle: DispatchHandle,
                        config: Optional[Config]):
-        """The checks of a cached dispatch, then its plan: native, or _DirectDispatchPlan along a handle of a direct
-        dispatch."""
+        """The checks of a cached dispatch, then its native plan: the ring dispatch, or along a handle of a direct
+        dispatch the direct kernel into outputs in the peer pool (the ring kernel after it)."""
         channels, offsets, direct = handle.backend_state.routing
         ring = self._ring(config, False, dispatch_slot_bytes(_row_bytes(x), _columns(x_scales), 0), "cached dispatch",
                           channels)
         word = ring_signature_word("cached dispatch", x.shape[1], x.dtype,
                                    x_scales.dtype if x_scales is not None else None, _columns(x_scales), 0, ring[2])
         if direct is not None:
-            return _DirectDispatchPlan(self, handle, x, x_scales, config, self._buffer_cls.num_sms, ring, word)
+            return self._mod.cached_direct_dispatch(self._ipc, self._comm, self._timeout_ns, handle, offsets, direct[0],
+                                                    x, x_scales, *ring, config, self._buffer_cls.num_sms, word,
+                                                    self.peer_pool.mem_pool_id, self._direct_blocks)
         return self._mod.cached_dispatch(self._ipc, self._comm, self._timeout_ns, handle, offsets, x, x_scales, *ring,
                                          config, self._buffer_cls.num_sms, ring_signature=word)
 
@@ -507,15 +415,17 @@ class IntranodeBackend(Backend):
 
     def _combine_plan(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor], handle: DispatchHandle,
                       config: Optional[Config]):
-        """The checks of a combine (x of a kernel dtype), then its plan: native, or _PullCombinePlan along a direct
-        dispatch's handle."""
+        """The checks of a combine (x of a kernel dtype), then its native plan: the ring combine, or along a direct
+        dispatch's handle the pull combine (the ring one after it)."""
         channels, offsets, direct = handle.backend_state.routing
         ring = self._ring(config, True, combine_slot_bytes(_row_bytes(x), _columns(topk_weights)), "combine", channels)
+        word = _combine_ring_signature(x, topk_weights, ring[2])
         if direct is not None:
-            return _PullCombinePlan(self, handle, x, topk_weights, config, self._buffer_cls.num_sms, ring)
+            return self._mod.cached_pull_combine(self._ipc, self._comm, self._timeout_ns, handle, offsets, direct[1], x,
+                                                 topk_weights, *ring, config, self._buffer_cls.num_sms,
+                                                 ring_signature=word)
         return self._mod.cached_combine(self._ipc, self._comm, self._timeout_ns, handle, offsets, x, topk_weights,
-                                        *ring, config, self._buffer_cls.num_sms,
-                                        ring_signature=_combine_ring_signature(x, topk_weights, ring[2]))
+                                        *ring, config, self._buffer_cls.num_sms, ring_signature=word)
 
     # ------------------------------------------------------------------ expert-major (local passes)
     def expert_major_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: torch.Tensor,
@@ -570,7 +480,7 @@ class IntranodeBackend(Backend):
             direct = (send_rows, row_of_token)
             recv_x, recv_s, recv_idx, recv_w, recv_src = self._direct_dispatch(
                 x, x_scales, topk_idx, topk_weights, in_rank, offsets, send_rows, rows, local, False,
-                (channels, chunk, slots, slot_bytes), 0, row_of_token)
+                (channels, chunk, slots, slot_bytes), row_of_token)
         else:
             recv_x, recv_s, recv_idx, recv_w, recv_src = recv_tensors(rows, x, x_scales, _columns(x_scales), k)
             self._mod.dispatch(self._ipc, self._timeout_ns, x, x_scales, topk_idx, topk_weights, in_rank, offsets,
@@ -715,7 +625,8 @@ class IntranodeBackend(Backend):
                                            self._board)
         self._rdma_emulation = None
         if self._broken is None:  # every direct call completed (its kernel saw every peer's writes): nobody writes
-            self._direct_blocks = ()  # into them any more; a broken backend keeps them (a late peer might)
+            self._direct_blocks[:] = (None, None)  # into them any more; a broken backend keeps them (a late peer
+            # might)
         if self.peer_pool is not None:  # before the mappings its peer addresses point into close
             self.peer_pool.close()
         self._ipc.close()

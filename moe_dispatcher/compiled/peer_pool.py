@@ -1,6 +1,7 @@
 """Peer pool: torch tensors in memory that every GPU of the Buffer's NVLink domain has mapped.
 
-A Buffer made with num_pool_bytes=N > 0 (compiled intranode backend) has an N-byte region past its NVLink buffer, in
+A Buffer made with num_pool_bytes=N > 0 (compiled intranode or internode backend; internode: the GPUs of the rank's
+NVLink domain, indexed by local rank) has an N-byte region past its NVLink buffer, in
 the same cudaMalloc allocation: exported with it through CUDA IPC, so every peer maps it when it maps the buffer and
 nothing new is exchanged. PeerPool hands out torch tensors from that region through torch's caching allocator (a
 torch.cuda.MemPool over a CUDAPluggableAllocator whose functions are moe_dispatcher._C's moe_peer_pool_alloc /
@@ -47,7 +48,7 @@ class PeerPoolExhausted(torch.OutOfMemoryError):
 
 
 class PeerPool:
-    """The peer pool of one rank of a Buffer (see the module docstring); made by the intranode backend.
+    """The peer pool of one rank of a Buffer (see the module docstring); made by the intranode or internode backend.
 
     Attributes:
         device:     the rank's CUDA device.
@@ -121,6 +122,14 @@ class PeerPool:
             f"{s['in_use']} of {s['capacity']} bytes are held by torch's segments of this pool, the largest free "
             f"range is {s['largest_free']} bytes (torch rounds requests up to whole segments: 2 MiB for at most "
             f"1 MiB, 20 MiB for 1-10 MiB); raise Buffer(num_pool_bytes=...) or free pool tensors")
+
+    @property
+    def mem_pool_id(self) -> tuple:
+        """The id of the torch.cuda.MemPool the region's blocks come through (for native callers that allocate
+        from it as use_mem_pool does: csrc/intranode_bindings.cpp, cached direct dispatch). RuntimeError once
+        closed."""
+        self._check_open("mem_pool_id")
+        return self._mem_pool.id
 
     # ------------------------------------------------------------------ addresses
     def contains(self, tensor: torch.Tensor) -> bool:

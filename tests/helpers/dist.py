@@ -364,3 +364,24 @@ def make_low_latency_buffer(cases: list[dict], num_ranks: int):
 def per_rank(values: list[int], num_ranks: int) -> list[int]:
     """values cycled to one entry per rank (cases are written for 4 ranks and reused for 2)."""
     return [values[r % len(values)] for r in range(num_ranks)]
+
+
+def fill_pool(pool, streams) -> list:
+    """Allocate a PeerPool until nothing fits, on each of `streams` (torch.cuda.Stream; the caller's and the
+    Buffer's comm stream): the tensors, to be dropped to give the room back. Torch's caching allocator ties a freed
+    block to the stream it was allocated on and keeps a live pool's freed segments (it cannot hand them back to the
+    region), so a block a dispatch freed on the comm stream can serve the next dispatch there although allocations
+    on another stream find the pool full: filling it from one stream only does not fill it. On each stream the
+    region's largest free range first as one block, then 64, 16, 4, 1 MiB blocks until each fails."""
+    hog = []
+    for stream in streams:
+        with torch.cuda.stream(stream):
+            if pool.stats()["largest_free"] >= (2 << 20):
+                hog.append(pool.allocate((pool.stats()["largest_free"] >> 21 << 21,), torch.uint8))
+            for mib in (64, 16, 4, 1):
+                while True:
+                    try:
+                        hog.append(pool.allocate((mib << 20,), torch.uint8))
+                    except torch.OutOfMemoryError:
+                        break
+    return hog

@@ -177,6 +177,7 @@ CASES: List[Dict] = [
     dict(name="num_worst_tokens", T=[256, 77, 0, 300], H=2048, L=8, K=6, worst=True),
     dict(name="num_worst_tokens fp8", T=[64, 1, 200, 3], H=7168, L=8, K=8, worst=True, fp8=True),
     dict(name="fp8 tuple H7168", T=[500, 250, 0, 31], H=7168, L=16, K=8, fp8=True),
+    dict(name="fp8 H2048", T=[200, 7, 64, 0], H=2048, L=4, K=6, fp8=True),  # 16 scales: a round of their own
     dict(name="float32 dispatch + combine", T=[100, 200, 3, 0], H=2048, L=4, K=4, dtype=torch.float32, bias=1),
     dict(name="float16 combine", T=[100, 20, 3, 7], H=1024, L=4, K=4, dtype=torch.float16, bias=2),
     dict(name="small rows H256", T=[300, 40, 0, 77], H=256, L=4, K=4),  # a quarter of a direct send stage

@@ -140,7 +140,7 @@ def stub_intranode(rows: int) -> types.SimpleNamespace:
                 return False
             return aux is None or fits(aux, self.aux)
 
-        def run(self, handle, x, aux, config, num_sms, mode):
+        def __call__(self, handle, x, aux, config, num_sms, mode):
             if not self.matches(handle, x, aux, config, num_sms):
                 return None
             if not self.buffer.alive or self.buffer.timeout is not None:
@@ -176,6 +176,35 @@ def stub_intranode(rows: int) -> types.SimpleNamespace:
         w_out = None if topk_weights is None else (torch.float32, t, topk_weights.shape[1])
         return CachedCombine(buffer, handle, spec(x, x.shape[0]), w, spec(x, t), w_out, config, num_sms)
 
+    class CachedDirectDispatch(CachedCall):
+        kind = "CachedDirectDispatch"
+
+    def cached_direct_dispatch(buffer, comm, timeout_ns, handle, recv_channel_offset, send_row_offset, x, scales,
+                               num_channels, chunk, num_slots, slot_bytes, config, num_sms, ring_signature, pool_id,
+                               latest):
+        plans.append(("CachedDirectDispatch", (timeout_ns, recv_channel_offset, send_row_offset, x.dtype,
+                                               tuple(x.shape), None if scales is None else tuple(scales.shape),
+                                               num_channels, chunk, num_slots, slot_bytes, config, num_sms,
+                                               ring_signature, pool_id, latest)))
+        n = handle[_RECV_SRC_IDX].shape[0]
+        return CachedDirectDispatch(buffer, handle, spec(x, x.shape[0]),
+                                    None if scales is None else spec(scales, x.shape[0]), spec(x, n),
+                                    None if scales is None else spec(scales, n), config, num_sms)
+
+    class CachedPullCombine(CachedCall):
+        kind = "CachedPullCombine"
+
+    def cached_pull_combine(buffer, comm, timeout_ns, handle, recv_channel_offset, row_of_token, x, topk_weights,
+                            num_channels, chunk, num_slots, slot_bytes, config, num_sms, ring_signature):
+        plans.append(("CachedPullCombine", (timeout_ns, recv_channel_offset, row_of_token, x.dtype, tuple(x.shape),
+                                            None if topk_weights is None else tuple(topk_weights.shape),
+                                            num_channels, chunk, num_slots, slot_bytes, config, num_sms,
+                                            ring_signature)))
+        t = handle[_NUM_TOKENS]
+        w = None if topk_weights is None else spec(topk_weights, x.shape[0])
+        w_out = None if topk_weights is None else (torch.float32, t, topk_weights.shape[1])
+        return CachedPullCombine(buffer, handle, spec(x, x.shape[0]), w, spec(x, t), w_out, config, num_sms)
+
     def layout_call(topk_idx, num_experts, num_ranks, nvl_size, buffer=None):
         if buffer is not None and (not buffer.alive or buffer.timeout is not None):
             return None  # refused, as the native call does: the Buffer's full path raises why
@@ -192,7 +221,8 @@ def stub_intranode(rows: int) -> types.SimpleNamespace:
         MAX_RANKS=8, MAX_CHANNELS=32, MAX_LOCAL_EXPERTS=1024, MAX_TOPK=16, MAX_CHUNK=32,
         RINGS_OFFSET=1 << 20, FLAG_LAYOUT_MISMATCH=1, IpcBuffer=IpcBuffer, CommStream=CommStream,
         CachedDispatch=CachedDispatch, CachedCombine=CachedCombine, cached_dispatch=cached_dispatch,
-        cached_combine=cached_combine, em_layout_words=lambda r, l: r * l + 3 * l + 1,
+        cached_combine=cached_combine, cached_pull_combine=cached_pull_combine,
+        cached_direct_dispatch=cached_direct_dispatch, em_layout_words=lambda r, l: r * l + 3 * l + 1,
         layout_call=layout_call, notify=recorder("notify"), dispatch=recorder("dispatch"),
         combine=recorder("combine"), em_permute=recorder("em_permute"), em_unpermute=recorder("em_unpermute"),
         pair_rank=recorder("pair_rank"), launches=launches, plans=plans)

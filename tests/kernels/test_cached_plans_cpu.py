@@ -19,7 +19,7 @@ import torch.distributed as dist
 from stub_extension import StubEvent, attach_stub_backend
 
 from moe_dispatcher import Buffer, Config
-from moe_dispatcher.compiled import LAUNCH_ASYNC, LAUNCH_CURRENT, LAUNCH_SYNC
+from moe_dispatcher.compiled import LAUNCH_ASYNC, LAUNCH_CURRENT, LAUNCH_SYNC, HandleState
 from moe_dispatcher.compiled.intranode import combine_slot_bytes, dispatch_slot_bytes
 from moe_dispatcher.signature import SignatureMismatch, raise_disagreement, ring_disagreement, ring_signature_word
 
@@ -386,3 +386,58 @@ def test_ring_signatures_tell_dtypes_outside_the_table_apart_by_size():
     assert word(torch.uint8) == word(torch.float8_e5m2) != word(torch.float8_e4m3fn)
     text = ring_disagreement(0, [(1, word(torch.int16), word(torch.uint8))])
     assert "x dtype differs: a 1-byte dtype on rank 0; a 2-byte dtype on rank 1" in text, text
+
+
+def test_combine_along_a_direct_dispatch_handle_takes_the_fast_path(world):
+    """Along the handle of a direct dispatch (a Buffer with a peer pool: routing holds (send_row_offset,
+    row_of_token)) the combine's plan is the native pull plan (cached_pull_combine, given the dispatch's row_of_token
+    and the combine's geometry and ring signature), which serves the fast path's synchronous and async_finish calls
+    like the ring plans (the Python plan it replaces served the full path only)."""
+    w = world
+    h = w.handle
+    channels, offsets, _ = h.backend_state.routing
+    row_of_token = torch.full((T, 1), -1, dtype=torch.int32)
+    direct = h._replace(backend_state=HandleState((channels, offsets, (torch.zeros(1, channels, dtype=torch.int32),
+                                                                       row_of_token))))
+    for _ in range(3):
+        out, out_w, _ = w.buf.combine(w.y, direct, topk_weights=w.w)
+        assert out.shape == (T, H) and out_w.shape == (T, K)
+    w.buf.combine(w.y, direct, topk_weights=w.w, async_finish=True)
+    assert _modes(w, "CachedPullCombine") == [LAUNCH_CURRENT, LAUNCH_SYNC, LAUNCH_SYNC, LAUNCH_ASYNC]
+    kind, args = w.ext.plans[-1]
+    _, chunk, slots = w.backend._config(None, combine=True)
+    assert kind == "CachedPullCombine" and args[1] is offsets and args[2] is row_of_token
+    assert args[6:10] == (channels, chunk, slots, combine_slot_bytes(H * 2, K))
+    assert args[-1] == ring_signature_word("combine", H, torch.bfloat16, None, 0, K, slots)
+    # With a bias (no plan) the full path's combine launcher gets the map and finds the pool offsets itself.
+    w.buf.combine(w.y, direct, bias=torch.zeros(T, H, dtype=torch.bfloat16))
+    assert w.ext.launches[-1][0] == "combine" and w.ext.launches[-1][1][-1] is row_of_token
+
+
+def test_dispatch_along_a_direct_dispatch_handle_takes_the_fast_path(world):
+    """Along the handle of a direct dispatch the cached dispatch's plan is native too (cached_direct_dispatch: the
+    handle's send_row_offset, the pool's MemPool id, and the backend's list of its latest direct blocks, which the
+    plan updates in place), serving the fast path's synchronous and async_finish calls (the Python plan it replaces
+    served the full path only)."""
+    w = world
+    h = w.handle
+    channels, offsets, _ = h.backend_state.routing
+    send_rows = torch.zeros(1, channels, dtype=torch.int32)
+    direct = h._replace(backend_state=HandleState((channels, offsets, (send_rows, torch.full((T, 1), -1,
+                                                                                             dtype=torch.int32)))))
+    blocks = w.backend._direct_blocks
+    w.backend.peer_pool = types.SimpleNamespace(mem_pool_id=(3, 4))
+    try:
+        for _ in range(3):
+            recv = w.buf.dispatch(w.x, handle=direct)[0]
+            assert recv.shape == (ROWS, H)
+        w.buf.dispatch(w.x, handle=direct, async_finish=True)
+    finally:
+        w.backend.peer_pool = None  # the stub has no pool to close at teardown
+    assert _modes(w, "CachedDirectDispatch") == [LAUNCH_CURRENT, LAUNCH_SYNC, LAUNCH_SYNC, LAUNCH_ASYNC]
+    kind, args = w.ext.plans[-1]
+    _, chunk, slots = w.backend._config(None, combine=False)
+    assert kind == "CachedDirectDispatch" and args[1] is offsets and args[2] is send_rows
+    assert args[6:10] == (channels, chunk, slots, dispatch_slot_bytes(H * 2, 0, 0))
+    assert args[-3] == ring_signature_word("cached dispatch", H, torch.bfloat16, None, 0, 0, slots)
+    assert args[-2] == (3, 4) and args[-1] is blocks and w.backend._direct_blocks is blocks

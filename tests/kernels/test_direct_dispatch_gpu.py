@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from moe_dispatcher.config import get_dispatch_config
-from dist import GPU_WORLD_SIZES, assert_close, assert_equal, case, make_buffer, run_distributed
-from normal_cases import (CASES, case_inputs, check_case, combine_dtype, combine_inputs, one_hop_tol,
-                          worst_tokens)
+from dist import GPU_WORLD_SIZES, assert_close, assert_equal, case, fill_pool, make_buffer, run_distributed
+from normal_cases import (CASES, case_inputs, check_case, check_worst_overflow, combine_dtype, combine_inputs,
+                          one_hop_tol, worst_tokens)
 from normal_cases import dispatch as _dispatch
 from normal_cases import routing as _routing
 
@@ -187,17 +187,9 @@ def _world_direct(rank: int, world_size: int) -> Dict:  # noqa: C901 (one world,
             y2p = pool.allocate(tuple(y2.shape), y2.dtype)
             hog = []
             if rank == victim:
-                # The region's largest free range first, as one block: torch keeps a live pool's freed segments
-                # cached (it cannot hand them back to the region), so after `del hog` that one must serve the next
-                # call's outputs; then torch's cached blocks and the other ranges, until nothing fits.
-                if pool.stats()["largest_free"] >= (2 << 20):
-                    hog.append(pool.allocate((pool.stats()["largest_free"] >> 21 << 21,), torch.uint8))
-                for mib in (64, 16, 4, 1):
-                    while True:
-                        try:
-                            hog.append(pool.allocate((mib << 20,), torch.uint8))
-                        except torch.OutOfMemoryError:
-                            break
+                # fill_pool takes the region's largest free range first, as one block of the caller's stream: after
+                # `del hog` torch keeps it cached for the pool, so it must serve the next call's outputs.
+                hog = fill_pool(pool, (torch.cuda.current_stream(), kb.get_comm_stream()))
             seen = _paths(kb)
             _, got = _dispatch(kb, x2, idx2, w2, e)
             seen = _took(kb, seen, direct=1, missed=1)  # missed on every rank, moved by the ring kernel
@@ -228,6 +220,14 @@ def _world_direct(rank: int, world_size: int) -> Dict:  # noqa: C901 (one world,
             assert pool.contains(again[0]), "with room again the outputs must be the pool's"
             _took(kb, seen, direct=1)
             del again
+
+    with case("num_worst_tokens overflow: rows past a destination's count dropped, then every rank raises"):
+        check_worst_overflow(kb, dev, 384, 2048, e, combine_dropped=True)
+        seen = _paths(kb)
+        _, again = _dispatch(kb, x, idx, w, e)
+        assert pool.contains(again[0]), "after the overflow the outputs must be the pool's again"
+        _took(kb, seen, direct=1)
+        del again
 
     # Many calls in a row (race-prone: the ready / arrival words and the published offsets of back-to-back calls).
     # Other data every call: a write that went missing or elsewhere leaves an earlier call's rows, which differ.

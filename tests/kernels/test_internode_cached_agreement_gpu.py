@@ -11,6 +11,10 @@ member there (RDMA hop), its rows to its domain peer and the rows forwarded to i
 hop. Routing sends token 0 of every rank to every rank. Afterwards the Buffer is usable: cached calls and a fresh
 round give exact results.
 
+With a peer pool (the NVLink hop's direct dispatch) the same: a cached dispatch's layout word is its NVLink ring
+signature, so a domain where one rank's differs takes the FIFO path (whose receivers catch it), and the forwarders
+catch an RDMA-hop difference in either mode; the agreeing run then also races the direct calls' words.
+
 Before the internode ring signatures, no case raised SignatureMismatch: rows were read with another rank's slot
 layout (a forwarder read its routing masks from the wrong bytes and ended in the kernels' 30 s timeout, or
 combine summed misread rows without an error). The agreeing run makes cached dispatch / combine pairs whose
@@ -34,8 +38,9 @@ ENV = {"MOE_DISPATCHER_TIMEOUT_S": "30", **dist_helpers.nvl_env(NVL)}  # a case 
 AGREEING_CALLS = 300
 
 
-def _world(rank: int, num_ranks: int) -> list[str]:
-    buf = make_buffer(hidden_bytes=4 * H * 4, backend="kernels", explicitly_destroy=True)
+def _world(rank: int, num_ranks: int, pool_bytes: int) -> list[str]:
+    extra = {"num_pool_bytes": pool_bytes} if pool_bytes else {}  # a pool: the NVLink hop's direct dispatch
+    buf = make_buffer(hidden_bytes=4 * H * 4, backend="kernels", explicitly_destroy=True, **extra)
     assert buf._kernels is not None and buf._kernels.name == "internode", buf._kernels_why
     assert buf._kernels.nvl_size == NVL and buf._kernels.num_domains == num_ranks // NVL
     # Exact sums: each domain's partial is exact in float32 too.
@@ -78,6 +83,7 @@ def _world(rank: int, num_ranks: int) -> list[str]:
     return seen
 
 
-def test_disagreeing_internode_cached_calls_raise_on_every_rank() -> None:
-    for line in run_distributed(_world, WORLD, backend="nccl", env=ENV, timeout=300)[0]:
+@pytest.mark.parametrize("pool_bytes", [0, 1 << 28], ids=["rings", "pool"])
+def test_disagreeing_internode_cached_calls_raise_on_every_rank(pool_bytes: int) -> None:
+    for line in run_distributed(_world, WORLD, pool_bytes, backend="nccl", env=ENV, timeout=300)[0]:
         print(line)

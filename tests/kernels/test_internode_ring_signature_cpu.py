@@ -39,10 +39,11 @@ def backend(monkeypatch, tmp_path):
 
 def _handle(channels: int) -> DispatchHandle:
     """A handle as the internode fresh dispatch makes it (routing: channels, recv_channel_offset, fwd_offset,
-    fwd_mask, fwd_capacity)."""
+    fwd_mask, fwd_capacity, fwd_row_offset, fwd_rows; no peer pool)."""
     fwd_mask = torch.ones(10, dtype=torch.int32)
     routing = (channels, torch.zeros(RANKS, channels + 1, dtype=torch.int32),
-               torch.zeros(RANKS // NVL, channels + 1, dtype=torch.int32), fwd_mask, 10)
+               torch.zeros(RANKS // NVL, channels + 1, dtype=torch.int32), fwd_mask, 10,
+               torch.zeros(RANKS // NVL, NVL, channels, dtype=torch.int32), None)
     return DispatchHandle(torch.zeros(RANKS, RANKS, dtype=torch.int32), torch.ones(T, RANKS, dtype=torch.bool),
                           torch.zeros(ROWS, dtype=torch.int32), ROWS, T, 0, "internode", 0,
                           backend_state=HandleState(routing))
@@ -77,7 +78,7 @@ def test_cached_internode_calls_carry_one_ring_signature_per_hop(backend):
     assert len({tuple(v) for v in got}) == len(got) and all(0 < v < 1 << 63 for pair in got for v in pair)
     assert want[2][0] != want[0][0] and want[2][1] == want[0][1]  # only the RDMA hop's word changed
     # The cached dispatch reads the handle's forward mask (never writes it: the kernels take it read only).
-    _, _, _, fwd_mask, capacity = h.backend_state.routing
+    _, _, _, fwd_mask, capacity, _, _ = h.backend_state.routing
     assert all(args[3] is fwd_mask and args[4] == capacity for kind, args in b._intra.plans if kind == "CachedDispatch")
     # The bias combine (no plan) launches with the same words as the plan of its arguments.
     b.combine(y, h, None, (torch.zeros(T, H, dtype=torch.bfloat16),))

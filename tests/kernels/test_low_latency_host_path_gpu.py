@@ -15,6 +15,8 @@ Checked per rank, on the compiled kernels (docs/low_latency.md, "Host path"):
   pybind11's rule (True, False, None, numpy.bool_; not a str or a list) and integers by pybind11's int64 rule
   (an object with __int__ only; out of int64 a TypeError), and refuse a count outside int's range (ValueError)
   instead of truncating it;
+* a repeated call shape is not validated again, a refused call posts the abort once, the handle (built in C)
+  equals and hashes as the tuple of its fields, and a call after destroy() raises "destroyed";
 * a caching-allocator OOM inside a call reaches Python as torch.OutOfMemoryError;
 * the per-call inventory in steady state (torch.profiler's CUDA runtime events over N eager pairs): N launches per
   call kind, exactly one kernel whose name holds "dispatch" per dispatch and one holding "combine" per combine,
@@ -210,6 +212,31 @@ def _contract_worker(rank: int, num_ranks: int) -> None:
             assert recv_x.device == dev and got.device == dev and count.device == dev
             torch.cuda.synchronize(dev)
             assert_equal(got, want, "combine made under another current GPU", bitwise=True)
+    with case("a known call shape is not validated again; errors post the abort"):
+        seen = {"_first_ll_dispatch": 0, "_first_ll_combine": 0, "_post_abort": 0}
+        buf._ll_dispatch_runs.clear()  # the earlier cases made these call shapes known: the first call misses
+        buf._ll_combine_runs.clear()
+        for name in seen:
+            real = getattr(buf, name)
+            setattr(buf, name, lambda *a, _n=name, _r=real: (seen.__setitem__(_n, seen[_n] + 1), _r(*a))[1])
+        try:
+            for _ in range(3):
+                handle = buf.low_latency_dispatch(x, idx, MAX_T, E, use_fp8=False)[2]
+                got = buf.low_latency_combine(y, idx, w, handle)[0]
+            assert seen == {"_first_ll_dispatch": 1, "_first_ll_combine": 1, "_post_abort": 0}, seen
+            assert handle == tuple(handle) and hash(handle) == hash(tuple(handle))  # built as tuple.__new__ builds
+            torch.cuda.synchronize()
+            dist.barrier()  # no kernel of any rank in flight: the abort the refused call posts stops nothing
+            with pytest.raises(ValueError, match="x must be BFloat16"):
+                buf.low_latency_dispatch(x.float(), idx, MAX_T, E, use_fp8=False)
+            dist.barrier()  # every rank posted; its next launch clears its own
+            assert seen["_post_abort"] == 1 and seen["_first_ll_dispatch"] == 1, seen
+            torch.cuda.synchronize()
+            assert_equal(buf.low_latency_combine(y, idx, w, buf.low_latency_dispatch(
+                x, idx, MAX_T, E, use_fp8=False)[2])[0], got, "a pair after the refused call", bitwise=True)
+        finally:
+            for name in seen:
+                del buf.__dict__[name]
     with case("an allocation that fails inside a call is torch.OutOfMemoryError"):
         # The last case: the failed dispatch took a buffer half (on every rank alike) and made nothing.
         torch.cuda.synchronize()
@@ -223,6 +250,8 @@ def _contract_worker(rank: int, num_ranks: int) -> None:
             torch.cuda.set_per_process_memory_fraction(1.0, dev)
     dist.barrier()
     buf.destroy()
+    with pytest.raises(RuntimeError, match="destroyed"):
+        buf.low_latency_dispatch(x, idx, MAX_T, E)
 
 
 def _inventory_worker(rank: int, num_ranks: int) -> dict:

@@ -14,6 +14,8 @@
   retired but still there; once they are freed and torch empties its cache the region is gone.
 * No leak over create/destroy cycles with pool tensors (freed before destroy(), after it, and by garbage collection
   of the Buffer): free GPU memory comes back within 64 MiB after 20 cycles of a 256 MiB pool, and no region is left.
+* The internode backend (4 ranks as 2 emulated NVLink domains of 2) has a pool over its domain: its ranks are the
+  local ranks, and a domain peer reads and writes a live tensor of the owner through its mapping.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import weakref
 import pytest
 import torch
 import torch.distributed as dist
+import dist as dist_helpers
 from dist import case, device, make_buffer, run_distributed
 
 from moe_dispatcher import _ext
@@ -151,6 +154,40 @@ def _world_pool(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_peer_pool(world_size: int) -> None:
     run_distributed(_world_pool, world_size, backend="nccl", timeout=240.0)
+
+
+def _world_internode_pool(rank: int, world_size: int) -> None:
+    """4 ranks as 2 emulated NVLink domains of 2: the internode backend's pool spans the rank's domain only."""
+    buf = _pool_buffer()
+    assert buf._kernels is not None and buf._kernels.name == "internode", buf._kernels_why
+    pool = buf.peer_pool
+    nvl = buf.topology.nvl_size
+    local, first = rank % nvl, rank - rank % nvl
+    with case("the pool's ranks are the domain's local ranks"):
+        assert (pool.rank, pool.num_ranks) == (local, nvl), (pool.rank, pool.num_ranks)
+        assert len(pool.peer_bases) == nvl and pool.peer_bases[local] == pool.base
+    with case("a domain peer reads the owner's tensor through its mapping"):
+        a = pool.allocate((256, HIDDEN), torch.bfloat16)
+        a.fill_(float(rank + 1))
+        offsets = _all_offsets(pool.offset_of(a), world_size)  # group ranks; the domain's are first .. first + nvl
+        torch.cuda.synchronize()
+        dist.barrier()
+        peer = (local + 1) % nvl
+        theirs = pool.peer_view(peer, offsets[first + peer], (256, HIDDEN), torch.bfloat16)
+        assert bool((theirs == first + peer + 1).all()), f"read {theirs[0, :4].tolist()} from local rank {peer}"
+        theirs[:8].fill_(-float(rank + 1))  # a store over NVLink into the peer's live tensor
+        torch.cuda.synchronize()
+        dist.barrier()
+        writer = first + (local - 1) % nvl
+        assert bool((a[:8] == -(writer + 1)).all()), f"the store of rank {writer} did not land"
+        del theirs, a
+    torch.cuda.synchronize()
+    dist.barrier()
+    buf.destroy()
+
+
+def test_internode_peer_pool() -> None:
+    run_distributed(_world_internode_pool, 4, backend="nccl", timeout=240.0, env=dist_helpers.nvl_env(2))
 
 
 def _world_cycles(rank: int, world_size: int, cycles: int) -> float:

@@ -61,6 +61,38 @@
 // worker lane j, at its first rows of FIFO j in the call, compares j's word; a source receiver lane x, at its
 // first partials of domain x, compares x's word. A source whose word differs is left out of the sums (its slots
 // are not read), but its rows are still waited for and credited, so every rank finishes the call.
+//
+// Pull mode (along the handle of a Buffer with a peer pool: pull_call = 1). The combine input x (and topk_weights)
+// of every rank may be a block of its peer pool, which its domain peers map. The kernel runs intranode's
+// direct-call protocol (intranode/direct_call.cuh) over the domain, on Control::pull of the NVLink buffer (indexed
+// by local rank; nothing else uses those words here), phases kPhaseNvlPullReady / kPhaseNvlPullArrive:
+//   ready + verdict, before the drain: block 0 publishes where my x / topk_weights lie in my buffer (-1: not
+//     peer-mapped) with the layout word nvl_signature (row bytes, dtype, top-k columns); every block acquires every
+//     domain peer's and decides: pull when every peer's x is peer-mapped and every word equals mine. Every rank of
+//     the domain reads the same words, so the domain agrees; other domains need not (the RDMA traffic is the same
+//     in both modes: the same partials, bit for bit).
+//   pull: block 3c (NVL sender) is idle, no FIFO is touched. The forwarder serves only the remote source domains
+//     (my own domain's ring stays unused): for forwarded token idx and local rank j ascending in its mask it reads
+//     row fwd_rows[idx][j] of j's x in place (the dispatch recorded where the token landed at j), reduces as in
+//     FIFO mode (the same rows in the same order: the same partial), stages and puts it; no FIFO wait, no head
+//     release (the inputs were complete when the verdict acquired every peer's ready word). The source receiver
+//     waits for and credits only the remote domains' partials; my own domain's rows it reads in place, at
+//     fwd_rows[fwd_offset[my domain][c] + k][j] for the k-th token of the channel that went to my domain, writes
+//     their round(sum over j ascending) (the partial my own ring carried in FIFO mode) into the token's output row
+//     first, and reads it back (the same lanes) at my domain's place in out = cast(b0 + b1 + sum over domains
+//     ascending of partial_x): the same bits. (A separate register-held own partial spilled: this costs a local
+//     row write and read per token instead.) In both roles lane j loads fwd_rows[.][j] once per token and writes
+//     its source entry itself (pull_sources).
+//   missed (some peer's input not in its pool, a layout word that differs, a CUDA graph capture): this kernel as
+//     described above, unchanged.
+//   arrival + completion, at the end of every block (either mode): arrive at every domain peer after a system
+//     fence and a block barrier (its reads of their x are done), and block 0 waits for every peer's 3C arrivals, so
+//     no later work of my stream overwrites my x while a peer still reads it; a missed call counts in
+//     pull.missed_total (IpcBuffer.path_counters()).
+// Compiled per launch mode (kPullCall = pull_call, picked by launch_combine): a launch without a pool handle runs a
+// kernel with the FIFO path alone (no protocol, no pull-mode code); a pool handle's kernel holds both modes, each
+// its own instantiation of the forwarder and receiver roles (kPull), and decides per call. The workers' source
+// tables are the kernel's, one per block whatever its role.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -71,9 +103,13 @@
 #include "kernels/common/refused_call.cuh"
 #include "kernels/common/ring_layout.cuh"
 #include "kernels/internode/common.cuh"
+#include "kernels/internode/domain_call.cuh"
 
 namespace moe_ep::internode {
 namespace {
+
+using nvlink::PullInputBlocks;
+using PullCall = intranode::DirectCallState<PullInputBlocks>;
 
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
@@ -123,13 +159,13 @@ constexpr int kLoadGroup = 2;   // sources whose vectors are loaded together (8 
 
 
 // One warp: out = cast(bias0 + bias1 + srcs[0] + srcs[1] + ...) in float32, in that order, and the
-// top-k weights after each source row summed likewise into out_w (if non-null). kLoadGroup sources x
-// kLoadUnroll vectors per lane are loaded before any of them is added, so a lane keeps 8 loads in
-// flight instead of nsrc.
+// top-k weights after each source row summed likewise into out_w (if non-null; from wsrcs[i] when wsrcs is
+// non-null, else from the slot layout: srcs[i] + row_bytes). kLoadGroup sources x kLoadUnroll vectors per lane are
+// loaded before any of them is added, so a lane keeps 8 loads in flight instead of nsrc.
 template <typename T>
 __device__ __forceinline__ void reduce_row(uint8_t* out, float* out_w, const uint8_t* const* srcs, int nsrc,
                                            const uint8_t* bias0, const uint8_t* bias1, int row_bytes, int num_topk,
-                                           int lane) {
+                                           int lane, const uint8_t* const* wsrcs = nullptr) {
   constexpr int E = Vec<T>::kElems;
   const int vecs = row_bytes / 16;
   for (int v0 = lane; v0 < vecs; v0 += 32 * kLoadUnroll) {
@@ -186,7 +222,10 @@ __device__ __forceinline__ void reduce_row(uint8_t* out, float* out_w, const uin
   }
   if (out_w != nullptr && lane < num_topk) {
     float w = 0.f;
-    for (int i = 0; i < nsrc; ++i) w += __int_as_float(ptx::ld_cg(reinterpret_cast<const int*>(srcs[i] + row_bytes) + lane));
+    for (int i = 0; i < nsrc; ++i) {
+      const uint8_t* ws = wsrcs != nullptr ? wsrcs[i] : srcs[i] + row_bytes;
+      w += __int_as_float(ptx::ld_cg(reinterpret_cast<const int*>(ws) + lane));
+    }
     out_w[lane] = w;
   }
 }
@@ -229,6 +268,26 @@ __device__ __forceinline__ int done_upto(const ChunkBoard& board, int total, int
   return min(board.lowest_in_warp(0, kWorkers, lane), total);
 }
 
+// A worker warp's sources of the row it reduces (the forwarder's up to kMaxNvl, the source receiver's up to
+// kMaxDomains): one table per block, declared in the kernel (a block has one role), row w for worker w.
+using WorkerSources = const uint8_t* [kWorkers][kMaxDomains];
+static_assert(kMaxNvl <= kMaxDomains, "a receiver's own domain (pull mode) has up to kMaxNvl sources");
+
+// Pull mode, warp: the sources read in place for one row, local ranks j ascending. Lane j passes `row`, the row of
+// j's x it reads (fwd_rows; -1: none; lanes >= nvl pass -1); a lane with a row writes entry (rows of the lanes below
+// it) of srcs (the row in j's x) and wsrcs (its top-k weights in j's topk_weights). Returns how many (every lane).
+// The caller's __syncwarp orders these stores before the reduction's reads of the table.
+__device__ __forceinline__ int pull_sources(const Common& c, const PullCall* pull, int row, int row_bytes,
+                                            int num_topk, int lane, const uint8_t** srcs, const uint8_t** wsrcs) {
+  const unsigned have = __ballot_sync(0xffffffffu, row >= 0);
+  if (row >= 0) {
+    const int at = __popc(have & ((1u << lane) - 1u));
+    srcs[at] = c.nvl[lane] + pull->blocks[lane].x_offset + static_cast<int64_t>(row) * row_bytes;
+    wsrcs[at] = c.nvl[lane] + pull->blocks[lane].w_offset + static_cast<int64_t>(row) * num_topk * 4;
+  }
+  return __popc(have);
+}
+
 // ------------------------------------------------------------------ forwarder (reduce in the domain, put back)
 // Sequence of this channel's forwarded tokens: source domain x ascending, then token order (the
 // order in which every local rank's NVL sender returns its rows). Chunks never span two domains.
@@ -262,10 +321,14 @@ struct FwdSeq {
   }
 };
 
-template <typename T>
-__device__ void forward_worker(const CombineArgs& a, int ch, int warp, int lane, const Watchdog& dog, int row_bytes,
-                               const FwdSeq& seq, const uint64_t* rtail0, const uint64_t* nhead0,
-                               ChunkBoard& board, volatile int* stop, const uint8_t** srcs) {
+// kPull (pull mode): the token's rows are read in place from the domain's published inputs `pull` (wsrcs: their
+// top-k weights), with no FIFO wait and no ring signature check (the verdict compared the words). Each mode is its
+// own instantiation, so the FIFO mode's registers are today's.
+template <typename T, bool kPull>
+__device__ void forward_worker(const CombineArgs& a, const PullCall* pull, int ch, int warp, int lane,
+                               const Watchdog& dog, int row_bytes, const FwdSeq& seq, const uint64_t* rtail0,
+                               const uint64_t* nhead0, ChunkBoard& board, volatile int* stop, const uint8_t** srcs,
+                               const uint8_t** wsrcs) {
   const Common& c = a.c;
   const int nvl = c.nvl_size, K = a.chunk_tokens, total = seq.cstart[c.num_domains];
   RdmaControl* rctl = rdma_ctl(c);
@@ -278,13 +341,15 @@ __device__ void forward_worker(const CombineArgs& a, int ch, int warp, int lane,
   for (int k = warp; k < total; k += kWorkers) {
     while (k >= seq.cstart[cx + 1]) ++cx;
     const int x = cx, k0 = (k - seq.cstart[x]) * K, n = min(K, seq.count[x] - k0);
-    seq.scan_to(sx, sk, x, k0, cnt, lane);
     const int mask = lane < n ? seq.mask(x, k0 + lane) : 0;
-    uint32_t mine = 0;
-    count_bits(static_cast<uint32_t>(mask), nvl, lane, mine, unused);
+    uint32_t mine = 0;  // FIFO mode: lane j, rows of FIFO j in this chunk (cnt: before it)
+    if constexpr (!kPull) {
+      seq.scan_to(sx, sk, x, k0, cnt, lane);
+      count_bits(static_cast<uint32_t>(mask), nvl, lane, mine, unused);
+    }
     const uint64_t first_slot = rtail0[x] + k0;
     bool good = true;
-    if (lane < nvl && mine > 0) {
+    if (!kPull && lane < nvl && mine > 0) {
       // FIFO tail: written by local rank `lane`'s NVL sender (st.release.sys after a group barrier).
       good = wait_at_least(&nctl->fifo_tail[ch][lane], nhead0[lane] + cnt + mine, dog, kPhaseCombineForward,
                            c.domain * nvl + lane, AbortFlag{stop});
@@ -300,7 +365,7 @@ __device__ void forward_worker(const CombineArgs& a, int ch, int warp, int lane,
       return;
     }
     // Lane j's first rows of FIFO j: its tail acquire (past the call's first row) published j's signature.
-    if (lane < nvl && mine > 0 && verdict == 0) {
+    if (!kPull && lane < nvl && mine > 0 && verdict == 0) {
       verdict = ring_word_disagrees(&nctl->ring_signature[lane], nctl, c.mailbox, c.domain * nvl + lane,
                                     a.nvl_signature, true) ? 2 : 1;
     }
@@ -311,7 +376,12 @@ __device__ void forward_worker(const CombineArgs& a, int ch, int warp, int lane,
       const int mi = __shfl_sync(0xffffffffu, mask, i);
       const unsigned below = (1u << i) - 1u;
       int nsrc = 0;
-      for (int j = 0; j < nvl; ++j) {
+      if constexpr (kPull) {  // rows in place: fwd_rows of this forwarded token (-1: not sent to j, or dropped)
+        const int64_t idx = seq.first[x] + k0 + i;
+        const int row = lane < nvl && ((mi >> lane) & 1) && idx < a.fwd_capacity ? a.fwd_rows[idx * nvl + lane] : -1;
+        nsrc = pull_sources(c, pull, row, row_bytes, a.num_topk, lane, srcs, wsrcs);
+      }
+      for (int j = 0; !kPull && j < nvl; ++j) {
         const unsigned b = __ballot_sync(0xffffffffu, (mask >> j) & 1);
         const uint32_t base = __shfl_sync(0xffffffffu, cnt, j);
         if (((mi & ~left_out) >> j) & 1) {  // uniform
@@ -325,7 +395,7 @@ __device__ void forward_worker(const CombineArgs& a, int ch, int warp, int lane,
       __syncwarp();
       uint8_t* dst = ring_slot(out_ring, first_slot + i, a.rdma_slots, a.rdma_slot_bytes);
       reduce_row<T>(dst, has_weights ? reinterpret_cast<float*>(dst + row_bytes) : nullptr, srcs, nsrc, nullptr, nullptr,
-                    row_bytes, a.num_topk, lane);
+                    row_bytes, a.num_topk, lane, kPull ? wsrcs : nullptr);
       __syncwarp();  // srcs is rewritten for the next token
     }
     rdma_put_rows(c, x, ch, first_slot, n, a.rdma_slots, a.rdma_slot_bytes, lane);  // remote: put + quiet
@@ -334,9 +404,10 @@ __device__ void forward_worker(const CombineArgs& a, int ch, int warp, int lane,
   }
 }
 
-__device__ void forward_commit(const CombineArgs& a, int ch, int lane, const Watchdog& dog, const FwdSeq& seq,
-                               const uint64_t* rtail0, const uint64_t* nhead0, const ChunkBoard& board,
-                               const volatile int* stop) {
+// pull: pull mode (no FIFO was read: its heads stay).
+__device__ void forward_commit(const CombineArgs& a, bool pull, int ch, int lane, const Watchdog& dog,
+                               const FwdSeq& seq, const uint64_t* rtail0, const uint64_t* nhead0,
+                               const ChunkBoard& board, const volatile int* stop) {
   const Common& c = a.c;
   const int nvl = c.nvl_size, K = a.chunk_tokens, D = c.num_domains, total = seq.cstart[D];
   RdmaControl* rctl = rdma_ctl(c);
@@ -354,7 +425,7 @@ __device__ void forward_commit(const CombineArgs& a, int ch, int lane, const Wat
       while (kc >= seq.cstart[cx + 1]) ++cx;
       const int x = cx, last = min(upto, seq.cstart[x + 1]);  // chunks [kc, last) are x's
       const int end = min((last - seq.cstart[x]) * K, seq.count[x]);
-      seq.scan_to(sx, sk, x, end, cnt, lane);
+      if (!pull) seq.scan_to(sx, sk, x, end, cnt, lane);  // the FIFO rows they consumed (pull mode: none)
       if (lane == 0) {
         const uint64_t tail = rtail0[x] + end;
         rdma_signal_tail(c, x, ch, tail);
@@ -364,17 +435,21 @@ __device__ void forward_commit(const CombineArgs& a, int ch, int lane, const Wat
       kc = last;
     }
     // The FIFO heads: local rank j may reuse the slots of every committed row.
-    if (lane < nvl && cnt != published) {
+    if (!pull && lane < nvl && cnt != published) {
       published = cnt;
       ptx::st_release_sys(&nvl_ctl(c, lane)->fifo_head[ch][c.local], nhead0[lane] + cnt);
     }
   }
   if (lane == 0 && any_remote) nvshmem_quiet();  // complete the tail signals before the kernel ends
-  if (lane < nvl) nvl_ctl(c, c.local)->head_copy[ch][lane] = nhead0[lane] + cnt;
+  if (!pull && lane < nvl) nvl_ctl(c, c.local)->head_copy[ch][lane] = nhead0[lane] + cnt;
 }
 
-template <typename T>
-__device__ void forward(const CombineArgs& a, int ch, int warp, int lane, const Watchdog& dog, int row_bytes) {
+// kPull (pull mode; pull: the domain's published inputs): my own domain's tokens are the source receivers' (no
+// chunk of them here).
+// srcs / wsrcs (pull mode only: else null): the block's source tables (the kernel's).
+template <typename T, bool kPull>
+__device__ void forward(const CombineArgs& a, const PullCall* pull, int ch, int warp, int lane, const Watchdog& dog,
+                        int row_bytes, WorkerSources& srcs, WorkerSources* wsrcs) {
   const Common& c = a.c;
   const int D = c.num_domains, nvl = c.nvl_size, C = a.num_channels, K = a.chunk_tokens;
   RdmaControl* rctl = rdma_ctl(c);
@@ -384,10 +459,9 @@ __device__ void forward(const CombineArgs& a, int ch, int warp, int lane, const 
   __shared__ uint64_t s_nhead0[kMaxNvl];      // head of FIFO (ch, j -> me), at kernel start
   __shared__ ChunkBoard s_board;              // the worker warps' progress in this call
   __shared__ int s_abort;
-  __shared__ const uint8_t* s_srcs[kWorkers][kMaxNvl];
   for (int x = threadIdx.x; x < D; x += blockDim.x) {
     s_first[x] = a.fwd_offset[x * (C + 1) + ch];
-    s_count[x] = a.fwd_offset[x * (C + 1) + ch + 1] - s_first[x];
+    s_count[x] = (kPull && x == c.domain) ? 0 : a.fwd_offset[x * (C + 1) + ch + 1] - s_first[x];
     s_rtail0[x] = *reinterpret_cast<volatile uint64_t*>(&rctl->tail_copy[ch][x]);
     // The ring signature, completed before the barriers below, hence before the commit warp's tail signals.
     rdma_publish_signature(c, x, a.rdma_signature);
@@ -407,9 +481,10 @@ __device__ void forward(const CombineArgs& a, int ch, int warp, int lane, const 
   __syncthreads();  // the last block-wide barrier: from here on warps wait only on their own words
   const FwdSeq seq{s_first, s_count, s_cstart, a.fwd_mask, a.fwd_capacity, nvl};
   if (warp == kCommitWarp) {
-    forward_commit(a, ch, lane, dog, seq, s_rtail0, s_nhead0, s_board, &s_abort);
+    forward_commit(a, kPull, ch, lane, dog, seq, s_rtail0, s_nhead0, s_board, &s_abort);
   } else {
-    forward_worker<T>(a, ch, warp, lane, dog, row_bytes, seq, s_rtail0, s_nhead0, s_board, &s_abort, s_srcs[warp]);
+    forward_worker<T, kPull>(a, pull, ch, warp, lane, dog, row_bytes, seq, s_rtail0, s_nhead0, s_board, &s_abort,
+                             srcs[warp], kPull ? (*wsrcs)[warp] : nullptr);
   }
 }
 
@@ -438,12 +513,18 @@ __device__ __forceinline__ void recv_scan_to(const CombineArgs& a, int& st, int 
   }
 }
 
-template <typename T>
-__device__ void receive_worker(const CombineArgs& a, int ch, int warp, int lane, const Watchdog& dog, int row_bytes,
-                               int begin, int end, const uint64_t* rhead0, ChunkBoard& board, volatile int* stop,
-                               const uint8_t** srcs) {
+// kPull (pull mode; pull: the domain's published inputs): my own domain's rows are read in place (own, own_w: a
+// token's rows and their weights), at the forwarded index of the token among the channel's tokens that went to my
+// domain (the scan's count of my domain, which is not waited for nor credited: no partial of it travels).
+template <typename T, bool kPull>
+__device__ void receive_worker(const CombineArgs& a, const PullCall* pull, int ch, int warp, int lane,
+                               const Watchdog& dog, int row_bytes, int begin, int end, const uint64_t* rhead0,
+                               ChunkBoard& board, volatile int* stop, const uint8_t** srcs,
+                               const uint8_t** wsrcs) {
   const Common& c = a.c;
-  const int D = c.num_domains, K = a.chunk_tokens, total = (end - begin + K - 1) / K;
+  const int D = c.num_domains, K = a.chunk_tokens, total = (end - begin + K - 1) / K, nvl = c.nvl_size;
+  const uint64_t own_bit = kPull ? 1ull << c.domain : 0;  // my domain, when its partial does not travel
+  const int own_first = kPull ? a.fwd_offset[c.domain * (a.num_channels + 1) + ch] : 0;  // my domain's first fwd index
   RdmaControl* rctl = rdma_ctl(c);
   nvlink::Control* nctl = nvl_ctl(c, c.local);
   uint32_t lo = 0, hi = 0;  // lane x (& 31): partials of domain x (lo: x < 32, hi: x >= 32) before st
@@ -456,7 +537,7 @@ __device__ void receive_worker(const CombineArgs& a, int ch, int warp, int lane,
     recv_scan_to(a, st, t0, lo, hi, lane);
     const uint64_t bits = lane < n ? token_domains(a, t0 + lane) : 0;
     uint32_t mlo = 0, mhi = 0;
-    count_bits(bits, D, lane, mlo, mhi);
+    count_bits(bits & ~own_bit, D, lane, mlo, mhi);  // partials that travel: waited for, signatures checked
     bool good = true;
     // RDMA tails: written by the team member of domain `lane` (its forward commit warp, rdma_signal_tail).
     if (lane < D && mlo > 0) {
@@ -487,31 +568,57 @@ __device__ void receive_worker(const CombineArgs& a, int ch, int warp, int lane,
     for (int i = 0; i < n; ++i) {
       const int64_t token = t0 + i;
       const unsigned below = (1u << i) - 1u;
-      uint64_t rest = __shfl_sync(0xffffffffu, bits, i) & ~left_out;
+      const uint64_t tbits = __shfl_sync(0xffffffffu, bits, i);
+      const uint64_t rest = tbits & ~left_out & ~own_bit;
       int nsrc = 0;
-      while (rest != 0) {  // domains ascending (uniform)
-        const int x = __ffsll(static_cast<long long>(rest)) - 1;
-        rest &= rest - 1;
+      float* out_w = a.out_topk_weights != nullptr ? a.out_topk_weights + token * a.num_topk : nullptr;
+      uint8_t* out = a.out + token * row_bytes;
+      const bool own = (tbits & own_bit) != 0;  // pull mode, a token that went to my domain
+      if (own) {
+        // My domain's partial first, into the token's output row (and weights): round(sum over j ascending) of its
+        // rows read in place, the partial my own ring carried in FIFO mode.
+        const unsigned b = __ballot_sync(0xffffffffu, (bits & own_bit) != 0);
+        const int64_t idx = own_first + count_of(lo, hi, c.domain) + __popc(b & below);
+        const int row = lane < nvl && idx < a.fwd_capacity ? a.fwd_rows[idx * nvl + lane] : -1;  // -1: not sent to j
+        const int nown = pull_sources(c, pull, row, row_bytes, a.num_topk, lane, srcs, wsrcs);
+        __syncwarp();
+        reduce_row<T>(out, out_w, srcs, nown, nullptr, nullptr, row_bytes, a.num_topk, lane, wsrcs);
+        __syncwarp();  // srcs is rewritten below
+      }
+      // The partials, domains ascending (uniform); my domain's (pull mode) is the output row just written, read
+      // back by the lanes that wrote it (reduce_row maps each vector and weight to the same lane every call).
+      for (uint64_t todo = rest | (own ? own_bit : 0); todo != 0; todo &= todo - 1) {
+        const int x = __ffsll(static_cast<long long>(todo)) - 1;
+        if (kPull && x == c.domain) {
+          if (lane == 0) {
+            srcs[nsrc] = out;
+            wsrcs[nsrc] = reinterpret_cast<const uint8_t*>(out_w);
+          }
+          ++nsrc;
+          continue;
+        }
         const unsigned b = __ballot_sync(0xffffffffu, (bits >> x) & 1u);
         const uint64_t index = rhead0[x] + count_of(lo, hi, x) + __popc(b & below);
         if (lane == 0) {
           srcs[nsrc] = ring_slot(rdma_recv_ring(c, x, ch, a.rdma_slots, a.rdma_slot_bytes), index, a.rdma_slots,
                                  a.rdma_slot_bytes);
+          if (kPull) wsrcs[nsrc] = srcs[nsrc] + row_bytes;
         }
         ++nsrc;
       }
       __syncwarp();
-      reduce_row<T>(a.out + token * row_bytes, a.out_topk_weights != nullptr ? a.out_topk_weights + token * a.num_topk : nullptr,
-                    srcs, nsrc, a.bias0 != nullptr ? a.bias0 + token * row_bytes : nullptr,
-                    a.bias1 != nullptr ? a.bias1 + token * row_bytes : nullptr, row_bytes, a.num_topk, lane);
+      reduce_row<T>(out, out_w, srcs, nsrc, a.bias0 != nullptr ? a.bias0 + token * row_bytes : nullptr,
+                    a.bias1 != nullptr ? a.bias1 + token * row_bytes : nullptr, row_bytes, a.num_topk, lane,
+                    kPull ? wsrcs : nullptr);
       __syncwarp();  // srcs is rewritten for the next token
     }
     board.advance(0, warp, k + kWorkers, lane);  // every lane's slot loads before the board's release
   }
 }
 
-__device__ void receive_commit(const CombineArgs& a, int ch, int lane, const Watchdog& dog, int begin, int end,
-                               const uint64_t* rhead0, const ChunkBoard& board, const volatile int* stop) {
+// pull: pull mode (my own domain's ring carried nothing: neither credited nor its head copy moved).
+__device__ void receive_commit(const CombineArgs& a, bool pull, int ch, int lane, const Watchdog& dog, int begin,
+                               int end, const uint64_t* rhead0, const ChunkBoard& board, const volatile int* stop) {
   const Common& c = a.c;
   const int D = c.num_domains, K = a.chunk_tokens, total = (end - begin + K - 1) / K;
   RdmaControl* rctl = rdma_ctl(c);
@@ -529,7 +636,7 @@ __device__ void receive_commit(const CombineArgs& a, int ch, int lane, const Wat
     // Credits (lane 0 issues every signal, so its final quiet completes them all).
     for (int x = 0; x < D; ++x) {
       const uint32_t now = count_of(lo, hi, x), before = count_of(plo, phi, x);
-      if (lane == 0 && now != before) {
+      if (lane == 0 && now != before && !(pull && x == c.domain)) {
         rdma_credit(c, x, ch, rhead0[x] + now);
         any_remote |= x != c.domain;
       }
@@ -538,18 +645,19 @@ __device__ void receive_commit(const CombineArgs& a, int ch, int lane, const Wat
     phi = hi;
   }
   if (lane == 0 && any_remote) nvshmem_quiet();  // complete the credit signals before the kernel ends
-  if (lane < D) rctl->head_copy[ch][lane] = rhead0[lane] + lo;
-  if (lane + 32 < D) rctl->head_copy[ch][lane + 32] = rhead0[lane + 32] + hi;
+  if (lane < D && !(pull && lane == c.domain)) rctl->head_copy[ch][lane] = rhead0[lane] + lo;
+  if (lane + 32 < D && !(pull && lane + 32 == c.domain)) rctl->head_copy[ch][lane + 32] = rhead0[lane + 32] + hi;
 }
 
-template <typename T>
-__device__ void receive(const CombineArgs& a, int ch, int warp, int lane, const Watchdog& dog, int row_bytes) {
+// srcs / wsrcs (pull mode only: else null): the block's source tables (the kernel's).
+template <typename T, bool kPull>
+__device__ void receive(const CombineArgs& a, const PullCall* pull, int ch, int warp, int lane, const Watchdog& dog,
+                        int row_bytes, WorkerSources& srcs, WorkerSources* wsrcs) {
   const Common& c = a.c;
   RdmaControl* rctl = rdma_ctl(c);
   __shared__ uint64_t s_rhead0[kMaxDomains];  // head of my ring (ch, from x), at kernel start
   __shared__ ChunkBoard s_board;
   __shared__ int s_abort;
-  __shared__ const uint8_t* s_srcs[kWorkers][kMaxDomains];
   for (int x = threadIdx.x; x < c.num_domains; x += blockDim.x) {
     s_rhead0[x] = *reinterpret_cast<volatile uint64_t*>(&rctl->head_copy[ch][x]);
   }
@@ -559,15 +667,35 @@ __device__ void receive(const CombineArgs& a, int ch, int warp, int lane, const 
   int begin, end;
   channel_range(a.num_tokens, a.num_channels, ch, begin, end);
   if (warp == kCommitWarp) {
-    receive_commit(a, ch, lane, dog, begin, end, s_rhead0, s_board, &s_abort);
+    receive_commit(a, kPull, ch, lane, dog, begin, end, s_rhead0, s_board, &s_abort);
   } else {
-    receive_worker<T>(a, ch, warp, lane, dog, row_bytes, begin, end, s_rhead0, s_board, &s_abort, s_srcs[warp]);
+    receive_worker<T, kPull>(a, pull, ch, warp, lane, dog, row_bytes, begin, end, s_rhead0, s_board, &s_abort,
+                             srcs[warp], kPull ? (*wsrcs)[warp] : nullptr);
   }
 }
 
-template <typename T>
+// The direct-call site of the pull NVLink hop: Control::pull, its phases, timeouts naming group ranks.
+__device__ __forceinline__ intranode::DirectCallSite<PullInputBlocks> nvl_pull_site(const Common& c) {
+  return {&nvlink::Control::pull, kPhaseNvlPullReady, kPhaseNvlPullArrive, c.domain * c.nvl_size};
+}
+
+// Steps 3-4 of the direct-call protocol (end_direct_call) for the pull NVLink hop, out of line: inlined, the state
+// it needs after the roles (the watchdog above all) stays live in registers through every role.
+__device__ __noinline__ void end_nvl_pull_call(PullCall& call, const intranode::Common& domain, const Common& c,
+                                               const Watchdog& dog) {
+  intranode::end_direct_call(call, domain, nvl_pull_site(c), dog);
+}
+
+// kPullCall: the launch's a.pull_call (launch_combine picks the instantiation), so a Buffer without a pool runs a
+// kernel with no pull-mode code at all (no protocol words, no in-place reads, no fwd_rows: the host passes fwd_rows
+// only along a pool handle), while a pool Buffer's kernel still decides pull or FIFO per call.
+template <typename T, bool kPullCall>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
   __shared__ int shared_ok[kMaxNvl];
+  __shared__ WorkerSources s_srcs;   // the worker warps' source rows (forwarder or source receiver)
+  __shared__ WorkerSources s_wsrcs;  // kPullCall, pull mode: the top-k weights of s_srcs' rows
+  __shared__ PullCall call;           // kPullCall: the domain's published inputs and the verdict
+  __shared__ intranode::Common domain;  // kPullCall: the domain's buffers for the protocol
   const Common& c = a.c;
   const int ch = blockIdx.x / 3, role = blockIdx.x % 3;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -582,16 +710,40 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
   }
   const Watchdog dog = make_watchdog(c.timeout_ns, c.rank, &nvl_ctl(c, c.local)->timeout_claim, &c.mailbox->timeout,
                                      rdma_ctl(c)->peer_aborted);
+  // Pull NVLink hop: ready and verdict (direct_call.cuh steps 1-2) before the drain, whose barriers hand
+  // call.in_pool to every thread.
+  if constexpr (kPullCall) {
+    if (threadIdx.x == 0) set_domain_common(domain, c);
+    __syncthreads();
+    const PullInputBlocks mine{a.x_offset, a.w_offset};
+    const auto accepts = [](const PullInputBlocks& in) { return in.x_offset >= 0; };  // w_offset goes with it
+    if (!intranode::begin_direct_call(call, domain, nvl_pull_site(c), mine, a.nvl_signature, dog, accepts)) return;
+  }
   if (!drain_previous_calls(c, dog)) return;  // earlier calls drained; no ring written before this
+  // The same in every block of every rank of the domain; a constant false without a pool.
+  const bool pull = kPullCall && call.in_pool != 0;
   if (role == 1) {
-    forward<T>(a, ch, warp, lane, dog, row_bytes);
+    if (pull) forward<T, true>(a, &call, ch, warp, lane, dog, row_bytes, s_srcs, &s_wsrcs);
+    else forward<T, false>(a, nullptr, ch, warp, lane, dog, row_bytes, s_srcs, nullptr);
   } else if (role == 2) {
-    receive<T>(a, ch, warp, lane, dog, row_bytes);
-  } else {
+    if (pull) receive<T, true>(a, &call, ch, warp, lane, dog, row_bytes, s_srcs, &s_wsrcs);
+    else receive<T, false>(a, nullptr, ch, warp, lane, dog, row_bytes, s_srcs, nullptr);
+  } else if (!pull) {  // pull mode: the NVLink senders have nothing to send
     const int warps = kWarps / c.nvl_size;
     const int group = warp / warps, group_warp = warp % warps;
-    if (group >= c.nvl_size) return;
-    nvl_send(a, ch, group, group_warp, warps, lane, &shared_ok[group], dog, row_bytes);
+    if (group < c.nvl_size) nvl_send(a, ch, group, group_warp, warps, lane, &shared_ok[group], dog, row_bytes);
+  }
+  // Arrival at every domain peer, after this block's last read of their inputs (either mode), and (block 0)
+  // completion: every peer's reads of my input are done before my kernel ends (direct_call.cuh steps 3-4).
+  if constexpr (kPullCall) end_nvl_pull_call(call, domain, c, dog);
+}
+
+template <bool kPullCall>
+void launch_typed(const CombineArgs& args, dim3 grid, cudaStream_t stream) {
+  switch (args.dtype) {
+    case kBf16: combine_kernel<__nv_bfloat16, kPullCall><<<grid, kThreads, 0, stream>>>(args); break;
+    case kFp16: combine_kernel<__half, kPullCall><<<grid, kThreads, 0, stream>>>(args); break;
+    default: combine_kernel<float, kPullCall><<<grid, kThreads, 0, stream>>>(args); break;
   }
 }
 
@@ -599,10 +751,10 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
 
 void launch_combine(const CombineArgs& args, cudaStream_t stream) {
   const dim3 grid(3 * args.num_channels);
-  switch (args.dtype) {
-    case kBf16: combine_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(args); break;
-    case kFp16: combine_kernel<__half><<<grid, kThreads, 0, stream>>>(args); break;
-    default: combine_kernel<float><<<grid, kThreads, 0, stream>>>(args); break;
+  if (args.pull_call) {
+    launch_typed<true>(args, grid, stream);
+  } else {
+    launch_typed<false>(args, grid, stream);
   }
   check_launch("internode combine_kernel");
 }

@@ -27,14 +27,46 @@
 // names, so every receiver still gets its rows. A receiver whose forwarder sent another NVLink signature reads
 // no slot of that FIFO: it writes zero rows for every source the FIFO carries in the channel. Both still consume
 // and credit every row, so every rank finishes the call and the counters stay in step.
+//
+// Two instantiations of the one kernel body (launch_dispatch picks by direct_call): kDirectCall = false for a Buffer
+// without a peer pool (direct_call = 0), the FIFO path alone, with no direct-mode code (its registers and spills are
+// those of the FIFO-only kernel); kDirectCall = true for a pool Buffer, whose per-call verdict picks direct or FIFO.
+//
+// Direct mode (a Buffer with a peer pool: direct_call = 1). The outputs of every rank are blocks of its peer pool
+// (intranode DirectPayload / DirectMeta), which its domain peers map. The kernel runs intranode's direct-call
+// protocol (intranode/direct_call.cuh) over the domain, on Control::direct of the NVLink buffer (indexed by local
+// rank; nothing else uses those words here), phases kPhaseNvlDirectReady / kPhaseNvlDirectArrive:
+//   ready + verdict, before the drain: block 0 publishes my blocks (offsets, rows) and the layout word (0 fresh,
+//     nvl_signature cached); every block acquires every domain peer's and decides: direct when every peer's blocks
+//     are peer-mapped and every layout word equals mine. Every rank of the domain reads the same words, so the
+//     domain agrees; other domains need not (the RDMA traffic is the same in both modes).
+//   direct: block 3c (RDMA sender) serves only the other domains (my own domain's ring stays unused); block 3c+1
+//     (forwarder) writes each (row, local rank j) item straight into j's outputs at the FIFO receiver's row (no
+//     FIFO, no reservation, no tail release); block 3c+2 becomes the local direct sender (local_direct_send: my
+//     own tokens for my domain, straight into each j's outputs at fwd_row_offset[my domain][j][c] + rank). The rows
+//     land where the FIFO path puts them, so the outputs are the same bits. fwd_mask is written by both writers.
+//   missed (some peer's block not in its pool, a layout word that differs, a CUDA graph capture): the FIFO path as
+//     described above, unchanged; the FIFO receivers write into the same (local) blocks.
+//   arrival + completion, at the end of every block: arrive at every domain peer (after a system fence and a block
+//     barrier: every store of the block into their outputs, either mode), and block 0 waits for every peer's 3C
+//     arrivals, so my outputs are complete when my kernel ends; a missed call counts in direct.missed_total
+//     (IpcBuffer.path_counters()).
+// fwd_rows (pool Buffers, fresh calls): where forwarded token idx landed at each local rank, recorded by the
+// forwarder (both modes, from the same row numbers) and the local direct sender: the pull combine's map.
 #include "kernels/common/copy.cuh"
 #include "kernels/common/launch_check.cuh"
 #include "kernels/common/refused_call.cuh"
 #include "kernels/common/ring_layout.cuh"
 #include "kernels/internode/common.cuh"
+#include "kernels/internode/domain_call.cuh"
 
 namespace moe_ep::internode {
 namespace {
+
+using intranode::DirectMeta;
+using intranode::DirectPayload;
+using nvlink::DirectOutputBlocks;
+using DirectCall = intranode::DirectCallState<DirectOutputBlocks>;
 
 constexpr int kThreads = 768;
 constexpr int kWarps = kThreads / 32;
@@ -70,8 +102,10 @@ __device__ __forceinline__ void zero_row(const DispatchArgs& a, int64_t row, int
 }
 
 // ------------------------------------------------------------------ RDMA sender
+// skip_own (direct mode): my own domain's rows are written by the local direct sender, so the groups serve the
+// D - 1 other domains (domain k, skipping mine).
 __device__ void rdma_send(const DispatchArgs& a, int ch, int group, int groups, int group_warp, int warps, int lane,
-                          int* chunk_tokens, int* chunk_masks, int* shared_ok, const Watchdog& dog) {
+                          int* chunk_tokens, int* chunk_masks, int* shared_ok, bool skip_own, const Watchdog& dog) {
   const Common& c = a.c;
   const int R = c.num_ranks, nvl = c.nvl_size;
   RdmaControl* ctl = rdma_ctl(c);
@@ -82,7 +116,9 @@ __device__ void rdma_send(const DispatchArgs& a, int ch, int group, int groups, 
   channel_range(a.num_tokens, a.num_channels, ch, begin, end);
   bool any_remote = false;
 
-  for (int x = group; x < c.num_domains; x += groups) {
+  const int targets = skip_own ? c.num_domains - 1 : c.num_domains;
+  for (int k = group; k < targets; k += groups) {
+    const int x = skip_own && k >= c.domain ? k + 1 : k;
     any_remote |= x != c.domain;
     // Cached: the ring signature before the first tail signal to x (the leader signals every tail below).
     if (leader && a.rdma_signature != 0) rdma_publish_signature(c, x, a.rdma_signature);
@@ -157,6 +193,67 @@ __device__ void rdma_send(const DispatchArgs& a, int ch, int group, int groups, 
   if (leader && any_remote) nvshmem_quiet();  // complete the tail signals before the kernel ends
 }
 
+// ------------------------------------------------------------------ direct mode: rows into the domain's outputs
+// The output blocks of local rank j (call.blocks[j], published in its NVLink buffer, which this rank maps) as
+// intranode's direct dispatch lays them out (DirectPayload: x, scales; DirectMeta: top-k idx int64, weights, source
+// int32), `rows` rows each. Every writer: plain stores, published by end_direct_call (system fence, block barrier,
+// red.release.sys of the arrival; j's block 0 acquires every arrival before its kernel ends).
+
+// One warp: the row in RDMA slot `src` into row `row` of the outputs (out, meta) of the rank whose experts start at
+// `lo`: the FIFO forwarder's field work (top-k rebased, weight 0 where not local) and the FIFO receiver's stores in
+// one. zero: the slot is laid out by other arguments (cached, its source's RDMA ring signature differs): a zero row
+// as zero_row writes it, nothing read.
+__device__ __forceinline__ void write_slot_row(const DispatchArgs& a, const DispatchSlot& layout, uint8_t* src,
+                                               uint8_t* out, uint8_t* meta, int64_t rows, int64_t row, int lo,
+                                               bool zero, int lane) {
+  const DirectPayload o{rows, a.hidden_bytes, a.num_scales};
+  int4* x = reinterpret_cast<int4*>(out + o.x_offset() + row * a.hidden_bytes);
+  int32_t* scales = reinterpret_cast<int32_t*>(out + o.scales_offset()) + row * a.num_scales;
+  if (zero) {
+    for (int v = lane; v < a.hidden_bytes / 16; v += 32) x[v] = make_int4(0, 0, 0, 0);
+    for (int k = lane; k < a.num_scales; k += 32) scales[k] = 0;
+  } else {
+    warp_copy<true, kUnroll>(x, reinterpret_cast<const int4*>(src), a.hidden_bytes / 16, lane);
+    for (int k = lane; k < a.num_scales; k += 32) scales[k] = ptx::ld_cg(layout.scales(src) + k);
+  }
+  if (!a.write_meta) return;
+  const DirectMeta m{rows, a.num_topk};
+  if (lane < a.num_topk) {
+    int local = -1;
+    float weight = 0.f;
+    if (!zero) {
+      const int e = ptx::ld_cg(layout.idx(src) + lane);
+      local = (e >= lo && e < lo + a.experts_per_rank) ? e - lo : -1;
+      if (local >= 0) weight = __int_as_float(ptx::ld_cg(reinterpret_cast<const int*>(layout.weights(src)) + lane));
+    }
+    reinterpret_cast<int64_t*>(meta + m.idx_offset())[row * a.num_topk + lane] = local;
+    reinterpret_cast<float*>(meta + m.weights_offset())[row * a.num_topk + lane] = weight;
+  }
+  if (lane == 0) reinterpret_cast<int32_t*>(meta + m.src_offset())[row] = zero ? -1 : ptx::ld_cg(layout.source(src));
+}
+
+// One warp: my token t's row into row `row` of the outputs (out, meta) of the rank whose experts start at `lo`: the
+// same fields as the RDMA sender's slot followed by the forwarder's rebase (write_slot_row), from my inputs.
+__device__ __forceinline__ void write_token_row(const DispatchArgs& a, int t, uint8_t* out, uint8_t* meta,
+                                                int64_t rows, int64_t row, int lo, int lane) {
+  const DirectPayload o{rows, a.hidden_bytes, a.num_scales};
+  warp_copy<false, kUnroll>(reinterpret_cast<int4*>(out + o.x_offset() + row * a.hidden_bytes),
+                            reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(t) * a.hidden_bytes),
+                            a.hidden_bytes / 16, lane);
+  int32_t* scales = reinterpret_cast<int32_t*>(out + o.scales_offset()) + row * a.num_scales;
+  for (int k = lane; k < a.num_scales; k += 32) scales[k] = a.scales[static_cast<int64_t>(t) * a.num_scales + k];
+  if (!a.write_meta) return;
+  const DirectMeta m{rows, a.num_topk};
+  if (lane < a.num_topk) {
+    const int e = static_cast<int32_t>(a.topk_idx[static_cast<int64_t>(t) * a.num_topk + lane]);
+    const int local = (e >= lo && e < lo + a.experts_per_rank) ? e - lo : -1;
+    reinterpret_cast<int64_t*>(meta + m.idx_offset())[row * a.num_topk + lane] = local;
+    reinterpret_cast<float*>(meta + m.weights_offset())[row * a.num_topk + lane] =
+        (local >= 0 && a.topk_weights != nullptr) ? a.topk_weights[static_cast<int64_t>(t) * a.num_topk + lane] : 0.f;
+  }
+  if (lane == 0) reinterpret_cast<int32_t*>(meta + m.src_offset())[row] = t;
+}
+
 // ------------------------------------------------------------------ forwarder
 // Steps of up to kFwdStep rows of one RDMA ring. Warp 0 picks the ring (lanes test the rings in
 // parallel, round robin), reads the rows' masks (lane i: row i), ranks each row among the rows for
@@ -164,9 +261,17 @@ __device__ void rdma_send(const DispatchArgs& a, int ch, int group, int groups, 
 // CTA barrier; warp 0 publishes the FIFO tails (lane j, st.release.sys: the barrier covers every
 // warp's slot stores) and returns the RDMA credit (lane 0), then goes straight on to pick the next
 // step while the other warps wait at the first barrier: two barriers per step.
+// Direct mode (the domain's verdict): no ring of my own domain (its rows are the local direct sender's), no FIFO:
+// item (row i, local rank j) goes straight to row fwd_row_offset[x][j][ch] + s_run[x][j] + s_pos[i][j] of j's
+// outputs (the row j's FIFO receiver would give it: source (x, my local index)'s rows for j in this channel, in
+// token order), dropped at or past j's row count; no reservation, no tail release, the RDMA credit as before.
+// In both modes the forwarder records fwd_rows (when asked) from the same row numbers.
 constexpr int kFwdStep = kMaxChunk;
 
-__device__ void forward(const DispatchArgs& a, int ch, int warp, int lane, const Watchdog& dog) {
+template <bool kDirectCall>
+__device__ void forward(const DispatchArgs& a, const DirectCall& call, bool direct_verdict, int ch, int warp, int lane,
+                        const Watchdog& dog) {
+  const bool direct = kDirectCall && direct_verdict;  // a constant false in the pool-less kernel
   const Common& c = a.c;
   const int D = c.num_domains, nvl = c.nvl_size, C = a.num_channels;
   RdmaControl* rctl = rdma_ctl(c);
@@ -184,11 +289,16 @@ __device__ void forward(const DispatchArgs& a, int ch, int warp, int lane, const
   __shared__ int s_pos[kFwdStep][kMaxNvl];  // position of row i among the rows for j in this step, or -1
   __shared__ int s_cnt[kMaxNvl];            // rows for j in this step
   __shared__ uint64_t s_tail[kMaxNvl];      // tail of NVL FIFO (ch, me -> j) before this step
+  // kDirectCall: rows of source (x, my local index) for j so far in this channel (direct rows and fwd_rows).
+  __shared__ int s_run[kMaxDomains][kMaxNvl];
   for (int x = threadIdx.x; x < D; x += blockDim.x) {
     rhead[x] = *reinterpret_cast<volatile uint64_t*>(&rctl->head_copy[ch][x]);
     consumed[x] = 0;
     s_bad[x] = 0;
-    expect[x] = a.fwd_offset[x * (C + 1) + ch + 1] - a.fwd_offset[x * (C + 1) + ch];
+    expect[x] = (direct && x == c.domain) ? 0 : a.fwd_offset[x * (C + 1) + ch + 1] - a.fwd_offset[x * (C + 1) + ch];
+  }
+  if constexpr (kDirectCall) {
+    for (int i = threadIdx.x; i < D * nvl; i += blockDim.x) s_run[i / nvl][i % nvl] = 0;
   }
   if (threadIdx.x < nvl) {
     s_tail[threadIdx.x] = *reinterpret_cast<volatile uint64_t*>(&nctl->tail_copy[ch][threadIdx.x]);
@@ -274,7 +384,7 @@ __device__ void forward(const DispatchArgs& a, int ch, int warp, int lane, const
         if (lane < nvl) {  // FIFO head: written by local rank `lane`'s receiver after its slot loads
           s_cnt[lane] = my_cnt;
           uint64_t consumed;
-          good = my_cnt == 0 ||
+          good = my_cnt == 0 || direct ||
                  wait_while(&nctl->fifo_head[ch][lane], consumed,
                             [&](uint64_t h) { return s_tail[lane] + my_cnt - h > static_cast<uint64_t>(a.nvl_slots); },
                             dog, kPhaseForwardSend, c.domain * nvl + lane);
@@ -293,7 +403,21 @@ __device__ void forward(const DispatchArgs& a, int ch, int warp, int lane, const
     const int x = s_x, n = s_n;
     if (n == 0) break;
     const uint8_t* ring = rdma_recv_ring(c, x, ch, a.rdma_slots, a.rdma_slot_bytes);
-    for (int item = warp; item < n * nvl; item += kWarps) {
+    // Items (row i, local rank j), one warp each: a loop per mode (one loop with a branch per item spills more in
+    // the pool Buffer's kernel).
+    for (int item = warp; direct && item < n * nvl; item += kWarps) {  // direct: into j's outputs
+      const int i = item / nvl, j = item % nvl;
+      const int pos = s_pos[i][j];
+      if (pos < 0) continue;
+      uint8_t* src = ring_slot(const_cast<uint8_t*>(ring), rhead[x] + i, a.rdma_slots, a.rdma_slot_bytes);
+      const DirectOutputBlocks& to = call.blocks[j];
+      const int64_t row = a.fwd_row_offset[(x * nvl + j) * C + ch] + s_run[x][j] + pos;
+      if (row < to.out_rows) {  // else more rows than num_worst_tokens: dropped, as the FIFO receiver drops them
+        write_slot_row(a, rlayout, src, c.nvl[j] + to.out_offset, c.nvl[j] + to.meta_offset, to.out_rows, row,
+                       (c.domain * nvl + j) * L, s_dis, lane);
+      }
+    }
+    for (int item = warp; !direct && item < n * nvl; item += kWarps) {  // FIFO: into FIFO (ch, me -> j)
       const int i = item / nvl, j = item % nvl;
       const int pos = s_pos[i][j];
       if (pos < 0) continue;
@@ -324,9 +448,20 @@ __device__ void forward(const DispatchArgs& a, int ch, int warp, int lane, const
       const int idx = a.fwd_offset[x * (C + 1) + ch] + consumed[x] + threadIdx.x;
       if (idx < a.fwd_capacity) a.fwd_mask[idx] = s_mask[threadIdx.x];
     }
+    // fwd_rows (pool Buffers only: never set without one), thread (i, j): row i's row at j.
+    if (kDirectCall && a.fwd_rows != nullptr && static_cast<int>(threadIdx.x) < n * nvl) {
+      const int i = threadIdx.x / nvl, j = threadIdx.x % nvl, pos = s_pos[i][j];
+      const int idx = a.fwd_offset[x * (C + 1) + ch] + consumed[x] + i;
+      const int64_t row = a.fwd_row_offset[(x * nvl + j) * C + ch] + s_run[x][j] + pos;
+      if (idx < a.fwd_capacity) {
+        a.fwd_rows[static_cast<int64_t>(idx) * nvl + j] = (pos >= 0 && row < call.blocks[j].out_rows) ? row : -1;
+      }
+    }
     __syncthreads();  // every NVL slot store and RDMA slot load of the step precede the flags
     if (warp == 0) {
-      if (lane < nvl && s_cnt[lane] > 0) {
+      // After every use of this step's s_run (the barrier above).
+      if (kDirectCall && lane < nvl) s_run[x][lane] += s_cnt[lane];
+      if (!direct && lane < nvl && s_cnt[lane] > 0) {
         s_tail[lane] += s_cnt[lane];
         ptx::st_release_sys(&nvl_ctl(c, lane)->fifo_tail[ch][c.local], s_tail[lane]);
         *reinterpret_cast<volatile uint64_t*>(&nctl->tail_copy[ch][lane]) = s_tail[lane];
@@ -426,6 +561,72 @@ __device__ void nvl_receive(const DispatchArgs& a, int ch, int l, int group_warp
   }
 }
 
+// ------------------------------------------------------------------ local direct sender (direct mode)
+// What the NVLink receiver block becomes in direct mode: a forwarder whose ring is my own inputs. The channel's
+// tokens with a destination in my domain, in token order: the k-th one for local rank j goes to row
+// fwd_row_offset[my domain][j][ch] + k of j's outputs (where notify put my rows of this channel at j: the row the
+// FIFO path gives it), dropped at or past j's row count. Windows of kThreads tokens: thread i takes token w0 + i and
+// builds its mask over my domain; warp ballots (one per local rank j, one for "any", kept in shared memory by
+// window parity) rank each token among the window's tokens for j; lane j of each warp adds the earlier warps' and
+// windows' counts (start). Then warp w writes the rows of its own 32 tokens, and records, for its tokens with a
+// destination here, fwd_mask (index fwd_offset[my domain][ch] + rank among them: the combine's ring path needs it)
+// and fwd_rows. Two block barriers per window: after the ballots, and after the writes (before the counts of the
+// window move into `base`; the other parity's ballots are the next window's).
+__device__ void local_direct_send(const DispatchArgs& a, const DirectCall& call, int ch, int warp, int lane) {
+  const Common& c = a.c;
+  const int nvl = c.nvl_size, R = c.num_ranks, C = a.num_channels, L = a.experts_per_rank;
+  __shared__ unsigned ballots[2][kWarps][kMaxNvl + 1];  // [parity][warp][j]: tokens for j; [.][.][nvl]: any
+  __shared__ int base[kMaxNvl + 1];                     // tokens for j (any) in the windows before this one
+  if (threadIdx.x <= nvl) base[threadIdx.x] = 0;
+  int begin, end;
+  channel_range(a.num_tokens, C, ch, begin, end);
+  const unsigned below = (1u << lane) - 1u;
+  int parity = 0;
+  for (int w0 = begin; w0 < end; w0 += kThreads, parity ^= 1) {
+    const int t = w0 + static_cast<int>(threadIdx.x);
+    int mask = 0;
+    if (t < end) {
+      for (int j = 0; j < nvl; ++j) mask |= a.is_token_in_rank[static_cast<int64_t>(t) * R + c.domain * nvl + j] << j;
+    }
+    for (int j = 0; j <= nvl; ++j) {
+      const unsigned b = __ballot_sync(0xffffffffu, j < nvl ? ((mask >> j) & 1) : mask != 0);
+      if (lane == 0) ballots[parity][warp][j] = b;
+    }
+    __syncthreads();  // every warp's ballots (and the previous window's base) before the starts
+    int start = 0;    // lane j <= nvl: the first row (j < nvl) or forwarded index (j = nvl) of this warp's tokens
+    if (lane <= nvl) {
+      start = base[lane] + (lane < nvl ? a.fwd_row_offset[(c.domain * nvl + lane) * C + ch]
+                                       : a.fwd_offset[c.domain * (C + 1) + ch]);
+      for (int w = 0; w < warp; ++w) start += __popc(ballots[parity][w][lane]);
+    }
+    // fwd_mask / fwd_rows of this lane's token (idx: its rank among the channel's tokens with a destination here).
+    const int idx = __shfl_sync(0xffffffffu, start, nvl) + __popc(ballots[parity][warp][nvl] & below);
+    for (int j = 0; j < nvl; ++j) {
+      const int64_t row = __shfl_sync(0xffffffffu, start, j) + __popc(ballots[parity][warp][j] & below);
+      if (a.fwd_rows != nullptr && mask != 0 && idx < a.fwd_capacity) {
+        a.fwd_rows[static_cast<int64_t>(idx) * nvl + j] = (((mask >> j) & 1) && row < call.blocks[j].out_rows) ? row : -1;
+      }
+    }
+    if (a.fwd_mask != nullptr && mask != 0 && idx < a.fwd_capacity) a.fwd_mask[idx] = mask;
+    // The rows: token i of this warp to each j of its mask.
+    for (unsigned todo = ballots[parity][warp][nvl]; todo != 0; todo &= todo - 1) {
+      const int i = __ffs(todo) - 1;
+      const int token_mask = __shfl_sync(0xffffffffu, mask, i);
+      for (int j = 0; j < nvl; ++j) {
+        const int64_t row = __shfl_sync(0xffffffffu, start, j) + __popc(ballots[parity][warp][j] & ((1u << i) - 1u));
+        const DirectOutputBlocks& to = call.blocks[j];
+        if (!((token_mask >> j) & 1) || row >= to.out_rows) continue;  // warp-uniform
+        write_token_row(a, w0 + warp * 32 + i, c.nvl[j] + to.out_offset, c.nvl[j] + to.meta_offset, to.out_rows, row,
+                        (c.domain * nvl + j) * L, lane);
+      }
+    }
+    __syncthreads();  // every warp read this window's base and ballots
+    if (threadIdx.x <= nvl) {
+      for (int w = 0; w < kWarps; ++w) base[threadIdx.x] += __popc(ballots[parity][w][threadIdx.x]);
+    }
+  }
+}
+
 // num_worst_tokens: rows past the received count are zero / -1 / 0 (as the intranode kernel). Every thread of the
 // receiver blocks takes its share (block of channel ch of C).
 __device__ void pad_worst_rows(const DispatchArgs& a, int ch) {
@@ -445,7 +646,26 @@ __device__ void pad_worst_rows(const DispatchArgs& a, int ch) {
   for (int64_t i = start; a.recv_src_idx != nullptr && i < extra; i += stride) a.recv_src_idx[first + i] = -1;
 }
 
+// The direct-call site of the NVLink hop: Control::direct, its phases, timeouts naming group ranks.
+__device__ __forceinline__ intranode::DirectCallSite<DirectOutputBlocks> nvl_direct_site(const Common& c) {
+  return {&nvlink::Control::direct, kPhaseNvlDirectReady, kPhaseNvlDirectArrive, c.domain * c.nvl_size};
+}
+
+// Steps 3-4 of the direct-call protocol (end_direct_call) for the NVLink hop, out of line: inlined into the kernel,
+// the state it needs after the roles (the watchdog above all) stays live in registers through every role, and the
+// pool Buffer's kernel spills more (ptxas); out of line, the watchdog lives in the kernel's stack frame instead.
+__device__ __noinline__ void end_nvl_direct_call(DirectCall& call, const intranode::Common& domain, const Common& c,
+                                                 const Watchdog& dog) {
+  intranode::end_direct_call(call, domain, nvl_direct_site(c), dog);
+}
+
+// kDirectCall: the launch's a.direct_call (launch_dispatch picks the instantiation), so a pool-less Buffer runs a
+// kernel with no direct-mode code at all (no protocol words, no local direct sender, no direct writes, no fwd_rows:
+// the host passes fwd_rows only with a pool), while a pool Buffer's kernel still decides direct or FIFO per call.
+template <bool kDirectCall>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a) {
+  __shared__ DirectCall call;
+  __shared__ intranode::Common domain;  // kDirectCall: the domain's buffers for the protocol
   __shared__ int chunk_tokens[kWarps][kMaxChunk];
   __shared__ int chunk_masks[kWarps][kMaxChunk];
   __shared__ int shared_ok[kMaxNvl];
@@ -463,29 +683,53 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a) {
   const Watchdog dog = make_watchdog(c.timeout_ns, c.rank, &nvl_ctl(c, c.local)->timeout_claim, &c.mailbox->timeout,
                                      rdma_ctl(c)->peer_aborted);
   if (threadIdx.x < kMaxNvl) shared_bad[threadIdx.x] = 0;  // before the drain's block barriers
+  // Direct NVLink hop: ready and verdict (direct_call.cuh steps 1-2) before the drain, whose barriers hand
+  // call.in_pool to every thread (without a pool: FIFO mode, no word touched).
+  if constexpr (kDirectCall) {
+    if (threadIdx.x == 0) set_domain_common(domain, c);
+    __syncthreads();
+    const DirectOutputBlocks mine{a.out_offset, a.write_meta ? a.meta_offset : 0, a.out_rows};
+    const auto accepts = [&](const DirectOutputBlocks& o) {
+      return o.out_offset >= 0 && (!a.write_meta || o.meta_offset >= 0);
+    };
+    if (!intranode::begin_direct_call(call, domain, nvl_direct_site(c), mine, a.layout, dog, accepts)) return;
+  }
   if (!drain_previous_calls(c, dog)) return;  // earlier calls drained; no ring written before this
+  // The same in every block of every rank of the domain; a constant false without a pool.
+  const bool direct = kDirectCall && call.in_pool != 0;
   if (role == 2 && a.pad_rows) pad_worst_rows(a, ch);
 
   if (role == 1) {
-    forward(a, ch, warp, lane, dog);
-    return;
-  }
-  const int groups = role == 0 ? min(c.num_domains, kMaxNvl) : c.nvl_size;
-  const int warps = kWarps / groups;
-  const int group = warp / warps, group_warp = warp % warps;
-  if (group >= groups) return;  // idle warps when 24 % groups != 0; they join no barrier
-  if (role == 0) {
-    rdma_send(a, ch, group, groups, group_warp, warps, lane, chunk_tokens[warp], chunk_masks[warp], &shared_ok[group], dog);
+    forward<kDirectCall>(a, call, direct, ch, warp, lane, dog);
+  } else if (role == 2 && direct) {
+    local_direct_send(a, call, ch, warp, lane);
   } else {
-    nvl_receive(a, ch, group, group_warp, warps, lane, &shared_tail[group], &shared_bad[group], rows[group], next[group],
-                dog);
+    const int groups = role == 0 ? min(direct ? c.num_domains - 1 : c.num_domains, kMaxNvl) : c.nvl_size;
+    const int warps = kWarps / max(groups, 1);
+    const int group = warp / warps, group_warp = warp % warps;
+    if (group < groups) {  // idle warps when 24 % groups != 0 join no named barrier
+      if (role == 0) {
+        rdma_send(a, ch, group, groups, group_warp, warps, lane, chunk_tokens[warp], chunk_masks[warp],
+                  &shared_ok[group], direct, dog);
+      } else {
+        nvl_receive(a, ch, group, group_warp, warps, lane, &shared_tail[group], &shared_bad[group], rows[group],
+                    next[group], dog);
+      }
+    }
   }
+  // Arrival at every domain peer, after this block's last store into their outputs (either mode), and (block 0)
+  // completion: every peer's rows into my outputs are in before my kernel ends (direct_call.cuh steps 3-4).
+  if constexpr (kDirectCall) end_nvl_direct_call(call, domain, c, dog);
 }
 
 }  // namespace
 
 void launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
-  dispatch_kernel<<<3 * args.num_channels, kThreads, 0, stream>>>(args);
+  if (args.direct_call) {
+    dispatch_kernel<true><<<3 * args.num_channels, kThreads, 0, stream>>>(args);
+  } else {
+    dispatch_kernel<false><<<3 * args.num_channels, kThreads, 0, stream>>>(args);
+  }
   check_launch("internode dispatch_kernel");
 }
 

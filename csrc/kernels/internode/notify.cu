@@ -15,7 +15,7 @@
 //    (epoch stored with st.release.sys into every local rank's barrier_signal[me], acquired back).
 //    After it every rank holds one message from each of the R sources and derives what intranode
 //    notify derives (rank prefix matrix, channel offsets, expert counts, overflow) plus, as a
-//    forwarder, fwd_offset, and writes the mailbox (sequence number last).
+//    forwarder, fwd_offset and fwd_row_offset, and writes the mailbox (sequence number last).
 //
 // Reuse of message slots: slot parity p is rewritten two notifies later. A team message of epoch
 // e + 2 is put only after its writer received every team member's message of epoch e + 1, which
@@ -204,6 +204,17 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a)
     int base = 0;
     for (int p = 0; p < x; ++p) base += team_sent(p, 1 + R + C - 1);
     a.fwd_offset[i] = base + (ch == 0 ? 0 : team_sent(x, 1 + R + ch - 1));
+  }
+  // As the forwarder: fwd_row_offset [D][nvl][C]. Rank (my domain, j)'s rows from s = (x, my local index) start
+  // after every earlier source's rows to it (the totals [R] of their messages, relayed unchanged into my buffer)
+  // plus s's own rows to it in channels before c (s's channel prefix for (my domain, j), in x's team message):
+  // the sum (d, j)'s notify forms for its recv_channel_offset[s][c] from the same words.
+  for (int i = threadIdx.x; i < D * nvl * C; i += blockDim.x) {
+    const int x = i / (nvl * C), j = (i / C) % nvl, ch = i % C;
+    const int s = x * nvl + c.local, dest = c.domain * nvl + j;
+    int base = 0;
+    for (int p = 0; p < s; ++p) base += sent(p, 1 + dest);
+    a.fwd_row_offset[i] = base + (ch == 0 ? 0 : team_sent(x, head_words + j * per_rank + ch - 1));
   }
   for (int i = threadIdx.x; i < R * R; i += blockDim.x) {
     const int row = i / R, col = i % R;

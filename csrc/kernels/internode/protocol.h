@@ -44,6 +44,10 @@ enum Phase : int32_t {
   kPhaseCombineRecv = 30,   // combine: source waiting for partial sums
   kPhaseRdmaDrain = 31,     // RDMA sender waiting for a team member to drain an earlier call
   kPhaseNvlDrain = 32,      // NVL sender waiting for a local rank to drain an earlier call
+  kPhaseNvlDirectReady = 33,   // dispatch, direct NVLink hop: waiting for a domain peer's kernel to start
+  kPhaseNvlDirectArrive = 34,  // dispatch, direct NVLink hop: waiting for a domain peer's blocks to finish writing here
+  kPhaseNvlPullReady = 35,     // combine, pull NVLink hop: waiting for a domain peer's kernel to start
+  kPhaseNvlPullArrive = 36,    // combine, pull NVLink hop: waiting for a domain peer to finish reading this rank's rows
 };
 
 // Start of the symmetric (NVSHMEM) buffer of every rank. Every word is written by exactly one
@@ -105,6 +109,10 @@ struct NotifyArgs {
   int* rank_prefix_matrix;           // out [R, R]
   int* recv_channel_offset;          // out [R, C + 1]: first row here of channel c from source s
   int* fwd_offset;                   // out [D, C + 1]: first forwarded token of (source domain x, channel c)
+  int* fwd_row_offset;               // out [D, nvl, C]: as the forwarder of source s = (x, my local index), the row
+                                     // of local rank j's output where s's rows of channel c start, i.e. (my domain,
+                                     // j)'s recv_channel_offset[s][c] (the direct NVLink hop writes there); all 0
+                                     // in a refused call
   int* recv_expert_counts;           // out [L] or null: pairs received per local expert, rounded up to the
                                      // alignment (the mailbox's expert_counts, for the stream's later kernels)
   int signature_hash;                // hash of this call's signature (moe_dispatcher/signature.py); 24 bits travel
@@ -139,6 +147,21 @@ struct DispatchArgs {
   // a source domain whose RDMA ring signature differs from this call's (their slots' masks are not read). Null in
   // a fresh dispatch.
   const int* handle_fwd_mask;
+  // The direct NVLink hop (a Buffer with a peer pool; dispatch.cu, "Direct mode"). direct_call 1: the kernel runs
+  // the direct-call protocol (intranode/direct_call.cuh) over the domain, on Control::direct of the NVLink buffer
+  // (indexed by local rank), and the domain's verdict picks direct or FIFO mode; 0 (no pool): FIFO mode, no word
+  // touched. Published per call: where MY output blocks lie in my NVLink buffer (intranode DirectPayload /
+  // DirectMeta, 16-aligned; -1 when not peer-mapped, which makes the domain's call missed), my rows (recv_x's),
+  // and the layout word (0 fresh, which notify checked; nvl_signature cached). recv_x .. recv_src_idx above are
+  // the same blocks as carved here: FIFO mode's receivers write them locally.
+  int direct_call;
+  int64_t out_offset, meta_offset, out_rows;
+  uint64_t layout;
+  int write_meta;                   // 1: top-k and source index too (fresh); 0: payload and scales (cached)
+  const int* fwd_row_offset;        // [D, nvl, C]: notify's (fresh) or the handle's (cached)
+  int* fwd_rows;                    // [fwd_capacity, nvl] out or null (cached, no pool): the row of forwarded token
+                                    // idx in local rank j's outputs, -1 where not sent there or dropped; every
+                                    // entry of a forwarded token is written, in both modes (pull combine's map)
 };
 
 enum CombineDtype : int { kBf16 = 0, kFp16 = 1, kFp32 = 2 };
@@ -162,6 +185,15 @@ struct CombineArgs {
   int rdma_slots, rdma_slot_bytes;
   uint64_t rdma_signature, nvl_signature;  // this call's ring signatures, one per hop (as DispatchArgs'), nonzero
   int chunk_tokens;                 // tokens per warp chunk of the forwarder and receiver (1..kMaxCombineChunk)
+  // The pull NVLink hop (along the handle of a Buffer with a peer pool; combine.cu, "Pull mode"). pull_call 1: the
+  // kernel runs the direct-call protocol (intranode/direct_call.cuh) over the domain on Control::pull of the NVLink
+  // buffer (indexed by local rank), and the domain's verdict picks pull or FIFO mode; 0: FIFO mode, no word touched.
+  // Published per call: where MY x and topk_weights lie in my NVLink buffer (its peer pool; 16-aligned, -1 when not
+  // peer-mapped, which makes the domain's call missed) and the layout word (nvl_signature).
+  int pull_call;
+  int64_t x_offset, w_offset;
+  const int* fwd_rows;              // [fwd_capacity, nvl] (pull_call): the dispatch's row of forwarded token idx in
+                                    // local rank j's x, -1 where not sent there
 };
 constexpr int kMaxCombineChunk = 32;  // a chunk's tokens are one warp's lanes
 

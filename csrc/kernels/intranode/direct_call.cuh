@@ -1,6 +1,7 @@
 // The per-call protocol of the kernels that use the peers' NVLink buffers in place (the direct call): the direct
 // dispatch (dispatch_direct.cu) writes its rows straight into the receivers' output blocks, the pull combine
-// (combine_pull.cu) reads its tokens' rows straight from the holders' input blocks. Each runs it on its own set of
+// (combine_pull.cu) reads its tokens' rows straight from the holders' input blocks; the internode dispatch
+// (internode/dispatch.cu) runs it over its NVLink domain (Common of the domain: rank = local index). Each runs it on its own set of
 // words (Control::direct, Control::pull: common/nvlink_buffer.h, DirectCallWords) with its own published blocks
 // (Blocks: DirectOutputBlocks, PullInputBlocks) and timeout phases, which its DirectCallSite names. The kernel's
 // own work (its use of the peers' blocks) lies between begin_direct_call and end_direct_call, which every thread
@@ -54,6 +55,8 @@ struct DirectCallSite {
   DirectCallWords<Blocks> Control::*words;  // &Control::direct or &Control::pull
   int ready_phase;                          // step 2's wait for a rank's ready word
   int arrive_phase;                         // step 4's wait for a rank's arrivals
+  int first_rank = 0;                       // a timeout names peer d as rank first_rank + d (the internode kernels
+                                            // run the protocol over one NVLink domain: its first group rank)
 };
 
 // What begin_direct_call hands to its block: a __shared__ variable of the kernel's, read after begin returns.
@@ -99,7 +102,7 @@ __device__ __forceinline__ bool begin_direct_call(DirectCallState<Blocks>& call,
   }
   if (threadIdx.x < num_ranks) {  // 2. every rank's words of call n, and the verdict
     const int d = threadIdx.x;
-    if (wait_at_least(&own.ready[d], n, dog, site.ready_phase, d)) {
+    if (wait_at_least(&own.ready[d], n, dog, site.ready_phase, site.first_rank + d)) {
       Blocks theirs;
 #pragma unroll
       for (int i = 0; i < kBlockWords; ++i) {
@@ -134,7 +137,8 @@ __device__ __forceinline__ void end_direct_call(DirectCallState<Blocks>& call, c
   DirectCallWords<Blocks>& own = direct_call_words(c, c.rank, site);
   if (threadIdx.x < num_ranks) {
     const int s = threadIdx.x;
-    if (wait_at_least(&own.arrivals[s], static_cast<uint64_t>(gridDim.x), dog, site.arrive_phase, s)) {
+    if (wait_at_least(&own.arrivals[s], static_cast<uint64_t>(gridDim.x), dog, site.arrive_phase,
+                      site.first_rank + s)) {
       own.arrivals[s] = 0;
     } else {
       call.all_arrived = 0;  // a timeout (recorded): the counters are left as they are, the call fails
