@@ -45,3 +45,11 @@ def test_two_gpus_skip_internode_and_honour_skip(tmp_path):
 def test_deadline_skips_the_rest(tmp_path):
     text = _check(tmp_path, 8, DEADLINE_S="5")
     assert "SKIP build (deadline)" in text and "SKIP round_trip_profile (deadline)" in text
+
+
+def test_every_tool_has_a_readme_row():
+    """tools/README.md is where a user finds the tools: each script or folder of tools/ has a row there."""
+    readme = (ROOT / "tools" / "README.md").read_text()
+    missing = [p.name for p in sorted((ROOT / "tools").iterdir())
+               if p.name != "README.md" and not p.name.startswith((".", "__")) and f"`{p.name}" not in readme]
+    assert not missing, f"tools without a row in tools/README.md: {missing}"
