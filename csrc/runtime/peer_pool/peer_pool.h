@@ -37,7 +37,7 @@ struct RegionInfo {
 // The no-room memo of a region, for callers that take a block from the region through torch and have somewhere
 // else to go when it has no room (the direct dispatch's pool blocks: torch's own memory, and the ring / FIFOs move
 // the call). A request the region cannot serve makes torch run its failing-allocation path (it synchronises the
-// device and frees every cached block of its own pools, then raises), so each miss would cost a device sync and
+// device and frees every cached block of its default pools, then raises), so each miss would cost a device sync and
 // the process's cached activation memory. The memo keeps the smallest request size that found no room:
 //   try_pool_block(base, bytes): try torch unless bytes >= the memo; of those skipped requests every
 //     kNoRoomProbePeriod-th is tried anyway (a probe), since torch may hold a cached free block of the pool that
@@ -46,7 +46,8 @@ struct RegionInfo {
 //     the region freed a range since the ticket was taken (then the miss may be stale: no memo). A block of at
 //     least the memo's size: the memo is cleared (room again).
 // The memo is also cleared whenever the region frees a range (torch returned a segment). Never a permanent
-// "full": at worst a request the pool could serve takes torch's memory for kNoRoomProbePeriod - 1 requests.
+// "full": at worst requests the pool could serve take torch's memory until the next probe (kNoRoomProbePeriod - 1
+// skipped requests). The memo does not tell streams apart (torch serves a freed block only to its own stream).
 inline constexpr uint64_t kNoRoomProbePeriod = 64;
 struct PoolBlockTicket {
   bool try_pool = true;   // false: take memory elsewhere, do not ask torch for a pool block
