@@ -79,8 +79,9 @@
 //     waits for and credits only the remote domains' partials; my own domain's rows it reads in place, at
 //     fwd_rows[fwd_offset[my domain][c] + k][j] for the k-th token of the channel that went to my domain, writes
 //     their round(sum over j ascending) (the partial my own ring carried in FIFO mode) into the token's output row
-//     first, and reads it back (the same lanes) at my domain's place in out = cast(b0 + b1 + sum over domains
-//     ascending of partial_x): the same bits. (A separate register-held own partial spilled: this costs a local
+//     for each token of a chunk BEFORE it waits for the chunk's remote partials (these reads depend on no counter,
+//     so they overlap the wait), and reads it back (the same lanes) at my domain's place in out = cast(b0 + b1 +
+//     sum over domains ascending of partial_x): the same bits. (A separate register-held own partial spilled: this costs a local
 //     row write and read per token instead.) In both roles lane j loads fwd_rows[.][j] once per token and writes
 //     its source entry itself (pull_sources).
 //   missed (some peer's input not in its pool, a layout word that differs, a CUDA graph capture): this kernel as
@@ -513,9 +514,9 @@ __device__ __forceinline__ void recv_scan_to(const CombineArgs& a, int& st, int 
   }
 }
 
-// kPull (pull mode; pull: the domain's published inputs): my own domain's rows are read in place (own, own_w: a
-// token's rows and their weights), at the forwarded index of the token among the channel's tokens that went to my
-// domain (the scan's count of my domain, which is not waited for nor credited: no partial of it travels).
+// kPull (pull mode; pull: the domain's published inputs): my own domain's rows are read in place, at the forwarded
+// index of the token among the channel's tokens that went to my domain (the scan's count of my domain, which is not
+// waited for nor credited: no partial of it travels), and reduced into the output rows before the chunk's wait.
 template <typename T, bool kPull>
 __device__ void receive_worker(const CombineArgs& a, const PullCall* pull, int ch, int warp, int lane,
                                const Watchdog& dog, int row_bytes, int begin, int end, const uint64_t* rhead0,
@@ -538,6 +539,25 @@ __device__ void receive_worker(const CombineArgs& a, const PullCall* pull, int c
     const uint64_t bits = lane < n ? token_domains(a, t0 + lane) : 0;
     uint32_t mlo = 0, mhi = 0;
     count_bits(bits & ~own_bit, D, lane, mlo, mhi);  // partials that travel: waited for, signatures checked
+    if constexpr (kPull) {
+      // My domain's partials first, before any wait: into each token's output row (and weights), round(sum over j
+      // ascending) of its rows read in place, the partial my own ring carried in FIFO mode. They depend on no
+      // counter (every domain peer's input was complete when the verdict acquired its ready word), so the remote
+      // reads of the chunk's own rows overlap the wait for the other domains' partials below instead of following
+      // it (the first chunk of every worker waited for a whole forwarder chunk, reduce and put, before these).
+      const unsigned own_tokens = __ballot_sync(0xffffffffu, (bits & own_bit) != 0);  // bit i: token t0 + i
+      const int64_t own_base = own_first + count_of(lo, hi, c.domain);  // fwd index of the chunk's first own token
+      for (unsigned todo = own_tokens; todo != 0; todo &= todo - 1) {  // uniform
+        const int i = __ffs(static_cast<int>(todo)) - 1;
+        const int64_t token = t0 + i, idx = own_base + __popc(own_tokens & ((1u << i) - 1u));
+        const int row = lane < nvl && idx < a.fwd_capacity ? a.fwd_rows[idx * nvl + lane] : -1;  // -1: not sent to j
+        const int nown = pull_sources(c, pull, row, row_bytes, a.num_topk, lane, srcs, wsrcs);
+        __syncwarp();
+        reduce_row<T>(a.out + token * row_bytes, a.out_topk_weights != nullptr ? a.out_topk_weights + token * a.num_topk
+                      : nullptr, srcs, nown, nullptr, nullptr, row_bytes, a.num_topk, lane, wsrcs);
+        __syncwarp();  // srcs is rewritten by the next token
+      }
+    }
     bool good = true;
     // RDMA tails: written by the team member of domain `lane` (its forward commit warp, rdma_signal_tail).
     if (lane < D && mlo > 0) {
@@ -574,19 +594,9 @@ __device__ void receive_worker(const CombineArgs& a, const PullCall* pull, int c
       float* out_w = a.out_topk_weights != nullptr ? a.out_topk_weights + token * a.num_topk : nullptr;
       uint8_t* out = a.out + token * row_bytes;
       const bool own = (tbits & own_bit) != 0;  // pull mode, a token that went to my domain
-      if (own) {
-        // My domain's partial first, into the token's output row (and weights): round(sum over j ascending) of its
-        // rows read in place, the partial my own ring carried in FIFO mode.
-        const unsigned b = __ballot_sync(0xffffffffu, (bits & own_bit) != 0);
-        const int64_t idx = own_first + count_of(lo, hi, c.domain) + __popc(b & below);
-        const int row = lane < nvl && idx < a.fwd_capacity ? a.fwd_rows[idx * nvl + lane] : -1;  // -1: not sent to j
-        const int nown = pull_sources(c, pull, row, row_bytes, a.num_topk, lane, srcs, wsrcs);
-        __syncwarp();
-        reduce_row<T>(out, out_w, srcs, nown, nullptr, nullptr, row_bytes, a.num_topk, lane, wsrcs);
-        __syncwarp();  // srcs is rewritten below
-      }
-      // The partials, domains ascending (uniform); my domain's (pull mode) is the output row just written, read
-      // back by the lanes that wrote it (reduce_row maps each vector and weight to the same lane every call).
+      // The partials, domains ascending (uniform); my domain's (pull mode) is the output row written before the
+      // wait, read back by the lanes that wrote it (reduce_row maps each vector and weight to the same lane every
+      // call).
       for (uint64_t todo = rest | (own ? own_bit : 0); todo != 0; todo &= todo - 1) {
         const int x = __ffsll(static_cast<long long>(todo)) - 1;
         if (kPull && x == c.domain) {
