@@ -12,7 +12,7 @@ both of its ranks), the other domain's stay direct, the outputs the same. fwd_ro
 exactly the rows each local rank received from this rank's team, in both modes. A CUDA graph's replays are missed
 (its outputs are the graph's memory) and still right. 100 calls back to back.
 
-Pull combine (the same world): along the handles of direct dispatches, a combine whose input x (and topk_weights)
+Pull combine (2 x 2, and 4 x 1, where each forwarder serves three remote source domains): along the handles of direct dispatches, a combine whose input x (and topk_weights)
 lies in every rank's pool reads the domain's rows in place (pull counters: a call, none missed) and must give the
 bits of the same combine with the inputs outside the pool (every domain missed: today's FIFO kernel), for every
 combine dtype, with and without top-k weights and biases, and the reference's values within the two-hop tolerance.
@@ -385,5 +385,8 @@ def _world_pull(rank: int, world_size: int) -> None:  # noqa: C901 (one world, m
     rb.destroy()
 
 
-def test_pull_combine_matches_fifo_combine() -> None:
-    run_distributed(_world_pull, 4, backend="nccl", timeout=300.0, env=dist_helpers.nvl_env(2))
+# 4 x 1: every domain one GPU, so a forwarder serves three remote source domains per channel: its chunk sequence
+# spans domains and block 3c puts and publishes the tails of each (combine.cu put_staged).
+@pytest.mark.parametrize("world_size,nvl", WORLDS)
+def test_pull_combine_matches_fifo_combine(world_size: int, nvl: int) -> None:
+    run_distributed(_world_pull, world_size, backend="nccl", timeout=300.0, env=dist_helpers.nvl_env(nvl))

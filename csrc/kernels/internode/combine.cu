@@ -71,11 +71,14 @@
 //     domain peer's and decides: pull when every peer's x is peer-mapped and every word equals mine. Every rank of
 //     the domain reads the same words, so the domain agrees; other domains need not (the RDMA traffic is the same
 //     in both modes: the same partials, bit for bit).
-//   pull: block 3c (NVL sender) is idle, no FIFO is touched. The forwarder serves only the remote source domains
-//     (my own domain's ring stays unused): for forwarded token idx and local rank j ascending in its mask it reads
-//     row fwd_rows[idx][j] of j's x in place (the dispatch recorded where the token landed at j), reduces as in
-//     FIFO mode (the same rows in the same order: the same partial), stages and puts it; no FIFO wait, no head
-//     release (the inputs were complete when the verdict acquired every peer's ready word). The source receiver
+//   pull: no FIFO is touched. The forwarder serves only the remote source domains (my own domain's ring stays
+//     unused): for forwarded token idx and local rank j ascending in its mask it reads row fwd_rows[idx][j] of j's x
+//     in place (the dispatch recorded where the token landed at j), reduces as in FIFO mode (the same rows in the
+//     same order: the same partial) into the staging slots; no FIFO wait, no head release (the inputs were
+//     complete when the verdict acquired every peer's ready word). Block 3c, whose NVL sender has nothing to send,
+//     puts the staged chunks (put_staged): the forwarder's commit warp publishes how many chunks are staged
+//     (RdmaControl::staged[c], st.release.sys), block 3c's worker warps put each (put + quiet) once they acquired
+//     it, and its commit warp publishes the RDMA tails in order (forward_commit's pull mode). The source receiver
 //     waits for and credits only the remote domains' partials; my own domain's rows it reads in place, at
 //     fwd_rows[fwd_offset[my domain][c] + k][j] for the k-th token of the channel that went to my domain, writes
 //     their round(sum over j ascending) (the partial my own ring carried in FIFO mode) into the token's output row
@@ -399,7 +402,8 @@ __device__ void forward_worker(const CombineArgs& a, const PullCall* pull, int c
                     row_bytes, a.num_topk, lane, kPull ? wsrcs : nullptr);
       __syncwarp();  // srcs is rewritten for the next token
     }
-    rdma_put_rows(c, x, ch, first_slot, n, a.rdma_slots, a.rdma_slot_bytes, lane);  // remote: put + quiet
+    // Remote: put + quiet. Pull mode: block 3c puts the chunk once this block's commit warp published it staged.
+    if constexpr (!kPull) rdma_put_rows(c, x, ch, first_slot, n, a.rdma_slots, a.rdma_slot_bytes, lane);
     // Every lane's slot loads, stores and (completed) puts before the board's release (warp barrier inside).
     board.advance(0, warp, k + kWorkers, lane);
   }
@@ -445,8 +449,95 @@ __device__ void forward_commit(const CombineArgs& a, bool pull, int ch, int lane
   if (!pull && lane < nvl) nvl_ctl(c, c.local)->head_copy[ch][lane] = nhead0[lane] + cnt;
 }
 
+// Pull mode, the forwarder block's commit warp: once chunks [0, upto) are all reduced into their staging slots, it
+// publishes upto in RdmaControl::staged[ch] (st.release.sys; the board's acquires and the warp barrier in
+// done_upto order every worker's staging stores before it), for block 3c's put warps, whose commit warp publishes
+// the tails. The chunks' FIFO heads do not exist (no FIFO is read) and no tail is this warp's.
+__device__ void stage_commit(const CombineArgs& a, int ch, int lane, const Watchdog& dog, int total,
+                             const ChunkBoard& board, const volatile int* stop) {
+  uint64_t* staged = &rdma_ctl(a.c)->staged[ch];
+  int kc = 0;
+  while (kc < total) {
+    const int upto = done_upto(board, total, lane);
+    if (upto == kc) {
+      if (!commit_idle_ok(dog, kPhaseCombineForward, a.c.rank, stop, lane)) return;
+      continue;
+    }
+    if (lane == 0) ptx::st_release_sys(staged, static_cast<uint64_t>(upto));
+    kc = upto;
+  }
+}
+
+// Pull mode, block 3c (the NVLink sender's: nothing to send), worker warp: the forwarder's puts. It takes chunks
+// warp, warp + kWorkers, ... of the forwarder's sequence (every chunk of a remote source domain) and, once lane 0
+// acquired RdmaControl::staged[ch] > k (the forwarder block's commit warp: every staging store of chunks <= k
+// before it; the acquire invalidates this SM's L1, so the put reads the staging rows from L2), puts chunk k's slots
+// and completes them (rdma_put_rows: put + quiet), then advances its board entry. Why a block of its own: NVSHMEM's
+// warp put over P2P is a copy loop with one 16-byte load in flight per lane (512 bytes per L2 round trip and warp,
+// an eighth of a reduction round's 4 KB), so the forwarder's workers spent most of their round trips putting;
+// here the idle SM's 15 warps put while the forwarder's 15 only reduce.
+__device__ void put_worker(const CombineArgs& a, int ch, int warp, int lane, const Watchdog& dog, const FwdSeq& seq,
+                           const uint64_t* rtail0, ChunkBoard& board, volatile int* stop) {
+  const Common& c = a.c;
+  const int K = a.chunk_tokens, total = seq.cstart[c.num_domains];
+  const uint64_t* staged = &rdma_ctl(c)->staged[ch];
+  int cx = 0;
+  for (int k = warp; k < total; k += kWorkers) {
+    while (k >= seq.cstart[cx + 1]) ++cx;
+    const int x = cx, k0 = (k - seq.cstart[x]) * K, n = min(K, seq.count[x] - k0);
+    bool good = true;
+    if (lane == 0) {
+      // A fresh acquire for every chunk (no cached value): its L1 invalidation precedes this chunk's staging loads.
+      good = wait_at_least(staged, static_cast<uint64_t>(k + 1), dog, kPhaseCombineForward, c.rank, AbortFlag{stop});
+    }
+    if (!__all_sync(0xffffffffu, good)) {
+      if (lane == 0) *stop = 1;
+      return;
+    }
+    // rdma_put_rows' first warp barrier orders lane 0's acquire before every lane's loads of the staging slots.
+    rdma_put_rows(c, x, ch, rtail0[x] + k0, n, a.rdma_slots, a.rdma_slot_bytes, lane);
+    // Every lane's (completed) puts before the board's release (warp barrier inside).
+    board.advance(0, warp, k + kWorkers, lane);
+  }
+}
+
+// Pull mode, block 3c: the forwarder's puts (put_worker) and, on its own board, the tails of the put chunks in
+// order (forward_commit in pull mode: RDMA tail signal per source domain after the puts' quiets, tail_copy, final
+// quiet). The tables are the forwarder block's (the same fwd_offset and kernel-start tail_copy: this block's commit
+// advances tail_copy only after the forwarder block's first staged release, which follows its reads).
+__device__ void put_staged(const CombineArgs& a, int ch, int warp, int lane, const Watchdog& dog) {
+  const int D = a.c.num_domains, C = a.num_channels, K = a.chunk_tokens;
+  __shared__ int s_first[kMaxDomains], s_count[kMaxDomains], s_cstart[kMaxDomains + 1];
+  __shared__ uint64_t s_rtail0[kMaxDomains];
+  __shared__ ChunkBoard s_board;
+  __shared__ int s_abort;
+  for (int x = threadIdx.x; x < D; x += blockDim.x) {  // as forward()'s tables, pull mode
+    s_first[x] = a.fwd_offset[x * (C + 1) + ch];
+    s_count[x] = x == a.c.domain ? 0 : a.fwd_offset[x * (C + 1) + ch + 1] - s_first[x];
+    s_rtail0[x] = *reinterpret_cast<volatile uint64_t*>(&rdma_ctl(a.c)->tail_copy[ch][x]);
+  }
+  s_board.init();
+  if (threadIdx.x == 0) s_abort = 0;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int s = 0;
+    for (int x = 0; x < D; ++x) {
+      s_cstart[x] = s;
+      s += (s_count[x] + K - 1) / K;
+    }
+    s_cstart[D] = s;
+  }
+  __syncthreads();  // the last block-wide barrier
+  const FwdSeq seq{s_first, s_count, s_cstart, a.fwd_mask, a.fwd_capacity, a.c.nvl_size};
+  if (warp == kCommitWarp) {
+    forward_commit(a, true, ch, lane, dog, seq, s_rtail0, nullptr, s_board, &s_abort);
+  } else {
+    put_worker(a, ch, warp, lane, dog, seq, s_rtail0, s_board, &s_abort);
+  }
+}
+
 // kPull (pull mode; pull: the domain's published inputs): my own domain's tokens are the source receivers' (no
-// chunk of them here).
+// chunk of them here); the chunks are reduced into staging here and put by block 3c (put_staged).
 // srcs / wsrcs (pull mode only: else null): the block's source tables (the kernel's).
 template <typename T, bool kPull>
 __device__ void forward(const CombineArgs& a, const PullCall* pull, int ch, int warp, int lane, const Watchdog& dog,
@@ -464,7 +555,8 @@ __device__ void forward(const CombineArgs& a, const PullCall* pull, int ch, int 
     s_first[x] = a.fwd_offset[x * (C + 1) + ch];
     s_count[x] = (kPull && x == c.domain) ? 0 : a.fwd_offset[x * (C + 1) + ch + 1] - s_first[x];
     s_rtail0[x] = *reinterpret_cast<volatile uint64_t*>(&rctl->tail_copy[ch][x]);
-    // The ring signature, completed before the barriers below, hence before the commit warp's tail signals.
+    // The ring signature, completed before the barriers below, hence before the first tail signal (the commit
+    // warp's, or in pull mode the put block's, which follows this block's staged release).
     rdma_publish_signature(c, x, a.rdma_signature);
   }
   if (threadIdx.x < nvl) s_nhead0[threadIdx.x] = *reinterpret_cast<volatile uint64_t*>(&nctl->head_copy[ch][threadIdx.x]);
@@ -482,7 +574,11 @@ __device__ void forward(const CombineArgs& a, const PullCall* pull, int ch, int 
   __syncthreads();  // the last block-wide barrier: from here on warps wait only on their own words
   const FwdSeq seq{s_first, s_count, s_cstart, a.fwd_mask, a.fwd_capacity, nvl};
   if (warp == kCommitWarp) {
-    forward_commit(a, kPull, ch, lane, dog, seq, s_rtail0, s_nhead0, s_board, &s_abort);
+    if constexpr (kPull) {
+      stage_commit(a, ch, lane, dog, s_cstart[D], s_board, &s_abort);
+    } else {
+      forward_commit(a, false, ch, lane, dog, seq, s_rtail0, s_nhead0, s_board, &s_abort);
+    }
   } else {
     forward_worker<T, kPull>(a, pull, ch, warp, lane, dog, row_bytes, seq, s_rtail0, s_nhead0, s_board, &s_abort,
                              srcs[warp], kPull ? (*wsrcs)[warp] : nullptr);
@@ -729,6 +825,11 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
     const auto accepts = [](const PullInputBlocks& in) { return in.x_offset >= 0; };  // w_offset goes with it
     if (!intranode::begin_direct_call(call, domain, nvl_pull_site(c), mine, a.nvl_signature, dog, accepts)) return;
   }
+  // Pull mode's staged chunks of this call start at 0 (put_staged): the grid barrier below publishes the reset to
+  // block 3c before its first read (written before by the previous call's forwarder block only).
+  if constexpr (kPullCall) {
+    if (role == 1 && threadIdx.x == 0) *reinterpret_cast<volatile uint64_t*>(&rdma_ctl(c)->staged[ch]) = 0;
+  }
   if (!drain_previous_calls(c, dog)) return;  // earlier calls drained; no ring written before this
   // The same in every block of every rank of the domain; a constant false without a pool.
   const bool pull = kPullCall && call.in_pool != 0;
@@ -738,7 +839,9 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
   } else if (role == 2) {
     if (pull) receive<T, true>(a, &call, ch, warp, lane, dog, row_bytes, s_srcs, &s_wsrcs);
     else receive<T, false>(a, nullptr, ch, warp, lane, dog, row_bytes, s_srcs, nullptr);
-  } else if (!pull) {  // pull mode: the NVLink senders have nothing to send
+  } else if (pull) {  // pull mode: the NVLink senders have nothing to send; this block puts the forwarder's chunks
+    put_staged(a, ch, warp, lane, dog);
+  } else {
     const int warps = kWarps / c.nvl_size;
     const int group = warp / warps, group_warp = warp % warps;
     if (group < c.nvl_size) nvl_send(a, ch, group, group_warp, warps, lane, &shared_ok[group], dog, row_bytes);
