@@ -409,7 +409,7 @@ __device__ void forward_worker(const CombineArgs& a, const PullCall* pull, int c
   }
 }
 
-// pull: pull mode (no FIFO was read: its heads stay).
+// pull: pull mode, in block 3c (no FIFO was read: its heads stay; its backstop names the put phase).
 __device__ void forward_commit(const CombineArgs& a, bool pull, int ch, int lane, const Watchdog& dog,
                                const FwdSeq& seq, const uint64_t* rtail0, const uint64_t* nhead0,
                                const ChunkBoard& board, const volatile int* stop) {
@@ -422,7 +422,7 @@ __device__ void forward_commit(const CombineArgs& a, bool pull, int ch, int lane
   while (kc < total) {
     const int upto = done_upto(board, total, lane);
     if (upto == kc) {
-      if (!commit_idle_ok(dog, kPhaseCombineForward, c.rank, stop, lane)) return;
+      if (!commit_idle_ok(dog, pull ? kPhaseCombinePut : kPhaseCombineForward, c.rank, stop, lane)) return;
       continue;
     }
     // Chunks [kc, upto) are done: publish the tail of every source domain they belong to.
@@ -488,7 +488,7 @@ __device__ void put_worker(const CombineArgs& a, int ch, int warp, int lane, con
     bool good = true;
     if (lane == 0) {
       // A fresh acquire for every chunk (no cached value): its L1 invalidation precedes this chunk's staging loads.
-      good = wait_at_least(staged, static_cast<uint64_t>(k + 1), dog, kPhaseCombineForward, c.rank, AbortFlag{stop});
+      good = wait_at_least(staged, static_cast<uint64_t>(k + 1), dog, kPhaseCombinePut, c.rank, AbortFlag{stop});
     }
     if (!__all_sync(0xffffffffu, good)) {
       if (lane == 0) *stop = 1;

@@ -48,6 +48,7 @@ enum Phase : int32_t {
   kPhaseNvlDirectArrive = 34,  // dispatch, direct NVLink hop: waiting for a domain peer's blocks to finish writing here
   kPhaseNvlPullReady = 35,     // combine, pull NVLink hop: waiting for a domain peer's kernel to start
   kPhaseNvlPullArrive = 36,    // combine, pull NVLink hop: waiting for a domain peer to finish reading this rank's rows
+  kPhaseCombinePut = 37,       // combine, pull NVLink hop: block 3c waiting for this rank's forwarder to stage chunks
 };
 
 // Start of the symmetric (NVSHMEM) buffer of every rank. Every word is written by exactly one
