@@ -455,7 +455,7 @@ __device__ void forward_commit(const CombineArgs& a, bool pull, int ch, int lane
 // the tails. The chunks' FIFO heads do not exist (no FIFO is read) and no tail is this warp's.
 __device__ void stage_commit(const CombineArgs& a, int ch, int lane, const Watchdog& dog, int total,
                              const ChunkBoard& board, const volatile int* stop) {
-  uint64_t* staged = &rdma_ctl(a.c)->staged[ch];
+  int* staged = &rdma_ctl(a.c)->staged[ch];
   int kc = 0;
   while (kc < total) {
     const int upto = done_upto(board, total, lane);
@@ -463,32 +463,41 @@ __device__ void stage_commit(const CombineArgs& a, int ch, int lane, const Watch
       if (!commit_idle_ok(dog, kPhaseCombineForward, a.c.rank, stop, lane)) return;
       continue;
     }
-    if (lane == 0) ptx::st_release_sys(staged, static_cast<uint64_t>(upto));
+    if (lane == 0) ptx::st_release_sys(staged, upto);
     kc = upto;
   }
 }
 
 // Pull mode, block 3c (the NVLink sender's: nothing to send), worker warp: the forwarder's puts. It takes chunks
 // warp, warp + kWorkers, ... of the forwarder's sequence (every chunk of a remote source domain) and, once lane 0
-// acquired RdmaControl::staged[ch] > k (the forwarder block's commit warp: every staging store of chunks <= k
-// before it; the acquire invalidates this SM's L1, so the put reads the staging rows from L2), puts chunk k's slots
-// and completes them (rdma_put_rows: put + quiet), then advances its board entry. Why a block of its own: NVSHMEM's
-// warp put over P2P is a copy loop with one 16-byte load in flight per lane (512 bytes per L2 round trip and warp,
-// an eighth of a reduction round's 4 KB), so the forwarder's workers spent most of their round trips putting;
-// here the idle SM's 15 warps put while the forwarder's 15 only reduce.
+// acquired RdmaControl::staged[ch] > k (relaxed polls, then one acquire; the forwarder block's commit warp: every
+// staging store of chunks <= k before it; the acquire invalidates this SM's L1, so the put reads the staging rows
+// from L2), puts chunk k's slots and completes them (rdma_put_rows: put + quiet), then advances its board entry.
+// Why a block of its own: NVSHMEM's warp put over P2P is a copy loop with one 16-byte load in flight per lane (512
+// bytes per L2 round trip and warp, an eighth of a reduction round's 4 KB), so the forwarder's workers spent most
+// of their round trips putting; here the idle SM's 15 warps put while the forwarder's 15 only reduce.
 __device__ void put_worker(const CombineArgs& a, int ch, int warp, int lane, const Watchdog& dog, const FwdSeq& seq,
                            const uint64_t* rtail0, ChunkBoard& board, volatile int* stop) {
   const Common& c = a.c;
   const int K = a.chunk_tokens, total = seq.cstart[c.num_domains];
-  const uint64_t* staged = &rdma_ctl(c)->staged[ch];
+  const int* staged = &rdma_ctl(c)->staged[ch];
   int cx = 0;
   for (int k = warp; k < total; k += kWorkers) {
     while (k >= seq.cstart[cx + 1]) ++cx;
     const int x = cx, k0 = (k - seq.cstart[x]) * K, n = min(K, seq.count[x] - k0);
     bool good = true;
     if (lane == 0) {
-      // A fresh acquire for every chunk (no cached value): its L1 invalidation precedes this chunk's staging loads.
-      good = wait_at_least(staged, static_cast<uint64_t>(k + 1), dog, kPhaseCombinePut, c.rank, AbortFlag{stop});
+      // staged: written by the forwarder block's commit warp (stage_commit), each value v by an st.release.sys issued
+      // after the board showed chunks [0, v) reduced. Relaxed polls (an acquire per poll would be a strong load and
+      // an invalidation of the SM's L1 each time, in an SM whose other warps are putting; lane 0 alone polls, one L2
+      // round trip per poll, so no sleep), then one ld.acquire.sys: a later load of the same word by the same
+      // thread, so it reads the value the relaxed load saw or a later one (one writer, which only raises it): > k.
+      // It synchronizes with the release that wrote it, which follows chunk k's staging stores, and it invalidates
+      // this SM's L1, so the put's loads read the staging rows from L2. A fresh acquire for every chunk (no cached
+      // value).
+      int seen;
+      good = wait_while_relaxed(staged, seen, [&](int v) { return v <= k; }, dog, kPhaseCombinePut, c.rank, 0,
+                                AbortFlag{stop});
     }
     if (!__all_sync(0xffffffffu, good)) {
       if (lane == 0) *stop = 1;
@@ -828,7 +837,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
   // Pull mode's staged chunks of this call start at 0 (put_staged): the grid barrier below publishes the reset to
   // block 3c before its first read (written before by the previous call's forwarder block only).
   if constexpr (kPullCall) {
-    if (role == 1 && threadIdx.x == 0) *reinterpret_cast<volatile uint64_t*>(&rdma_ctl(c)->staged[ch]) = 0;
+    if (role == 1 && threadIdx.x == 0) *reinterpret_cast<volatile int*>(&rdma_ctl(c)->staged[ch]) = 0;
   }
   if (!drain_previous_calls(c, dog)) return;  // earlier calls drained; no ring written before this
   // The same in every block of every rank of the domain; a constant false without a pool.

@@ -75,9 +75,9 @@ struct RdmaControl {
   uint64_t ring_signature[kMaxDomains];
   // [c]: chunks of channel c that my combine forwarder block has staged in this call (pull mode: block 3c puts them,
   // combine.cu). Local only: reset to 0 by the forwarder block before the kernel's grid barrier, then written by its
-  // commit warp (st.release.sys, chunks in order) and read by block 3c's put warps (ld.acquire.sys). Appended last,
-  // so that no word above moves.
-  uint64_t staged[kMaxChannels];
+  // commit warp (st.release.sys, chunks in order) and read by block 3c's put warps (ld.relaxed.sys polls, then one
+  // ld.acquire.sys: wait_while_relaxed, whose words are int). Appended last, so that no word above moves.
+  int staged[kMaxChannels];
 };
 static_assert(sizeof(RdmaControl) <= 69632, "RdmaControl must keep the size Python assumes (RDMA_CONTROL_BYTES)");
 constexpr size_t kRdmaControlBytes = (sizeof(RdmaControl) + 4095) / 4096 * 4096;
