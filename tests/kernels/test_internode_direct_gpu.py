@@ -12,12 +12,13 @@ both of its ranks), the other domain's stay direct, the outputs the same. fwd_ro
 exactly the rows each local rank received from this rank's team, in both modes. A CUDA graph's replays are missed
 (its outputs are the graph's memory) and still right. 100 calls back to back.
 
-Pull combine (2 x 2, and 4 x 1, where each forwarder serves three remote source domains): along the handles of direct dispatches, a combine whose input x (and topk_weights)
-lies in every rank's pool reads the domain's rows in place (pull counters: a call, none missed) and must give the
-bits of the same combine with the inputs outside the pool (every domain missed: today's FIFO kernel), for every
-combine dtype, with and without top-k weights and biases, and the reference's values within the two-hop tolerance.
-One rank's input outside its pool: only its domain misses, the outputs the same bits. Along the handle of a dispatch
-whose domain took the FIFOs the pull combine reads the same rows. 100 calls back to back.
+Pull combine (2 x 2, and 4 x 1, where each forwarder serves three remote source domains): along the handles of
+direct dispatches, a combine whose input x (and topk_weights) lies in every rank's pool reads the domain's rows in
+place (pull counters: a call, none missed) and must give the bits of the same combine with the inputs outside the
+pool (every domain missed: today's FIFO kernel), for every combine dtype, with and without top-k weights and
+biases, and the reference's values within the two-hop tolerance. One rank's input outside its pool: only its domain
+misses, the outputs the same bits. Along the handle of a dispatch whose domain took the FIFOs the pull combine reads
+the same rows. 100 calls back to back.
 """
 from __future__ import annotations
 

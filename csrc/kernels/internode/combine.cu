@@ -17,7 +17,8 @@
 // The forwarder and the source receiver work in small per-warp chunks (docs/internode.md):
 //   worker warps (0 .. kWorkers-1) take chunks k = warp, warp + kWorkers, ... of chunk_tokens tokens
 //     each; a worker waits only for its own chunk's rows (lane j polls tail j), reduces its tokens,
-//     and (forwarder) puts its chunk's partials to the source at once and completes them (quiet);
+//     and (forwarder, FIFO mode) puts its chunk's partials to the source at once and completes them
+//     (quiet; in pull mode block 3c's put warps put the chunks: "Pull mode" below);
 //     then it raises its entry of the block's ChunkBoard to its next chunk (progress_board.cuh);
 //   the commit warp (kCommitWarp) publishes in order: once chunks [kc, upto) are all done it
 //     advances the FIFO heads (forwarder) / RDMA credits (receiver) and the RDMA tails (forwarder)
@@ -35,8 +36,8 @@
 // to the commit warp, which publishes them at system scope):
 //   worker:  lane j ld.acquire.sys its tail (FIFO or RDMA) >= what the chunk needs; __syncwarp;
 //            every lane loads the slots (ld.cg) and writes the outputs / staging / own-ring slots;
-//            remote: nvshmemx_putmem_nbi_warp + nvshmem_quiet (rdma_put_rows); __syncwarp;
-//            lane 0: st.release.cta of its board entry.
+//            remote (FIFO mode): nvshmemx_putmem_nbi_warp + nvshmem_quiet (rdma_put_rows); __syncwarp;
+//            lane 0: st.release.cta of its board entry. (Pull mode: put_worker / put_staged.)
 //   commit:  lane w ld.acquire.cta of worker w's entry; __syncwarp; then the publishing lanes: FIFO head
 //            st.release.sys, RDMA tail rdma_signal_tail (fence.sys + signal SET, or st.release.sys
 //            for my own domain), credit rdma_credit (same). Causality order runs from every lane's
@@ -84,9 +85,9 @@
 //     their round(sum over j ascending) (the partial my own ring carried in FIFO mode) into the token's output row
 //     for each token of a chunk BEFORE it waits for the chunk's remote partials (these reads depend on no counter,
 //     so they overlap the wait), and reads it back (the same lanes) at my domain's place in out = cast(b0 + b1 +
-//     sum over domains ascending of partial_x): the same bits. (A separate register-held own partial spilled: this costs a local
-//     row write and read per token instead.) In both roles lane j loads fwd_rows[.][j] once per token and writes
-//     its source entry itself (pull_sources).
+//     sum over domains ascending of partial_x): the same bits. (A separate register-held own partial spilled: this
+//     costs a local row write and read per token instead.) In both roles lane j loads fwd_rows[.][j] once per token
+//     and writes its source entry itself (pull_sources).
 //   missed (some peer's input not in its pool, a layout word that differs, a CUDA graph capture): this kernel as
 //     described above, unchanged.
 //   arrival + completion, at the end of every block (either mode): arrive at every domain peer after a system

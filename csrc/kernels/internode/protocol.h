@@ -53,7 +53,8 @@ enum Phase : int32_t {
 
 // Start of the symmetric (NVSHMEM) buffer of every rank. Every word is written by exactly one
 // remote (or local) writer and read locally (ld.acquire.sys); the index x is a domain, i.e. the
-// team member of domain x. Monotonic counters, never reset (zeroed once at creation).
+// team member of domain x. Monotonic counters, never reset (zeroed once at creation), except staged (last):
+// a count within one call, reset by every combine kernel launched along a pool handle (combine.cu).
 struct RdmaControl {
   uint64_t notify_signal[kMaxDomains];           // [x]: epoch of x's latest notify message (putmem_signal)
   uint64_t tail[kMaxChannels][kMaxDomains];      // [c][x]: rows x published into my ring (c, x)
