@@ -130,6 +130,8 @@ std::string phase_name(int phase) {
     case kPhaseNvlPullReady: return "nvl pull ready (combine waiting for a domain peer's kernel to start)";
     case kPhaseNvlPullArrive:
       return "nvl pull arrive (combine waiting for a domain peer to finish reading this rank's rows)";
+    case kPhaseCombinePut:
+      return "combine put (pull mode: the put block waiting for this rank's forwarder to stage partial sums)";
     default: return "unknown phase " + std::to_string(phase);
   }
 }
