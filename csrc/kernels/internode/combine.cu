@@ -511,6 +511,17 @@ __device__ void put_worker(const CombineArgs& a, int ch, int warp, int lane, con
   }
 }
 
+// Thread 0 of a forwarding block: the chunk sequence of its channel, domains ascending, K tokens a chunk:
+// cstart[x] = domain x's first chunk, cstart[D] = the chunk count (count[x]: domain x's tokens here).
+__device__ __forceinline__ void chunk_starts(const int* count, int* cstart, int D, int K) {
+  int s = 0;
+  for (int x = 0; x < D; ++x) {
+    cstart[x] = s;
+    s += (count[x] + K - 1) / K;
+  }
+  cstart[D] = s;
+}
+
 // Pull mode, block 3c: the forwarder's puts (put_worker) and, on its own board, the tails of the put chunks in
 // order (forward_commit in pull mode: RDMA tail signal per source domain after the puts' quiets, tail_copy, final
 // quiet). The tables are the forwarder block's (the same fwd_offset and kernel-start tail_copy: this block's commit
@@ -529,14 +540,7 @@ __device__ void put_staged(const CombineArgs& a, int ch, int warp, int lane, con
   s_board.init();
   if (threadIdx.x == 0) s_abort = 0;
   __syncthreads();
-  if (threadIdx.x == 0) {
-    int s = 0;
-    for (int x = 0; x < D; ++x) {
-      s_cstart[x] = s;
-      s += (s_count[x] + K - 1) / K;
-    }
-    s_cstart[D] = s;
-  }
+  if (threadIdx.x == 0) chunk_starts(s_count, s_cstart, D, K);
   __syncthreads();  // the last block-wide barrier
   const FwdSeq seq{s_first, s_count, s_cstart, a.fwd_mask, a.fwd_capacity, a.c.nvl_size};
   if (warp == kCommitWarp) {
@@ -573,14 +577,7 @@ __device__ void forward(const CombineArgs& a, const PullCall* pull, int ch, int 
   s_board.init();
   if (threadIdx.x == 0) s_abort = 0;
   __syncthreads();
-  if (threadIdx.x == 0) {
-    int s = 0;
-    for (int x = 0; x < D; ++x) {
-      s_cstart[x] = s;
-      s += (s_count[x] + K - 1) / K;
-    }
-    s_cstart[D] = s;
-  }
+  if (threadIdx.x == 0) chunk_starts(s_count, s_cstart, D, K);
   __syncthreads();  // the last block-wide barrier: from here on warps wait only on their own words
   const FwdSeq seq{s_first, s_count, s_cstart, a.fwd_mask, a.fwd_capacity, nvl};
   if (warp == kCommitWarp) {
