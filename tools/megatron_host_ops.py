@@ -1,13 +1,15 @@
 """Host work of one MoE layer's token dispatcher (moe_token_dispatcher_type "moe_dispatcher"), forward and backward,
 counted on a CPU machine: torch ops, Python calls and host syncs per dispatcher step.
 
-    python tools/megatron_host_ops.py [--path compiled|compiled-pool|reference|all] [--ops]
+    python tools/megatron_host_ops.py [--path compiled|compiled-pool|reference|all] [--ops] [--comm-timer]
+                                      [--json OUT]
 
 Each step of Megatron's interface (dispatch_preprocess ... combine_postprocess) and the backward of the two
 exchanges is run under a TorchDispatchMode that counts every aten op it reaches (launches plus allocations and
 views: on a GPU host each costs ~5-10 us of host time) and under sys.setprofile (Python functions and builtins
 entered). Host syncs are the calls that wait for the device on a GPU: .item() / int() / bool() of a tensor
-(aten._local_scalar_dense), .tolist(), and the compiled backend's wait for notify's counts (_wait_counts).
+(aten._local_scalar_dense), .tolist() / .cpu() / .numpy(), and the compiled backend's wait for notify's counts
+(_wait_counts). Not seen: syncs of CUDA-only calls (events, streams), which CPU tensors never reach.
 
 Paths:
   compiled       the real Buffer and IntranodeBackend (the Python of the GPU path) over the stub extension of
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import sys
 import tempfile
@@ -40,7 +43,8 @@ H, E, K, T = 256, 8, 4, 64
 FORWARD = ("dispatch_preprocess", "token_dispatch", "dispatch_postprocess", "combine_preprocess", "token_combine",
            "combine_postprocess")
 BACKWARD = ("token_combine.backward", "token_dispatch.backward", "backward other")
-SYNC_OPS = ("_local_scalar_dense",)
+SYNC_OPS = ("_local_scalar_dense",)  # item(), int(), float(), bool() of a tensor
+HOST_COPIES = ("tolist", "cpu", "numpy")
 
 
 class Counts:
@@ -190,8 +194,11 @@ def _layer(d, counts: Counts, rank: int):
             cls.backward = staticmethod(orig)
 
 
-def measure(path: str, rank: int = 0, world: int = 1) -> Counts:
-    """Counts of the second layer call (the first makes the Buffer, plans and caches)."""
+def measure(path: str, rank: int = 0, world: int = 1, timed: bool = False) -> Counts:
+    """Counts of the second layer call (the first makes the Buffer, plans and caches). timed: with the dispatcher's
+    comm_timer on (integrations/megatron/timing.py), as the training driver's timed steps run."""
+    from moe_dispatcher.integrations.megatron import comm_timer
+    comm_timer.enable(timed)
     _setup_megatron(world)
     d = _dispatcher(world)
     if path != "reference":
@@ -209,12 +216,16 @@ def measure(path: str, rank: int = 0, world: int = 1) -> Counts:
             waits.append(counts.phase)
             return original_wait(seq)
         buf._kernels._wait_counts = counted_wait
-    original_tolist = torch.Tensor.tolist
+    # Tensor methods that copy to the host (a sync for a CUDA tensor); item() / int() / bool() are counted as ops.
+    originals = {name: getattr(torch.Tensor, name) for name in HOST_COPIES}
 
-    def counted_tolist(self):
-        counts.syncs[counts.phase] += 1
-        return original_tolist(self)
-    torch.Tensor.tolist = counted_tolist
+    def counted(name):
+        def method(self, *args, **kwargs):
+            counts.syncs[counts.phase] += 1
+            return originals[name](self, *args, **kwargs)
+        return method
+    for name in HOST_COPIES:
+        setattr(torch.Tensor, name, counted(name))
 
     def prof(frame, event, arg):
         if event in ("call", "c_call"):
@@ -227,40 +238,41 @@ def measure(path: str, rank: int = 0, world: int = 1) -> Counts:
             finally:
                 sys.setprofile(None)
     finally:
-        torch.Tensor.tolist = original_tolist
+        for name, method in originals.items():
+            setattr(torch.Tensor, name, method)
     return counts
 
 
-def _rank_main(rank: int, world: int, store_path: str, path: str, out: dict) -> None:
+def _rank_main(rank: int, world: int, store_path: str, path: str, out: dict, timed: bool = False) -> None:
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:
-        counts = measure(path, rank, world)
+        counts = measure(path, rank, world, timed)
         if rank == 0:
             out["counts"] = counts
     finally:
         dist.destroy_process_group()
 
 
-def _spawned(rank: int, world: int, store_path: str, path: str, queue) -> None:
+def _spawned(rank: int, world: int, store_path: str, path: str, timed: bool, queue) -> None:
     out: dict = {}
-    _rank_main(rank, world, store_path, path, out)
+    _rank_main(rank, world, store_path, path, out, timed)
     if rank == 0:
         c = out["counts"]
         queue.put(({k: dict(v) for k, v in c.ops.items()}, dict(c.calls), dict(c.syncs)))
 
 
-def run(path: str) -> Counts:
+def run(path: str, timed: bool = False) -> Counts:
     """Counts of `path` (one rank in this process for the compiled paths, two spawned gloo ranks for the reference)."""
     store_path = tempfile.mktemp(prefix="md_host_ops_")
     if path != "reference":
         out: dict = {}
-        _rank_main(0, 1, store_path, path, out)
+        _rank_main(0, 1, store_path, path, out, timed)
         return out["counts"]
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_spawned, args=(r, 2, store_path, path, queue)) for r in range(2)]
+    procs = [ctx.Process(target=_spawned, args=(r, 2, store_path, path, timed, queue)) for r in range(2)]
     for p in procs:
         p.start()
     ops, calls, syncs = queue.get(timeout=600)
@@ -272,6 +284,12 @@ def run(path: str) -> Counts:
     counts.calls.update(calls)
     counts.syncs.update(syncs)
     return counts
+
+
+def as_dict(counts: Counts) -> dict:
+    """{phase: {"ops": aten ops, "calls": Python calls, "syncs": host syncs}} over FORWARD + BACKWARD."""
+    return {phase: {"ops": sum(counts.ops[phase].values()), "calls": counts.calls[phase],
+                    "syncs": counts.syncs[phase]} for phase in FORWARD + BACKWARD}
 
 
 def report(path: str, counts: Counts, show_ops: bool) -> None:
@@ -291,14 +309,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--path", choices=("compiled", "compiled-pool", "reference", "all"), default="all")
     ap.add_argument("--ops", action="store_true", help="list the ops of each phase")
+    ap.add_argument("--comm-timer", action="store_true",
+                    help="with the dispatcher's comm_timer on, as in the training driver's timed steps")
+    ap.add_argument("--json", help="write the counts of one --path (not all) to this file")
     opts = ap.parse_args()
     paths = ("compiled", "compiled-pool", "reference") if opts.path == "all" else (opts.path,)
+    if opts.json and len(paths) > 1:
+        ap.error("--json takes one --path")
     for path in paths:
         if path == "reference" or len(paths) == 1:
-            report(path, run(path), opts.ops)
+            counts = run(path, opts.comm_timer)
+            report(path + (", comm_timer on" if opts.comm_timer else ""), counts, opts.ops)
+            if opts.json:
+                with open(opts.json, "w", encoding="utf-8") as f:
+                    json.dump(as_dict(counts), f, indent=1)
         else:  # one rank per process: each compiled path in its own child
             import subprocess
-            subprocess.run([sys.executable, __file__, "--path", path] + (["--ops"] if opts.ops else []), check=True)
+            subprocess.run([sys.executable, __file__, "--path", path] + (["--ops"] if opts.ops else [])
+                           + (["--comm-timer"] if opts.comm_timer else []), check=True)
 
 
 if __name__ == "__main__":
