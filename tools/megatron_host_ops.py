@@ -195,25 +195,24 @@ def _layer(d, counts: Counts, rank: int):
 
 
 def measure(path: str, rank: int = 0, world: int = 1, timed: bool = False) -> Counts:
-    """Counts of the second layer call (the first makes the Buffer, plans and caches). timed: with the dispatcher's
-    comm_timer on (integrations/megatron/timing.py), as the training driver's timed steps run."""
+    """Counts of layer calls after a warm-up one (which makes the Buffer, plans and caches): one call counts torch
+    ops and syncs, another (without the counting mode, whose own Python would count) Python calls. timed: with
+    the dispatcher's comm_timer on (integrations/megatron/timing.py), as the training driver's timed steps run."""
     from moe_dispatcher.integrations.megatron import comm_timer
     comm_timer.enable(timed)
     _setup_megatron(world)
     d = _dispatcher(world)
     if path != "reference":
         _attach_stub(d, pool=path == "compiled-pool")
-    _layer(d, Counts(), rank)  # warm-up: the Buffer, the cached plans
+    _layer(d, Counts(), rank)  # warm-up
     counts = Counts()
     from moe_dispatcher.integrations.megatron import dispatcher as dispatcher_mod
     buf = dispatcher_mod.get_buffer(d.group, hidden=H, element_size=4, backend=d.buffer_backend)
-    waits = []
     if buf._kernels is not None and path != "reference":
         original_wait = buf._kernels._wait_counts
 
         def counted_wait(seq):
             counts.syncs[counts.phase] += 1
-            waits.append(counts.phase)
             return original_wait(seq)
         buf._kernels._wait_counts = counted_wait
     # Tensor methods that copy to the host (a sync for a CUDA tensor); item() / int() / bool() are counted as ops.
@@ -226,20 +225,26 @@ def measure(path: str, rank: int = 0, world: int = 1, timed: bool = False) -> Co
         return method
     for name in HOST_COPIES:
         setattr(torch.Tensor, name, counted(name))
-
-    def prof(frame, event, arg):
-        if event in ("call", "c_call"):
-            counts.calls[counts.phase] += 1
     try:
         with _OpCounter(counts):
-            sys.setprofile(prof)
-            try:
-                _layer(d, counts, rank)
-            finally:
-                sys.setprofile(None)
+            _layer(d, counts, rank)
     finally:
         for name, method in originals.items():
             setattr(torch.Tensor, name, method)
+    if path != "reference":
+        buf._kernels._wait_counts = original_wait
+
+    # Python calls, leaving out this tool's and the stub extension's frames (the stub stands in for native calls).
+    skipped = (os.path.abspath(__file__), os.path.join(_ROOT, "tests", "helpers", "stub_extension.py"))
+
+    def prof(frame, event, arg):
+        if event in ("call", "c_call") and frame.f_code.co_filename not in skipped:
+            counts.calls[counts.phase] += 1
+    sys.setprofile(prof)
+    try:
+        _layer(d, counts, rank)
+    finally:
+        sys.setprofile(None)
     return counts
 
 
