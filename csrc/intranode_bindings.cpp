@@ -643,106 +643,69 @@ void launch_pull_plan(const PullCombineArgs& p, cudaStream_t stream) {
 
 using CachedPullCombine = CachedCall<PullCombineArgs, launch_pull_plan, CallKind::kCombine>;
 
-// `nbytes` of torch's own memory on a thread inside the pool's allocating() context (torch's use_mem_pool routing
-// of this thread to `pool_id`): the routing is lifted around the allocation and put back as use_mem_pool made it
-// (this thread only, the pool's use count unchanged), so the block comes from torch's default pools, not the region.
-c10::Storage unrouted_block(c10::DeviceIndex device, c10::MempoolId_t pool_id, size_t nbytes) {
-  namespace alloc = c10::cuda::CUDACachingAllocator;
-  alloc::endAllocateToPool(device, pool_id);
-  alloc::releasePool(device, pool_id);
-  const std::thread::id thread = std::this_thread::get_id();
-  auto reroute = [&] {
-    alloc::beginAllocateToPool(device, pool_id,
-                               [thread](cudaStream_t) { return std::this_thread::get_id() == thread; });
-  };
-  c10::Storage block;
-  try {
-    block = cuda_block(nbytes);
-  } catch (...) {
-    reroute();
-    throw;
-  }
-  reroute();
-  return block;
-}
-
 // A uint8 block of at least `nbytes` bytes for a direct dispatch's outputs (or rows a pull combine reads) and its
 // offset in this rank's NVLink buffer: from the peer pool through torch's caching allocator, what PeerPool.allocate
 // does (this rank's region made active for the thread, the allocator routed to the pool's MemPool `pool_id` for
 // this thread as torch.cuda.use_mem_pool routes it, then the routing ended and its use released), the size rounded
 // up to a power of two (2 MiB at least) so that torch's cached blocks of the pool serve the next calls, whose sizes
-// vary (torch cannot hand a live pool's cached segments back to the region). Otherwise torch's own memory with
-// offset -1 (the ring / FIFOs move the call), never torch's failing-allocation path more than once in a while:
-// - the pool has no room: the region's no-room memo (peer_pool::try_pool_block, peer_pool.h) skips torch for a
-//   request at least as large as one that found no room (a miss goes through torch's out-of-memory retry, which
-//   synchronises the device and frees torch's cached memory), probing torch again every kNoRoomProbePeriod-th such
-//   request and whenever the region frees a range;
-// - `stream` (where the block is used) is capturing a CUDA graph;
-// - another PeerPool's allocating() context is active on this thread and device (contexts do not nest): the block
-//   then comes from wherever that context routes the thread's allocations, as any allocation in it does.
-// The fallback block never comes from this pool: inside this pool's own allocating() context the routing is lifted
-// around it (unrouted_block). The block belongs to the current stream of `device`, which the caller made current.
+// vary (torch cannot hand a live pool's cached segments back to the region); or from torch's own memory with offset
+// -1 when the pool has no room (PeerPoolExhausted) or `stream` (where the block is used) is capturing a CUDA graph.
+// The block belongs to the current stream of `device`, which the caller made current.
 std::pair<c10::Storage, int64_t> pool_block(const IpcBuffer& b, c10::DeviceIndex device, c10::MempoolId_t pool_id,
                                             size_t nbytes, cudaStream_t stream) {
   MOE_CHECK(b.alive() && b.pool_bytes() > 0, "pool_block: the buffer has no open peer pool");
-  const size_t fallback_bytes = std::max<size_t>(nbytes, 1);
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   MOE_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-  if (capture != cudaStreamCaptureStatusNone) return {cuda_block(fallback_bytes), -1};
-  size_t size = size_t{2} << 20;
-  while (size < nbytes) size <<= 1;
-  const uintptr_t base = reinterpret_cast<uintptr_t>(b.local()) + b.pool_offset();
-  const uintptr_t previous = peer_pool::set_active_region(device, base);
-  if (previous != 0 && previous != base) {  // another pool's context: not this pool's block
-    peer_pool::set_active_region(device, previous);
-    return {cuda_block(fallback_bytes), -1};
-  }
-  // Inside this pool's own allocating() context (previous == base) the thread is routed to the pool already.
-  const bool routed_here = previous == base;
-  const peer_pool::PoolBlockTicket ticket = peer_pool::try_pool_block(base, size);
-  if (!ticket.try_pool) {  // no room for a request this large: torch's memory, its failing path not taken
-    if (routed_here) return {unrouted_block(device, pool_id, fallback_bytes), -1};
-    peer_pool::set_active_region(device, previous);
-    return {cuda_block(fallback_bytes), -1};
-  }
-  const std::thread::id thread = std::this_thread::get_id();
-  if (!routed_here) {
-    try {
-      c10::cuda::CUDACachingAllocator::beginAllocateToPool(
-          device, pool_id, [thread](cudaStream_t) { return std::this_thread::get_id() == thread; });
-    } catch (...) {
+  if (capture == cudaStreamCaptureStatusNone) {
+    size_t size = size_t{2} << 20;
+    while (size < nbytes) size <<= 1;
+    const uintptr_t base = reinterpret_cast<uintptr_t>(b.local()) + b.pool_offset();
+    const uintptr_t previous = peer_pool::set_active_region(device, base);
+    if (previous != 0 && previous != base) {
       peer_pool::set_active_region(device, previous);
+      throw std::runtime_error("PeerPool.allocating(): another PeerPool's context is active on this device and "
+                               "thread; pool contexts of one device do not nest");
+    }
+    // Inside this pool's own allocating() context (previous == base) the thread is routed to the pool already.
+    const bool routed_here = previous == base;
+    const std::thread::id thread = std::this_thread::get_id();
+    if (!routed_here) {
+      try {
+        c10::cuda::CUDACachingAllocator::beginAllocateToPool(
+            device, pool_id, [thread](cudaStream_t) { return std::this_thread::get_id() == thread; });
+      } catch (...) {
+        peer_pool::set_active_region(device, previous);
+        throw;
+      }
+    }
+    auto end_routing = [&] {
+      if (routed_here) return;
+      c10::cuda::CUDACachingAllocator::endAllocateToPool(device, pool_id);
+      c10::cuda::CUDACachingAllocator::releasePool(device, pool_id);
+      peer_pool::set_active_region(device, previous);
+    };
+    c10::Storage block;
+    bool exhausted = false;
+    try {
+      block = cuda_block(size);
+    } catch (const c10::OutOfMemoryError&) {
+      exhausted = true;  // PeerPoolExhausted: the ring kernel moves this call on every rank
+    } catch (...) {
+      end_routing();
       throw;
     }
-  }
-  auto end_routing = [&] {
-    if (routed_here) return;
-    c10::cuda::CUDACachingAllocator::endAllocateToPool(device, pool_id);
-    c10::cuda::CUDACachingAllocator::releasePool(device, pool_id);
-    peer_pool::set_active_region(device, previous);
-  };
-  c10::Storage block;
-  bool exhausted = false;
-  try {
-    block = cuda_block(size);
-  } catch (const c10::OutOfMemoryError&) {
-    exhausted = true;  // PeerPoolExhausted: the ring kernel moves this call on every rank
-  } catch (...) {
     end_routing();
-    throw;
+    if (!exhausted) {
+      // Only a block inside the region may be published to the peers: an allocator path that ignores the routing
+      // (PYTORCH_NO_CUDA_MEMORY_CACHING=1 allocates with cudaMalloc) gives ordinary memory, which takes the ring.
+      const uintptr_t at = reinterpret_cast<uintptr_t>(block.mutable_data());
+      if (at >= base && at + size <= base + b.pool_bytes() && at % 16 == 0) {
+        return {std::move(block), static_cast<int64_t>(at - reinterpret_cast<uintptr_t>(b.local()))};
+      }
+      return {std::move(block), -1};
+    }
   }
-  end_routing();
-  peer_pool::note_pool_block(base, ticket, size, !exhausted);
-  if (exhausted) {
-    return {routed_here ? unrouted_block(device, pool_id, fallback_bytes) : cuda_block(fallback_bytes), -1};
-  }
-  // Only a block inside the region may be published to the peers: an allocator path that ignores the routing
-  // (PYTORCH_NO_CUDA_MEMORY_CACHING=1 allocates with cudaMalloc) gives ordinary memory, which takes the ring.
-  const uintptr_t at = reinterpret_cast<uintptr_t>(block.mutable_data());
-  if (at >= base && at + size <= base + b.pool_bytes() && at % 16 == 0) {
-    return {std::move(block), static_cast<int64_t>(at - reinterpret_cast<uintptr_t>(b.local()))};
-  }
-  return {std::move(block), -1};
+  return {cuda_block(std::max<size_t>(nbytes, 1)), -1};
 }
 
 // The arguments of a cached dispatch along a direct dispatch's handle (a direct plan): the direct kernel's and those

@@ -36,7 +36,6 @@ py::object region_info(uintptr_t base) {
   d["device"] = info->device;
   d["closed"] = info->closed;
   d["retired"] = info->retired;
-  d["no_room_bytes"] = info->no_room_bytes;
   return d;
 }
 
@@ -58,7 +57,6 @@ void register_peer_pool(py::module_& m) {
   sub.attr("ALLOC_SYMBOL") = "moe_peer_pool_alloc";
   sub.attr("FREE_SYMBOL") = "moe_peer_pool_free";
   sub.attr("ALIGNMENT") = peer_pool::RegionAllocator::kDefaultAlignment;
-  sub.attr("NO_ROOM_PROBE_PERIOD") = peer_pool::kNoRoomProbePeriod;
   sub.def("register_region", &peer_pool::register_region, py::arg("base"), py::arg("bytes"), py::arg("device"),
           "Add [base, base + bytes) of `device` as a region (raises when it overlaps a registered one).");
   sub.def("close_region", &peer_pool::close_region, py::arg("base"),
@@ -67,8 +65,8 @@ void register_peer_pool(py::module_& m) {
           "This thread's pool allocations on `device` come from the region at `base` (0: none); returns the "
           "previous base.");
   sub.def("region_info", &region_info, py::arg("base"),
-          "{base, bytes, device, closed, retired, no_room_bytes (the dispatch's no-room memo), capacity, in_use, "
-          "peak_in_use, largest_free, num_blocks, num_free_ranges, bad_releases} of the region at `base`, or None when no region starts there.");
+          "{base, bytes, device, closed, retired, capacity, in_use, peak_in_use, largest_free, num_blocks, "
+          "num_free_ranges, bad_releases} of the region at `base`, or None when no region starts there.");
   sub.def("device_bytes", &device_bytes, py::arg("ptr"), py::arg("nbytes"), py::arg("device"),
           "uint8 [nbytes] tensor over a raw device range, on cuda:`device` (owns nothing).");
   sub.def("num_regions", &peer_pool::num_regions, "Regions registered and not yet forgotten.");

@@ -335,10 +335,9 @@ class IntranodeBackend(Backend):
         """A uint8 block of at least `nbytes` bytes for a direct dispatch's outputs and its offset in this rank's
         NVLink buffer: from the peer pool, its size rounded up to a power of two (2 MiB at least) so that torch's
         cached blocks serve the next calls, whose sizes vary (torch cannot hand a live pool's cached segments back
-        to the region); or from torch's own allocator with offset -1 when the pool has no room (without torch's
-        failing-allocation path past the first miss: the region's no-room memo), a CUDA graph is being captured or
-        another PeerPool's allocating() context is active. One native rule (pool_block in
-        csrc/intranode_bindings.cpp), which the cached direct dispatch's plan and the internode backend follow too."""
+        to the region); or from torch's own allocator with offset -1 when the pool has no room or a CUDA graph is
+        being captured. One native rule (pool_block in csrc/intranode_bindings.cpp), which the cached direct
+        dispatch's plan follows too."""
         block, offset = self._mod.pool_block(self._ipc, device.index, self.peer_pool.mem_pool_id, nbytes)
         return block, offset
 

@@ -15,9 +15,7 @@ another rank at peer_bases[rank] + offset_of(tensor): zero-copy outputs of dispa
 Sizes: torch takes whole segments from the region (its caching allocator rounds a request of at most 1 MiB to a 2 MiB
 segment shared with other small ones, 1-10 MiB to a 20 MiB segment, larger ones to a multiple of 2 MiB) and keeps
 freed blocks cached for reuse by later allocations from the pool, as it does for its own memory. A request that does
-not fit raises PeerPoolExhausted (a torch.OutOfMemoryError) naming what is in use, after torch's out-of-memory retry
-(which synchronises the device and frees torch's cached memory); the dispatch's own pool blocks skip that path once
-a block of their size found no room (the region's no-room memo, csrc/runtime/peer_pool/peer_pool.h).
+not fit raises PeerPoolExhausted (a torch.OutOfMemoryError) naming what is in use.
 
 Lifetime (docs/intranode.md, "Peer pool"): Buffer.destroy() (and garbage collection of the Buffer) DEFERS while pool
 tensors are alive; it never refuses. It closes the pool on every rank alike: later allocations raise, peer_bases
@@ -185,13 +183,12 @@ class PeerPool:
     # ------------------------------------------------------------------ state
     def stats(self) -> dict:
         """The region's allocator: {capacity, in_use (bytes of torch's segments, live or cached), peak_in_use,
-        largest_free, num_blocks, num_free_ranges, bad_releases, closed, retired, no_room_bytes (the dispatch's
-        no-room memo: the smallest pool block a dispatch found no room for, 0 when none; docs/intranode.md, "Peer
-        pool"), ...}; a forgotten region (closed, every segment returned) reports zeros and closed=True."""
+        largest_free, num_blocks, num_free_ranges, bad_releases, closed, retired, ...}; a forgotten region (closed,
+        every segment returned) reports zeros and closed=True."""
         info = self._native.region_info(self.base)
         if info is None:
             return {"capacity": self.num_bytes, "in_use": 0, "peak_in_use": 0, "largest_free": 0, "num_blocks": 0,
-                    "num_free_ranges": 0, "bad_releases": 0, "closed": True, "retired": True, "no_room_bytes": 0}
+                    "num_free_ranges": 0, "bad_releases": 0, "closed": True, "retired": True}
         return dict(info)
 
     def close(self) -> None:

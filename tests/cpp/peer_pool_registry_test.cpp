@@ -1,5 +1,5 @@
 // Plain C++ test of the peer pool's region registry and its C entry points (csrc/runtime/peer_pool/peer_pool.cpp)
-// and the no-room memo of the dispatch's pool blocks without a GPU: regions are fake device addresses that nothing dereferences; the only CUDA calls are the free's
+// without a GPU: regions are fake device addresses that nothing dereferences; the only CUDA calls are the free's
 // device synchronisation, which fails harmlessly without a GPU (a retired region is handed no memory to free). Built and run by tests/kernels/test_region_allocator_cpu.py; the
 // exit status is the number of failed checks.
 #include "runtime/peer_pool/peer_pool.h"
@@ -9,7 +9,6 @@
 #include <cstdio>
 #include <stdexcept>
 #include <thread>
-#include <vector>
 
 using namespace moe_ep::peer_pool;
 
@@ -75,68 +74,6 @@ void bad_frees_are_counted_not_acted_on() {
   EXPECT(foreign_frees() == before + 1);
 }
 
-// The no-room memo (peer_pool.h, try_pool_block / note_pool_block) of region A (1 MiB, empty, active on device 0).
-size_t memo() { return region_info(kA)->no_room_bytes; }
-
-void no_room_memo() {
-  EXPECT(memo() == 0 && try_pool_block(kA, 2 * kMiB).try_pool);
-  // A miss is memoised; then a request at least as large skips torch, a smaller one still tries.
-  PoolBlockTicket t = try_pool_block(kA, 2 * kMiB);
-  EXPECT(alloc(2 * kMiB, 0) == 0);
-  note_pool_block(kA, t, 2 * kMiB, false);
-  EXPECT(memo() == 2 * kMiB);
-  EXPECT(try_pool_block(kA, kMiB / 2).try_pool);
-  // Every kNoRoomProbePeriod-th skipped request probes torch (a cached block of the pool may serve it).
-  for (uint64_t i = 1; i < kNoRoomProbePeriod; ++i) EXPECT(!try_pool_block(kA, i == 7 ? 4 * kMiB : 2 * kMiB).try_pool);
-  t = try_pool_block(kA, 2 * kMiB);
-  EXPECT(t.try_pool);
-  note_pool_block(kA, t, 2 * kMiB, false);  // the probe missed too: the memo stays, the count goes on
-  EXPECT(memo() == 2 * kMiB);
-  for (uint64_t i = 1; i < kNoRoomProbePeriod; ++i) EXPECT(!try_pool_block(kA, 2 * kMiB).try_pool);
-  t = try_pool_block(kA, 8 * kMiB);
-  EXPECT(t.try_pool);
-  note_pool_block(kA, t, 8 * kMiB, true);  // the probe got a block (of at least the memo's size): room again
-  EXPECT(memo() == 0 && try_pool_block(kA, 2 * kMiB).try_pool);
-  // A smaller miss lowers the memo; a hit below the memo's size leaves it.
-  note_pool_block(kA, try_pool_block(kA, 2 * kMiB), 2 * kMiB, false);
-  note_pool_block(kA, try_pool_block(kA, kMiB), kMiB, false);
-  EXPECT(memo() == kMiB);
-  note_pool_block(kA, try_pool_block(kA, kMiB / 2), kMiB / 2, true);
-  EXPECT(memo() == kMiB && !try_pool_block(kA, kMiB).try_pool);
-  // An allocation leaves the memo; a freed range (torch returned a segment) clears it.
-  const uintptr_t a = alloc(4096, 0);
-  EXPECT(a == kA && memo() == kMiB);
-  release(a, 0);
-  EXPECT(memo() == 0 && try_pool_block(kA, kMiB).try_pool);
-  // A miss whose ticket predates a free is not memoised (the free may have made the room it missed).
-  t = try_pool_block(kA, kMiB);
-  release(alloc(4096, 0), 0);
-  note_pool_block(kA, t, kMiB, false);
-  EXPECT(memo() == 0);
-  // An unknown region: try (torch decides), and nothing is noted.
-  EXPECT(try_pool_block(0x1000, kMiB).try_pool);
-  note_pool_block(0x1000, PoolBlockTicket{}, kMiB, false);
-  // Threads at once (the registry's lock): misses, probes and frees interleaved, a consistent memo after.
-  std::vector<std::thread> threads;
-  for (int k = 0; k < 4; ++k) {
-    threads.emplace_back([k] {
-      for (int i = 0; i < 2000; ++i) {
-        const size_t bytes = (1 + (i + k) % 4) * kMiB / 2;
-        const PoolBlockTicket ticket = try_pool_block(kA, bytes);
-        if (ticket.try_pool) note_pool_block(kA, ticket, bytes, false);
-        if (k == 0 && i % 100 == 0) {
-          set_active_region(0, kA);
-          release(alloc(4096, 0), 0);
-        }
-      }
-    });
-  }
-  for (auto& th : threads) th.join();
-  EXPECT(memo() == 0 || memo() % (kMiB / 2) == 0);
-  release(alloc(4096, 0), 0);
-  EXPECT(memo() == 0 && region_info(kA)->stats.in_use == 0);
-}
-
 void close_and_retire() {
   const uintptr_t a = alloc(4096, 0), b = alloc(4096, 0);
   close_region(kA);
@@ -161,7 +98,6 @@ int main() {
   registration();
   active_region_routes_allocations();
   bad_frees_are_counted_not_acted_on();
-  no_room_memo();
   close_and_retire();
   return moe_test::finish("peer_pool_registry_test");
 }

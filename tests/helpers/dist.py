@@ -366,20 +366,6 @@ def per_rank(values: list[int], num_ranks: int) -> list[int]:
     return [values[r % len(values)] for r in range(num_ranks)]
 
 
-def alloc_retries(dev: torch.device) -> int:
-    """Allocations on `dev` that went through torch's out-of-memory retry so far (before it, torch synchronises the
-    device and frees its cached blocks): a pool-full dispatch must not add any past its first miss."""
-    return torch.cuda.memory_stats(dev)["num_alloc_retries"]
-
-
-def any_rank(flag: bool, dev: torch.device) -> bool:
-    """True on every rank when `flag` is true on some rank (a collective of the default group)."""
-    import torch.distributed as dist
-    t = torch.tensor([int(flag)], dtype=torch.int32, device=dev)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
-
-
 def fill_pool(pool, streams) -> list:
     """Allocate a PeerPool until nothing fits, on each of `streams` (torch.cuda.Stream; the caller's and the
     Buffer's comm stream): the tensors, to be dropped to give the room back. Torch's caching allocator ties a freed

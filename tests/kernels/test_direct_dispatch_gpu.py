@@ -5,9 +5,7 @@ straight into the receivers' outputs, which each rank allocates in its peer pool
 dispatch_direct.cu). The outputs must be the reference's bit for bit, as the ring kernel's are: every case of the
 normal-mode table, the pool poisoned first. When one rank's pool has no room for its outputs, every rank's call
 must fall back to the ring kernel (the verdict is taken in the kernel, from every rank's published outputs) and
-still match, with no call past the full rank's first miss of each block size going through torch's out-of-memory
-retry (a device sync and a flush of torch's cache: the region's no-room memo skips torch), and with room again the
-calls must be direct again within the memo's probe period, the probe not retrying either. Combine along a direct dispatch's handle pulls its rows from the holders' inputs when every rank's
+still match. Combine along a direct dispatch's handle pulls its rows from the holders' inputs when every rank's
 input is in its pool: the ring combine's bits; with one rank's input elsewhere every rank takes the ring.
 """
 from __future__ import annotations
@@ -17,10 +15,8 @@ from typing import Dict
 import pytest
 import torch
 import torch.distributed as dist
-from moe_dispatcher import _ext
 from moe_dispatcher.config import get_dispatch_config
-from dist import (GPU_WORLD_SIZES, alloc_retries, any_rank, assert_close, assert_equal, case, fill_pool, make_buffer,
-                  run_distributed)
+from dist import GPU_WORLD_SIZES, assert_close, assert_equal, case, fill_pool, make_buffer, run_distributed
 from normal_cases import (CASES, case_inputs, check_case, check_worst_overflow, combine_dtype, combine_inputs,
                           one_hop_tol, worst_tokens)
 from normal_cases import dispatch as _dispatch
@@ -195,7 +191,6 @@ def _world_direct(rank: int, world_size: int) -> Dict:  # noqa: C901 (one world,
                 # `del hog` torch keeps it cached for the pool, so it must serve the next call's outputs.
                 hog = fill_pool(pool, (torch.cuda.current_stream(), kb.get_comm_stream()))
             seen = _paths(kb)
-            retries = alloc_retries(dev)
             _, got = _dispatch(kb, x2, idx2, w2, e)
             seen = _took(kb, seen, direct=1, missed=1)  # missed on every rank, moved by the ring kernel
             assert_equal(got[0][:n], want[0][:n], "recv_x (ring fallback)")
@@ -206,37 +201,6 @@ def _world_direct(rank: int, world_size: int) -> Dict:  # noqa: C901 (one world,
                 assert not pool.contains(got[0]), "the full pool's rank must have its outputs outside the pool"
             cached_got = kb.dispatch(x2, handle=got[4])[0]
             assert_equal(cached_got[:n], want[0][:n], "cached recv_x (ring fallback)")
-            # while the pool stays full the calls miss, and none goes through torch's failing-allocation path (a
-            # device sync and a flush of torch's cached memory) but the victim's first miss of each block size (the
-            # payload's, the meta block's): the region's no-room memo skips torch for a request at least as large
-            for i in range(10):
-                if i % 2:
-                    more = kb.dispatch(x2, handle=got[4])[0]
-                else:
-                    more = _dispatch(kb, x2, idx2, w2, e)[1][0]
-                assert_equal(more[:n], want[0][:n], f"recv_x of call {i} while the pool is full")
-            del more
-            seen = _took(kb, seen, direct=11, missed=11)
-            retried = alloc_retries(dev) - retries
-            assert retried <= (2 if rank == victim else 0), (f"{retried} allocations of 12 pool-full calls went "
-                                                             f"through torch's out-of-memory retry")
-            if rank == victim:
-                assert pool.stats()["no_room_bytes"] > 0, "the full pool must have its no-room memo"
-                # the block rule inside pool contexts (this rank alone): inside this pool's own allocating() the
-                # fallback block is torch's default memory (routed to the full pool it raised), and inside another
-                # pool's context (its region named for this thread) the rule gives offset -1 (it raised)
-                with pool.allocating():
-                    block, offset = kb._kernels._pool_block(pool.num_bytes, dev)
-                assert offset == -1 and not pool.contains(block) and block.numel() >= pool.num_bytes
-                other = pool.base + pool.num_bytes + (2 << 20)  # no region: only named, never allocated from
-                previous = pool._native.set_active_region(dev.index, other)
-                try:
-                    block, offset = kb._kernels._pool_block(1 << 20, dev)
-                    assert pool._native.set_active_region(dev.index, other) == other, "the other context was lost"
-                finally:
-                    pool._native.set_active_region(dev.index, previous)
-                assert offset == -1 and not pool.contains(block) and block.numel() >= 1 << 20
-                del block
             # pull combine along this handle (row_of_token was recorded although the ring moved the rows)
             del hog
             y2p.copy_(y2)
@@ -249,22 +213,7 @@ def _world_direct(rank: int, world_size: int) -> Dict:  # noqa: C901 (one world,
             del got, cached_got, y2p, y2
             torch.cuda.synchronize()
             dist.barrier()
-            # room again (the hog's blocks in torch's cache of the pool, which the region does not see): within the
-            # memo's probe period a probe takes a cached block, without torch's retry, and the calls are direct again
-            seen, retries = _paths(kb), alloc_retries(dev)
-            period = _ext.load().peer_pool.NO_ROOM_PROBE_PERIOD
-            for _ in range(period):
-                _, again = _dispatch(kb, x2, idx2, w2, e)
-                assert_equal(again[0][:n], want[0][:n], "recv_x (until direct again)")
-                if not any_rank(_paths(kb)[1] != seen[1], dev):  # not missed
-                    break
-                seen = _took(kb, seen, direct=1, missed=1)
-            else:
-                raise AssertionError(f"{period} calls after the pool had room again all missed")
-            _took(kb, seen, direct=1)
-            assert alloc_retries(dev) == retries, "the probe that found room must not go through torch's retry"
-            del again
-            # and the next call is direct and right
+            # and the next call, with room again everywhere, is direct and right
             seen = _paths(kb)
             _, again = _dispatch(kb, x2, idx2, w2, e)
             assert_equal(again[0][:n], want[0][:n], "recv_x (direct again)")

@@ -8,9 +8,7 @@ Direct dispatch (a Buffer with a peer pool, 4 GPUs as 2 emulated NVLink domains 
 NVLink hop's rows straight into the domain peers' outputs (pool blocks) and each rank writes its own domain's rows
 from its inputs. Every case of the normal-mode table (pool poisoned first) must be the reference's bits, fresh and
 cached, every call direct (path counters). One rank's pool full: its domain's calls take the FIFO path (missed on
-both of its ranks), the other domain's stay direct, the outputs the same, and no call past the first miss goes
-through torch's out-of-memory retry (the region's no-room memo); with room again the calls are direct again
-within the memo's probe period. fwd_rows (the pull combine's map) names
+both of its ranks), the other domain's stay direct, the outputs the same. fwd_rows (the pull combine's map) names
 exactly the rows each local rank received from this rank's team, in both modes. A CUDA graph's replays are missed
 (its outputs are the graph's memory) and still right. 100 calls back to back.
 
@@ -32,8 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import dist as dist_helpers
-from moe_dispatcher import _ext
-from dist import alloc_retries, any_rank, assert_equal, case, fill_pool, make_buffer, run_distributed
+from dist import assert_equal, case, fill_pool, make_buffer, run_distributed
 from normal_cases import CASES as INTRANODE_CASES
 from normal_cases import GROUP_CASES, check_case, check_graph_replay, check_worst_overflow, two_hop_tol
 from normal_cases import dispatch as _dispatch
@@ -223,31 +220,14 @@ def _world_direct(rank: int, world_size: int) -> None:  # noqa: C901 (one world,
             _check_fwd_rows(kb, got[4], "FIFO fallback" if missed else "direct beside a FIFO domain")
             if rank == victim:  # the call let the blocks of the latest one go (the backend keeps only its own):
                 hog += fill_pool(pool, (torch.cuda.current_stream(), kb.get_comm_stream()))  # room again, taken
-            retries = alloc_retries(dev)
-            for _ in range(5):  # the pool still full: missed, never through torch's out-of-memory retry (no-room memo)
-                cached = kb.dispatch(x2, handle=got[4])[0]
-                assert_equal(cached[:n], want[0][:n], "cached recv_x (FIFO fallback)")
-            seen = _took(kb, seen, direct=5, missed=5 * missed)
-            assert alloc_retries(dev) == retries, "a pool-full call went through torch's out-of-memory retry"
+            cached = kb.dispatch(x2, handle=got[4])[0]
+            _took(kb, seen, direct=1, missed=missed)
+            assert_equal(cached[:n], want[0][:n], "cached recv_x (FIFO fallback)")
             del hog, got, cached
             torch.cuda.synchronize()
             dist.barrier()
-            # room again (the hog's blocks in torch's cache of the pool, unseen by the region): within the no-room
-            # memo's probe period a probe takes a cached block, without torch's retry, and the calls are direct again
-            period = _ext.load().peer_pool.NO_ROOM_PROBE_PERIOD
-            for _ in range(period):
-                _, again = _dispatch(kb, x2, idx2, w2, e)
-                assert_equal(again[0][:n], want[0][:n], "recv_x (until direct again)")
-                if not any_rank(_paths(kb)[1] != seen[1], dev):  # no domain missed
-                    break
-                seen = _took(kb, seen, direct=1, missed=missed)
-            else:
-                raise AssertionError(f"{period} calls after the pool had room again all missed")
-            _took(kb, seen, direct=1)
-            assert alloc_retries(dev) == retries, "the probe that found room must not go through torch's retry"
-            del again
             seen = _paths(kb)
-            _, again = _dispatch(kb, x2, idx2, w2, e)  # and the next call: direct
+            _, again = _dispatch(kb, x2, idx2, w2, e)  # room again everywhere: direct
             assert_equal(again[0][:n], want[0][:n], "recv_x (direct again)")
             assert pool.contains(again[0]), "with room again the outputs must be the pool's"
             _took(kb, seen, direct=1)

@@ -6,9 +6,7 @@ foreign releases, a random run against a list of live blocks and four threads at
 tests/cpp/peer_pool_registry_test.cpp checks the region registry and the C entry points torch calls
 (csrc/runtime/peer_pool/peer_pool.cpp) over fake addresses: overlapping registrations refused, allocations routed by
 the thread's active region and device, frees found by address from any thread, double and foreign frees counted
-and ignored, closed regions refusing, retired regions forgotten at their last free and their address reusable, the
-no-room memo of the dispatch's pool blocks (misses memoised by size, a probe every NO_ROOM_PROBE_PERIOD-th skipped
-request, cleared by a hit of its size or a freed range, a miss across a free not memoised, threads at once). It
+and ignored, closed regions refusing, retired regions forgotten at their last free and their address reusable. It
 needs the CUDA runtime's headers and library to build (not a GPU: no path it runs calls CUDA).
 Each program is built with the host compiler (with AddressSanitizer and UBSan when they link) and run.
 """

@@ -19,11 +19,6 @@ struct Region {
   bool closed = false;
   bool retired = false;
   void* free_when_empty = nullptr;
-  // The no-room memo (peer_pool.h): smallest request that found no room (0: none), requests skipped since, and
-  // ranges freed since registration (a miss noted across a free is not memoised).
-  size_t no_room_bytes = 0;
-  uint64_t skipped = 0;
-  uint64_t frees = 0;
 
   Region(uintptr_t b, size_t n, int d) : base(b), bytes(n), device(d), allocator(n) {}
 };
@@ -106,29 +101,7 @@ std::optional<RegionInfo> region_info(uintptr_t base) {
   const auto it = g_regions.find(base);
   if (it == g_regions.end()) return std::nullopt;
   const Region& r = *it->second;
-  return RegionInfo{r.base, r.bytes, r.device, r.closed, r.retired, r.no_room_bytes, r.allocator.stats()};
-}
-
-PoolBlockTicket try_pool_block(uintptr_t base, size_t bytes) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  const auto it = g_regions.find(base);
-  if (it == g_regions.end()) return {};
-  Region& r = *it->second;
-  PoolBlockTicket ticket{true, r.frees};
-  if (r.no_room_bytes != 0 && bytes >= r.no_room_bytes) ticket.try_pool = ++r.skipped % kNoRoomProbePeriod == 0;
-  return ticket;
-}
-
-void note_pool_block(uintptr_t base, const PoolBlockTicket& ticket, size_t bytes, bool got) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  const auto it = g_regions.find(base);
-  if (it == g_regions.end()) return;
-  Region& r = *it->second;
-  if (got) {
-    if (r.no_room_bytes != 0 && bytes >= r.no_room_bytes) r.no_room_bytes = r.skipped = 0;
-  } else if (r.frees == ticket.frees && (r.no_room_bytes == 0 || bytes < r.no_room_bytes)) {
-    r.no_room_bytes = bytes;
-  }
+  return RegionInfo{r.base, r.bytes, r.device, r.closed, r.retired, r.allocator.stats()};
 }
 
 size_t num_regions() {
@@ -192,8 +165,6 @@ extern "C" void moe_peer_pool_free(void* ptr, ssize_t, int block_device, cudaStr
                    "ignored\n", ptr);
       return;
     }
-    ++r->frees;  // room again: the no-room memo goes, and a miss noted across this free is not memoised
-    r->no_room_bytes = r->skipped = 0;
     if (!r->retired || r->allocator.stats().num_blocks != 0) return;
     to_free = r->free_when_empty;
     device = r->device;

@@ -30,32 +30,8 @@ struct RegionInfo {
   int device = -1;
   bool closed = false;   // no new blocks
   bool retired = false;  // the owner is gone; forgotten at the last free
-  size_t no_room_bytes = 0;  // the no-room memo (below): smallest request that found no room, 0 when none
   RegionStats stats;
 };
-
-// The no-room memo of a region, for callers that take a block from the region through torch and have somewhere
-// else to go when it has no room (the direct dispatch's pool blocks: torch's own memory, and the ring / FIFOs move
-// the call). A request the region cannot serve makes torch run its failing-allocation path (it synchronises the
-// device and frees every cached block of its default pools, then raises), so each miss would cost a device sync and
-// the process's cached activation memory. The memo keeps the smallest request size that found no room:
-//   try_pool_block(base, bytes): try torch unless bytes >= the memo; of those skipped requests every
-//     kNoRoomProbePeriod-th is tried anyway (a probe), since torch may hold a cached free block of the pool that
-//     serves it (a freed pool tensor: torch keeps a live pool's freed blocks, the region never sees them);
-//   note_pool_block(ticket, bytes, got): the outcome of a try. No room: the memo becomes min(memo, bytes), unless
-//     the region freed a range since the ticket was taken (then the miss may be stale: no memo). A block of at
-//     least the memo's size: the memo is cleared (room again).
-// The memo is also cleared whenever the region frees a range (torch returned a segment). Never a permanent
-// "full": at worst requests the pool could serve take torch's memory until the next probe (kNoRoomProbePeriod - 1
-// skipped requests). The memo does not tell streams apart (torch serves a freed block only to its own stream).
-inline constexpr uint64_t kNoRoomProbePeriod = 64;
-struct PoolBlockTicket {
-  bool try_pool = true;   // false: take memory elsewhere, do not ask torch for a pool block
-  uint64_t frees = 0;     // the region's count of freed ranges when the ticket was taken
-};
-// Unknown base: try (torch decides). Thread-safe (the registry's lock).
-PoolBlockTicket try_pool_block(uintptr_t base, size_t bytes);
-void note_pool_block(uintptr_t base, const PoolBlockTicket& ticket, size_t bytes, bool got);
 
 // Adds [base, base + bytes) of `device` (base a multiple of RegionAllocator::kDefaultAlignment). Throws
 // std::runtime_error when it overlaps a registered region.
