@@ -440,9 +440,9 @@ ALLOCATOR_SYNC_STATS = ("num_alloc_retries", "num_ooms", "num_sync_all_streams",
 
 
 def allocator_syncs(device: torch.device) -> dict[str, int] | None:
-    """The CUDA caching allocator's counters of events that make the host wait for the GPU (an allocation retry
-    frees cached blocks after synchronising; a full peer pool raises out-of-memory inside torch, which retries
-    first), or None off CUDA."""
+    """The CUDA caching allocator's counters of events that cost the host (an allocation retry frees cached blocks
+    after synchronising; an out-of-memory error, e.g. a full peer pool's, queries the device's memory and raises
+    inside torch), or None off CUDA."""
     if device.type != "cuda":
         return None
     stats = torch.cuda.memory_stats(device)
