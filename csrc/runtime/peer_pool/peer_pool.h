@@ -55,10 +55,10 @@ size_t foreign_frees();
 
 // The allocator functions torch.cuda.memory.CUDAPluggableAllocator takes (its alloc / free signatures): a block
 // of the calling thread's active region of `device`, nullptr when there is none or it is full or closed (torch
-// then frees its cached blocks, retries, and raises torch.OutOfMemoryError); free returns a block (a double or
-// foreign free is reported on stderr and ignored). free first synchronises `device`, as cudaFree does, on which
-// torch relies before a segment's memory can go elsewhere (torch orders reuse against the streams recorded on a
-// block, not against the block's own stream); alloc does not synchronise.
+// then raises torch.OutOfMemoryError: an allocation routed to a pool is not retried after a cache flush); free
+// returns a block (a double or foreign free is reported on stderr and ignored). free first synchronises `device`,
+// as cudaFree does, on which torch relies before a segment's memory can go elsewhere (torch orders reuse against
+// the streams recorded on a block, not against the block's own stream); alloc does not synchronise.
 extern "C" {
 __attribute__((visibility("default"))) void* moe_peer_pool_alloc(ssize_t size, int device, cudaStream_t stream);
 __attribute__((visibility("default"))) void moe_peer_pool_free(void* ptr, ssize_t size, int device,
