@@ -94,6 +94,9 @@ class _DirectDispatchPlan:
             self.backend._check()
         except RuntimeError:  # the full path takes the call and says why
             return None
+        return self._run(handle, x, aux)
+
+    def _run(self, handle, x: torch.Tensor, aux: Optional[torch.Tensor]) -> tuple:
         out = self.backend._cached_direct_dispatch(x, aux, handle, self.ring, self.word)
         return out[0], out[1], None
 
@@ -109,13 +112,7 @@ class _PullCombinePlan(_DirectDispatchPlan):
                  config: Optional[Config], num_sms: int, ring: Sequence[int]) -> None:
         super().__init__(backend, handle, x, topk_weights, config, num_sms, ring, ())
 
-    def __call__(self, handle, x: torch.Tensor, aux: Optional[torch.Tensor], config, num_sms: int, mode: int):
-        if mode != LAUNCH_CURRENT or not self._matches(handle, x, aux, config, num_sms):
-            return None
-        try:
-            self.backend._check()
-        except RuntimeError:  # the full path takes the call and says why
-            return None
+    def _run(self, handle, x: torch.Tensor, aux: Optional[torch.Tensor]) -> tuple:
         out, out_w, _, _ = combine_tensors(self.num_tokens, x, aux, ())
         self.backend._combine_along(x, aux, None, None, handle, out, out_w, self.ring)
         return out, out_w, None
