@@ -17,6 +17,7 @@
 #include "bindings.h"
 #include "bindings/cached_call.h"
 #include "bindings/carve.h"
+#include "bindings/direct_outputs.h"
 #include "bindings/layout_call.h"
 #include "bindings/stream_join.h"
 #include "ipc_bindings.h"
@@ -130,6 +131,8 @@ std::string phase_name(int phase) {
     case kPhaseNvlPullReady: return "nvl pull ready (combine waiting for a domain peer's kernel to start)";
     case kPhaseNvlPullArrive:
       return "nvl pull arrive (combine waiting for a domain peer to finish reading this rank's rows)";
+    case kPhaseCombinePut:
+      return "combine put (pull mode: the put block waiting for this rank's forwarder to stage partial sums)";
     default: return "unknown phase " + std::to_string(phase);
   }
 }
@@ -369,44 +372,19 @@ py::tuple direct_dispatch(const Context& ctx, uint64_t timeout_ns, const at::Ten
                                    scales.has_value() ? scales->size(1) : 0};
   const intranode::DirectMeta m{rows, topk_idx.has_value() ? topk_idx->size(1) : 0};
   const uint8_t* local = ctx.c.nvl[ctx.c.local];
-  auto lies_at = [&](const at::Tensor& block, int64_t offset, int64_t bytes, const char* what) {
-    MOE_CHECK(block.scalar_type() == at::kByte && block.is_contiguous() && block.numel() >= bytes,
-              std::string("internode direct dispatch: ") + what + " must be a contiguous uint8 tensor of its bytes");
-    MOE_CHECK(offset == -1 || (offset >= 0 && offset % 16 == 0 && static_cast<uint8_t*>(block.data_ptr()) == local + offset),
-              std::string("internode direct dispatch: ") + what + "'s offset is not where it lies in the NVLink buffer");
-  };
-  lies_at(payload, out_offset, o.bytes(), "payload");
-  if (fresh) lies_at(*meta, meta_offset, m.bytes(), "meta");
-  const int64_t h = x.size(1), ns = o.num_scales, k = m.num_topk;
-  at::Tensor recv_x = carve(payload, o.x_offset(), x.scalar_type(), {rows, h}, {h, 1});
-  py::object recv_scales = py::none(), recv_idx = py::none(), recv_w = py::none(), recv_src = py::none();
-  at::Tensor scales_out, idx_out, w_out, src_out;
-  if (scales.has_value()) {
-    scales_out = carve(payload, o.scales_offset(), scales->scalar_type(), {rows, ns}, {ns, 1});
-    recv_scales = py::cast(scales_out);
-  }
-  if (topk_idx.has_value()) {
-    idx_out = carve(*meta, m.idx_offset(), at::kLong, {rows, k}, {k, 1});
-    w_out = carve(*meta, m.weights_offset(), at::kFloat, {rows, k}, {k, 1});
-    recv_idx = py::cast(idx_out);
-    recv_w = py::cast(w_out);
-  }
-  if (fresh) {
-    src_out = carve(*meta, m.src_offset(), at::kInt, {rows}, {1});
-    recv_src = py::cast(src_out);
-  }
+  check_direct_block(payload, out_offset, o.bytes(), local, "internode direct dispatch", "payload");
+  if (fresh) check_direct_block(*meta, meta_offset, m.bytes(), local, "internode direct dispatch", "meta");
+  const DirectOutputs outs = carve_direct_outputs(payload, meta, o, m, x.scalar_type(), scales.has_value(),
+                                                  scales.has_value() ? scales->scalar_type() : at::kInt,
+                                                  topk_idx.has_value());
   a.x = data_of<const uint8_t>(x);
   a.scales = data_of<const int32_t>(scales);
   a.topk_idx = data_of<const int64_t>(topk_idx);
   a.topk_weights = data_of<const float>(topk_weights);
-  a.recv_x = data_of<uint8_t>(recv_x);
-  a.recv_scales = scales.has_value() ? data_of<int32_t>(scales_out) : nullptr;
-  a.recv_topk_idx = topk_idx.has_value() ? data_of<int64_t>(idx_out) : nullptr;
-  a.recv_topk_weights = topk_idx.has_value() ? data_of<float>(w_out) : nullptr;
-  a.recv_src_idx = fresh ? data_of<int>(src_out) : nullptr;
+  set_direct_outputs(a, outs);
   a.hidden_bytes = static_cast<int>(o.hidden_bytes);
-  a.num_scales = static_cast<int>(ns);
-  a.num_topk = static_cast<int>(k);
+  a.num_scales = static_cast<int>(o.num_scales);
+  a.num_topk = static_cast<int>(m.num_topk);
   a.experts_per_rank = experts_per_rank;
   a.num_rows = static_cast<int>(rows);
   a.pad_rows = pad_rows ? 1 : 0;
@@ -425,7 +403,7 @@ py::tuple direct_dispatch(const Context& ctx, uint64_t timeout_ns, const at::Ten
   a.fwd_row_offset = data_of<const int>(fwd_row_offset);
   a.fwd_rows = data_of<int>(fwd_rows);
   launch_dispatch(a, current_stream(device).stream());
-  return py::make_tuple(recv_x, recv_scales, recv_idx, recv_w, recv_src);
+  return outs.to_python();
 }
 
 // Combine: x [rows, H] bf16/fp16/fp32, topk_weights float32 [rows, K] or None, bias0 / bias1 [T, H] of x's dtype or

@@ -19,6 +19,7 @@
 #include "bindings/cached_call.h"
 #include "bindings/carve.h"
 #include "bindings/device_scope.h"
+#include "bindings/direct_outputs.h"
 #include "bindings/layout_call.h"
 #include "bindings/stream_join.h"
 #include "ipc_bindings.h"
@@ -323,15 +324,8 @@ py::tuple direct_dispatch(const IpcBuffer& b, uint64_t timeout_ns, const at::Ten
             "direct dispatch: send_row_offset must be [R, C]");
   const DirectPayload o{rows, row_bytes(x), columns(scales)};
   const DirectMeta m{rows, columns(topk_idx)};
-  auto lies_at = [&](const at::Tensor& block, int64_t offset, int64_t bytes, const char* what) {
-    MOE_CHECK(block.scalar_type() == at::kByte && block.is_contiguous() && block.numel() >= bytes,
-              std::string("direct dispatch: ") + what + " must be a contiguous uint8 tensor of its layout's bytes");
-    MOE_CHECK(offset == -1 || (offset >= 0 && offset % 16 == 0 &&
-                               static_cast<uint8_t*>(block.data_ptr()) == b.local() + offset),
-              std::string("direct dispatch: ") + what + "'s offset is not where it lies in this rank's NVLink buffer");
-  };
-  lies_at(payload, out_offset, o.bytes(), "payload");
-  if (fresh) lies_at(*meta, meta_offset, m.bytes(), "meta");
+  check_direct_block(payload, out_offset, o.bytes(), b.local(), "direct dispatch", "payload");
+  if (fresh) check_direct_block(*meta, meta_offset, m.bytes(), b.local(), "direct dispatch", "meta");
   if (row_of_token.has_value()) {
     MOE_CHECK(row_of_token->scalar_type() == at::kInt && row_of_token->is_contiguous() &&
                   row_of_token->numel() == is_token_in_rank.size(0) * static_cast<int64_t>(b.num_ranks()),
@@ -339,24 +333,9 @@ py::tuple direct_dispatch(const IpcBuffer& b, uint64_t timeout_ns, const at::Ten
   }
   MOE_CHECK(x.size(0) == is_token_in_rank.size(0), "direct dispatch: x and is_token_in_rank differ in tokens");
   const c10::cuda::CUDAGuard guard(device);
-  const int64_t h = x.size(1), s = o.num_scales, k = m.num_topk;
-  at::Tensor recv_x = carve(payload, o.x_offset(), x.scalar_type(), {rows, h}, {h, 1});
-  py::object recv_scales = py::none(), recv_idx = py::none(), recv_w = py::none(), recv_src = py::none();
-  at::Tensor scales_out, idx_out, w_out, src_out;
-  if (scales.has_value()) {
-    scales_out = carve(payload, o.scales_offset(), scales->scalar_type(), {rows, s}, {s, 1});
-    recv_scales = py::cast(scales_out);
-  }
-  if (topk_idx.has_value()) {
-    idx_out = carve(*meta, m.idx_offset(), at::kLong, {rows, k}, {k, 1});
-    w_out = carve(*meta, m.weights_offset(), at::kFloat, {rows, k}, {k, 1});
-    recv_idx = py::cast(idx_out);
-    recv_w = py::cast(w_out);
-  }
-  if (fresh) {
-    src_out = carve(*meta, m.src_offset(), at::kInt, {rows}, {1});
-    recv_src = py::cast(src_out);
-  }
+  const DirectOutputs outs = carve_direct_outputs(payload, meta, o, m, x.scalar_type(), scales.has_value(),
+                                                  scales.has_value() ? scales->scalar_type() : at::kInt,
+                                                  topk_idx.has_value());
 
   // The ring kernel's arguments first (their checks may throw): a rank must queue both kernels or neither.
   DispatchArgs a = ring_dispatch_args(b, timeout_ns, Ring{num_channels, chunk, num_slots, slot_bytes});
@@ -365,11 +344,7 @@ py::tuple direct_dispatch(const IpcBuffer& b, uint64_t timeout_ns, const at::Ten
   a.scales = data_of<const int32_t>(scales);
   a.topk_idx = data_of<const int64_t>(topk_idx);
   a.topk_weights = data_of<const float>(topk_weights);
-  a.recv_x = data_of<uint8_t>(recv_x);
-  a.recv_scales = scales.has_value() ? data_of<int32_t>(scales_out) : nullptr;
-  a.recv_topk_idx = topk_idx.has_value() ? data_of<int64_t>(idx_out) : nullptr;
-  a.recv_topk_weights = topk_idx.has_value() ? data_of<float>(w_out) : nullptr;
-  a.recv_src_idx = fresh ? data_of<int>(src_out) : nullptr;
+  set_direct_outputs(a, outs);
   a.hidden_bytes = o.hidden_bytes;
   a.num_scales = o.num_scales;
   a.num_topk = m.num_topk;
@@ -403,7 +378,7 @@ py::tuple direct_dispatch(const IpcBuffer& b, uint64_t timeout_ns, const at::Ten
   const cudaStream_t stream = current_stream(device).stream();
   launch_direct_dispatch(d, stream);
   launch_ring_fallback(a, stream);
-  return py::make_tuple(recv_x, recv_scales, recv_idx, recv_w, recv_src);
+  return outs.to_python();
 }
 
 // Where a pull combine's inputs lie in this rank's NVLink buffer: x (x_rows rows, x_bytes bytes from x) and, when

@@ -26,7 +26,9 @@ class ExpertMajorHandle(NamedTuple):
                        when the counts are only on the device (num_worst_tokens).
     slot_offsets:      python ints [K + 1], where each slot's group starts in slot_order (or None).
     backend_state:     what a fused backend keeps (the compiled intranode one: the inverse table
-                       (received row, slot) -> row, its layout table, the local expert count, the alignment).
+                       (received row, slot) -> row, its layout table, the local expert count, the alignment,
+                       and the device count of rows received (int32 [1], a view of the dispatch's
+                       recv_channel_offset, taken once so that cached calls do not index it again)).
     rows_needed:       0-d int64 device tensor: rows this rank needed (padded), from the counts the dispatch
                        exchanged (never from the rows kept); above M with num_worst_tokens means rows were
                        dropped (the Buffer reports it; a caller may read it asynchronously).

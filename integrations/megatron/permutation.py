@@ -30,16 +30,18 @@ def routing_to_topk(routing_map: torch.Tensor, probs: torch.Tensor, topk: int, n
     """
     num_tokens, num_experts = routing_map.shape
     k = min(topk, num_experts)
-    selected, idx = torch.topk(routing_map.to(torch.uint8), k, dim=1, sorted=False)
-    valid = selected.bool()
-    weights = probs.gather(1, idx).float().masked_fill(~valid, 0.0)
+    # A bool map is read as its bytes (a view, no cast kernel); topk takes no bool.
+    as_bytes = routing_map.view(torch.uint8) if routing_map.dtype == torch.bool else routing_map.to(torch.uint8)
+    selected, idx = torch.topk(as_bytes, k, dim=1, sorted=False)
+    unused = selected == 0  # a slot past the token's routed experts (one op, not a cast and two negations)
+    weights = probs.gather(1, idx).float().masked_fill(unused, 0.0)
     if tp_size > 1:
         owner, local = idx // num_local_experts, idx % num_local_experts
         copies = torch.arange(tp_size, device=idx.device) * num_local_experts
         idx = ((owner * tp_size * num_local_experts + local).unsqueeze(-1) + copies).reshape(num_tokens, k * tp_size)
-        valid = valid.repeat_interleave(tp_size, dim=1)
+        unused = unused.repeat_interleave(tp_size, dim=1)
         weights = weights.repeat_interleave(tp_size, dim=1)
-    return idx.masked_fill(~valid, -1), weights
+    return idx.masked_fill(unused, -1), weights
 
 
 def padded_counts(counts: Sequence[int], align: int) -> list[int]:

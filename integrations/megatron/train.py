@@ -6,10 +6,10 @@
 
 On a CPU-only machine it runs on gloo with the reference backend; with GPUs on NCCL with the kernels,
 Megatron's DDP and distributed optimizer (Trainer). It prints the loss, tokens/s and the time spent in
-dispatch and combine (forward and backward), with a progress bar, and, with train.profile_steps, a
-profiler breakdown of the step (step_profile.py). The data are synthetic and learnable: each sequence
-counts up from a random start with a random stride (mod the vocabulary), so the loss falls well below
-ln(vocab) within a few hundred steps.
+dispatch and combine (forward and backward; timing.py, on in the timed steps only), with a progress bar,
+and, with train.profile_steps, a profiler breakdown of the step (step_profile.py). The data are synthetic
+and learnable: each sequence counts up from a random start with a random stride (mod the vocabulary), so
+the loss falls well below ln(vocab) within a few hundred steps.
 
 The config has four sections (configs/tiny_cpu.yaml shows them all):
   model:    TransformerConfig fields, passed as they are (moe_token_dispatcher_type selects the dispatcher;
@@ -343,8 +343,15 @@ def _train(cfg: dict[str, dict[str, Any]], device: torch.device, show_progress: 
     losses: list[float] = []
     window_start, window_tokens, measured = time.perf_counter(), 0, {"time": 0.0, "tokens": 0}
     comm_total: dict[str, float] = {}
+    allocator_from: dict[str, int] | None = None
     for step in range(steps):
+        if step == min(log_every, steps - 1):  # after the first window (warm-up: buffer creation, first calls)
+            allocator_from = allocator_syncs(device)
         if step == timed_steps and profile_steps:
+            # The profiled steps' comm times are never read (the log windows end at timed_steps), and the timer's
+            # marks (CUDA events, identity autograd nodes around every exchange) are host work that Megatron's
+            # dispatchers do not do: off, so that the profile charges our dispatcher only its own work.
+            comm_timer.enable(False)
             profiling = profile.steps(profile_steps)
             profiling.__enter__()
         microbatches = [synthetic_batch(step * num_microbatches + i, data, model_cfg["vocab_size"], train_cfg["seed"],
@@ -392,7 +399,9 @@ def _train(cfg: dict[str, dict[str, Any]], device: torch.device, show_progress: 
               "host_ms": profile.host_breakdown(),
               "profiled_steps": profile_steps,
               "breakdown_unit": "CPU op ms/step" if on_cpu else "GPU kernel ms/step",
-              "comm_seconds": comm_total, "measured_seconds": measured["time"]}
+              "comm_seconds": comm_total, "measured_seconds": measured["time"],
+              "allocator_per_step": allocator_per_step(allocator_from, allocator_syncs(device),
+                                                       steps - min(log_every, steps - 1))}
     if rank == 0:
         comm_s = sum(comm_total.values())
         share = f"{100 * comm_s / measured['time']:.1f}% of" if measured["time"] else "n/a of"
@@ -406,6 +415,12 @@ def _train(cfg: dict[str, dict[str, Any]], device: torch.device, show_progress: 
         if result["host_ms"]:
             parts = " | ".join(f"{part} {ms:.2f}" for part, ms in result["host_ms"].items())
             print(f"host wall time inside the MoE parts (ms per profiled step, rank 0): {parts}", flush=True)
+        alloc = result["allocator_per_step"]
+        if alloc:
+            print(f"CUDA allocator per step after warm-up (rank 0): {alloc['num_alloc_retries']:.1f} retries, "
+                  f"{alloc['num_ooms']:.1f} out-of-memory errors (a full peer pool included), "
+                  f"{alloc['num_sync_all_streams']:.1f} all-stream syncs, {alloc['num_device_free']:.1f} device frees "
+                  "(each a host wait for the GPU)", flush=True)
         busy = result["gpu_busy"]
         if busy:
             print(f"GPU busy {busy['busy_ms']:.1f} of {busy['wall_ms']:.1f} ms per profiled step "
@@ -419,6 +434,26 @@ def _train(cfg: dict[str, dict[str, Any]], device: torch.device, show_progress: 
             with open(log_json, "w", encoding="utf-8") as f:
                 json.dump(result, f, indent=1)
     return result
+
+
+ALLOCATOR_SYNC_STATS = ("num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_free")
+
+
+def allocator_syncs(device: torch.device) -> dict[str, int] | None:
+    """The CUDA caching allocator's counters of events that cost the host (an allocation retry frees cached blocks
+    after synchronising; an out-of-memory error, e.g. a full peer pool's, queries the device's memory and raises
+    inside torch), or None off CUDA."""
+    if device.type != "cuda":
+        return None
+    stats = torch.cuda.memory_stats(device)
+    return {name: int(stats.get(name, 0)) for name in ALLOCATOR_SYNC_STATS}
+
+
+def allocator_per_step(start: dict[str, int] | None, end: dict[str, int] | None,
+                       steps: int) -> dict[str, float] | None:
+    if start is None or end is None or steps <= 0:
+        return None
+    return {name: (end[name] - start[name]) / steps for name in ALLOCATOR_SYNC_STATS}
 
 
 def dispatcher_label(config) -> str:

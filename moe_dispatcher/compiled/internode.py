@@ -393,15 +393,12 @@ class InternodeBackend(Backend):
         """A uint8 block of at least `nbytes` bytes for a dispatch's outputs and its offset in this rank's NVLink
         buffer: from the peer pool, its size rounded up to a power of two (2 MiB at least) so that torch's cached
         blocks serve the next calls, whose sizes vary; or from torch's own allocator with offset -1 when the pool
-        has no room or a CUDA graph is being captured (the graph's allocations are its own pool's)."""
-        if not torch.cuda.is_current_stream_capturing() and not self.peer_pool.closed:
-            size = max(2 << 20, 1 << (max(nbytes, 1) - 1).bit_length())
-            try:
-                block = self.peer_pool.allocate((size,), torch.uint8)
-                return block, self._ipc.pool_offset + self.peer_pool.offset_of(block)
-            except torch.OutOfMemoryError:  # PeerPoolExhausted: the domain's NVLink hop takes the FIFOs
-                pass
-        return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device), -1
+        has no room, a CUDA graph is being captured (the graph's allocations are its own pool's) or the pool is
+        closed. The intranode backend's native rule (pool_block in csrc/intranode_bindings.cpp) over the domain's
+        IpcBuffer: one rule for both backends."""
+        if self.peer_pool.closed:
+            return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device), -1
+        return self._intra.pool_block(self._ipc, device.index, self.peer_pool.mem_pool_id, nbytes)
 
     def cached_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], handle: DispatchHandle,
                         config: Optional[Config] = None):

@@ -502,7 +502,7 @@ class IntranodeBackend(Backend):
         dh = DispatchHandle(prefix, in_rank, recv_src, num_recv, x.shape[0], num_worst_tokens, self.name,
                             self._buffer_token, backend_state=HandleState((channels, offsets, direct)))
         handle = ExpertMajorHandle(dh, pair_row, pair_slot, tpe, k, rows_needed=need,
-                                   backend_state=(inverse, layout, local, expert_alignment))
+                                   backend_state=(inverse, layout, local, expert_alignment, received))
         return px, ps, pw, tpe, counts, handle
 
     def _em_permute(self, rows_x: torch.Tensor, rows_s: Optional[torch.Tensor], inverse: torch.Tensor,
@@ -534,14 +534,14 @@ class IntranodeBackend(Backend):
         """The local pass of expert-major dispatch along a handle of this backend: rank-major received rows
         [N, ...] (N rows of the handle's tables; only those received are read) -> (expert-major rows [M, ...],
         scales or None)."""
-        inverse, layout, local, alignment = handle.backend_state
+        inverse, layout, local, alignment, received = handle.backend_state
         dh = handle.dispatch
         rows_x, rows_s = rows_x.contiguous(), _contiguous(rows_s)
         m, dev = handle.pair_row.numel(), rows_x.device
         px = torch.empty(m, rows_x.shape[1], dtype=rows_x.dtype, device=dev)
         ps = torch.empty(m, rows_s.shape[1], dtype=rows_s.dtype, device=dev) if rows_s is not None else None
-        self._em_permute(rows_x, rows_s, inverse, layout, local, alignment, dh.backend_state.routing[1][-1, -1:], px,
-                         ps, bool(dh.num_worst_tokens))
+        self._em_permute(rows_x, rows_s, inverse, layout, local, alignment, received, px, ps,
+                         bool(dh.num_worst_tokens))
         return px, ps
 
     def em_unpermute(self, x: torch.Tensor, handle: ExpertMajorHandle, weights: Optional[torch.Tensor],
@@ -550,14 +550,13 @@ class IntranodeBackend(Backend):
         row's sum of its pairs [N, H] (slot order, float32, rounded to x.dtype: unpermute()'s numbers) and, with
         topk_weights [M], the per-slot weights [N, K]. Rows past the received count (num_worst_tokens tables)
         are not written."""
-        inverse = handle.backend_state[0]
+        inverse, received = handle.backend_state[0], handle.backend_state[4]
         n, k = inverse.shape
-        offsets = handle.dispatch.backend_state.routing[1]
         x, weights, topk_weights = x.contiguous(), _contiguous(weights), _contiguous(topk_weights)
         pooled = handle.dispatch.backend_state.routing[2] is not None  # the combine of a direct dispatch pulls
         rows = self._combine_input((n, x.shape[1]), x.dtype, x.device, pooled)
         w_rows = self._combine_input((n, k), torch.float32, x.device, pooled) if topk_weights is not None else None
-        self._mod.em_unpermute(x, inverse, weights, topk_weights, offsets[-1, -1:], rows, w_rows)
+        self._mod.em_unpermute(x, inverse, weights, topk_weights, received, rows, w_rows)
         return rows, w_rows
 
     def _combine_input(self, shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device,

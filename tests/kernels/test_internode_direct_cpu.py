@@ -2,8 +2,9 @@
 Python over the stub modules of tests/helpers/stub_extension.py, with a stand-in for the PeerPool.
 
 Checked: a cached dispatch along the handle of a pool Buffer (fwd_rows in its routing) takes a Python plan that
-launches direct_dispatch with outputs in pool blocks (their offsets in the NVLink buffer: pool_offset + the block's
-offset in the pool), the handle's fwd_row_offset and fwd_mask (read only, as the handle's: fwd_mask None), no
+launches direct_dispatch with outputs in pool blocks from the intranode backend's native rule (pool_block over the
+domain's IpcBuffer and the pool's MemPool id; their offsets in the NVLink buffer), torch's memory with offset -1
+once the pool is closed, the handle's fwd_row_offset and fwd_mask (read only, as the handle's: fwd_mask None), no
 fwd_rows, the two ring signatures the native plan would get, and the handle's row count; a pool without room (or a
 CUDA graph capture) gives blocks from torch with offset -1. A handle without fwd_rows keeps the native plan.
 """
@@ -25,6 +26,8 @@ RANKS, NVL = 4, 2
 
 class _Pool:
     """PeerPool's allocation surface: blocks from a CPU arena at known offsets, or none (full)."""
+
+    mem_pool_id = (7, 8)
 
     def __init__(self, full: bool) -> None:
         self.closed, self.full, self.blocks = False, full, []
@@ -60,6 +63,18 @@ def backend(monkeypatch, tmp_path):
             return [torch.zeros(rows, x.shape[1], dtype=x.dtype), None, None, None, None]
 
         b._mod.direct_dispatch = direct_dispatch
+        blocks = []
+
+        def pool_block(ipc, device, pool_id, nbytes):
+            """The native rule's outcome (csrc/intranode_bindings.cpp): a pool block, or torch's memory with -1."""
+            blocks.append(dict(ipc=ipc, device=device, pool_id=pool_id, nbytes=nbytes))
+            if b.peer_pool.full or torch.cuda.is_current_stream_capturing():
+                return torch.empty(max(nbytes, 1), dtype=torch.uint8), -1
+            block = b.peer_pool.allocate((max(2 << 20, nbytes),), torch.uint8)
+            return block, b._ipc.pool_offset + b.peer_pool.offset_of(block)
+
+        b._intra.pool_block = pool_block
+        b.pool_block_calls = blocks
         b._intra.direct_payload_bytes = lambda rows, row_bytes, num_scales: rows * (row_bytes + 4 * num_scales)
         b._intra.direct_meta_bytes = lambda rows, num_topk: rows * (12 * num_topk + 4)
         b.direct_calls = calls
@@ -81,12 +96,14 @@ def _handle(channels: int, pooled: bool) -> DispatchHandle:
                           backend_state=HandleState(routing))
 
 
-@pytest.mark.parametrize("full,capturing", [(False, False), (True, False), (False, True)],
-                         ids=["room", "pool full", "graph capture"])
+@pytest.mark.parametrize("full,capturing,closed", [(False, False, False), (True, False, False),
+                                                   (False, True, False), (False, False, True)],
+                         ids=["room", "pool full", "graph capture", "pool closed"])
 def test_cached_dispatch_of_a_pool_handle_writes_pool_blocks(backend, monkeypatch, full: bool,
-                                                             capturing: bool) -> None:
+                                                             capturing: bool, closed: bool) -> None:
     b = backend
     b.peer_pool = _Pool(full)
+    b.peer_pool.closed = closed
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
     h = _handle(Buffer.get_dispatch_config(RANKS).num_channels, pooled=True)
     x = torch.randn(T, H).bfloat16()
@@ -99,7 +116,12 @@ def test_cached_dispatch_of_a_pool_handle_writes_pool_blocks(backend, monkeypatc
     assert call["rows"] == ROWS and call["pad_rows"] is False and call["meta"] is None
     geo = call["geometry"]
     assert call["ring_signatures"] == ring_signatures("cached dispatch", x, None, None, geo)
-    if full or capturing:
+    if closed:  # no native rule: torch's memory
+        assert call["out_offset"] == -1 and not b.peer_pool.blocks and not b.pool_block_calls
+    else:  # the intranode backend's native rule over the domain's IpcBuffer and the pool's MemPool
+        (asked,) = b.pool_block_calls
+        assert asked["ipc"] is b._ipc and asked["pool_id"] == (7, 8) and asked["nbytes"] == ROWS * H * 2
+    if full or capturing or closed:
         assert call["out_offset"] == -1 and not b.peer_pool.blocks
     else:
         assert call["payload"] is b.peer_pool.blocks[0]

@@ -12,14 +12,19 @@ both of its ranks), the other domain's stay direct, the outputs the same. fwd_ro
 exactly the rows each local rank received from this rank's team, in both modes. A CUDA graph's replays are missed
 (its outputs are the graph's memory) and still right. 100 calls back to back.
 
-Pull combine (the same world): along the handles of direct dispatches, a combine whose input x (and topk_weights)
-lies in every rank's pool reads the domain's rows in place (pull counters: a call, none missed) and must give the
-bits of the same combine with the inputs outside the pool (every domain missed: today's FIFO kernel), for every
-combine dtype, with and without top-k weights and biases, and the reference's values within the two-hop tolerance.
-One rank's input outside its pool: only its domain misses, the outputs the same bits. Along the handle of a dispatch
-whose domain took the FIFOs the pull combine reads the same rows. 100 calls back to back.
+Pull combine (2 x 2, and 4 x 1, where each forwarder serves three remote source domains): along the handles of
+direct dispatches, a combine whose input x (and topk_weights) lies in every rank's pool reads the domain's rows in
+place (pull counters: a call, none missed) and must give the bits of the same combine with the inputs outside the
+pool (every domain missed: today's FIFO kernel), for every combine dtype, with and without top-k weights and
+biases, and the reference's values within the two-hop tolerance. One rank's input outside its pool: only its domain
+misses, the outputs the same bits. Along the handle of a dispatch whose domain took the FIFOs the pull combine reads
+the same rows. With 2 channels and a 64-slot RDMA ring (T = 4096, every token to both domains nearly), the forwarder
+laps the ring many times within one call (asserted from the handle's fwd_offset): the same bits as FIFO mode again.
+100 calls back to back.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -291,17 +296,17 @@ def _world_pull(rank: int, world_size: int) -> None:  # noqa: C901 (one world, m
     g = torch.Generator().manual_seed(11 + rank)
     e, k = 8 * world_size, 8
 
-    def combine_both(y, handle, w, bias, what: str):
-        """The combine with inputs outside the pool (its domain missed: the FIFO kernel, unless no rank of the
-        domain holds a row, as an input without rows counts as peer-mapped), then in the pool (pulled): the same
-        bits. Returns the pulled outputs."""
+    def combine_both(y, handle, w, bias, what: str, config=None):
+        """The combine (Config `config`, None: the default) with inputs outside the pool (its domain missed: the FIFO
+        kernel, unless no rank of the domain holds a row, as an input without rows counts as peer-mapped), then in
+        the pool (pulled): the same bits. Returns the pulled outputs."""
         held = handle.rank_prefix_matrix[-1].cpu()  # rows each rank received (its combine input's rows)
         d = rank // nvl
         seen = _pulls(kb)
-        ring = kb.combine(y.clone(), handle, topk_weights=None if w is None else w.clone(), bias=bias)
+        ring = kb.combine(y.clone(), handle, topk_weights=None if w is None else w.clone(), bias=bias, config=config)
         seen = _pulled(kb, seen, 1, int(bool((held[d * nvl:(d + 1) * nvl] > 0).any())))
         yp, wp = _in_pool(pool, y), None if w is None else _in_pool(pool, w)
-        pulled = kb.combine(yp, handle, topk_weights=wp, bias=bias)
+        pulled = kb.combine(yp, handle, topk_weights=wp, bias=bias, config=config)
         _pulled(kb, seen, 1, 0)
         assert_equal(pulled[0], ring[0], f"combined x, pulled vs FIFO ({what})")
         if w is not None:
@@ -369,6 +374,38 @@ def _world_pull(rank: int, world_size: int) -> None:  # noqa: C901 (one world, m
         combine_both(fifo[0].clone(), fifo[4], fifo[2].clone(), None, "along a missed dispatch's handle")
         del fifo
 
+    # The forwarder laps the RDMA ring within one call: with 2 channels and the smallest ring a combine takes (64
+    # slots), every (channel, remote source domain) carries far more partials than slots, so forwarder chunks wait
+    # for the credit of slots whose older chunks block 3c has yet to put (pull mode: combine.cu put_staged) and the
+    # put block's tails lap the ring too.
+    with case("pull combine lapping a 64-slot RDMA ring, 2 channels, T=4096"):
+        slots, t3, h3 = 64, 4096, 2048
+        few = dataclasses.replace(Buffer.get_dispatch_config(world_size), num_sms=4)
+        small_ring = dataclasses.replace(Buffer.get_combine_config(world_size), num_sms=4,
+                                         num_max_rdma_chunked_recv_tokens=slots)
+        idx3 = _routing(g, t3, e, k, world_size, "dense").to(dev)
+        x3 = torch.randn(t3, h3, generator=g).to(torch.bfloat16).to(dev)
+        w3 = torch.rand(t3, k, generator=g).to(dev)
+        _, lap = _dispatch(kb, x3, idx3, w3, e, config=few)
+        _, lap_ref = _dispatch(rb, x3, idx3, w3, e)
+        routing = lap[4].backend_state.routing
+        assert routing[0] == few.num_channels, f"the handle's channels: {routing[0]}"
+        served = (routing[2][:, 1:] - routing[2][:, :-1]).cpu()  # [D, C]: tokens forwarded here per domain, channel
+        remote = torch.cat([served[:rank // nvl], served[rank // nvl + 1:]])
+        assert int(remote.min()) > 4 * slots, f"tokens per (remote source domain, channel) here: {remote.tolist()}"
+        for dtype, with_w in ((torch.bfloat16, True), (torch.float32, False)):
+            what = f"lapping ring, {dtype}, weights={with_w}"
+            y = (lap[0].float() * 0.5 + 0.25).to(dtype)
+            got = combine_both(y, lap[4], lap[2] if with_w else None, None, what, config=small_ring)
+            want = rb.combine((lap_ref[0].float() * 0.5 + 0.25).to(dtype), lap_ref[4],
+                              topk_weights=lap_ref[2] if with_w else None)
+            atol, rtol = two_hop_tol(dtype)
+            torch.testing.assert_close(got[0].float(), want[0].float(), atol=atol * 4, rtol=rtol,
+                                       msg=lambda m, what=what: f"{what}: combined x vs reference: {m}")
+            if with_w:
+                torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
+        del lap, lap_ref, got, want
+
     with case("100 calls back to back"):
         yp = _in_pool(pool, out[0])
         seen = _pulls(kb)
@@ -385,5 +422,8 @@ def _world_pull(rank: int, world_size: int) -> None:  # noqa: C901 (one world, m
     rb.destroy()
 
 
-def test_pull_combine_matches_fifo_combine() -> None:
-    run_distributed(_world_pull, 4, backend="nccl", timeout=300.0, env=dist_helpers.nvl_env(2))
+# 4 x 1: every domain one GPU, so a forwarder serves three remote source domains per channel: its chunk sequence
+# spans domains and block 3c puts and publishes the tails of each (combine.cu put_staged).
+@pytest.mark.parametrize("world_size,nvl", WORLDS)
+def test_pull_combine_matches_fifo_combine(world_size: int, nvl: int) -> None:
+    run_distributed(_world_pull, world_size, backend="nccl", timeout=300.0, env=dist_helpers.nvl_env(nvl))

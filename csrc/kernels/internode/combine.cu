@@ -17,7 +17,8 @@
 // The forwarder and the source receiver work in small per-warp chunks (docs/internode.md):
 //   worker warps (0 .. kWorkers-1) take chunks k = warp, warp + kWorkers, ... of chunk_tokens tokens
 //     each; a worker waits only for its own chunk's rows (lane j polls tail j), reduces its tokens,
-//     and (forwarder) puts its chunk's partials to the source at once and completes them (quiet);
+//     and (forwarder, FIFO mode) puts its chunk's partials to the source at once and completes them
+//     (quiet; in pull mode block 3c's put warps put the chunks: "Pull mode" below);
 //     then it raises its entry of the block's ChunkBoard to its next chunk (progress_board.cuh);
 //   the commit warp (kCommitWarp) publishes in order: once chunks [kc, upto) are all done it
 //     advances the FIFO heads (forwarder) / RDMA credits (receiver) and the RDMA tails (forwarder)
@@ -35,8 +36,8 @@
 // to the commit warp, which publishes them at system scope):
 //   worker:  lane j ld.acquire.sys its tail (FIFO or RDMA) >= what the chunk needs; __syncwarp;
 //            every lane loads the slots (ld.cg) and writes the outputs / staging / own-ring slots;
-//            remote: nvshmemx_putmem_nbi_warp + nvshmem_quiet (rdma_put_rows); __syncwarp;
-//            lane 0: st.release.cta of its board entry.
+//            remote (FIFO mode): nvshmemx_putmem_nbi_warp + nvshmem_quiet (rdma_put_rows); __syncwarp;
+//            lane 0: st.release.cta of its board entry. (Pull mode: put_worker / put_staged.)
 //   commit:  lane w ld.acquire.cta of worker w's entry; __syncwarp; then the publishing lanes: FIFO head
 //            st.release.sys, RDMA tail rdma_signal_tail (fence.sys + signal SET, or st.release.sys
 //            for my own domain), credit rdma_credit (same). Causality order runs from every lane's
@@ -71,18 +72,22 @@
 //     domain peer's and decides: pull when every peer's x is peer-mapped and every word equals mine. Every rank of
 //     the domain reads the same words, so the domain agrees; other domains need not (the RDMA traffic is the same
 //     in both modes: the same partials, bit for bit).
-//   pull: block 3c (NVL sender) is idle, no FIFO is touched. The forwarder serves only the remote source domains
-//     (my own domain's ring stays unused): for forwarded token idx and local rank j ascending in its mask it reads
-//     row fwd_rows[idx][j] of j's x in place (the dispatch recorded where the token landed at j), reduces as in
-//     FIFO mode (the same rows in the same order: the same partial), stages and puts it; no FIFO wait, no head
-//     release (the inputs were complete when the verdict acquired every peer's ready word). The source receiver
+//   pull: no FIFO is touched. The forwarder serves only the remote source domains (my own domain's ring stays
+//     unused): for forwarded token idx and local rank j ascending in its mask it reads row fwd_rows[idx][j] of j's x
+//     in place (the dispatch recorded where the token landed at j), reduces as in FIFO mode (the same rows in the
+//     same order: the same partial) into the staging slots; no FIFO wait, no head release (the inputs were
+//     complete when the verdict acquired every peer's ready word). Block 3c, whose NVL sender has nothing to send,
+//     puts the staged chunks (put_staged): the forwarder's commit warp publishes how many chunks are staged
+//     (RdmaControl::staged[c], st.release.sys), block 3c's worker warps put each (put + quiet) once they acquired
+//     it, and its commit warp publishes the RDMA tails in order (forward_commit's pull mode). The source receiver
 //     waits for and credits only the remote domains' partials; my own domain's rows it reads in place, at
 //     fwd_rows[fwd_offset[my domain][c] + k][j] for the k-th token of the channel that went to my domain, writes
 //     their round(sum over j ascending) (the partial my own ring carried in FIFO mode) into the token's output row
-//     first, and reads it back (the same lanes) at my domain's place in out = cast(b0 + b1 + sum over domains
-//     ascending of partial_x): the same bits. (A separate register-held own partial spilled: this costs a local
-//     row write and read per token instead.) In both roles lane j loads fwd_rows[.][j] once per token and writes
-//     its source entry itself (pull_sources).
+//     for each token of a chunk BEFORE it waits for the chunk's remote partials (these reads depend on no counter,
+//     so they overlap the wait), and reads it back (the same lanes) at my domain's place in out = cast(b0 + b1 +
+//     sum over domains ascending of partial_x): the same bits. (A separate register-held own partial spilled: this
+//     costs a local row write and read per token instead.) In both roles lane j loads fwd_rows[.][j] once per token
+//     and writes its source entry itself (pull_sources).
 //   missed (some peer's input not in its pool, a layout word that differs, a CUDA graph capture): this kernel as
 //     described above, unchanged.
 //   arrival + completion, at the end of every block (either mode): arrive at every domain peer after a system
@@ -398,13 +403,14 @@ __device__ void forward_worker(const CombineArgs& a, const PullCall* pull, int c
                     row_bytes, a.num_topk, lane, kPull ? wsrcs : nullptr);
       __syncwarp();  // srcs is rewritten for the next token
     }
-    rdma_put_rows(c, x, ch, first_slot, n, a.rdma_slots, a.rdma_slot_bytes, lane);  // remote: put + quiet
+    // Remote: put + quiet. Pull mode: block 3c puts the chunk once this block's commit warp published it staged.
+    if constexpr (!kPull) rdma_put_rows(c, x, ch, first_slot, n, a.rdma_slots, a.rdma_slot_bytes, lane);
     // Every lane's slot loads, stores and (completed) puts before the board's release (warp barrier inside).
     board.advance(0, warp, k + kWorkers, lane);
   }
 }
 
-// pull: pull mode (no FIFO was read: its heads stay).
+// pull: pull mode, in block 3c (no FIFO was read: its heads stay; its backstop names the put phase).
 __device__ void forward_commit(const CombineArgs& a, bool pull, int ch, int lane, const Watchdog& dog,
                                const FwdSeq& seq, const uint64_t* rtail0, const uint64_t* nhead0,
                                const ChunkBoard& board, const volatile int* stop) {
@@ -417,7 +423,7 @@ __device__ void forward_commit(const CombineArgs& a, bool pull, int ch, int lane
   while (kc < total) {
     const int upto = done_upto(board, total, lane);
     if (upto == kc) {
-      if (!commit_idle_ok(dog, kPhaseCombineForward, c.rank, stop, lane)) return;
+      if (!commit_idle_ok(dog, pull ? kPhaseCombinePut : kPhaseCombineForward, c.rank, stop, lane)) return;
       continue;
     }
     // Chunks [kc, upto) are done: publish the tail of every source domain they belong to.
@@ -444,8 +450,108 @@ __device__ void forward_commit(const CombineArgs& a, bool pull, int ch, int lane
   if (!pull && lane < nvl) nvl_ctl(c, c.local)->head_copy[ch][lane] = nhead0[lane] + cnt;
 }
 
+// Pull mode, the forwarder block's commit warp: once chunks [0, upto) are all reduced into their staging slots, it
+// publishes upto in RdmaControl::staged[ch] (st.release.sys; the board's acquires and the warp barrier in
+// done_upto order every worker's staging stores before it), for block 3c's put warps, whose commit warp publishes
+// the tails. The chunks' FIFO heads do not exist (no FIFO is read) and no tail is this warp's.
+__device__ void stage_commit(const CombineArgs& a, int ch, int lane, const Watchdog& dog, int total,
+                             const ChunkBoard& board, const volatile int* stop) {
+  int* staged = &rdma_ctl(a.c)->staged[ch];
+  int kc = 0;
+  while (kc < total) {
+    const int upto = done_upto(board, total, lane);
+    if (upto == kc) {
+      if (!commit_idle_ok(dog, kPhaseCombineForward, a.c.rank, stop, lane)) return;
+      continue;
+    }
+    if (lane == 0) ptx::st_release_sys(staged, upto);
+    kc = upto;
+  }
+}
+
+// Pull mode, block 3c (the NVLink sender's: nothing to send), worker warp: the forwarder's puts. It takes chunks
+// warp, warp + kWorkers, ... of the forwarder's sequence (every chunk of a remote source domain) and, once lane 0
+// acquired RdmaControl::staged[ch] > k (relaxed polls, then one acquire; the forwarder block's commit warp: every
+// staging store of chunks <= k before it; the acquire invalidates this SM's L1, so the put reads the staging rows
+// from L2), puts chunk k's slots and completes them (rdma_put_rows: put + quiet), then advances its board entry.
+// Why a block of its own: NVSHMEM's warp put over P2P is a copy loop with one 16-byte load in flight per lane (512
+// bytes per L2 round trip and warp, an eighth of a reduction round's 4 KB), so the forwarder's workers spent most
+// of their round trips putting; here the idle SM's 15 warps put while the forwarder's 15 only reduce.
+__device__ void put_worker(const CombineArgs& a, int ch, int warp, int lane, const Watchdog& dog, const FwdSeq& seq,
+                           const uint64_t* rtail0, ChunkBoard& board, volatile int* stop) {
+  const Common& c = a.c;
+  const int K = a.chunk_tokens, total = seq.cstart[c.num_domains];
+  const int* staged = &rdma_ctl(c)->staged[ch];
+  int cx = 0;
+  for (int k = warp; k < total; k += kWorkers) {
+    while (k >= seq.cstart[cx + 1]) ++cx;
+    const int x = cx, k0 = (k - seq.cstart[x]) * K, n = min(K, seq.count[x] - k0);
+    bool good = true;
+    if (lane == 0) {
+      // staged: written by the forwarder block's commit warp (stage_commit), each value v by an st.release.sys issued
+      // after the board showed chunks [0, v) reduced. Relaxed polls (an acquire per poll would be a strong load and
+      // an invalidation of the SM's L1 each time, in an SM whose other warps are putting; lane 0 alone polls, one L2
+      // round trip per poll, so no sleep), then one ld.acquire.sys: a later load of the same word by the same
+      // thread, so it reads the value the relaxed load saw or a later one (one writer, which only raises it): > k.
+      // It synchronizes with the release that wrote it, which follows chunk k's staging stores, and it invalidates
+      // this SM's L1, so the put's loads read the staging rows from L2. A fresh acquire for every chunk (no cached
+      // value).
+      int seen;
+      good = wait_while_relaxed(staged, seen, [&](int v) { return v <= k; }, dog, kPhaseCombinePut, c.rank, 0,
+                                AbortFlag{stop});
+    }
+    if (!__all_sync(0xffffffffu, good)) {
+      if (lane == 0) *stop = 1;
+      return;
+    }
+    // rdma_put_rows' first warp barrier orders lane 0's acquire before every lane's loads of the staging slots.
+    rdma_put_rows(c, x, ch, rtail0[x] + k0, n, a.rdma_slots, a.rdma_slot_bytes, lane);
+    // Every lane's (completed) puts before the board's release (warp barrier inside).
+    board.advance(0, warp, k + kWorkers, lane);
+  }
+}
+
+// Thread 0 of a forwarding block: the chunk sequence of its channel, domains ascending, K tokens a chunk:
+// cstart[x] = domain x's first chunk, cstart[D] = the chunk count (count[x]: domain x's tokens here).
+__device__ __forceinline__ void chunk_starts(const int* count, int* cstart, int D, int K) {
+  int s = 0;
+  for (int x = 0; x < D; ++x) {
+    cstart[x] = s;
+    s += (count[x] + K - 1) / K;
+  }
+  cstart[D] = s;
+}
+
+// Pull mode, block 3c: the forwarder's puts (put_worker) and, on its own board, the tails of the put chunks in
+// order (forward_commit in pull mode: RDMA tail signal per source domain after the puts' quiets, tail_copy, final
+// quiet). The tables are the forwarder block's (the same fwd_offset and kernel-start tail_copy: this block's commit
+// advances tail_copy only after the forwarder block's first staged release, which follows its reads).
+__device__ void put_staged(const CombineArgs& a, int ch, int warp, int lane, const Watchdog& dog) {
+  const int D = a.c.num_domains, C = a.num_channels, K = a.chunk_tokens;
+  __shared__ int s_first[kMaxDomains], s_count[kMaxDomains], s_cstart[kMaxDomains + 1];
+  __shared__ uint64_t s_rtail0[kMaxDomains];
+  __shared__ ChunkBoard s_board;
+  __shared__ int s_abort;
+  for (int x = threadIdx.x; x < D; x += blockDim.x) {  // as forward()'s tables, pull mode
+    s_first[x] = a.fwd_offset[x * (C + 1) + ch];
+    s_count[x] = x == a.c.domain ? 0 : a.fwd_offset[x * (C + 1) + ch + 1] - s_first[x];
+    s_rtail0[x] = *reinterpret_cast<volatile uint64_t*>(&rdma_ctl(a.c)->tail_copy[ch][x]);
+  }
+  s_board.init();
+  if (threadIdx.x == 0) s_abort = 0;
+  __syncthreads();
+  if (threadIdx.x == 0) chunk_starts(s_count, s_cstart, D, K);
+  __syncthreads();  // the last block-wide barrier
+  const FwdSeq seq{s_first, s_count, s_cstart, a.fwd_mask, a.fwd_capacity, a.c.nvl_size};
+  if (warp == kCommitWarp) {
+    forward_commit(a, true, ch, lane, dog, seq, s_rtail0, nullptr, s_board, &s_abort);
+  } else {
+    put_worker(a, ch, warp, lane, dog, seq, s_rtail0, s_board, &s_abort);
+  }
+}
+
 // kPull (pull mode; pull: the domain's published inputs): my own domain's tokens are the source receivers' (no
-// chunk of them here).
+// chunk of them here); the chunks are reduced into staging here and put by block 3c (put_staged).
 // srcs / wsrcs (pull mode only: else null): the block's source tables (the kernel's).
 template <typename T, bool kPull>
 __device__ void forward(const CombineArgs& a, const PullCall* pull, int ch, int warp, int lane, const Watchdog& dog,
@@ -463,25 +569,23 @@ __device__ void forward(const CombineArgs& a, const PullCall* pull, int ch, int 
     s_first[x] = a.fwd_offset[x * (C + 1) + ch];
     s_count[x] = (kPull && x == c.domain) ? 0 : a.fwd_offset[x * (C + 1) + ch + 1] - s_first[x];
     s_rtail0[x] = *reinterpret_cast<volatile uint64_t*>(&rctl->tail_copy[ch][x]);
-    // The ring signature, completed before the barriers below, hence before the commit warp's tail signals.
+    // The ring signature, completed before the barriers below, hence before the first tail signal (the commit
+    // warp's, or in pull mode the put block's, which follows this block's staged release).
     rdma_publish_signature(c, x, a.rdma_signature);
   }
   if (threadIdx.x < nvl) s_nhead0[threadIdx.x] = *reinterpret_cast<volatile uint64_t*>(&nctl->head_copy[ch][threadIdx.x]);
   s_board.init();
   if (threadIdx.x == 0) s_abort = 0;
   __syncthreads();
-  if (threadIdx.x == 0) {
-    int s = 0;
-    for (int x = 0; x < D; ++x) {
-      s_cstart[x] = s;
-      s += (s_count[x] + K - 1) / K;
-    }
-    s_cstart[D] = s;
-  }
+  if (threadIdx.x == 0) chunk_starts(s_count, s_cstart, D, K);
   __syncthreads();  // the last block-wide barrier: from here on warps wait only on their own words
   const FwdSeq seq{s_first, s_count, s_cstart, a.fwd_mask, a.fwd_capacity, nvl};
   if (warp == kCommitWarp) {
-    forward_commit(a, kPull, ch, lane, dog, seq, s_rtail0, s_nhead0, s_board, &s_abort);
+    if constexpr (kPull) {
+      stage_commit(a, ch, lane, dog, s_cstart[D], s_board, &s_abort);
+    } else {
+      forward_commit(a, false, ch, lane, dog, seq, s_rtail0, s_nhead0, s_board, &s_abort);
+    }
   } else {
     forward_worker<T, kPull>(a, pull, ch, warp, lane, dog, row_bytes, seq, s_rtail0, s_nhead0, s_board, &s_abort,
                              srcs[warp], kPull ? (*wsrcs)[warp] : nullptr);
@@ -513,9 +617,9 @@ __device__ __forceinline__ void recv_scan_to(const CombineArgs& a, int& st, int 
   }
 }
 
-// kPull (pull mode; pull: the domain's published inputs): my own domain's rows are read in place (own, own_w: a
-// token's rows and their weights), at the forwarded index of the token among the channel's tokens that went to my
-// domain (the scan's count of my domain, which is not waited for nor credited: no partial of it travels).
+// kPull (pull mode; pull: the domain's published inputs): my own domain's rows are read in place, at the forwarded
+// index of the token among the channel's tokens that went to my domain (the scan's count of my domain, which is not
+// waited for nor credited: no partial of it travels), and reduced into the output rows before the chunk's wait.
 template <typename T, bool kPull>
 __device__ void receive_worker(const CombineArgs& a, const PullCall* pull, int ch, int warp, int lane,
                                const Watchdog& dog, int row_bytes, int begin, int end, const uint64_t* rhead0,
@@ -538,6 +642,25 @@ __device__ void receive_worker(const CombineArgs& a, const PullCall* pull, int c
     const uint64_t bits = lane < n ? token_domains(a, t0 + lane) : 0;
     uint32_t mlo = 0, mhi = 0;
     count_bits(bits & ~own_bit, D, lane, mlo, mhi);  // partials that travel: waited for, signatures checked
+    if constexpr (kPull) {
+      // My domain's partials first, before any wait: into each token's output row (and weights), round(sum over j
+      // ascending) of its rows read in place, the partial my own ring carried in FIFO mode. They depend on no
+      // counter (every domain peer's input was complete when the verdict acquired its ready word), so the remote
+      // reads of the chunk's own rows overlap the wait for the other domains' partials below instead of following
+      // it (the first chunk of every worker waited for a whole forwarder chunk, reduce and put, before these).
+      const unsigned own_tokens = __ballot_sync(0xffffffffu, (bits & own_bit) != 0);  // bit i: token t0 + i
+      const int64_t own_base = own_first + count_of(lo, hi, c.domain);  // fwd index of the chunk's first own token
+      for (unsigned todo = own_tokens; todo != 0; todo &= todo - 1) {  // uniform
+        const int i = __ffs(static_cast<int>(todo)) - 1;
+        const int64_t token = t0 + i, idx = own_base + __popc(own_tokens & ((1u << i) - 1u));
+        const int row = lane < nvl && idx < a.fwd_capacity ? a.fwd_rows[idx * nvl + lane] : -1;  // -1: not sent to j
+        const int nown = pull_sources(c, pull, row, row_bytes, a.num_topk, lane, srcs, wsrcs);
+        __syncwarp();
+        reduce_row<T>(a.out + token * row_bytes, a.out_topk_weights != nullptr ? a.out_topk_weights + token * a.num_topk
+                      : nullptr, srcs, nown, nullptr, nullptr, row_bytes, a.num_topk, lane, wsrcs);
+        __syncwarp();  // srcs is rewritten by the next token
+      }
+    }
     bool good = true;
     // RDMA tails: written by the team member of domain `lane` (its forward commit warp, rdma_signal_tail).
     if (lane < D && mlo > 0) {
@@ -574,19 +697,9 @@ __device__ void receive_worker(const CombineArgs& a, const PullCall* pull, int c
       float* out_w = a.out_topk_weights != nullptr ? a.out_topk_weights + token * a.num_topk : nullptr;
       uint8_t* out = a.out + token * row_bytes;
       const bool own = (tbits & own_bit) != 0;  // pull mode, a token that went to my domain
-      if (own) {
-        // My domain's partial first, into the token's output row (and weights): round(sum over j ascending) of its
-        // rows read in place, the partial my own ring carried in FIFO mode.
-        const unsigned b = __ballot_sync(0xffffffffu, (bits & own_bit) != 0);
-        const int64_t idx = own_first + count_of(lo, hi, c.domain) + __popc(b & below);
-        const int row = lane < nvl && idx < a.fwd_capacity ? a.fwd_rows[idx * nvl + lane] : -1;  // -1: not sent to j
-        const int nown = pull_sources(c, pull, row, row_bytes, a.num_topk, lane, srcs, wsrcs);
-        __syncwarp();
-        reduce_row<T>(out, out_w, srcs, nown, nullptr, nullptr, row_bytes, a.num_topk, lane, wsrcs);
-        __syncwarp();  // srcs is rewritten below
-      }
-      // The partials, domains ascending (uniform); my domain's (pull mode) is the output row just written, read
-      // back by the lanes that wrote it (reduce_row maps each vector and weight to the same lane every call).
+      // The partials, domains ascending (uniform); my domain's (pull mode) is the output row written before the
+      // wait, read back by the lanes that wrote it (reduce_row maps each vector and weight to the same lane every
+      // call).
       for (uint64_t todo = rest | (own ? own_bit : 0); todo != 0; todo &= todo - 1) {
         const int x = __ffsll(static_cast<long long>(todo)) - 1;
         if (kPull && x == c.domain) {
@@ -719,6 +832,11 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
     const auto accepts = [](const PullInputBlocks& in) { return in.x_offset >= 0; };  // w_offset goes with it
     if (!intranode::begin_direct_call(call, domain, nvl_pull_site(c), mine, a.nvl_signature, dog, accepts)) return;
   }
+  // Pull mode's staged chunks of this call start at 0 (put_staged): the grid barrier below publishes the reset to
+  // block 3c before its first read (written before by the previous call's forwarder block only).
+  if constexpr (kPullCall) {
+    if (role == 1 && threadIdx.x == 0) *reinterpret_cast<volatile int*>(&rdma_ctl(c)->staged[ch]) = 0;
+  }
   if (!drain_previous_calls(c, dog)) return;  // earlier calls drained; no ring written before this
   // The same in every block of every rank of the domain; a constant false without a pool.
   const bool pull = kPullCall && call.in_pool != 0;
@@ -728,7 +846,9 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
   } else if (role == 2) {
     if (pull) receive<T, true>(a, &call, ch, warp, lane, dog, row_bytes, s_srcs, &s_wsrcs);
     else receive<T, false>(a, nullptr, ch, warp, lane, dog, row_bytes, s_srcs, nullptr);
-  } else if (!pull) {  // pull mode: the NVLink senders have nothing to send
+  } else if (pull) {  // pull mode: the NVLink senders have nothing to send; this block puts the forwarder's chunks
+    put_staged(a, ch, warp, lane, dog);
+  } else {
     const int warps = kWarps / c.nvl_size;
     const int group = warp / warps, group_warp = warp % warps;
     if (group < c.nvl_size) nvl_send(a, ch, group, group_warp, warps, lane, &shared_ok[group], dog, row_bytes);

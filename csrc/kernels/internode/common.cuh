@@ -6,7 +6,8 @@
 // Counters are monotonic u64 and never reset, as for the NVLink FIFOs (channel.cuh).
 //
 // Across domains only public NVSHMEM calls are used:
-//   data:   every warp that staged rows puts them itself (nvshmemx_putmem_nbi_warp from the
+//   data:   every warp that staged rows puts them itself, or (the pull combine's block 3c) a warp
+//           that acquired a word released after their staging (nvshmemx_putmem_nbi_warp from the
 //           symmetric staging slots, same slot index as the destination) and completes them
 //           (nvshmem_quiet); after a group barrier one thread publishes the tail with
 //           nvshmemx_signal_op(tail, value, NVSHMEM_SIGNAL_SET, pe).
@@ -57,12 +58,15 @@ __device__ __forceinline__ uint8_t* nvl_ring(const Common& c, uint8_t* base, int
 // One warp: copy rows [first, first + n) of my staging ring for domain x into the same slots of x's
 // ring (c, my domain), split where the ring wraps, and complete them (nvshmem_quiet). Every warp of a
 // group puts the rows it staged itself, right after staging them, so all warps move data over the link
-// at once; the tail is published afterwards by rdma_signal_tail. Precondition: this warp staged the
-// rows (plain stores), and n <= slots. Nothing to do for my own domain (rows are written in place).
+// at once (the pull combine: block 3c's warps put the forwarder block's chunks); the tail is published
+// afterwards by rdma_signal_tail. Precondition: this warp staged the rows (plain stores), or acquired a
+// word released after their staging (the pull combine's RdmaControl::staged); the __syncwarp below then
+// orders those stores, or that acquire, before the copy's loads. And n <= slots. Nothing to do for my own
+// domain (rows are written in place).
 __device__ __forceinline__ void rdma_put_rows(const Common& c, int x, int ch, uint64_t first, int n, int slots,
                                               int slot_bytes, int lane) {
   if (x == c.domain || n <= 0) return;
-  __syncwarp();  // the lanes' staging stores before the warp-wide copy reads them
+  __syncwarp();  // the lanes' staging stores (or the acquire that published them) before the warp-wide copy reads them
   const int pe = team_pe(c, x);
   uint8_t* src = rdma_send_ring(c, x, ch, slots, slot_bytes);
   uint8_t* dst = rdma_recv_ring(c, c.domain, ch, slots, slot_bytes);  // same offsets in x's buffer

@@ -48,11 +48,13 @@ enum Phase : int32_t {
   kPhaseNvlDirectArrive = 34,  // dispatch, direct NVLink hop: waiting for a domain peer's blocks to finish writing here
   kPhaseNvlPullReady = 35,     // combine, pull NVLink hop: waiting for a domain peer's kernel to start
   kPhaseNvlPullArrive = 36,    // combine, pull NVLink hop: waiting for a domain peer to finish reading this rank's rows
+  kPhaseCombinePut = 37,       // combine, pull NVLink hop: block 3c waiting for this rank's forwarder to stage chunks
 };
 
 // Start of the symmetric (NVSHMEM) buffer of every rank. Every word is written by exactly one
 // remote (or local) writer and read locally (ld.acquire.sys); the index x is a domain, i.e. the
-// team member of domain x. Monotonic counters, never reset (zeroed once at creation).
+// team member of domain x. Monotonic counters, never reset (zeroed once at creation), except staged (last):
+// a count within one call, reset by every combine kernel launched along a pool handle (combine.cu).
 struct RdmaControl {
   uint64_t notify_signal[kMaxDomains];           // [x]: epoch of x's latest notify message (putmem_signal)
   uint64_t tail[kMaxChannels][kMaxDomains];      // [c][x]: rows x published into my ring (c, x)
@@ -72,6 +74,11 @@ struct RdmaControl {
   // read by my forwarder (dispatch) / source receiver (combine) after its first tail acquire of the call on a
   // ring from x. Last, so that no word above moves.
   uint64_t ring_signature[kMaxDomains];
+  // [c]: chunks of channel c that my combine forwarder block has staged in this call (pull mode: block 3c puts them,
+  // combine.cu). Local only: reset to 0 by the forwarder block before the kernel's grid barrier, then written by its
+  // commit warp (st.release.sys, chunks in order) and read by block 3c's put warps (ld.relaxed.sys polls, then one
+  // ld.acquire.sys: wait_while_relaxed, whose words are int). Appended last, so that no word above moves.
+  int staged[kMaxChannels];
 };
 static_assert(sizeof(RdmaControl) <= 69632, "RdmaControl must keep the size Python assumes (RDMA_CONTROL_BYTES)");
 constexpr size_t kRdmaControlBytes = (sizeof(RdmaControl) + 4095) / 4096 * 4096;

@@ -9,6 +9,8 @@
 //
 // Protocol, per call n (n = my words.calls + 1; every rank makes the same calls of a kind in the same order, so
 // n is the same on every rank):
+//  0. Start (begin): a rank whose Buffer already failed (the watchdog's sticky claim word set by an earlier call's
+//     timeout or an honoured abort) returns from every block at once, publishing nothing (below).
 //  1. Ready (begin): my block 0 stores my blocks of call n and the call's layout word into every peer's
 //     words.blocks[me] / words.layout[me] (plain stores), then n into its words.ready[me] (st.release.sys: it
 //     publishes the stores before it). My kernel of call n starts after everything my stream queued before it, so
@@ -91,8 +93,14 @@ __device__ __forceinline__ bool begin_direct_call(DirectCallState<Blocks>& call,
   if (threadIdx.x == 0) {
     call.n = *reinterpret_cast<volatile uint64_t*>(&own.calls) + 1;
     call.ready = call.in_pool = call.all_arrived = 1;
+    // 0. A rank whose earlier call timed out or honoured an abort (its sticky claim word) publishes nothing: that
+    // call left words.calls as it was, so this one would publish new blocks under the same number n, where a peer
+    // still late with the failed call could find them and write into memory handed out since. Every block
+    // returns; the host raises at its next check, and the peers time out or see the abort.
+    if (*reinterpret_cast<const volatile int32_t*>(dog.claim) != 0) call.ready = 0;
   }
   __syncthreads();
+  if (!call.ready) return false;
   const uint64_t n = call.n;
   if (blockIdx.x == 0 && threadIdx.x < num_ranks) {  // 1. my blocks of call n, then ready for call n
     DirectCallWords<Blocks>& peer = direct_call_words(c, threadIdx.x, site);
