@@ -221,17 +221,27 @@ class StepProfile:
             return {}
         return exposed_share(list(self._device_spans()), self.num_steps)
 
-    def top_kernels(self, top: int = 8) -> dict[str, list[tuple[str, float]]]:
-        """Per part, its `top` costliest kernels (CPU: ops) as (name cut to 100 characters, ms per step)."""
+    def top_kernels(self, top: int = 8) -> dict[str, list[tuple[str, float, float, float]]]:
+        """Per part, its `top` costliest kernels (CPU: ops), costliest first, as (name cut to 100 characters, ms
+        per step, launches per step, the longest launch's ms). A kernel whose longest launch is many times its
+        mean (ms per step / launches per step) spends most of its time in a few launches: for a kernel that waits
+        for its peers, the ranks' skew at those calls rather than its own work."""
         if self.profiler is None or not self.num_steps:
             return {}
         totals: dict[tuple[str, str], float] = defaultdict(float)
+        counts: dict[tuple[str, str], int] = defaultdict(int)
+        longest: dict[tuple[str, str], float] = defaultdict(float)
         for part, name, us in self._charged():
-            totals[part, name[:100]] += us
-        out: dict[str, list[tuple[str, float]]] = {part: [] for part in PARTS}
+            key = part, name[:100]
+            totals[key] += us
+            counts[key] += 1
+            longest[key] = max(longest[key], us)
+        out: dict[str, list[tuple[str, float, float, float]]] = {part: [] for part in PARTS}
         for (part, name), us in sorted(totals.items(), key=lambda item: -item[1]):
             if len(out[part]) < top:
-                out[part].append((name, round(us / 1e3 / self.num_steps, 3)))
+                key = part, name
+                out[part].append((name, round(us / 1e3 / self.num_steps, 3), round(counts[key] / self.num_steps, 2),
+                                  round(longest[key] / 1e3, 3)))
         return out
 
 
