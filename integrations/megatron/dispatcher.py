@@ -144,7 +144,8 @@ class MoEDispatcherTokenDispatcher(MoETokenDispatcher):
         buffer = get_buffer(self.group, hidden=hidden_states.shape[-1], element_size=hidden_states.element_size(),
                             backend=self.buffer_backend)
         x, weights = comm_timer.backward_end("dispatch", hidden_states, probs)
-        worst = self._row_budget.rows_for(hidden_states.shape[0], self._topk_idx.shape[1])  # 0: exact
+        worst = self._row_budget.rows_for(hidden_states.shape[0], self._topk_idx.shape[1],  # 0: exact
+                                          hidden_states.device)
         with comm_timer.forward("dispatch", hidden_states.device):
             permuted, permuted_probs, counts, tpe, handle = md_autograd.expert_major_dispatch(
                 buffer, x, self._topk_idx, weights, self.num_dispatch_experts, expert_alignment=self.pad_multiple,

@@ -11,7 +11,8 @@ The expert-major dispatch writes a tensor of M rows whose M the host must know w
   59,331 tokens/s, 21.71 ms and 9.02 ms with 2 steps re-run; on 4 x H200 with the DeepSeek-V3-like config
   60,538 against 60,068 tokens/s. So exact is the only automatic sizing.
 - ``bound`` (opt-in, for stable routings: inference, benchmarks): no host sync. The first call
-  of a dispatcher is exact and seeds a high-water mark of the rows needed ($MOE_DISPATCHER_EXPERT_ROWS_INITIAL=N:
+  of a dispatcher is exact and seeds a high-water mark of the rows needed (its maximum over the group, one
+  all-reduce before the first fixed M, so every rank sizes alike) ($MOE_DISPATCHER_EXPERT_ROWS_INITIAL=N:
   it uses M = N instead, no host sync at all); later calls use M = max(mark x headroom, mark + 2 x alignment
   x local experts) ($MOE_DISPATCHER_EXPERT_ROWS_HEADROOM, default 1.1), rounded up to 128, and
   tokens_per_expert stays on the device. Each call's need is reduced to its maximum over the group (an
@@ -69,6 +70,9 @@ class ExpertRowBudget:
         self.slack = 2 * self.align * max(1, num_local_experts)  # rows: the alignment padding may move that much
         self.group = group  # process group whose maximum need every rank uses (None: this rank's own)
         self.high_water = None  # most rows any call needed so far (host int), None before the first call
+        # high_water holds this rank's own counts (from exact calls), not yet the group's maximum: the first
+        # fixed M is then made from the group's maximum mark (one all-reduce), so every rank gets the same M
+        self._mark_is_local = False
         self.dropped_calls = 0  # calls under a capacity factor that dropped rows (observed so far)
         self._pending: deque = deque()  # (pinned int64 slot, event or None, limit, call number)
         self._pinned = None
@@ -80,10 +84,16 @@ class ExpertRowBudget:
     def _round(self, rows: float) -> int:
         return max(self.quantum, math.ceil(rows / self.quantum) * self.quantum)
 
-    def rows_for(self, num_tokens: int, num_topk: int) -> int:
+    def rows_for(self, num_tokens: int, num_topk: int, device: torch.device | None = None) -> int:
         """M for the next call, or 0: make it a synchronised (exact) call, as the default sizing always does
         (without a capacity factor). Raises RuntimeError (on every rank at the same call) when an earlier
-        call overflowed."""
+        call overflowed. device: where the group's collectives run (a CUDA device for NCCL; None: CPU).
+
+        Every rank returns the same M at the same call: an overflow is judged against it on every rank, so
+        an M that differed by rank could let one rank raise while another went on to its next collective
+        and waited there. With bound sizing the mark seeded by exact calls (each rank's own count) is
+        therefore replaced by its maximum over the group before the first fixed M (one all-reduce, once);
+        the needs of later calls are group-wide already (watch)."""
         self.poll()
         if self.capacity_factor is not None:
             return self._round(num_tokens * num_topk * self.capacity_factor)
@@ -92,11 +102,26 @@ class ExpertRowBudget:
         if self.high_water is None:
             initial = env_int(INITIAL_ENV, 0, minimum=0)
             return self._round(initial) if initial > 0 else 0
+        if self._mark_is_local:
+            self.high_water = self._group_max(self.high_water, device)
+            self._mark_is_local = False
         return self._round(max(self.high_water * self.headroom, self.high_water + self.slack))
 
     def observe(self, rows_needed: int) -> None:
-        """A synchronised call's exact row count (already on the host)."""
+        """A synchronised call's exact row count (already on the host): this rank's own."""
+        self._raise_mark(rows_needed)
+        self._mark_is_local = True
+
+    def _raise_mark(self, rows_needed: int) -> None:
         self.high_water = rows_needed if self.high_water is None else max(self.high_water, rows_needed)
+
+    def _group_max(self, value: int, device: torch.device | None) -> int:
+        """The maximum of `value` over the group (a host sync; the group's backend decides the device)."""
+        if self.group is None or torch.distributed.get_world_size(self.group) <= 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        return int(t.item())
 
     def watch(self, rows_needed: torch.Tensor, limit: int) -> None:
         """After a call with num_worst_tokens=limit: read its need later (LAG calls later, or at the step's end:
@@ -152,7 +177,7 @@ class ExpertRowBudget:
             self._settle(int(slot[0]), limit)
 
     def _settle(self, need: int, limit: int) -> None:
-        self.observe(need)
+        self._raise_mark(need)  # the group's maximum (reduced at the call): the mark stays the same everywhere
         if need <= limit:
             return
         if self.capacity_factor is not None:

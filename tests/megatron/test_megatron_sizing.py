@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from moe_dispatcher.integrations.megatron import sizing
+from tests.helpers.dist import run_distributed
 
 
 @pytest.fixture
@@ -181,3 +182,26 @@ def test_bound_mode_checks_the_last_calls_on_a_gpu(bound):
     d._row_budget.watch(torch.tensor(400, device="cuda"), d._row_budget.rows_for(10, 2))
     with pytest.raises(RuntimeError, match="needed 400 rows"):
         guard.check_expert_rows()
+
+
+def _ranks_size_alike(rank: int, world_size: int) -> tuple[int, bool]:
+    """Rank r's exact first call needed 100 * (r + 1) rows; its first fixed M, and whether a group-wide need
+    of 230 rows overflowed that M (settle raised)."""
+    b = sizing.ExpertRowBudget(align=1, headroom=1.0, group=torch.distributed.group.WORLD)
+    b.observe(100 * (rank + 1))
+    m = b.rows_for(4096, 8)
+    b.watch(torch.tensor(230), m)  # reduced over the group inside watch: 230 on every rank
+    try:
+        b.settle()
+    except RuntimeError:
+        return m, True
+    return m, False
+
+
+def test_bound_sizing_gives_every_rank_the_same_m():
+    """The mark an exact call seeds is this rank's own count; the first fixed M comes from its maximum over the
+    group, so the ranks size alike and an overflow raises on every rank or none (here none: M = 256 covers
+    230). With each rank's own mark, rank 0 would take M = 128 and raise alone while rank 1 went on."""
+    results = run_distributed(_ranks_size_alike, 2, env={sizing.ROWS_ENV: "bound"})
+    assert results == [(256, False), (256, False)], results
+
