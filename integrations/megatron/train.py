@@ -402,6 +402,14 @@ def _train(cfg: dict[str, dict[str, Any]], device: torch.device, show_progress: 
               "comm_seconds": comm_total, "measured_seconds": measured["time"],
               "allocator_per_step": allocator_per_step(allocator_from, allocator_syncs(device),
                                                        steps - min(log_every, steps - 1))}
+    # Every rank's breakdown (a collective on every rank): a kernel that waits for its peers (the first
+    # synchronising kernel of a layer) is long on the ranks that arrive early and short on the late one, so the
+    # ranks' figures side by side tell the ranks' skew from the exchange's own work.
+    by_rank: list = [None] * world
+    dist.all_gather_object(by_rank, {"breakdown_ms": result["breakdown_ms"],
+                                     "busy_fraction": result["gpu_busy"].get("busy_fraction")})
+    result["breakdown_ms_by_rank"] = [r["breakdown_ms"] for r in by_rank]
+    result["gpu_busy_by_rank"] = [r["busy_fraction"] for r in by_rank]
     if rank == 0:
         comm_s = sum(comm_total.values())
         share = f"{100 * comm_s / measured['time']:.1f}% of" if measured["time"] else "n/a of"
@@ -412,6 +420,10 @@ def _train(cfg: dict[str, dict[str, Any]], device: torch.device, show_progress: 
             parts = " | ".join(f"{part} {ms:.2f}" for part, ms in result["breakdown_ms"].items())
             print(f"step breakdown over {profile_steps} profiled steps ({result['breakdown_unit']}, rank 0): {parts}",
                   flush=True)
+        if result["breakdown_ms"] and world > 1:
+            parts = " | ".join(f"{part} " + " / ".join(f"{r.get(part, 0.0):.2f}" for r in result["breakdown_ms_by_rank"])
+                               for part in ("dispatch", "permute", "combine", "experts"))
+            print(f"the same by rank (ranks 0..{world - 1}): {parts}", flush=True)
         if result["host_ms"]:
             parts = " | ".join(f"{part} {ms:.2f}" for part, ms in result["host_ms"].items())
             print(f"host wall time inside the MoE parts (ms per profiled step, rank 0): {parts}", flush=True)

@@ -153,6 +153,9 @@ def test_compare_cpu_grouped_experts(tmp_path):
         assert list(breakdown) == ["router", "dispatch", "permute", "experts", "combine", "rest"], breakdown
         assert all(breakdown[p] > 0 for p in ("router", "dispatch", "experts", "combine", "rest")), (name, breakdown)
         # Each part's costliest kernels (CPU: ops), at most 8, costliest first, and within the part's total.
+        # every rank's breakdown, rank 0's being the one above
+        assert len(res["breakdown_ms_by_rank"]) == res["world_size"] and res["breakdown_ms_by_rank"][0] == breakdown, res
+        assert all(list(r) == list(breakdown) for r in res["breakdown_ms_by_rank"]), res["breakdown_ms_by_rank"]
         top = res["top_kernels_ms"]
         assert list(top) == list(breakdown), top
         for part, rows in top.items():
