@@ -6,6 +6,7 @@ GPU of the same local index, and forward them over NVLink inside the domain.
 """
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -82,7 +83,9 @@ class Topology:
 
     @classmethod
     def from_group(cls, group: Optional[dist.ProcessGroup] = None, nvl_size: Optional[int] = None) -> "Topology":
-        """Topology of `group` (default: the world). Collective when hostnames must be gathered.
+        """Topology of `group` (default: the world). Collective unless `nvl_size` is given (every rank's hostname
+        and MOE_DISPATCHER_NVL_SIZE are gathered; a variable that differs between ranks raises ValueError on
+        every rank).
 
         Order of precedence: the `nvl_size` argument, the environment variable MOE_DISPATCHER_NVL_SIZE
         (emulate several domains on one host, or describe an unusual cluster), the hostnames of the ranks.
@@ -90,9 +93,18 @@ class Topology:
         rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
         if nvl_size is not None:
             return cls(rank, num_ranks, check_count("nvl_size", nvl_size, 1), "given")
+        # One gather whatever the source, of every rank's hostname and setting: a variable set on some ranks
+        # only would otherwise leave the others alone in the hostname gather. A setting that differs raises
+        # on every rank, naming each rank's value.
+        raw = (os.environ.get(NVL_SIZE_ENV) or "").strip()
+        gathered: list = [None] * num_ranks
+        dist.all_gather_object(gathered, (socket.gethostname(), raw), group=group)
+        settings = [setting for _, setting in gathered]
+        if len(set(settings)) > 1:
+            shown = ", ".join(f"rank {r}: {s!r}" if s else f"rank {r}: unset" for r, s in enumerate(settings))
+            raise ValueError(f"Topology: {NVL_SIZE_ENV} differs between the ranks of the group ({shown}); set it "
+                             "alike on every rank, or on none")
         size = env_int(NVL_SIZE_ENV, None, minimum=1)
         if size is not None:
             return cls(rank, num_ranks, size, "env")
-        hostnames: list = [None] * num_ranks
-        dist.all_gather_object(hostnames, socket.gethostname(), group=group)
-        return cls.from_hostnames(rank, hostnames)
+        return cls.from_hostnames(rank, [hostname for hostname, _ in gathered])

@@ -237,3 +237,26 @@ def test_disagreeing_ranks_raise_on_every_rank(world_size: int, variant: str) ->
     outcomes = run_distributed(_worker, world_size, variant, env=ENV, timeout=280)[0]
     for label, outcome in outcomes:
         print(f"| {label} | {world_size} ranks, {variant} | {outcome} |")
+
+
+def _topology_with_nvl_size_on_last_rank(rank: int, num_ranks: int) -> str:
+    """MOE_DISPATCHER_NVL_SIZE set on the last rank only: Topology.from_group must raise on every rank (before,
+    the last rank took the variable and the others waited alone in the hostname gather)."""
+    from moe_dispatcher.topology import NVL_SIZE_ENV, Topology
+
+    os.environ.pop(NVL_SIZE_ENV, None)
+    if rank == num_ranks - 1:
+        os.environ[NVL_SIZE_ENV] = "1"
+    try:
+        Topology.from_group(dist.group.WORLD)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4])
+def test_nvl_size_variable_on_one_rank_raises_on_every_rank(num_ranks):
+    messages = run_distributed(_topology_with_nvl_size_on_last_rank, num_ranks, env=ENV, timeout=60)
+    for rank, message in enumerate(messages):
+        assert "MOE_DISPATCHER_NVL_SIZE differs" in message and f"rank {num_ranks - 1}: '1'" in message \
+            and "rank 0: unset" in message, (rank, message)
