@@ -25,6 +25,9 @@ The expert-major dispatch writes a tensor of M rows whose M the host must know w
   training driver call), so an overflow raises by the end of its step at the latest. The need is the one
   the dispatch's exchanged counts give (rows_needed of the expert-major handle), which counts the rows a
   dispatch dropped too.
+- The variables are read at a dispatcher's first call (the headroom when it is made) and must be alike on every
+  rank of its group: their raw values are gathered there once, and one that differs raises ValueError on every
+  rank, naming each rank's value.
 - ``moe_expert_rank_capacity_factor`` set in the config (Megatron's static budget for HybridEP), in either
   mode: M = T * K * factor, rounded up; pairs past it are dropped (a training choice, like a capacity
   factor) and counted (ExpertRowBudget.dropped_calls), never raised.
@@ -32,6 +35,7 @@ The expert-major dispatch writes a tensor of M rows whose M the host must know w
 from __future__ import annotations
 
 import math
+import os
 from collections import deque
 
 import torch
@@ -73,6 +77,7 @@ class ExpertRowBudget:
         # high_water holds this rank's own counts (from exact calls), not yet the group's maximum: the first
         # fixed M is then made from the group's maximum mark (one all-reduce), so every rank gets the same M
         self._mark_is_local = False
+        self._settings: tuple[str, int] | None = None  # (mode, initial rows): _agree_settings, at the first call
         self.dropped_calls = 0  # calls under a capacity factor that dropped rows (observed so far)
         self._pending: deque = deque()  # (pinned int64 slot, event or None, limit, call number)
         self._pinned = None
@@ -97,15 +102,36 @@ class ExpertRowBudget:
         self.poll()
         if self.capacity_factor is not None:
             return self._round(num_tokens * num_topk * self.capacity_factor)
-        if rows_setting() != "bound":
+        if self._settings is None:
+            self._settings = self._agree_settings()
+        mode, initial = self._settings
+        if mode != "bound":
             return 0
         if self.high_water is None:
-            initial = env_int(INITIAL_ENV, 0, minimum=0)
             return self._round(initial) if initial > 0 else 0
         if self._mark_is_local:
             self.high_water = self._group_max(self.high_water, device)
             self._mark_is_local = False
         return self._round(max(self.high_water * self.headroom, self.high_water + self.slack))
+
+    def _agree_settings(self) -> tuple[str, int]:
+        """(mode, initial rows) from $MOE_DISPATCHER_EXPERT_ROWS and $MOE_DISPATCHER_EXPERT_ROWS_INITIAL, read once
+        (the first call) and the same on every rank: the raw values of the sizing variables (the headroom's too,
+        which __init__ read) are gathered over the group, and one that differs raises ValueError on every rank,
+        naming each rank's value (a rank sizing exactly beside one sizing by a bound would wait alone in the
+        bound's collectives)."""
+        names = (ROWS_ENV, HEADROOM_ENV, INITIAL_ENV)
+        raw = tuple((os.environ.get(name) or "").strip() for name in names)
+        if self.group is not None and torch.distributed.get_world_size(self.group) > 1:
+            gathered: list = [None] * torch.distributed.get_world_size(self.group)
+            torch.distributed.all_gather_object(gathered, raw, group=self.group)
+            for i, name in enumerate(names):
+                values = [r[i] for r in gathered]
+                if len(set(values)) > 1:
+                    shown = ", ".join(f"rank {r}: {v!r}" if v else f"rank {r}: unset" for r, v in enumerate(values))
+                    raise ValueError(f"moe_dispatcher: {name} differs between the ranks of the expert-parallel group "
+                                     f"({shown}); set it alike on every rank, or on none")
+        return rows_setting(), env_int(INITIAL_ENV, 0, minimum=0)
 
     def observe(self, rows_needed: int) -> None:
         """A synchronised call's exact row count (already on the host): this rank's own."""

@@ -205,3 +205,29 @@ def test_bound_sizing_gives_every_rank_the_same_m():
     results = run_distributed(_ranks_size_alike, 2, env={sizing.ROWS_ENV: "bound"})
     assert results == [(256, False), (256, False)], results
 
+
+def _sizing_variable_on_last_rank(rank: int, world_size: int, name: str, value: str) -> str:
+    """`name` = `value` on the last rank only (bound sizing everywhere): the first call's agreement must raise
+    on every rank."""
+    import os
+
+    if rank == world_size - 1:
+        os.environ[name] = value
+    b = sizing.ExpertRowBudget(align=1, group=torch.distributed.group.WORLD)
+    try:
+        b.rows_for(4096, 8)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("name,value", [(sizing.HEADROOM_ENV, "1.5"), (sizing.INITIAL_ENV, "300")])
+def test_sizing_variable_on_one_rank_raises_on_every_rank(name, value):
+    """Before, each rank read its own: a headroom set on one rank gave it another M (one rank raising alone on an
+    overflow, the other waiting in its next collective), an initial M on one rank made it skip the exact call
+    that its peers made."""
+    messages = run_distributed(_sizing_variable_on_last_rank, 2, name, value, env={sizing.ROWS_ENV: "bound"})
+    for message in messages:
+        assert f"{name} differs" in message and f"rank 1: {value!r}" in message and "rank 0: unset" in message, \
+            messages
+
