@@ -121,7 +121,8 @@ class Buffer:
             raise
         self._agree(Signature("Buffer creation", (
             num_nvl_bytes, num_rdma_bytes, bool(low_latency_mode), nvl_size, backend, num_qps_per_rank,
-            bool(allow_nvlink_for_low_latency_mode), bool(explicitly_destroy), num_pool_bytes)))
+            bool(allow_nvlink_for_low_latency_mode), bool(explicitly_destroy), num_pool_bytes,
+            bool(self._check_layout))))  # the layout check adds a gather to every fresh dispatch: on every rank or none
         self.topology = topology if topology is not None else Topology.from_group(self.group)
         if (self.topology.rank, self.topology.num_ranks) != (self.rank, self.group_size):
             raise ValueError(f"topology describes rank {self.topology.rank} of {self.topology.num_ranks}, but this "

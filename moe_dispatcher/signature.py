@@ -32,7 +32,7 @@ _CONFIG = ("config.num_sms", "config.num_max_nvl_chunked_send_tokens", "config.n
 FIELDS: Dict[str, Tuple[str, ...]] = {
     "Buffer creation": ("num_nvl_bytes", "num_rdma_bytes", "low_latency_mode", "NVLink domain size", "backend",
                         "num_qps_per_rank", "allow_nvlink_for_low_latency_mode", "explicitly_destroy",
-                        "num_pool_bytes"),
+                        "num_pool_bytes", "MOE_DISPATCHER_CHECK_LAYOUT"),
     "dispatch": ("hidden", "x dtype", "x_scales dtype", "x_scales columns", "top-k", "topk_weights given",
                  "num_experts") + _CONFIG,
     "expert-major dispatch": ("hidden", "x dtype", "x_scales dtype", "x_scales columns", "top-k",
@@ -54,7 +54,7 @@ BACKENDS = ("auto", "reference", "kernels")
 REDUCTIONS = ("per_rank", "per_expert")
 _NAMED = {"x dtype": DTYPES, "x_scales dtype": DTYPES, "backend": BACKENDS, "reduction": REDUCTIONS}
 _FLAGS = {"topk_weights given", "low_latency_mode", "allow_nvlink_for_low_latency_mode", "explicitly_destroy",
-          "use_fp8", "round_scale", "use_ue8m0"}
+          "use_fp8", "round_scale", "use_ue8m0", "MOE_DISPATCHER_CHECK_LAYOUT"}
 
 # Local problems (word 1): found by one rank in its own arguments, raised by every rank.
 PROBLEMS = {

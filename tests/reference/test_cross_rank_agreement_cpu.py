@@ -110,11 +110,20 @@ def _cases(c: _Ctx, a, la) -> list[tuple[str, str, Callable[[bool], object], str
         finally:
             os.environ.pop("MOE_DISPATCHER_NVL_SIZE", None)
 
+    def check_layout_env_buffer(bad: bool):
+        os.environ["MOE_DISPATCHER_CHECK_LAYOUT"] = "1" if odd(bad) else ""
+        try:
+            new_buffer()
+        finally:
+            os.environ.pop("MOE_DISPATCHER_CHECK_LAYOUT", None)
+
     return [
         # ---- Buffer creation
         ("Buffer: num_nvl_bytes", "agree",
          lambda bad: _buffer_of_nvl_bytes(bad, c), r"Buffer creation: .*num_nvl_bytes differs"),
         ("Buffer: MOE_DISPATCHER_NVL_SIZE", "agree", nvl_env_buffer, r"Buffer creation: .*NVLink domain size differs"),
+        ("Buffer: MOE_DISPATCHER_CHECK_LAYOUT", "agree", check_layout_env_buffer,
+         r"Buffer creation: .*MOE_DISPATCHER_CHECK_LAYOUT differs"),
         ("Buffer: low_latency_mode", "agree",
          lambda bad: new_buffer(low_latency=odd(bad), max_tokens=MAX_T,
                                 hidden=H, num_experts=e), r"low_latency_mode differs"),
