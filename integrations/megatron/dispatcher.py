@@ -22,6 +22,8 @@ partial outputs (see permutation.routing_to_topk).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 from megatron.core.transformer.enums import CudaGraphModule
@@ -203,7 +205,9 @@ class MoEDispatcherLowLatencyTokenDispatcher(MoEDispatcherTokenDispatcher):
     and ``moe_apply_probs_on_input`` / expert biases, which do not commute with that, are refused.
 
     maxT, the most tokens any rank sends per call, is $MOE_DISPATCHER_LL_MAX_TOKENS_PER_RANK when set (no
-    extra work per call); otherwise it is the running maximum over the group, found with one small
+    extra work per call; it must be alike on every rank: the first call gathers it once and raises on every rank
+    if it differs; a rank with more tokens has its dispatch refused by the Buffer, whose abort fails its peers'
+    call too); otherwise it is the running maximum over the group, found with one small
     all-reduce per call. Megatron's experts split their input on the host, so the received counts are read
     once per call (one device-to-host copy of E_local ints).
     """
@@ -221,19 +225,33 @@ class MoEDispatcherLowLatencyTokenDispatcher(MoEDispatcherTokenDispatcher):
                                       "weights the expert outputs itself; use moe_token_dispatcher_type "
                                       "'moe_dispatcher'")
         self.fixed_max_tokens = fixed_max_tokens_per_rank()
+        self._max_tokens_agreed = False
         self._max_tokens = 0
         self._packing: LowLatencyPacking | None = None
 
     def _num_max_tokens(self, num_tokens: int, device: torch.device) -> int:
+        if not self._max_tokens_agreed:  # the first call: the variable alike on every rank, or a raise on every rank
+            self._agree_fixed_max_tokens()
         if self.fixed_max_tokens is not None:
-            if num_tokens > self.fixed_max_tokens:
-                raise ValueError(f"{num_tokens} tokens on this rank exceed {LL_MAX_TOKENS_ENV}="
-                                 f"{self.fixed_max_tokens}")
+            # More tokens than that: the Buffer's dispatch refuses them and its abort fails the peers' call too.
             return self.fixed_max_tokens
         count = torch.tensor([num_tokens], dtype=torch.int64, device=device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
         self._max_tokens = max(self._max_tokens, int(count.item()))  # a high-water mark: no buffer churn
         return self._max_tokens
+
+    def _agree_fixed_max_tokens(self) -> None:
+        """$MOE_DISPATCHER_LL_MAX_TOKENS_PER_RANK must be alike on every rank of the group: a rank with it skips
+        the per-call all-reduce its peers make. Gathered once; a value that differs raises ValueError on every
+        rank, naming each rank's value."""
+        raw = (os.environ.get(LL_MAX_TOKENS_ENV) or "").strip()
+        values: list = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(values, raw, group=self.group)
+        if len(set(values)) > 1:
+            shown = ", ".join(f"rank {r}: {v!r}" if v else f"rank {r}: unset" for r, v in enumerate(values))
+            raise ValueError(f"moe_dispatcher: {LL_MAX_TOKENS_ENV} differs between the ranks of the expert-parallel "
+                             f"group ({shown}); set it alike on every rank, or on none")
+        self._max_tokens_agreed = True
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor, async_finish: bool = True,
                        allocate_on_comm_stream: bool = True):

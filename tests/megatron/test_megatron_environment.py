@@ -100,3 +100,30 @@ def test_buffer_backend(monkeypatch):
     assert buffers.buffer_backend() == "kernels"
     monkeypatch.setenv("MOE_DISPATCHER_BACKEND", "auto")
     assert buffers.buffer_backend() is None
+
+
+def _ll_max_tokens_on_last_rank(rank: int, world_size: int) -> str:
+    """$MOE_DISPATCHER_LL_MAX_TOKENS_PER_RANK on the last rank only: the low-latency dispatcher's first call must
+    raise on every rank (before, that rank skipped the per-call all-reduce its peers waited in)."""
+    import os
+    import types
+
+    import torch.distributed as dist
+    from moe_dispatcher.integrations.megatron.dispatcher import MoEDispatcherLowLatencyTokenDispatcher
+
+    if rank == world_size - 1:
+        os.environ[LL_MAX_TOKENS_ENV] = "64"
+    dispatcher = types.SimpleNamespace(group=dist.group.WORLD, _max_tokens_agreed=False)
+    try:
+        MoEDispatcherLowLatencyTokenDispatcher._agree_fixed_max_tokens(dispatcher)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_ll_max_tokens_on_one_rank_raises_on_every_rank():
+    from tests.helpers.dist import run_distributed
+
+    for message in run_distributed(_ll_max_tokens_on_last_rank, 2):
+        assert f"{LL_MAX_TOKENS_ENV} differs" in message and "rank 1: '64'" in message and "rank 0: unset" in message, \
+            message
