@@ -97,3 +97,18 @@ def env_float(name: str, default: _D, *, minimum: float | None = None, greater_t
         bounds = _bounds(minimum, greater_than, maximum)
         raise _invalid(name, value, "a finite number" + (f" {bounds}" if bounds else ""))
     return number
+
+
+def env_raw(name: str) -> str:
+    """The variable's value as the readers see it (stripped; "" when unset or empty), for comparing ranks."""
+    return _raw(name) or ""
+
+
+def differing_setting(name: str, values: Sequence[str], group_name: str) -> ValueError | None:
+    """A ValueError naming every rank's value of `name` when the ranks' raw values (env_raw, gathered in rank
+    order over `group_name`) differ, for every rank to raise alike; None when they agree."""
+    if len(set(values)) <= 1:
+        return None
+    shown = ", ".join(f"rank {r}: {v!r}" if v else f"rank {r}: unset" for r, v in enumerate(values))
+    return ValueError(f"{name} differs between the ranks of {group_name} ({shown}); set it alike on every rank, "
+                      "or on none")

@@ -6,14 +6,13 @@ GPU of the same local index, and forward them over NVLink inside the domain.
 """
 from __future__ import annotations
 
-import os
 import socket
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch.distributed as dist
 
-from .env import env_int
+from .env import differing_setting, env_int, env_raw
 from .validation import check_count
 
 MAX_NVL_SIZE = 8
@@ -96,14 +95,11 @@ class Topology:
         # One gather whatever the source, of every rank's hostname and setting: a variable set on some ranks
         # only would otherwise leave the others alone in the hostname gather. A setting that differs raises
         # on every rank, naming each rank's value.
-        raw = (os.environ.get(NVL_SIZE_ENV) or "").strip()
         gathered: list = [None] * num_ranks
-        dist.all_gather_object(gathered, (socket.gethostname(), raw), group=group)
-        settings = [setting for _, setting in gathered]
-        if len(set(settings)) > 1:
-            shown = ", ".join(f"rank {r}: {s!r}" if s else f"rank {r}: unset" for r, s in enumerate(settings))
-            raise ValueError(f"Topology: {NVL_SIZE_ENV} differs between the ranks of the group ({shown}); set it "
-                             "alike on every rank, or on none")
+        dist.all_gather_object(gathered, (socket.gethostname(), env_raw(NVL_SIZE_ENV)), group=group)
+        differing = differing_setting(NVL_SIZE_ENV, [setting for _, setting in gathered], "the group")
+        if differing is not None:
+            raise differing
         size = env_int(NVL_SIZE_ENV, None, minimum=1)
         if size is not None:
             return cls(rank, num_ranks, size, "env")

@@ -22,8 +22,6 @@ partial outputs (see permutation.routing_to_topk).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 from megatron.core.transformer.enums import CudaGraphModule
@@ -32,7 +30,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from moe_dispatcher import Buffer
 from moe_dispatcher import autograd as md_autograd
-from moe_dispatcher.env import env_flag, env_int
+from moe_dispatcher.env import differing_setting, env_flag, env_int, env_raw
 
 from . import guard
 from .buffers import buffer_backend, get_buffer
@@ -244,13 +242,11 @@ class MoEDispatcherLowLatencyTokenDispatcher(MoEDispatcherTokenDispatcher):
         """$MOE_DISPATCHER_LL_MAX_TOKENS_PER_RANK must be alike on every rank of the group: a rank with it skips
         the per-call all-reduce its peers make. Gathered once; a value that differs raises ValueError on every
         rank, naming each rank's value."""
-        raw = (os.environ.get(LL_MAX_TOKENS_ENV) or "").strip()
         values: list = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(values, raw, group=self.group)
-        if len(set(values)) > 1:
-            shown = ", ".join(f"rank {r}: {v!r}" if v else f"rank {r}: unset" for r, v in enumerate(values))
-            raise ValueError(f"moe_dispatcher: {LL_MAX_TOKENS_ENV} differs between the ranks of the expert-parallel "
-                             f"group ({shown}); set it alike on every rank, or on none")
+        dist.all_gather_object(values, env_raw(LL_MAX_TOKENS_ENV), group=self.group)
+        differing = differing_setting(LL_MAX_TOKENS_ENV, values, "the expert-parallel group")
+        if differing is not None:
+            raise differing
         self._max_tokens_agreed = True
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor, async_finish: bool = True,

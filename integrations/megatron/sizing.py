@@ -35,12 +35,11 @@ The expert-major dispatch writes a tensor of M rows whose M the host must know w
 from __future__ import annotations
 
 import math
-import os
 from collections import deque
 
 import torch
 
-from moe_dispatcher.env import env_choice, env_float, env_int
+from moe_dispatcher.env import differing_setting, env_choice, env_float, env_int, env_raw
 
 ROWS_ENV = "MOE_DISPATCHER_EXPERT_ROWS"
 HEADROOM_ENV = "MOE_DISPATCHER_EXPERT_ROWS_HEADROOM"
@@ -121,16 +120,13 @@ class ExpertRowBudget:
         naming each rank's value (a rank sizing exactly beside one sizing by a bound would wait alone in the
         bound's collectives)."""
         names = (ROWS_ENV, HEADROOM_ENV, INITIAL_ENV)
-        raw = tuple((os.environ.get(name) or "").strip() for name in names)
         if self.group is not None and torch.distributed.get_world_size(self.group) > 1:
             gathered: list = [None] * torch.distributed.get_world_size(self.group)
-            torch.distributed.all_gather_object(gathered, raw, group=self.group)
+            torch.distributed.all_gather_object(gathered, tuple(env_raw(name) for name in names), group=self.group)
             for i, name in enumerate(names):
-                values = [r[i] for r in gathered]
-                if len(set(values)) > 1:
-                    shown = ", ".join(f"rank {r}: {v!r}" if v else f"rank {r}: unset" for r, v in enumerate(values))
-                    raise ValueError(f"moe_dispatcher: {name} differs between the ranks of the expert-parallel group "
-                                     f"({shown}); set it alike on every rank, or on none")
+                differing = differing_setting(name, [r[i] for r in gathered], "the expert-parallel group")
+                if differing is not None:
+                    raise differing
         return rows_setting(), env_int(INITIAL_ENV, 0, minimum=0)
 
     def observe(self, rows_needed: int) -> None:
