@@ -35,7 +35,7 @@ namespace {
 
 constexpr int kDirectWarps = 24;  // as the ring kernel: 1024 threads would cap ptxas at 64 registers (it spilled)
 constexpr int kDirectThreads = kDirectWarps * 32;
-constexpr int kDirectUnroll = 7;  // 16-byte loads in flight per lane: a lane-round moves 3584 bytes, so an FP8 7168 row takes 2 round trips and a BF16 one 4
+constexpr int kDirectUnroll = 6;  // 16-byte loads in flight per lane while copying a row (80 registers, no spill; 8 spills)
 
 // Whole warp: token t's row into row `row` of the outputs (payload `out` laid out as `o`, meta block `meta` as
 // `m`) of the rank whose experts are [lo, hi): payload, scales, top-k rebased to its local experts (weights zeroed
