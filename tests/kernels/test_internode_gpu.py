@@ -1,8 +1,8 @@
 """Internode (two-hop: NVSHMEM across domains, NVLink inside) kernels against the reference backend.
 
-Parametrised by (world size, NVLink domain size): 4 GPUs as 2 emulated domains of 2 and as 4 domains of 1
-(MOE_DISPATCHER_NVL_SIZE), 8 GPUs as 2 x 4 and 4 x 2 when present. Each world holds a kernels Buffer (which
-must pick the internode backend) and a reference Buffer on the same group; outputs are poisoned first.
+Parametrised by (world size, NVLink domain size): 2 GPUs as 2 emulated domains of 1, 4 GPUs as 2 domains of 2 and as
+4 domains of 1 (MOE_DISPATCHER_NVL_SIZE), 8 GPUs as 2 x 4 and 4 x 2 when present. Each world holds a kernels Buffer
+(which must pick the internode backend) and a reference Buffer on the same group; outputs are poisoned first.
 Dispatch must be bit-identical; combine equal within bf16 rounding (the two-hop sum rounds each domain's
 partial to the row dtype; docs/internode.md), and bit-exact on integer data.
 """
@@ -22,7 +22,8 @@ from normal_cases import routing as _routing
 
 pytestmark = pytest.mark.gpu
 MAX_HIDDEN_BYTES = 7168 * 2
-WORLDS = [pytest.param(4, 2, id="4-nvl2"), pytest.param(4, 1, id="4-nvl1"),
+# 2-nvl1: the smallest internode world (every row crosses the RDMA hop or stays on its rank), which 2 GPUs run.
+WORLDS = [pytest.param(2, 1, id="2-nvl1"), pytest.param(4, 2, id="4-nvl2"), pytest.param(4, 1, id="4-nvl1"),
           pytest.param(8, 4, id="8-nvl4"), pytest.param(8, 2, id="8-nvl2")]
 
 
@@ -156,18 +157,55 @@ def _world_dropped_rows(rank: int, world_size: int) -> None:
     rb.destroy()
 
 
-@pytest.mark.parametrize("world_size,nvl", WORLDS[:2])
+@pytest.mark.parametrize("world_size,nvl", WORLDS[:3])
 def test_composition_reports_dropped_rows(world_size: int, nvl: int) -> None:
     run_distributed(_world_dropped_rows, world_size, backend="nccl", env=dist_helpers.nvl_env(nvl))
 
 
-@pytest.mark.parametrize("world_size,nvl", WORLDS[:2])
+@pytest.mark.parametrize("world_size,nvl", WORLDS[:3])
 def test_timeout_names_rank_and_phase(world_size: int, nvl: int) -> None:
     env = {"MOE_DISPATCHER_TIMEOUT_S": "2", **dist_helpers.nvl_env(nvl)}
     run_distributed(_world_timeout, world_size, backend="nccl", env=env)
 
 
-@pytest.mark.parametrize("num_ranks,nvl", [(4, 2), (4, 1), (8, 4), (8, 2), (16, 8), (64, 1)])
+def _world_rdma_slot_not_whole_vectors(rank: int, world_size: int) -> None:
+    """The RDMA hop copies runs of slots in 16-byte vectors where the peer's buffer is mapped
+    (kernels/internode/common.cuh rdma_put_rows), so the bindings refuse an RDMA slot size that is not a multiple
+    of 16, on every rank, before any launch, naming the size; the Buffer works on. The call is the raw binding's
+    (the backend's slot sizes are multiples of 128), on tensors that make a kernel launched anyway move nothing
+    (recv_channel_offset[0][0] = kRefusedCall, -1: every block returns at once), so the code before the check
+    fails this test by not raising, and does not hang."""
+    from moe_dispatcher.compiled.internode import dispatch_slot_bytes
+    kb, rb = _buffers()
+    backend = kb._kernels
+    dev = torch.device("cuda", torch.cuda.current_device())
+    t, h = 64, 2048
+    geo = backend._geometry(None, False, dispatch_slot_bytes(2 * h, 0, 0))
+    geo[6] += 8  # RDMA slot bytes: a multiple of 8, not of 16 (the ring still fits: the buffer is sized for 14 KB rows)
+    channels = geo[0]
+    x = torch.zeros(t, h, dtype=torch.bfloat16, device=dev)
+    is_token_in_rank = torch.zeros(t, world_size, dtype=torch.bool, device=dev)
+    offsets = torch.full((world_size, channels + 1), -1, dtype=torch.int32, device=dev)
+    fwd_offset = torch.zeros(backend.num_domains, channels + 1, dtype=torch.int32, device=dev)
+    recv_x = torch.empty(1, h, dtype=torch.bfloat16, device=dev)
+    with case("dispatch binding, RDMA slot of 8 bytes past a multiple of 16"):
+        with pytest.raises(RuntimeError, match=f"RDMA slot size {geo[6]} bytes is not a positive multiple of 16"):
+            backend._mod.dispatch(backend._ctx, backend._timeout_ns, x, None, None, None, is_token_in_rank, offsets,
+                                  fwd_offset, None, 0, recv_x, None, None, None, None, 8, False, geo)
+        torch.cuda.synchronize()
+    with case("round trips after the refused geometry"):
+        check_back_to_back(kb, rb, rank, dev, 256, 2048, 8 * world_size, 4, rounds=4, after_loop=backend._check)
+    torch.cuda.synchronize()
+    kb.destroy()
+    rb.destroy()
+
+
+@pytest.mark.parametrize("world_size,nvl", WORLDS[:1])
+def test_rdma_slot_bytes_must_be_whole_vectors(world_size: int, nvl: int) -> None:
+    run_distributed(_world_rdma_slot_not_whole_vectors, world_size, backend="nccl", env=dist_helpers.nvl_env(nvl))
+
+
+@pytest.mark.parametrize("num_ranks,nvl", [(2, 1), (4, 2), (4, 1), (8, 4), (8, 2), (16, 8), (64, 1)])
 def test_size_hints_cover_the_extension_layout(num_ranks: int, nvl: int) -> None:
     """Config's size hints repeat the headers' arithmetic of the extension's buffer layout (so that they work
     without it): the layout the kernels get from a hinted buffer holds the config's rings. Needs the extension

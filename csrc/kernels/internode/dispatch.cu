@@ -2,7 +2,8 @@
 // so both hops overlap:
 //   block 3c   RDMA sender: for each destination domain x, the channel's tokens with a destination in
 //              x, in token order, once each, into ring (c, my domain) of the team member of x
-//              (NVSHMEM; for x = my domain straight into my own ring). Slot: payload | scales |
+//              (staged, then copied through nvshmem_ptr where x's buffer is mapped, else put with
+//              NVSHMEM; for x = my domain straight into my own ring). Slot: payload | scales |
 //              top-k (global expert ids) | weights | source token | mask of x's local ranks.
 //   block 3c+1 forwarder: drains my RDMA rings (c, x) for every source domain x (round robin over
 //              the rings with rows ready, up to nvl_chunk rows at a time) and copies each row to
@@ -123,6 +124,7 @@ __device__ void rdma_send(const DispatchArgs& a, int ch, int group, int groups, 
     // Cached: the ring signature before the first tail signal to x (the leader signals every tail below).
     if (leader && a.rdma_signature != 0) rdma_publish_signature(c, x, a.rdma_signature);
     uint8_t* ring = rdma_write_ring(c, x, ch, a.rdma_slots, a.rdma_slot_bytes);
+    uint8_t* const peer = rdma_peer_base(c, x);  // once per warp and destination domain (null: put + quiet)
     const uint64_t* head = &ctl->head[ch][x];
     uint64_t tail = *reinterpret_cast<volatile uint64_t*>(&ctl->tail_copy[ch][x]);
     int cursor = begin;
@@ -162,7 +164,9 @@ __device__ void rdma_send(const DispatchArgs& a, int ch, int group, int groups, 
       }
       ptx::group_sync(bar, threads);  // the credit acquired by the leader covers the slots below
       if (!*shared_ok) return;
-      // Warp w stages a contiguous run of the chunk's rows and puts that run itself.
+      // Warp w stages a contiguous run of the chunk's rows and moves that run itself (rdma_put_rows: a copy through
+      // the mapped pointer, kUnroll loads in flight per lane, and a system fence; or put + quiet where x is not
+      // mapped).
       const int per = (n + warps - 1) / warps;
       const int lo = min(n, group_warp * per), hi = min(n, lo + per);
       for (int i = lo; i < hi; ++i) {
@@ -181,8 +185,8 @@ __device__ void rdma_send(const DispatchArgs& a, int ch, int group, int groups, 
           *layout.tag(slot) = chunk_masks[i];
         }
       }
-      rdma_put_rows(c, x, ch, tail + lo, hi - lo, a.rdma_slots, a.rdma_slot_bytes, lane);
-      ptx::group_sync(bar, threads);  // every warp's slot stores / completed puts precede the tail
+      rdma_put_rows<kUnroll>(c, peer, x, ch, tail + lo, hi - lo, a.rdma_slots, a.rdma_slot_bytes, lane);
+      ptx::group_sync(bar, threads);  // every warp's slot stores / fenced copies / completed puts precede the tail
       tail += n;
       if (leader) {
         rdma_signal_tail(c, x, ch, tail);
