@@ -69,6 +69,24 @@ __device__ __forceinline__ uint8_t* rdma_peer_base(const Common& c, int x) {
   return x == c.domain ? nullptr : static_cast<uint8_t*>(nvshmem_ptr(c.rdma, team_pe(c, x)));
 }
 
+// Ring (ch, my domain) of the team member of domain x, as this GPU maps it (peer = rdma_peer_base(c, x), not null).
+__device__ __forceinline__ uint8_t* rdma_mapped_ring(const Common& c, uint8_t* peer, int ch, int slots,
+                                                     int slot_bytes) {
+  return peer + (rdma_recv_ring(c, c.domain, ch, slots, slot_bytes) - c.rdma);
+}
+
+// One warp, after its lanes stored rows into x's ring through the mapped pointer (rdma_put_rows' mapped path, or the
+// dispatch sender's rows written there directly): every lane's fence.acq_rel.sys, then the warp barrier. Each
+// lane's stores into x's slots precede its system fence, which precedes the barrier, and through it (and the group
+// barrier, or the board's CTA release / acquire) the publishing thread's fence.sys + signal SET of the tail
+// (rdma_signal_tail): a release pattern at system scope, cumulative over every lane's stores, so x's ld.acquire.sys
+// of the tail sees the rows. The per-lane fence also makes each lane's remote stores performed at system scope
+// before the warp reports them done, the role nvshmem_quiet has for a put.
+__device__ __forceinline__ void rdma_mapped_stores_done() {
+  ptx::fence_sys();
+  __syncwarp();
+}
+
 // One warp: the mapped path's copy of rdma_put_rows (n 16-byte vectors, kUnroll loads in flight per lane), out of
 // line: inlined into the combine's worker warps, its kUnroll x 4 data registers beside their live state spilled.
 // Internal linkage (static), so that ptxas compiles it under each calling kernel's register limit.
@@ -85,13 +103,9 @@ static __device__ __noinline__ void mapped_copy(int4* to, const int4* from, int 
 //   mapped (peer != null): the warp copies the run with plain 16-byte loads (ld.cg: the staging slots were
 //     written by this warp or, pull combine, by another block of this GPU) and stores through the mapped
 //     pointer, kUnroll loads in flight per lane (NVSHMEM's warp put over P2P keeps one, which made the
-//     combine's puts the bottleneck), then every lane fence.acq_rel.sys. Ordering: each lane's stores into
-//     x's slots precede its system fence, which precedes the warp barrier below, and through it (and the
-//     group barrier, or the board's CTA release / acquire) the publishing thread's fence.sys + signal SET of
-//     the tail (rdma_signal_tail): a release pattern at system scope that is cumulative over every lane's
-//     stores, so x's ld.acquire.sys of the tail sees the rows. The per-lane fence also makes each lane wait
-//     for its own remote stores to be performed at system scope before the warp reports the run done, as
-//     the quiet did. It replaces the quiet: nothing of this path is an NVSHMEM operation.
+//     combine's puts the bottleneck), then rdma_mapped_stores_done (every lane fence.acq_rel.sys, warp
+//     barrier: the ordering argument is there). It replaces the quiet: nothing of this path is an NVSHMEM
+//     operation.
 //   not mapped (peer == null): nvshmemx_putmem_nbi_warp, completed (delivered at x) by one lane's
 //     nvshmem_quiet, whatever the transport; after it and the barrier that follows, any thread may publish.
 // Both paths: every store into x's ring follows the credit acquire that covers the slots (the caller's), and
@@ -110,13 +124,12 @@ __device__ __forceinline__ void rdma_put_rows(const Common& c, uint8_t* peer, in
   const int begin = static_cast<int>(first % slots);
   const int n1 = min(n, slots - begin), n2 = n - n1;
   if (peer != nullptr) {
-    int4* to = reinterpret_cast<int4*>(peer + (dst - c.rdma));
+    int4* to = reinterpret_cast<int4*>(rdma_mapped_ring(c, peer, ch, slots, slot_bytes));
     const int4* from = reinterpret_cast<const int4*>(src);
     const int vecs_per_slot = slot_bytes / 16;
     mapped_copy<kUnroll>(to + begin * vecs_per_slot, from + begin * vecs_per_slot, n1 * vecs_per_slot, lane);
     if (n2 > 0) mapped_copy<kUnroll>(to, from, n2 * vecs_per_slot, lane);
-    ptx::fence_sys();  // this lane's stores into x's ring before the warp barrier (and so before the tail)
-    __syncwarp();
+    rdma_mapped_stores_done();  // this lane's stores into x's ring before the warp barrier (and so before the tail)
     return;
   }
   const int pe = team_pe(c, x);
