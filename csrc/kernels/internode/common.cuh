@@ -6,14 +6,17 @@
 // Counters are monotonic u64 and never reset, as for the NVLink FIFOs (channel.cuh).
 //
 // Across domains only public NVSHMEM calls are used:
-//   data:   every warp that staged rows moves them itself, or (the pull combine's block 3c) a warp
-//           that acquired a word released after their staging, from the symmetric staging slots into
-//           the same slot index of the destination ring (rdma_put_rows), by one of two paths:
+//   data:   by one of two paths, chosen per destination PE (rdma_peer_base), never per row:
 //           mapped (nvshmem_ptr of the destination PE is not null: P2P over NVLink, the emulated
-//             domains of one host, or a multi-node NVLink fabric): plain 16-byte loads / stores through
-//             the mapped pointer, kUnroll loads in flight per lane, then a per-lane fence.acq_rel.sys;
-//           not mapped (a NIC between the domains): nvshmemx_putmem_nbi_warp, completed by
-//             nvshmem_quiet;
+//             domains of one host, or a multi-node NVLink fabric): plain stores through the mapped
+//             pointer, then a per-lane fence.acq_rel.sys (rdma_mapped_stores_done): the dispatch sender
+//             writes its rows straight into the destination slots; the combine stages its partials and
+//             the warp that staged them (or, pull combine's block 3c, a warp that acquired a word released
+//             after their staging) copies them into the same slot index of the destination ring
+//             (rdma_put_rows), kUnroll 16-byte loads in flight per lane;
+//           not mapped (a NIC between the domains): rows are staged in the symmetric staging slots, and
+//             that warp puts them into the same slot index of the destination ring
+//             (nvshmemx_putmem_nbi_warp), completed by nvshmem_quiet (rdma_put_rows);
 //           after a group barrier one thread publishes the tail with
 //           nvshmemx_signal_op(tail, value, NVSHMEM_SIGNAL_SET, pe) behind a system fence.
 //   credit: nvshmemx_signal_op(head, value, NVSHMEM_SIGNAL_SET, pe), issued after a CTA barrier that
@@ -99,7 +102,8 @@ static __device__ __noinline__ void mapped_copy(int4* to, const int4* from, int 
 // (c, my domain), split where the ring wraps, so that they are visible at x before the tail that follows.
 // Every warp of a group moves the rows it staged itself, right after staging them, so all warps move data
 // over the link at once (the pull combine: block 3c's warps move the forwarder block's chunks); the tail is
-// published afterwards by rdma_signal_tail. peer: rdma_peer_base(c, x).
+// published afterwards by rdma_signal_tail. peer: rdma_peer_base(c, x) (the dispatch sender passes null: where x
+// is mapped it wrote its rows into x's slots itself and calls rdma_mapped_stores_done instead).
 //   mapped (peer != null): the warp copies the run with plain 16-byte loads (ld.cg: the staging slots were
 //     written by this warp or, pull combine, by another block of this GPU) and stores through the mapped
 //     pointer, kUnroll loads in flight per lane (NVSHMEM's warp put over P2P keeps one, which made the
