@@ -168,43 +168,6 @@ def test_timeout_names_rank_and_phase(world_size: int, nvl: int) -> None:
     run_distributed(_world_timeout, world_size, backend="nccl", env=env)
 
 
-def _world_rdma_slot_not_whole_vectors(rank: int, world_size: int) -> None:
-    """The RDMA hop copies runs of slots in 16-byte vectors where the peer's buffer is mapped
-    (kernels/internode/common.cuh rdma_put_rows), so the bindings refuse an RDMA slot size that is not a multiple
-    of 16, on every rank, before any launch, naming the size; the Buffer works on. The call is the raw binding's
-    (the backend's slot sizes are multiples of 128), on tensors that make a kernel launched anyway move nothing
-    (recv_channel_offset[0][0] = kRefusedCall, -1: every block returns at once), so the code before the check
-    fails this test by not raising, and does not hang."""
-    from moe_dispatcher.compiled.internode import dispatch_slot_bytes
-    kb, rb = _buffers()
-    backend = kb._kernels
-    dev = torch.device("cuda", torch.cuda.current_device())
-    t, h = 64, 2048
-    geo = backend._geometry(None, False, dispatch_slot_bytes(2 * h, 0, 0))
-    geo[6] += 8  # RDMA slot bytes: a multiple of 8, not of 16 (the ring still fits: the buffer is sized for 14 KB rows)
-    channels = geo[0]
-    x = torch.zeros(t, h, dtype=torch.bfloat16, device=dev)
-    is_token_in_rank = torch.zeros(t, world_size, dtype=torch.bool, device=dev)
-    offsets = torch.full((world_size, channels + 1), -1, dtype=torch.int32, device=dev)
-    fwd_offset = torch.zeros(backend.num_domains, channels + 1, dtype=torch.int32, device=dev)
-    recv_x = torch.empty(1, h, dtype=torch.bfloat16, device=dev)
-    with case("dispatch binding, RDMA slot of 8 bytes past a multiple of 16"):
-        with pytest.raises(RuntimeError, match=f"RDMA slot size {geo[6]} bytes is not a positive multiple of 16"):
-            backend._mod.dispatch(backend._ctx, backend._timeout_ns, x, None, None, None, is_token_in_rank, offsets,
-                                  fwd_offset, None, 0, recv_x, None, None, None, None, 8, False, geo)
-        torch.cuda.synchronize()
-    with case("round trips after the refused geometry"):
-        check_back_to_back(kb, rb, rank, dev, 256, 2048, 8 * world_size, 4, rounds=4, after_loop=backend._check)
-    torch.cuda.synchronize()
-    kb.destroy()
-    rb.destroy()
-
-
-@pytest.mark.parametrize("world_size,nvl", WORLDS[:1])
-def test_rdma_slot_bytes_must_be_whole_vectors(world_size: int, nvl: int) -> None:
-    run_distributed(_world_rdma_slot_not_whole_vectors, world_size, backend="nccl", env=dist_helpers.nvl_env(nvl))
-
-
 @pytest.mark.parametrize("num_ranks,nvl", [(2, 1), (4, 2), (4, 1), (8, 4), (8, 2), (16, 8), (64, 1)])
 def test_size_hints_cover_the_extension_layout(num_ranks: int, nvl: int) -> None:
     """Config's size hints repeat the headers' arithmetic of the extension's buffer layout (so that they work
