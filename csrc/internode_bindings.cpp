@@ -193,6 +193,11 @@ void check_geometry(const Common& c, int channels, int nvl_slots, int nvl_slot_b
             "NVLink buffer too small for this config");
   MOE_CHECK(static_cast<size_t>(channels) * rdma_slots * rdma_slot_bytes <= c.layout.rdma_domain_bytes,
             "NVSHMEM buffer too small for this config");
+  // The RDMA hop copies whole runs of slots in 16-byte vectors where the peer's buffer is mapped
+  // (kernels/internode/common.cuh rdma_put_rows), so a slot (and with it every ring offset) must hold whole vectors.
+  MOE_CHECK(rdma_slot_bytes > 0 && rdma_slot_bytes % 16 == 0,
+            "internode: RDMA slot size " + std::to_string(rdma_slot_bytes) +
+                " bytes is not a positive multiple of 16 (the RDMA hop copies slots in 16-byte vectors)");
 }
 
 // The geometry that dispatch and combine (Args) share into `a` (a.c set), checked; combine has no RDMA chunk

@@ -4,15 +4,15 @@ fwd_row_offset: internode notify's table, at forwarder (d, l), of where each sou
 in the output of each local rank (d, j): it must equal (d, j)'s own recv_channel_offset[(x, l)][c] (gathered over the
 group), for routings with empty ranks and channels, num_worst_tokens, and a refused call (all 0).
 
-Direct dispatch (a Buffer with a peer pool, 4 GPUs as 2 emulated NVLink domains of 2): the forwarders write the
-NVLink hop's rows straight into the domain peers' outputs (pool blocks) and each rank writes its own domain's rows
-from its inputs. Every case of the normal-mode table (pool poisoned first) must be the reference's bits, fresh and
-cached, every call direct (path counters). One rank's pool full: its domain's calls take the FIFO path (missed on
-both of its ranks), the other domain's stay direct, the outputs the same. fwd_rows (the pull combine's map) names
-exactly the rows each local rank received from this rank's team, in both modes. A CUDA graph's replays are missed
-(its outputs are the graph's memory) and still right. 100 calls back to back.
+Direct dispatch (a Buffer with a peer pool; 4 GPUs as 2 emulated NVLink domains of 2 or 4 of 1, 2 GPUs as 2 of 1):
+the forwarders write the NVLink hop's rows straight into the domain peers' outputs (pool blocks) and each rank
+writes its own domain's rows from its inputs. Every case of the normal-mode table (pool poisoned first) must be the
+reference's bits, fresh and cached, every call direct (path counters). One rank's pool full: its domain's calls take
+the FIFO path (missed on both of its ranks), the other domain's stay direct, the outputs the same. fwd_rows (the
+pull combine's map) names exactly the rows each local rank received from this rank's team, in both modes. A CUDA
+graph's replays are missed (its outputs are the graph's memory) and still right. 100 calls back to back.
 
-Pull combine (2 x 2, and 4 x 1, where each forwarder serves three remote source domains): along the handles of
+Pull combine (2 x 2, 2 x 1, and 4 x 1, where each forwarder serves three remote source domains): along the handles of
 direct dispatches, a combine whose input x (and topk_weights) lies in every rank's pool reads the domain's rows in
 place (pull counters: a call, none missed) and must give the bits of the same combine with the inputs outside the
 pool (every domain missed: today's FIFO kernel), for every combine dtype, with and without top-k weights and
@@ -39,7 +39,7 @@ from normal_cases import routing as _routing
 pytestmark = pytest.mark.gpu
 MAX_HIDDEN_BYTES = 7168 * 2
 MAX_COMBINE_ROW_BYTES = 7168 * 4  # the pull test combines float32 rows of hidden 7168
-WORLDS = [pytest.param(4, 2, id="4-nvl2"), pytest.param(4, 1, id="4-nvl1")]
+WORLDS = [pytest.param(2, 1, id="2-nvl1"), pytest.param(4, 2, id="4-nvl2"), pytest.param(4, 1, id="4-nvl1")]
 POOL_BYTES = 1 << 30
 
 

@@ -1,8 +1,8 @@
 """Internode (two-hop: NVSHMEM across domains, NVLink inside) kernels against the reference backend.
 
-Parametrised by (world size, NVLink domain size): 4 GPUs as 2 emulated domains of 2 and as 4 domains of 1
-(MOE_DISPATCHER_NVL_SIZE), 8 GPUs as 2 x 4 and 4 x 2 when present. Each world holds a kernels Buffer (which
-must pick the internode backend) and a reference Buffer on the same group; outputs are poisoned first.
+Parametrised by (world size, NVLink domain size): 2 GPUs as 2 emulated domains of 1, 4 GPUs as 2 domains of 2 and as
+4 domains of 1 (MOE_DISPATCHER_NVL_SIZE), 8 GPUs as 2 x 4 and 4 x 2 when present. Each world holds a kernels Buffer
+(which must pick the internode backend) and a reference Buffer on the same group; outputs are poisoned first.
 Dispatch must be bit-identical; combine equal within bf16 rounding (the two-hop sum rounds each domain's
 partial to the row dtype; docs/internode.md), and bit-exact on integer data.
 """
@@ -22,7 +22,8 @@ from normal_cases import routing as _routing
 
 pytestmark = pytest.mark.gpu
 MAX_HIDDEN_BYTES = 7168 * 2
-WORLDS = [pytest.param(4, 2, id="4-nvl2"), pytest.param(4, 1, id="4-nvl1"),
+# 2-nvl1: the smallest internode world (every row crosses the RDMA hop or stays on its rank), which 2 GPUs run.
+WORLDS = [pytest.param(2, 1, id="2-nvl1"), pytest.param(4, 2, id="4-nvl2"), pytest.param(4, 1, id="4-nvl1"),
           pytest.param(8, 4, id="8-nvl4"), pytest.param(8, 2, id="8-nvl2")]
 
 
@@ -156,18 +157,18 @@ def _world_dropped_rows(rank: int, world_size: int) -> None:
     rb.destroy()
 
 
-@pytest.mark.parametrize("world_size,nvl", WORLDS[:2])
+@pytest.mark.parametrize("world_size,nvl", WORLDS[:3])
 def test_composition_reports_dropped_rows(world_size: int, nvl: int) -> None:
     run_distributed(_world_dropped_rows, world_size, backend="nccl", env=dist_helpers.nvl_env(nvl))
 
 
-@pytest.mark.parametrize("world_size,nvl", WORLDS[:2])
+@pytest.mark.parametrize("world_size,nvl", WORLDS[:3])
 def test_timeout_names_rank_and_phase(world_size: int, nvl: int) -> None:
     env = {"MOE_DISPATCHER_TIMEOUT_S": "2", **dist_helpers.nvl_env(nvl)}
     run_distributed(_world_timeout, world_size, backend="nccl", env=env)
 
 
-@pytest.mark.parametrize("num_ranks,nvl", [(4, 2), (4, 1), (8, 4), (8, 2), (16, 8), (64, 1)])
+@pytest.mark.parametrize("num_ranks,nvl", [(2, 1), (4, 2), (4, 1), (8, 4), (8, 2), (16, 8), (64, 1)])
 def test_size_hints_cover_the_extension_layout(num_ranks: int, nvl: int) -> None:
     """Config's size hints repeat the headers' arithmetic of the extension's buffer layout (so that they work
     without it): the layout the kernels get from a hinted buffer holds the config's rings. Needs the extension

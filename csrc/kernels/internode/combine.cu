@@ -17,8 +17,9 @@
 // The forwarder and the source receiver work in small per-warp chunks (docs/internode.md):
 //   worker warps (0 .. kWorkers-1) take chunks k = warp, warp + kWorkers, ... of chunk_tokens tokens
 //     each; a worker waits only for its own chunk's rows (lane j polls tail j), reduces its tokens,
-//     and (forwarder, FIFO mode) puts its chunk's partials to the source at once and completes them
-//     (quiet; in pull mode block 3c's put warps put the chunks: "Pull mode" below);
+//     and (forwarder, FIFO mode) moves its chunk's partials to the source at once (rdma_put_rows: a copy
+//     through the mapped pointer + fence, or put + quiet; in pull mode block 3c's put warps move the
+//     chunks: "Pull mode" below);
 //     then it raises its entry of the block's ChunkBoard to its next chunk (progress_board.cuh);
 //   the commit warp (kCommitWarp) publishes in order: once chunks [kc, upto) are all done it
 //     advances the FIFO heads (forwarder) / RDMA credits (receiver) and the RDMA tails (forwarder)
@@ -36,18 +37,22 @@
 // to the commit warp, which publishes them at system scope):
 //   worker:  lane j ld.acquire.sys its tail (FIFO or RDMA) >= what the chunk needs; __syncwarp;
 //            every lane loads the slots (ld.cg) and writes the outputs / staging / own-ring slots;
-//            remote (FIFO mode): nvshmemx_putmem_nbi_warp + nvshmem_quiet (rdma_put_rows); __syncwarp;
-//            lane 0: st.release.cta of its board entry. (Pull mode: put_worker / put_staged.)
+//            remote (FIFO mode), rdma_put_rows: where the source's buffer is mapped (nvshmem_ptr), a copy through
+//            the mapped pointer (kPutUnroll loads in flight per lane) and a per-lane fence.acq_rel.sys; else
+//            nvshmemx_putmem_nbi_warp + nvshmem_quiet; __syncwarp; lane 0: st.release.cta of its board entry.
+//            (Pull mode: put_worker / put_staged.)
 //   commit:  lane w ld.acquire.cta of worker w's entry; __syncwarp; then the publishing lanes: FIFO head
 //            st.release.sys, RDMA tail rdma_signal_tail (fence.sys + signal SET, or st.release.sys
 //            for my own domain), credit rdma_credit (same). Causality order runs from every lane's
-//            loads / stores / completed puts through the warp barrier, the CTA release/acquire pair
+//            loads / stores / fenced remote stores / completed puts through the warp barrier, the CTA
+//            release/acquire pair
 //            and the commit warp's warp barrier to the system-scope release, so a peer that
 //            acquires the published counter sees the data, and a producer that acquires a head
 //            overwrites only slots whose loads are done.
 //   credits: a forwarder worker writes staging / own-ring slots only after acquiring the head
-//            (lane 31, ld.acquire.sys) that covers them; staging slot i was last read by a put that
-//            was completed (quiet) before its tail, hence before the credit, was published.
+//            (lane 31, ld.acquire.sys) that covers them; staging slot i was last read by a copy (or put)
+//            that was done (its loads returned; fence / quiet) before its tail, hence before the credit, was
+//            published.
 // Progress (no cycle): FIFO: slots >= nvl_chunk + chunk_tokens, so the oldest unfinished chunk's
 // rows always fit behind the committed head; RDMA: slots >= 2 x chunk_tokens, so the forwarder
 // chunk that holds the last partial of the receiver's oldest unfinished chunk always has credit.
@@ -78,7 +83,7 @@
 //     same order: the same partial) into the staging slots; no FIFO wait, no head release (the inputs were
 //     complete when the verdict acquired every peer's ready word). Block 3c, whose NVL sender has nothing to send,
 //     puts the staged chunks (put_staged): the forwarder's commit warp publishes how many chunks are staged
-//     (RdmaControl::staged[c], st.release.sys), block 3c's worker warps put each (put + quiet) once they acquired
+//     (RdmaControl::staged[c], st.release.sys), block 3c's worker warps move each (rdma_put_rows) once they acquired
 //     it, and its commit warp publishes the RDMA tails in order (forward_commit's pull mode). The source receiver
 //     waits for and credits only the remote domains' partials; my own domain's rows it reads in place, at
 //     fwd_rows[fwd_offset[my domain][c] + k][j] for the k-th token of the channel that went to my domain, writes
@@ -161,6 +166,7 @@ constexpr int kWorkers = kWarps - 1;
 constexpr int kCommitWarp = kWarps - 1;
 constexpr int kLoadUnroll = 4;  // 16-byte vectors per lane per source in flight
 constexpr int kLoadGroup = 2;   // sources whose vectors are loaded together (8 loads per lane in flight)
+constexpr int kPutUnroll = 8;   // rdma_put_rows through a mapped pointer: 16-byte loads per lane in flight
 
 
 // One warp: out = cast(bias0 + bias1 + srcs[0] + srcs[1] + ...) in float32, in that order, and the
@@ -332,8 +338,8 @@ struct FwdSeq {
 template <typename T, bool kPull>
 __device__ void forward_worker(const CombineArgs& a, const PullCall* pull, int ch, int warp, int lane,
                                const Watchdog& dog, int row_bytes, const FwdSeq& seq, const uint64_t* rtail0,
-                               const uint64_t* nhead0, ChunkBoard& board, volatile int* stop, const uint8_t** srcs,
-                               const uint8_t** wsrcs) {
+                               const uint64_t* nhead0, uint8_t* const* peer, ChunkBoard& board, volatile int* stop,
+                               const uint8_t** srcs, const uint8_t** wsrcs) {
   const Common& c = a.c;
   const int nvl = c.nvl_size, K = a.chunk_tokens, total = seq.cstart[c.num_domains];
   RdmaControl* rctl = rdma_ctl(c);
@@ -403,9 +409,13 @@ __device__ void forward_worker(const CombineArgs& a, const PullCall* pull, int c
                     row_bytes, a.num_topk, lane, kPull ? wsrcs : nullptr);
       __syncwarp();  // srcs is rewritten for the next token
     }
-    // Remote: put + quiet. Pull mode: block 3c puts the chunk once this block's commit warp published it staged.
-    if constexpr (!kPull) rdma_put_rows(c, x, ch, first_slot, n, a.rdma_slots, a.rdma_slot_bytes, lane);
-    // Every lane's slot loads, stores and (completed) puts before the board's release (warp barrier inside).
+    // Remote: a copy through the mapped pointer + system fence, or put + quiet (rdma_put_rows). Pull mode: block 3c
+    // moves the chunk once this block's commit warp published it staged.
+    if constexpr (!kPull) {
+      rdma_put_rows<kPutUnroll>(c, peer[x], x, ch, first_slot, n, a.rdma_slots, a.rdma_slot_bytes, lane);
+    }
+    // Every lane's slot loads, stores and fenced copies (or completed puts) before the board's release (warp
+    // barrier inside).
     board.advance(0, warp, k + kWorkers, lane);
   }
 }
@@ -473,12 +483,13 @@ __device__ void stage_commit(const CombineArgs& a, int ch, int lane, const Watch
 // warp, warp + kWorkers, ... of the forwarder's sequence (every chunk of a remote source domain) and, once lane 0
 // acquired RdmaControl::staged[ch] > k (relaxed polls, then one acquire; the forwarder block's commit warp: every
 // staging store of chunks <= k before it; the acquire invalidates this SM's L1, so the put reads the staging rows
-// from L2), puts chunk k's slots and completes them (rdma_put_rows: put + quiet), then advances its board entry.
-// Why a block of its own: NVSHMEM's warp put over P2P is a copy loop with one 16-byte load in flight per lane (512
-// bytes per L2 round trip and warp, an eighth of a reduction round's 4 KB), so the forwarder's workers spent most
-// of their round trips putting; here the idle SM's 15 warps put while the forwarder's 15 only reduce.
+// from L2), moves chunk k's slots into the source's ring (rdma_put_rows: a mapped copy + fence, or put + quiet), then
+// advances its board entry. Why a block of its own: NVSHMEM's warp put over P2P is a copy loop with one 16-byte load
+// in flight per lane (512 bytes per L2 round trip and warp, an eighth of a reduction round's 4 KB), so the
+// forwarder's workers spent most of their round trips putting; here the idle SM's 15 warps move chunks while the
+// forwarder's 15 only reduce (and where mapped, the copy keeps kPutUnroll loads in flight per lane).
 __device__ void put_worker(const CombineArgs& a, int ch, int warp, int lane, const Watchdog& dog, const FwdSeq& seq,
-                           const uint64_t* rtail0, ChunkBoard& board, volatile int* stop) {
+                           const uint64_t* rtail0, uint8_t* const* peer, ChunkBoard& board, volatile int* stop) {
   const Common& c = a.c;
   const int K = a.chunk_tokens, total = seq.cstart[c.num_domains];
   const int* staged = &rdma_ctl(c)->staged[ch];
@@ -505,8 +516,8 @@ __device__ void put_worker(const CombineArgs& a, int ch, int warp, int lane, con
       return;
     }
     // rdma_put_rows' first warp barrier orders lane 0's acquire before every lane's loads of the staging slots.
-    rdma_put_rows(c, x, ch, rtail0[x] + k0, n, a.rdma_slots, a.rdma_slot_bytes, lane);
-    // Every lane's (completed) puts before the board's release (warp barrier inside).
+    rdma_put_rows<kPutUnroll>(c, peer[x], x, ch, rtail0[x] + k0, n, a.rdma_slots, a.rdma_slot_bytes, lane);
+    // Every lane's fenced copies (or completed puts) before the board's release (warp barrier inside).
     board.advance(0, warp, k + kWorkers, lane);
   }
 }
@@ -523,19 +534,22 @@ __device__ __forceinline__ void chunk_starts(const int* count, int* cstart, int 
 }
 
 // Pull mode, block 3c: the forwarder's puts (put_worker) and, on its own board, the tails of the put chunks in
-// order (forward_commit in pull mode: RDMA tail signal per source domain after the puts' quiets, tail_copy, final
-// quiet). The tables are the forwarder block's (the same fwd_offset and kernel-start tail_copy: this block's commit
-// advances tail_copy only after the forwarder block's first staged release, which follows its reads).
+// order (forward_commit in pull mode: RDMA tail signal per source domain after the copies' fences (or the puts'
+// quiets), tail_copy, final quiet). The tables are the forwarder block's (the same fwd_offset and kernel-start
+// tail_copy: this block's commit advances tail_copy only after the forwarder block's first staged release, which
+// follows its reads).
 __device__ void put_staged(const CombineArgs& a, int ch, int warp, int lane, const Watchdog& dog) {
   const int D = a.c.num_domains, C = a.num_channels, K = a.chunk_tokens;
   __shared__ int s_first[kMaxDomains], s_count[kMaxDomains], s_cstart[kMaxDomains + 1];
   __shared__ uint64_t s_rtail0[kMaxDomains];
+  __shared__ uint8_t* s_peer[kMaxDomains];  // rdma_peer_base of each source domain, once per block
   __shared__ ChunkBoard s_board;
   __shared__ int s_abort;
   for (int x = threadIdx.x; x < D; x += blockDim.x) {  // as forward()'s tables, pull mode
     s_first[x] = a.fwd_offset[x * (C + 1) + ch];
     s_count[x] = x == a.c.domain ? 0 : a.fwd_offset[x * (C + 1) + ch + 1] - s_first[x];
     s_rtail0[x] = *reinterpret_cast<volatile uint64_t*>(&rdma_ctl(a.c)->tail_copy[ch][x]);
+    s_peer[x] = rdma_peer_base(a.c, x);
   }
   s_board.init();
   if (threadIdx.x == 0) s_abort = 0;
@@ -546,7 +560,7 @@ __device__ void put_staged(const CombineArgs& a, int ch, int warp, int lane, con
   if (warp == kCommitWarp) {
     forward_commit(a, true, ch, lane, dog, seq, s_rtail0, nullptr, s_board, &s_abort);
   } else {
-    put_worker(a, ch, warp, lane, dog, seq, s_rtail0, s_board, &s_abort);
+    put_worker(a, ch, warp, lane, dog, seq, s_rtail0, s_peer, s_board, &s_abort);
   }
 }
 
@@ -563,12 +577,14 @@ __device__ void forward(const CombineArgs& a, const PullCall* pull, int ch, int 
   __shared__ int s_first[kMaxDomains], s_count[kMaxDomains], s_cstart[kMaxDomains + 1];
   __shared__ uint64_t s_rtail0[kMaxDomains];  // tail of ring (ch, my domain) at source x, at kernel start
   __shared__ uint64_t s_nhead0[kMaxNvl];      // head of FIFO (ch, j -> me), at kernel start
+  __shared__ uint8_t* s_peer[kMaxDomains];    // FIFO mode: rdma_peer_base of each source domain, once per block
   __shared__ ChunkBoard s_board;              // the worker warps' progress in this call
   __shared__ int s_abort;
   for (int x = threadIdx.x; x < D; x += blockDim.x) {
     s_first[x] = a.fwd_offset[x * (C + 1) + ch];
     s_count[x] = (kPull && x == c.domain) ? 0 : a.fwd_offset[x * (C + 1) + ch + 1] - s_first[x];
     s_rtail0[x] = *reinterpret_cast<volatile uint64_t*>(&rctl->tail_copy[ch][x]);
+    if constexpr (!kPull) s_peer[x] = rdma_peer_base(c, x);
     // The ring signature, completed before the barriers below, hence before the first tail signal (the commit
     // warp's, or in pull mode the put block's, which follows this block's staged release).
     rdma_publish_signature(c, x, a.rdma_signature);
@@ -587,8 +603,8 @@ __device__ void forward(const CombineArgs& a, const PullCall* pull, int ch, int 
       forward_commit(a, false, ch, lane, dog, seq, s_rtail0, s_nhead0, s_board, &s_abort);
     }
   } else {
-    forward_worker<T, kPull>(a, pull, ch, warp, lane, dog, row_bytes, seq, s_rtail0, s_nhead0, s_board, &s_abort,
-                             srcs[warp], kPull ? (*wsrcs)[warp] : nullptr);
+    forward_worker<T, kPull>(a, pull, ch, warp, lane, dog, row_bytes, seq, s_rtail0, s_nhead0, s_peer, s_board,
+                             &s_abort, srcs[warp], kPull ? (*wsrcs)[warp] : nullptr);
   }
 }
 

@@ -6,11 +6,19 @@
 // Counters are monotonic u64 and never reset, as for the NVLink FIFOs (channel.cuh).
 //
 // Across domains only public NVSHMEM calls are used:
-//   data:   every warp that staged rows puts them itself, or (the pull combine's block 3c) a warp
-//           that acquired a word released after their staging (nvshmemx_putmem_nbi_warp from the
-//           symmetric staging slots, same slot index as the destination) and completes them
-//           (nvshmem_quiet); after a group barrier one thread publishes the tail with
-//           nvshmemx_signal_op(tail, value, NVSHMEM_SIGNAL_SET, pe).
+//   data:   by one of two paths, chosen per destination PE (rdma_peer_base), never per row:
+//           mapped (nvshmem_ptr of the destination PE is not null: P2P over NVLink, the emulated
+//             domains of one host, or a multi-node NVLink fabric): plain stores through the mapped
+//             pointer, then a per-lane fence.acq_rel.sys (rdma_mapped_stores_done): the dispatch sender
+//             writes its rows straight into the destination slots; the combine stages its partials and
+//             the warp that staged them (or, pull combine's block 3c, a warp that acquired a word released
+//             after their staging) copies them into the same slot index of the destination ring
+//             (rdma_put_rows), kUnroll 16-byte loads in flight per lane;
+//           not mapped (a NIC between the domains): rows are staged in the symmetric staging slots, and
+//             that warp puts them into the same slot index of the destination ring
+//             (nvshmemx_putmem_nbi_warp), completed by nvshmem_quiet (rdma_put_rows);
+//           after a group barrier one thread publishes the tail with
+//           nvshmemx_signal_op(tail, value, NVSHMEM_SIGNAL_SET, pe) behind a system fence.
 //   credit: nvshmemx_signal_op(head, value, NVSHMEM_SIGNAL_SET, pe), issued after a CTA barrier that
 //           follows every load of the consumed slots.
 //   polling: the waiting side reads its own word with ld.acquire.sys (never a peer's memory).
@@ -22,6 +30,7 @@
 #include <nvshmemx.h>
 
 #include "kernels/common/channel.cuh"
+#include "kernels/common/copy.cuh"
 #include "kernels/common/ptx.cuh"
 #include "kernels/common/wait.cuh"
 #include "kernels/common/ring_layout.cuh"
@@ -55,23 +64,79 @@ __device__ __forceinline__ uint8_t* nvl_ring(const Common& c, uint8_t* base, int
   return ring_at(base + c.layout.nvl_rings_offset, c.layout.nvl_src_block_bytes, src, ch, slots, slot_bytes);
 }
 
-// One warp: copy rows [first, first + n) of my staging ring for domain x into the same slots of x's
-// ring (c, my domain), split where the ring wraps, and complete them (nvshmem_quiet). Every warp of a
-// group puts the rows it staged itself, right after staging them, so all warps move data over the link
-// at once (the pull combine: block 3c's warps put the forwarder block's chunks); the tail is published
-// afterwards by rdma_signal_tail. Precondition: this warp staged the rows (plain stores), or acquired a
-// word released after their staging (the pull combine's RdmaControl::staged); the __syncwarp below then
-// orders those stores, or that acquire, before the copy's loads. And n <= slots. Nothing to do for my own
-// domain (rows are written in place).
-__device__ __forceinline__ void rdma_put_rows(const Common& c, int x, int ch, uint64_t first, int n, int slots,
-                                              int slot_bytes, int lane) {
+// The team member of domain x's symmetric RDMA buffer as this GPU maps it (nvshmem_ptr of my own base: every
+// symmetric offset is the same there), or null when it is not mapped (a NIC between the domains: rows go by
+// NVSHMEM puts) and for my own domain (rows are written in place). One lookup per block (or warp) and
+// destination domain, passed to every rdma_put_rows of that domain.
+__device__ __forceinline__ uint8_t* rdma_peer_base(const Common& c, int x) {
+  return x == c.domain ? nullptr : static_cast<uint8_t*>(nvshmem_ptr(c.rdma, team_pe(c, x)));
+}
+
+// Ring (ch, my domain) of the team member of domain x, as this GPU maps it (peer = rdma_peer_base(c, x), not null).
+__device__ __forceinline__ uint8_t* rdma_mapped_ring(const Common& c, uint8_t* peer, int ch, int slots,
+                                                     int slot_bytes) {
+  return peer + (rdma_recv_ring(c, c.domain, ch, slots, slot_bytes) - c.rdma);
+}
+
+// One warp, after its lanes stored rows into x's ring through the mapped pointer (rdma_put_rows' mapped path, or the
+// dispatch sender's rows written there directly): every lane's fence.acq_rel.sys, then the warp barrier. Each
+// lane's stores into x's slots precede its system fence, which precedes the barrier, and through it (and the group
+// barrier, or the board's CTA release / acquire) the publishing thread's fence.sys + signal SET of the tail
+// (rdma_signal_tail): a release pattern at system scope, cumulative over every lane's stores, so x's ld.acquire.sys
+// of the tail sees the rows. The per-lane fence also makes each lane's remote stores performed at system scope
+// before the warp reports them done, the role nvshmem_quiet has for a put.
+__device__ __forceinline__ void rdma_mapped_stores_done() {
+  ptx::fence_sys();
+  __syncwarp();
+}
+
+// One warp: the mapped path's copy of rdma_put_rows (n 16-byte vectors, kUnroll loads in flight per lane), out of
+// line: inlined into the combine's worker warps, its kUnroll x 4 data registers beside their live state spilled.
+// Internal linkage (static), so that ptxas compiles it under each calling kernel's register limit.
+template <int kUnroll>
+static __device__ __noinline__ void mapped_copy(int4* to, const int4* from, int n, int lane) {
+  warp_copy<true, kUnroll>(to, from, n, lane);
+}
+
+// One warp: move rows [first, first + n) of my staging ring for domain x into the same slots of x's ring
+// (c, my domain), split where the ring wraps, so that they are visible at x before the tail that follows.
+// Every warp of a group moves the rows it staged itself, right after staging them, so all warps move data
+// over the link at once (the pull combine: block 3c's warps move the forwarder block's chunks); the tail is
+// published afterwards by rdma_signal_tail. peer: rdma_peer_base(c, x) (the dispatch sender passes null: where x
+// is mapped it wrote its rows into x's slots itself and calls rdma_mapped_stores_done instead).
+//   mapped (peer != null): the warp copies the run with plain 16-byte loads (ld.cg: the staging slots were
+//     written by this warp or, pull combine, by another block of this GPU) and stores through the mapped
+//     pointer, kUnroll loads in flight per lane (NVSHMEM's warp put over P2P keeps one, which made the
+//     combine's puts the bottleneck), then rdma_mapped_stores_done (every lane fence.acq_rel.sys, warp
+//     barrier: the ordering argument is there). It replaces the quiet: nothing of this path is an NVSHMEM
+//     operation.
+//   not mapped (peer == null): nvshmemx_putmem_nbi_warp, completed (delivered at x) by one lane's
+//     nvshmem_quiet, whatever the transport; after it and the barrier that follows, any thread may publish.
+// Both paths: every store into x's ring follows the credit acquire that covers the slots (the caller's), and
+// every load of a staging slot precedes the tail, hence the credit that lets the next call rewrite it.
+// Precondition: this warp staged the rows (plain stores), or acquired a word released after their staging
+// (the pull combine's RdmaControl::staged); the __syncwarp below then orders those stores, or that acquire,
+// before the copy's loads. And n <= slots, slot_bytes a multiple of 16 (checked by the bindings:
+// check_geometry). Nothing to do for my own domain (rows are written in place).
+template <int kUnroll>
+__device__ __forceinline__ void rdma_put_rows(const Common& c, uint8_t* peer, int x, int ch, uint64_t first, int n,
+                                              int slots, int slot_bytes, int lane) {
   if (x == c.domain || n <= 0) return;
   __syncwarp();  // the lanes' staging stores (or the acquire that published them) before the warp-wide copy reads them
-  const int pe = team_pe(c, x);
   uint8_t* src = rdma_send_ring(c, x, ch, slots, slot_bytes);
   uint8_t* dst = rdma_recv_ring(c, c.domain, ch, slots, slot_bytes);  // same offsets in x's buffer
   const int begin = static_cast<int>(first % slots);
   const int n1 = min(n, slots - begin), n2 = n - n1;
+  if (peer != nullptr) {
+    int4* to = reinterpret_cast<int4*>(rdma_mapped_ring(c, peer, ch, slots, slot_bytes));
+    const int4* from = reinterpret_cast<const int4*>(src);
+    const int vecs_per_slot = slot_bytes / 16;
+    mapped_copy<kUnroll>(to + begin * vecs_per_slot, from + begin * vecs_per_slot, n1 * vecs_per_slot, lane);
+    if (n2 > 0) mapped_copy<kUnroll>(to, from, n2 * vecs_per_slot, lane);
+    rdma_mapped_stores_done();  // this lane's stores into x's ring before the warp barrier (and so before the tail)
+    return;
+  }
+  const int pe = team_pe(c, x);
   nvshmemx_putmem_nbi_warp(dst + static_cast<size_t>(begin) * slot_bytes, src + static_cast<size_t>(begin) * slot_bytes,
                            static_cast<size_t>(n1) * slot_bytes, pe);
   if (n2 > 0) nvshmemx_putmem_nbi_warp(dst, src, static_cast<size_t>(n2) * slot_bytes, pe);

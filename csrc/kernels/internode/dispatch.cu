@@ -2,8 +2,10 @@
 // so both hops overlap:
 //   block 3c   RDMA sender: for each destination domain x, the channel's tokens with a destination in
 //              x, in token order, once each, into ring (c, my domain) of the team member of x
-//              (NVSHMEM; for x = my domain straight into my own ring). Slot: payload | scales |
-//              top-k (global expert ids) | weights | source token | mask of x's local ranks.
+//              (written straight into x's ring through nvshmem_ptr where x's buffer is mapped, else
+//              staged and put with NVSHMEM; for x = my domain straight into my own ring). Slot:
+//              payload | scales | top-k (global expert ids) | weights | source token | mask of x's
+//              local ranks.
 //   block 3c+1 forwarder: drains my RDMA rings (c, x) for every source domain x (round robin over
 //              the rings with rows ready, up to nvl_chunk rows at a time) and copies each row to
 //              every local rank in its mask through the NVLink FIFO (c, me -> j) (channel.cuh),
@@ -122,7 +124,12 @@ __device__ void rdma_send(const DispatchArgs& a, int ch, int group, int groups, 
     any_remote |= x != c.domain;
     // Cached: the ring signature before the first tail signal to x (the leader signals every tail below).
     if (leader && a.rdma_signature != 0) rdma_publish_signature(c, x, a.rdma_signature);
-    uint8_t* ring = rdma_write_ring(c, x, ch, a.rdma_slots, a.rdma_slot_bytes);
+    // Where the rows are written: x's ring itself through the mapped pointer where x's buffer is mapped
+    // (rdma_peer_base, once per warp and destination domain: rows written once, no staging, no put), my own
+    // ring for my domain, else my staging ring for x (then put + quiet: rdma_put_rows).
+    uint8_t* const peer = rdma_peer_base(c, x);
+    uint8_t* ring = peer != nullptr ? rdma_mapped_ring(c, peer, ch, a.rdma_slots, a.rdma_slot_bytes)
+                                    : rdma_write_ring(c, x, ch, a.rdma_slots, a.rdma_slot_bytes);
     const uint64_t* head = &ctl->head[ch][x];
     uint64_t tail = *reinterpret_cast<volatile uint64_t*>(&ctl->tail_copy[ch][x]);
     int cursor = begin;
@@ -162,7 +169,9 @@ __device__ void rdma_send(const DispatchArgs& a, int ch, int group, int groups, 
       }
       ptx::group_sync(bar, threads);  // the credit acquired by the leader covers the slots below
       if (!*shared_ok) return;
-      // Warp w stages a contiguous run of the chunk's rows and puts that run itself.
+      // Warp w writes a contiguous run of the chunk's rows: into x's ring through the mapped pointer (then each
+      // lane's system fence: rdma_mapped_stores_done), into my own ring, or into staging, and then puts that run
+      // itself (rdma_put_rows: put + quiet).
       const int per = (n + warps - 1) / warps;
       const int lo = min(n, group_warp * per), hi = min(n, lo + per);
       for (int i = lo; i < hi; ++i) {
@@ -181,8 +190,12 @@ __device__ void rdma_send(const DispatchArgs& a, int ch, int group, int groups, 
           *layout.tag(slot) = chunk_masks[i];
         }
       }
-      rdma_put_rows(c, x, ch, tail + lo, hi - lo, a.rdma_slots, a.rdma_slot_bytes, lane);
-      ptx::group_sync(bar, threads);  // every warp's slot stores / completed puts precede the tail
+      if (peer != nullptr) {
+        rdma_mapped_stores_done();  // the lanes' stores into x's ring, fenced, before the group barrier and the tail
+      } else {
+        rdma_put_rows<kUnroll>(c, nullptr, x, ch, tail + lo, hi - lo, a.rdma_slots, a.rdma_slot_bytes, lane);
+      }
+      ptx::group_sync(bar, threads);  // every warp's (fenced) slot stores / completed puts precede the tail
       tail += n;
       if (leader) {
         rdma_signal_tail(c, x, ch, tail);
