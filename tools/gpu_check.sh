@@ -2,8 +2,8 @@
 # The whole GPU check of this tree on a fresh machine of N GPUs on one host, in one go:
 #   1. build the extension (MOE_DISPATCHER_BUILD_EXT=1: fail loudly rather than install pure Python);
 #   2. every GPU test family, one pytest per file: intranode, expert-major, low-latency (every world size from 2
-#      to N), internode (N >= 4: domains of N/2 and N/4 GPUs, e.g. 2 x 2 and 4 x 1 on 4 GPUs, 2 x 4 and 4 x 2 on
-#      8), teardown (a rank SIGKILLed, exit after an error, create/destroy cycles, views after destroy), the peer
+#      to N), internode (domains of N/2 and N/4 GPUs, e.g. 2 x 2 and 4 x 1 on 4 GPUs, 2 x 4 and 4 x 2 on 8; on 2 GPUs
+#      2 x 1), teardown (a rank SIGKILLed, exit after an error, create/destroy cycles, views after destroy), the peer
 #      pool (torch tensors in peer-mapped memory) and the direct dispatch / pull combine over it, cross-rank
 #      agreement (disagreeing and refused calls, fresh and cached, every mode), the low-latency host path, the
 #      overlap bench's GPU test, the 10,000-call soak (MOE_SOAK_CALLS), Megatron-Core GPU parity and the 200-step
@@ -111,18 +111,14 @@ run test_ll_agreement 240 "${PYTEST[@]}" -s tests/kernels/test_ll_agreement_gpu.
 if (( N >= 4 )); then
   run test_internode 90 "${PYTEST[@]}" -x -s tests/kernels/test_internode_gpu.py -k "$N-nvl$((N / 2)) or $N-nvl$((N / 4))"
 else
-  say "SKIP test_internode (needs 4 GPUs or more)"
+  run test_internode 90 "${PYTEST[@]}" -x -s tests/kernels/test_internode_gpu.py -k "2-nvl1"
 fi
 run test_kernel_names 60 "${PYTEST[@]}" tests/kernels/test_kernel_names.py tests/kernels/test_event_handle.py
 run test_teardown_faults 240 "${PYTEST[@]}" -s tests/kernels/test_teardown_gpu.py -k "sigkill or clean_error"
 run test_teardown 150 "${PYTEST[@]}" -s tests/kernels/test_teardown_gpu.py -k "cycles or views"
 run test_peer_pool 150 "${PYTEST[@]}" -s tests/kernels/test_peer_pool_gpu.py
 run test_direct_dispatch 200 "${PYTEST[@]}" -s tests/kernels/test_direct_dispatch_gpu.py
-if (( N >= 4 )); then
-  run test_internode_direct 200 "${PYTEST[@]}" -s tests/kernels/test_internode_direct_gpu.py
-else
-  say "SKIP test_internode_direct (needs 4 GPUs or more)"
-fi
+run test_internode_direct 200 "${PYTEST[@]}" -s tests/kernels/test_internode_direct_gpu.py
 run test_cached_host_path 90 "${PYTEST[@]}" -s tests/kernels/test_cached_host_path_gpu.py
 run test_agreement 240 "${PYTEST[@]}" -s tests/kernels/test_agreement_gpu.py tests/kernels/test_cached_agreement_gpu.py \
   tests/kernels/test_refused_calls_gpu.py tests/kernels/test_internode_cached_agreement_gpu.py
@@ -139,9 +135,7 @@ run bench_normal_$N 90 "${BENCH[@]}" --mode normal --backend kernels --num-ranks
 (( N > 2 )) && run bench_normal_2 40 "${BENCH[@]}" --mode normal --backend kernels --num-ranks 2 --num-sms 16,20,24
 run bench_ll_$N 40 "${BENCH[@]}" --mode low-latency --num-ranks "$N"
 (( N > 2 )) && run bench_ll_2 40 "${BENCH[@]}" --mode low-latency --num-ranks 2
-if (( N >= 4 )); then
-  run bench_internode 60 "${BENCH[@]}" --mode internode --backend kernels --num-ranks "$N" --nvl-size $((N / 2))
-fi
+run bench_internode 60 "${BENCH[@]}" --mode internode --backend kernels --num-ranks "$N" --nvl-size $((N / 2))
 
 # 4. Host time of a cached call.
 run host_profile 40 torchrun --standalone --nproc_per_node 2 tools/host_profile.py "$RUN_DIR/host_profile"

@@ -36,10 +36,11 @@ def test_every_kernel_gpu_test_file_is_a_step(tmp_path):
     assert not missing, f"tests/kernels files no step of tools/gpu_check.sh runs: {missing}"
 
 
-def test_two_gpus_skip_internode_and_honour_skip(tmp_path):
+def test_two_gpus_run_internode_as_two_domains_and_honour_skip(tmp_path):
     text = _check(tmp_path, 2, SKIP="bench_ll_2 host_profile")
-    assert "SKIP test_internode (needs 4 GPUs or more)" in text
-    assert "SKIP host_profile ($SKIP)" in text and "bench_internode" not in text
+    assert "test_internode_gpu.py -k 2-nvl1" in text  # 2 ranks as 2 domains of one GPU
+    assert "--num-ranks 2 --nvl-size 1" in text
+    assert "SKIP host_profile ($SKIP)" in text
 
 
 def test_deadline_skips_the_rest(tmp_path):
