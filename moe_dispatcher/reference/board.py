@@ -176,11 +176,12 @@ class Board:
         its own `error`).
 
         Keys (under this Buffer's board prefix): "create/<step>/<rank>" = base64 of pickle((message or None,
-        payload)). A peer's "abort/<rank>" counts as its failure: a rank that raised in Buffer.__init__ before
-        reaching this round (Buffer._post_abort) is not waited for. A peer missing after MOE_DISPATCHER_TIMEOUT_S is
-        named; this rank then posts its own abort, so that a peer arriving later fails too instead of going on
-        alone. Without a store the round is one all_gather_object over the group (unbounded, the verdicts still
-        travel with the payloads)."""
+        payload)). A peer's "abort/<rank>" without its post counts as its failure: a rank that raised in
+        Buffer.__init__ before reaching this round (Buffer._post_abort) is not waited for. (Its post comes first:
+        a peer past this round may already have raised in a later call.) A peer missing after
+        MOE_DISPATCHER_TIMEOUT_S is named; this rank then posts its own abort, so that a peer arriving later fails
+        at its next round or Buffer call instead of going on alone. Without a store the round is one
+        all_gather_object over the group (unbounded, the verdicts still travel with the payloads)."""
         message = None if error is None else f"{type(error).__name__}: {error}"
         mine = (message, payload)
         failed: Dict[int, str] = {}
@@ -196,10 +197,12 @@ class Board:
             waiting = [q for q in range(self.num_ranks) if q != self.rank]
             while True:
                 for q in list(waiting):
-                    if self.store.check([f"abort/{q}"]):
-                        posts[q] = (self.store.get(f"abort/{q}").decode().partition("|")[2], None)
-                    elif self.store.check([f"create/{step}/{q}"]):
+                    # A post for this step comes first: a peer past it may already have raised in a later call
+                    # of the Buffer (its abort then is not about this step).
+                    if self.store.check([f"create/{step}/{q}"]):
                         posts[q] = pickle.loads(base64.b64decode(self.store.get(f"create/{step}/{q}")))
+                    elif self.store.check([f"abort/{q}"]):
+                        posts[q] = (self.store.get(f"abort/{q}").decode().partition("|")[2], None)
                     else:
                         continue
                     waiting.remove(q)
