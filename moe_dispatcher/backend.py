@@ -169,6 +169,25 @@ class Backend:
         """A typed view of this rank's NVLink (or NVSHMEM) buffer from byte `offset`."""
         raise NotImplementedError(f"the {self.name} backend has no communication buffer")
 
+    # Creation: the steps moe_dispatcher.compiled.create_backends runs between its bounded agreement rounds, after
+    # the constructor (local: this rank's allocations, no collective).
+    def creation_payload(self) -> object:
+        """What the peers need of this rank to connect (picklable), e.g. its buffer's CUDA IPC handle."""
+        return None
+
+    def connect(self, payloads: Sequence[object]) -> None:
+        """Local, once every rank's constructor succeeded: use the peers' payloads (index: rank), e.g. map their
+        buffers."""
+
+    def start(self) -> None:
+        """Collective, once every rank connected: the steps every rank takes together (NVSHMEM bootstrap)."""
+
+    def close_mappings(self) -> None:
+        """Creation failed after connect(): stop using the peers' memory."""
+
+    def discard(self) -> None:
+        """Creation failed before start() and no peer uses this rank's memory (any more): free it."""
+
     # Teardown: what moe_dispatcher/runtime/release.py calls (the reference backend shares no memory).
     symmetric = False  # holds NVSHMEM memory (freed only collectively)
     broken = False  # a kernel recorded a timeout (or honoured a peer's abort)

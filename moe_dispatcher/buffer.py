@@ -28,7 +28,7 @@ from .expert_major import ExpertMajorHandle
 from .handle import DispatchHandle, LowLatencyHandle
 from .reference import ReferenceLowLatency, ReferenceNormal
 from .reference.normal import layout_problem
-from .reference.board import Board, on_every_rank, posts_abort
+from .reference.board import Board, CreationFailed, PeerError, on_every_rank, posts_abort
 from .reference.comm import agree, all_gather_rows
 from .runtime import ll_layout, release
 from .signature import Signature, dispatch_signature
@@ -95,30 +95,45 @@ class Buffer:
                  explicitly_destroy: bool = False, enable_shrink: bool = False, *, backend: Optional[str] = None,
                  topology: Optional[Topology] = None, low_latency_combine_reduction: Optional[str] = None,
                  num_pool_bytes: int = 0) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("Buffer needs torch.distributed to be initialised (init_process_group) first")
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.group_size = dist.get_world_size(self.group)
+        # The reference backend's deadline and arrival board (MOE_DISPATCHER_TIMEOUT_S; reference/board.py), made
+        # first, on every rank: an error raised below on some ranks only posts its abort there, and the peers
+        # waiting in a creation collective (the signature's all-gather, a creation round of the compiled
+        # backends) raise CreationFailed naming the rank instead of waiting (docs/semantics.md, "Errors at
+        # Buffer creation").
+        self._board = Board(self.group, self.rank, self.group_size)
+        try:
+            self._create(num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank,
+                         allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric, explicitly_destroy, enable_shrink,
+                         backend, topology, low_latency_combine_reduction, num_pool_bytes)
+        except PeerError as exc:  # a peer raised (its abort) or never came: the creation failed on every rank
+            raise on_every_rank(CreationFailed(f"moe_dispatcher: Buffer creation failed: {exc}")) from exc
+        except BaseException as exc:
+            self._board.post_abort(exc)  # (not for errors every rank raises alike: board.posts_abort)
+            raise
+
+    def _create(self, num_nvl_bytes: int, num_rdma_bytes: int, low_latency_mode: bool, num_qps_per_rank: int,
+                allow_nvlink_for_low_latency_mode: bool, allow_mnnvl: bool, use_fabric: bool, explicitly_destroy: bool,
+                enable_shrink: bool, backend: Optional[str], topology: Optional[Topology],
+                low_latency_combine_reduction: Optional[str], num_pool_bytes: int) -> None:
+        """__init__ past the board (the arguments are __init__'s)."""
         for flag, name in ((allow_mnnvl, "allow_mnnvl"), (use_fabric, "use_fabric"), (enable_shrink, "enable_shrink")):
             if flag:
                 raise NotImplementedError(f"Buffer({name}=True) is not supported by moe_dispatcher")
         for value, name in ((num_nvl_bytes, "num_nvl_bytes"), (num_rdma_bytes, "num_rdma_bytes"),
                             (num_qps_per_rank, "num_qps_per_rank"), (num_pool_bytes, "num_pool_bytes")):
             check_count(name, value)
-        if not dist.is_initialized():
-            raise RuntimeError("Buffer needs torch.distributed to be initialised (init_process_group) first")
         backend = backend or env_choice(BACKEND_ENV, BACKENDS, "auto")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self._check_layout = env_flag(CHECK_LAYOUT_ENV)  # read before any collective: a bad value fails alike
-        self.group = group if group is not None else dist.group.WORLD
-        self.rank = dist.get_rank(self.group)
-        self.group_size = dist.get_world_size(self.group)
-        # The reference backend's deadline and arrival board (MOE_DISPATCHER_TIMEOUT_S; reference/board.py).
-        self._board = Board(self.group, self.rank, self.group_size)
         # Every rank must make the same Buffer: sizes that differ would let a kernel write past a peer's
         # allocation, and a domain size set on some ranks only would split the hostname exchange below.
-        try:
-            nvl_size = topology.nvl_size if topology is not None else env_int(NVL_SIZE_ENV, 0, minimum=1)
-        except ValueError as exc:  # a bad value on some ranks only: their peers waiting below fail fast
-            self._board.post_abort(exc)
-            raise
+        nvl_size = topology.nvl_size if topology is not None else env_int(NVL_SIZE_ENV, 0, minimum=1)
         self._agree(Signature("Buffer creation", (
             num_nvl_bytes, num_rdma_bytes, bool(low_latency_mode), nvl_size, backend, num_qps_per_rank,
             bool(allow_nvlink_for_low_latency_mode), bool(explicitly_destroy), num_pool_bytes,
@@ -157,12 +172,9 @@ class Buffer:
         self._release = release.Release(self._board.store, self.group, self.rank, self.group_size,
                                         self._board.timeout_s, _kernel_timeout_s())
         if backend != "reference":
-            from . import compiled
-            self._kernels, self._kernels_why = compiled.create(self)
-            if low_latency_mode:
-                self._kernels_ll, self._kernels_ll_why = compiled.create_low_latency(self)
-            else:
-                self._kernels_ll_why = "the Buffer was not built with low_latency_mode=True"
+            from . import compiled  # collective: a failure on any rank raises CreationFailed on every rank
+            (self._kernels, self._kernels_why), (self._kernels_ll, self._kernels_ll_why) = \
+                compiled.create_backends(self)
         # Low-latency fast path (see low_latency_dispatch): call key -> the compiled backend's method.
         self._ll_dispatch_runs: dict = {}
         self._ll_combine_runs: dict = {}

@@ -1,13 +1,13 @@
 """Normal-mode intranode backend: dispatch and combine over NVLink with the compiled kernels.
 
 One IntranodeBackend belongs to one Buffer whose group is a single NVLink domain of 2..8 GPUs. It owns
-the rank's NVLink buffer (cudaMalloc'd, shared with the peers through CUDA IPC handles exchanged over the
-group) and a host-mapped mailbox. The Buffer validates the user's inputs (moe_dispatcher.validation) and runs
-every method inside its comm stream with the previous_event / async_finish / allocate_on_comm_stream
-semantics; methods here check what depends on the kernels (config limits, ring sizes), allocate outputs on the
-current stream and launch. Cached calls (dispatch along a handle, combine) run from native plans kept in the
-handle's state: the Buffer's fast path calls a plan directly, once its first call made it (CachedPlans).
-docs/intranode.md describes the protocol and the host path.
+the rank's NVLink buffer (cudaMalloc'd, shared with the peers through CUDA IPC handles exchanged in the
+Buffer's creation rounds: compiled.create_backends) and a host-mapped mailbox. The Buffer validates the user's
+inputs (moe_dispatcher.validation) and runs every method inside its comm stream with the previous_event /
+async_finish / allocate_on_comm_stream semantics; methods here check what depends on the kernels (config limits,
+ring sizes), allocate outputs on the current stream and launch. Cached calls (dispatch along a handle, combine)
+run from native plans kept in the handle's state: the Buffer's fast path calls a plan directly, once its first
+call made it (CachedPlans). docs/intranode.md describes the protocol and the host path.
 With Buffer(num_pool_bytes=N) the allocation has a tail of N bytes past the kernels' buffer, the region of the
 Buffer's PeerPool (peer_pool.py): torch tensors every peer has mapped, closed here before the mappings close.
 
@@ -37,7 +37,6 @@ from collections import OrderedDict
 from typing import List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
 from .. import _ext
 from ..backend import Backend, Capabilities
@@ -135,15 +134,11 @@ class IntranodeBackend(Backend):
         # With num_pool_bytes the allocation has the peer pool's region as its tail (exported with the buffer).
         self._ipc = (self._mod.IpcBuffer(self.rank, self.num_ranks, self.num_nvl_bytes, self.num_pool_bytes)
                      if self.num_pool_bytes else self._mod.IpcBuffer(self.rank, self.num_ranks, self.num_nvl_bytes))
-        handles: List[Optional[bytes]] = [None] * self.num_ranks
-        dist.all_gather_object(handles, self._ipc.ipc_handle(), group=self.group)
-        self._ipc.open_peers(handles)
-        self.peer_pool: Optional[PeerPool] = None
+        self._peer_pool_native = (mod.peer_pool, mod.__file__)
+        self.peer_pool: Optional[PeerPool] = None  # made by connect()
         # The latest direct dispatch's output blocks [payload, meta] (one list for the backend's life: the native plans
         # of cached direct dispatches set its items too).
         self._direct_blocks: List[Optional[torch.Tensor]] = [None, None]
-        if self.num_pool_bytes:
-            self.peer_pool = PeerPool(self._ipc, mod.peer_pool, mod.__file__, self.device, self.rank, self.num_ranks)
         # The Buffer's comm stream, with the events that join it to the caller's stream in cached calls.
         self._comm = self._mod.CommStream(buffer.get_comm_stream())
         self.launch_order = self._comm
@@ -155,6 +150,30 @@ class IntranodeBackend(Backend):
         self._broken: Optional[str] = None
         self._peer_aborted = False  # what _broken says: a peer's abort (PeerError) rather than a timeout
         self._rdma_emulation: Optional[torch.Tensor] = None
+
+    # ------------------------------------------------------------------ creation (compiled.create_backends)
+    def creation_payload(self) -> bytes:
+        """What the peers need of this rank: the CUDA IPC handle of its buffer."""
+        return self._ipc.ipc_handle()
+
+    def connect(self, payloads: Sequence[bytes]) -> None:
+        """Local, once every rank allocated: map every peer's buffer (payloads: each rank's creation_payload) and
+        make the peer pool."""
+        self._ipc.open_peers(list(payloads))
+        if self.num_pool_bytes:
+            native, path = self._peer_pool_native
+            self.peer_pool = PeerPool(self._ipc, native, path, self.device, self.rank, self.num_ranks)
+
+    def close_mappings(self) -> None:
+        """Creation failed after connect(): close the pool and this rank's mappings of the peers' buffers."""
+        if self.peer_pool is not None:
+            self.peer_pool.close()
+        self._ipc.close()
+
+    def discard(self) -> None:
+        """Creation failed and no peer maps this rank's buffer (any more): free it now."""
+        self.close_mappings()
+        self._ipc.destroy()
 
     # ------------------------------------------------------------------ errors
     def _check(self) -> None:

@@ -83,8 +83,26 @@ class LowLatencyBackend(Backend):
         self.timeout_s = kernel_timeout_s()
         trace = env_flag(TRACE_ENV)  # settings are read before any collective: a bad one fails on every rank alike
         self.device = torch.device("cuda", torch.cuda.current_device())
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        # Phase trace: int64 [kind, half, TRACE_WORDS] on the device, or None (off: the kernels get null).
+        self._trace: torch.Tensor | None = None
+        if trace:
+            if sms > self._mod.TRACE_MAX_BLOCKS:
+                raise ValueError(f"{TRACE_ENV}: the trace records at most {self._mod.TRACE_MAX_BLOCKS} blocks, the "
+                                 f"grid has {sms}")
+            self._trace = torch.zeros(len(TRACE_KINDS), 2, self._mod.TRACE_WORDS, dtype=torch.int64,
+                                      device=self.device)
+        self._sms, self._buffer = sms, buffer  # for start() (the Buffer is dropped there)
+
+    # ------------------------------------------------------------------ creation (compiled.create_backends)
+    def start(self) -> None:
+        """Collective, after every rank's local step succeeded: bring NVSHMEM up (its unique id goes through a
+        bounded creation round of the Buffer's board), allocate and zero the symmetric buffer, make the native
+        runtime, wait for every PE."""
+        buffer, sms = self._buffer, self._sms
+        self._buffer = None
         self._state = nvshmem.bootstrap(buffer.group, self.device.index,
-                                        single_host=buffer.topology.is_single_domain)
+                                        single_host=buffer.topology.is_single_domain, board=buffer._board)
         # The symmetric allocation: num_rdma_bytes for the two halves, then (128-byte aligned) this PE's abort
         # bytes, which the peers write (kernels/common/wait.cuh, "Peer abort"), and the dispatch signature words
         # (low_latency.h): CONTROL_BYTES from the abort bytes on, at one place whatever the call's shapes.
@@ -107,15 +125,6 @@ class LowLatencyBackend(Backend):
         aborts = [self._state.peer_ptr(self._ptr + abort_offset, pe) if pe != self.rank else 0
                   for pe in range(self.num_ranks)]
         self.nvlink_peers = sum(1 for p in peers if p)
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        # Phase trace: int64 [kind, half, TRACE_WORDS] on the device, or None (off: the kernels get null).
-        self._trace: torch.Tensor | None = None
-        if trace:
-            if sms > self._mod.TRACE_MAX_BLOCKS:
-                raise ValueError(f"{TRACE_ENV}: the trace records at most {self._mod.TRACE_MAX_BLOCKS} blocks, the "
-                                 f"grid has {sms}")
-            self._trace = torch.zeros(len(TRACE_KINDS), 2, self._mod.TRACE_WORDS, dtype=torch.int64,
-                                      device=self.device)
         state = self._state
         timeout_s = self.timeout_s
         board = buffer._board  # the message of a peer's abort

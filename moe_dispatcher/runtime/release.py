@@ -35,7 +35,9 @@ Collective points: every Buffer creation and every destroy() of a group is one, 
 on every rank: Buffers are created and destroyed collectively). Once a Buffer of a group holds NVSHMEM memory, each
 point posts "round/<n>/<rank>" = the parked Buffers (board ordinals) this rank can free, waits for every rank's
 post and frees the ones every rank listed, in ordinal order: the same nvshmem_free calls in the same order on every
-rank. A rank missing at a point frees nothing there (its parked Buffers wait for the next point).
+rank. A rank missing at a point frees nothing there (its parked Buffers wait for the next point), and neither does
+any other: each rank posts "round/<n>/verdict/<rank>" = "go" (it saw every post) or "stop", and frees only on every
+rank's "go" (the verdict round of destroy()).
 """
 from __future__ import annotations
 
@@ -243,9 +245,16 @@ def collective_point(group, rank: int, num_ranks: int, timeout_s: float) -> None
         mine = sorted(r.ordinal for r in _parked if r.symmetric and r.group is group and not r._views())
         store.set(f"round/{n}/{rank}", ",".join(map(str, mine)))
         values, missing = wait_for_posts(store, [f"round/{n}/{q}" for q in range(num_ranks)], timeout_s)
+        # The verdict round (as Release.collective's): nvshmem_free waits for every rank, so a rank frees only
+        # when every rank saw every post; a rank whose wait ended early (a peer came late) posts "stop".
+        store.set(f"round/{n}/verdict/{rank}", "stop" if missing else "go")
+        if not missing:
+            verdicts, late = wait_for_posts(store, [f"round/{n}/verdict/{q}" for q in range(num_ranks)], timeout_s)
+            missing = late + [q for q, v in verdicts.items() if v != "go"]
         if missing:
-            warnings.warn(f"moe_dispatcher: rank {rank}: ranks {missing} did not reach collective point {n} of "
-                          f"their group within {timeout_s:g} s; parked NVSHMEM buffers stay allocated", stacklevel=3)
+            warnings.warn(f"moe_dispatcher: rank {rank}: ranks {sorted(missing)} did not reach (or saw a rank missing "
+                          f"at) collective point {n} of their group within {timeout_s:g} s; parked NVSHMEM buffers "
+                          f"stay allocated", stacklevel=3)
             return
         agreed = set(mine)
         for v in values.values():

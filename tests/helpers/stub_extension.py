@@ -241,6 +241,7 @@ def attach_stub_backend(buf, rows: int, patch: Callable = setattr):
     buf._comm_stream = types.SimpleNamespace()  # the comm stream the backend's CommStream takes (never used on CPU)
     from moe_dispatcher.compiled import intranode
     buf._kernels = intranode.IntranodeBackend(buf)
+    buf._kernels.connect([buf._kernels.creation_payload()] * buf.group_size)  # the stub opens nothing
     return buf._kernels
 
 

@@ -126,6 +126,31 @@ def test_no_lone_collective_free_after_a_peer_gave_up() -> None:
     assert kinds[0] == ["quiesce", "free-ipc-only"], f"rank 0 entered a collective free alone: {kinds[0]}"
 
 
+def _world_late_point(rank: int, world_size: int) -> list:
+    """Both ranks collected a Buffer holding NVSHMEM memory; rank 1's wait at the next collective point ends before
+    rank 0 arrives: rank 0 sees every post there, rank 1 does not."""
+    import warnings
+
+    from moe_dispatcher.runtime import release
+    s = FakeBackend(symmetric=True)
+    buf = _buffer(s)
+    del buf
+    gc.collect()
+    if rank == 0:
+        time.sleep(TIMEOUT_S / 2 + 0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        release.collective_point(dist.group.WORLD, rank, world_size, TIMEOUT_S if rank == 0 else TIMEOUT_S / 2)
+    return s.kinds()
+
+
+def test_no_lone_collective_free_at_a_collective_point() -> None:
+    """The same rule at a collective point (Buffer creation, destroy, exit): rank 0 saw every post, but rank 1 gave
+    up waiting, so neither frees the parked NVSHMEM buffer (rank 0 alone in nvshmem_free would hang)."""
+    kinds = run_distributed(_world_late_point, 2, env=ENV)
+    assert kinds == [["quiesce"], ["quiesce"]], f"a rank freed at a point its peer gave up: {kinds}"
+
+
 def _world_gc(rank: int, world_size: int) -> dict:
     from moe_dispatcher.runtime import release
     store = _store()
