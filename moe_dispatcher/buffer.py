@@ -983,11 +983,16 @@ class Buffer:
         return self._backend_of(handle, (LowLatencyHandle,)).next_combine_buffer(handle)
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        """Reset the low-latency signal words (needed after using the NVSHMEM buffer for something else)."""
+        """Reset the low-latency signal words (needed after using the NVSHMEM buffer for something else).
+        Collective: every rank passes the same shapes (else SignatureMismatch on every rank)."""
         self._check_alive()
         self._check_low_latency(num_max_dispatch_tokens_per_rank, hidden, num_experts)
         if self._kernels_ll is not None:
-            self._kernels_ll.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+            try:
+                self._kernels_ll.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+            except Exception as exc:  # a peer waiting for this rank (its kernel, or the clean's round) fails fast
+                self._post_abort(exc)
+                raise
 
 
 # Reasons the reference backend served CUDA calls, warned about once per process.

@@ -25,7 +25,7 @@ SIGNATURE_WORDS = 16
 
 # Operation codes (word 0) and the fields each one compares (words 2.., at most SIGNATURE_WORDS - 2).
 OPERATIONS = {1: "Buffer creation", 2: "dispatch", 3: "cached dispatch", 4: "combine", 5: "low-latency dispatch",
-              6: "low-latency combine", 7: "expert-major dispatch"}
+              6: "low-latency combine", 7: "expert-major dispatch", 8: "low-latency layout change"}
 _CODES = {name: code for code, name in OPERATIONS.items()}
 _CONFIG = ("config.num_sms", "config.num_max_nvl_chunked_send_tokens", "config.num_max_nvl_chunked_recv_tokens",
            "config.num_max_rdma_chunked_send_tokens", "config.num_max_rdma_chunked_recv_tokens")
@@ -43,6 +43,8 @@ FIELDS: Dict[str, Tuple[str, ...]] = {
                              "round_scale", "use_ue8m0"),
     "low-latency combine": ("handle", "hidden", "num_max_dispatch_tokens_per_rank", "num_experts", "top-k",
                             "reduction"),
+    # The compiled low-latency runtime's agreement round when a call's buffer layout changes (compiled/low_latency.py).
+    "low-latency layout change": ("num_max_dispatch_tokens_per_rank", "hidden", "num_experts"),
 }
 assert all(len(f) <= SIGNATURE_WORDS - 2 for f in FIELDS.values())
 

@@ -71,6 +71,11 @@ class CreationFailed(RuntimeError):
     missing: Sequence[int] = ()
 
 
+class CollectiveTimeout(PeerError):
+    """Board.run's deadline passed: the ranks it names never arrived. A caller that knows where those ranks wait
+    (in a compiled kernel, for this rank) may post its own abort for them (compiled/low_latency.py)."""
+
+
 def posts_abort(exc: BaseException) -> bool:
     """Whether a Buffer call raising `exc` posts an abort for its peers: not for errors every rank raises after
     the same collective (PeerError, moe_dispatcher.signature's SignatureMismatch): no peer is left waiting."""
@@ -142,9 +147,9 @@ class Board:
                 return
         missing = self._missing(n)
         who = f"waiting for ranks {missing}" if missing is not None else "(no store to tell which ranks are missing)"
-        raise PeerError(f"moe_dispatcher reference: rank {self.rank} timed out after {self.timeout_s:g} s in "
-                        f"{phase} (collective {n} of this Buffer) {who}; set {TIMEOUT_ENV} to wait longer. The "
-                        f"process group is unusable now (the collective stays pending)")
+        raise CollectiveTimeout(f"moe_dispatcher reference: rank {self.rank} timed out after {self.timeout_s:g} s in "
+                                f"{phase} (collective {n} of this Buffer) {who}; set {TIMEOUT_ENV} to wait longer. "
+                                f"The process group is unusable now (the collective stays pending)")
 
     # ------------------------------------------------------------------ errors of this rank
     def post_abort(self, exc: BaseException) -> None:
