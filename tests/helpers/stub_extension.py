@@ -221,18 +221,20 @@ def stub_intranode(rows: int) -> types.SimpleNamespace:
 
     def notify(ipc, timeout_ns, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert, channels, alignment,
                num_worst_tokens, seq, prefix, offsets, em_layout=None, **kwargs):
-        """The tables of a call that received nothing (what a refused call's notify writes, refused_call.cuh, but
-        kRefusedCall only when the module's `verdict` refuses it), then the mailbox's seq. verdict(ipc, seq,
-        signature_hash, problem) -> bool (refused), when a test sets one, stands for the exchange of every rank's
-        notify message and records a refusal in the mailbox as the native notify does."""
+        """Records the launch and publishes its seq in the mailbox. verdict(ipc, seq, signature_hash, problem) ->
+        bool (refused), when a test sets the module's, stands for the exchange of every rank's notify message and
+        records a refusal in the mailbox as the native notify does; notify then writes the tables of a call that
+        received nothing (refused_call.cuh: rows_needed 0), with kRefusedCall when refused. Without a verdict it
+        writes nothing (no torch op: tests/megatron/test_megatron_host_ops.py counts them)."""
         launches.append(("notify", (ipc, timeout_ns, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert,
                                     channels, alignment, num_worst_tokens, seq, prefix, offsets, em_layout,
                                     *kwargs.values())))
-        for t in (prefix, offsets, em_layout):
-            if t is not None:
-                t.zero_()
-        if module.verdict is not None and module.verdict(ipc, seq, kwargs["signature_hash"], kwargs["problem"]):
-            offsets.view(-1)[0] = -1  # kRefusedCall
+        if module.verdict is not None:
+            for t in (prefix, offsets, em_layout):
+                if t is not None:
+                    t.zero_()
+            if module.verdict(ipc, seq, kwargs["signature_hash"], kwargs["problem"]):
+                offsets.view(-1)[0] = -1  # kRefusedCall
         ipc.seq = seq
 
     def recorder(kind: str) -> Callable:
