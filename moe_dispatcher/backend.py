@@ -124,6 +124,13 @@ class Backend:
         that checked those calls itself (Buffer._forget_dropped_rows): call it on every rank, once those
         dispatches finished."""
 
+    def check_refused_calls(self) -> None:
+        """Raise now, on every rank alike, the disagreement of an earlier call that has not raised yet (Buffer.
+        check_refused_calls; every rank calls it at the same point, after the same calls). The compiled normal-mode
+        backends refuse such a call in notify and report it at a host wait, which calls with num_worst_tokens never
+        make (compiled.raise_refused_calls). Default: nothing, for a backend that raises at the call itself (the
+        reference agrees every call's signature in the call's own all-gather, num_worst_tokens or not)."""
+
     # ------------------------------------------------------------------ low-latency mode
     # A low-latency backend owns its double buffering (each call takes the buffer half after the previous
     # call's), its hooks (one call each; stale once their half was taken again; shapes change only while none

@@ -724,6 +724,26 @@ class Buffer:
             excess = torch.maximum(excess, self._pending_row_checks[0][0] - self._pending_row_checks[0][1])
         self._pending_row_checks = [(excess, 0)]
 
+    def check_refused_calls(self) -> None:
+        """Raise now what the next synchronised dispatch (a fresh one without num_worst_tokens) would raise for the
+        earlier dispatches with num_worst_tokens: SignatureMismatch on every rank alike, naming the fields, values
+        and ranks, when the compiled kernels refused one of them because its ranks disagreed (signature, bad expert
+        ids, a cached call's ring signature; that call moved nothing and returned padding rows, docs/semantics.md),
+        and a timeout or a peer's abort the kernels recorded. Every rank of the group calls it at the same point,
+        after the same calls (at a training step's end, say: the Megatron integration's step-end check does).
+
+        Cost: a wait for the notify of this Buffer's latest fresh dispatch (spinning on host-mapped memory; done in
+        practice by then), no device sync; a collective only when there is a refusal to report (the synchronised
+        dispatch's all-gather of the signatures). The reference backend raises such calls at the call itself:
+        nothing to do."""
+        try:
+            self._check_alive()
+            if self._kernels is not None:
+                self._kernels.check_refused_calls()
+        except Exception as exc:  # a timeout on this rank: its peers fail fast (SignatureMismatch posts nothing)
+            self._post_abort(exc)
+            raise
+
     def _forget_dropped_rows(self) -> None:
         """Forget every overflow of earlier num_worst_tokens calls, so that the next synchronised dispatch does not
         raise it: for a caller that checked those calls' rows_needed itself (the Megatron integration's run_step,

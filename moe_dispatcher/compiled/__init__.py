@@ -104,6 +104,27 @@ def wait_counts(backend, seq: int, flag_layout_mismatch: int) -> int:
     return num_recv
 
 
+def raise_refused_calls(backend) -> None:
+    """check_refused_calls of a normal-mode backend with a notify mailbox (intranode, internode): every rank of the
+    group calls it at the same point, after the same calls. Waits (spinning on the host-mapped mailbox, as a
+    synchronised dispatch does; no device sync) for the notify of the latest fresh dispatch this backend launched,
+    then reports what that dispatch's host wait would have: a recorded timeout or peer abort (RuntimeError /
+    PeerError, backend._check), and a refused call (SignatureMismatch on every rank alike, through
+    backend._raise_disagreement, the synchronised dispatch's own report: one all-gather of the kept signatures,
+    made only when a refusal is pending, which every rank's mailbox records alike once its notify of that call
+    completed). Calls with num_worst_tokens never wait for notify, so without this their refusals wait for the
+    next synchronised dispatch. A fresh dispatch replayed from a CUDA graph after the latest eager one publishes
+    the captured call's number instead: synchronise the replay's stream and make one eager call first."""
+    backend._check()
+    seq = backend._notified
+    if seq:
+        num_recv, _ = backend._ipc.wait_notify(seq, backend.timeout_s + 30.0)
+        if num_recv < 0:
+            backend._check()
+            raise RuntimeError(f"moe_dispatcher {backend.name}: rank {backend.rank}: notify gave up")
+    backend._raise_disagreement()
+
+
 def recv_tensors(rows: int, x: torch.Tensor, x_scales: Optional[torch.Tensor], num_scales: int,
                  num_topk: Optional[int]) -> List[Optional[torch.Tensor]]:
     """The outputs of a fresh dispatch receiving `rows` rows: [recv_x, recv_scales or None, recv_topk_idx and

@@ -14,14 +14,14 @@ Same methods and host-synchronisation rules as IntranodeBackend: only a fresh di
 num_worst_tokens waits (mapped mailbox) for the receive counts; cached dispatch, num_worst_tokens dispatch
 (CUDA-graph capturable), layout and combine never do. A call whose ranks disagree is refused by notify on every
 rank, moves nothing (nor do the calls along its handle) and raises SignatureMismatch at the notify wait or the
-next synchronised dispatch (docs/internode.md, "Notify"). Timeouts name rank, phase and peer. Cached calls run from
-native plans kept in the handle's HandleState, as the intranode backend's (the Buffer's fast path calls them).
+next synchronised dispatch, or at check_refused_calls (docs/internode.md, "Notify"). Timeouts name rank, phase and
+peer. Cached calls run from native plans kept in the handle's HandleState, as the intranode backend's (the Buffer's
+fast path calls them).
 """
 from __future__ import annotations
 
 import socket
 import weakref
-from collections import OrderedDict
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -31,9 +31,10 @@ from ..backend import Backend, Capabilities
 from ..config import Config, align_slot
 from ..handle import DispatchHandle
 from ..reference.board import PeerError
-from ..signature import dispatch_signature, raise_disagreement, ring_signature_word, signature_hash
+from ..signature import KeptSignatures, dispatch_signature, raise_disagreement, ring_signature_word, signature_hash
 from . import (LAUNCH_CURRENT, STATUS_PEER_ABORTED, TIMEOUT_ENV, HandleState, buffer_view, combine_tensors,
-               kernel_timeout_s, posted_by_peer, recv_tensors, run_cached, timeout_message, wait_counts)
+               kernel_timeout_s, posted_by_peer, raise_refused_calls, recv_tensors, run_cached, timeout_message,
+               wait_counts)
 from .intranode import (COMBINE_DTYPES, KEPT_SIGNATURES, _columns, _contiguous, _DeviceMemory, _row_bytes,
                         combine_slot_bytes)
 from .peer_pool import PeerPool
@@ -224,12 +225,18 @@ class InternodeBackend(Backend):
         self._state.barrier()  # nobody sends before every PE zeroed its buffer
         torch.cuda.current_stream().synchronize()
         self._seq = 0
+        self._notified = 0  # seq of the latest notify launched (check_refused_calls waits for it)
         # The signatures of the latest fresh calls by seq, for the error of a disagreement notify recorded.
-        self._signatures: OrderedDict = OrderedDict()
+        self._signatures = KeptSignatures(KEPT_SIGNATURES)
         self._broken: Optional[str] = None
         self._alive = True
 
     # ------------------------------------------------------------------ errors
+    def check_refused_calls(self) -> None:
+        """Backend.check_refused_calls: raise now what the next synchronised dispatch would raise for the calls
+        that did not wait for notify (compiled.raise_refused_calls)."""
+        raise_refused_calls(self)
+
     def _raise_disagreement(self) -> None:
         """After a completed notify wait: raise SignatureMismatch (collective, every rank alike) if notify recorded
         a disagreement since the last report (the flags words of internode notify carry the signatures)."""
@@ -330,15 +337,14 @@ class InternodeBackend(Backend):
         seq = self._seq
         signature = dispatch_signature("dispatch", x, x_scales, topk_idx, topk_weights, num_experts,
                                        config or self._buffer_cls.get_dispatch_config(r))
-        self._signatures[seq] = signature
-        if len(self._signatures) > KEPT_SIGNATURES:
-            self._signatures.popitem(last=False)
+        self._signatures.add(seq, signature)
         # With num_worst_tokens the per-expert counts stay on the device (Backend.dispatch): notify writes them.
         device_counts = torch.empty(local, dtype=torch.int32, device=dev) if num_worst_tokens else None
         self._mod.notify(self._ctx, self._timeout_ns, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert,
                          channels, expert_alignment, num_worst_tokens, seq, prefix, offsets, fwd_offset, fwd_row_offset,
                          device_counts,
                          signature_hash=signature_hash(signature), problem=signature.problem)
+        self._notified = seq
         counts = device_counts
         num_recv: Optional[int] = None
         if num_worst_tokens:

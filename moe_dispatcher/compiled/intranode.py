@@ -18,7 +18,8 @@ So a rank receiving more than num_worst_tokens rows cannot raise at that call: i
 dispatch.
 Agreement: notify compares every rank's signature hash and problem word (moe_dispatcher.signature, bad expert
 ids flagged by the layout kernel included); a disagreement raises SignatureMismatch on every rank at the same
-host wait (num_worst_tokens calls: at the next synchronised dispatch). Notify refuses such a call on every rank
+host wait (num_worst_tokens calls: at the next synchronised dispatch, or earlier where the caller asks with
+check_refused_calls, as the Megatron integration's step-end check does). Notify refuses such a call on every rank
 alike, so its kernels and those of the calls along its handle move nothing and return padding / zero rows
 (csrc/kernels/common/refused_call.cuh). Cached calls (dispatch along a handle, combine) carry a ring signature
 (signature.ring_signature_word: the fields that fix the slot layout) with the first row of every ring; a
@@ -33,7 +34,6 @@ message the raising rank posted on the Board (docs/intranode.md, "Errors on one 
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -44,15 +44,18 @@ from ..reference.board import PeerError
 from ..config import Config, align_slot
 from ..expert_major import ExpertMajorHandle, compose_expert_major_dispatch, gather_rows, unpermute
 from ..handle import DispatchHandle
-from ..signature import Signature, dispatch_signature, raise_disagreement, ring_signature_word, signature_hash
+from ..signature import (KeptSignatures, Signature, dispatch_signature, raise_disagreement, ring_signature_word,
+                         signature_hash)
 from .peer_pool import PeerPool
 from . import (STATUS_PEER_ABORTED, TIMEOUT_ENV, HandleState, buffer_view, combine_tensors,
-               kernel_timeout_s, posted_by_peer, recv_tensors, run_cached, timeout_message, wait_counts)
+               kernel_timeout_s, posted_by_peer, raise_refused_calls, recv_tensors, run_cached, timeout_message,
+               wait_counts)
 
 # Dtypes of combine input the kernels reduce (others go to the reference backend: capabilities.combine_dtypes).
 COMBINE_DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32})
 # Signatures of fresh calls kept for the error of a disagreement reported later (num_worst_tokens calls do not
-# wait for notify; the next synchronised dispatch reports): the latest this many.
+# wait for notify; the next synchronised dispatch or check_refused_calls reports): the latest this many runs of
+# equal signatures (signature.KeptSignatures).
 KEPT_SIGNATURES = 64
 
 
@@ -144,9 +147,10 @@ class IntranodeBackend(Backend):
         self.launch_order = self._comm
         self.layout_call, self.layout_args = self._mod.layout_call, (self.num_ranks, self.num_ranks, self._ipc)
         self._seq = 0
+        self._notified = 0  # seq of the latest notify launched (check_refused_calls waits for it)
         # Agreement (moe_dispatcher.signature): the signatures of the latest fresh calls by seq, for the error of
         # a disagreement that notify recorded (one all-gather of them then names the fields).
-        self._signatures: "OrderedDict[int, Signature]" = OrderedDict()
+        self._signatures = KeptSignatures(KEPT_SIGNATURES)
         self._broken: Optional[str] = None
         self._peer_aborted = False  # what _broken says: a peer's abort (PeerError) rather than a timeout
         self._rdma_emulation: Optional[torch.Tensor] = None
@@ -262,13 +266,12 @@ class IntranodeBackend(Backend):
         prefix = torch.empty(r, r, dtype=torch.int32, device=dev)
         offsets = torch.empty(r, channels + 1, dtype=torch.int32, device=dev)
         self._seq = self._seq % 2_000_000_000 + 1
-        self._signatures[self._seq] = signature
-        if len(self._signatures) > KEPT_SIGNATURES:
-            self._signatures.popitem(last=False)
+        self._signatures.add(self._seq, signature)
         self._mod.notify(self._ipc, self._timeout_ns, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert,
                          channels, expert_alignment, num_worst_tokens, self._seq, prefix, offsets, em_layout,
                          signature_hash=signature_hash(signature), problem=signature.problem,
                          send_row_offset=send_row_offset)
+        self._notified = self._seq
         return prefix, offsets, self._seq
 
     def dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
@@ -382,6 +385,11 @@ class IntranodeBackend(Backend):
             raise
         self._raise_disagreement()
         return num_recv
+
+    def check_refused_calls(self) -> None:
+        """Backend.check_refused_calls: raise now what the next synchronised dispatch would raise for the calls
+        that did not wait for notify (compiled.raise_refused_calls)."""
+        raise_refused_calls(self)
 
     def _raise_disagreement(self) -> None:
         """After a completed notify wait: raise SignatureMismatch (collective, every rank alike) if notify recorded
