@@ -255,6 +255,15 @@ def create_backends(buffer) -> Tuple[Tuple[Optional[object], str], Tuple[Optiona
         with contextlib.suppress(Exception):  # the error to raise is CreationFailed, whatever the cleanup meets
             _release_after_failure(board, made, None if connected and failure.missing else connected)
         raise
+    except Exception:
+        # Anything else (start(): NVSHMEM's init or malloc, the low-latency "buffers zeroed" all-gather timing out
+        # or honouring a peer's abort) may come after the peers opened this rank's NVLink buffer, and without a
+        # round telling whether they closed it: abandon (never free) every backend made, then raise. Left to
+        # garbage collection, the IpcBuffer would free memory the peers still map.
+        for b in made:
+            with contextlib.suppress(Exception):
+                b.abandon()
+        raise
     return (normal, why), (ll, ll_why)
 
 

@@ -204,9 +204,7 @@ class InternodeBackend(Backend):
             self._rdma_ptr = self._state.malloc(self.num_rdma_bytes)
         except Exception:
             self._state.finalize()
-            if self.peer_pool is not None:
-                self.peer_pool.close()
-            self._ipc.destroy()
+            self.abandon()  # the domain peers opened the NVLink buffer (connect): never free it under them
             raise
         memory = _DeviceMemory(self._rdma_ptr, self.num_rdma_bytes)
         self._rdma_memory = weakref.ref(memory)  # alive while a view of the NVSHMEM buffer is (views_alive)

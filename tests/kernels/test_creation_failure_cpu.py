@@ -3,8 +3,8 @@
 The real Buffer and compiled.create_backends over the intranode stub of tests/helpers (its IpcBuffer records what
 the creation does with it) and a fake NVSHMEM extension, so that the compiled creation path runs on CPU. Injected on
 one rank: the NVLink buffer's allocation fails (cudaMalloc), the IPC open of the peers' handles fails, the
-extension is missing (the compiled backend on some ranks only), rank 0 cannot make NVSHMEM's unique id, and an
-argument only one rank has wrong (raised before the Buffer's signature agreement). Checked on every rank:
+extension is missing (the compiled backend on some ranks only), rank 0 cannot make NVSHMEM's unique id, NVSHMEM's
+init raises (on every rank: the NVLink buffers are abandoned), and an argument only one rank has wrong (raised before the Buffer's signature agreement). Checked on every rank:
 CreationFailed naming the failing rank and its message, well before MOE_DISPATCHER_TIMEOUT_S; ranks that allocated
 free it (after every rank closed its mappings, when they were opened); NVSHMEM is not entered after a peer failed.
 Before the creation rounds, the peers of the failing rank waited in the handles' all_gather_object, the unique-id
@@ -130,6 +130,13 @@ def _world_failures(rank: int, world_size: int) -> dict:
     with case("unique id"):
         out["unique id"] = (*_attempt(lambda: Buffer(num_nvl_bytes=NVL_BYTES, num_rdma_bytes=1 << 20,
                                                      low_latency_mode=True, backend="kernels")), events)
+    # Every rank reaches NVSHMEM's init, which raises (the fake's, on every rank): no creation round follows, and
+    # the peers have opened each rank's NVLink buffer, so it is abandoned, never freed (nor left to collection).
+    events = []
+    _compiled_on_cpu(rank, events, {})
+    with case("NVSHMEM init"):
+        out["init"] = (*_attempt(lambda: Buffer(num_nvl_bytes=NVL_BYTES, num_rdma_bytes=1 << 20,
+                                                low_latency_mode=True, backend="kernels")), events)
     # Last: the peers' signature all-gather stays pending in the group.
     events = []
     with case("argument on one rank"):
@@ -174,6 +181,10 @@ def test_creation_failure_on_one_rank_raises_on_every_rank():
         assert seconds < FAST_S, seconds
         assert events[-3:] == ["close", "close", "destroy"], events  # the connected NVLink buffer is freed
         assert ("get_unique_id" in events) == (rank == 0) and not any(e[0] == "nvshmem_init" for e in events)
+
+        kind, message, seconds, events = out["init"]
+        assert kind == "RuntimeError" and "fake NVSHMEM: init reached" in message, f"{kind}: {message}"
+        assert ("nvshmem_init", True) in events and events[-1] == "abandon" and "destroy" not in events, events
 
         kind, message, seconds, _ = out["argument"]
         if rank == 1:
