@@ -28,7 +28,7 @@ from .expert_major import ExpertMajorHandle
 from .handle import DispatchHandle, LowLatencyHandle
 from .reference import ReferenceLowLatency, ReferenceNormal
 from .reference.normal import layout_problem
-from .reference.board import Board, CreationFailed, PeerError, on_every_rank, posts_abort
+from .reference.board import Board, CollectiveTimeout, CreationFailed, PeerError, on_every_rank, posts_abort
 from .reference.comm import agree, all_gather_rows
 from .runtime import ll_layout, release
 from .signature import Signature, dispatch_signature
@@ -110,7 +110,14 @@ class Buffer:
             self._create(num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank,
                          allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric, explicitly_destroy, enable_shrink,
                          backend, topology, low_latency_combine_reduction, num_pool_bytes)
-        except PeerError as exc:  # a peer raised (its abort) or never came: the creation failed on every rank
+        except CollectiveTimeout as exc:
+            # A peer never came: it may still come, complete its collective against this rank's pending one and
+            # go on alone. So this rank posts its abort (as Board.creation_round does for a missing peer), and
+            # that peer fails at its next collective instead.
+            failure = CreationFailed(f"moe_dispatcher: Buffer creation failed: {exc}")
+            self._board.post_abort(failure)
+            raise failure from exc
+        except PeerError as exc:  # a peer raised (its abort): the creation failed on every rank
             raise on_every_rank(CreationFailed(f"moe_dispatcher: Buffer creation failed: {exc}")) from exc
         except BaseException as exc:
             self._board.post_abort(exc)  # (not for errors every rank raises alike: board.posts_abort)

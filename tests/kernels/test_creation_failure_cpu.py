@@ -207,3 +207,37 @@ def test_creation_names_a_rank_that_never_comes():
                                              timeout=60)[0]
     assert kind == "CreationFailed" and "waiting for ranks [1]" in message, f"{kind}: {message}"
     assert seconds < TIMEOUT_S / 4 + 5, seconds
+
+
+def _world_late(rank: int, world_size: int) -> tuple:
+    """Rank 1 comes to the Buffer's signature all-gather after rank 0 timed out there; its all-gather completes
+    against rank 0's pending one, so it is created. Its next collective must name rank 0's failure (its abort)."""
+    from moe_dispatcher import Buffer
+    import torch
+
+    from moe_dispatcher.topology import Topology
+    store = dist.distributed_c10d._get_default_store()
+    topology = Topology(rank, world_size, world_size)  # given: no hostname all-gather after the signature's
+    if rank == 0:
+        out = _attempt(lambda: Buffer(backend="reference", topology=topology))
+    else:
+        time.sleep(LATE_TIMEOUT_S + 2)
+        buf = Buffer(backend="reference", topology=topology)
+        out = _attempt(lambda: buf._board.run("a call after creation", lambda: dist.all_reduce(
+            torch.zeros(1), group=buf.group, async_op=True)))
+    store.add("late done", 1)  # rank 0 stays until rank 1 is done (its pending all-gather reads rank 0)
+    while int(store.add("late done", 0)) < world_size:
+        time.sleep(0.05)
+    return out
+
+
+LATE_TIMEOUT_S = 3.0
+
+
+def test_a_rank_that_timed_out_in_creation_posts_its_abort():
+    results = run_distributed(_world_late, 2, env={"MOE_DISPATCHER_TIMEOUT_S": str(LATE_TIMEOUT_S)}, timeout=60)
+    kind, message, _ = results[0]
+    assert kind == "CreationFailed" and "waiting for ranks [1]" in message, f"{kind}: {message}"
+    kind, message, seconds = results[1]
+    assert kind == "PeerError" and "rank 0 raised: CreationFailed" in message, f"{kind}: {message}"
+    assert seconds < LATE_TIMEOUT_S, seconds
