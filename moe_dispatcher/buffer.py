@@ -174,10 +174,11 @@ class Buffer:
         self._kernels_why = self._kernels_ll_why = "Buffer(backend='reference') was asked for"
         # A collective point: NVSHMEM buffers of collected Buffers that every rank parked are freed here (before
         # this Buffer allocates its own).
-        release.collective_point(self.group, self.rank, self.group_size, self._board.timeout_s)
+        release.collective_point(self.group, self.rank, self.group_size, self._board.timeout_s,
+                                 f"create-{self._board.ordinal}", self._board)
         # The release of the compiled backends' memory (destroy(), garbage collection, exit): runtime/release.py.
         self._release = release.Release(self._board.store, self.group, self.rank, self.group_size,
-                                        self._board.timeout_s, _kernel_timeout_s())
+                                        self._board.timeout_s, _kernel_timeout_s(), self._board.ordinal)
         if backend != "reference":
             from . import compiled  # collective: a failure on any rank raises CreationFailed on every rank
             (self._kernels, self._kernels_why), (self._kernels_ll, self._kernels_ll_why) = \
@@ -288,7 +289,8 @@ class Buffer:
         if self._destroyed:
             return
         backends = self._drop_backends()
-        release.collective_point(self.group, self.rank, self.group_size, self._board.timeout_s)
+        release.collective_point(self.group, self.rank, self.group_size, self._board.timeout_s,
+                                 f"destroy-{self._board.ordinal}")
         self._release.collective(backends)
 
     def _drop_backends(self) -> list:

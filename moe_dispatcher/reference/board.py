@@ -112,6 +112,9 @@ class Board:
         key = group if group is not None else dist.group.WORLD
         ordinal = _boards_per_group.get(key, 0)
         _boards_per_group[key] = ordinal + 1
+        # The Buffer's number among its group's Buffers, the same on every rank (the Board is made first, before
+        # anything that may raise on some ranks only): runtime/release.py names its rounds with it.
+        self.ordinal = ordinal
         store = _group_store(group)
         self.store = dist.PrefixStore(f"moe_dispatcher/board/{ordinal}/", store) if store is not None else None
         self.next_collective = 0  # the number of the next collective this rank enters
