@@ -325,6 +325,12 @@ class Buffer:
         self._board.post_abort(exc)
         if not posts_abort(exc):
             return
+        # The compiled low-latency calls never enter the Board (one native call on the fast path): forget their
+        # fast paths, so that this rank's next low-latency call takes the full one, which clears the abort posted
+        # here. Else it would stay on the Board until this rank's next Board collective, possibly many calls
+        # later, and a peer waiting in one (a layout change's round) would take it for news.
+        self._ll_dispatch_runs.clear()
+        self._ll_combine_runs.clear()
         with contextlib.suppress(Exception):
             if torch.cuda.is_current_stream_capturing():  # no CUDA work outside a capture in progress: the peers
                 return                                     # (capturing too, launching nothing) wait for no one
@@ -944,6 +950,7 @@ class Buffer:
     def _first_ll_dispatch(self, x, topk_idx, max_tokens, num_experts, cum_stats, wait_stats, use_fp8, round_scale,
                            use_ue8m0, async_finish, return_recv_hook) -> Callable:
         """Validate a dispatch whose key was not seen (see above); -> the backend method that serves it."""
+        self._board.clear_abort()  # this rank is back after raising (_post_abort)
         self._check_alive()
         check_flag_exclusive(async_finish, return_recv_hook)
         check_tensor("x", x, dtypes=(torch.bfloat16,), ndim=2)
@@ -975,6 +982,7 @@ class Buffer:
     def _first_ll_combine(self, x, topk_idx, topk_weights, handle, use_logfmt, async_finish, return_recv_hook, out,
                           wait_stats) -> Callable:
         """Validate a combine whose key was not seen (see above); -> the backend method that serves it."""
+        self._board.clear_abort()  # this rank is back after raising (_post_abort)
         self._check_alive()
         if use_logfmt:
             raise NotImplementedError("low_latency_combine(use_logfmt=True) is not supported yet")

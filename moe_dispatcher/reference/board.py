@@ -126,9 +126,7 @@ class Board:
         under the deadline. phase: what it is, for messages ("dispatch: counts all-gather")."""
         n = self.next_collective
         self.next_collective += 1
-        if self._abort_posted:  # this rank is back after raising: peers must not read that abort any more
-            self.store.delete_key(f"abort/{self.rank}")
-            self._abort_posted = False
+        self.clear_abort()
         work = start()
         if _wait(work, min(QUIET_S, self.timeout_s), self._poll):
             return
@@ -163,6 +161,13 @@ class Board:
         with contextlib.suppress(Exception):  # never hide the caller's error behind a store failure
             self.store.set(f"abort/{self.rank}", f"{self.next_collective}|{type(exc).__name__}: {exc}")
             self._abort_posted = True
+
+    def clear_abort(self) -> None:
+        """This rank is back after raising (its next collective, or its next compiled call, begins): peers must not
+        read its abort any more."""
+        if self._abort_posted:
+            self.store.delete_key(f"abort/{self.rank}")
+            self._abort_posted = False
 
     def abort_message(self, rank: int) -> Optional[str]:
         """The message rank `rank` posted with its latest abort, or None (no store, no abort posted, or the rank

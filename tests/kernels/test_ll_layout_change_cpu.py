@@ -112,6 +112,31 @@ def _different_changes_worker(rank: int, num_ranks: int) -> None:
     buf.destroy()
 
 
+def _stale_abort_worker(rank: int, num_ranks: int) -> None:
+    buf, rt, idx = _world(rank)
+    with case("both ranks call with one layout"):
+        _dispatch(buf, idx, H)
+    with case("rank 1 raises alone in a compiled call (the runtime's check), then both ranks call again"):
+        if rank == 1:
+            with pytest.raises(ValueError, match="more than num_max_dispatch_tokens_per_rank"):
+                buf.low_latency_dispatch(torch.zeros(MAXT + 1, H, dtype=torch.bfloat16),
+                                         torch.zeros(MAXT + 1, K, dtype=torch.int64), MAXT, E, use_fp8=False)
+            assert buf._board.abort_message(1) is not None
+        _dispatch(buf, idx, H)
+    with case("a layout change that rank 1 comes to late"):
+        if rank == 1:
+            time.sleep(TIMEOUT_S / 2)  # rank 0 waits in the round meanwhile: it must not take the old abort for news
+        _dispatch(buf, idx, 2 * H)
+        assert rt.cleans == [(MAXT, 2 * H, E)], rt.cleans
+
+
+def test_an_abort_of_an_earlier_call_is_cleared_at_the_next_compiled_call() -> None:
+    """A rank that raised in a compiled low-latency call and then called again successfully is back: a peer waiting
+    for it later in a Board collective (here a layout change's round) waits for it rather than raising its old
+    error."""
+    run_distributed(_stale_abort_worker, 2, env=ENV, timeout=90)
+
+
 def test_a_lone_layout_change_times_out_and_its_peer_raises_its_error() -> None:
     run_distributed(_lone_change_worker, 2, env=ENV, timeout=90)
 
