@@ -148,12 +148,12 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   Runtime(const at::Tensor& buffer, size_t num_bytes, const std::vector<uint64_t>& peer_bases, int rank, int num_ranks,
           int device, int num_blocks, uint64_t timeout_ns, const py::object& comm_stream, bool rank_partials,
           const OptTensor& trace, py::object handle_cls, py::object event_cls, py::object no_event,
-          py::object barrier, py::object timeout_message, int64_t buffer_token, uint64_t peer_aborts,
+          py::object layout_round, py::object timeout_message, int64_t buffer_token, uint64_t peer_aborts,
           const std::vector<uint64_t>& abort_targets, py::object signature_error)
       : num_bytes_(num_bytes), rank_(rank), num_ranks_(num_ranks), device_(device), num_blocks_(num_blocks),
         timeout_ns_(timeout_ns), rank_partials_(rank_partials),
         handle_cls_(std::move(handle_cls)), event_cls_(std::move(event_cls)), no_event_(std::move(no_event)),
-        barrier_(std::move(barrier)), timeout_message_(std::move(timeout_message)),
+        layout_round_(std::move(layout_round)), timeout_message_(std::move(timeout_message)),
         signature_error_(std::move(signature_error)) {
     MOE_CHECK(num_ranks >= 1 && num_ranks <= kMaxRanks, "low_latency: bad number of ranks");
     MOE_CHECK(static_cast<int>(peer_bases.size()) == num_ranks, "low_latency: one peer base per rank");
@@ -381,8 +381,8 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
     return carve(raw_, begin, at::kBFloat16, {p.local, rows, h}, {rows * h, h, 1});
   }
 
-  // Zero both halves' signal words for these shapes and the workspace (collective: barriers around,
-  // all on the current stream). Also what a call with new shapes does first.
+  // Zero both halves' signal words for these shapes and the workspace (collective: clean_layout's two rounds
+  // around, the clear on the current stream). Also what a call with new shapes does first.
   void clean(int max_tokens, int hidden, int num_experts) {
     check_usable();
     const Plan& p = plan(max_tokens, hidden, num_experts, 1, /*clean_on_change=*/false);
@@ -532,17 +532,23 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
     layout_set_ = true;
   }
 
+  // A layout change (docs/low_latency.md, "Layout change"): the backend's layout_round_(maxT, hidden, experts,
+  // zeroed) around the clear. Each call synchronises the device and all-gathers every rank's new layout under the
+  // Buffer's deadline (moe_dispatcher/compiled/low_latency.py, layout_round: the ordering argument). The first
+  // raises SignatureMismatch on every rank when the ranks' layouts differ, before anything is cleared (this
+  // runtime then keeps its layout), or a timeout naming the ranks that never came; after the second, every
+  // peer's signal words are zero, so this rank's next kernel may store into them.
   void clean_layout(const Plan& p) {
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device_).stream();
-    barrier_();  // every peer is done with the buffer (and its earlier use)
+    layout_round_(p.max_tokens, p.hidden, p.num_experts, false);  // every rank agrees and is done with the buffer
     for (int h = 0; h < 2; ++h) {
       uint8_t* begin = static_cast<uint8_t*>(raw_.data_ptr()) + h * p.layout.half_bytes + p.layout.signal_off;
       MOE_CUDA_CHECK(cudaMemsetAsync(begin, 0, p.layout.signal_bytes, stream));
     }
     MOE_CUDA_CHECK(cudaMemsetAsync(workspace_.data_ptr(), 0, kWorkspaceInts * sizeof(int), stream));
     MOE_CUDA_CHECK(cudaMemsetAsync(signature_words_, 0, 2 * kMaxRanks * sizeof(uint64_t), stream));
-    barrier_();  // nobody sends before every peer's signals are zero
+    layout_round_(p.max_tokens, p.hidden, p.num_experts, true);  // nobody sends before every peer's signals are zero
     set_layout(p);
   }
 
@@ -723,7 +729,7 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   std::vector<uint64_t> pending_;  // call ids whose hook was returned and not called yet
   std::array<std::array<unsigned long long*, 2>, kTraceKinds> traces_{};
   std::array<std::pair<int, int>, kTraceKinds> trace_last_{{{-1, 0}, {-1, 0}}};
-  py::object handle_cls_, event_cls_, no_event_, barrier_, timeout_message_, signature_error_;
+  py::object handle_cls_, event_cls_, no_event_, layout_round_, timeout_message_, signature_error_;
   PyTypeObject* handle_type_ = nullptr;          // handle_cls_ (check_handle_type)
   py::object backend_name_, buffer_token_;  // the handles' constant fields
 
@@ -879,7 +885,7 @@ void register_low_latency(py::module_& parent) {
            py::arg("buffer"), py::arg("num_bytes"), py::arg("peer_bases"), py::arg("rank"), py::arg("num_ranks"),
            py::arg("device"), py::arg("num_blocks"), py::arg("timeout_ns"), py::arg("comm_stream"),
            py::arg("rank_partials"), py::arg("trace"), py::arg("handle_cls"), py::arg("event_cls"),
-           py::arg("no_event"), py::arg("barrier"), py::arg("timeout_message"), py::arg("buffer_token"),
+           py::arg("no_event"), py::arg("layout_round"), py::arg("timeout_message"), py::arg("buffer_token"),
            py::arg("peer_aborts"), py::arg("abort_targets"), py::arg("signature_error"))
       // The calls, positional arguments only (their signatures: kDispatchDef, kCombineDef); each read gives a new
       // function object bound to this runtime: the backend keeps one.

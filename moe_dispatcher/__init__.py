@@ -12,6 +12,7 @@ from .config import Config
 from .event import EventHandle, EventOverlap
 from .expert_major import ExpertMajorHandle
 from .handle import DispatchHandle, LowLatencyHandle
+from .reference.board import CreationFailed
 from .topology import Topology
 
 topk_idx_t = torch.int64
@@ -19,4 +20,4 @@ topk_idx_t = torch.int64
 __version__ = "0.1.0"
 
 __all__ = ["Buffer", "Config", "EventOverlap", "EventHandle", "Topology", "DispatchHandle", "LowLatencyHandle",
-           "ExpertMajorHandle", "topk_idx_t", "__version__"]
+           "ExpertMajorHandle", "CreationFailed", "topk_idx_t", "__version__"]

@@ -124,6 +124,13 @@ class Backend:
         that checked those calls itself (Buffer._forget_dropped_rows): call it on every rank, once those
         dispatches finished."""
 
+    def check_refused_calls(self) -> None:
+        """Raise now, on every rank alike, the disagreement of an earlier call that has not raised yet (Buffer.
+        check_refused_calls; every rank calls it at the same point, after the same calls). The compiled normal-mode
+        backends refuse such a call in notify and report it at a host wait, which calls with num_worst_tokens never
+        make (compiled.raise_refused_calls). Default: nothing, for a backend that raises at the call itself (the
+        reference agrees every call's signature in the call's own all-gather, num_worst_tokens or not)."""
+
     # ------------------------------------------------------------------ low-latency mode
     # A low-latency backend owns its double buffering (each call takes the buffer half after the previous
     # call's), its hooks (one call each; stale once their half was taken again; shapes change only while none
@@ -168,6 +175,25 @@ class Backend:
                             use_rdma_buffer: bool) -> Tensor:
         """A typed view of this rank's NVLink (or NVSHMEM) buffer from byte `offset`."""
         raise NotImplementedError(f"the {self.name} backend has no communication buffer")
+
+    # Creation: the steps moe_dispatcher.compiled.create_backends runs between its bounded agreement rounds, after
+    # the constructor (local: this rank's allocations, no collective).
+    def creation_payload(self) -> object:
+        """What the peers need of this rank to connect (picklable), e.g. its buffer's CUDA IPC handle."""
+        return None
+
+    def connect(self, payloads: Sequence[object]) -> None:
+        """Local, once every rank's constructor succeeded: use the peers' payloads (index: rank), e.g. map their
+        buffers."""
+
+    def start(self) -> None:
+        """Collective, once every rank connected: the steps every rank takes together (NVSHMEM bootstrap)."""
+
+    def close_mappings(self) -> None:
+        """Creation failed after connect(): stop using the peers' memory."""
+
+    def discard(self) -> None:
+        """Creation failed before start() and no peer uses this rank's memory (any more): free it."""
 
     # Teardown: what moe_dispatcher/runtime/release.py calls (the reference backend shares no memory).
     symmetric = False  # holds NVSHMEM memory (freed only collectively)

@@ -28,7 +28,7 @@ from .expert_major import ExpertMajorHandle
 from .handle import DispatchHandle, LowLatencyHandle
 from .reference import ReferenceLowLatency, ReferenceNormal
 from .reference.normal import layout_problem
-from .reference.board import Board, on_every_rank, posts_abort
+from .reference.board import Board, CollectiveTimeout, CreationFailed, PeerError, on_every_rank, posts_abort
 from .reference.comm import agree, all_gather_rows
 from .runtime import ll_layout, release
 from .signature import Signature, dispatch_signature
@@ -95,30 +95,52 @@ class Buffer:
                  explicitly_destroy: bool = False, enable_shrink: bool = False, *, backend: Optional[str] = None,
                  topology: Optional[Topology] = None, low_latency_combine_reduction: Optional[str] = None,
                  num_pool_bytes: int = 0) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("Buffer needs torch.distributed to be initialised (init_process_group) first")
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.group_size = dist.get_world_size(self.group)
+        # The reference backend's deadline and arrival board (MOE_DISPATCHER_TIMEOUT_S; reference/board.py), made
+        # first, on every rank: an error raised below on some ranks only posts its abort there, and the peers
+        # waiting in a creation collective (the signature's all-gather, a creation round of the compiled
+        # backends) raise CreationFailed naming the rank instead of waiting (docs/semantics.md, "Errors at
+        # Buffer creation").
+        self._board = Board(self.group, self.rank, self.group_size)
+        try:
+            self._create(num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank,
+                         allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric, explicitly_destroy, enable_shrink,
+                         backend, topology, low_latency_combine_reduction, num_pool_bytes)
+        except CollectiveTimeout as exc:
+            # A peer never came: it may still come, complete its collective against this rank's pending one and
+            # go on alone. So this rank posts its abort (as Board.creation_round does for a missing peer), and
+            # that peer fails at its next collective instead.
+            failure = CreationFailed(f"moe_dispatcher: Buffer creation failed: {exc}")
+            self._board.post_abort(failure)
+            raise failure from exc
+        except PeerError as exc:  # a peer raised (its abort): the creation failed on every rank
+            raise on_every_rank(CreationFailed(f"moe_dispatcher: Buffer creation failed: {exc}")) from exc
+        except BaseException as exc:
+            self._board.post_abort(exc)  # (not for errors every rank raises alike: board.posts_abort)
+            raise
+
+    def _create(self, num_nvl_bytes: int, num_rdma_bytes: int, low_latency_mode: bool, num_qps_per_rank: int,
+                allow_nvlink_for_low_latency_mode: bool, allow_mnnvl: bool, use_fabric: bool, explicitly_destroy: bool,
+                enable_shrink: bool, backend: Optional[str], topology: Optional[Topology],
+                low_latency_combine_reduction: Optional[str], num_pool_bytes: int) -> None:
+        """__init__ past the board (the arguments are __init__'s)."""
         for flag, name in ((allow_mnnvl, "allow_mnnvl"), (use_fabric, "use_fabric"), (enable_shrink, "enable_shrink")):
             if flag:
                 raise NotImplementedError(f"Buffer({name}=True) is not supported by moe_dispatcher")
         for value, name in ((num_nvl_bytes, "num_nvl_bytes"), (num_rdma_bytes, "num_rdma_bytes"),
                             (num_qps_per_rank, "num_qps_per_rank"), (num_pool_bytes, "num_pool_bytes")):
             check_count(name, value)
-        if not dist.is_initialized():
-            raise RuntimeError("Buffer needs torch.distributed to be initialised (init_process_group) first")
         backend = backend or env_choice(BACKEND_ENV, BACKENDS, "auto")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self._check_layout = env_flag(CHECK_LAYOUT_ENV)  # read before any collective: a bad value fails alike
-        self.group = group if group is not None else dist.group.WORLD
-        self.rank = dist.get_rank(self.group)
-        self.group_size = dist.get_world_size(self.group)
-        # The reference backend's deadline and arrival board (MOE_DISPATCHER_TIMEOUT_S; reference/board.py).
-        self._board = Board(self.group, self.rank, self.group_size)
         # Every rank must make the same Buffer: sizes that differ would let a kernel write past a peer's
         # allocation, and a domain size set on some ranks only would split the hostname exchange below.
-        try:
-            nvl_size = topology.nvl_size if topology is not None else env_int(NVL_SIZE_ENV, 0, minimum=1)
-        except ValueError as exc:  # a bad value on some ranks only: their peers waiting below fail fast
-            self._board.post_abort(exc)
-            raise
+        nvl_size = topology.nvl_size if topology is not None else env_int(NVL_SIZE_ENV, 0, minimum=1)
         self._agree(Signature("Buffer creation", (
             num_nvl_bytes, num_rdma_bytes, bool(low_latency_mode), nvl_size, backend, num_qps_per_rank,
             bool(allow_nvlink_for_low_latency_mode), bool(explicitly_destroy), num_pool_bytes,
@@ -152,17 +174,15 @@ class Buffer:
         self._kernels_why = self._kernels_ll_why = "Buffer(backend='reference') was asked for"
         # A collective point: NVSHMEM buffers of collected Buffers that every rank parked are freed here (before
         # this Buffer allocates its own).
-        release.collective_point(self.group, self.rank, self.group_size, self._board.timeout_s)
+        release.collective_point(self.group, self.rank, self.group_size, self._board.timeout_s,
+                                 f"create-{self._board.ordinal}", self._board)
         # The release of the compiled backends' memory (destroy(), garbage collection, exit): runtime/release.py.
         self._release = release.Release(self._board.store, self.group, self.rank, self.group_size,
-                                        self._board.timeout_s, _kernel_timeout_s())
+                                        self._board.timeout_s, _kernel_timeout_s(), self._board.ordinal)
         if backend != "reference":
-            from . import compiled
-            self._kernels, self._kernels_why = compiled.create(self)
-            if low_latency_mode:
-                self._kernels_ll, self._kernels_ll_why = compiled.create_low_latency(self)
-            else:
-                self._kernels_ll_why = "the Buffer was not built with low_latency_mode=True"
+            from . import compiled  # collective: a failure on any rank raises CreationFailed on every rank
+            (self._kernels, self._kernels_why), (self._kernels_ll, self._kernels_ll_why) = \
+                compiled.create_backends(self)
         # Low-latency fast path (see low_latency_dispatch): call key -> the compiled backend's method.
         self._ll_dispatch_runs: dict = {}
         self._ll_combine_runs: dict = {}
@@ -269,7 +289,8 @@ class Buffer:
         if self._destroyed:
             return
         backends = self._drop_backends()
-        release.collective_point(self.group, self.rank, self.group_size, self._board.timeout_s)
+        release.collective_point(self.group, self.rank, self.group_size, self._board.timeout_s,
+                                 f"destroy-{self._board.ordinal}")
         self._release.collective(backends)
 
     def _drop_backends(self) -> list:
@@ -304,6 +325,12 @@ class Buffer:
         self._board.post_abort(exc)
         if not posts_abort(exc):
             return
+        # The compiled low-latency calls never enter the Board (one native call on the fast path): forget their
+        # fast paths, so that this rank's next low-latency call takes the full one, which clears the abort posted
+        # here. Else it would stay on the Board until this rank's next Board collective, possibly many calls
+        # later, and a peer waiting in one (a layout change's round) would take it for news.
+        self._ll_dispatch_runs.clear()
+        self._ll_combine_runs.clear()
         with contextlib.suppress(Exception):
             if torch.cuda.is_current_stream_capturing():  # no CUDA work outside a capture in progress: the peers
                 return                                     # (capturing too, launching nothing) wait for no one
@@ -712,6 +739,26 @@ class Buffer:
             excess = torch.maximum(excess, self._pending_row_checks[0][0] - self._pending_row_checks[0][1])
         self._pending_row_checks = [(excess, 0)]
 
+    def check_refused_calls(self) -> None:
+        """Raise now what the next synchronised dispatch (a fresh one without num_worst_tokens) would raise for the
+        earlier dispatches with num_worst_tokens: SignatureMismatch on every rank alike, naming the fields, values
+        and ranks, when the compiled kernels refused one of them because its ranks disagreed (signature, bad expert
+        ids, a cached call's ring signature; that call moved nothing and returned padding rows, docs/semantics.md),
+        and a timeout or a peer's abort the kernels recorded. Every rank of the group calls it at the same point,
+        after the same calls (at a training step's end, say: the Megatron integration's step-end check does).
+
+        Cost: a wait for the notify of this Buffer's latest fresh dispatch (spinning on host-mapped memory; done in
+        practice by then), no device sync; a collective only when there is a refusal to report (the synchronised
+        dispatch's all-gather of the signatures). The reference backend raises such calls at the call itself:
+        nothing to do."""
+        try:
+            self._check_alive()
+            if self._kernels is not None:
+                self._kernels.check_refused_calls()
+        except Exception as exc:  # a timeout on this rank: its peers fail fast (SignatureMismatch posts nothing)
+            self._post_abort(exc)
+            raise
+
     def _forget_dropped_rows(self) -> None:
         """Forget every overflow of earlier num_worst_tokens calls, so that the next synchronised dispatch does not
         raise it: for a caller that checked those calls' rows_needed itself (the Megatron integration's run_step,
@@ -903,6 +950,7 @@ class Buffer:
     def _first_ll_dispatch(self, x, topk_idx, max_tokens, num_experts, cum_stats, wait_stats, use_fp8, round_scale,
                            use_ue8m0, async_finish, return_recv_hook) -> Callable:
         """Validate a dispatch whose key was not seen (see above); -> the backend method that serves it."""
+        self._board.clear_abort()  # this rank is back after raising (_post_abort)
         self._check_alive()
         check_flag_exclusive(async_finish, return_recv_hook)
         check_tensor("x", x, dtypes=(torch.bfloat16,), ndim=2)
@@ -934,6 +982,7 @@ class Buffer:
     def _first_ll_combine(self, x, topk_idx, topk_weights, handle, use_logfmt, async_finish, return_recv_hook, out,
                           wait_stats) -> Callable:
         """Validate a combine whose key was not seen (see above); -> the backend method that serves it."""
+        self._board.clear_abort()  # this rank is back after raising (_post_abort)
         self._check_alive()
         if use_logfmt:
             raise NotImplementedError("low_latency_combine(use_logfmt=True) is not supported yet")
@@ -971,11 +1020,16 @@ class Buffer:
         return self._backend_of(handle, (LowLatencyHandle,)).next_combine_buffer(handle)
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        """Reset the low-latency signal words (needed after using the NVSHMEM buffer for something else)."""
+        """Reset the low-latency signal words (needed after using the NVSHMEM buffer for something else).
+        Collective: every rank passes the same shapes (else SignatureMismatch on every rank)."""
         self._check_alive()
         self._check_low_latency(num_max_dispatch_tokens_per_rank, hidden, num_experts)
         if self._kernels_ll is not None:
-            self._kernels_ll.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+            try:
+                self._kernels_ll.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+            except Exception as exc:  # a peer waiting for this rank (its kernel, or the clean's round) fails fast
+                self._post_abort(exc)
+                raise
 
 
 # Reasons the reference backend served CUDA calls, warned about once per process.

@@ -17,7 +17,8 @@ rank in combine while its peers dispatch) still exchange vectors of one length a
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+import bisect
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -25,7 +26,7 @@ SIGNATURE_WORDS = 16
 
 # Operation codes (word 0) and the fields each one compares (words 2.., at most SIGNATURE_WORDS - 2).
 OPERATIONS = {1: "Buffer creation", 2: "dispatch", 3: "cached dispatch", 4: "combine", 5: "low-latency dispatch",
-              6: "low-latency combine", 7: "expert-major dispatch"}
+              6: "low-latency combine", 7: "expert-major dispatch", 8: "low-latency layout change"}
 _CODES = {name: code for code, name in OPERATIONS.items()}
 _CONFIG = ("config.num_sms", "config.num_max_nvl_chunked_send_tokens", "config.num_max_nvl_chunked_recv_tokens",
            "config.num_max_rdma_chunked_send_tokens", "config.num_max_rdma_chunked_recv_tokens")
@@ -43,6 +44,8 @@ FIELDS: Dict[str, Tuple[str, ...]] = {
                              "round_scale", "use_ue8m0"),
     "low-latency combine": ("handle", "hidden", "num_max_dispatch_tokens_per_rank", "num_experts", "top-k",
                             "reduction"),
+    # The compiled low-latency runtime's agreement round when a call's buffer layout changes (compiled/low_latency.py).
+    "low-latency layout change": ("num_max_dispatch_tokens_per_rank", "hidden", "num_experts"),
 }
 assert all(len(f) <= SIGNATURE_WORDS - 2 for f in FIELDS.values())
 
@@ -202,14 +205,57 @@ def signature_hash(signature: Signature) -> int:
     return h - (1 << 32) if h >= 1 << 31 else h
 
 
-def raise_disagreement(group, device: torch.device, signatures: Dict[int, Signature], seq: int,
-                       problems: Sequence[int], ring_records: Callable[[], Sequence[Tuple[int, int, int]]] = list,
+class KeptSignatures:
+    """The signatures of a compiled backend's fresh dispatches by call number (seq), kept for the error of a
+    disagreement that notify recorded and the host reports later (raise_disagreement): a num_worst_tokens call is
+    reported at the next synchronised dispatch or at Buffer.check_refused_calls, which may come a whole training
+    step of calls later. Consecutive calls with equal signatures share one entry (a run), so the latest `runs`
+    changes of signature are kept however many calls each spans: a training step repeats one signature for
+    every layer's and microbatch's dispatch, and a call that differs starts a run of its own on the rank that
+    passed it. Cost per call: one comparison with the latest run's signature (a dozen ints)."""
+
+    __slots__ = ("runs", "_starts", "_signatures", "_latest")
+
+    def __init__(self, runs: int) -> None:
+        self.runs = runs
+        self._starts: List[int] = []  # the first seq of each kept run, ascending
+        self._signatures: List[Signature] = []
+        self._latest = 0  # the seq added last
+
+    def add(self, seq: int, signature: Signature) -> None:
+        """The signature of call `seq` (larger than every seq added before, unless the numbers wrapped)."""
+        if seq <= self._latest:  # the call numbers wrapped: the kept runs no longer sort before it
+            self._starts.clear()
+            self._signatures.clear()
+        self._latest = seq
+        if self._signatures:
+            last = self._signatures[-1]
+            if (last.values == signature.values and last.operation == signature.operation
+                    and last.problem == signature.problem):
+                return
+        self._starts.append(seq)
+        self._signatures.append(signature)
+        if len(self._starts) > self.runs:
+            del self._starts[0], self._signatures[0]
+
+    def get(self, seq: int) -> Optional[Signature]:
+        """The signature of call `seq`, or None when it is older than the kept runs or was never added."""
+        if seq > self._latest:
+            return None
+        i = bisect.bisect_right(self._starts, seq) - 1
+        return self._signatures[i] if i >= 0 else None
+
+
+def raise_disagreement(group, device: torch.device, signatures: Union[KeptSignatures, Dict[int, Signature]],
+                       seq: int, problems: Sequence[int],
+                       ring_records: Callable[[], Sequence[Tuple[int, int, int]]] = list,
                        nvl_size: Optional[int] = None) -> None:
     """Collective, on every rank of `group` alike: a compiled notify found call `seq`'s signatures differing
     (hashes) or a rank's problem word set (`problems`, one per rank, from the mailbox). One all-gather of the
-    full signatures (`signatures`: this rank's by seq; every rank kept the same seqs) names the fields; where a
-    rank reported PROBLEM_RING_SIGNATURE, one more all-gather of every rank's ring_records() (source, the
-    source's ring signature, this rank's: what its receivers recorded) names the fields of the cached call.
+    full signatures (`signatures`: this rank's by seq, a KeptSignatures; every rank kept the same seqs) names
+    the fields; where a rank reported PROBLEM_RING_SIGNATURE, one more all-gather of every rank's ring_records()
+    (source, the source's ring signature, this rank's: what its receivers recorded) names the fields of the
+    cached call.
     ring_records() takes (clears) the records, so only a rank whose own word was PROBLEM_RING_SIGNATURE calls
     it: a rank that sent another problem kept its ring flag on the device, and its next notify reports that
     with these records. nvl_size: the NVLink domain size of an internode group (ring_disagreement), else None.
@@ -238,7 +284,8 @@ def raise_disagreement(group, device: torch.device, signatures: Dict[int, Signat
             if found:
                 text += f"; {ring_disagreement(rank, found, nvl_size)}"
     raise SignatureMismatch(f"{text} (found by the notify of fresh dispatch {seq} of this Buffer; a call with "
-                            f"num_worst_tokens reports at the next dispatch without it)")
+                            f"num_worst_tokens reports at the next dispatch without it, or at "
+                            f"Buffer.check_refused_calls)")
 
 
 # The ring signature of a cached call (compiled intranode kernels, docs/intranode.md "Agreement"; internode, one

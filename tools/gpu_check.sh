@@ -117,6 +117,7 @@ run test_kernel_names 60 "${PYTEST[@]}" tests/kernels/test_kernel_names.py tests
 run test_teardown_faults 240 "${PYTEST[@]}" -s tests/kernels/test_teardown_gpu.py -k "sigkill or clean_error"
 run test_teardown 150 "${PYTEST[@]}" -s tests/kernels/test_teardown_gpu.py -k "cycles or views"
 run test_peer_pool 150 "${PYTEST[@]}" -s tests/kernels/test_peer_pool_gpu.py
+run test_creation_failure 90 "${PYTEST[@]}" -s tests/kernels/test_creation_failure_gpu.py
 run test_direct_dispatch 200 "${PYTEST[@]}" -s tests/kernels/test_direct_dispatch_gpu.py
 run test_internode_direct 200 "${PYTEST[@]}" -s tests/kernels/test_internode_direct_gpu.py
 run test_cached_host_path 90 "${PYTEST[@]}" -s tests/kernels/test_cached_host_path_gpu.py

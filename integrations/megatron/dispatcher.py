@@ -153,6 +153,7 @@ class MoEDispatcherTokenDispatcher(MoETokenDispatcher):
         permuted, permuted_probs = comm_timer.backward_start("dispatch", permuted, permuted_probs)
         if worst:  # M = worst rows, counts on the device only; the need is checked later (sizing.py, guard.py)
             self._row_budget.watch(handle.rows_needed, worst)
+            guard.note_fixed_rows(buffer)  # a refusal of this call (its ranks disagree) raises at the step's end
             self._tokens_per_expert = tokens_per_expert_covering(tpe, worst)
         else:  # exact: the counts came to the host (the dispatch's one host sync)
             self._row_budget.observe(sum(counts))

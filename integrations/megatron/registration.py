@@ -186,7 +186,8 @@ def guard_training_steps() -> None:
 def guard_forward_backward(forward_backward_func: Callable) -> Callable:
     """Wrap one of Megatron-Core's forward_backward functions (what get_forward_backward_func returns) in
     run_step: the step runs as it is, then its fixed-row dispatches are checked (guard.check_expert_rows:
-    no collective, nothing to do with exact sizing). guard_training_steps() wraps get_forward_backward_func
+    their overflows and the calls the kernels refused; a collective only to report a refusal, nothing to do
+    with exact sizing). guard_training_steps() wraps get_forward_backward_func
     with this, so Megatron-LM training loops are checked as they are."""
     if getattr(forward_backward_func, "_moe_dispatcher_guarded", False):
         return forward_backward_func

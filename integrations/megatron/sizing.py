@@ -22,7 +22,8 @@ The expert-major dispatch writes a tensor of M rows whose M the host must know w
   needed more rows than its M (its rows past M were dropped), all ranks raise RuntimeError at the same
   call, before that call's dispatch: no rank is left waiting in a collective for a rank that raised. The
   calls a step made last are read at the step's end (guard.check_expert_rows, which guard.run_step and the
-  training driver call), so an overflow raises by the end of its step at the latest. The need is the one
+  training driver call), so an overflow raises by the end of its step at the latest (and so does a call the
+  compiled kernels refused because its ranks disagreed: guard.py). The need is the one
   the dispatch's exchanged counts give (rows_needed of the expert-major handle), which counts the rows a
   dispatch dropped too.
 - The variables are read at a dispatcher's first call (the headroom when it is made) and must be alike on every

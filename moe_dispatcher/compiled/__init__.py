@@ -5,11 +5,12 @@ A backend is a moe_dispatcher.backend.Backend (its capabilities say what it serv
 cached_dispatch, combine (the signatures of reference.ReferenceNormal), low_latency_dispatch,
 low_latency_combine, next_combine_buffer, clean_low_latency_buffer, local_buffer_tensor, destroy.
 
-Collective: every rank of the Buffer's group calls create() at the same point (the intranode backend
-exchanges CUDA IPC handles over the group), and all ranks take the same decision from shared facts.
+Collective: every rank of the Buffer's group calls create_backends() at the same point. A failure on one rank (an
+allocation, an IPC open, a bad local setting) raises CreationFailed on every rank (see create_backends).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -17,7 +18,7 @@ import torch.distributed as dist
 
 from .. import _ext
 from ..env import env_float
-from ..reference.board import on_every_rank
+from ..reference.board import CreationFailed, on_every_rank
 
 # A compiled kernel that waits longer than this for a peer records what it waited for and stops (the
 # backends' timeout_message says which rank); one setting for every compiled backend.
@@ -103,6 +104,27 @@ def wait_counts(backend, seq: int, flag_layout_mismatch: int) -> int:
     return num_recv
 
 
+def raise_refused_calls(backend) -> None:
+    """check_refused_calls of a normal-mode backend with a notify mailbox (intranode, internode): every rank of the
+    group calls it at the same point, after the same calls. Waits (spinning on the host-mapped mailbox, as a
+    synchronised dispatch does; no device sync) for the notify of the latest fresh dispatch this backend launched,
+    then reports what that dispatch's host wait would have: a recorded timeout or peer abort (RuntimeError /
+    PeerError, backend._check), and a refused call (SignatureMismatch on every rank alike, through
+    backend._raise_disagreement, the synchronised dispatch's own report: one all-gather of the kept signatures,
+    made only when a refusal is pending, which every rank's mailbox records alike once its notify of that call
+    completed). Calls with num_worst_tokens never wait for notify, so without this their refusals wait for the
+    next synchronised dispatch. A fresh dispatch replayed from a CUDA graph after the latest eager one publishes
+    the captured call's number instead: synchronise the replay's stream and make one eager call first."""
+    backend._check()
+    seq = backend._notified
+    if seq:
+        num_recv, _ = backend._ipc.wait_notify(seq, backend.timeout_s + 30.0)
+        if num_recv < 0:
+            backend._check()
+            raise RuntimeError(f"moe_dispatcher {backend.name}: rank {backend.rank}: notify gave up")
+    backend._raise_disagreement()
+
+
 def recv_tensors(rows: int, x: torch.Tensor, x_scales: Optional[torch.Tensor], num_scales: int,
                  num_topk: Optional[int]) -> List[Optional[torch.Tensor]]:
     """The outputs of a fresh dispatch receiving `rows` rows: [recv_x, recv_scales or None, recv_topk_idx and
@@ -183,9 +205,105 @@ def _extension_with(buffer, submodule: str, what: str) -> Tuple[Optional[object]
     return mod, ""
 
 
+def create_backends(buffer) -> Tuple[Tuple[Optional[object], str], Tuple[Optional[object], str]]:
+    """The compiled backends of `buffer` (a Buffer whose backend is not "reference"): ((normal-mode backend or None,
+    why not), (low-latency backend or None, why not)).
+
+    Collective, on every rank of the Buffer's group, in steps such that a failure on any rank ends in CreationFailed
+    on every rank, within MOE_DISPATCHER_TIMEOUT_S, naming the failing ranks and their errors (no peer is left in a
+    collective it would wait in forever):
+    1. local: each backend's constructor (the NVLink buffer's cudaMalloc, checks); any error is caught;
+    2. round "allocation" (Board.creation_round, on the store under a deadline): every rank's verdict, with what
+       the peers need (IPC handle, hostname) and which backends it made; a failure, or backends made on some ranks
+       only, raises on every rank, and each rank frees what it allocated (no peer has mapped it);
+    3. local: connect() (open the peers' IPC handles, the peer pool); round "connection": every rank's verdict;
+       a failure raises on every rank, after each rank closed its mappings and a round "release" confirmed that
+       every rank did (then each frees its buffer; a rank missing there: the buffer stays allocated until exit);
+    4. start(): NVSHMEM (internode and low-latency backends), entered only when every rank got this far. Its
+       unique id travels in one more creation round (runtime/nvshmem.py), so a rank 0 that cannot make it fails
+       every rank; NVSHMEM's own collectives (init, malloc, barrier) are out of reach of the rounds.
+    The rounds replace the IPC handles' all_gather_object and NVSHMEM's unique-id broadcast: creation makes no
+    process-group collective of its own."""
+    board = buffer._board
+    normal = ll = None
+    why, ll_why = "", "the Buffer was not built with low_latency_mode=True"
+    error, payload = None, None
+    try:
+        normal, why = create(buffer)
+        if buffer.low_latency_mode:
+            ll, ll_why = create_low_latency(buffer)
+        payload = (normal is not None, why, ll is not None, ll_why,
+                   normal.creation_payload() if normal is not None else None)
+    except Exception as exc:  # noqa: BLE001 - every rank learns it in the round below
+        error = exc
+    made = [b for b in (normal, ll) if b is not None]
+    connected = False
+    try:
+        posts = board.creation_round("allocation", error, payload)
+        _same_backends(posts, buffer.rank)
+        if normal is not None:  # on every rank alike (_same_backends)
+            error = None
+            try:
+                normal.connect([p[4] for p in posts])
+            except Exception as exc:  # noqa: BLE001 - every rank learns it in the round below
+                error = exc
+            connected = True
+            board.creation_round("connection", error)
+        for b in made:
+            b.start()
+    except CreationFailed as failure:
+        with contextlib.suppress(Exception):  # the error to raise is CreationFailed, whatever the cleanup meets
+            _release_after_failure(board, made, None if connected and failure.missing else connected)
+        raise
+    except Exception:
+        # Anything else (start(): NVSHMEM's init or malloc, the low-latency "buffers zeroed" all-gather timing out
+        # or honouring a peer's abort) may come after the peers opened this rank's NVLink buffer, and without a
+        # round telling whether they closed it: abandon (never free) every backend made, then raise. Left to
+        # garbage collection, the IpcBuffer would free memory the peers still map.
+        for b in made:
+            with contextlib.suppress(Exception):
+                b.abandon()
+        raise
+    return (normal, why), (ll, ll_why)
+
+
+def _same_backends(posts: Sequence[tuple], rank: int) -> None:
+    """Raise CreationFailed (every rank alike: every rank reads the same posts) unless every rank made the same
+    compiled backends (posts: (normal made, why not, low-latency made, why not, payload) per rank)."""
+    for made, why, mode in ((0, 1, "normal-mode"), (2, 3, "low-latency")):
+        without = [q for q, p in enumerate(posts) if not p[made]]
+        if without and len(without) < len(posts):
+            reasons = "; ".join(f"rank {q}: {posts[q][why]}" for q in without)
+            raise on_every_rank(CreationFailed(
+                f"moe_dispatcher: Buffer creation failed on every rank (allocation): the compiled {mode} backend "
+                f"serves some ranks but not ranks {without} ({reasons}) (rank {rank})"))
+
+
+def _release_after_failure(board, backends: Sequence, connected: Optional[bool]) -> None:
+    """Creation failed on some rank: free what this rank's backends allocated. Before connect() (connected False)
+    no peer maps it; after, every rank closes its mappings first and a last round confirms that every rank did (a
+    rank missing there, or at the round that failed (connected None), may still map this rank's buffer: it stays
+    allocated until the process exits, as release.py does)."""
+    if connected is None:
+        for b in backends:
+            b.abandon()
+        return
+    if connected:
+        for b in backends:
+            b.close_mappings()
+        try:
+            board.creation_round("release", None)
+        except CreationFailed:
+            for b in backends:
+                b.abandon()
+            return
+    for b in backends:
+        b.discard()
+
+
 def create(buffer) -> Tuple[Optional[object], str]:
     """The normal-mode backend for `buffer` (intranode for one NVLink domain, internode for several), or None
-    and the reason."""
+    and the reason. Local: the backend's constructor allocates; create_backends connects and starts it."""
     mod, why = _extension_with(buffer, "intranode", "intranode")
     if mod is None:
         return None, why
@@ -228,9 +346,8 @@ def _create_internode(buffer, mod) -> Tuple[Optional[object], str]:
 
 
 def create_low_latency(buffer) -> Tuple[Optional[object], str]:
-    """The low-latency (NVSHMEM) backend for a Buffer(low_latency_mode=True), or None and the reason.
-
-    Collective like create(): NVSHMEM bootstrap and the symmetric allocation involve every rank."""
+    """The low-latency (NVSHMEM) backend for a Buffer(low_latency_mode=True), or None and the reason. Local like
+    create(): its start() (create_backends) bootstraps NVSHMEM and allocates, collectively."""
     mod, why = _extension_with(buffer, "low_latency", "low-latency")
     if mod is None:
         return None, why

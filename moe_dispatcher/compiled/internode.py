@@ -2,7 +2,8 @@
 
 One InternodeBackend belongs to one Buffer whose topology has more than one NVLink domain. It owns:
 - the NVLink buffer of its domain: an intranode.IpcBuffer over the domain's ranks (CUDA IPC handles are
-  gathered over the whole group, each rank opens only its domain's; nothing assumes two domains share a host);
+  exchanged over the whole group in the Buffer's creation rounds, each rank opens only its domain's; nothing
+  assumes two domains share a host);
 - one NVSHMEM symmetric allocation of num_rdma_bytes (moe_dispatcher.runtime.nvshmem bootstrap over the
   Buffer's group; PE id == group rank). Across domains the kernels use public NVSHMEM calls only;
 - with Buffer(num_pool_bytes=N), the Buffer's PeerPool (peer_pool.py): the tail of the NVLink buffer's allocation,
@@ -13,27 +14,27 @@ Same methods and host-synchronisation rules as IntranodeBackend: only a fresh di
 num_worst_tokens waits (mapped mailbox) for the receive counts; cached dispatch, num_worst_tokens dispatch
 (CUDA-graph capturable), layout and combine never do. A call whose ranks disagree is refused by notify on every
 rank, moves nothing (nor do the calls along its handle) and raises SignatureMismatch at the notify wait or the
-next synchronised dispatch (docs/internode.md, "Notify"). Timeouts name rank, phase and peer. Cached calls run from
-native plans kept in the handle's HandleState, as the intranode backend's (the Buffer's fast path calls them).
+next synchronised dispatch, or at check_refused_calls (docs/internode.md, "Notify"). Timeouts name rank, phase and
+peer. Cached calls run from native plans kept in the handle's HandleState, as the intranode backend's (the Buffer's
+fast path calls them).
 """
 from __future__ import annotations
 
 import socket
 import weakref
-from collections import OrderedDict
 from typing import List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
 from .. import _ext
 from ..backend import Backend, Capabilities
 from ..config import Config, align_slot
 from ..handle import DispatchHandle
 from ..reference.board import PeerError
-from ..signature import dispatch_signature, raise_disagreement, ring_signature_word, signature_hash
+from ..signature import KeptSignatures, dispatch_signature, raise_disagreement, ring_signature_word, signature_hash
 from . import (LAUNCH_CURRENT, STATUS_PEER_ABORTED, TIMEOUT_ENV, HandleState, buffer_view, combine_tensors,
-               kernel_timeout_s, posted_by_peer, recv_tensors, run_cached, timeout_message, wait_counts)
+               kernel_timeout_s, posted_by_peer, raise_refused_calls, recv_tensors, run_cached, timeout_message,
+               wait_counts)
 from .intranode import (COMBINE_DTYPES, KEPT_SIGNATURES, _columns, _contiguous, _DeviceMemory, _row_bytes,
                         combine_slot_bytes)
 from .peer_pool import PeerPool
@@ -157,28 +158,53 @@ class InternodeBackend(Backend):
         self._ipc = (self._intra.IpcBuffer(topo.local_index, self.nvl_size, self.num_nvl_bytes, self.num_pool_bytes)
                      if self.num_pool_bytes else self._intra.IpcBuffer(topo.local_index, self.nvl_size,
                                                                         self.num_nvl_bytes))
-        gathered: List[Optional[tuple]] = [None] * self.num_ranks
-        dist.all_gather_object(gathered, (self._ipc.ipc_handle(), socket.gethostname()), group=self.group)
-        self._ipc.open_peers([gathered[r][0] for r in topo.domain_ranks()])
-        self.peer_pool: Optional[PeerPool] = None
+        self._domain_ranks, self._local_index = topo.domain_ranks(), topo.local_index
+        self._peer_pool_native = (mod.peer_pool, mod.__file__)
+        self.peer_pool: Optional[PeerPool] = None  # made by connect()
         self._direct_blocks: Tuple[Optional[torch.Tensor], ...] = ()  # the latest pool dispatch's output blocks
-        if self.num_pool_bytes:
-            self.peer_pool = PeerPool(self._ipc, mod.peer_pool, mod.__file__, self.device, topo.local_index,
-                                      self.nvl_size)
+        self._single_host = False  # set by connect()
         # The Buffer's comm stream, with the events that join it to the caller's stream in cached calls.
         self._comm = self._intra.CommStream(buffer.get_comm_stream())
         self.launch_order = self._comm
         self.layout_call, self.layout_args = self._mod.layout_call, (self.num_ranks, self.nvl_size, self._ipc)
-        single_host = len({g[1] for g in gathered}) == 1  # only chooses NVSHMEM's transports (P2P here)
+        self._board = buffer._board  # the message of a peer's abort (timeout_message); NVSHMEM's unique id (start)
+
+    # ------------------------------------------------------------------ creation (compiled.create_backends)
+    def creation_payload(self) -> tuple:
+        """What the peers need of this rank: (the CUDA IPC handle of its NVLink buffer, its hostname)."""
+        return self._ipc.ipc_handle(), socket.gethostname()
+
+    def connect(self, payloads: Sequence[tuple]) -> None:
+        """Local, once every rank allocated: map the domain peers' NVLink buffers (payloads: each rank's
+        creation_payload) and make the peer pool."""
+        self._ipc.open_peers([payloads[r][0] for r in self._domain_ranks])
+        self._single_host = len({p[1] for p in payloads}) == 1  # only chooses NVSHMEM's transports (P2P here)
+        if self.num_pool_bytes:
+            native, path = self._peer_pool_native
+            self.peer_pool = PeerPool(self._ipc, native, path, self.device, self._local_index, self.nvl_size)
+
+    def close_mappings(self) -> None:
+        """Creation failed after connect(): close the pool and this rank's mappings of the domain peers' buffers."""
+        if self.peer_pool is not None:
+            self.peer_pool.close()
+        self._ipc.close()
+
+    def discard(self) -> None:
+        """Creation failed before start() and no peer maps this rank's NVLink buffer (any more): free it now."""
+        self.close_mappings()
+        self._ipc.destroy()
+
+    def start(self) -> None:
+        """Collective, after every rank connected: bring NVSHMEM up (its unique id goes through a bounded creation
+        round of the Buffer's board), allocate and zero the NVSHMEM buffer, wait for every PE."""
         from ..runtime import nvshmem
-        self._state = nvshmem.bootstrap(self.group, self.device.index, single_host=single_host)
+        self._state = nvshmem.bootstrap(self.group, self.device.index, single_host=self._single_host,
+                                        board=self._board)
         try:
             self._rdma_ptr = self._state.malloc(self.num_rdma_bytes)
         except Exception:
             self._state.finalize()
-            if self.peer_pool is not None:
-                self.peer_pool.close()
-            self._ipc.destroy()
+            self.abandon()  # the domain peers opened the NVLink buffer (connect): never free it under them
             raise
         memory = _DeviceMemory(self._rdma_ptr, self.num_rdma_bytes)
         self._rdma_memory = weakref.ref(memory)  # alive while a view of the NVSHMEM buffer is (views_alive)
@@ -192,18 +218,23 @@ class InternodeBackend(Backend):
         aborts = [self._state.peer_ptr(self._rdma_ptr + self._mod.RDMA_ABORT_OFFSET, pe) if pe != self.rank else 0
                   for pe in range(self.num_ranks)]
         self._ipc.set_abort_targets([p + self.rank if p else 0 for p in aborts])
-        self._board = buffer._board  # the message of a peer's abort (timeout_message)
         self._abort_posted = False  # this rank posted an abort: its next full-path call clears it first
         self._peer_aborted = False  # what _broken says: a peer's abort (PeerError) rather than a timeout
         self._state.barrier()  # nobody sends before every PE zeroed its buffer
         torch.cuda.current_stream().synchronize()
         self._seq = 0
+        self._notified = 0  # seq of the latest notify launched (check_refused_calls waits for it)
         # The signatures of the latest fresh calls by seq, for the error of a disagreement notify recorded.
-        self._signatures: OrderedDict = OrderedDict()
+        self._signatures = KeptSignatures(KEPT_SIGNATURES)
         self._broken: Optional[str] = None
         self._alive = True
 
     # ------------------------------------------------------------------ errors
+    def check_refused_calls(self) -> None:
+        """Backend.check_refused_calls: raise now what the next synchronised dispatch would raise for the calls
+        that did not wait for notify (compiled.raise_refused_calls)."""
+        raise_refused_calls(self)
+
     def _raise_disagreement(self) -> None:
         """After a completed notify wait: raise SignatureMismatch (collective, every rank alike) if notify recorded
         a disagreement since the last report (the flags words of internode notify carry the signatures)."""
@@ -304,15 +335,14 @@ class InternodeBackend(Backend):
         seq = self._seq
         signature = dispatch_signature("dispatch", x, x_scales, topk_idx, topk_weights, num_experts,
                                        config or self._buffer_cls.get_dispatch_config(r))
-        self._signatures[seq] = signature
-        if len(self._signatures) > KEPT_SIGNATURES:
-            self._signatures.popitem(last=False)
+        self._signatures.add(seq, signature)
         # With num_worst_tokens the per-expert counts stay on the device (Backend.dispatch): notify writes them.
         device_counts = torch.empty(local, dtype=torch.int32, device=dev) if num_worst_tokens else None
         self._mod.notify(self._ctx, self._timeout_ns, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert,
                          channels, expert_alignment, num_worst_tokens, seq, prefix, offsets, fwd_offset, fwd_row_offset,
                          device_counts,
                          signature_hash=signature_hash(signature), problem=signature.problem)
+        self._notified = seq
         counts = device_counts
         num_recv: Optional[int] = None
         if num_worst_tokens:

@@ -1,13 +1,13 @@
 """Normal-mode intranode backend: dispatch and combine over NVLink with the compiled kernels.
 
 One IntranodeBackend belongs to one Buffer whose group is a single NVLink domain of 2..8 GPUs. It owns
-the rank's NVLink buffer (cudaMalloc'd, shared with the peers through CUDA IPC handles exchanged over the
-group) and a host-mapped mailbox. The Buffer validates the user's inputs (moe_dispatcher.validation) and runs
-every method inside its comm stream with the previous_event / async_finish / allocate_on_comm_stream
-semantics; methods here check what depends on the kernels (config limits, ring sizes), allocate outputs on the
-current stream and launch. Cached calls (dispatch along a handle, combine) run from native plans kept in the
-handle's state: the Buffer's fast path calls a plan directly, once its first call made it (CachedPlans).
-docs/intranode.md describes the protocol and the host path.
+the rank's NVLink buffer (cudaMalloc'd, shared with the peers through CUDA IPC handles exchanged in the
+Buffer's creation rounds: compiled.create_backends) and a host-mapped mailbox. The Buffer validates the user's
+inputs (moe_dispatcher.validation) and runs every method inside its comm stream with the previous_event /
+async_finish / allocate_on_comm_stream semantics; methods here check what depends on the kernels (config limits,
+ring sizes), allocate outputs on the current stream and launch. Cached calls (dispatch along a handle, combine)
+run from native plans kept in the handle's state: the Buffer's fast path calls a plan directly, once its first
+call made it (CachedPlans). docs/intranode.md describes the protocol and the host path.
 With Buffer(num_pool_bytes=N) the allocation has a tail of N bytes past the kernels' buffer, the region of the
 Buffer's PeerPool (peer_pool.py): torch tensors every peer has mapped, closed here before the mappings close.
 
@@ -18,7 +18,8 @@ So a rank receiving more than num_worst_tokens rows cannot raise at that call: i
 dispatch.
 Agreement: notify compares every rank's signature hash and problem word (moe_dispatcher.signature, bad expert
 ids flagged by the layout kernel included); a disagreement raises SignatureMismatch on every rank at the same
-host wait (num_worst_tokens calls: at the next synchronised dispatch). Notify refuses such a call on every rank
+host wait (num_worst_tokens calls: at the next synchronised dispatch, or earlier where the caller asks with
+check_refused_calls, as the Megatron integration's step-end check does). Notify refuses such a call on every rank
 alike, so its kernels and those of the calls along its handle move nothing and return padding / zero rows
 (csrc/kernels/common/refused_call.cuh). Cached calls (dispatch along a handle, combine) carry a ring signature
 (signature.ring_signature_word: the fields that fix the slot layout) with the first row of every ring; a
@@ -33,11 +34,9 @@ message the raising rank posted on the Board (docs/intranode.md, "Errors on one 
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
 from .. import _ext
 from ..backend import Backend, Capabilities
@@ -45,15 +44,18 @@ from ..reference.board import PeerError
 from ..config import Config, align_slot
 from ..expert_major import ExpertMajorHandle, compose_expert_major_dispatch, gather_rows, unpermute
 from ..handle import DispatchHandle
-from ..signature import Signature, dispatch_signature, raise_disagreement, ring_signature_word, signature_hash
+from ..signature import (KeptSignatures, Signature, dispatch_signature, raise_disagreement, ring_signature_word,
+                         signature_hash)
 from .peer_pool import PeerPool
 from . import (STATUS_PEER_ABORTED, TIMEOUT_ENV, HandleState, buffer_view, combine_tensors,
-               kernel_timeout_s, posted_by_peer, recv_tensors, run_cached, timeout_message, wait_counts)
+               kernel_timeout_s, posted_by_peer, raise_refused_calls, recv_tensors, run_cached, timeout_message,
+               wait_counts)
 
 # Dtypes of combine input the kernels reduce (others go to the reference backend: capabilities.combine_dtypes).
 COMBINE_DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32})
 # Signatures of fresh calls kept for the error of a disagreement reported later (num_worst_tokens calls do not
-# wait for notify; the next synchronised dispatch reports): the latest this many.
+# wait for notify; the next synchronised dispatch or check_refused_calls reports): the latest this many runs of
+# equal signatures (signature.KeptSignatures).
 KEPT_SIGNATURES = 64
 
 
@@ -135,26 +137,47 @@ class IntranodeBackend(Backend):
         # With num_pool_bytes the allocation has the peer pool's region as its tail (exported with the buffer).
         self._ipc = (self._mod.IpcBuffer(self.rank, self.num_ranks, self.num_nvl_bytes, self.num_pool_bytes)
                      if self.num_pool_bytes else self._mod.IpcBuffer(self.rank, self.num_ranks, self.num_nvl_bytes))
-        handles: List[Optional[bytes]] = [None] * self.num_ranks
-        dist.all_gather_object(handles, self._ipc.ipc_handle(), group=self.group)
-        self._ipc.open_peers(handles)
-        self.peer_pool: Optional[PeerPool] = None
+        self._peer_pool_native = (mod.peer_pool, mod.__file__)
+        self.peer_pool: Optional[PeerPool] = None  # made by connect()
         # The latest direct dispatch's output blocks [payload, meta] (one list for the backend's life: the native plans
         # of cached direct dispatches set its items too).
         self._direct_blocks: List[Optional[torch.Tensor]] = [None, None]
-        if self.num_pool_bytes:
-            self.peer_pool = PeerPool(self._ipc, mod.peer_pool, mod.__file__, self.device, self.rank, self.num_ranks)
         # The Buffer's comm stream, with the events that join it to the caller's stream in cached calls.
         self._comm = self._mod.CommStream(buffer.get_comm_stream())
         self.launch_order = self._comm
         self.layout_call, self.layout_args = self._mod.layout_call, (self.num_ranks, self.num_ranks, self._ipc)
         self._seq = 0
+        self._notified = 0  # seq of the latest notify launched (check_refused_calls waits for it)
         # Agreement (moe_dispatcher.signature): the signatures of the latest fresh calls by seq, for the error of
         # a disagreement that notify recorded (one all-gather of them then names the fields).
-        self._signatures: "OrderedDict[int, Signature]" = OrderedDict()
+        self._signatures = KeptSignatures(KEPT_SIGNATURES)
         self._broken: Optional[str] = None
         self._peer_aborted = False  # what _broken says: a peer's abort (PeerError) rather than a timeout
         self._rdma_emulation: Optional[torch.Tensor] = None
+
+    # ------------------------------------------------------------------ creation (compiled.create_backends)
+    def creation_payload(self) -> bytes:
+        """What the peers need of this rank: the CUDA IPC handle of its buffer."""
+        return self._ipc.ipc_handle()
+
+    def connect(self, payloads: Sequence[bytes]) -> None:
+        """Local, once every rank allocated: map every peer's buffer (payloads: each rank's creation_payload) and
+        make the peer pool."""
+        self._ipc.open_peers(list(payloads))
+        if self.num_pool_bytes:
+            native, path = self._peer_pool_native
+            self.peer_pool = PeerPool(self._ipc, native, path, self.device, self.rank, self.num_ranks)
+
+    def close_mappings(self) -> None:
+        """Creation failed after connect(): close the pool and this rank's mappings of the peers' buffers."""
+        if self.peer_pool is not None:
+            self.peer_pool.close()
+        self._ipc.close()
+
+    def discard(self) -> None:
+        """Creation failed and no peer maps this rank's buffer (any more): free it now."""
+        self.close_mappings()
+        self._ipc.destroy()
 
     # ------------------------------------------------------------------ errors
     def _check(self) -> None:
@@ -243,13 +266,12 @@ class IntranodeBackend(Backend):
         prefix = torch.empty(r, r, dtype=torch.int32, device=dev)
         offsets = torch.empty(r, channels + 1, dtype=torch.int32, device=dev)
         self._seq = self._seq % 2_000_000_000 + 1
-        self._signatures[self._seq] = signature
-        if len(self._signatures) > KEPT_SIGNATURES:
-            self._signatures.popitem(last=False)
+        self._signatures.add(self._seq, signature)
         self._mod.notify(self._ipc, self._timeout_ns, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert,
                          channels, expert_alignment, num_worst_tokens, self._seq, prefix, offsets, em_layout,
                          signature_hash=signature_hash(signature), problem=signature.problem,
                          send_row_offset=send_row_offset)
+        self._notified = self._seq
         return prefix, offsets, self._seq
 
     def dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
@@ -363,6 +385,11 @@ class IntranodeBackend(Backend):
             raise
         self._raise_disagreement()
         return num_recv
+
+    def check_refused_calls(self) -> None:
+        """Backend.check_refused_calls: raise now what the next synchronised dispatch would raise for the calls
+        that did not wait for notify (compiled.raise_refused_calls)."""
+        raise_refused_calls(self)
 
     def _raise_disagreement(self) -> None:
         """After a completed notify wait: raise SignatureMismatch (collective, every rank alike) if notify recorded

@@ -12,9 +12,11 @@ Streams (DeepEP V1's semantics): kernels run on the current stream; with async_f
 stream (after it waits for the current one), and an EventOverlap carries the event; with return_recv_hook
 the send kernel runs now on the current stream and hook() enqueues the receive kernel on the stream current
 at that time. Nothing synchronises with the host, except when the (max_tokens, hidden, num_experts) of a call
-differ from the previous call's: then the signal words of the new layout are cleared with NVSHMEM barriers
-around (collective, like clean_low_latency_buffer), which must not happen inside a CUDA graph capture (warm
-up with the same shapes first).
+differ from the previous call's (a layout change, like clean_low_latency_buffer): then the runtime calls
+layout_round's function twice around the clear of the new layout's signal words (device synchronised, one small
+all-gather under the Buffer's Board deadline each: every rank's new layout must agree, else SignatureMismatch on
+every rank; a rank whose peers never come raises a timeout naming them and posts its abort), which is refused
+inside a CUDA graph capture (warm up with the same shapes first).
 A wait longer than MOE_DISPATCHER_TIMEOUT_S seconds (default 10) in a kernel records which rank waited for which
 peer in which phase and ends the kernel (no trap: the CUDA context survives); the next call on that rank raises a
 RuntimeError saying so, and the Buffer is unusable from then on. A rank that raises in a Buffer call writes its
@@ -33,6 +35,7 @@ stamp %globaltimer at their phase boundaries. `last_trace()` returns the last ca
 from __future__ import annotations
 
 import weakref
+from typing import Callable
 
 import torch
 
@@ -41,8 +44,10 @@ from ..backend import Backend, Capabilities
 from ..env import env_flag
 from ..event import EventOverlap
 from ..handle import LowLatencyHandle
+from ..reference.board import Board, CollectiveTimeout
+from ..reference.comm import agree, all_gather_rows
 from ..runtime import nvshmem
-from ..signature import FIELDS, SignatureMismatch
+from ..signature import FIELDS, Signature, SignatureMismatch
 from . import TIMEOUT_ENV, buffer_view, kernel_timeout_s, posted_by_peer, timeout_message
 
 # Phase trace (diagnostics): "1" when the backend is created turns the kernels' timestamps on.
@@ -83,8 +88,26 @@ class LowLatencyBackend(Backend):
         self.timeout_s = kernel_timeout_s()
         trace = env_flag(TRACE_ENV)  # settings are read before any collective: a bad one fails on every rank alike
         self.device = torch.device("cuda", torch.cuda.current_device())
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        # Phase trace: int64 [kind, half, TRACE_WORDS] on the device, or None (off: the kernels get null).
+        self._trace: torch.Tensor | None = None
+        if trace:
+            if sms > self._mod.TRACE_MAX_BLOCKS:
+                raise ValueError(f"{TRACE_ENV}: the trace records at most {self._mod.TRACE_MAX_BLOCKS} blocks, the "
+                                 f"grid has {sms}")
+            self._trace = torch.zeros(len(TRACE_KINDS), 2, self._mod.TRACE_WORDS, dtype=torch.int64,
+                                      device=self.device)
+        self._sms, self._buffer = sms, buffer  # for start() (the Buffer is dropped there)
+
+    # ------------------------------------------------------------------ creation (compiled.create_backends)
+    def start(self) -> None:
+        """Collective, after every rank's local step succeeded: bring NVSHMEM up (its unique id goes through a
+        bounded creation round of the Buffer's board), allocate and zero the symmetric buffer, make the native
+        runtime, wait for every PE."""
+        buffer, sms = self._buffer, self._sms
+        self._buffer = None
         self._state = nvshmem.bootstrap(buffer.group, self.device.index,
-                                        single_host=buffer.topology.is_single_domain)
+                                        single_host=buffer.topology.is_single_domain, board=buffer._board)
         # The symmetric allocation: num_rdma_bytes for the two halves, then (128-byte aligned) this PE's abort
         # bytes, which the peers write (kernels/common/wait.cuh, "Peer abort"), and the dispatch signature words
         # (low_latency.h): CONTROL_BYTES from the abort bytes on, at one place whatever the call's shapes.
@@ -107,31 +130,25 @@ class LowLatencyBackend(Backend):
         aborts = [self._state.peer_ptr(self._ptr + abort_offset, pe) if pe != self.rank else 0
                   for pe in range(self.num_ranks)]
         self.nvlink_peers = sum(1 for p in peers if p)
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        # Phase trace: int64 [kind, half, TRACE_WORDS] on the device, or None (off: the kernels get null).
-        self._trace: torch.Tensor | None = None
-        if trace:
-            if sms > self._mod.TRACE_MAX_BLOCKS:
-                raise ValueError(f"{TRACE_ENV}: the trace records at most {self._mod.TRACE_MAX_BLOCKS} blocks, the "
-                                 f"grid has {sms}")
-            self._trace = torch.zeros(len(TRACE_KINDS), 2, self._mod.TRACE_WORDS, dtype=torch.int64,
-                                      device=self.device)
-        state = self._state
         timeout_s = self.timeout_s
         board = buffer._board  # the message of a peer's abort
         self.runtime = self._mod.LowLatencyRuntime(
             self._raw, self.num_bytes, peers, self.rank, self.num_ranks, self.device.index, sms,
             int(self.timeout_s * 1e9), buffer.get_comm_stream(),
             getattr(buffer, "low_latency_combine_reduction", "per_rank") == "per_rank", self._trace,
-            LowLatencyHandle, EventOverlap, _NO_EVENT, lambda: state.barrier(),
+            LowLatencyHandle, EventOverlap, _NO_EVENT, layout_round(board, self.device),
             lambda info: timeout_message("low-latency", info, timeout_s, TIMEOUT_ENV, board), buffer._token,
             self._ptr + abort_offset, [p + self.rank if p else 0 for p in aborts], signature_mismatch)
         # The calls: one native call each (see the class docstring).
         self.low_latency_dispatch = self.runtime.dispatch
         self.low_latency_combine = self.runtime.combine
         self._alive = True
-        self._state.barrier()  # nobody sends before every peer zeroed its buffer
-        torch.cuda.current_stream().synchronize()
+        # Nobody sends before every peer zeroed its buffer: the zeroing done here, then one all-gather under the
+        # Board's deadline (a peer that failed before this point is named in a timeout, instead of leaving this
+        # rank in a device barrier for ever).
+        torch.cuda.synchronize(self.device)
+        all_gather_rows(board, torch.zeros(1, dtype=torch.int64, device=self.device),
+                        "low-latency backend creation: buffers zeroed")
 
     def set_rank_partials(self, rank_partials: bool) -> None:
         """The combine's reduction order of later calls (the Buffer's low_latency_combine_reduction setter calls
@@ -238,8 +255,9 @@ class LowLatencyBackend(Backend):
         return self.runtime.next_combine_buffer(handle)
 
     def clean_low_latency_buffer(self, max_tokens: int, hidden: int, num_experts: int) -> None:
-        """Zero the signal words of both halves for these shapes and reset the workspace (collective: NVSHMEM
-        barriers before and after, on the current stream)."""
+        """Zero the signal words of both halves for these shapes and reset the workspace (collective: the clear
+        on the current stream between the two rounds of layout_round; every rank passes the same shapes, else
+        SignatureMismatch on every rank)."""
         self.runtime.clean(max_tokens, hidden, num_experts)
 
     def local_buffer_tensor(self, dtype: torch.dtype, size, offset: int, use_rdma_buffer: bool) -> torch.Tensor:
@@ -248,6 +266,50 @@ class LowLatencyBackend(Backend):
         if not self._alive:
             raise RuntimeError("the low-latency backend was destroyed")
         return buffer_view(lambda: self._raw, self.num_bytes, dtype, size, offset, "NVSHMEM")
+
+
+# ------------------------------------------------------------------ layout change
+LAYOUT_PHASE = "low-latency layout change"
+
+
+def layout_round(board: Board, device: torch.device) -> Callable[[int, int, int, bool], None]:
+    """The runtime's round on a layout change (csrc/low_latency_bindings.cpp, clean_layout): f(max_tokens, hidden,
+    num_experts, zeroed), called with zeroed=False before the runtime clears the new layout's signal words (and
+    the workspace, and its signature words) on the current stream, and zeroed=True after. Each call waits for the
+    device, then all-gathers every rank's new layout under board's deadline (reference/comm.py agree):
+
+    * round 1 (zeroed=False): when it completes, every rank's kernels of the old layout have finished, so no
+      store of theirs into this rank's buffer is in flight any more (every store a kernel makes into a peer is
+      one the peer's receive waited for, or comes before such a one: data before its flag; the exception, a
+      late signature word, carries its call's generation and reads as absent, low_latency.h). It also checks
+      that every rank changes to the same layout: if not, every rank raises the same SignatureMismatch (fields,
+      each rank's values), nothing was cleared, and the runtime keeps its old layout (the Buffer stays usable:
+      every rank completed the same collective).
+    * round 2 (zeroed=True): when it completes, every rank's clear has been performed, so no rank's first kernel
+      of the new layout stores into a peer's signal words before that peer zeroed them.
+    A rank whose peers never come (they called without changing the layout: their kernels wait for this rank)
+    raises a timeout naming the round and the missing ranks after MOE_DISPATCHER_TIMEOUT_S. That timeout is
+    raised as a plain RuntimeError, not the Board's PeerError, so that the Buffer posts this rank's abort
+    (Buffer._post_abort): the missing ranks' kernels give up on it and raise "rank r raised: ..." with this
+    message, instead of their own timeout.
+    Nothing here runs per call: only on a change of (max_tokens, hidden, num_experts) or clean_low_latency_buffer.
+    The synchronisations make it illegal inside a CUDA graph capture (it raises there: warm up first)."""
+
+    def round_(max_tokens: int, hidden: int, num_experts: int, zeroed: bool) -> None:
+        if device.type == "cuda":
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    f"low-latency call with new (num_max_dispatch_tokens_per_rank, hidden, num_experts) = "
+                    f"({max_tokens}, {hidden}, {num_experts}) inside a CUDA graph capture: a layout change "
+                    f"synchronises the ranks on the host; make one call of these shapes before capturing")
+            torch.cuda.synchronize(device)
+        signature = Signature(LAYOUT_PHASE, (max_tokens, hidden, num_experts))
+        try:
+            agree(board, signature, device, phase="signals zeroed" if zeroed else "agreement")
+        except CollectiveTimeout as exc:
+            raise RuntimeError(str(exc)) from None
+
+    return round_
 
 
 # ------------------------------------------------------------------ agreement

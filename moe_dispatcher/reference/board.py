@@ -29,11 +29,13 @@ Without a store (a group whose store torch does not expose), collectives still t
 """
 from __future__ import annotations
 
+import base64
 import contextlib
 import datetime
+import pickle
 import time
 import weakref
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch.distributed as dist
 
@@ -59,6 +61,19 @@ def timeout_s() -> float:
 class PeerError(RuntimeError):
     """A collective of the reference backend gave up, or a compiled kernel honoured a peer's abort: a peer timed
     out or raised (never re-posted as an abort)."""
+
+
+class CreationFailed(RuntimeError):
+    """Buffer creation failed on some rank(s): raised on every rank of the group after the same creation round (see
+    Board.creation_round), naming each failing rank with its error, or the ranks that never reached the round
+    (`missing`: their list)."""
+
+    missing: Sequence[int] = ()
+
+
+class CollectiveTimeout(PeerError):
+    """Board.run's deadline passed: the ranks it names never arrived. A caller that knows where those ranks wait
+    (in a compiled kernel, for this rank) may post its own abort for them (compiled/low_latency.py)."""
 
 
 def posts_abort(exc: BaseException) -> bool:
@@ -97,6 +112,9 @@ class Board:
         key = group if group is not None else dist.group.WORLD
         ordinal = _boards_per_group.get(key, 0)
         _boards_per_group[key] = ordinal + 1
+        # The Buffer's number among its group's Buffers, the same on every rank (the Board is made first, before
+        # anything that may raise on some ranks only): runtime/release.py names its rounds with it.
+        self.ordinal = ordinal
         store = _group_store(group)
         self.store = dist.PrefixStore(f"moe_dispatcher/board/{ordinal}/", store) if store is not None else None
         self.next_collective = 0  # the number of the next collective this rank enters
@@ -108,9 +126,7 @@ class Board:
         under the deadline. phase: what it is, for messages ("dispatch: counts all-gather")."""
         n = self.next_collective
         self.next_collective += 1
-        if self._abort_posted:  # this rank is back after raising: peers must not read that abort any more
-            self.store.delete_key(f"abort/{self.rank}")
-            self._abort_posted = False
+        self.clear_abort()
         work = start()
         if _wait(work, min(QUIET_S, self.timeout_s), self._poll):
             return
@@ -132,9 +148,9 @@ class Board:
                 return
         missing = self._missing(n)
         who = f"waiting for ranks {missing}" if missing is not None else "(no store to tell which ranks are missing)"
-        raise PeerError(f"moe_dispatcher reference: rank {self.rank} timed out after {self.timeout_s:g} s in "
-                        f"{phase} (collective {n} of this Buffer) {who}; set {TIMEOUT_ENV} to wait longer. The "
-                        f"process group is unusable now (the collective stays pending)")
+        raise CollectiveTimeout(f"moe_dispatcher reference: rank {self.rank} timed out after {self.timeout_s:g} s in "
+                                f"{phase} (collective {n} of this Buffer) {who}; set {TIMEOUT_ENV} to wait longer. "
+                                f"The process group is unusable now (the collective stays pending)")
 
     # ------------------------------------------------------------------ errors of this rank
     def post_abort(self, exc: BaseException) -> None:
@@ -146,6 +162,13 @@ class Board:
             self.store.set(f"abort/{self.rank}", f"{self.next_collective}|{type(exc).__name__}: {exc}")
             self._abort_posted = True
 
+    def clear_abort(self) -> None:
+        """This rank is back after raising (its next collective, or its next compiled call, begins): peers must not
+        read its abort any more."""
+        if self._abort_posted:
+            self.store.delete_key(f"abort/{self.rank}")
+            self._abort_posted = False
+
     def abort_message(self, rank: int) -> Optional[str]:
         """The message rank `rank` posted with its latest abort, or None (no store, no abort posted, or the rank
         came back and deleted it). The compiled backends word a peer's device abort with it."""
@@ -156,6 +179,70 @@ class Board:
             if self.store.check([key]):
                 return self.store.get(key).decode().partition("|")[2] or None
         return None
+
+    # ------------------------------------------------------------------ Buffer creation
+    def creation_round(self, step: str, error: Optional[BaseException], payload: object = None) -> List[object]:
+        """One bounded agreement round of Buffer creation: every rank posts its verdict (`error`: what its local
+        step raised, or None) with `payload` (a picklable object its peers need, e.g. an IPC handle) and waits for
+        every peer's post. Returns every rank's payload (index: rank) when no rank failed; else raises
+        CreationFailed on every rank alike, naming the failing ranks and their messages (on the failing rank, from
+        its own `error`).
+
+        Keys (under this Buffer's board prefix): "create/<step>/<rank>" = base64 of pickle((message or None,
+        payload)). A peer's "abort/<rank>" without its post counts as its failure: a rank that raised in
+        Buffer.__init__ before reaching this round (Buffer._post_abort) is not waited for. (Its post comes first:
+        a peer past this round may already have raised in a later call.) A peer missing after
+        MOE_DISPATCHER_TIMEOUT_S is named; this rank then posts its own abort, so that a peer arriving later fails
+        at its next round or Buffer call instead of going on alone. Without a store the round is one
+        all_gather_object over the group (unbounded, the verdicts still travel with the payloads)."""
+        message = None if error is None else f"{type(error).__name__}: {error}"
+        mine = (message, payload)
+        failed: Dict[int, str] = {}
+        missing: Sequence[int] = ()
+        if self.store is None:
+            posts: List[object] = [None] * self.num_ranks
+            dist.all_gather_object(posts, mine, group=self.group)
+        else:
+            posts = [None] * self.num_ranks
+            posts[self.rank] = mine
+            self.store.set(f"create/{step}/{self.rank}", base64.b64encode(pickle.dumps(mine)).decode())
+            deadline, nap = time.monotonic() + self.timeout_s, 0.002
+            waiting = [q for q in range(self.num_ranks) if q != self.rank]
+            while True:
+                for q in list(waiting):
+                    # A post for this step comes first: a peer past it may already have raised in a later call
+                    # of the Buffer (its abort then is not about this step).
+                    if self.store.check([f"create/{step}/{q}"]):
+                        posts[q] = pickle.loads(base64.b64decode(self.store.get(f"create/{step}/{q}")))
+                    elif self.store.check([f"abort/{q}"]):
+                        posts[q] = (self.store.get(f"abort/{q}").decode().partition("|")[2], None)
+                    else:
+                        continue
+                    waiting.remove(q)
+                if not waiting or time.monotonic() >= deadline:
+                    break
+                time.sleep(min(nap, max(deadline - time.monotonic(), 0.0)))
+                nap = min(2 * nap, POLL_S / 5)
+            missing = waiting
+        for q, post in enumerate(posts):
+            if q not in missing and post[0] is not None:
+                failed[q] = post[0]
+        if not failed and not missing:
+            return [post[1] for post in posts]
+        what = "; ".join(f"rank {q}: {m}" for q, m in sorted(failed.items()))
+        if missing:
+            what += ("; " if what else "") + (f"ranks {missing} did not reach this step within {self.timeout_s:g} s "
+                                              f"(set {TIMEOUT_ENV} to wait longer)")
+        exc = CreationFailed(f"moe_dispatcher: Buffer creation failed on every rank ({step}): {what} (rank "
+                             f"{self.rank})")
+        exc.missing = missing
+        if missing:  # a peer that comes later must not go on alone: it reads this rank's abort
+            self.post_abort(exc)
+        else:  # every rank read the same posts and raises the same error: nobody is left waiting
+            on_every_rank(exc)
+        if error is not None:
+            raise exc from error
+        raise exc
 
     # ------------------------------------------------------------------ reading the board
     def _aborts(self, n: int) -> Dict[int, str]:

@@ -4,8 +4,9 @@
 group rank) and makes sure the device state of ``moe_dispatcher._C`` is initialised, which its
 NVSHMEM kernels need. The way is chosen automatically (no switch):
 
-* ``nvshmem4py`` when it is importable: nvshmem4py does the host-side init from a unique id
-  broadcast over ``group``, then ``_C.nvshmem_attach()`` registers the extension's device state.
+* ``nvshmem4py`` when it is importable: nvshmem4py does the host-side init from a unique id made
+  by rank 0 (it reaches the others in a creation round of the Buffer's board, or a broadcast over
+  ``group``), then ``_C.nvshmem_attach()`` registers the extension's device state.
 * ``extension`` otherwise: the extension's own unique-id init (no nvshmem4py needed).
 
 If NVSHMEM is already up in this process (someone else initialised it), bootstrap only attaches.
@@ -21,12 +22,13 @@ import importlib
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from .. import _ext
+from ..reference.board import CreationFailed
 
 UNIQUE_ID_BYTES = 128
 
@@ -117,30 +119,58 @@ def _broadcast_unique_id(uid: bytes | None, group: dist.ProcessGroup) -> bytes:
     device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else "cpu"
     buf = torch.zeros(UNIQUE_ID_BYTES, dtype=torch.uint8, device=device)
     if uid is not None:
-        if len(uid) != UNIQUE_ID_BYTES:
-            raise RuntimeError(f"NVSHMEM unique id has {len(uid)} bytes, expected 128")
         buf.copy_(torch.frombuffer(bytearray(uid), dtype=torch.uint8))
     # Broadcast takes a global rank as source; group rank 0 is not global rank 0 in general.
     dist.broadcast(buf, src=dist.get_global_rank(group, 0), group=group)
     return bytes(buf.cpu().numpy().tobytes())
 
 
-def _init_nvshmem4py(group: dist.ProcessGroup, device_index: int) -> Any:
-    core, Device = _import_nvshmem4py()
+def _share_unique_id(make: Callable[[], bytes | None], group: dist.ProcessGroup, board: Any) -> bytes:
+    """Group rank 0's unique id (what ``make()`` returns there; other ranks' ``make()`` prepares and returns None)
+    on every rank. With a ``board`` (a Buffer's reference.board.Board) it travels in one bounded creation round
+    that carries every rank's error of ``make()`` too: a rank that failed (rank 0 without an id) raises
+    CreationFailed on every rank, none waits forever. Without one: a broadcast over ``group`` (a rank whose
+    ``make()`` raised leaves the others waiting in it)."""
+    if board is None:
+        uid = make()
+        _check_unique_id(uid)
+        return _broadcast_unique_id(uid, group)
+    uid, error = None, None
+    try:
+        uid = make()
+        _check_unique_id(uid)
+    except Exception as exc:  # noqa: BLE001 - every rank learns it in the round
+        error = exc
+    return board.creation_round("NVSHMEM unique id", error, uid)[0]
+
+
+def _check_unique_id(uid: bytes | None) -> None:
+    if uid is not None and len(uid) != UNIQUE_ID_BYTES:
+        raise RuntimeError(f"NVSHMEM unique id has {len(uid)} bytes, expected 128")
+
+
+def _init_nvshmem4py(group: dist.ProcessGroup, device_index: int, board: Any) -> Any:
     rank, nranks = dist.get_rank(group), dist.get_world_size(group)
-    device = Device(device_index)
-    device.set_current()
-    uid = core.get_unique_id(empty=(rank != 0))
-    data = _broadcast_unique_id(uid._data.tobytes() if rank == 0 else None, group)
+    made: list = []
+
+    def make() -> bytes | None:
+        core, Device = _import_nvshmem4py()
+        device = Device(device_index)
+        device.set_current()
+        made.extend((core, device, core.get_unique_id(empty=(rank != 0))))
+        return made[2]._data.tobytes() if rank == 0 else None
+
+    data = _share_unique_id(make, group, board)
+    core, device, uid = made
     if rank != 0:  # write the received bytes into the empty id's struct
         ctypes.memmove(uid._data.ctypes.data, data, UNIQUE_ID_BYTES)
     core.init(device=device, uid=uid, rank=rank, nranks=nranks, initializer_method="uid")
     return core
 
 
-def _init_extension(C: Any, group: dist.ProcessGroup) -> None:
+def _init_extension(C: Any, group: dist.ProcessGroup, board: Any) -> None:
     rank, nranks = dist.get_rank(group), dist.get_world_size(group)
-    data = _broadcast_unique_id(C.nvshmem_get_unique_id() if rank == 0 else None, group)
+    data = _share_unique_id(lambda: C.nvshmem_get_unique_id() if rank == 0 else None, group, board)
     C.nvshmem_init_with_unique_id(data, rank, nranks)
 
 
@@ -149,6 +179,7 @@ def bootstrap(
     device_index: int | None = None,
     *,
     single_host: bool = False,
+    board: Any = None,
 ) -> NvshmemState:
     """Initialise NVSHMEM over ``group`` (default: WORLD) on CUDA device ``device_index``.
 
@@ -157,6 +188,9 @@ def bootstrap(
         device_index: CUDA device of this rank (default: the current device). All GPUs stay
             visible; this only selects the current device.
         single_host: all ranks share one host: sets NVSHMEM_REMOTE_TRANSPORT=none if unset.
+        board: the creating Buffer's reference.board.Board: rank 0's unique id reaches the peers in a bounded
+            creation round of it rather than a broadcast (see _share_unique_id); a failure to make it raises
+            reference.board.CreationFailed on every rank.
 
     Returns the process-wide :class:`NvshmemState` (the same object on repeated calls, each of which
     needs its own :func:`finalize`). Raises RuntimeError with NVSHMEM's reason when init fails.
@@ -188,11 +222,13 @@ def bootstrap(
             backend = _pick_backend()
         try:
             if backend == "nvshmem4py":
-                core = _init_nvshmem4py(group, device_index)
+                core = _init_nvshmem4py(group, device_index, board)
             elif backend == "extension":
-                _init_extension(C, group)
+                _init_extension(C, group, board)
             if backend != "extension":
                 C.nvshmem_attach()  # fill this .so's device state (NVSHMEM itself is up)
+        except CreationFailed:  # every rank raises it alike, naming the failing rank
+            raise
         except Exception as exc:
             raise RuntimeError(
                 f"NVSHMEM bootstrap ({backend}) failed on rank {rank} of {nranks}, device "

@@ -31,11 +31,15 @@ holds a view of the NVSHMEM buffer. Three ways to release:
   collective point frees the NVSHMEM ones; whatever a peer never confirmed is abandoned. The handler is registered
   again after each NVSHMEM bootstrap, so it runs before exit handlers of libraries imported by the bootstrap.
 
-Collective points: every Buffer creation and every destroy() of a group is one, numbered in call order (the same
-on every rank: Buffers are created and destroyed collectively). Once a Buffer of a group holds NVSHMEM memory, each
-point posts "round/<n>/<rank>" = the parked Buffers (board ordinals) this rank can free, waits for every rank's
-post and frees the ones every rank listed, in ordinal order: the same nvshmem_free calls in the same order on every
-rank. A rank missing at a point frees nothing there (its parked Buffers wait for the next point).
+Collective points: every Buffer creation and every destroy() of a group is one, named by the Buffer's board ordinal
+("create-<o>", "destroy-<o>"; the exit handler's is "exit"): the same on every rank, even after a creation that
+raised on some ranks before their point (a rank that posted its abort on the creating Buffer's board is not
+waited for there). Once a Buffer of a group holds NVSHMEM memory, each point posts "round/<point>/<rank>" = the
+parked Buffers (board ordinals) this rank can free, waits for every rank's post and frees the ones every rank
+listed, in ordinal order: the same nvshmem_free calls in the same order on every rank. A rank missing at a point
+frees nothing there (its parked Buffers wait for the next point), and neither does any other: each rank posts
+"round/<point>/verdict/<rank>" = "go" (it saw every post) or "stop", and frees only on every rank's "go" (the
+verdict round of destroy()).
 """
 from __future__ import annotations
 
@@ -45,7 +49,7 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
@@ -56,10 +60,6 @@ _lock = threading.RLock()
 _parked: List["Release"] = []  # collected (or exiting) Buffers whose memory waits for their peers' posts
 _live: "weakref.WeakSet" = weakref.WeakSet()  # Buffers holding compiled backends, not yet released
 _exit_registered = False
-# group -> collective points passed; group -> Buffers with compiled backends created (their ordinals). Weak keys:
-# holding a process group past destroy_process_group() can abort the process at exit (reference/board.py).
-_points: "weakref.WeakKeyDictionary[object, int]" = weakref.WeakKeyDictionary()
-_created: "weakref.WeakKeyDictionary[object, int]" = weakref.WeakKeyDictionary()
 # Groups whose Buffers have held NVSHMEM memory (rounds are posted on them) -> (rank, ranks, timeout_s, the group's
 # store or None), recorded while the group exists: exit may come after destroy_process_group(). Held strongly: the
 # exit handler's last collective point must come on every rank alike, whatever this rank's Buffers went through.
@@ -70,19 +70,24 @@ class PeerMissing(RuntimeError):
     """A peer never confirmed it stopped using this rank's exported memory within the timeout."""
 
 
-def wait_for_posts(store, keys: Sequence[str], timeout_s: float) -> Tuple[Dict[int, str], List[int]]:
+def wait_for_posts(store, keys: Sequence[str], timeout_s: float,
+                   gone: Optional[Callable[[int], bool]] = None) -> Tuple[Dict[int, str], List[int]]:
     """Read keys[q] for every q until all exist or `timeout_s` passes: -> ({q: value}, [q missing]). A store that
-    fails (its host died) counts as every unread key missing."""
+    fails (its host died) counts as every unread key missing. gone(q): True when rank q will never post (it raised):
+    it is not waited for (its key is read first: a post made before raising counts)."""
     values: Dict[int, str] = {}
+    given_up: set = set()
     deadline, sleep = time.monotonic() + timeout_s, _POLL_S[0]
     while True:
         try:
             for q, key in enumerate(keys):
                 if q not in values and store.check([key]):
                     values[q] = store.get(key).decode()
+                elif q not in values and gone is not None and gone(q):
+                    given_up.add(q)
         except Exception:  # noqa: BLE001 - a dead store: nobody else can confirm
             break
-        if len(values) == len(keys) or time.monotonic() >= deadline:
+        if len(values) + len(given_up) == len(keys) or time.monotonic() >= deadline:
             break
         time.sleep(min(sleep, max(deadline - time.monotonic(), 0.0)))
         sleep = min(sleep * 2, _POLL_S[1])
@@ -92,13 +97,13 @@ def wait_for_posts(store, keys: Sequence[str], timeout_s: float) -> Tuple[Dict[i
 class Release:
     """The release of one Buffer's compiled backends (see the module docstring). store: the Buffer's board store
     (None when torch exposes none: then destroy() waits in a process-group barrier, unbounded, and leaves the
-    NVSHMEM buffer allocated, and collection abandons); ordinal: the Buffer's rank among its group's Buffers (the
-    same Buffer on every rank)."""
+    NVSHMEM buffer allocated, and collection abandons); ordinal: the Buffer's number among its group's Buffers (its
+    Board's: the same Buffer on every rank, whatever a failed creation on some ranks skipped)."""
 
-    def __init__(self, store, group, rank: int, num_ranks: int, timeout_s: float, broken_timeout_s: float) -> None:
+    def __init__(self, store, group, rank: int, num_ranks: int, timeout_s: float, broken_timeout_s: float,
+                 ordinal: int) -> None:
         self.store, self.group, self.rank, self.num_ranks = store, group, rank, num_ranks
-        with _lock:  # Buffers are created collectively: the same ordinal on every rank
-            self.ordinal = _created[group] = _created.get(group, 0) + 1
+        self.ordinal = ordinal
         self.timeout_s, self.broken_timeout_s = timeout_s, broken_timeout_s
         self.backends: list = []
         self.symmetric = False
@@ -228,12 +233,15 @@ def poll() -> None:
                     r._free(symmetric=False)
 
 
-def collective_point(group, rank: int, num_ranks: int, timeout_s: float) -> None:
-    """A point every rank of `group` reaches in the same order (Buffer creation, destroy(), exit): frees the parked
-    Buffers with NVSHMEM memory that every rank parked (see the module docstring)."""
+def collective_point(group, rank: int, num_ranks: int, timeout_s: float, point: str, board=None) -> None:
+    """A point every rank of `group` reaches (Buffer creation, destroy(), exit): frees the parked Buffers with
+    NVSHMEM memory that every rank parked (see the module docstring). point: its name, the same on every rank
+    ("create-<board ordinal>", "destroy-<board ordinal>", "exit"; a name, not a count, so that a rank whose Buffer
+    creation raised before its point does not shift the later ones). board: the creating Buffer's Board (creation
+    only: fresh, so any abort on it is about this creation): a rank that posted its abort there and not its round
+    post is not waited for."""
     poll()
     with _lock:
-        n = _points[group] = _points.get(group, 0) + 1
         if group not in _symmetric_groups:
             return
         store = _symmetric_groups[group][3]
@@ -241,11 +249,20 @@ def collective_point(group, rank: int, num_ranks: int, timeout_s: float) -> None
             return
         store = dist.PrefixStore("moe_dispatcher/release/", store)
         mine = sorted(r.ordinal for r in _parked if r.symmetric and r.group is group and not r._views())
-        store.set(f"round/{n}/{rank}", ",".join(map(str, mine)))
-        values, missing = wait_for_posts(store, [f"round/{n}/{q}" for q in range(num_ranks)], timeout_s)
+        store.set(f"round/{point}/{rank}", ",".join(map(str, mine)))
+        gone = None if board is None else (lambda q: q != rank and board.abort_message(q) is not None)
+        values, missing = wait_for_posts(store, [f"round/{point}/{q}" for q in range(num_ranks)], timeout_s, gone)
+        # The verdict round (as Release.collective's): nvshmem_free waits for every rank, so a rank frees only
+        # when every rank saw every post; a rank whose wait ended early (a peer came late) posts "stop".
+        store.set(f"round/{point}/verdict/{rank}", "stop" if missing else "go")
+        if not missing:
+            keys = [f"round/{point}/verdict/{q}" for q in range(num_ranks)]
+            verdicts, late = wait_for_posts(store, keys, timeout_s)
+            missing = late + [q for q, v in verdicts.items() if v != "go"]
         if missing:
-            warnings.warn(f"moe_dispatcher: rank {rank}: ranks {missing} did not reach collective point {n} of "
-                          f"their group within {timeout_s:g} s; parked NVSHMEM buffers stay allocated", stacklevel=3)
+            warnings.warn(f"moe_dispatcher: rank {rank}: ranks {sorted(missing)} did not reach (or saw a rank missing "
+                          f"at) collective point '{point}' of their group within {timeout_s:g} s; parked NVSHMEM "
+                          f"buffers stay allocated", stacklevel=3)
             return
         agreed = set(mine)
         for v in values.values():
@@ -271,7 +288,7 @@ def _at_exit() -> None:
             time.sleep(_POLL_S[1])
         for group, (rank, num_ranks, timeout_s, _) in list(_symmetric_groups.items()):
             parked = [r for r in _parked if r.group is group]
-            collective_point(group, rank, num_ranks, max((r._timeout() for r in parked), default=timeout_s))
+            collective_point(group, rank, num_ranks, max((r._timeout() for r in parked), default=timeout_s), "exit")
     with _lock:
         left, _parked[:] = list(_parked), []
     for r in left:

@@ -50,6 +50,10 @@ def stub_intranode(rows: int) -> types.SimpleNamespace:
             self.timeout: Optional[tuple] = None  # what timeout_info() reports (a test sets it)
             self.ring_mismatch: Optional[list] = None  # what take_ring_mismatch() reports (a test sets it)
             self.signature_mismatch: Optional[tuple] = None  # what take_signature_mismatch() reports (a test sets it)
+            # The mailbox's seq (the latest call whose notify published its results) and the seqs the host waited
+            # for (wait_notify), in order.
+            self.seq = 0
+            self.waits: List[int] = []
             # The peer abort as the native IpcBuffer keeps it: whether this rank's abort bytes are posted on its
             # peers, and every write in order (1: post_abort, 0: cleared at the next launch).
             self.abort_posted = False
@@ -75,6 +79,9 @@ def stub_intranode(rows: int) -> types.SimpleNamespace:
             return self.timeout
 
         def wait_notify(self, seq, timeout_s):
+            self.waits.append(seq)
+            if seq != self.seq:  # the native wait spins until its host timeout
+                raise RuntimeError(f"stub: the host waited for notify {seq}, but the mailbox holds {self.seq}")
             return rows, 0
 
         def take_worst_overflow(self):
@@ -212,20 +219,39 @@ def stub_intranode(rows: int) -> types.SimpleNamespace:
         return (torch.zeros(num_ranks, dtype=torch.int32), None, torch.zeros(num_experts, dtype=torch.int32),
                 torch.zeros(topk_idx.shape[0], num_ranks, dtype=torch.bool))
 
+    def notify(ipc, timeout_ns, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert, channels, alignment,
+               num_worst_tokens, seq, prefix, offsets, em_layout=None, **kwargs):
+        """Records the launch and publishes its seq in the mailbox. verdict(ipc, seq, signature_hash, problem) ->
+        bool (refused), when a test sets the module's, stands for the exchange of every rank's notify message and
+        records a refusal in the mailbox as the native notify does; notify then writes the tables of a call that
+        received nothing (refused_call.cuh: rows_needed 0), with kRefusedCall when refused. Without a verdict it
+        writes nothing (no torch op: tests/megatron/test_megatron_host_ops.py counts them)."""
+        launches.append(("notify", (ipc, timeout_ns, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert,
+                                    channels, alignment, num_worst_tokens, seq, prefix, offsets, em_layout,
+                                    *kwargs.values())))
+        if module.verdict is not None:
+            for t in (prefix, offsets, em_layout):
+                if t is not None:
+                    t.zero_()
+            if module.verdict(ipc, seq, kwargs["signature_hash"], kwargs["problem"]):
+                offsets.view(-1)[0] = -1  # kRefusedCall
+        ipc.seq = seq
+
     def recorder(kind: str) -> Callable:
         def launch(*args, **kwargs) -> None:
             launches.append((kind, args + tuple(kwargs.values())))
         return launch
 
-    return types.SimpleNamespace(
+    module = types.SimpleNamespace(
         MAX_RANKS=8, MAX_CHANNELS=32, MAX_LOCAL_EXPERTS=1024, MAX_TOPK=16, MAX_CHUNK=32,
         RINGS_OFFSET=1 << 20, FLAG_LAYOUT_MISMATCH=1, IpcBuffer=IpcBuffer, CommStream=CommStream,
         CachedDispatch=CachedDispatch, CachedCombine=CachedCombine, cached_dispatch=cached_dispatch,
         cached_combine=cached_combine, cached_pull_combine=cached_pull_combine,
         cached_direct_dispatch=cached_direct_dispatch, em_layout_words=lambda r, l: r * l + 3 * l + 1,
-        layout_call=layout_call, notify=recorder("notify"), dispatch=recorder("dispatch"),
+        layout_call=layout_call, notify=notify, verdict=None, dispatch=recorder("dispatch"),
         combine=recorder("combine"), em_permute=recorder("em_permute"), em_unpermute=recorder("em_unpermute"),
         pair_rank=recorder("pair_rank"), launches=launches, plans=plans)
+    return module
 
 
 def attach_stub_backend(buf, rows: int, patch: Callable = setattr):
@@ -241,6 +267,7 @@ def attach_stub_backend(buf, rows: int, patch: Callable = setattr):
     buf._comm_stream = types.SimpleNamespace()  # the comm stream the backend's CommStream takes (never used on CPU)
     from moe_dispatcher.compiled import intranode
     buf._kernels = intranode.IntranodeBackend(buf)
+    buf._kernels.connect([buf._kernels.creation_payload()] * buf.group_size)  # the stub opens nothing
     return buf._kernels
 
 
@@ -286,9 +313,9 @@ def attach_stub_internode(buf, rank: int, num_ranks: int, nvl_size: int, patch: 
     constructor (which bootstraps NVSHMEM): the attributes its cached calls, fresh dispatch's host wait and
     errors read, for rank `rank` of `num_ranks` in NVLink domains of `nvl_size` (the gloo group may be smaller:
     only the ranks' numbers matter to these paths). Rings of every geometry fit (large buffer blocks)."""
-    from collections import OrderedDict
-
     from moe_dispatcher.compiled import internode
+    from moe_dispatcher.compiled.intranode import KEPT_SIGNATURES
+    from moe_dispatcher.signature import KeptSignatures
     intra = stub_intranode(0)
     patch(torch.cuda, "current_device", lambda: 0)
     b = object.__new__(internode.InternodeBackend)
@@ -304,8 +331,8 @@ def attach_stub_internode(buf, rank: int, num_ranks: int, nvl_size: int, patch: 
     b._ctx = None
     b._board = None
     b._abort_posted = b._peer_aborted = False
-    b._seq = 0
-    b._signatures = OrderedDict()
+    b._seq = b._notified = 0
+    b._signatures = KeptSignatures(KEPT_SIGNATURES)
     b._broken = None
     b._alive = True
     return b

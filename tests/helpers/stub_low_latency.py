@@ -2,7 +2,8 @@
 
 StubRuntime has the runtime's methods and the same host-side rules (csrc/low_latency_bindings.cpp): the
 invariant checks against a per-shape plan (ValueError), one buffer half per call alternating, the hook rules
-(one call each, stale once its half was taken again, no shape change while one is pending), the
+(one call each, stale once its half was taken again, no shape change while one is pending), the layout change
+(the backend's layout_round function called before and after the clear, as the native clean_layout calls it), the
 timeout record (a test sets `timeout`; every later call and hook raises, and keeps raising), the signature record
 (a test sets `signature` as a receive that found a source's dispatch signature differing would record it; every
 later call and hook raises SignatureMismatch, before a timeout, and keeps raising), destroy. It
@@ -20,7 +21,8 @@ import torch
 
 from moe_dispatcher.backend import Capabilities
 from moe_dispatcher.compiled import timeout_message
-from moe_dispatcher.compiled.low_latency import _NO_EVENT, TIMEOUT_ENV, LowLatencyBackend, signature_mismatch
+from moe_dispatcher.compiled.low_latency import (_NO_EVENT, TIMEOUT_ENV, LowLatencyBackend, layout_round,
+                                                 signature_mismatch)
 from moe_dispatcher.event import EventOverlap
 from moe_dispatcher.handle import LowLatencyHandle
 from moe_dispatcher.runtime import ll_layout
@@ -40,7 +42,8 @@ class DispatchState:
 
 class StubRuntime:
     def __init__(self, num_bytes: int, num_ranks: int, rank_partials: bool = True, nvlink_all: bool = True,
-                 timeout_s: float = 10.0, buffer_token: int = 0, board=None, rank: int = 0):
+                 timeout_s: float = 10.0, buffer_token: int = 0, board=None, rank: int = 0,
+                 layout_round: Optional[Callable[[int, int, int, bool], None]] = None):
         self.num_bytes, self.num_ranks, self._rank_partials, self.nvlink_all = (num_bytes, num_ranks, rank_partials,
                                                                                 nvlink_all)
         self.timeout_s, self.buffer_token = timeout_s, buffer_token
@@ -52,6 +55,8 @@ class StubRuntime:
         self.signature: Optional[tuple] = None  # (call, source, seen, mine), as the dispatch receive would record it
         self.rank = rank
         self.board = board  # the Buffer's Board: the message of a peer's abort
+        # The backend's round of a layout change (compiled/low_latency.py, layout_round); None: no peers to meet
+        self._layout_round = layout_round
         # The peer abort: whether this PE's abort bytes are posted on its peers, and every write in order
         # (1: post_abort, 0: cleared by the next launch, as the native runtime's common() does).
         self.abort_posted = False
@@ -127,8 +132,7 @@ class StubRuntime:
     def clean(self, max_tokens, hidden, num_experts):
         self.check_usable()
         self._plan(max_tokens, hidden, num_experts, 1, clean_on_change=False)
-        self.cleans.append((max_tokens, hidden, num_experts))
-        self._layout = (max_tokens, hidden, num_experts)
+        self._clean_layout((max_tokens, hidden, num_experts))
 
     def set_rank_partials(self, value: bool) -> None:
         self._rank_partials = bool(value)
@@ -200,9 +204,18 @@ class StubRuntime:
                 raise RuntimeError("low-latency call with new (max tokens, hidden, experts) while a hook of a call "
                                    "with the previous shapes has not been called: call the hook first")
             if self._layout is not None:
-                self.cleans.append(layout)
+                self._clean_layout(layout)
             self._layout = layout
         return plan
+
+    def _clean_layout(self, layout: tuple) -> None:
+        """The native clean_layout: a round, the clear (recorded in `cleans`), a round; then the new layout."""
+        if self._layout_round is not None:
+            self._layout_round(*layout, False)
+        self.cleans.append(layout)
+        if self._layout_round is not None:
+            self._layout_round(*layout, True)
+        self._layout = layout
 
     def _start_call(self) -> int:
         half = self._next_half
@@ -272,7 +285,8 @@ def attach_stub_low_latency(buf, runtime: Optional[StubRuntime] = None, make: Ca
     b._trace, b._alive, b.nvlink_peers = None, True, buf.group_size
     b.runtime = runtime if runtime is not None else make(buf.num_rdma_bytes, buf.group_size,
                                                          buf.low_latency_combine_reduction == "per_rank",
-                                                         buffer_token=buf._token, board=buf._board, rank=buf.rank)
+                                                         buffer_token=buf._token, board=buf._board, rank=buf.rank,
+                                                         layout_round=layout_round(buf._board, torch.device("cpu")))
     b.low_latency_dispatch = b.runtime.dispatch
     b.low_latency_combine = b.runtime.combine
     b._state = types.SimpleNamespace(release=lambda ptr, device: None)

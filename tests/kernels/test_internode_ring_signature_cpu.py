@@ -95,8 +95,8 @@ def test_a_recorded_internode_ring_mismatch_raises_naming_the_hop_fields(backend
                             (2, ring_signature_word("cached dispatch", H, torch.bfloat16, None, 0, 0, 64), mine)]
     b._ipc.signature_mismatch = (1, [6])
     idx = torch.zeros(T, K, dtype=torch.int64)
-    b._signatures[1] = dispatch_signature("dispatch", torch.zeros(T, H).bfloat16(), None, idx, None, 8,
-                                          Buffer.get_dispatch_config(RANKS))  # the fresh dispatch 1 notify refused
+    b._signatures.add(1, dispatch_signature("dispatch", torch.zeros(T, H).bfloat16(), None, idx, None, 8,
+                                            Buffer.get_dispatch_config(RANKS)))  # the fresh dispatch 1 notify refused
     # (gloo's all-gather takes no stacked output as NCCL's does: one rank's gather is a copy)
     monkeypatch.setattr(dist, "all_gather_into_tensor", lambda out, inp, group=None: out.copy_(inp.view(out.shape)))
     with pytest.raises(SignatureMismatch) as err:

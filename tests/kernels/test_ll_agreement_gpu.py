@@ -13,12 +13,17 @@ late signature word of the previous call on a half differs from the current one)
 bit-exact.
 A mismatch may be recorded against a source that agrees: a sender laid out differently stores its count words
 over other sources' (the message then says so); the tests accept it.
-The layout fields (hidden, num_max_dispatch_tokens_per_rank, num_experts) differ here on a Buffer's first call:
-a later call whose layout changes on one rank only runs the layout change's clean (an NVSHMEM barrier) alone,
-before any kernel, which no kernel-side check can reach.
+The layout fields (hidden, num_max_dispatch_tokens_per_rank, num_experts) differ above on a Buffer's first call.
+A later call whose layout differs from the previous call's runs the layout change's rounds first (host
+all-gathers under MOE_DISPATCHER_TIMEOUT_S, docs/low_latency.md "Layout change"): ranks changing to different
+layouts (at a call, or in clean_low_latency_buffer) raise SignatureMismatch on every rank, quickly, and the Buffer
+stays usable (the old layout's pairs, then an agreed change, bit-exact); a rank changing alone raises a timeout
+naming the round and the rank that never came, and posts its abort, on which that rank's waiting kernel gives up:
+its next call raises "rank r raised: ..." with the message.
 """
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 
@@ -190,6 +195,96 @@ def _want(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, reduction: str, n
     return acc.to(torch.bfloat16)
 
 
+def _pair_bit_exact(kb, dev, h: int, gen: torch.Generator, num_ranks: int, what: str) -> None:
+    """One dispatch + combine at (MAX_T, h, E), compared bit for bit with combine(dispatch(x))."""
+    x, idx, w = _inputs(dev, MAX_T, h, E, K, gen)
+    recv, _, handle, _, _ = kb.low_latency_dispatch(x, idx, MAX_T, E, use_fp8=False)
+    assert_equal(kb.low_latency_combine(recv, idx, w, handle)[0], _want(x, idx, w, "per_rank", num_ranks), what,
+                 bitwise=True)
+
+
+def _layout_change_worker(rank: int, num_ranks: int) -> None:
+    dev = device()
+    gen = torch.Generator(device=dev).manual_seed(rank)
+    odd = num_ranks - 1
+    keep = _keep_nvshmem(num_ranks)
+    for nvlink in (True, False):
+        kb = _kernel_buffer(nvlink)
+        how = "NVLink" if nvlink else "NVSHMEM puts"
+        with case(f"agreeing pairs at hidden {H}, {E} experts ({how})"):
+            for _ in range(2):
+                _pair_bit_exact(kb, dev, H, gen, num_ranks, "before the change")
+        with case(f"rank {odd} changes hidden, the others num_experts ({how})"):
+            h, e = (2 * H, E) if rank == odd else (H, 2 * E)
+            x, idx, _ = _inputs(dev, MAX_T, h, e, K, gen)
+            start = time.monotonic()
+            with pytest.raises(SignatureMismatch) as err:
+                kb.low_latency_dispatch(x, idx, MAX_T, e, use_fp8=False)
+            elapsed = time.monotonic() - start
+            msg = str(err.value)
+            assert msg.startswith("low-latency layout change: the ranks' calls do not agree"), msg
+            assert "hidden differs" in msg and f"{2 * H} on rank {odd}" in msg and "num_experts differs" in msg, msg
+            assert elapsed < TIMEOUT_S / 3, f"the disagreement took {elapsed:.1f} s (timeout {TIMEOUT_S} s)"
+            assert kb._kernels_ll.signature_info() is None and kb._kernels_ll.timeout_info() is None
+        with case(f"the old layout still serves, then an agreed change ({how})"):
+            _pair_bit_exact(kb, dev, H, gen, num_ranks, "the old layout after the disagreement")
+            _pair_bit_exact(kb, dev, 2 * H, gen, num_ranks, "after an agreed change")
+        with case(f"clean_low_latency_buffer with different hidden sizes ({how})"):
+            with pytest.raises(SignatureMismatch, match="low-latency layout change: .*hidden differs"):
+                kb.clean_low_latency_buffer(MAX_T, 2 * H if rank == odd else H, E)
+            kb.clean_low_latency_buffer(MAX_T, 2 * H, E)
+            _pair_bit_exact(kb, dev, 2 * H, gen, num_ranks, "after an agreed clean")
+        dist.barrier()
+        kb.destroy()
+    keep.destroy()
+
+
+# The lone rank's round starts this long before its peers' dispatch: its deadline passes while their kernel still
+# has most of its own timeout left, so the kernel gives up on the abort the lone rank posts, not on that timeout.
+LONE_HEAD_START_S = 2 * TIMEOUT_S / 3
+
+
+def _lone_change_worker(rank: int, num_ranks: int) -> None:
+    from moe_dispatcher.compiled.low_latency import LAYOUT_PHASE
+    from moe_dispatcher.reference.comm import agree
+    from moe_dispatcher.signature import Signature
+    dev = device()
+    gen = torch.Generator(device=dev).manual_seed(rank)
+    odd = num_ranks - 1
+    kb = _kernel_buffer(True)
+    with case(f"agreeing pairs at hidden {H}"):
+        for _ in range(2):
+            _pair_bit_exact(kb, dev, H, gen, num_ranks, "before the change")
+        torch.cuda.synchronize()
+        dist.barrier()
+    if rank == odd:
+        with case(f"rank {odd} alone changes hidden to {2 * H}"):
+            x, idx, _ = _inputs(dev, MAX_T, 2 * H, E, K, gen)
+            start = time.monotonic()
+            with pytest.raises(RuntimeError) as err:
+                kb.low_latency_dispatch(x, idx, MAX_T, E, use_fp8=False)
+            elapsed = time.monotonic() - start
+            msg = str(err.value)
+            assert f"rank {odd} timed out" in msg and f"{LAYOUT_PHASE}: agreement" in msg, msg
+            assert f"waiting for ranks {list(range(odd))}" in msg, msg
+            assert elapsed < TIMEOUT_S + 10, f"the lone change took {elapsed:.1f} s (deadline {TIMEOUT_S} s)"
+    else:
+        with case(f"rank {rank} keeps hidden {H}: its kernel waits for rank {odd} until rank {odd}'s abort"):
+            time.sleep(LONE_HEAD_START_S)
+            x, idx, _ = _inputs(dev, MAX_T, H, E, K, gen)
+            kb.low_latency_dispatch(x, idx, MAX_T, E, use_fp8=False)
+            torch.cuda.synchronize()  # the kernel gave up on rank odd's abort
+            with pytest.raises(RuntimeError) as err:
+                kb.low_latency_dispatch(x, idx, MAX_T, E, use_fp8=False)
+            msg = str(err.value)
+            assert f"rank {odd} raised: RuntimeError:" in msg and f"{LAYOUT_PHASE}: agreement" in msg, msg
+            assert f"rank {rank} was waiting in low_latency_dispatch" in msg, msg
+        with case(f"complete rank {odd}'s abandoned all-gather (the group is whole again for the teardown)"):
+            with contextlib.suppress(SignatureMismatch):
+                agree(kb._board, Signature(LAYOUT_PHASE, (MAX_T, 2 * H, E)), dev, phase="agreement")
+    dist.barrier()
+
+
 def _signature_worker(rank: int, num_ranks: int) -> None:
     from moe_dispatcher import _ext
     from moe_dispatcher.compiled.low_latency import dispatch_signature
@@ -211,6 +306,20 @@ def test_ll_agreeing_calls_record_nothing(world_size: int) -> None:
     """500 agreeing pairs per configuration, both halves, hooked and unhooked, use_fp8 / round_scale changing per
     call alike on every rank: no mismatch, bit-exact."""
     run_distributed(_agreeing_worker, world_size, 500, backend="nccl", env=ENV, timeout=170)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_ll_layout_changes_that_differ_raise_on_every_rank(world_size: int) -> None:
+    """Ranks changing to different layouts (a call, clean_low_latency_buffer): SignatureMismatch on every rank, no
+    hang; the old layout and an agreed change then run bit-exact."""
+    run_distributed(_layout_change_worker, world_size, backend="nccl", env=ENV, timeout=170)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_ll_lone_layout_change_times_out_and_aborts_its_peers(world_size: int) -> None:
+    """One rank changes the layout alone: it raises a timeout naming the round and the missing ranks; the others'
+    kernels give up on its abort and their next call raises its message."""
+    run_distributed(_lone_change_worker, world_size, backend="nccl", env=ENV, timeout=170)
 
 
 def test_ll_signature_native_matches_python() -> None:

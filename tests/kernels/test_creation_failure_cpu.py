@@ -1,0 +1,243 @@
+"""A Buffer creation that fails on one rank raises CreationFailed on every rank, soon, naming that rank (gloo ranks).
+
+The real Buffer and compiled.create_backends over the intranode stub of tests/helpers (its IpcBuffer records what
+the creation does with it) and a fake NVSHMEM extension, so that the compiled creation path runs on CPU. Injected on
+one rank: the NVLink buffer's allocation fails (cudaMalloc), the IPC open of the peers' handles fails, the
+extension is missing (the compiled backend on some ranks only), rank 0 cannot make NVSHMEM's unique id, NVSHMEM's
+init raises (on every rank: the NVLink buffers are abandoned), and an argument only one rank has wrong (raised before the Buffer's signature agreement). Checked on every rank:
+CreationFailed naming the failing rank and its message, well before MOE_DISPATCHER_TIMEOUT_S; ranks that allocated
+free it (after every rank closed its mappings, when they were opened); NVSHMEM is not entered after a peer failed.
+Before the creation rounds, the peers of the failing rank waited in the handles' all_gather_object, the unique-id
+broadcast or the signature all-gather (until the world's timeout or the Board's deadline).
+"""
+from __future__ import annotations
+
+import time
+import types
+
+import torch.distributed as dist
+from dist import case, run_distributed
+
+TIMEOUT_S = 40.0  # MOE_DISPATCHER_TIMEOUT_S of the ranks: every failure below must be reported long before it
+FAST_S = 10.0
+ENV = {"MOE_DISPATCHER_TIMEOUT_S": str(TIMEOUT_S)}
+NVL_BYTES = 1 << 30
+
+
+def _compiled_on_cpu(rank: int, events: list, fail: dict) -> None:
+    """Let Buffer(backend='kernels') build the compiled backends on CPU: the intranode stub (whose IpcBuffer records
+    into `events` and raises what fail["alloc"] / fail["open"] say) and a fake NVSHMEM extension (fail["uid"])."""
+    import torch
+    from stub_extension import stub_intranode
+
+    from moe_dispatcher import Buffer, _ext, compiled
+    from moe_dispatcher.runtime import nvshmem
+    stub = stub_intranode(0)
+
+    class IpcBuffer(stub.IpcBuffer):
+        def __init__(self, *args):
+            if fail.get("alloc"):
+                raise RuntimeError(fail["alloc"])
+            super().__init__(*args)
+            events.append("alloc")
+
+        def ipc_handle(self):
+            return f"handle of rank {rank}".encode()
+
+        def open_peers(self, handles):
+            if fail.get("open"):
+                raise RuntimeError(fail["open"])
+            events.append(("open", list(handles)))
+
+        def close(self):
+            events.append("close")
+            super().close()
+
+        def destroy(self):
+            events.append("destroy")
+            super().destroy()
+
+        def abandon(self):
+            events.append("abandon")
+            super().abandon()
+
+    def get_unique_id():
+        events.append("get_unique_id")
+        if fail.get("uid"):
+            raise RuntimeError(fail["uid"])
+        return bytes(range(128))
+
+    def init_with_unique_id(uid, rank_, nranks):
+        events.append(("nvshmem_init", uid == bytes(range(128))))
+        raise RuntimeError("fake NVSHMEM: init reached (the test stops here)")
+
+    stub.IpcBuffer = IpcBuffer
+    fake_nvshmem = types.SimpleNamespace(nvshmem_init_status=lambda: 0, nvshmem_get_unique_id=get_unique_id,
+                                         nvshmem_init_with_unique_id=init_with_unique_id)
+    ext = types.SimpleNamespace(intranode=stub, low_latency=types.SimpleNamespace(MAX_RANKS=8), peer_pool=None,
+                                __file__="stub", **vars(fake_nvshmem))
+
+    def extension_with(buffer, submodule, what):
+        if fail.get("no_extension"):
+            return None, fail["no_extension"]
+        return ext, ""
+
+    compiled._extension_with = extension_with
+    _ext.load = lambda: ext
+    _ext.require = lambda what: ext
+    nvshmem._pick_backend = lambda: "extension"
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.set_device = lambda device: None
+    torch.cuda.get_device_properties = lambda device: types.SimpleNamespace(multi_processor_count=132)
+    Buffer.get_comm_stream = lambda self: types.SimpleNamespace()  # the stub's CommStream keeps it, never uses it
+
+
+def _attempt(make) -> tuple:
+    """(error type name, message, seconds) of make(), or (None, "", seconds) when it returned."""
+    t0 = time.monotonic()
+    try:
+        make()
+    except Exception as exc:  # noqa: BLE001 - reported to the parent
+        return type(exc).__name__, str(exc), time.monotonic() - t0
+    return None, "", time.monotonic() - t0
+
+
+def _world_failures(rank: int, world_size: int) -> dict:
+    from moe_dispatcher import Buffer
+    out = {}
+
+    def run(label: str, fail_on_1: dict, **kwargs) -> None:
+        events: list = []
+        _compiled_on_cpu(rank, events, fail_on_1 if rank == 1 else {})
+        with case(label):
+            err = _attempt(lambda: out.setdefault(f"{label}: buffer", Buffer(**kwargs)))
+        out[label] = (*err, events)
+        buf = out.pop(f"{label}: buffer", None)
+        if buf is not None:
+            buf.destroy()
+
+    run("success", {}, num_nvl_bytes=NVL_BYTES, backend="kernels")
+    run("allocation", {"alloc": "CUDA error: out of memory (cudaMalloc of the NVLink buffer)"},
+        num_nvl_bytes=NVL_BYTES, backend="kernels")
+    run("open", {"open": "cudaIpcOpenMemHandle: invalid device context"}, num_nvl_bytes=NVL_BYTES, backend="kernels")
+    run("no extension", {"no_extension": "the extension moe_dispatcher._C is not available (stub)"},
+        num_nvl_bytes=NVL_BYTES, backend="auto")
+    run("allocation before NVSHMEM", {"alloc": "CUDA error: out of memory (cudaMalloc of the NVLink buffer)"},
+        num_nvl_bytes=NVL_BYTES, num_rdma_bytes=1 << 20, low_latency_mode=True, backend="kernels")
+    # Rank 0 cannot make NVSHMEM's unique id (the fail dict is rank 1's: swap the roles).
+    events: list = []
+    _compiled_on_cpu(rank, events, {"uid": "nvshmem_get_unique_id: bootstrap plugin missing"} if rank == 0 else {})
+    with case("unique id"):
+        out["unique id"] = (*_attempt(lambda: Buffer(num_nvl_bytes=NVL_BYTES, num_rdma_bytes=1 << 20,
+                                                     low_latency_mode=True, backend="kernels")), events)
+    # Every rank reaches NVSHMEM's init, which raises (the fake's, on every rank): no creation round follows, and
+    # the peers have opened each rank's NVLink buffer, so it is abandoned, never freed (nor left to collection).
+    events = []
+    _compiled_on_cpu(rank, events, {})
+    with case("NVSHMEM init"):
+        out["init"] = (*_attempt(lambda: Buffer(num_nvl_bytes=NVL_BYTES, num_rdma_bytes=1 << 20,
+                                                low_latency_mode=True, backend="kernels")), events)
+    # Last: the peers' signature all-gather stays pending in the group.
+    events = []
+    with case("argument on one rank"):
+        out["argument"] = (*_attempt(lambda: Buffer(num_nvl_bytes=-1 if rank == 1 else NVL_BYTES,
+                                                    backend="reference")), events)
+    store = dist.distributed_c10d._get_default_store()  # rank 1 stays until rank 0 is done (its exit would close
+    store.add("argument done", 1)                        # the connection rank 0's pending all-gather reads)
+    while int(store.add("argument done", 0)) < world_size:
+        time.sleep(0.05)
+    return out
+
+
+def test_creation_failure_on_one_rank_raises_on_every_rank():
+    results = run_distributed(_world_failures, 2, env=ENV, timeout=150)
+    for rank, out in enumerate(results):
+        kind, message, seconds, events = out["success"]
+        assert kind is None, f"rank {rank}: {message}"
+        assert ("open", [b"handle of rank 0", b"handle of rank 1"]) in events, events  # one exchange, both handles
+
+        for label, step, said in (("allocation", "allocation", "out of memory"),
+                                  ("open", "connection", "cudaIpcOpenMemHandle"),
+                                  ("no extension", "allocation", "not available"),
+                                  ("allocation before NVSHMEM", "allocation", "out of memory")):
+            kind, message, seconds, events = out[label]
+            assert kind == "CreationFailed", f"rank {rank}, {label}: {kind}: {message}"
+            assert f"({step})" in message and "rank 1" in message and said in message, message
+            assert seconds < FAST_S, f"rank {rank}, {label}: {seconds:.1f} s"
+            assert not any(e == "get_unique_id" or e[0] == "nvshmem_init" for e in events), (label, events)
+        # Who freed what: nothing was mapped after a failed allocation; after a failed open every rank closed its
+        # mappings before freeing; a rank without the extension allocated nothing.
+        events = out["allocation"][3]
+        assert events == ([] if rank == 1 else ["alloc", "close", "destroy"]), events
+        events = out["open"][3]
+        if rank == 0:
+            assert events[:2] == ["alloc", ("open", [b"handle of rank 0", b"handle of rank 1"])], events
+        assert events[-3:] == ["close", "close", "destroy"], events  # close_mappings, then destroy (closes again)
+        assert out["no extension"][3] == ([] if rank == 1 else ["alloc", "close", "destroy"])
+
+        kind, message, seconds, events = out["unique id"]
+        assert kind == "CreationFailed", f"rank {rank}: {kind}: {message}"
+        assert "(NVSHMEM unique id)" in message and "rank 0: RuntimeError: nvshmem_get_unique_id" in message, message
+        assert seconds < FAST_S, seconds
+        assert events[-3:] == ["close", "close", "destroy"], events  # the connected NVLink buffer is freed
+        assert ("get_unique_id" in events) == (rank == 0) and not any(e[0] == "nvshmem_init" for e in events)
+
+        kind, message, seconds, events = out["init"]
+        assert kind == "RuntimeError" and "fake NVSHMEM: init reached" in message, f"{kind}: {message}"
+        assert ("nvshmem_init", True) in events and events[-1] == "abandon" and "destroy" not in events, events
+
+        kind, message, seconds, _ = out["argument"]
+        if rank == 1:
+            assert kind == "ValueError" and "num_nvl_bytes" in message, message
+        else:
+            assert kind == "CreationFailed" and "rank 1 raised: ValueError" in message, f"{kind}: {message}"
+            assert seconds < FAST_S, seconds
+
+
+def _world_missing(rank: int, world_size: int) -> tuple:
+    from moe_dispatcher import Buffer
+    if rank == 1:  # never creates the Buffer
+        time.sleep(TIMEOUT_S / 4 + 3)
+        return None
+    return _attempt(lambda: Buffer(num_nvl_bytes=NVL_BYTES, backend="reference"))
+
+
+def test_creation_names_a_rank_that_never_comes():
+    kind, message, seconds = run_distributed(_world_missing, 2, env={"MOE_DISPATCHER_TIMEOUT_S": str(TIMEOUT_S / 4)},
+                                             timeout=60)[0]
+    assert kind == "CreationFailed" and "waiting for ranks [1]" in message, f"{kind}: {message}"
+    assert seconds < TIMEOUT_S / 4 + 5, seconds
+
+
+def _world_late(rank: int, world_size: int) -> tuple:
+    """Rank 1 comes to the Buffer's signature all-gather after rank 0 timed out there; its all-gather completes
+    against rank 0's pending one, so it is created. Its next collective must name rank 0's failure (its abort)."""
+    from moe_dispatcher import Buffer
+    import torch
+
+    from moe_dispatcher.topology import Topology
+    store = dist.distributed_c10d._get_default_store()
+    topology = Topology(rank, world_size, world_size)  # given: no hostname all-gather after the signature's
+    if rank == 0:
+        out = _attempt(lambda: Buffer(backend="reference", topology=topology))
+    else:
+        time.sleep(LATE_TIMEOUT_S + 2)
+        buf = Buffer(backend="reference", topology=topology)
+        out = _attempt(lambda: buf._board.run("a call after creation", lambda: dist.all_reduce(
+            torch.zeros(1), group=buf.group, async_op=True)))
+    store.add("late done", 1)  # rank 0 stays until rank 1 is done (its pending all-gather reads rank 0)
+    while int(store.add("late done", 0)) < world_size:
+        time.sleep(0.05)
+    return out
+
+
+LATE_TIMEOUT_S = 3.0
+
+
+def test_a_rank_that_timed_out_in_creation_posts_its_abort():
+    results = run_distributed(_world_late, 2, env={"MOE_DISPATCHER_TIMEOUT_S": str(LATE_TIMEOUT_S)}, timeout=60)
+    kind, message, _ = results[0]
+    assert kind == "CreationFailed" and "waiting for ranks [1]" in message, f"{kind}: {message}"
+    kind, message, seconds = results[1]
+    assert kind == "PeerError" and "rank 0 raised: CreationFailed" in message, f"{kind}: {message}"
+    assert seconds < LATE_TIMEOUT_S, seconds
