@@ -26,6 +26,23 @@ TIMEOUT_ENV = "MOE_DISPATCHER_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 10.0
 
 
+class NvlinkMappings:
+    """Creation-failure cleanup of a normal-mode backend (intranode, internode) that holds an IpcBuffer `_ipc`
+    (its NVLink buffer, mapped by its peers once connected) and a PeerPool `peer_pool` or None. Listed before
+    Backend among the bases, so that these override Backend's defaults."""
+
+    def close_mappings(self) -> None:
+        """Creation failed after connect(): close the pool and this rank's mappings of the peers' buffers."""
+        if self.peer_pool is not None:
+            self.peer_pool.close()
+        self._ipc.close()
+
+    def discard(self) -> None:
+        """Creation failed before start() and no peer maps this rank's NVLink buffer (any more): free it now."""
+        self.close_mappings()
+        self._ipc.destroy()
+
+
 def kernel_timeout_s() -> float:
     """Seconds from $MOE_DISPATCHER_TIMEOUT_S: a finite number > 0, default 10 (read when a backend is built)."""
     return env_float(TIMEOUT_ENV, DEFAULT_TIMEOUT_S, greater_than=0)

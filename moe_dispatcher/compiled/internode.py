@@ -32,9 +32,9 @@ from ..config import Config, align_slot
 from ..handle import DispatchHandle
 from ..reference.board import PeerError
 from ..signature import KeptSignatures, dispatch_signature, raise_disagreement, ring_signature_word, signature_hash
-from . import (LAUNCH_CURRENT, STATUS_PEER_ABORTED, TIMEOUT_ENV, HandleState, buffer_view, combine_tensors,
-               kernel_timeout_s, posted_by_peer, raise_refused_calls, recv_tensors, run_cached, timeout_message,
-               wait_counts)
+from . import (LAUNCH_CURRENT, STATUS_PEER_ABORTED, TIMEOUT_ENV, HandleState, NvlinkMappings, buffer_view,
+               combine_tensors, kernel_timeout_s, posted_by_peer, raise_refused_calls, recv_tensors, run_cached,
+               timeout_message, wait_counts)
 from .intranode import (COMBINE_DTYPES, KEPT_SIGNATURES, _columns, _contiguous, _DeviceMemory, _row_bytes,
                         combine_slot_bytes)
 from .peer_pool import PeerPool
@@ -119,7 +119,7 @@ class _PullCombinePlan(_DirectDispatchPlan):
         return out, out_w, None
 
 
-class InternodeBackend(Backend):
+class InternodeBackend(NvlinkMappings, Backend):
     """Compiled internode normal-mode backend for one Buffer (see the module docstring)."""
 
     name = "internode"
@@ -182,17 +182,6 @@ class InternodeBackend(Backend):
         if self.num_pool_bytes:
             native, path = self._peer_pool_native
             self.peer_pool = PeerPool(self._ipc, native, path, self.device, self._local_index, self.nvl_size)
-
-    def close_mappings(self) -> None:
-        """Creation failed after connect(): close the pool and this rank's mappings of the domain peers' buffers."""
-        if self.peer_pool is not None:
-            self.peer_pool.close()
-        self._ipc.close()
-
-    def discard(self) -> None:
-        """Creation failed before start() and no peer maps this rank's NVLink buffer (any more): free it now."""
-        self.close_mappings()
-        self._ipc.destroy()
 
     def start(self) -> None:
         """Collective, after every rank connected: bring NVSHMEM up (its unique id goes through a bounded creation

@@ -47,7 +47,7 @@ from ..handle import DispatchHandle
 from ..signature import (KeptSignatures, Signature, dispatch_signature, raise_disagreement, ring_signature_word,
                          signature_hash)
 from .peer_pool import PeerPool
-from . import (STATUS_PEER_ABORTED, TIMEOUT_ENV, HandleState, buffer_view, combine_tensors,
+from . import (STATUS_PEER_ABORTED, TIMEOUT_ENV, HandleState, NvlinkMappings, buffer_view, combine_tensors,
                kernel_timeout_s, posted_by_peer, raise_refused_calls, recv_tensors, run_cached, timeout_message,
                wait_counts)
 
@@ -106,7 +106,7 @@ class _DeviceMemory:
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2}
 
 
-class IntranodeBackend(Backend):
+class IntranodeBackend(NvlinkMappings, Backend):
     """Compiled normal-mode backend for one Buffer (see the module docstring). Float64 combines and more than
     MAX_LOCAL_EXPERTS experts per rank are not its (capabilities): the Buffer sends those to the reference."""
 
@@ -167,17 +167,6 @@ class IntranodeBackend(Backend):
         if self.num_pool_bytes:
             native, path = self._peer_pool_native
             self.peer_pool = PeerPool(self._ipc, native, path, self.device, self.rank, self.num_ranks)
-
-    def close_mappings(self) -> None:
-        """Creation failed after connect(): close the pool and this rank's mappings of the peers' buffers."""
-        if self.peer_pool is not None:
-            self.peer_pool.close()
-        self._ipc.close()
-
-    def discard(self) -> None:
-        """Creation failed and no peer maps this rank's buffer (any more): free it now."""
-        self.close_mappings()
-        self._ipc.destroy()
 
     # ------------------------------------------------------------------ errors
     def _check(self) -> None:
