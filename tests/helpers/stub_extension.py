@@ -12,6 +12,7 @@ checks read it).
 """
 from __future__ import annotations
 
+import contextlib
 import types
 from typing import Callable, List, Optional, Tuple
 
@@ -336,3 +337,25 @@ def attach_stub_internode(buf, rank: int, num_ranks: int, nvl_size: int, patch: 
     b._broken = None
     b._alive = True
     return b
+
+
+@contextlib.contextmanager
+def single_rank_stub(store_path: str, rows: int, patch: Callable = setattr, tokens: int = 16, hidden: int = 256,
+                     experts: int = 8, topk: int = 2):
+    """One gloo rank (FileStore at `store_path`), a Buffer with the stub IntranodeBackend attached
+    (attach_stub_backend(buf, rows, patch)) and a seeded routing: yields (buf, backend, generator, x bf16
+    [tokens, hidden], topk_idx int64 [tokens, topk] of `experts`); destroys the Buffer and the group after."""
+    import torch
+    import torch.distributed as dist
+    from moe_dispatcher import Buffer
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 1), rank=0, world_size=1)
+    try:
+        buf = Buffer(num_nvl_bytes=1 << 30, backend="reference", explicitly_destroy=True)
+        backend = attach_stub_backend(buf, rows, patch)
+        g = torch.Generator().manual_seed(0)
+        idx = torch.rand(tokens, experts, generator=g).topk(topk, dim=1).indices
+        x = torch.randn(tokens, hidden, generator=g).bfloat16()
+        yield buf, backend, g, x, idx
+        buf.destroy()
+    finally:
+        dist.destroy_process_group()

@@ -16,7 +16,7 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
-from stub_extension import StubEvent, attach_stub_backend
+from stub_extension import StubEvent, single_rank_stub
 
 from moe_dispatcher import Buffer, Config
 from moe_dispatcher.compiled import LAUNCH_ASYNC, LAUNCH_CURRENT, LAUNCH_SYNC, HandleState
@@ -29,21 +29,12 @@ ROWS = 24  # rows notify "received" (the stub's answer)
 
 @pytest.fixture
 def world(monkeypatch, tmp_path):
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        buf = Buffer(num_nvl_bytes=1 << 30, backend="reference", explicitly_destroy=True)
-        backend = attach_stub_backend(buf, ROWS, monkeypatch.setattr)
-        g = torch.Generator().manual_seed(0)
-        idx = torch.rand(T, E, generator=g).topk(K, dim=1).indices
-        x = torch.randn(T, H, generator=g).bfloat16()
+    with single_rank_stub(str(tmp_path / "store"), ROWS, monkeypatch.setattr, T, H, E, K) as (buf, backend, g, x, idx):
         handle = backend.dispatch(x, None, idx, None, torch.full((1,), T, dtype=torch.int32),
                                   torch.ones(T, 1, dtype=torch.bool), torch.zeros(E, dtype=torch.int32), 1, 0)[5]
         yield types.SimpleNamespace(buf=buf, backend=backend, ext=backend._mod, handle=handle, x=x, idx=idx,
                                     y=torch.randn(ROWS, H, generator=g).bfloat16(),
                                     w=torch.rand(ROWS, K, generator=g))
-        buf.destroy()
-    finally:
-        dist.destroy_process_group()
 
 
 def _modes(w, kind: str) -> list:

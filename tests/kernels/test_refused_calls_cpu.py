@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
-from stub_extension import attach_stub_backend, attach_stub_internode
+from stub_extension import attach_stub_internode, single_rank_stub
 
 from moe_dispatcher import Buffer
 from moe_dispatcher.compiled.intranode import KEPT_SIGNATURES
@@ -25,18 +25,9 @@ ROWS = 24
 
 @pytest.fixture
 def world(monkeypatch, tmp_path):
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        buf = Buffer(num_nvl_bytes=1 << 30, backend="reference", explicitly_destroy=True)
-        backend = attach_stub_backend(buf, ROWS, monkeypatch.setattr)
+    with single_rank_stub(str(tmp_path / "store"), ROWS, monkeypatch.setattr, T, H, E, K) as (buf, backend, _, x, idx):
         backend.device = torch.device("cpu")  # where a disagreement's signatures are gathered
-        g = torch.Generator().manual_seed(0)
-        idx = torch.rand(T, E, generator=g).topk(K, dim=1).indices
-        x = torch.randn(T, H, generator=g).bfloat16()
         yield types.SimpleNamespace(buf=buf, backend=backend, ipc=backend._ipc, x=x, idx=idx)
-        buf.destroy()
-    finally:
-        dist.destroy_process_group()
 
 
 def _bounded(w, x=None) -> None:
