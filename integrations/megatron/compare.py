@@ -116,11 +116,14 @@ def _write(log_json: str | None, results: dict, skipped: dict, failed: list) -> 
 def report(results: dict[str, dict[str, Any]], skipped: dict[str, str], failed: list[str]) -> str:
     """The comparison as text: throughput table, step breakdown, loss curves."""
     lines = ["", "=== comparison (same config, seed and data; one run each, in turn)"]
-    ours = (results.get("ours") or {}).get("tokens_per_s")
+    # "ours x" is over our first run in the comparison ("ours", else "ours-pool", ...): a comparison without the
+    # plain run still shows its speed-ups.
+    ours_name = next((n for n in results if n == "ours"), next((n for n in results if n.startswith("ours")), None))
+    ours = (results.get(ours_name) or {}).get("tokens_per_s") if ours_name else None
     lines.append(f"{'dispatcher':<18}{'tokens/s':>10}{'ms/step':>9}{'ours x':>8}{'loss first':>12}{'loss last':>11}")
     for name, r in results.items():
         tps = r.get("tokens_per_s")
-        speedup = f"{ours / tps:.3f}" if ours and tps else "-"
+        speedup = f"{ours / tps:.3f}" if ours and tps and name != ours_name else "-"
         lines.append(f"{name:<18}{tps or 0:>10.0f}{r.get('step_ms') or 0:>9.1f}{speedup:>8}{r['losses'][0]:>12.4f}"
                      f"{r['losses'][-1]:>11.4f}")
     for name, why in skipped.items():

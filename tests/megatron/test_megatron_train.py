@@ -208,6 +208,17 @@ def test_host_breakdown_is_the_cpu_time_inside_each_part():
     assert "host wall time inside the MoE parts" in text and "0.07" in text, text
 
 
+def test_comparison_speedup_is_over_our_first_run():
+    """ "ours x" is ours' tokens/s over each other run's, also when ours ran only with a peer pool."""
+    from moe_dispatcher.integrations.megatron import compare
+    run = lambda tps: {"losses": [2.0, 1.0], "tokens_per_s": tps, "step_ms": 1.0}  # noqa: E731
+    for ours in ("ours", "ours-pool"):
+        text = compare.report({ours: run(120.0), "alltoall": run(100.0)}, {}, [])
+        row = next(line for line in text.splitlines() if line.startswith("alltoall"))
+        assert row.split()[3] == "1.200", text
+        assert next(line for line in text.splitlines() if line.startswith(ours)).split()[3] == "-", text
+
+
 def test_exposed_dispatcher_time_is_what_no_other_kernel_hides(monkeypatch):
     """The dispatcher's exposed time: its kernels' union minus what other kernels (any stream) cover meanwhile,
     over the union of every MoE part; kernels are charged to the part of the CPU op that launched them."""
