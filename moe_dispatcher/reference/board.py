@@ -14,12 +14,17 @@ collective of the reference backend is started asynchronously and waited for und
   store does not grow with the number of calls:
     "arrived/<rank>" = n  : the rank has waited in collective n (posted only by a wait longer than QUIET_S:
                             a fast collective costs no store traffic at all);
-    "abort/<rank>" = "n|message" : the rank raised in a Buffer call whose next collective would have been n.
+    "abort/<rank>" = "n|message" : the rank raised in a Buffer call whose next collective would have been n;
+                            deleted when the rank is back (see below);
+    "said/<rank>" = message : the message of the rank's latest abort, kept once the abort is deleted: a peer
+                            whose compiled kernel honoured that abort words its error with it later
+                            (compiled.timeout_message), possibly after the rank came back.
 * Waiting for collective n: block up to QUIET_S on the work; then, every POLL_S, post "arrived/<me>" = n and
   read the peers' abort keys. An abort of peer q for collective n seen on two polls in a row raises
   RuntimeError("moe_dispatcher reference: rank q raised: ... (rank R was waiting in PHASE)"). At the deadline,
   the ranks whose "arrived" key is missing or older than n are the ones named.
-* A rank deletes its own abort key before its next collective. The abort is ambiguous by nature: a rank that
+* A rank deletes its own abort key before its next collective, and at its next Buffer call that gets past the
+  Buffer's checks (Buffer._post_abort says why that is safe). The abort is ambiguous by nature: a rank that
   raised alone may come back and make the same collective (a caller that catches the error and retries).
   Peers honour an abort only after seeing it twice, POLL_S apart, while they still wait: a rank that comes
   back within that time is waited for, not reported.
@@ -118,7 +123,7 @@ class Board:
         store = _group_store(group)
         self.store = dist.PrefixStore(f"moe_dispatcher/board/{ordinal}/", store) if store is not None else None
         self.next_collective = 0  # the number of the next collective this rank enters
-        self._abort_posted = False
+        self.abort_posted = False  # this rank's "abort/<rank>" is on the board (the Buffer's calls test it)
 
     # ------------------------------------------------------------------ collectives
     def run(self, phase: str, start: Callable[[], "dist.Work"]) -> None:
@@ -158,26 +163,36 @@ class Board:
         that every rank raises after the same collective post nothing (posts_abort)."""
         if self.store is None or not posts_abort(exc):
             return
+        message = f"{type(exc).__name__}: {exc}"
         with contextlib.suppress(Exception):  # never hide the caller's error behind a store failure
-            self.store.set(f"abort/{self.rank}", f"{self.next_collective}|{type(exc).__name__}: {exc}")
-            self._abort_posted = True
+            self.store.set(f"said/{self.rank}", message)  # first: a peer that sees the abort finds its message
+            self.store.set(f"abort/{self.rank}", f"{self.next_collective}|{message}")
+            self.abort_posted = True
 
     def clear_abort(self) -> None:
-        """This rank is back after raising (its next collective, or its next compiled call, begins): peers must not
-        read its abort any more."""
-        if self._abort_posted:
+        """This rank is back after raising (its next collective, or its next call past the Buffer's checks,
+        begins): peers must not read its abort any more (its message stays, for last_abort_message)."""
+        if self.abort_posted:
+            self.abort_posted = False
             self.store.delete_key(f"abort/{self.rank}")
-            self._abort_posted = False
 
     def abort_message(self, rank: int) -> Optional[str]:
-        """The message rank `rank` posted with its latest abort, or None (no store, no abort posted, or the rank
-        came back and deleted it). The compiled backends word a peer's device abort with it."""
+        """The message of the abort rank `rank` has posted, or None (no store, no abort posted, or the rank came
+        back and deleted it)."""
+        return self._read(f"abort/{rank}", lambda value: value.partition("|")[2])
+
+    def last_abort_message(self, rank: int) -> Optional[str]:
+        """The message of the latest abort rank `rank` posted, even once it came back and deleted the abort, or None
+        (no store, no abort ever posted). The compiled backends word a peer's device abort with it: their kernel saw
+        the abort byte, and the rank may have come back since (its next launch clears both)."""
+        return self._read(f"said/{rank}", lambda value: value)
+
+    def _read(self, key: str, message: Callable[[str], str]) -> Optional[str]:
         if self.store is None:
             return None
         with contextlib.suppress(Exception):  # the error being built must not turn into a store error
-            key = f"abort/{rank}"
             if self.store.check([key]):
-                return self.store.get(key).decode().partition("|")[2] or None
+                return message(self.store.get(key).decode()) or None
         return None
 
     # ------------------------------------------------------------------ Buffer creation
