@@ -126,16 +126,18 @@ class Board:
         self.abort_posted = False  # this rank's "abort/<rank>" is on the board (the Buffer's calls test it)
 
     # ------------------------------------------------------------------ collectives
-    def run(self, phase: str, start: Callable[[], "dist.Work"]) -> None:
+    def run(self, phase: str, start: Callable[[], "dist.Work"], timeout_s: Optional[float] = None) -> None:
         """Start one collective (`start` issues it with async_op=True and returns its Work) and wait for it
-        under the deadline. phase: what it is, for messages ("dispatch: counts all-gather")."""
+        under the deadline. phase: what it is, for messages ("dispatch: counts all-gather"); timeout_s: the
+        deadline of this collective (default: the Board's, MOE_DISPATCHER_TIMEOUT_S or DEFAULT_TIMEOUT_S)."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         n = self.next_collective
         self.next_collective += 1
         self.clear_abort()
         work = start()
-        if _wait(work, min(QUIET_S, self.timeout_s), self._poll):
+        if _wait(work, min(QUIET_S, timeout_s), self._poll):
             return
-        deadline = time.monotonic() + self.timeout_s - QUIET_S
+        deadline = time.monotonic() + timeout_s - QUIET_S
         suspects: Dict[int, str] = {}  # abort messages seen on the previous poll
         while True:
             if self.store is not None:
@@ -153,7 +155,7 @@ class Board:
                 return
         missing = self._missing(n)
         who = f"waiting for ranks {missing}" if missing is not None else "(no store to tell which ranks are missing)"
-        raise CollectiveTimeout(f"moe_dispatcher reference: rank {self.rank} timed out after {self.timeout_s:g} s in "
+        raise CollectiveTimeout(f"moe_dispatcher reference: rank {self.rank} timed out after {timeout_s:g} s in "
                                 f"{phase} (collective {n} of this Buffer) {who}; set {TIMEOUT_ENV} to wait longer. "
                                 f"The process group is unusable now (the collective stays pending)")
 
