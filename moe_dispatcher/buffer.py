@@ -33,6 +33,7 @@ from .reference.comm import agree, all_gather_rows
 from .runtime import ll_layout, release
 from .signature import Signature, dispatch_signature
 from .topology import NVL_SIZE_ENV, Topology
+from .topology import exchange as topology_exchange
 from .validation import (check_combine_weights, check_count, check_flag_exclusive, check_num_experts, check_row_bytes,
                          check_tensor, check_topk_idx, check_topk_weights, normalise_bias, split_x)
 
@@ -145,7 +146,15 @@ class Buffer:
             num_nvl_bytes, num_rdma_bytes, bool(low_latency_mode), nvl_size, backend, num_qps_per_rank,
             bool(allow_nvlink_for_low_latency_mode), bool(explicitly_destroy), num_pool_bytes,
             bool(self._check_layout))))  # the layout check adds a gather to every fresh dispatch: on every rank or none
-        self.topology = topology if topology is not None else Topology.from_group(self.group)
+        # The topology exchange: one bounded creation round on the Board (a rank that never comes is named, on every
+        # rank that came, after MOE_DISPATCHER_TIMEOUT_S), made by every rank, given a topology or not: a rank given
+        # one and a rank finding its own from MOE_DISPATCHER_NVL_SIZE pass the same signature above, and the
+        # second must not wait for the first.
+        if topology is None:
+            self.topology = Topology.from_group(self.group, board=self._board)
+        else:
+            topology_exchange(self.group, self._board)
+            self.topology = topology
         if (self.topology.rank, self.topology.num_ranks) != (self.rank, self.group_size):
             raise ValueError(f"topology describes rank {self.topology.rank} of {self.topology.num_ranks}, but this "
                              f"process is rank {self.rank} of {self.group_size} in the group")

@@ -51,11 +51,11 @@ DEFAULT_TIMEOUT_S = 300.0
 QUIET_S = 0.5  # a collective that completes within this touches no store key
 POLL_S = 0.25  # then: how often the board is posted to and read
 
-# Boards made per group, so the n-th Buffer of a group gets the same prefix on every rank. The groups are held
-# weakly: a table that kept a process group alive after destroy_process_group() leaves its gloo threads to be
+# Boards made per group and kind, so the n-th Buffer of a group gets the same prefix on every rank. The groups are
+# held weakly: a table that kept a process group alive after destroy_process_group() leaves its gloo threads to be
 # torn down during interpreter exit, which aborts the process at random ("terminate called without an active
 # exception", SIGABRT) after all its work is done.
-_boards_per_group: "weakref.WeakKeyDictionary[dist.ProcessGroup, int]" = weakref.WeakKeyDictionary()
+_boards_per_group: "weakref.WeakKeyDictionary[dist.ProcessGroup, Dict[str, int]]" = weakref.WeakKeyDictionary()
 
 
 def timeout_s() -> float:
@@ -106,22 +106,23 @@ def _group_store(group: dist.ProcessGroup):
 
 class Board:
     """The deadline and arrival board of one Buffer's reference collectives over `group` (rank `rank` of
-    `num_ranks` in it)."""
+    `num_ranks` in it). kind: "board" (a Buffer's), or the name of another collective operation that keeps boards
+    of its own, numbered apart (Topology.from_group's "topology": a Buffer's number must not depend on it)."""
 
-    def __init__(self, group: dist.ProcessGroup, rank: int, num_ranks: int) -> None:
+    def __init__(self, group: dist.ProcessGroup, rank: int, num_ranks: int, kind: str = "board") -> None:
         self.group, self.rank, self.num_ranks = group, rank, num_ranks
         self.timeout_s = timeout_s()
         # Works are polled (is_completed), never waited for with a timeout: NCCL's Work.wait(timeout) aborts the
         # communicator when the timeout passes, and gloo's may block past its timeout.
         self._poll = True
-        key = group if group is not None else dist.group.WORLD
-        ordinal = _boards_per_group.get(key, 0)
-        _boards_per_group[key] = ordinal + 1
+        counts = _boards_per_group.setdefault(group if group is not None else dist.group.WORLD, {})
+        ordinal = counts.get(kind, 0)
+        counts[kind] = ordinal + 1
         # The Buffer's number among its group's Buffers, the same on every rank (the Board is made first, before
         # anything that may raise on some ranks only): runtime/release.py names its rounds with it.
         self.ordinal = ordinal
         store = _group_store(group)
-        self.store = dist.PrefixStore(f"moe_dispatcher/board/{ordinal}/", store) if store is not None else None
+        self.store = dist.PrefixStore(f"moe_dispatcher/{kind}/{ordinal}/", store) if store is not None else None
         self.next_collective = 0  # the number of the next collective this rank enters
         self.abort_posted = False  # this rank's "abort/<rank>" is on the board (the Buffer's calls test it)
 
@@ -198,10 +199,11 @@ class Board:
         return None
 
     # ------------------------------------------------------------------ Buffer creation
-    def creation_round(self, step: str, error: Optional[BaseException], payload: object = None) -> List[object]:
-        """One bounded agreement round of Buffer creation: every rank posts its verdict (`error`: what its local
-        step raised, or None) with `payload` (a picklable object its peers need, e.g. an IPC handle) and waits for
-        every peer's post. Returns every rank's payload (index: rank) when no rank failed; else raises
+    def creation_round(self, step: str, error: Optional[BaseException], payload: object = None,
+                       operation: str = "Buffer creation") -> List[object]:
+        """One bounded agreement round of Buffer creation (or of another `operation`, the errors' words): every
+        rank posts its verdict (`error`: what its local step raised, or None) with `payload` (a picklable object
+        its peers need, e.g. an IPC handle) and waits for every peer's post. Returns every rank's payload (index: rank) when no rank failed; else raises
         CreationFailed on every rank alike, naming the failing ranks and their messages (on the failing rank, from
         its own `error`).
 
@@ -250,7 +252,7 @@ class Board:
         if missing:
             what += ("; " if what else "") + (f"ranks {missing} did not reach this step within {self.timeout_s:g} s "
                                               f"(set {TIMEOUT_ENV} to wait longer)")
-        exc = CreationFailed(f"moe_dispatcher: Buffer creation failed on every rank ({step}): {what} (rank "
+        exc = CreationFailed(f"moe_dispatcher: {operation} failed on every rank ({step}): {what} (rank "
                              f"{self.rank})")
         exc.missing = missing
         if missing:  # a peer that comes later must not go on alone: it reads this rank's abort
