@@ -16,8 +16,7 @@ differ from the previous call's (a layout change, like clean_low_latency_buffer)
 layout_round's function twice around the clear of the new layout's signal words (device synchronised, one small
 all-gather on the Buffer's Board under the kernels' timeout each: every rank's new layout must agree, else
 SignatureMismatch on every rank; a rank whose peers never come raises a timeout naming them and posts its abort),
-which is refused
-inside a CUDA graph capture (warm up with the same shapes first).
+which is refused inside a CUDA graph capture (warm up with the same shapes first).
 A wait longer than MOE_DISPATCHER_TIMEOUT_S seconds (default 10) in a kernel records which rank waited for which
 peer in which phase and ends the kernel (no trap: the CUDA context survives); the next call on that rank raises a
 RuntimeError saying so, and the Buffer is unusable from then on. A rank that raises in a Buffer call writes its

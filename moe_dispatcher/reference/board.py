@@ -203,9 +203,9 @@ class Board:
                        operation: str = "Buffer creation") -> List[object]:
         """One bounded agreement round of Buffer creation (or of another `operation`, the errors' words): every
         rank posts its verdict (`error`: what its local step raised, or None) with `payload` (a picklable object
-        its peers need, e.g. an IPC handle) and waits for every peer's post. Returns every rank's payload (index: rank) when no rank failed; else raises
-        CreationFailed on every rank alike, naming the failing ranks and their messages (on the failing rank, from
-        its own `error`).
+        its peers need, e.g. an IPC handle) and waits for every peer's post. Returns every rank's payload (index:
+        rank) when no rank failed; else raises CreationFailed on every rank alike, naming the failing ranks and their
+        messages (on the failing rank, from its own `error`).
 
         Keys (under this Buffer's board prefix): "create/<step>/<rank>" = base64 of pickle((message or None,
         payload)). A peer's "abort/<rank>" without its post counts as its failure: a rank that raised in
