@@ -33,6 +33,7 @@ from .reference.comm import agree, all_gather_rows
 from .runtime import ll_layout, release
 from .signature import Signature, dispatch_signature
 from .topology import NVL_SIZE_ENV, Topology
+from .topology import exchange as topology_exchange
 from .validation import (check_combine_weights, check_count, check_flag_exclusive, check_num_experts, check_row_bytes,
                          check_tensor, check_topk_idx, check_topk_weights, normalise_bias, split_x)
 
@@ -145,7 +146,15 @@ class Buffer:
             num_nvl_bytes, num_rdma_bytes, bool(low_latency_mode), nvl_size, backend, num_qps_per_rank,
             bool(allow_nvlink_for_low_latency_mode), bool(explicitly_destroy), num_pool_bytes,
             bool(self._check_layout))))  # the layout check adds a gather to every fresh dispatch: on every rank or none
-        self.topology = topology if topology is not None else Topology.from_group(self.group)
+        # The topology exchange: one bounded creation round on the Board (a rank that never comes is named, on every
+        # rank that came, after MOE_DISPATCHER_TIMEOUT_S), made by every rank, given a topology or not: a rank given
+        # one and a rank finding its own from MOE_DISPATCHER_NVL_SIZE pass the same signature above, and the
+        # second must not wait for the first.
+        if topology is None:
+            self.topology = Topology.from_group(self.group, board=self._board)
+        else:
+            topology_exchange(self.group, self._board)
+            self.topology = topology
         if (self.topology.rank, self.topology.num_ranks) != (self.rank, self.group_size):
             raise ValueError(f"topology describes rank {self.topology.rank} of {self.topology.num_ranks}, but this "
                              f"process is rank {self.rank} of {self.group_size} in the group")
@@ -321,14 +330,34 @@ class Buffer:
         instead of waiting out their timeout. The reference collectives read the Board (reference/board.py); the
         compiled kernels' waits read this rank's abort byte, which each compiled backend writes on every peer
         (Backend.post_abort) and clears at its next launch. Errors every rank raises alike post nothing
-        (board.posts_abort). Never raises: the caller's error is what propagates."""
+        (board.posts_abort). Never raises: the caller's error is what propagates.
+
+        When the Board's abort goes: this rank's next collective clears it (Board.run), and so does its next call
+        that gets past the Buffer's checks: a normal-mode call's native plan that launched (the fast paths of
+        dispatch, combine, get_dispatch_layout), any normal-mode full path as it enters _stream_scope (cached or
+        fresh, intranode or internode, expert-major), a low-latency call's full path (_first_ll_dispatch /
+        _first_ll_combine). The compiled calls never enter the Board, so without that the abort would stay there
+        until this rank's next Board collective, possibly many calls later, and a peer waiting in one (a
+        low-latency layout change's round, a pending-rows check, an uncached call's agreement) would take it for
+        news and raise "rank r raised" about a call every rank has long got past.
+        Why clearing at the next call is safe for a peer still waiting in the FAILED call:
+        - in a compiled kernel: the kernel reads this rank's abort byte, which the backend clears at the same
+          launch (native plans' usable(), the backends' _check); the message it is worded with later stays on the
+          Board (Board.last_abort_message).
+        - in a Board collective n of that call: it honours the abort after seeing it twice POLL_S apart, and may
+          miss it if this rank came back sooner. Then this rank's next communicating call either enters that
+          collective n itself (what the Board always allowed a rank that comes back: board.py), or launches kernels
+          that wait for the peer's next call, which cannot come while the peer waits in collective n: they time
+          out (MOE_DISPATCHER_TIMEOUT_S, the kernels'), this rank's next call raises that timeout and posts its
+          abort again (for the same n: no Board collective came between), and the peer raises it. A rank that
+          never calls again is named by the peer's own timeout. So the peer still raises, bounded by the kernels'
+          timeout instead of at once."""
         self._board.post_abort(exc)
         if not posts_abort(exc):
             return
-        # The compiled low-latency calls never enter the Board (one native call on the fast path): forget their
-        # fast paths, so that this rank's next low-latency call takes the full one, which clears the abort posted
-        # here. Else it would stay on the Board until this rank's next Board collective, possibly many calls
-        # later, and a peer waiting in one (a layout change's round) would take it for news.
+        # The compiled low-latency calls never enter the Board (one native call on the fast path) and their
+        # runtime's checks come after the fast path's lookup: forget the fast paths, so that this rank's next
+        # low-latency call takes the full one, which clears the abort posted here.
         self._ll_dispatch_runs.clear()
         self._ll_combine_runs.clear()
         with contextlib.suppress(Exception):
@@ -414,11 +443,13 @@ class Buffer:
         - inputs (`keep`) are recorded on the comm stream only with async_finish: without it the compute
           stream waits for the comm stream before anything it queues later (a free included) can run.
         """
-        if device.type != "cuda":
-            return run(), EventOverlap()
-        if allocate_on_comm_stream and previous_event is None:
+        if allocate_on_comm_stream and previous_event is None and device.type == "cuda":
             raise ValueError("allocate_on_comm_stream=True needs previous_event (the comm stream must wait for "
                              "the work that produced the inputs)")
+        if self._board.abort_posted:  # the call got past the Buffer's checks: this rank is back (see _post_abort)
+            self._board.clear_abort()
+        if device.type != "cuda":
+            return run(), EventOverlap()
         order = self._kernels.launch_order if self._kernels is not None else None
         if previous_event is None and not async_finish:
             if order is not None:
@@ -538,6 +569,8 @@ class Buffer:
             if kernels is not None and kernels.layout_call is not None and type(num_experts) is int:
                 out = kernels.layout_call(topk_idx, num_experts, *kernels.layout_args)
                 if out is not None:
+                    if self._board.abort_posted:  # this rank is back (see _post_abort)
+                        self._board.clear_abort()
                     return (*out, _NO_EVENT)
         try:
             self._check_alive()
@@ -606,6 +639,8 @@ class Buffer:
                     self._post_abort(exc)
                     raise
                 if out is not None:
+                    if self._board.abort_posted:  # this rank is back (see _post_abort)
+                        self._board.clear_abort()
                     return out[0], None, None, None, None, (EventOverlap(out[2], (x, out[0])) if async_finish
                                                             else _NO_EVENT)
             elif type(x) is tuple and len(x) == 2 and type(x[0]) is Tensor and type(x[1]) is Tensor:
@@ -616,6 +651,8 @@ class Buffer:
                     self._post_abort(exc)
                     raise
                 if out is not None:
+                    if self._board.abort_posted:  # this rank is back (see _post_abort)
+                        self._board.clear_abort()
                     return (out[0], out[1]), None, None, None, None, (EventOverlap(out[2], (*x, out[0], out[1]))
                                                                        if async_finish else _NO_EVENT)
         try:
@@ -696,6 +733,8 @@ class Buffer:
                     self._post_abort(exc)
                     raise
                 if out is not None:
+                    if self._board.abort_posted:  # this rank is back (see _post_abort)
+                        self._board.clear_abort()
                     if not async_finish:
                         return out[0], out[1], _NO_EVENT
                     kept = (x, out[0]) if topk_weights is None else (x, topk_weights, out[0], out[1])

@@ -8,15 +8,46 @@ from __future__ import annotations
 
 import socket
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
 from .env import differing_setting, env_int, env_raw
 from .validation import check_count
 
+if TYPE_CHECKING:
+    from .reference.board import Board
+
 MAX_NVL_SIZE = 8
 NVL_SIZE_ENV = "MOE_DISPATCHER_NVL_SIZE"
+EXCHANGE_STEP = "topology exchange"  # the creation round's name (errors name it)
+
+
+def exchange(group: Optional[dist.ProcessGroup], board: Optional[Board] = None) -> List[Tuple[str, str]]:
+    """Collective: every rank's (hostname, raw MOE_DISPATCHER_NVL_SIZE) of `group`, in rank order; a setting that
+    differs between the ranks raises ValueError on every rank, naming each rank's value.
+
+    One bounded round (reference.board's Board.creation_round, step EXCHANGE_STEP) on `board`: a Buffer's at its
+    creation, else a board of the group's own for topology exchanges (numbered apart from the Buffers'). A rank
+    that does not come within MOE_DISPATCHER_TIMEOUT_S (default 300 s), or fails to tell its hostname, makes every
+    rank that came raise CreationFailed naming it and the step. (A group whose store torch does not expose:
+    one all_gather_object, unbounded.)"""
+    operation = "Buffer creation"
+    if board is None:
+        from .reference.board import Board  # here: the reference package imports config, which imports this module
+        board = Board(group, dist.get_rank(group), dist.get_world_size(group), kind="topology")
+        operation = "Topology.from_group"
+    try:
+        facts, error = (socket.gethostname(), env_raw(NVL_SIZE_ENV)), None
+    except Exception as exc:  # noqa: BLE001 - the peers learn it in the round instead of waiting for this rank
+        facts, error = None, exc
+    gathered = board.creation_round(EXCHANGE_STEP, error, facts, operation)
+    # A setting that differs raises on every rank (each read the same posts): a variable set on some ranks only
+    # would otherwise give the ranks different domains.
+    differing = differing_setting(NVL_SIZE_ENV, [setting for _, setting in gathered], "the group")
+    if differing is not None:
+        raise differing
+    return gathered
 
 
 @dataclass(frozen=True)
@@ -81,10 +112,11 @@ class Topology:
         return cls(rank, n, sizes.pop(), "hostnames")
 
     @classmethod
-    def from_group(cls, group: Optional[dist.ProcessGroup] = None, nvl_size: Optional[int] = None) -> "Topology":
-        """Topology of `group` (default: the world). Collective unless `nvl_size` is given (every rank's hostname
-        and MOE_DISPATCHER_NVL_SIZE are gathered; a variable that differs between ranks raises ValueError on
-        every rank).
+    def from_group(cls, group: Optional[dist.ProcessGroup] = None, nvl_size: Optional[int] = None,
+                   board: Optional[Board] = None) -> "Topology":
+        """Topology of `group` (default: the world). Collective unless `nvl_size` is given (`exchange`: every rank's
+        hostname and MOE_DISPATCHER_NVL_SIZE are gathered, bounded with a `board`; a variable that differs
+        between ranks raises ValueError on every rank).
 
         Order of precedence: the `nvl_size` argument, the environment variable MOE_DISPATCHER_NVL_SIZE
         (emulate several domains on one host, or describe an unusual cluster), the hostnames of the ranks.
@@ -92,14 +124,9 @@ class Topology:
         rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
         if nvl_size is not None:
             return cls(rank, num_ranks, check_count("nvl_size", nvl_size, 1), "given")
-        # One gather whatever the source, of every rank's hostname and setting: a variable set on some ranks
-        # only would otherwise leave the others alone in the hostname gather. A setting that differs raises
-        # on every rank, naming each rank's value.
-        gathered: list = [None] * num_ranks
-        dist.all_gather_object(gathered, (socket.gethostname(), env_raw(NVL_SIZE_ENV)), group=group)
-        differing = differing_setting(NVL_SIZE_ENV, [setting for _, setting in gathered], "the group")
-        if differing is not None:
-            raise differing
+        # One exchange whatever the source, of every rank's hostname and setting: a variable set on some ranks
+        # only would otherwise leave the others alone in the hostname gather.
+        gathered = exchange(group, board)
         size = env_int(NVL_SIZE_ENV, None, minimum=1)
         if size is not None:
             return cls(rank, num_ranks, size, "env")

@@ -65,7 +65,8 @@ def dispatch_group(pg_collection=None) -> dist.ProcessGroup:
 
 
 def topology_of(group: dist.ProcessGroup) -> Topology:
-    """Topology of `group`, computed once (collective the first time: hostnames are all-gathered)."""
+    """Topology of `group`, computed once (collective the first time: hostnames are exchanged in a round bounded by
+    MOE_DISPATCHER_TIMEOUT_S, Topology.from_group)."""
     entry = _topologies.get(id(group))
     if entry is None or entry[0] is not group:
         entry = (group, Topology.from_group(group))

@@ -191,11 +191,11 @@ STATUS_PEER_ABORTED = 2  # a peer raised in a Buffer call and posted its abort b
 def timeout_message(kernels: str, info, timeout_s: float, env: str, board=None) -> str:
     """The error of a Buffer whose kernels recorded a wait that gave up: info = (status, phase, waiting rank, peer).
     STATUS_PEER_ABORTED: `peer` raised in a Buffer call; its message comes from `board` (the Buffer's
-    reference/board.py Board, whose store holds "abort/<rank>") when it has one. Otherwise a timeout."""
+    reference/board.py Board: last_abort_message) when it has one. Otherwise a timeout."""
     status, phase, rank, peer = info
     unusable = "this Buffer is unusable now: destroy it on every rank and create a new one"
     if status == STATUS_PEER_ABORTED:
-        said = board.abort_message(peer) if board is not None else None
+        said = board.last_abort_message(peer) if board is not None else None
         cause = f"rank {peer} raised: {said}" if said else f"rank {peer} raised (no message)"
         return f"moe_dispatcher {kernels}: {cause} (rank {rank} was waiting in {phase}); {unusable}"
     return (f"moe_dispatcher {kernels}: rank {rank} timed out after {timeout_s:g} s in {phase} waiting for rank "

@@ -14,9 +14,9 @@ the send kernel runs now on the current stream and hook() enqueues the receive k
 at that time. Nothing synchronises with the host, except when the (max_tokens, hidden, num_experts) of a call
 differ from the previous call's (a layout change, like clean_low_latency_buffer): then the runtime calls
 layout_round's function twice around the clear of the new layout's signal words (device synchronised, one small
-all-gather under the Buffer's Board deadline each: every rank's new layout must agree, else SignatureMismatch on
-every rank; a rank whose peers never come raises a timeout naming them and posts its abort), which is refused
-inside a CUDA graph capture (warm up with the same shapes first).
+all-gather on the Buffer's Board under the kernels' timeout each: every rank's new layout must agree, else
+SignatureMismatch on every rank; a rank whose peers never come raises a timeout naming them and posts its abort),
+which is refused inside a CUDA graph capture (warm up with the same shapes first).
 A wait longer than MOE_DISPATCHER_TIMEOUT_S seconds (default 10) in a kernel records which rank waited for which
 peer in which phase and ends the kernel (no trap: the CUDA context survives); the next call on that rank raises a
 RuntimeError saying so, and the Buffer is unusable from then on. A rank that raises in a Buffer call writes its
@@ -136,7 +136,7 @@ class LowLatencyBackend(Backend):
             self._raw, self.num_bytes, peers, self.rank, self.num_ranks, self.device.index, sms,
             int(self.timeout_s * 1e9), buffer.get_comm_stream(),
             getattr(buffer, "low_latency_combine_reduction", "per_rank") == "per_rank", self._trace,
-            LowLatencyHandle, EventOverlap, _NO_EVENT, layout_round(board, self.device),
+            LowLatencyHandle, EventOverlap, _NO_EVENT, layout_round(board, self.device, self.timeout_s),
             lambda info: timeout_message("low-latency", info, timeout_s, TIMEOUT_ENV, board), buffer._token,
             self._ptr + abort_offset, [p + self.rank if p else 0 for p in aborts], signature_mismatch)
         # The calls: one native call each (see the class docstring).
@@ -272,11 +272,13 @@ class LowLatencyBackend(Backend):
 LAYOUT_PHASE = "low-latency layout change"
 
 
-def layout_round(board: Board, device: torch.device) -> Callable[[int, int, int, bool], None]:
+def layout_round(board: Board, device: torch.device, timeout_s: float) -> Callable[[int, int, int, bool], None]:
     """The runtime's round on a layout change (csrc/low_latency_bindings.cpp, clean_layout): f(max_tokens, hidden,
     num_experts, zeroed), called with zeroed=False before the runtime clears the new layout's signal words (and
     the workspace, and its signature words) on the current stream, and zeroed=True after. Each call waits for the
-    device, then all-gathers every rank's new layout under board's deadline (reference/comm.py agree):
+    device, then all-gathers every rank's new layout on board (reference/comm.py agree) under `timeout_s`, the
+    backend's (the kernels' MOE_DISPATCHER_TIMEOUT_S, default 10 s, not the reference backend's 300 s: a peer
+    that never comes is named as soon as a kernel waiting for it would give up):
 
     * round 1 (zeroed=False): when it completes, every rank's kernels of the old layout have finished, so no
       store of theirs into this rank's buffer is in flight any more (every store a kernel makes into a peer is
@@ -288,7 +290,7 @@ def layout_round(board: Board, device: torch.device) -> Callable[[int, int, int,
     * round 2 (zeroed=True): when it completes, every rank's clear has been performed, so no rank's first kernel
       of the new layout stores into a peer's signal words before that peer zeroed them.
     A rank whose peers never come (they called without changing the layout: their kernels wait for this rank)
-    raises a timeout naming the round and the missing ranks after MOE_DISPATCHER_TIMEOUT_S. That timeout is
+    raises a timeout naming the round and the missing ranks after `timeout_s`. That timeout is
     raised as a plain RuntimeError, not the Board's PeerError, so that the Buffer posts this rank's abort
     (Buffer._post_abort): the missing ranks' kernels give up on it and raise "rank r raised: ..." with this
     message, instead of their own timeout.
@@ -305,7 +307,7 @@ def layout_round(board: Board, device: torch.device) -> Callable[[int, int, int,
             torch.cuda.synchronize(device)
         signature = Signature(LAYOUT_PHASE, (max_tokens, hidden, num_experts))
         try:
-            agree(board, signature, device, phase="signals zeroed" if zeroed else "agreement")
+            agree(board, signature, device, phase="signals zeroed" if zeroed else "agreement", timeout_s=timeout_s)
         except CollectiveTimeout as exc:
             raise RuntimeError(str(exc)) from None
 

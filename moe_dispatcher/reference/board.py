@@ -14,12 +14,17 @@ collective of the reference backend is started asynchronously and waited for und
   store does not grow with the number of calls:
     "arrived/<rank>" = n  : the rank has waited in collective n (posted only by a wait longer than QUIET_S:
                             a fast collective costs no store traffic at all);
-    "abort/<rank>" = "n|message" : the rank raised in a Buffer call whose next collective would have been n.
+    "abort/<rank>" = "n|message" : the rank raised in a Buffer call whose next collective would have been n;
+                            deleted when the rank is back (see below);
+    "said/<rank>" = message : the message of the rank's latest abort, kept once the abort is deleted: a peer
+                            whose compiled kernel honoured that abort words its error with it later
+                            (compiled.timeout_message), possibly after the rank came back.
 * Waiting for collective n: block up to QUIET_S on the work; then, every POLL_S, post "arrived/<me>" = n and
   read the peers' abort keys. An abort of peer q for collective n seen on two polls in a row raises
   RuntimeError("moe_dispatcher reference: rank q raised: ... (rank R was waiting in PHASE)"). At the deadline,
   the ranks whose "arrived" key is missing or older than n are the ones named.
-* A rank deletes its own abort key before its next collective. The abort is ambiguous by nature: a rank that
+* A rank deletes its own abort key before its next collective, and at its next Buffer call that gets past the
+  Buffer's checks (Buffer._post_abort says why that is safe). The abort is ambiguous by nature: a rank that
   raised alone may come back and make the same collective (a caller that catches the error and retries).
   Peers honour an abort only after seeing it twice, POLL_S apart, while they still wait: a rank that comes
   back within that time is waited for, not reported.
@@ -46,11 +51,11 @@ DEFAULT_TIMEOUT_S = 300.0
 QUIET_S = 0.5  # a collective that completes within this touches no store key
 POLL_S = 0.25  # then: how often the board is posted to and read
 
-# Boards made per group, so the n-th Buffer of a group gets the same prefix on every rank. The groups are held
-# weakly: a table that kept a process group alive after destroy_process_group() leaves its gloo threads to be
+# Boards made per group and kind, so the n-th Buffer of a group gets the same prefix on every rank. The groups are
+# held weakly: a table that kept a process group alive after destroy_process_group() leaves its gloo threads to be
 # torn down during interpreter exit, which aborts the process at random ("terminate called without an active
 # exception", SIGABRT) after all its work is done.
-_boards_per_group: "weakref.WeakKeyDictionary[dist.ProcessGroup, int]" = weakref.WeakKeyDictionary()
+_boards_per_group: "weakref.WeakKeyDictionary[dist.ProcessGroup, Dict[str, int]]" = weakref.WeakKeyDictionary()
 
 
 def timeout_s() -> float:
@@ -101,36 +106,39 @@ def _group_store(group: dist.ProcessGroup):
 
 class Board:
     """The deadline and arrival board of one Buffer's reference collectives over `group` (rank `rank` of
-    `num_ranks` in it)."""
+    `num_ranks` in it). kind: "board" (a Buffer's), or the name of another collective operation that keeps boards
+    of its own, numbered apart (Topology.from_group's "topology": a Buffer's number must not depend on it)."""
 
-    def __init__(self, group: dist.ProcessGroup, rank: int, num_ranks: int) -> None:
+    def __init__(self, group: dist.ProcessGroup, rank: int, num_ranks: int, kind: str = "board") -> None:
         self.group, self.rank, self.num_ranks = group, rank, num_ranks
         self.timeout_s = timeout_s()
         # Works are polled (is_completed), never waited for with a timeout: NCCL's Work.wait(timeout) aborts the
         # communicator when the timeout passes, and gloo's may block past its timeout.
         self._poll = True
-        key = group if group is not None else dist.group.WORLD
-        ordinal = _boards_per_group.get(key, 0)
-        _boards_per_group[key] = ordinal + 1
+        counts = _boards_per_group.setdefault(group if group is not None else dist.group.WORLD, {})
+        ordinal = counts.get(kind, 0)
+        counts[kind] = ordinal + 1
         # The Buffer's number among its group's Buffers, the same on every rank (the Board is made first, before
         # anything that may raise on some ranks only): runtime/release.py names its rounds with it.
         self.ordinal = ordinal
         store = _group_store(group)
-        self.store = dist.PrefixStore(f"moe_dispatcher/board/{ordinal}/", store) if store is not None else None
+        self.store = dist.PrefixStore(f"moe_dispatcher/{kind}/{ordinal}/", store) if store is not None else None
         self.next_collective = 0  # the number of the next collective this rank enters
-        self._abort_posted = False
+        self.abort_posted = False  # this rank's "abort/<rank>" is on the board (the Buffer's calls test it)
 
     # ------------------------------------------------------------------ collectives
-    def run(self, phase: str, start: Callable[[], "dist.Work"]) -> None:
+    def run(self, phase: str, start: Callable[[], "dist.Work"], timeout_s: Optional[float] = None) -> None:
         """Start one collective (`start` issues it with async_op=True and returns its Work) and wait for it
-        under the deadline. phase: what it is, for messages ("dispatch: counts all-gather")."""
+        under the deadline. phase: what it is, for messages ("dispatch: counts all-gather"); timeout_s: the
+        deadline of this collective (default: the Board's, MOE_DISPATCHER_TIMEOUT_S or DEFAULT_TIMEOUT_S)."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         n = self.next_collective
         self.next_collective += 1
         self.clear_abort()
         work = start()
-        if _wait(work, min(QUIET_S, self.timeout_s), self._poll):
+        if _wait(work, min(QUIET_S, timeout_s), self._poll):
             return
-        deadline = time.monotonic() + self.timeout_s - QUIET_S
+        deadline = time.monotonic() + timeout_s - QUIET_S
         suspects: Dict[int, str] = {}  # abort messages seen on the previous poll
         while True:
             if self.store is not None:
@@ -148,7 +156,7 @@ class Board:
                 return
         missing = self._missing(n)
         who = f"waiting for ranks {missing}" if missing is not None else "(no store to tell which ranks are missing)"
-        raise CollectiveTimeout(f"moe_dispatcher reference: rank {self.rank} timed out after {self.timeout_s:g} s in "
+        raise CollectiveTimeout(f"moe_dispatcher reference: rank {self.rank} timed out after {timeout_s:g} s in "
                                 f"{phase} (collective {n} of this Buffer) {who}; set {TIMEOUT_ENV} to wait longer. "
                                 f"The process group is unusable now (the collective stays pending)")
 
@@ -158,35 +166,46 @@ class Board:
         that every rank raises after the same collective post nothing (posts_abort)."""
         if self.store is None or not posts_abort(exc):
             return
+        message = f"{type(exc).__name__}: {exc}"
         with contextlib.suppress(Exception):  # never hide the caller's error behind a store failure
-            self.store.set(f"abort/{self.rank}", f"{self.next_collective}|{type(exc).__name__}: {exc}")
-            self._abort_posted = True
+            self.store.set(f"said/{self.rank}", message)  # first: a peer that sees the abort finds its message
+            self.store.set(f"abort/{self.rank}", f"{self.next_collective}|{message}")
+            self.abort_posted = True
 
     def clear_abort(self) -> None:
-        """This rank is back after raising (its next collective, or its next compiled call, begins): peers must not
-        read its abort any more."""
-        if self._abort_posted:
+        """This rank is back after raising (its next collective, or its next call past the Buffer's checks,
+        begins): peers must not read its abort any more (its message stays, for last_abort_message)."""
+        if self.abort_posted:
+            self.abort_posted = False
             self.store.delete_key(f"abort/{self.rank}")
-            self._abort_posted = False
 
     def abort_message(self, rank: int) -> Optional[str]:
-        """The message rank `rank` posted with its latest abort, or None (no store, no abort posted, or the rank
-        came back and deleted it). The compiled backends word a peer's device abort with it."""
+        """The message of the abort rank `rank` has posted, or None (no store, no abort posted, or the rank came
+        back and deleted it)."""
+        return self._read(f"abort/{rank}", lambda value: value.partition("|")[2])
+
+    def last_abort_message(self, rank: int) -> Optional[str]:
+        """The message of the latest abort rank `rank` posted, even once it came back and deleted the abort, or None
+        (no store, no abort ever posted). The compiled backends word a peer's device abort with it: their kernel saw
+        the abort byte, and the rank may have come back since (its next launch clears both)."""
+        return self._read(f"said/{rank}", lambda value: value)
+
+    def _read(self, key: str, message: Callable[[str], str]) -> Optional[str]:
         if self.store is None:
             return None
         with contextlib.suppress(Exception):  # the error being built must not turn into a store error
-            key = f"abort/{rank}"
             if self.store.check([key]):
-                return self.store.get(key).decode().partition("|")[2] or None
+                return message(self.store.get(key).decode()) or None
         return None
 
     # ------------------------------------------------------------------ Buffer creation
-    def creation_round(self, step: str, error: Optional[BaseException], payload: object = None) -> List[object]:
-        """One bounded agreement round of Buffer creation: every rank posts its verdict (`error`: what its local
-        step raised, or None) with `payload` (a picklable object its peers need, e.g. an IPC handle) and waits for
-        every peer's post. Returns every rank's payload (index: rank) when no rank failed; else raises
-        CreationFailed on every rank alike, naming the failing ranks and their messages (on the failing rank, from
-        its own `error`).
+    def creation_round(self, step: str, error: Optional[BaseException], payload: object = None,
+                       operation: str = "Buffer creation") -> List[object]:
+        """One bounded agreement round of Buffer creation (or of another `operation`, the errors' words): every
+        rank posts its verdict (`error`: what its local step raised, or None) with `payload` (a picklable object
+        its peers need, e.g. an IPC handle) and waits for every peer's post. Returns every rank's payload (index:
+        rank) when no rank failed; else raises CreationFailed on every rank alike, naming the failing ranks and their
+        messages (on the failing rank, from its own `error`).
 
         Keys (under this Buffer's board prefix): "create/<step>/<rank>" = base64 of pickle((message or None,
         payload)). A peer's "abort/<rank>" without its post counts as its failure: a rank that raised in
@@ -233,7 +252,7 @@ class Board:
         if missing:
             what += ("; " if what else "") + (f"ranks {missing} did not reach this step within {self.timeout_s:g} s "
                                               f"(set {TIMEOUT_ENV} to wait longer)")
-        exc = CreationFailed(f"moe_dispatcher: Buffer creation failed on every rank ({step}): {what} (rank "
+        exc = CreationFailed(f"moe_dispatcher: {operation} failed on every rank ({step}): {what} (rank "
                              f"{self.rank})")
         exc.missing = missing
         if missing:  # a peer that comes later must not go on alone: it reads this rank's abort

@@ -23,30 +23,30 @@ def comm_device(group: dist.ProcessGroup, like: torch.device) -> torch.device:
     return like
 
 
-def all_gather_rows(board: Board, row: torch.Tensor, phase: str) -> torch.Tensor:
+def all_gather_rows(board: Board, row: torch.Tensor, phase: str, timeout_s: Optional[float] = None) -> torch.Tensor:
     """Each rank of board.group gives a 1-D int64 tensor of the same length; returns [R, len] on row's device.
-    phase names the step in timeout messages."""
+    phase names the step in timeout messages; timeout_s: its deadline (default: the Board's)."""
     dev = comm_device(board.group, row.device)
     r = row.to(dev, torch.int64)
     parts = [torch.empty_like(r) for _ in range(board.num_ranks)]
-    board.run(phase, lambda: dist.all_gather(parts, r, group=board.group, async_op=True))
+    board.run(phase, lambda: dist.all_gather(parts, r, group=board.group, async_op=True), timeout_s)
     return torch.stack(parts).to(row.device)
 
 
 def agree(board: Board, signature: Signature, device: torch.device, payload: Optional[torch.Tensor] = None,
-          phase: str = "signature all-gather") -> torch.Tensor:
+          phase: str = "signature all-gather", timeout_s: Optional[float] = None) -> torch.Tensor:
     """Collective: all-gather this rank's call `signature` (moe_dispatcher.signature) with an optional int64
     `payload` of at most num_ranks + 1 words, and raise SignatureMismatch on every rank when the signatures
     differ. Every agreement of the reference backend gathers rows of one length (SIGNATURE_WORDS + num_ranks
     + 1), whatever the call, so ranks in different calls exchange rows of equal size and learn it. phase names
-    the step in timeout messages (after the operation's name). Returns the ranks' payloads, int64
-    [R, num_ranks + 1] on the CPU (zero-padded)."""
+    the step in timeout messages (after the operation's name); timeout_s its deadline (default: the Board's).
+    Returns the ranks' payloads, int64 [R, num_ranks + 1] on the CPU (zero-padded)."""
     width = board.num_ranks + 1
     row = torch.zeros(SIGNATURE_WORDS + width, dtype=torch.int64, device=device)
     row[:SIGNATURE_WORDS] = signature.tensor(device)
     if payload is not None:
         row[SIGNATURE_WORDS: SIGNATURE_WORDS + payload.numel()] = payload.to(device, torch.int64)
-    table = all_gather_rows(board, row, f"{signature.operation}: {phase}").cpu()
+    table = all_gather_rows(board, row, f"{signature.operation}: {phase}", timeout_s).cpu()
     check_agreement(table[:, :SIGNATURE_WORDS])
     return table[:, SIGNATURE_WORDS:]
 

@@ -20,7 +20,7 @@ from typing import Callable, List, Optional
 import torch
 
 from moe_dispatcher.backend import Capabilities
-from moe_dispatcher.compiled import timeout_message
+from moe_dispatcher.compiled import kernel_timeout_s, timeout_message
 from moe_dispatcher.compiled.low_latency import (_NO_EVENT, TIMEOUT_ENV, LowLatencyBackend, layout_round,
                                                  signature_mismatch)
 from moe_dispatcher.event import EventOverlap
@@ -280,13 +280,15 @@ def attach_stub_low_latency(buf, runtime: Optional[StubRuntime] = None, make: Ca
     runtime, serving CPU tensors (the Buffer then resolves CPU low-latency calls to it). Returns the backend."""
     b = object.__new__(LowLatencyBackend)
     b._mod = types.SimpleNamespace(MAX_RANKS=32, TRACE_MAX_BLOCKS=256)
-    b.rank, b.num_ranks, b.num_bytes, b.timeout_s = buf.rank, buf.group_size, buf.num_rdma_bytes, 10.0
+    b.rank, b.num_ranks, b.num_bytes, b.timeout_s = buf.rank, buf.group_size, buf.num_rdma_bytes, kernel_timeout_s()
     b.capabilities = Capabilities(low_latency=True, devices=frozenset({"cpu", "cuda"}))
     b._trace, b._alive, b.nvlink_peers = None, True, buf.group_size
+    # The layout change's rounds under the backend's timeout, as LowLatencyBackend makes them.
+    rounds = layout_round(buf._board, torch.device("cpu"), b.timeout_s)
     b.runtime = runtime if runtime is not None else make(buf.num_rdma_bytes, buf.group_size,
                                                          buf.low_latency_combine_reduction == "per_rank",
-                                                         buffer_token=buf._token, board=buf._board, rank=buf.rank,
-                                                         layout_round=layout_round(buf._board, torch.device("cpu")))
+                                                         timeout_s=b.timeout_s, buffer_token=buf._token,
+                                                         board=buf._board, rank=buf.rank, layout_round=rounds)
     b.low_latency_dispatch = b.runtime.dispatch
     b.low_latency_combine = b.runtime.combine
     b._state = types.SimpleNamespace(release=lambda ptr, device: None)

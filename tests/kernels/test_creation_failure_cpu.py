@@ -9,6 +9,8 @@ CreationFailed naming the failing rank and its message, well before MOE_DISPATCH
 free it (after every rank closed its mappings, when they were opened); NVSHMEM is not entered after a peer failed.
 Before the creation rounds, the peers of the failing rank waited in the handles' all_gather_object, the unique-id
 broadcast or the signature all-gather (until the world's timeout or the Board's deadline).
+The topology exchange (hostnames) is such a round too, on every rank whether it was given a topology or not, and so
+is Topology.from_group called alone: a rank that never comes to it is named.
 """
 from __future__ import annotations
 
@@ -211,20 +213,16 @@ def test_creation_names_a_rank_that_never_comes():
 
 def _world_late(rank: int, world_size: int) -> tuple:
     """Rank 1 comes to the Buffer's signature all-gather after rank 0 timed out there; its all-gather completes
-    against rank 0's pending one, so it is created. Its next collective must name rank 0's failure (its abort)."""
+    against rank 0's pending one. Its next creation round (the topology exchange) must name rank 0's failure (its
+    abort)."""
     from moe_dispatcher import Buffer
-    import torch
 
-    from moe_dispatcher.topology import Topology
     store = dist.distributed_c10d._get_default_store()
-    topology = Topology(rank, world_size, world_size)  # given: no hostname all-gather after the signature's
     if rank == 0:
-        out = _attempt(lambda: Buffer(backend="reference", topology=topology))
+        out = _attempt(lambda: Buffer(backend="reference"))
     else:
         time.sleep(LATE_TIMEOUT_S + 2)
-        buf = Buffer(backend="reference", topology=topology)
-        out = _attempt(lambda: buf._board.run("a call after creation", lambda: dist.all_reduce(
-            torch.zeros(1), group=buf.group, async_op=True)))
+        out = _attempt(lambda: Buffer(backend="reference"))
     store.add("late done", 1)  # rank 0 stays until rank 1 is done (its pending all-gather reads rank 0)
     while int(store.add("late done", 0)) < world_size:
         time.sleep(0.05)
@@ -239,5 +237,73 @@ def test_a_rank_that_timed_out_in_creation_posts_its_abort():
     kind, message, _ = results[0]
     assert kind == "CreationFailed" and "waiting for ranks [1]" in message, f"{kind}: {message}"
     kind, message, seconds = results[1]
-    assert kind == "PeerError" and "rank 0 raised: CreationFailed" in message, f"{kind}: {message}"
+    assert kind == "CreationFailed" and "(topology exchange): rank 0: CreationFailed" in message, f"{kind}: {message}"
     assert seconds < LATE_TIMEOUT_S, seconds
+
+
+def _world_given_topology(rank: int, world_size: int) -> tuple:
+    """Rank 0 is given its topology, rank 1 finds its own (MOE_DISPATCHER_NVL_SIZE, the same domain size: the
+    signature agrees). Both must be created."""
+    from moe_dispatcher import Buffer
+    from moe_dispatcher.topology import Topology
+    store = dist.distributed_c10d._get_default_store()
+    given = Topology(rank, world_size, world_size) if rank == 0 else None
+    out = _attempt(lambda: Buffer(backend="reference", topology=given))
+    store.add("created", 1)  # a rank stays until every rank is done (or FAST_S passed)
+    deadline = time.monotonic() + FAST_S
+    while int(store.add("created", 0)) < world_size and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return out
+
+
+def test_creation_with_a_topology_given_on_some_ranks_only():
+    """Before the topology exchange was a round of every rank, the rank given a topology skipped the hostname
+    all-gather and went on, and its peer waited in that all-gather (no deadline)."""
+    results = run_distributed(_world_given_topology, 2, env={**ENV, "MOE_DISPATCHER_NVL_SIZE": "2"}, timeout=60)
+    for rank, (kind, message, seconds) in enumerate(results):
+        assert kind is None, f"rank {rank}: {kind}: {message}"
+        assert seconds < FAST_S, (rank, seconds)
+
+
+STUCK_TIMEOUT_S = 4.0
+
+
+def _world_stuck_before_exchange(rank: int, world_size: int) -> tuple:
+    """Rank 1 passes the signature round and never reaches the topology exchange (stuck telling its hostname)."""
+    import socket
+
+    from moe_dispatcher import Buffer
+    if rank == 1:
+        def stuck() -> str:
+            time.sleep(STUCK_TIMEOUT_S + 3)
+            raise OSError("gethostname gave up")
+        socket.gethostname = stuck
+    return _attempt(lambda: Buffer(backend="reference"))
+
+
+def test_the_topology_exchange_names_a_rank_that_never_comes():
+    """Before, the exchange was an all_gather_object: rank 0 waited in it with no deadline."""
+    kind, message, seconds = run_distributed(_world_stuck_before_exchange, 2,
+                                             env={"MOE_DISPATCHER_TIMEOUT_S": str(STUCK_TIMEOUT_S)}, timeout=60)[0]
+    assert kind == "CreationFailed" and "(topology exchange)" in message, f"{kind}: {message}"
+    assert f"ranks [1] did not reach this step within {STUCK_TIMEOUT_S:g} s" in message, message
+    assert seconds < STUCK_TIMEOUT_S + 3, seconds
+
+
+def _world_missing_from_group(rank: int, world_size: int) -> tuple:
+    """Rank 1 never calls Topology.from_group (as the Megatron integration calls it before it makes its Buffer)."""
+    from moe_dispatcher.topology import Topology
+    if rank == 1:
+        time.sleep(STUCK_TIMEOUT_S + 3)
+        return None
+    return _attempt(lambda: Topology.from_group(dist.group.WORLD))
+
+
+def test_topology_from_group_names_a_rank_that_never_comes():
+    """Before, Topology.from_group was an all_gather_object: rank 0 waited in it with no deadline."""
+    kind, message, seconds = run_distributed(_world_missing_from_group, 2,
+                                             env={"MOE_DISPATCHER_TIMEOUT_S": str(STUCK_TIMEOUT_S)}, timeout=60)[0]
+    assert kind == "CreationFailed" and "Topology.from_group failed on every rank (topology exchange)" in message, \
+        f"{kind}: {message}"
+    assert f"ranks [1] did not reach this step within {STUCK_TIMEOUT_S:g} s" in message, message
+    assert seconds < STUCK_TIMEOUT_S + 3, seconds

@@ -130,6 +130,37 @@ def _stale_abort_worker(rank: int, num_ranks: int) -> None:
         assert rt.cleans == [(MAXT, 2 * H, E)], rt.cleans
 
 
+def _round_deadline_worker(rank: int, num_ranks: int) -> None:
+    import torch.distributed as dist
+    buf, rt, idx = _world(rank)
+    # By default the reference backend's deadline (the Board's, 300 s) is far longer than the kernels' (10 s); the
+    # same here, from the one setting the kernels read (MOE_DISPATCHER_TIMEOUT_S = TIMEOUT_S).
+    buf._board.timeout_s = 10 * TIMEOUT_S
+    store = dist.distributed_c10d._get_default_store()
+    with case("both ranks call with one layout"):
+        _dispatch(buf, idx, H)
+    with case("rank 1 changes hidden alone: its round ends after the kernels' timeout, not the Board's"):
+        if rank == 1:
+            start = time.monotonic()
+            with pytest.raises(RuntimeError) as err:
+                _dispatch(buf, idx, 2 * H)
+            elapsed = time.monotonic() - start
+            msg = str(err.value)
+            assert f"rank 1 timed out after {TIMEOUT_S:g} s" in msg and "waiting for ranks [0]" in msg, msg
+            assert "low-latency layout change: agreement" in msg, msg
+            assert elapsed < TIMEOUT_S + 3, f"the lone layout change took {elapsed:.1f} s (kernels: {TIMEOUT_S} s)"
+            store.set("lone change done", "1")
+        else:
+            _dispatch(buf, idx, H)  # no change here: its kernel would wait for rank 1
+            store.wait(["lone change done"])  # stays until rank 1 is done (its round reads this rank's posts)
+
+
+def test_a_lone_layout_change_ends_after_the_kernels_timeout() -> None:
+    """The layout change's rounds wait as long as the kernels do (MOE_DISPATCHER_TIMEOUT_S as the backend reads it),
+    not the reference backend's longer deadline: the lone rank is not left waiting after its peer's kernel gave up."""
+    run_distributed(_round_deadline_worker, 2, env=ENV, timeout=60)
+
+
 def test_an_abort_of_an_earlier_call_is_cleared_at_the_next_compiled_call() -> None:
     """A rank that raised in a compiled low-latency call and then called again successfully is back: a peer waiting
     for it later in a Board collective (here a layout change's round) waits for it rather than raising its old

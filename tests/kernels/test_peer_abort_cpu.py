@@ -64,6 +64,8 @@ def test_a_raising_call_posts_the_abort_and_the_next_call_clears_it(world):
     assert w.buf._board.abort_message(0) is not None  # and the message is on the Board
     w.buf.dispatch(w.x, handle=w.handle)  # the next call (a cached plan) clears it before launching
     assert w.ipc.abort_writes == [1, 0]
+    assert w.buf._board.abort_message(0) is None  # and on the Board (no stale abort for a later Board round)
+    assert w.buf._board.last_abort_message(0).startswith("ValueError")  # its message stays, for a peer's wording
     w.buf.dispatch(w.x, handle=w.handle)
     assert w.ipc.abort_writes == [1, 0]  # once
     _ll_dispatch(w)  # the low-latency runtime clears its own at its next launch
@@ -84,8 +86,8 @@ def test_a_low_latency_error_posts_and_the_full_path_clears(world):
 @pytest.mark.parametrize("posted", [True, False])
 def test_a_peer_abort_names_the_rank_and_its_message(world, posted):
     w = world
-    if posted:  # what rank 1's Board.post_abort would have written
-        w.buf._board.store.set("abort/1", "7|ValueError: topk_idx must be int64")
+    if posted:  # what rank 1's Board.post_abort would have written, once it came back (its next call cleared it)
+        w.buf._board.store.set("said/1", "ValueError: topk_idx must be int64")
     said = r"rank 1 raised: ValueError: topk_idx must be int64" if posted else r"rank 1 raised \(no message\)"
     w.ipc.timeout = (STATUS_PEER_ABORTED, NOTIFY, 0, 1)
     for _ in range(2):  # and keeps raising
