@@ -42,6 +42,14 @@ def _dispatch(buf, idx, hidden: int):
     return buf.low_latency_dispatch(torch.zeros(T, hidden, dtype=torch.bfloat16), idx, MAXT, E, use_fp8=False)
 
 
+def _change_alone(buf, idx):
+    """This rank's dispatch with a new hidden size that no peer makes -> (the RuntimeError it raised, seconds taken)."""
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as err:
+        _dispatch(buf, idx, 2 * H)
+    return err.value, time.monotonic() - start
+
+
 def _lone_change_worker(rank: int, num_ranks: int) -> None:
     from moe_dispatcher.compiled import STATUS_PEER_ABORTED
     from moe_dispatcher.reference.board import PeerError
@@ -50,14 +58,11 @@ def _lone_change_worker(rank: int, num_ranks: int) -> None:
         _dispatch(buf, idx, H)
     with case("rank 1 changes hidden, rank 0 does not"):
         if rank == 1:
-            start = time.monotonic()
-            with pytest.raises(RuntimeError) as err:
-                _dispatch(buf, idx, 2 * H)
-            elapsed = time.monotonic() - start
-            msg = str(err.value)
+            error, elapsed = _change_alone(buf, idx)
+            msg = str(error)
             assert "rank 1 timed out" in msg and "low-latency layout change: agreement" in msg, msg
             assert "waiting for ranks [0]" in msg, msg
-            assert not isinstance(err.value, PeerError), type(err.value)  # its own timeout: news to its peers
+            assert not isinstance(error, PeerError), type(error)  # its own timeout: news to its peers
             assert elapsed < TIMEOUT_S + 5, f"the lone layout change took {elapsed:.1f} s (deadline {TIMEOUT_S} s)"
             assert rt.cleans == [], rt.cleans  # nothing cleared
             assert rt.abort_writes == [1], rt.abort_writes  # its abort bytes posted on the peers
@@ -141,11 +146,8 @@ def _round_deadline_worker(rank: int, num_ranks: int) -> None:
         _dispatch(buf, idx, H)
     with case("rank 1 changes hidden alone: its round ends after the kernels' timeout, not the Board's"):
         if rank == 1:
-            start = time.monotonic()
-            with pytest.raises(RuntimeError) as err:
-                _dispatch(buf, idx, 2 * H)
-            elapsed = time.monotonic() - start
-            msg = str(err.value)
+            error, elapsed = _change_alone(buf, idx)
+            msg = str(error)
             assert f"rank 1 timed out after {TIMEOUT_S:g} s" in msg and "waiting for ranks [0]" in msg, msg
             assert "low-latency layout change: agreement" in msg, msg
             assert elapsed < TIMEOUT_S + 3, f"the lone layout change took {elapsed:.1f} s (kernels: {TIMEOUT_S} s)"
