@@ -376,8 +376,8 @@ def _world_pull(rank: int, world_size: int) -> None:  # noqa: C901 (one world, m
 
     # The forwarder laps the RDMA ring within one call: with 2 channels and the smallest ring a combine takes (64
     # slots), every (channel, remote source domain) carries far more partials than slots, so forwarder chunks wait
-    # for the credit of slots whose older chunks block 3c has yet to put (pull mode: combine.cu put_staged) and the
-    # put block's tails lap the ring too.
+    # for the credit of slots whose older chunks the source has yet to consume (pull mode with mapped domains:
+    # written in place into the source's ring, combine.cu forward_commit<kPullDirect>) and the tails lap the ring too.
     with case("pull combine lapping a 64-slot RDMA ring, 2 channels, T=4096"):
         slots, t3, h3 = 64, 4096, 2048
         few = dataclasses.replace(Buffer.get_dispatch_config(world_size), num_sms=4)
@@ -423,7 +423,8 @@ def _world_pull(rank: int, world_size: int) -> None:  # noqa: C901 (one world, m
 
 
 # 4 x 1: every domain one GPU, so a forwarder serves three remote source domains per channel: its chunk sequence
-# spans domains and block 3c puts and publishes the tails of each (combine.cu put_staged).
+# spans domains and its commit warp publishes the tails of each in order (combine.cu forward_commit; on one host every
+# domain is mapped, so the chunks are written in place, never staged).
 @pytest.mark.parametrize("world_size,nvl", WORLDS)
 def test_pull_combine_matches_fifo_combine(world_size: int, nvl: int) -> None:
     run_distributed(_world_pull, world_size, backend="nccl", timeout=300.0, env=dist_helpers.nvl_env(nvl))

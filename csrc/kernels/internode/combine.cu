@@ -18,8 +18,8 @@
 //   worker warps (0 .. kWorkers-1) take chunks k = warp, warp + kWorkers, ... of chunk_tokens tokens
 //     each; a worker waits only for its own chunk's rows (lane j polls tail j), reduces its tokens,
 //     and (forwarder, FIFO mode) moves its chunk's partials to the source at once (rdma_put_rows: a copy
-//     through the mapped pointer + fence, or put + quiet; in pull mode block 3c's put warps move the
-//     chunks: "Pull mode" below);
+//     through the mapped pointer + fence, or put + quiet; in pull mode it writes them straight into a
+//     mapped source's ring, and block 3c's put warps move the chunks of unmapped ones: "Pull mode" below);
 //     then it raises its entry of the block's ChunkBoard to its next chunk (progress_board.cuh);
 //   the commit warp (kCommitWarp) publishes in order: once chunks [kc, upto) are all done it
 //     advances the FIFO heads (forwarder) / RDMA credits (receiver) and the RDMA tails (forwarder)
@@ -40,7 +40,9 @@
 //            remote (FIFO mode), rdma_put_rows: where the source's buffer is mapped (nvshmem_ptr), a copy through
 //            the mapped pointer (kPutUnroll loads in flight per lane) and a per-lane fence.acq_rel.sys; else
 //            nvshmemx_putmem_nbi_warp + nvshmem_quiet; __syncwarp; lane 0: st.release.cta of its board entry.
-//            (Pull mode: put_worker / put_staged.)
+//            (Pull mode, mapped source: the reduction's stores go through the mapped pointer into the source's
+//            slots, then every lane's fence.acq_rel.sys and __syncwarp (rdma_mapped_stores_done), then the board
+//            entry, and the same commit chain publishes the tail; unmapped source: put_worker / put_staged.)
 //   commit:  lane w ld.acquire.cta of worker w's entry; __syncwarp; then the publishing lanes: FIFO head
 //            st.release.sys, RDMA tail rdma_signal_tail (fence.sys + signal SET, or st.release.sys
 //            for my own domain), credit rdma_credit (same). Causality order runs from every lane's
@@ -49,8 +51,9 @@
 //            and the commit warp's warp barrier to the system-scope release, so a peer that
 //            acquires the published counter sees the data, and a producer that acquires a head
 //            overwrites only slots whose loads are done.
-//   credits: a forwarder worker writes staging / own-ring slots only after acquiring the head
-//            (lane 31, ld.acquire.sys) that covers them; staging slot i was last read by a copy (or put)
+//   credits: a forwarder worker writes staging / own-ring / (pull mode) mapped source-ring slots only after
+//            acquiring the head (lane 31, ld.acquire.sys, then __all_sync / __syncwarp before any lane's store)
+//            that covers them; staging slot i was last read by a copy (or put)
 //            that was done (its loads returned; fence / quiet) before its tail, hence before the credit, was
 //            published.
 // Progress (no cycle): FIFO: slots >= nvl_chunk + chunk_tokens, so the oldest unfinished chunk's
@@ -80,11 +83,17 @@
 //   pull: no FIFO is touched. The forwarder serves only the remote source domains (my own domain's ring stays
 //     unused): for forwarded token idx and local rank j ascending in its mask it reads row fwd_rows[idx][j] of j's x
 //     in place (the dispatch recorded where the token landed at j), reduces as in FIFO mode (the same rows in the
-//     same order: the same partial) into the staging slots; no FIFO wait, no head release (the inputs were
-//     complete when the verdict acquired every peer's ready word). Block 3c, whose NVL sender has nothing to send,
-//     puts the staged chunks (put_staged): the forwarder's commit warp publishes how many chunks are staged
-//     (RdmaControl::staged[c], st.release.sys), block 3c's worker warps move each (rdma_put_rows) once they acquired
-//     it, and its commit warp publishes the RDMA tails in order (forward_commit's pull mode). The source receiver
+//     same order: the same partial); no FIFO wait, no head release (the inputs were complete when the verdict
+//     acquired every peer's ready word). Where the source's RDMA buffer is mapped (rdma_peer_base not null: P2P,
+//     as the dispatch RDMA sender writes its rows) the partials (and summed weights) go straight into the source's
+//     ring slots through the mapped pointer, each lane's fence.acq_rel.sys and a warp barrier before the board
+//     entry, and the forwarder's commit warp publishes the tails in order (forward_commit<kPullDirect>): one write
+//     of each partial instead of a staging write, a staging read and a remote write by another block, and no
+//     cross-block hand-off on the chunk's path. Where it is not mapped (a NIC), the partials go into the staging
+//     slots and block 3c, whose NVL sender has nothing to send, puts them (put_staged): the forwarder's commit warp
+//     publishes how many chunks are staged (RdmaControl::staged[c], st.release.sys), block 3c's worker warps move
+//     each (rdma_put_rows) once they acquired it, and its commit warp publishes those domains' RDMA tails in order
+//     (forward_commit<kPullPut>); each domain's tail has one publisher. The source receiver
 //     waits for and credits only the remote domains' partials; my own domain's rows it reads in place, at
 //     fwd_rows[fwd_offset[my domain][c] + k][j] for the k-th token of the channel that went to my domain, writes
 //     their round(sum over j ascending) (the partial my own ring carried in FIFO mode) into the token's output row
@@ -382,7 +391,12 @@ __device__ void forward_worker(const CombineArgs& a, const PullCall* pull, int c
     }
     const unsigned left_out = __ballot_sync(0xffffffffu, verdict == 2);  // bit j: FIFO j's slots are not read
     __syncwarp();  // the lanes' acquires before every lane's slot loads and stores
-    uint8_t* out_ring = rdma_write_ring(c, x, ch, a.rdma_slots, a.rdma_slot_bytes);
+    // Pull mode, x mapped (peer[x] != null): the partials go straight into x's ring (c, my domain) through the mapped
+    // pointer, at the slot index the staging slot would have had (no staging, no copy). Else staging (own domain:
+    // my own ring).
+    const bool direct = kPull && peer[x] != nullptr;  // uniform
+    uint8_t* out_ring = direct ? rdma_mapped_ring(c, peer[x], ch, a.rdma_slots, a.rdma_slot_bytes)
+                               : rdma_write_ring(c, x, ch, a.rdma_slots, a.rdma_slot_bytes);
     for (int i = 0; i < n; ++i) {
       const int mi = __shfl_sync(0xffffffffu, mask, i);
       const unsigned below = (1u << i) - 1u;
@@ -409,10 +423,15 @@ __device__ void forward_worker(const CombineArgs& a, const PullCall* pull, int c
                     row_bytes, a.num_topk, lane, kPull ? wsrcs : nullptr);
       __syncwarp();  // srcs is rewritten for the next token
     }
-    // Remote: a copy through the mapped pointer + system fence, or put + quiet (rdma_put_rows). Pull mode: block 3c
-    // moves the chunk once this block's commit warp published it staged.
+    // Remote: a copy through the mapped pointer + system fence, or put + quiet (rdma_put_rows). Pull mode: written in
+    // place through the mapped pointer, each lane's stores into x's slots then its fence.acq_rel.sys and the warp
+    // barrier (rdma_mapped_stores_done: the ordering argument is there), so the commit warp may publish the tail
+    // once the board shows the chunk; not mapped (a NIC), block 3c puts the chunk once this block's commit warp
+    // published it staged.
     if constexpr (!kPull) {
       rdma_put_rows<kPutUnroll>(c, peer[x], x, ch, first_slot, n, a.rdma_slots, a.rdma_slot_bytes, lane);
+    } else {
+      if (direct) rdma_mapped_stores_done();
     }
     // Every lane's slot loads, stores and fenced copies (or completed puts) before the board's release (warp
     // barrier inside).
@@ -420,67 +439,79 @@ __device__ void forward_worker(const CombineArgs& a, const PullCall* pull, int c
   }
 }
 
-// pull: pull mode, in block 3c (no FIFO was read: its heads stay; its backstop names the put phase).
-__device__ void forward_commit(const CombineArgs& a, bool pull, int ch, int lane, const Watchdog& dog,
-                               const FwdSeq& seq, const uint64_t* rtail0, const uint64_t* nhead0,
+// The commit warps that publish forwarder chunks (the ordered publisher over a ChunkBoard), by role:
+enum class FwdCommit {
+  kFifo,        // FIFO mode, forwarder block: every chunk's RDMA tail, and the FIFO heads of the rows consumed
+  kPullDirect,  // pull mode, forwarder block: the tails of the chunks written in place (mapped source domains), and
+                // RdmaControl::staged[ch] (all chunks so far) when some source domain of the channel is not mapped
+  kPullPut,     // pull mode, block 3c: the tails of the chunks it put (source domains not mapped)
+};
+
+// Commit warp. peer: rdma_peer_base per source domain (the pull roles; null for kFifo). A domain's tail is published
+// by exactly one commit warp of the channel: kPullDirect where peer[x] != null, kPullPut where null (both read the
+// same nvshmem_ptr), so each tail word, and its tail_copy, has one writer in a call.
+template <FwdCommit kRole>
+__device__ void forward_commit(const CombineArgs& a, int ch, int lane, const Watchdog& dog, const FwdSeq& seq,
+                               const uint64_t* rtail0, const uint64_t* nhead0, uint8_t* const* peer,
                                const ChunkBoard& board, const volatile int* stop) {
+  constexpr bool kFifo = kRole == FwdCommit::kFifo;
   const Common& c = a.c;
   const int nvl = c.nvl_size, K = a.chunk_tokens, D = c.num_domains, total = seq.cstart[D];
   RdmaControl* rctl = rdma_ctl(c);
+  // kPullDirect: whether block 3c has chunks to put (uniform; the same answer as put_staged's).
+  bool any_staged = false;
+  if constexpr (kRole == FwdCommit::kPullDirect) {
+    for (int x = 0; x < D; ++x) any_staged |= seq.count[x] > 0 && peer[x] == nullptr;
+  }
   uint32_t cnt = 0, published = 0;  // lane j: rows of FIFO j consumed by the committed chunks / published
   int sx = 0, sk = 0, kc = 0, cx = 0;
   bool any_remote = false;
   while (kc < total) {
     const int upto = done_upto(board, total, lane);
     if (upto == kc) {
-      if (!commit_idle_ok(dog, pull ? kPhaseCombinePut : kPhaseCombineForward, c.rank, stop, lane)) return;
+      if (!commit_idle_ok(dog, kRole == FwdCommit::kPullPut ? kPhaseCombinePut : kPhaseCombineForward, c.rank, stop,
+                          lane)) {
+        return;
+      }
       continue;
     }
-    // Chunks [kc, upto) are done: publish the tail of every source domain they belong to.
+    // Chunks [kc, upto) are done: publish the tail of every source domain they belong to (that is this warp's).
     while (kc < upto) {
       while (kc >= seq.cstart[cx + 1]) ++cx;
       const int x = cx, last = min(upto, seq.cstart[x + 1]);  // chunks [kc, last) are x's
       const int end = min((last - seq.cstart[x]) * K, seq.count[x]);
-      if (!pull) seq.scan_to(sx, sk, x, end, cnt, lane);  // the FIFO rows they consumed (pull mode: none)
-      if (lane == 0) {
-        const uint64_t tail = rtail0[x] + end;
-        rdma_signal_tail(c, x, ch, tail);
-        *reinterpret_cast<volatile uint64_t*>(&rctl->tail_copy[ch][x]) = tail;
+      if constexpr (kFifo) seq.scan_to(sx, sk, x, end, cnt, lane);  // the FIFO rows they consumed (pull mode: none)
+      const bool mine = kFifo || ((peer[x] != nullptr) == (kRole == FwdCommit::kPullDirect));  // uniform
+      if (mine) {
+        if (lane == 0) {
+          const uint64_t tail = rtail0[x] + end;
+          rdma_signal_tail(c, x, ch, tail);
+          *reinterpret_cast<volatile uint64_t*>(&rctl->tail_copy[ch][x]) = tail;
+        }
+        any_remote |= x != c.domain;
       }
-      any_remote |= x != c.domain;
       kc = last;
     }
+    if constexpr (kRole == FwdCommit::kPullDirect) {
+      // The staged chunks for block 3c's put warps: the board's acquires and the warp barrier in done_upto order
+      // every worker's staging stores of chunks < upto before this release (chunks of mapped domains among them
+      // are counted too; block 3c skips them).
+      if (any_staged && lane == 0) ptx::st_release_sys(&rctl->staged[ch], upto);
+    }
     // The FIFO heads: local rank j may reuse the slots of every committed row.
-    if (!pull && lane < nvl && cnt != published) {
+    if (kFifo && lane < nvl && cnt != published) {
       published = cnt;
       ptx::st_release_sys(&nvl_ctl(c, lane)->fifo_head[ch][c.local], nhead0[lane] + cnt);
     }
   }
   if (lane == 0 && any_remote) nvshmem_quiet();  // complete the tail signals before the kernel ends
-  if (!pull && lane < nvl) nvl_ctl(c, c.local)->head_copy[ch][lane] = nhead0[lane] + cnt;
+  if (kFifo && lane < nvl) nvl_ctl(c, c.local)->head_copy[ch][lane] = nhead0[lane] + cnt;
 }
 
-// Pull mode, the forwarder block's commit warp: once chunks [0, upto) are all reduced into their staging slots, it
-// publishes upto in RdmaControl::staged[ch] (st.release.sys; the board's acquires and the warp barrier in
-// done_upto order every worker's staging stores before it), for block 3c's put warps, whose commit warp publishes
-// the tails. The chunks' FIFO heads do not exist (no FIFO is read) and no tail is this warp's.
-__device__ void stage_commit(const CombineArgs& a, int ch, int lane, const Watchdog& dog, int total,
-                             const ChunkBoard& board, const volatile int* stop) {
-  int* staged = &rdma_ctl(a.c)->staged[ch];
-  int kc = 0;
-  while (kc < total) {
-    const int upto = done_upto(board, total, lane);
-    if (upto == kc) {
-      if (!commit_idle_ok(dog, kPhaseCombineForward, a.c.rank, stop, lane)) return;
-      continue;
-    }
-    if (lane == 0) ptx::st_release_sys(staged, upto);
-    kc = upto;
-  }
-}
-
-// Pull mode, block 3c (the NVLink sender's: nothing to send), worker warp: the forwarder's puts. It takes chunks
-// warp, warp + kWorkers, ... of the forwarder's sequence (every chunk of a remote source domain) and, once lane 0
+// Pull mode, block 3c (the NVLink sender's: nothing to send), worker warp: the forwarder's puts to source domains
+// that are not mapped (a NIC; a mapped domain's chunks the forwarder wrote in place: skipped, the board advanced
+// over them). It takes chunks warp, warp + kWorkers, ... of the forwarder's sequence (every chunk of a remote
+// source domain) and, once lane 0
 // acquired RdmaControl::staged[ch] > k (relaxed polls, then one acquire; the forwarder block's commit warp: every
 // staging store of chunks <= k before it; the acquire invalidates this SM's L1, so the put reads the staging rows
 // from L2), moves chunk k's slots into the source's ring (rdma_put_rows: a mapped copy + fence, or put + quiet), then
@@ -497,9 +528,13 @@ __device__ void put_worker(const CombineArgs& a, int ch, int warp, int lane, con
   for (int k = warp; k < total; k += kWorkers) {
     while (k >= seq.cstart[cx + 1]) ++cx;
     const int x = cx, k0 = (k - seq.cstart[x]) * K, n = min(K, seq.count[x] - k0);
+    if (peer[x] != nullptr) {  // uniform: written in place by the forwarder, its tail that block's
+      board.advance(0, warp, k + kWorkers, lane);
+      continue;
+    }
     bool good = true;
     if (lane == 0) {
-      // staged: written by the forwarder block's commit warp (stage_commit), each value v by an st.release.sys issued
+      // staged: written by the forwarder block's commit warp (forward_commit<kPullDirect>), each value v by an st.release.sys issued
       // after the board showed chunks [0, v) reduced. Relaxed polls (an acquire per poll would be a strong load and
       // an invalidation of the SM's L1 each time, in an SM whose other warps are putting; lane 0 alone polls, one L2
       // round trip per poll, so no sleep), then one ld.acquire.sys: a later load of the same word by the same
@@ -533,11 +568,14 @@ __device__ __forceinline__ void chunk_starts(const int* count, int* cstart, int 
   cstart[D] = s;
 }
 
-// Pull mode, block 3c: the forwarder's puts (put_worker) and, on its own board, the tails of the put chunks in
-// order (forward_commit in pull mode: RDMA tail signal per source domain after the copies' fences (or the puts'
-// quiets), tail_copy, final quiet). The tables are the forwarder block's (the same fwd_offset and kernel-start
-// tail_copy: this block's commit advances tail_copy only after the forwarder block's first staged release, which
-// follows its reads).
+// Pull mode, block 3c: the forwarder's puts to the source domains that are not mapped (put_worker) and, on its own
+// board, the tails of the put chunks in order (forward_commit<kPullPut>: RDMA tail signal per source domain after
+// the puts' quiets (or copies' fences), tail_copy, final quiet). The tables are the forwarder block's (the same
+// fwd_offset and kernel-start tail_copy: this block's commit advances tail_copy only after the forwarder block's
+// first staged release, which follows its reads; it reads tail_copy[ch][x] only for unmapped x, the words of
+// mapped x being the forwarder commit's to advance meanwhile). Where every source domain with chunks here is mapped
+// (the emulated domains of one host, an NVLink fabric) the block has nothing to do and leaves at once (the same
+// answer as the forwarder commit's any_staged: the same fwd_offset and nvshmem_ptr).
 __device__ void put_staged(const CombineArgs& a, int ch, int warp, int lane, const Watchdog& dog) {
   const int D = a.c.num_domains, C = a.num_channels, K = a.chunk_tokens;
   __shared__ int s_first[kMaxDomains], s_count[kMaxDomains], s_cstart[kMaxDomains + 1];
@@ -548,24 +586,28 @@ __device__ void put_staged(const CombineArgs& a, int ch, int warp, int lane, con
   for (int x = threadIdx.x; x < D; x += blockDim.x) {  // as forward()'s tables, pull mode
     s_first[x] = a.fwd_offset[x * (C + 1) + ch];
     s_count[x] = x == a.c.domain ? 0 : a.fwd_offset[x * (C + 1) + ch + 1] - s_first[x];
-    s_rtail0[x] = *reinterpret_cast<volatile uint64_t*>(&rdma_ctl(a.c)->tail_copy[ch][x]);
     s_peer[x] = rdma_peer_base(a.c, x);
+    s_rtail0[x] = s_peer[x] == nullptr ? *reinterpret_cast<volatile uint64_t*>(&rdma_ctl(a.c)->tail_copy[ch][x]) : 0;
   }
   s_board.init();
   if (threadIdx.x == 0) s_abort = 0;
   __syncthreads();
   if (threadIdx.x == 0) chunk_starts(s_count, s_cstart, D, K);
   __syncthreads();  // the last block-wide barrier
+  bool any_staged = false;  // uniform over the block
+  for (int x = 0; x < D; ++x) any_staged |= s_count[x] > 0 && s_peer[x] == nullptr;
+  if (!any_staged) return;
   const FwdSeq seq{s_first, s_count, s_cstart, a.fwd_mask, a.fwd_capacity, a.c.nvl_size};
   if (warp == kCommitWarp) {
-    forward_commit(a, true, ch, lane, dog, seq, s_rtail0, nullptr, s_board, &s_abort);
+    forward_commit<FwdCommit::kPullPut>(a, ch, lane, dog, seq, s_rtail0, nullptr, s_peer, s_board, &s_abort);
   } else {
     put_worker(a, ch, warp, lane, dog, seq, s_rtail0, s_peer, s_board, &s_abort);
   }
 }
 
 // kPull (pull mode; pull: the domain's published inputs): my own domain's tokens are the source receivers' (no
-// chunk of them here); the chunks are reduced into staging here and put by block 3c (put_staged).
+// chunk of them here); the chunks are reduced straight into the source's ring where it is mapped (this block's
+// commit warp publishes their tails), else into staging, put by block 3c (put_staged).
 // srcs / wsrcs (pull mode only: else null): the block's source tables (the kernel's).
 template <typename T, bool kPull>
 __device__ void forward(const CombineArgs& a, const PullCall* pull, int ch, int warp, int lane, const Watchdog& dog,
@@ -577,16 +619,16 @@ __device__ void forward(const CombineArgs& a, const PullCall* pull, int ch, int 
   __shared__ int s_first[kMaxDomains], s_count[kMaxDomains], s_cstart[kMaxDomains + 1];
   __shared__ uint64_t s_rtail0[kMaxDomains];  // tail of ring (ch, my domain) at source x, at kernel start
   __shared__ uint64_t s_nhead0[kMaxNvl];      // head of FIFO (ch, j -> me), at kernel start
-  __shared__ uint8_t* s_peer[kMaxDomains];    // FIFO mode: rdma_peer_base of each source domain, once per block
+  __shared__ uint8_t* s_peer[kMaxDomains];    // rdma_peer_base of each source domain, once per block
   __shared__ ChunkBoard s_board;              // the worker warps' progress in this call
   __shared__ int s_abort;
   for (int x = threadIdx.x; x < D; x += blockDim.x) {
     s_first[x] = a.fwd_offset[x * (C + 1) + ch];
     s_count[x] = (kPull && x == c.domain) ? 0 : a.fwd_offset[x * (C + 1) + ch + 1] - s_first[x];
     s_rtail0[x] = *reinterpret_cast<volatile uint64_t*>(&rctl->tail_copy[ch][x]);
-    if constexpr (!kPull) s_peer[x] = rdma_peer_base(c, x);
+    s_peer[x] = rdma_peer_base(c, x);
     // The ring signature, completed before the barriers below, hence before the first tail signal (the commit
-    // warp's, or in pull mode the put block's, which follows this block's staged release).
+    // warp's, or in pull mode for an unmapped domain the put block's, which follows this block's staged release).
     rdma_publish_signature(c, x, a.rdma_signature);
   }
   if (threadIdx.x < nvl) s_nhead0[threadIdx.x] = *reinterpret_cast<volatile uint64_t*>(&nctl->head_copy[ch][threadIdx.x]);
@@ -598,9 +640,9 @@ __device__ void forward(const CombineArgs& a, const PullCall* pull, int ch, int 
   const FwdSeq seq{s_first, s_count, s_cstart, a.fwd_mask, a.fwd_capacity, nvl};
   if (warp == kCommitWarp) {
     if constexpr (kPull) {
-      stage_commit(a, ch, lane, dog, s_cstart[D], s_board, &s_abort);
+      forward_commit<FwdCommit::kPullDirect>(a, ch, lane, dog, seq, s_rtail0, nullptr, s_peer, s_board, &s_abort);
     } else {
-      forward_commit(a, false, ch, lane, dog, seq, s_rtail0, s_nhead0, s_board, &s_abort);
+      forward_commit<FwdCommit::kFifo>(a, ch, lane, dog, seq, s_rtail0, s_nhead0, nullptr, s_board, &s_abort);
     }
   } else {
     forward_worker<T, kPull>(a, pull, ch, warp, lane, dog, row_bytes, seq, s_rtail0, s_nhead0, s_peer, s_board,

@@ -10,10 +10,10 @@
 //           mapped (nvshmem_ptr of the destination PE is not null: P2P over NVLink, the emulated
 //             domains of one host, or a multi-node NVLink fabric): plain stores through the mapped
 //             pointer, then a per-lane fence.acq_rel.sys (rdma_mapped_stores_done): the dispatch sender
-//             writes its rows straight into the destination slots; the combine stages its partials and
-//             the warp that staged them (or, pull combine's block 3c, a warp that acquired a word released
-//             after their staging) copies them into the same slot index of the destination ring
-//             (rdma_put_rows), kUnroll 16-byte loads in flight per lane;
+//             writes its rows straight into the destination slots, and so does the pull combine's forwarder
+//             with its partials; the FIFO combine stages its partials and the warp that staged them copies
+//             them into the same slot index of the destination ring (rdma_put_rows), kUnroll 16-byte loads
+//             in flight per lane;
 //           not mapped (a NIC between the domains): rows are staged in the symmetric staging slots, and
 //             that warp puts them into the same slot index of the destination ring
 //             (nvshmemx_putmem_nbi_warp), completed by nvshmem_quiet (rdma_put_rows);
@@ -101,7 +101,7 @@ static __device__ __noinline__ void mapped_copy(int4* to, const int4* from, int 
 // One warp: move rows [first, first + n) of my staging ring for domain x into the same slots of x's ring
 // (c, my domain), split where the ring wraps, so that they are visible at x before the tail that follows.
 // Every warp of a group moves the rows it staged itself, right after staging them, so all warps move data
-// over the link at once (the pull combine: block 3c's warps move the forwarder block's chunks); the tail is
+// over the link at once (the pull combine, unmapped x: block 3c's warps move the forwarder block's chunks); the tail is
 // published afterwards by rdma_signal_tail. peer: rdma_peer_base(c, x) (the dispatch sender passes null: where x
 // is mapped it wrote its rows into x's slots itself and calls rdma_mapped_stores_done instead).
 //   mapped (peer != null): the warp copies the run with plain 16-byte loads (ld.cg: the staging slots were

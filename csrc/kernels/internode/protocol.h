@@ -74,8 +74,8 @@ struct RdmaControl {
   // read by my forwarder (dispatch) / source receiver (combine) after its first tail acquire of the call on a
   // ring from x. Last, so that no word above moves.
   uint64_t ring_signature[kMaxDomains];
-  // [c]: chunks of channel c that my combine forwarder block has staged in this call (pull mode: block 3c puts them,
-  // combine.cu). Local only: reset to 0 by the forwarder block before the kernel's grid barrier, then written by its
+  // [c]: chunks of channel c that my combine forwarder block has staged in this call (pull mode, source domains whose
+  // buffer is not mapped here: block 3c puts them, combine.cu; mapped ones are written in place). Local only: reset to 0 by the forwarder block before the kernel's grid barrier, then written by its
   // commit warp (st.release.sys, chunks in order) and read by block 3c's put warps (ld.relaxed.sys polls, then one
   // ld.acquire.sys: wait_while_relaxed, whose words are int). Appended last, so that no word above moves.
   int staged[kMaxChannels];
