@@ -20,7 +20,8 @@ biases, and the reference's values within the two-hop tolerance. One rank's inpu
 misses, the outputs the same bits. Along the handle of a dispatch whose domain took the FIFOs the pull combine reads
 the same rows. With 2 channels and a 64-slot RDMA ring (T = 4096, every token to both domains nearly), the forwarder
 laps the ring many times within one call (asserted from the handle's fwd_offset): the same bits as FIFO mode again.
-100 calls back to back.
+T = 4096 over the default channels (more than 15 receiver chunks a channel: block 3c is a second source receiver
+block): the same bits as FIFO mode. 100 calls back to back.
 """
 from __future__ import annotations
 
@@ -405,6 +406,35 @@ def _world_pull(rank: int, world_size: int) -> None:  # noqa: C901 (one world, m
             if with_w:
                 torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
         del lap, lap_ref, got, want
+
+    # Block 3c as a second source receiver (combine.cu, "second source receiver": on one host every remote source
+    # domain is mapped, so no channel has a chunk to put). Its warps take receiver chunks only where a channel has more
+    # than 15 chunks, i.e. more than 15 x 8 tokens (the chunk size's cap); the cases above stay at or below (the
+    # lapping one aside, with 2 channels). T = 4096 over the default channels: chunks k and k mod 30 >= 15 are block
+    # 3c's, the rest block 3c+2's, credited in order by one commit warp, and the bits must be FIFO mode's.
+    with case("pull combine, block 3c as a second receiver, default channels, T=4096"):
+        t4, h4 = 4096, 4096
+        idx4 = _routing(g, t4, e, k, world_size, "random").to(dev)
+        x4 = torch.randn(t4, h4, generator=g).to(torch.bfloat16).to(dev)
+        w4 = torch.rand(t4, k, generator=g).to(dev)
+        _, big = _dispatch(kb, x4, idx4, w4, e)
+        _, big_ref = _dispatch(rb, x4, idx4, w4, e)
+        channels = big[4].backend_state.routing[0]
+        assert (t4 + channels - 1) // channels > 15 * 8, f"tokens per channel: {t4} over {channels} channels"
+        for dtype, with_w, nbias in ((torch.bfloat16, True, 2), (torch.float32, False, 0)):
+            what = f"second receiver, {dtype}, weights={with_w}, biases={nbias}"
+            y = (big[0].float() * 0.5 + 0.25).to(dtype)
+            biases = [torch.randn(t4, h4, generator=g).to(dtype).to(dev) for _ in range(nbias)]
+            bias = None if nbias == 0 else tuple(biases)
+            got = combine_both(y, big[4], big[2] if with_w else None, bias, what)
+            want = rb.combine((big_ref[0].float() * 0.5 + 0.25).to(dtype), big_ref[4],
+                              topk_weights=big_ref[2] if with_w else None, bias=bias)
+            atol, rtol = two_hop_tol(dtype)
+            torch.testing.assert_close(got[0].float(), want[0].float(), atol=atol * 4, rtol=rtol,
+                                       msg=lambda m, what=what: f"{what}: combined x vs reference: {m}")
+            if with_w:
+                torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
+        del big, big_ref, got, want
 
     with case("100 calls back to back"):
         yp = _in_pool(pool, out[0])

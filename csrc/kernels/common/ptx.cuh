@@ -53,6 +53,25 @@ __device__ __forceinline__ void st_relaxed_sys(int* p, int v) {
   asm volatile("st.relaxed.sys.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+// GPU scope, 32-bit words that only this GPU's blocks share (a block's progress read by a sibling block: the
+// internode pull combine's second source receiver block). The release / acquire pair publishes, like the
+// system-scope one, everything the releasing thread did before (and, through a barrier, what the threads that
+// joined it did), to a thread of any block of this GPU; cumulative, so the acquiring thread may pass it on at
+// system scope. The relaxed load is for polls that end in one acquire (no L1 line is returned).
+__device__ __forceinline__ void st_release_gpu(int* p, int v) {
+  asm volatile("st.release.gpu.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ int ld_relaxed_gpu(const int* p) {
+  int v;
+  asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
 __device__ __forceinline__ int ld_volatile(const int* p) {
   int v;
   asm volatile("ld.volatile.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");

@@ -9,17 +9,19 @@
 //              own ring.
 //   block 3c+2 source receiver: for its channel's tokens, waits for the partial of each domain the
 //              token went to and writes out = cast(bias0 + bias1 + sum over domains ascending of
-//              partial), float32, and the top-k weights summed the same way.
+//              partial), float32, and the top-k weights summed the same way (pull mode: with block 3c
+//              as a second receiver block where it has nothing to put, "Pull mode" below).
 // Order of the sum: ((bias0 + bias1) + partial_0 + partial_1 ...) with partial_x =
 // round(sum over x's ranks ascending): equal to the reference (ranks ascending) when each token has
 // at most one contributing rank per domain, else within the rounding of the partials.
 //
 // The forwarder and the source receiver work in small per-warp chunks (docs/internode.md):
 //   worker warps (0 .. kWorkers-1) take chunks k = warp, warp + kWorkers, ... of chunk_tokens tokens
-//     each; a worker waits only for its own chunk's rows (lane j polls tail j), reduces its tokens,
-//     and (forwarder, FIFO mode) moves its chunk's partials to the source at once (rdma_put_rows: a copy
-//     through the mapped pointer + fence, or put + quiet; in pull mode it writes them straight into a
-//     mapped source's ring, and block 3c's put warps move the chunks of unmapped ones: "Pull mode" below);
+//     each (pull mode's source receiver with a second block: 2 x kWorkers workers, "Pull mode" below); a
+//     worker waits only for its own chunk's rows (lane j polls tail j), reduces its tokens, and (forwarder,
+//     FIFO mode) moves its chunk's partials to the source at once (rdma_put_rows: a copy through the mapped
+//     pointer + fence, or put + quiet; in pull mode it writes them straight into a mapped source's ring, and
+//     block 3c's put warps move the chunks of unmapped ones: "Pull mode" below);
 //     then it raises its entry of the block's ChunkBoard to its next chunk (progress_board.cuh);
 //   the commit warp (kCommitWarp) publishes in order: once chunks [kc, upto) are all done it
 //     advances the FIFO heads (forwarder) / RDMA credits (receiver) and the RDMA tails (forwarder)
@@ -102,6 +104,22 @@
 //     sum over domains ascending of partial_x): the same bits. (A separate register-held own partial spilled: this
 //     costs a local row write and read per token instead.) In both roles lane j loads fwd_rows[.][j] once per token
 //     and writes its source entry itself (pull_sources).
+//   second source receiver (pull mode, a channel with no chunk to put: every remote source domain with forwarded
+//     tokens in it is mapped, pull_channel_puts, decided alike by the channel's three blocks from the same fwd_offset
+//     and nvshmem_ptr): block 3c, which has neither rows to send nor chunks to put, takes half of the channel's
+//     source receiver chunks. The receiver's chunks go to 30 workers, block 3c+2's warps 0-14 (workers 0-14) and
+//     block 3c's warps 0-14 (workers 15-29), chunk k to worker k mod 30; each worker's work follows from the chunk
+//     alone (its tokens; ring indices and my domain's forwarded indices from the worker's own scan of the tokens
+//     before it), so the sums, and the bits, are the same whoever computes them. Block 3c+2's commit warp credits
+//     in order over the 30 entries: lane w < 15 its board (cta acquire), lane 15 + w block 3c's worker w's word
+//     RdmaControl::recv_next[c][w] (written st.release.gpu after the chunk's loads; read ld.relaxed.gpu while it
+//     polls, then one ld.acquire.gpu), then the warp barrier and the credit's system-scope release: a causality
+//     chain from block 3c's slot loads to the forwarder's acquire of the credit. Stop: a worker of either block
+//     that gives up also sets RdmaControl::recv_stop[c]; block 3c+2's commit warp (when idle) and block 3c's spare
+//     warp 15 (until its workers left) turn it into their block's shared stop flag, on which every wait of the block
+//     gives up. recv_next / recv_stop are reset by block 3c before the grid barrier. Why: the source receiver's
+//     chain per token (fwd_rows, the own-domain rows over NVLink into out, the tail wait, the remote partials and the
+//     read-back of out, the top-k weights) made it the slowest stage with 15 workers a channel, the forwarder ahead.
 //   missed (some peer's input not in its pool, a layout word that differs, a CUDA graph capture): this kernel as
 //     described above, unchanged.
 //   arrival + completion, at the end of every block (either mode): arrive at every domain peer after a system
@@ -292,6 +310,9 @@ __device__ __forceinline__ int done_upto(const ChunkBoard& board, int total, int
 // kMaxDomains): one table per block, declared in the kernel (a block has one role), row w for worker w.
 using WorkerSources = const uint8_t* [kWorkers][kMaxDomains];
 static_assert(kMaxNvl <= kMaxDomains, "a receiver's own domain (pull mode) has up to kMaxNvl sources");
+static_assert(kWorkers <= kMaxCombineHelpers && 2 * kWorkers <= 32,
+              "RdmaControl::recv_next holds block 3c's receiver workers; block 3c+2's commit warp reads 2 x kWorkers "
+              "entries, one per lane");
 
 // Pull mode, warp: the sources read in place for one row, local ranks j ascending. Lane j passes `row`, the row of
 // j's x it reads (fwd_rows; -1: none; lanes >= nvl pass -1); a lane with a row writes entry (rows of the lanes below
@@ -568,14 +589,30 @@ __device__ __forceinline__ void chunk_starts(const int* count, int* cstart, int 
   cstart[D] = s;
 }
 
+// Pull mode, every thread of a block (a block barrier inside): whether channel ch has a source domain whose chunks
+// block 3c must put, i.e. a remote source domain with forwarded tokens here (fwd_offset) whose RDMA buffer is not
+// mapped here (rdma_peer_base null). The rule of forward_commit<kPullDirect>'s any_staged, on the same fwd_offset and
+// nvshmem_ptr, so every block of the channel gets the same answer: true, block 3c puts (put_staged); false, block 3c
+// is the channel's second source receiver block.
+__device__ __forceinline__ bool pull_channel_puts(const CombineArgs& a, int ch) {
+  const Common& c = a.c;
+  const int C = a.num_channels;
+  bool mine = false;
+  for (int x = threadIdx.x; x < c.num_domains; x += blockDim.x) {
+    const int* off = a.fwd_offset + x * (C + 1) + ch;
+    mine |= x != c.domain && off[1] > off[0] && rdma_peer_base(c, x) == nullptr;
+  }
+  return __syncthreads_or(mine) != 0;
+}
+
 // Pull mode, block 3c: the forwarder's puts to the source domains that are not mapped (put_worker) and, on its own
 // board, the tails of the put chunks in order (forward_commit<kPullPut>: RDMA tail signal per source domain after
 // the puts' quiets (or copies' fences), tail_copy, final quiet). The tables are the forwarder block's (the same
 // fwd_offset and kernel-start tail_copy: this block's commit advances tail_copy only after the forwarder block's
 // first staged release, which follows its reads; it reads tail_copy[ch][x] only for unmapped x, the words of
-// mapped x being the forwarder commit's to advance meanwhile). Where every source domain with chunks here is mapped
-// (the emulated domains of one host, an NVLink fabric) the block has nothing to do and leaves at once (the same
-// answer as the forwarder commit's any_staged: the same fwd_offset and nvshmem_ptr).
+// mapped x being the forwarder commit's to advance meanwhile). Called only where some source domain with chunks here
+// is not mapped (pull_channel_puts); elsewhere (the emulated domains of one host, an NVLink fabric) block 3c is the
+// channel's second source receiver block.
 __device__ void put_staged(const CombineArgs& a, int ch, int warp, int lane, const Watchdog& dog) {
   const int D = a.c.num_domains, C = a.num_channels, K = a.chunk_tokens;
   __shared__ int s_first[kMaxDomains], s_count[kMaxDomains], s_cstart[kMaxDomains + 1];
@@ -594,9 +631,6 @@ __device__ void put_staged(const CombineArgs& a, int ch, int warp, int lane, con
   __syncthreads();
   if (threadIdx.x == 0) chunk_starts(s_count, s_cstart, D, K);
   __syncthreads();  // the last block-wide barrier
-  bool any_staged = false;  // uniform over the block
-  for (int x = 0; x < D; ++x) any_staged |= s_count[x] > 0 && s_peer[x] == nullptr;
-  if (!any_staged) return;
   const FwdSeq seq{s_first, s_count, s_cstart, a.fwd_mask, a.fwd_capacity, a.c.nvl_size};
   if (warp == kCommitWarp) {
     forward_commit<FwdCommit::kPullPut>(a, ch, lane, dog, seq, s_rtail0, nullptr, s_peer, s_board, &s_abort);
@@ -678,10 +712,15 @@ __device__ __forceinline__ void recv_scan_to(const CombineArgs& a, int& st, int 
 // kPull (pull mode; pull: the domain's published inputs): my own domain's rows are read in place, at the forwarded
 // index of the token among the channel's tokens that went to my domain (the scan's count of my domain, which is not
 // waited for nor credited: no partial of it travels), and reduced into the output rows before the chunk's wait.
+// Worker `first` of `stride` (pull mode with a second receiver block: 30, block 3c's warp w being worker 15 + w;
+// else 15) takes chunks first, first + stride, ...: everything a chunk needs (its tokens, ring indices, output rows)
+// follows from the chunk's first token and this warp's scan of the tokens before it, whichever warp takes it.
+// `warp`: this warp in its block, the index of its progress entry: block 3c+2's ChunkBoard, or (helper: block 3c)
+// RdmaControl::recv_next[ch] (st.release.gpu: block 3c+2's commit warp reads it, receive_done_upto).
 template <typename T, bool kPull>
-__device__ void receive_worker(const CombineArgs& a, const PullCall* pull, int ch, int warp, int lane,
-                               const Watchdog& dog, int row_bytes, int begin, int end, const uint64_t* rhead0,
-                               ChunkBoard& board, volatile int* stop, const uint8_t** srcs,
+__device__ void receive_worker(const CombineArgs& a, const PullCall* pull, int ch, int warp, int first, int stride,
+                               bool helper, int lane, const Watchdog& dog, int row_bytes, int begin, int end,
+                               const uint64_t* rhead0, ChunkBoard& board, volatile int* stop, const uint8_t** srcs,
                                const uint8_t** wsrcs) {
   const Common& c = a.c;
   const int D = c.num_domains, K = a.chunk_tokens, total = (end - begin + K - 1) / K, nvl = c.nvl_size;
@@ -694,9 +733,9 @@ __device__ void receive_worker(const CombineArgs& a, const PullCall* pull, int c
   // (signatures agree) or 2 (domain x left out of the sums).
   int vlo = 0, vhi = 0;
   int st = begin;
-  for (int k = warp; k < total; k += kWorkers) {
+  for (int k = first; k < total; k += stride) {
     const int t0 = begin + k * K, n = min(K, end - t0);
-    recv_scan_to(a, st, t0, lo, hi, lane);
+    recv_scan_to(a, st, t0, lo, hi, lane);  // from wherever this warp's previous chunk ended: any chunk -> warp map
     const uint64_t bits = lane < n ? token_domains(a, t0 + lane) : 0;
     uint32_t mlo = 0, mhi = 0;
     count_bits(bits & ~own_bit, D, lane, mlo, mhi);  // partials that travel: waited for, signatures checked
@@ -730,7 +769,11 @@ __device__ void receive_worker(const CombineArgs& a, const PullCall* pull, int c
                            team_pe(c, lane + 32), AbortFlag{stop});
     }
     if (!__all_sync(0xffffffffu, good)) {
-      if (lane == 0) *stop = 1;
+      if (lane == 0) {
+        *stop = 1;
+        // Two receiver blocks: the other one's waits end too (its commit warp or spare warp reads the word).
+        if (kPull && stride != kWorkers) *reinterpret_cast<volatile int*>(&rctl->recv_stop[ch]) = 1;
+      }
       return;
     }
     // A lane's first partials of its domain: its tail acquire (past the call's first one) published the
@@ -783,22 +826,64 @@ __device__ void receive_worker(const CombineArgs& a, const PullCall* pull, int c
                     kPull ? wsrcs : nullptr);
       __syncwarp();  // srcs is rewritten for the next token
     }
-    board.advance(0, warp, k + kWorkers, lane);  // every lane's slot loads before the board's release
+    // Every lane's slot loads (and output stores) before the entry's release (warp barrier first). Block 3c+2: its
+    // board (st.release.cta). Block 3c: its word in global memory, st.release.gpu (its reader is another block's
+    // commit warp, which acquires it at gpu scope and then releases the credit at system scope: a causality chain,
+    // release and acquire being cumulative, from these loads to the producer's acquire of the credit).
+    if (kPull && helper) {
+      __syncwarp();
+      if (lane == 0) ptx::st_release_gpu(&rctl->recv_next[ch][warp], k + stride);
+    } else {
+      board.advance(0, warp, k + stride, lane);
+    }
   }
 }
 
-// pull: pull mode (my own domain's ring carried nothing: neither credited nor its head copy moved).
-__device__ void receive_commit(const CombineArgs& a, bool pull, int ch, int lane, const Watchdog& dog, int begin,
-                               int end, const uint64_t* rhead0, const ChunkBoard& board, const volatile int* stop) {
+// Block 3c+2's commit warp: the chunks below the returned one are all done (every lane gets it). Lane w < 15
+// acquires its block's worker w's board entry (ld.acquire.cta); with a second receiver block (far =
+// RdmaControl::recv_next[ch], else null) lane 15 + w reads block 3c's worker w's entry: ld.relaxed.gpu polls
+// (no acquire, so no L1 invalidation of this SM, whose worker warps read through it, per idle poll), and once the
+// warp's minimum passed kc one ld.acquire.gpu per lane, whose value is the one used: a later load of the same word by
+// the same thread, so it reads the polled value or a later one (one writer, which only raises it), and it
+// synchronizes with the release that wrote it (receive_worker, after the chunk's loads). The warp barrier at the end
+// orders every lane's acquire before any lane's later release (the credits, lane 0).
+__device__ __forceinline__ int receive_done_upto(const ChunkBoard& board, const int* far, int total, int kc,
+                                                 int lane) {
+  const bool theirs = far != nullptr && lane >= kWorkers && lane < 2 * kWorkers;
+  int v = lane < kWorkers ? ptx::ld_acquire_cta(&board.next[0][lane])
+                          : theirs ? ptx::ld_relaxed_gpu(far + (lane - kWorkers)) : INT_MAX;
+  int k = v;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) k = min(k, __shfl_xor_sync(0xffffffffu, k, o));
+  if (far != nullptr && k > kc) {  // uniform
+    if (theirs) v = ptx::ld_acquire_gpu(far + (lane - kWorkers));
+    k = v;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) k = min(k, __shfl_xor_sync(0xffffffffu, k, o));
+  }
+  __syncwarp();
+  return min(k, total);
+}
+
+// pull: pull mode (my own domain's ring carried nothing: neither credited nor its head copy moved). split: pull mode
+// with block 3c as the second receiver block (its workers' entries in RdmaControl::recv_next[ch], the channel's
+// RdmaControl::recv_stop[ch] shared with it).
+__device__ void receive_commit(const CombineArgs& a, bool pull, bool split, int ch, int lane, const Watchdog& dog,
+                               int begin, int end, const uint64_t* rhead0, const ChunkBoard& board,
+                               volatile int* stop) {
   const Common& c = a.c;
   const int D = c.num_domains, K = a.chunk_tokens, total = (end - begin + K - 1) / K;
   RdmaControl* rctl = rdma_ctl(c);
+  const int* far = split ? rctl->recv_next[ch] : nullptr;
   uint32_t lo = 0, hi = 0, plo = 0, phi = 0;  // lane x (& 31): partials of x consumed / credited
   int st = begin, kc = 0;
   bool any_remote = false;
   while (kc < total) {
-    const int upto = done_upto(board, total, lane);
+    const int upto = receive_done_upto(board, far, total, kc, lane);
     if (upto == kc) {
+      // A worker of block 3c gave up (recv_stop, relaxed: it publishes nothing): end this block's waits too, and
+      // this loop (commit_idle_ok reads the flag after this lane's store).
+      if (split && lane == 0 && *reinterpret_cast<const volatile int*>(&rctl->recv_stop[ch]) != 0) *stop = 1;
       if (!commit_idle_ok(dog, kPhaseCombineRecv, c.rank, stop, lane)) return;
       continue;
     }
@@ -820,28 +905,60 @@ __device__ void receive_commit(const CombineArgs& a, bool pull, int ch, int lane
   if (lane + 32 < D && !(pull && lane + 32 == c.domain)) rctl->head_copy[ch][lane + 32] = rhead0[lane + 32] + hi;
 }
 
-// srcs / wsrcs (pull mode only: else null): the block's source tables (the kernel's).
+// Block 3c as the second receiver block, its spare warp (lane 0): until every worker of the block left its loop,
+// turn the channel's RdmaControl::recv_stop (a worker of block 3c+2 gave up, or one of this block: it set both)
+// into this block's stop flag, so this block's waits end too. Relaxed polls, a few per microsecond: the word
+// publishes nothing, and it only shortens a failing call (every wait also has the rank's deadline).
+__device__ void receive_watch(const RdmaControl* rctl, int ch, int lane, const ChunkBoard& board, volatile int* stop) {
+  if (lane == 0) {
+    const volatile int* far_stop = &rctl->recv_stop[ch];
+    while (board.left_count(0) < kWorkers) {
+      if (*far_stop != 0) {
+        *stop = 1;
+        break;
+      }
+      __nanosleep(256);
+    }
+  }
+  __syncwarp();  // the warp leaves together (the block barrier of end_nvl_pull_call follows)
+}
+
+// srcs / wsrcs (pull mode only: else null): the block's source tables (the kernel's). Pull mode only: split, block
+// 3c is the channel's second receiver block ("second source receiver" at the top); helper, this block is block 3c.
 template <typename T, bool kPull>
 __device__ void receive(const CombineArgs& a, const PullCall* pull, int ch, int warp, int lane, const Watchdog& dog,
-                        int row_bytes, WorkerSources& srcs, WorkerSources* wsrcs) {
+                        int row_bytes, WorkerSources& srcs, WorkerSources* wsrcs, bool split = false,
+                        bool helper = false) {
   const Common& c = a.c;
   RdmaControl* rctl = rdma_ctl(c);
   __shared__ uint64_t s_rhead0[kMaxDomains];  // head of my ring (ch, from x), at kernel start
   __shared__ ChunkBoard s_board;
   __shared__ int s_abort;
+  int begin, end;
+  channel_range(a.num_tokens, a.num_channels, ch, begin, end);
+  // Block 3c with no chunk (the channel's chunks <= 15): its entries (15 + w, reset before the grid barrier) are
+  // already past the last chunk, and it does not read head_copy, which block 3c+2's commit warp may then rewrite.
+  if (helper && (end - begin + a.chunk_tokens - 1) / a.chunk_tokens <= kWorkers) return;  // uniform
+  // head_copy: written by block 3c+2's commit warp at its end, after it acquired every chunk of both blocks, hence
+  // (block 3c) after this read, which precedes the block's first progress release.
   for (int x = threadIdx.x; x < c.num_domains; x += blockDim.x) {
     s_rhead0[x] = *reinterpret_cast<volatile uint64_t*>(&rctl->head_copy[ch][x]);
   }
   s_board.init();
   if (threadIdx.x == 0) s_abort = 0;
   __syncthreads();  // the last block-wide barrier
-  int begin, end;
-  channel_range(a.num_tokens, a.num_channels, ch, begin, end);
   if (warp == kCommitWarp) {
-    receive_commit(a, kPull, ch, lane, dog, begin, end, s_rhead0, s_board, &s_abort);
+    if (kPull && helper) {
+      receive_watch(rctl, ch, lane, s_board, &s_abort);
+    } else {
+      receive_commit(a, kPull, kPull && split, ch, lane, dog, begin, end, s_rhead0, s_board, &s_abort);
+    }
   } else {
-    receive_worker<T, kPull>(a, pull, ch, warp, lane, dog, row_bytes, begin, end, s_rhead0, s_board, &s_abort,
-                             srcs[warp], kPull ? (*wsrcs)[warp] : nullptr);
+    const bool second = kPull && helper;
+    receive_worker<T, kPull>(a, pull, ch, warp, second ? kWorkers + warp : warp,
+                             kPull && split ? 2 * kWorkers : kWorkers, second, lane, dog, row_bytes, begin, end,
+                             s_rhead0, s_board, &s_abort, srcs[warp], kPull ? (*wsrcs)[warp] : nullptr);
+    if (second) s_board.leave(0, warp, -1, lane);  // for the spare warp's watch (left only; the entry is global)
   }
 }
 
@@ -890,10 +1007,17 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
     const auto accepts = [](const PullInputBlocks& in) { return in.x_offset >= 0; };  // w_offset goes with it
     if (!intranode::begin_direct_call(call, domain, nvl_pull_site(c), mine, a.nvl_signature, dog, accepts)) return;
   }
-  // Pull mode's staged chunks of this call start at 0 (put_staged): the grid barrier below publishes the reset to
-  // block 3c before its first read (written before by the previous call's forwarder block only).
+  // Pull mode's per-call words start over: the staged chunks at 0 (put_staged), the second receiver block's progress
+  // entries at their first chunks (15 + w) and its stop word at 0. The grid barrier below publishes the resets before
+  // any block's first read (each written before by the previous call's kernel only: the forwarder block, block 3c's
+  // workers and either receiver block).
   if constexpr (kPullCall) {
-    if (role == 1 && threadIdx.x == 0) *reinterpret_cast<volatile int*>(&rdma_ctl(c)->staged[ch]) = 0;
+    RdmaControl* rctl = rdma_ctl(c);
+    if (role == 1 && threadIdx.x == 0) *reinterpret_cast<volatile int*>(&rctl->staged[ch]) = 0;
+    if (role == 0 && threadIdx.x < kMaxCombineHelpers) {
+      *reinterpret_cast<volatile int*>(&rctl->recv_next[ch][threadIdx.x]) = kWorkers + threadIdx.x;
+    }
+    if (role == 0 && threadIdx.x == 0) *reinterpret_cast<volatile int*>(&rctl->recv_stop[ch]) = 0;
   }
   if (!drain_previous_calls(c, dog)) return;  // earlier calls drained; no ring written before this
   // The same in every block of every rank of the domain; a constant false without a pool.
@@ -901,11 +1025,17 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
   if (role == 1) {
     if (pull) forward<T, true>(a, &call, ch, warp, lane, dog, row_bytes, s_srcs, &s_wsrcs);
     else forward<T, false>(a, nullptr, ch, warp, lane, dog, row_bytes, s_srcs, nullptr);
+  } else if (pull) {
+    // Pull mode: block 3c's NVLink senders have nothing to send. It puts the forwarder's chunks to source domains that
+    // are not mapped, or, where there are none in the channel, it is the channel's second source receiver block.
+    const bool puts = pull_channel_puts(a, ch);  // the same in blocks 3c, 3c+1 (any_staged) and 3c+2
+    if (role == 2 || !puts) {
+      receive<T, true>(a, &call, ch, warp, lane, dog, row_bytes, s_srcs, &s_wsrcs, !puts, role == 0);
+    } else {
+      put_staged(a, ch, warp, lane, dog);
+    }
   } else if (role == 2) {
-    if (pull) receive<T, true>(a, &call, ch, warp, lane, dog, row_bytes, s_srcs, &s_wsrcs);
-    else receive<T, false>(a, nullptr, ch, warp, lane, dog, row_bytes, s_srcs, nullptr);
-  } else if (pull) {  // pull mode: the NVLink senders have nothing to send; this block puts the forwarder's chunks
-    put_staged(a, ch, warp, lane, dog);
+    receive<T, false>(a, nullptr, ch, warp, lane, dog, row_bytes, s_srcs, nullptr);
   } else {
     const int warps = kWarps / c.nvl_size;
     const int group = warp / warps, group_warp = warp % warps;

@@ -29,6 +29,7 @@ constexpr int kMaxChannels = nvlink::kMaxChannels;
 constexpr int kMaxLocalExperts = nvlink::kMaxLocalExperts;
 constexpr int kMaxTopk = nvlink::kMaxTopk;
 constexpr int kMaxChunk = nvlink::kMaxChunk;
+constexpr int kMaxCombineHelpers = 16;  // RdmaControl::recv_next entries per channel (>= the combine's worker warps)
 
 // Phases named in timeout errors (distinct from the intranode ones; same TimeoutRecord).
 enum Phase : int32_t {
@@ -53,8 +54,9 @@ enum Phase : int32_t {
 
 // Start of the symmetric (NVSHMEM) buffer of every rank. Every word is written by exactly one
 // remote (or local) writer and read locally (ld.acquire.sys); the index x is a domain, i.e. the
-// team member of domain x. Monotonic counters, never reset (zeroed once at creation), except staged (last):
-// a count within one call, reset by every combine kernel launched along a pool handle (combine.cu).
+// team member of domain x. Monotonic counters, never reset (zeroed once at creation), except the pull combine's
+// words at the end (staged, recv_next, recv_stop): local words of one call, reset by every combine kernel launched
+// along a pool handle (combine.cu).
 struct RdmaControl {
   uint64_t notify_signal[kMaxDomains];           // [x]: epoch of x's latest notify message (putmem_signal)
   uint64_t tail[kMaxChannels][kMaxDomains];      // [c][x]: rows x published into my ring (c, x)
@@ -79,6 +81,17 @@ struct RdmaControl {
   // commit warp (st.release.sys, chunks in order) and read by block 3c's put warps (ld.relaxed.sys polls, then one
   // ld.acquire.sys: wait_while_relaxed, whose words are int). Appended last, so that no word above moves.
   int staged[kMaxChannels];
+  // Pull mode, a channel c whose block 3c is free (every remote source domain with chunks in c mapped: combine.cu's
+  // header, "second source receiver"): block 3c's worker warp w is source receiver worker 15 + w of channel c (block
+  // 3c+2's are 0-14). Local only, both reset by block 3c before the kernel's grid barrier (every call of a pool
+  // kernel: recv_next[c][w] = 15 + w, recv_stop[c] = 0).
+  // recv_next[c][w]: the next chunk of block 3c's worker w (its chunks below it are done), written by that warp's
+  // lane 0 (st.release.gpu, after a warp barrier), read by block 3c+2's commit warp (ld.relaxed.gpu polls, then one
+  // ld.acquire.gpu) before it credits the chunks. recv_stop[c]: 1 once a worker of either block gave up (a
+  // timeout, recorded by it): relaxed (volatile) stores and loads, no data published; each block turns it into
+  // its own shared stop flag (block 3c+2: its commit warp; block 3c: its spare warp). Appended last.
+  int recv_next[kMaxChannels][kMaxCombineHelpers];
+  int recv_stop[kMaxChannels];
 };
 static_assert(sizeof(RdmaControl) <= 69632, "RdmaControl must keep the size Python assumes (RDMA_CONTROL_BYTES)");
 constexpr size_t kRdmaControlBytes = (sizeof(RdmaControl) + 4095) / 4096 * 4096;
