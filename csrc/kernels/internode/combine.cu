@@ -193,6 +193,7 @@ constexpr int kWorkers = kWarps - 1;
 constexpr int kCommitWarp = kWarps - 1;
 constexpr int kLoadUnroll = 4;  // 16-byte vectors per lane per source in flight
 constexpr int kLoadGroup = 2;   // sources whose vectors are loaded together (8 loads per lane in flight)
+constexpr int kWeightLoads = 2;  // sources whose top-k weights reduce_row loads before their rows
 constexpr int kPutUnroll = 8;   // rdma_put_rows through a mapped pointer: 16-byte loads per lane in flight
 
 
@@ -206,6 +207,18 @@ __device__ __forceinline__ void reduce_row(uint8_t* out, float* out_w, const uin
                                            int lane, const uint8_t* const* wsrcs = nullptr) {
   constexpr int E = Vec<T>::kElems;
   const int vecs = row_bytes / 16;
+  // The first kWeightLoads sources' top-k weights are loaded before the rows and summed after them: their round
+  // trip overlaps the rows' instead of following it (the sum's order, and so its bits, are unchanged).
+  const bool weights = out_w != nullptr && lane < num_topk;
+  float wv[kWeightLoads];
+#pragma unroll
+  for (int g = 0; g < kWeightLoads; ++g) {
+    wv[g] = 0.f;
+    if (weights && g < nsrc) {
+      const uint8_t* ws = wsrcs != nullptr ? wsrcs[g] : srcs[g] + row_bytes;
+      wv[g] = __int_as_float(ptx::ld_cg(reinterpret_cast<const int*>(ws) + lane));
+    }
+  }
   for (int v0 = lane; v0 < vecs; v0 += 32 * kLoadUnroll) {
     float acc[kLoadUnroll][E];
 #pragma unroll
@@ -258,9 +271,13 @@ __device__ __forceinline__ void reduce_row(uint8_t* out, float* out_w, const uin
       }
     }
   }
-  if (out_w != nullptr && lane < num_topk) {
+  if (weights) {
     float w = 0.f;
-    for (int i = 0; i < nsrc; ++i) {
+#pragma unroll
+    for (int g = 0; g < kWeightLoads; ++g) {
+      if (g < nsrc) w += wv[g];
+    }
+    for (int i = kWeightLoads; i < nsrc; ++i) {
       const uint8_t* ws = wsrcs != nullptr ? wsrcs[i] : srcs[i] + row_bytes;
       w += __int_as_float(ptx::ld_cg(reinterpret_cast<const int*>(ws) + lane));
     }
@@ -418,14 +435,21 @@ __device__ void forward_worker(const CombineArgs& a, const PullCall* pull, int c
     const bool direct = kPull && peer[x] != nullptr;  // uniform
     uint8_t* out_ring = direct ? rdma_mapped_ring(c, peer[x], ch, a.rdma_slots, a.rdma_slot_bytes)
                                : rdma_write_ring(c, x, ch, a.rdma_slots, a.rdma_slot_bytes);
+    // Pull mode, lane j: the row of j's x of forwarded token i of the chunk (fwd_rows; -1: not sent to j, or
+    // dropped). Token i + 1's is loaded before token i's reduction, so its round trip overlaps the reduction's.
+    const auto fwd_row = [&](int i) {
+      const int mi = __shfl_sync(0xffffffffu, mask, i & 31);
+      const int64_t idx = seq.first[x] + k0 + i;
+      return i < n && lane < nvl && ((mi >> lane) & 1) && idx < a.fwd_capacity ? a.fwd_rows[idx * nvl + lane] : -1;
+    };
+    int row = kPull ? fwd_row(0) : -1;
     for (int i = 0; i < n; ++i) {
       const int mi = __shfl_sync(0xffffffffu, mask, i);
       const unsigned below = (1u << i) - 1u;
       int nsrc = 0;
-      if constexpr (kPull) {  // rows in place: fwd_rows of this forwarded token (-1: not sent to j, or dropped)
-        const int64_t idx = seq.first[x] + k0 + i;
-        const int row = lane < nvl && ((mi >> lane) & 1) && idx < a.fwd_capacity ? a.fwd_rows[idx * nvl + lane] : -1;
+      if constexpr (kPull) {  // rows in place
         nsrc = pull_sources(c, pull, row, row_bytes, a.num_topk, lane, srcs, wsrcs);
+        row = fwd_row(i + 1);
       }
       for (int j = 0; !kPull && j < nvl; ++j) {
         const unsigned b = __ballot_sync(0xffffffffu, (mask >> j) & 1);
@@ -747,11 +771,19 @@ __device__ void receive_worker(const CombineArgs& a, const PullCall* pull, int c
       // it (the first chunk of every worker waited for a whole forwarder chunk, reduce and put, before these).
       const unsigned own_tokens = __ballot_sync(0xffffffffu, (bits & own_bit) != 0);  // bit i: token t0 + i
       const int64_t own_base = own_first + count_of(lo, hi, c.domain);  // fwd index of the chunk's first own token
-      for (unsigned todo = own_tokens; todo != 0; todo &= todo - 1) {  // uniform
+      // Lane j: the row of j's x of the own token `todo`'s lowest bit stands for (-1: not sent to j, or none). The
+      // next token's is loaded before this token's reduction, so its round trip overlaps the reduction's.
+      const auto own_row = [&](unsigned todo) {
+        if (todo == 0 || lane >= nvl) return -1;
         const int i = __ffs(static_cast<int>(todo)) - 1;
-        const int64_t token = t0 + i, idx = own_base + __popc(own_tokens & ((1u << i) - 1u));
-        const int row = lane < nvl && idx < a.fwd_capacity ? a.fwd_rows[idx * nvl + lane] : -1;  // -1: not sent to j
+        const int64_t idx = own_base + __popc(own_tokens & ((1u << i) - 1u));
+        return idx < a.fwd_capacity ? a.fwd_rows[idx * nvl + lane] : -1;
+      };
+      int row = own_row(own_tokens);
+      for (unsigned todo = own_tokens; todo != 0; todo &= todo - 1) {  // uniform
+        const int64_t token = t0 + __ffs(static_cast<int>(todo)) - 1;
         const int nown = pull_sources(c, pull, row, row_bytes, a.num_topk, lane, srcs, wsrcs);
+        row = own_row(todo & (todo - 1));
         __syncwarp();
         reduce_row<T>(a.out + token * row_bytes, a.out_topk_weights != nullptr ? a.out_topk_weights + token * a.num_topk
                       : nullptr, srcs, nown, nullptr, nullptr, row_bytes, a.num_topk, lane, wsrcs);
