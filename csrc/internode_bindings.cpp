@@ -29,6 +29,14 @@
 namespace py = pybind11;
 
 namespace moe_ep {
+
+// The largest combine chunk (tokens per worker warp chunk). Smaller chunks start the forwarders' puts and the
+// receivers' reductions sooner and spread a channel's tokens more evenly over the 15 forwarder and 15-30 receiver
+// warps; the per-chunk waits and credits cost less than that wins down to 4 (4 x H200, 2 x 2 domains, 4096 tokens,
+// Config(24), us per combine, pool / no pool: cap 4 616 / 791, 5 633, 6 644, 8 667 / 835, 12 838, 16 1015 / 1198;
+// docs/internode.md).
+constexpr int kCombineChunkCap = 4;
+
 namespace {
 
 using namespace internode;
@@ -267,10 +275,10 @@ CombineArgs combine_args(const Context& ctx, uint64_t timeout_ns, const std::vec
   MOE_CHECK(a.rdma_slots >= 2 * kMaxCombineChunk, "combine needs num_max_rdma_chunked_recv_tokens >= 64");
   set_routing(a, is_token_in_rank, recv_channel_offset, fwd_offset, fwd_mask, fwd_capacity);
   // Tokens per warp chunk of the forwarder and the receiver, from the tokens per channel, so that small calls
-  // still spread over the worker warps (15 per block). Every chunk size drains the same rings and sums in the
-  // same order (the same bits).
+  // still spread over the worker warps (15 per block), at most kCombineChunkCap. Every chunk size drains the
+  // same rings and sums in the same order (the same bits).
   const int per_channel = (a.num_tokens + a.num_channels - 1) / a.num_channels;
-  a.chunk_tokens = std::clamp((per_channel + 14) / 15, 1, 8);
+  a.chunk_tokens = std::clamp((per_channel + 14) / 15, 1, kCombineChunkCap);
   switch (x.scalar_type()) {
     case at::kBFloat16: a.dtype = intranode::kBf16; break;
     case at::kHalf: a.dtype = intranode::kFp16; break;
