@@ -409,9 +409,9 @@ def _world_pull(rank: int, world_size: int) -> None:  # noqa: C901 (one world, m
 
     # Block 3c as a second source receiver (combine.cu, "second source receiver": on one host every remote source
     # domain is mapped, so no channel has a chunk to put). Its warps take receiver chunks only where a channel has more
-    # than 15 chunks, i.e. more than 15 x 8 tokens (the chunk size's cap); the cases above stay at or below (the
-    # lapping one aside, with 2 channels). T = 4096 over the default channels: chunks k and k mod 30 >= 15 are block
-    # 3c's, the rest block 3c+2's, credited in order by one commit warp, and the bits must be FIFO mode's.
+    # than 15 chunks, i.e. more than 15 x 4 tokens (the chunk size's cap, kCombineChunkCap); some cases above do too.
+    # T = 4096 over the default channels (about 340 tokens a channel, 86 chunks): chunks k with k mod 30 >= 15 are
+    # block 3c's, the rest block 3c+2's, credited in order by one commit warp, and the bits must be FIFO mode's.
     with case("pull combine, block 3c as a second receiver, default channels, T=4096"):
         t4, h4 = 4096, 4096
         idx4 = _routing(g, t4, e, k, world_size, "random").to(dev)
@@ -420,7 +420,7 @@ def _world_pull(rank: int, world_size: int) -> None:  # noqa: C901 (one world, m
         _, big = _dispatch(kb, x4, idx4, w4, e)
         _, big_ref = _dispatch(rb, x4, idx4, w4, e)
         channels = big[4].backend_state.routing[0]
-        assert (t4 + channels - 1) // channels > 15 * 8, f"tokens per channel: {t4} over {channels} channels"
+        assert (t4 + channels - 1) // channels > 15 * 4, f"tokens per channel: {t4} over {channels} channels"
         for dtype, with_w, nbias in ((torch.bfloat16, True, 2), (torch.float32, False, 0)):
             what = f"second receiver, {dtype}, weights={with_w}, biases={nbias}"
             y = (big[0].float() * 0.5 + 0.25).to(dtype)
