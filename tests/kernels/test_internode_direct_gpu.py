@@ -315,6 +315,20 @@ def _world_pull(rank: int, world_size: int) -> None:  # noqa: C901 (one world, m
         del yp, wp
         return pulled
 
+    def check_combine(disp, disp_ref, dtype, with_w: bool, bias, what: str, config=None):
+        """combine_both of the kernels' dispatch `disp` (its rows scaled, in `dtype`; its top-k weights if with_w),
+        then against the reference's combine of `disp_ref` (the same routing and inputs): combined x within the two
+        hops' rounding, weights within 1e-5."""
+        y = (disp[0].float() * 0.5 + 0.25).to(dtype)
+        got = combine_both(y, disp[4], disp[2] if with_w else None, bias, what, config=config)
+        want = rb.combine((disp_ref[0].float() * 0.5 + 0.25).to(dtype), disp_ref[4],
+                          topk_weights=disp_ref[2] if with_w else None, bias=bias)
+        atol, rtol = two_hop_tol(dtype)
+        torch.testing.assert_close(got[0].float(), want[0].float(), atol=atol * 4, rtol=rtol,
+                                   msg=lambda m: f"{what}: combined x vs reference: {m}")
+        if with_w:
+            torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
+
     for t, h, kind in [(512, 4096, "random"), (300, 7168, "skewed"), (77, 1024, "empty_last"), (129, 2048, "one_rank"),
                        (0 if rank == 1 else 64, 1024, "random"), (5, 512, "dense")]:
         idx = _routing(g, t, e, k, world_size, kind).to(dev)
@@ -327,18 +341,9 @@ def _world_pull(rank: int, world_size: int) -> None:  # noqa: C901 (one world, m
                 for nbias in (0, 1, 2):
                     what = f"{kind}, T={t}, H={h}, {dtype}, weights={with_w}, biases={nbias}"
                     with case(what):
-                        y = (out[0].float() * 0.5 + 0.25).to(dtype)
-                        yw = out[2] if with_w else None
                         biases = [torch.randn(t, h, generator=g).to(dtype).to(dev) for _ in range(nbias)]
                         bias = None if nbias == 0 else (biases[0] if nbias == 1 else tuple(biases))
-                        got = combine_both(y, out[4], yw, bias, what)
-                        want = rb.combine((ref[0].float() * 0.5 + 0.25).to(dtype), ref[4],
-                                          topk_weights=ref[2] if with_w else None, bias=bias)
-                        atol, rtol = two_hop_tol(dtype)
-                        torch.testing.assert_close(got[0].float(), want[0].float(), atol=atol * 4, rtol=rtol,
-                                                   msg=lambda m: f"{what}: combined x vs reference: {m}")
-                        if with_w:
-                            torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
+                        check_combine(out, ref, dtype, with_w, bias, what)
         del out, ref
 
     # One rank's input outside its pool (as when its pool is full): its domain misses, the other pulls.
@@ -395,17 +400,9 @@ def _world_pull(rank: int, world_size: int) -> None:  # noqa: C901 (one world, m
         remote = torch.cat([served[:rank // nvl], served[rank // nvl + 1:]])
         assert int(remote.min()) > 4 * slots, f"tokens per (remote source domain, channel) here: {remote.tolist()}"
         for dtype, with_w in ((torch.bfloat16, True), (torch.float32, False)):
-            what = f"lapping ring, {dtype}, weights={with_w}"
-            y = (lap[0].float() * 0.5 + 0.25).to(dtype)
-            got = combine_both(y, lap[4], lap[2] if with_w else None, None, what, config=small_ring)
-            want = rb.combine((lap_ref[0].float() * 0.5 + 0.25).to(dtype), lap_ref[4],
-                              topk_weights=lap_ref[2] if with_w else None)
-            atol, rtol = two_hop_tol(dtype)
-            torch.testing.assert_close(got[0].float(), want[0].float(), atol=atol * 4, rtol=rtol,
-                                       msg=lambda m, what=what: f"{what}: combined x vs reference: {m}")
-            if with_w:
-                torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
-        del lap, lap_ref, got, want
+            check_combine(lap, lap_ref, dtype, with_w, None, f"lapping ring, {dtype}, weights={with_w}",
+                          config=small_ring)
+        del lap, lap_ref
 
     # Block 3c as a second source receiver (combine.cu, "second source receiver": on one host every remote source
     # domain is mapped, so no channel has a chunk to put). Its warps take receiver chunks only where a channel has more
@@ -422,19 +419,10 @@ def _world_pull(rank: int, world_size: int) -> None:  # noqa: C901 (one world, m
         channels = big[4].backend_state.routing[0]
         assert (t4 + channels - 1) // channels > 15 * 4, f"tokens per channel: {t4} over {channels} channels"
         for dtype, with_w, nbias in ((torch.bfloat16, True, 2), (torch.float32, False, 0)):
-            what = f"second receiver, {dtype}, weights={with_w}, biases={nbias}"
-            y = (big[0].float() * 0.5 + 0.25).to(dtype)
             biases = [torch.randn(t4, h4, generator=g).to(dtype).to(dev) for _ in range(nbias)]
-            bias = None if nbias == 0 else tuple(biases)
-            got = combine_both(y, big[4], big[2] if with_w else None, bias, what)
-            want = rb.combine((big_ref[0].float() * 0.5 + 0.25).to(dtype), big_ref[4],
-                              topk_weights=big_ref[2] if with_w else None, bias=bias)
-            atol, rtol = two_hop_tol(dtype)
-            torch.testing.assert_close(got[0].float(), want[0].float(), atol=atol * 4, rtol=rtol,
-                                       msg=lambda m, what=what: f"{what}: combined x vs reference: {m}")
-            if with_w:
-                torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
-        del big, big_ref, got, want
+            check_combine(big, big_ref, dtype, with_w, None if nbias == 0 else tuple(biases),
+                          f"second receiver, {dtype}, weights={with_w}, biases={nbias}")
+        del big, big_ref
 
     with case("100 calls back to back"):
         yp = _in_pool(pool, out[0])
