@@ -9,7 +9,10 @@ The expert-major dispatch writes a tensor of M rows whose M the host must know w
   mark x 1.1 whose overflow re-ran the step exactly (2 x H200, Qwen3-MoE-like training, EP=2, 30 steps,
   same seed): exact 61,473 tokens/s, experts 17.03 ms/step, combine 4.33 ms (GPU kernel time), against
   59,331 tokens/s, 21.71 ms and 9.02 ms with 2 steps re-run; on 4 x H200 with the DeepSeek-V3-like config
-  60,538 against 60,068 tokens/s. So exact is the only automatic sizing.
+  60,538 against 60,068 tokens/s. A fixed M with room for every row that can come (R x T x K: no host sync and
+  no row ever dropped) lost too: 61,483 against exact's 68,268 tokens/s on 4 x H200 (qwen3_moe_like_4gpu.yaml,
+  M = 131,072, 4x the need), the experts' passes over the padding rows costing more than the sync.
+  So exact is the only automatic sizing.
 - ``bound`` (opt-in, for stable routings: inference, benchmarks): no host sync. The first call
   of a dispatcher is exact and seeds a high-water mark of the rows needed (its maximum over the group, one
   all-reduce before the first fixed M, so every rank sizes alike) ($MOE_DISPATCHER_EXPERT_ROWS_INITIAL=N:
