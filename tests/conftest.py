@@ -16,10 +16,22 @@ import os
 import sys
 
 import pytest
+import torch.distributed as dist
 
 _HELPERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers")
 if _HELPERS not in sys.path:
     sys.path.insert(0, _HELPERS)
+
+
+@pytest.fixture
+def world(tmp_path):
+    """A one-rank gloo group for the CPU tests that make a Buffer (it needs torch.distributed); a test module
+    may define its own `world` (a group plus the objects its tests share)."""
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def pytest_configure(config: pytest.Config) -> None:

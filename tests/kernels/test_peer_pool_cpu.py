@@ -17,22 +17,12 @@ import types
 
 import pytest
 import torch
-import torch.distributed as dist
 from dist import case, run_distributed
 from stub_extension import attach_stub_backend
 
 from moe_dispatcher import Buffer
 from moe_dispatcher.compiled import peer_pool as pp
 from moe_dispatcher.signature import SignatureMismatch
-
-
-@pytest.fixture
-def world(tmp_path):
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_num_pool_bytes_is_validated_and_peer_pool_says_why_there_is_none(world):

@@ -11,7 +11,6 @@ import re
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from moe_dispatcher import Buffer, Config, Topology
 from moe_dispatcher.config import get_dispatch_config
@@ -23,15 +22,6 @@ T, H, E, K = 6, 128, 4, 2
 
 class Sms(enum.IntEnum):
     TWENTY = 20
-
-
-@pytest.fixture
-def world(tmp_path):
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _type_error(name: str, call) -> str:

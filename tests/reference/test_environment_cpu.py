@@ -12,7 +12,6 @@ import runpy
 import types
 
 import pytest
-import torch.distributed as dist
 
 from moe_dispatcher import Buffer, Topology, compiled, env
 from moe_dispatcher.compiled import low_latency as ll_backend
@@ -20,16 +19,6 @@ from moe_dispatcher.config import Config, default_nvl_size
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 NAN_INF_GARBAGE = ("nan", "NaN", "inf", "-inf", "1e999", "abc", "1.5.2")
-
-
-@pytest.fixture
-def world(tmp_path):
-    """A one-rank gloo group (a Buffer needs torch.distributed)."""
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _names(name: str, value: str) -> str:
