@@ -24,9 +24,14 @@ the exchange's SMs are free whenever it launches; the GEMMs alone at that carveo
 Timing: CUDA events around the whole batch (alone: GEMMs; alone: exchange; together: from one start event that
 both streams wait on to each stream's last event), after a device synchronize and a group barrier. Each
 measurement runs --repeats times after one warm-up; the figures are means over repeats and ranks.
-Efficiency = (GEMM alone + exchange alone) / together (2.0: the exchange is hidden entirely, 1.0: not at all);
-GEMM slowdown = GEMMs' span together / GEMMs alone - 1, both against the uncarved GEMMs alone. On a CPU (gloo, reference backend) nothing runs
-concurrently: the mode runs its structure, and its figures are not overlap figures.
+Efficiency = (GEMM alone + exchange alone) / together (2.0: equal times, the exchange hidden entirely; 1.0: not
+at all); GEMM slowdown = GEMMs' span together / GEMMs alone - 1, both against the uncarved GEMMs alone. Two more
+figures say what the efficiency can mean for a row: its bound, (GEMM alone + exchange alone) / max(the GEMMs alone
+as they ran beside it (carved for ours), exchange alone), the efficiency of a perfect overlap of these two times
+(below 2.0 whenever they differ: an exchange much faster than the GEMMs cannot reach 1.8), and the share hidden,
+(GEMM alone + exchange alone - together) / the shorter of the two (1.0: the shorter one hidden entirely, 0: run
+one after the other). On a CPU (gloo, reference backend) nothing runs concurrently: the mode runs its structure,
+and its figures are not overlap figures.
 """
 from __future__ import annotations
 
@@ -224,6 +229,8 @@ def _summary(ctx: Context, impl: str, sms: Optional[int], carveout: Optional[int
          "exchange_us": e, "together_us": t, "gemm_together_us": gemm_span["t_us"]["mean"],
          "exchange_together_us": exch_span["t_us"]["mean"], "round_us": e / rounds,
          "efficiency": (g + e) / t if t > 0 else float("nan"),
+         "efficiency_bound": (g + e) / max(carved["t_us"]["mean"] if carved is not None else g, e),
+         "hidden": (g + e - t) / min(g, e) if min(g, e) > 0 else float("nan"),
          "gemm_slowdown": gemm_span["t_us"]["mean"] / g - 1 if g > 0 else float("nan"),
          "together_ranks_us": [span["t_us"]["min"], span["t_us"]["max"]]}
     ctx.records.append(s)
@@ -233,7 +240,8 @@ def _summary(ctx: Context, impl: str, sms: Optional[int], carveout: Optional[int
         label = "NCCL a2a"
     gemm_text = f"GEMMs {g / 1e3:7.2f} ms" + (f" ({s['gemm_carved_us'] / 1e3:.2f} carved)" if carved else "")
     ctx.say(f"[{SECTION}] {label:32s}: {gemm_text}, exchange {e / 1e3:7.2f} ms, together {t / 1e3:7.2f} ms -> "
-            f"efficiency {s['efficiency']:.2f}, GEMM slowdown {100 * s['gemm_slowdown']:+.1f}%")
+            f"efficiency {s['efficiency']:.2f} (bound {s['efficiency_bound']:.2f}, {100 * s['hidden']:.0f}% of the "
+            f"shorter hidden), GEMM slowdown {100 * s['gemm_slowdown']:+.1f}%")
     return s
 
 

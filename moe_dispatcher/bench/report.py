@@ -193,11 +193,13 @@ def overlap_table(records: List[Dict[str, Any]]) -> str:
                      _f(r["together_us"] / 1e3, 2), f"{_f(r['together_ranks_us'][0] / 1e3, 2)}.."
                      f"{_f(r['together_ranks_us'][1] / 1e3, 2)}", _f(r["gemm_together_us"] / 1e3, 2),
                      _f(r["exchange_together_us"] / 1e3, 2), _f(r["efficiency"], 2),
+                     _f(r["efficiency_bound"], 2), f"{100 * r['hidden']:.0f}%",
                      f"{100 * r['gemm_slowdown']:+.1f}%", goal])
     if not rows:
         return ""
     return _table(["exchange", "GEMMs alone ms", "GEMMs alone, leaving the exchange's SMs, ms", "exchange alone ms", "us per round", "together ms", "together ranks",
-                   "GEMMs' span together", "exchange's span together", "efficiency", "GEMM slowdown",
+                   "GEMMs' span together", "exchange's span together", "efficiency",
+                   "efficiency of a perfect overlap", "shorter one hidden", "GEMM slowdown",
                    "goal (>= 1.8, <= +10%)"], rows)
 
 

@@ -165,7 +165,7 @@ def test_overlap_mode(tmp_path):
     default = default_num_sms(2, True, 256 * 2, 64)
     for text in ("== overlap mode: 2 ranks", "## Overlap: GEMMs beside the exchange",
                  "gloo all_to_all_single, same rows", f"ours, {default} SMs (default)", "efficiency",
-                 "GEMM slowdown", "nothing overlaps",
+                 "GEMM slowdown", "nothing overlaps", "efficiency of a perfect overlap", "shorter hidden",
                  "num_sms rule point (config.NUM_SMS_SWEEPS): (2, True): {64 * 512: {"):
         assert text in proc.stdout, f"{text!r} missing from the output:\n{proc.stdout[-3000:]}"
     doc = json.loads((tmp_path / "r.json").read_text())
@@ -177,6 +177,11 @@ def test_overlap_mode(tmp_path):
     for r in summary:
         assert r["gemm_us"] > 0 and r["exchange_us"] > 0 and r["together_us"] > 0
         assert r["efficiency"] == pytest.approx((r["gemm_us"] + r["exchange_us"]) / r["together_us"])
+        beside = r["gemm_carved_us"] if r["gemm_carved_us"] is not None else r["gemm_us"]
+        assert r["efficiency_bound"] == pytest.approx((r["gemm_us"] + r["exchange_us"]) /
+                                                      max(beside, r["exchange_us"]))
+        assert r["hidden"] == pytest.approx((r["gemm_us"] + r["exchange_us"] - r["together_us"]) /
+                                            min(r["gemm_us"], r["exchange_us"]))
         assert r["gemm_slowdown"] == pytest.approx(r["gemm_together_us"] / r["gemm_us"] - 1)
         assert r["round_us"] == pytest.approx(r["exchange_us"] / 3)
     timed = {(r["op"], r.get("impl"), r.get("num_sms")) for r in doc["records"] if r["section"] == "overlap"}
