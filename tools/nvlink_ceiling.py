@@ -43,6 +43,7 @@ extern "C" __global__ void push(const int4* __restrict__ src, const unsigned lon
 }
 """
 
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib-per-peer", type=int, default=64)
