@@ -223,13 +223,14 @@ def _record(ctx: Context, fields: Dict[str, Any], times: List[float], nbytes: fl
 def _summary(ctx: Context, impl: str, sms: Optional[int], carveout: Optional[int], gemm: Dict, carved: Optional[Dict],
              exch: Dict, span: Dict, gemm_span: Dict, exch_span: Dict, is_default: bool, rounds: int) -> Dict[str, Any]:
     g, e, t = gemm["t_us"]["mean"], exch["t_us"]["mean"], span["t_us"]["mean"]
+    beside = carved["t_us"]["mean"] if carved is not None else g  # the GEMMs alone as they ran beside the exchange
     s = {"section": "overlap-summary", "impl": impl, "num_sms": sms, "carveout": carveout,
          "default": is_default,
          "gemm_us": g, "gemm_carved_us": carved["t_us"]["mean"] if carved is not None else None,
          "exchange_us": e, "together_us": t, "gemm_together_us": gemm_span["t_us"]["mean"],
          "exchange_together_us": exch_span["t_us"]["mean"], "round_us": e / rounds,
          "efficiency": (g + e) / t if t > 0 else float("nan"),
-         "efficiency_bound": (g + e) / max(carved["t_us"]["mean"] if carved is not None else g, e),
+         "efficiency_bound": ((g + e) / max(beside, e)) if max(beside, e) > 0 else float("nan"),
          "hidden": (g + e - t) / min(g, e) if min(g, e) > 0 else float("nan"),
          "gemm_slowdown": gemm_span["t_us"]["mean"] / g - 1 if g > 0 else float("nan"),
          "together_ranks_us": [span["t_us"]["min"], span["t_us"]["max"]]}
