@@ -230,10 +230,13 @@ class Board:
             while True:
                 for q in list(waiting):
                     # A post for this step comes first: a peer past it may already have raised in a later call
-                    # of the Buffer (its abort then is not about this step).
+                    # of the Buffer (its abort then is not about this step). The abort is read before the post:
+                    # a peer sets its post before any later abort, so a post set before the abort is seen here;
+                    # read the other way round, a peer could post and abort between the two reads.
+                    aborted = self.store.check([f"abort/{q}"])
                     if self.store.check([f"create/{step}/{q}"]):
                         posts[q] = pickle.loads(base64.b64decode(self.store.get(f"create/{step}/{q}")))
-                    elif self.store.check([f"abort/{q}"]):
+                    elif aborted:
                         posts[q] = (self.store.get(f"abort/{q}").decode().partition("|")[2], None)
                     else:
                         continue
