@@ -74,16 +74,21 @@ def wait_for_posts(store, keys: Sequence[str], timeout_s: float,
                    gone: Optional[Callable[[int], bool]] = None) -> Tuple[Dict[int, str], List[int]]:
     """Read keys[q] for every q until all exist or `timeout_s` passes: -> ({q: value}, [q missing]). A store that
     fails (its host died) counts as every unread key missing. gone(q): True when rank q will never post (it raised):
-    it is not waited for (its key is read first: a post made before raising counts)."""
+    it is not waited for. A post made before raising counts: gone(q) is asked before the key is read, so a rank
+    that posts and then raises between the two reads is read as posted (read the other way round, it would be
+    given up although its post is there)."""
     values: Dict[int, str] = {}
     given_up: set = set()
     deadline, sleep = time.monotonic() + timeout_s, _POLL_S[0]
     while True:
         try:
             for q, key in enumerate(keys):
-                if q not in values and store.check([key]):
+                if q in values or q in given_up:
+                    continue
+                was_gone = gone is not None and gone(q)
+                if store.check([key]):
                     values[q] = store.get(key).decode()
-                elif q not in values and gone is not None and gone(q):
+                elif was_gone:
                     given_up.add(q)
         except Exception:  # noqa: BLE001 - a dead store: nobody else can confirm
             break

@@ -274,3 +274,33 @@ def test_soak_logic_on_cpu() -> None:
     from test_teardown_gpu import _world_soak
     res = run_distributed(_world_soak, 2, 40, 4)
     assert res[0]["checked"] == 10 and sum(res[0]["counts"].values()) == 40, res[0]
+
+
+class _PostThenRaiseStore:
+    """A store in which rank 0 posts its key and then raises (gone from then on) right after this rank's first read
+    of that key: the order that once gave up on a rank whose post was there."""
+
+    def __init__(self) -> None:
+        self.keys: dict = {"round/p/1": b"1"}
+        self.raised = False
+
+    def check(self, keys: list) -> bool:
+        present = all(k in self.keys for k in keys)
+        if keys == ["round/p/0"] and not self.raised:
+            self.keys["round/p/0"], self.raised = b"3", True
+        return present
+
+    def get(self, key: str) -> bytes:
+        return self.keys[key]
+
+    def gone(self, q: int) -> bool:
+        return q == 0 and self.raised
+
+
+def test_a_post_made_before_raising_counts() -> None:
+    """wait_for_posts reads a rank that posted and then raised between two of its reads as posted, not gone."""
+    from moe_dispatcher.runtime.release import wait_for_posts
+    store = _PostThenRaiseStore()
+    values, missing = wait_for_posts(store, ["round/p/0", "round/p/1"], 1.0, store.gone)
+    if missing or values != {0: "3", 1: "1"}:
+        raise AssertionError(f"values {values}, missing {missing}")
