@@ -68,6 +68,8 @@ class Buffer:
         allow_nvlink_for_low_latency_mode: let low-latency kernels store to peers over NVLink when NVSHMEM
             maps them; False sends everything through NVSHMEM puts.
         allow_mnnvl, use_fabric, enable_shrink: multi-node NVLink fabric and elastic shrinking: not supported.
+        comm: an mpi4py communicator in place of `group`: not supported (ignored when `group` is given, as in
+            DeepEP V1).
         explicitly_destroy: accepted for compatibility: destroy() and garbage collection both release the
             buffer safely (see destroy).
     Ours:
@@ -93,9 +95,12 @@ class Buffer:
     def __init__(self, group: Optional[dist.ProcessGroup] = None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False, use_fabric: bool = False,
-                 explicitly_destroy: bool = False, enable_shrink: bool = False, *, backend: Optional[str] = None,
-                 topology: Optional[Topology] = None, low_latency_combine_reduction: Optional[str] = None,
-                 num_pool_bytes: int = 0) -> None:
+                 explicitly_destroy: bool = False, enable_shrink: bool = False, comm: Optional[object] = None, *,
+                 backend: Optional[str] = None, topology: Optional[Topology] = None,
+                 low_latency_combine_reduction: Optional[str] = None, num_pool_bytes: int = 0) -> None:
+        if group is None and comm is not None:
+            raise NotImplementedError("Buffer(comm=...): an mpi4py communicator is not supported by moe_dispatcher; "
+                                      "pass a torch.distributed process group as `group`")
         if not dist.is_initialized():
             raise RuntimeError("Buffer needs torch.distributed to be initialised (init_process_group) first")
         self.group = group if group is not None else dist.group.WORLD
