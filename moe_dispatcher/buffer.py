@@ -46,6 +46,8 @@ LL_COMBINE_REDUCTIONS = ("per_rank", "per_expert")
 # Debug switch: a fresh dispatch served by the compiled kernels checks its layout against topk_idx in full and
 # agrees on its whole signature in one all-gather (moe_dispatcher.signature); the reference backend always does.
 CHECK_LAYOUT_ENV = "MOE_DISPATCHER_CHECK_LAYOUT"
+COMM_REFUSED = ("Buffer(comm=...): an mpi4py communicator is not supported by moe_dispatcher; pass a "
+                "torch.distributed process group as `group`")
 # The EventOverlap of a synchronous fast-path call (nothing to wait for): one shared, eventless instance, since
 # making one per call is a measurable share of a cached call's host time.
 _NO_EVENT = EventOverlap()
@@ -98,10 +100,10 @@ class Buffer:
                  explicitly_destroy: bool = False, enable_shrink: bool = False, comm: Optional[object] = None, *,
                  backend: Optional[str] = None, topology: Optional[Topology] = None,
                  low_latency_combine_reduction: Optional[str] = None, num_pool_bytes: int = 0) -> None:
-        if group is None and comm is not None:
-            raise NotImplementedError("Buffer(comm=...): an mpi4py communicator is not supported by moe_dispatcher; "
-                                      "pass a torch.distributed process group as `group`")
+        comm_only = group is None and comm is not None
         if not dist.is_initialized():
+            if comm_only:
+                raise NotImplementedError(COMM_REFUSED)
             raise RuntimeError("Buffer needs torch.distributed to be initialised (init_process_group) first")
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
@@ -115,7 +117,7 @@ class Buffer:
         try:
             self._create(num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank,
                          allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric, explicitly_destroy, enable_shrink,
-                         backend, topology, low_latency_combine_reduction, num_pool_bytes)
+                         comm_only, backend, topology, low_latency_combine_reduction, num_pool_bytes)
         except CollectiveTimeout as exc:
             # A peer never came: it may still come, complete its collective against this rank's pending one and
             # go on alone. So this rank posts its abort (as Board.creation_round does for a missing peer), and
@@ -131,12 +133,14 @@ class Buffer:
 
     def _create(self, num_nvl_bytes: int, num_rdma_bytes: int, low_latency_mode: bool, num_qps_per_rank: int,
                 allow_nvlink_for_low_latency_mode: bool, allow_mnnvl: bool, use_fabric: bool, explicitly_destroy: bool,
-                enable_shrink: bool, backend: Optional[str], topology: Optional[Topology],
+                enable_shrink: bool, comm_only: bool, backend: Optional[str], topology: Optional[Topology],
                 low_latency_combine_reduction: Optional[str], num_pool_bytes: int) -> None:
         """__init__ past the board (the arguments are __init__'s)."""
         for flag, name in ((allow_mnnvl, "allow_mnnvl"), (use_fabric, "use_fabric"), (enable_shrink, "enable_shrink")):
             if flag:
                 raise NotImplementedError(f"Buffer({name}=True) is not supported by moe_dispatcher")
+        if comm_only:  # here, past the board: peers of a rank that passed it alone fail fast (its abort)
+            raise NotImplementedError(COMM_REFUSED)
         for value, name in ((num_nvl_bytes, "num_nvl_bytes"), (num_rdma_bytes, "num_rdma_bytes"),
                             (num_qps_per_rank, "num_qps_per_rank"), (num_pool_bytes, "num_pool_bytes")):
             check_count(name, value)

@@ -3,8 +3,10 @@ moe_dispatcher does not support raise NotImplementedError naming them, instead o
 from __future__ import annotations
 
 import inspect
+import time
 
 import pytest
+from dist import run_distributed
 
 from moe_dispatcher import Buffer
 
@@ -32,3 +34,35 @@ def test_an_mpi_communicator_is_refused_and_ignored_beside_a_group(world):
         Buffer(None, comm=object())
     # DeepEP V1 uses the group when both are given; so do we.
     assert Buffer(dist.group.WORLD, comm=object(), backend="reference").group_size == 1
+
+
+def _comm_on_one_rank(rank: int, world_size: int) -> tuple:
+    import torch.distributed as dist
+
+    from moe_dispatcher import CreationFailed
+    t0 = time.monotonic()
+    try:
+        if rank == 1:
+            Buffer(None, comm=object(), backend="reference")
+        else:
+            Buffer(dist.group.WORLD, backend="reference")
+        out = ("created", "")
+    except (NotImplementedError, CreationFailed) as exc:
+        out = (type(exc).__name__, str(exc))
+    seconds = time.monotonic() - t0
+    store = dist.distributed_c10d._get_default_store()
+    store.add("done", 1)  # a rank stays until every rank is done (its peers' collectives need it alive)
+    deadline = time.monotonic() + 60
+    while int(store.add("done", 0)) < world_size and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return (*out, seconds)
+
+
+def test_a_communicator_passed_on_one_rank_fails_its_peers_fast():
+    """The refusal comes after the Buffer's board exists, so the rank posts its abort and its peers, waiting in the
+    creation's first round, raise at once naming it (not after MOE_DISPATCHER_TIMEOUT_S)."""
+    out = run_distributed(_comm_on_one_rank, 2, env={"MOE_DISPATCHER_TIMEOUT_S": "60"})
+    assert out[1][0] == "NotImplementedError" and "mpi4py communicator" in out[1][1], out[1]
+    kind, message, seconds = out[0]
+    assert kind == "CreationFailed" and "rank 1" in message and "mpi4py communicator" in message, out[0]
+    assert seconds < 30, f"rank 0 waited {seconds:.1f} s for the rank that refused"
