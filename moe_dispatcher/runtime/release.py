@@ -172,10 +172,14 @@ class Release:
             # nvshmem_free waits for every rank: free it only where every rank saw every post. Each rank posts
             # what it saw ("go" / "stop") and frees the NVSHMEM buffer only on all "go", so a rank whose wait
             # timed out (its timeout may be shorter: a broken backend) keeps the others from a free it will not
-            # join. (The ranks post this right after the wait above, so the second wait is short.)
+            # join. (The ranks post this right after the wait above, so the second wait is short.) A rank that
+            # missed posts frees nothing collectively whatever the verdicts say: it posts "stop" and does not wait
+            # for verdicts, which the missing ranks would never post (a second full timeout).
             self.store.set(f"verdict/{self.rank}", "stop" if missing else "go")
-            verdicts, late = wait_for_posts(self.store, [f"verdict/{q}" for q in range(self.num_ranks)], timeout)
-            all_go = not late and all(v == "go" for v in verdicts.values())
+            all_go = False
+            if not missing:
+                verdicts, late = wait_for_posts(self.store, [f"verdict/{q}" for q in range(self.num_ranks)], timeout)
+                all_go = not late and all(v == "go" for v in verdicts.values())
         if missing:
             self._abandon()
             raise PeerMissing(f"moe_dispatcher: Buffer.destroy() on rank {self.rank}: ranks {missing} did not "

@@ -304,3 +304,33 @@ def test_a_post_made_before_raising_counts() -> None:
     values, missing = wait_for_posts(store, ["round/p/0", "round/p/1"], 1.0, store.gone)
     if missing or values != {0: "3", 1: "1"}:
         raise AssertionError(f"values {values}, missing {missing}")
+
+
+SLOW_TIMEOUT_S = 3.0
+
+
+def _world_dead_symmetric_peer(rank: int, world_size: int) -> tuple:
+    """Rank 1 never destroys a Buffer holding NVSHMEM memory (a dead peer); the others time the destroy() that names
+    it."""
+    b = FakeBackend(symmetric=True)
+    buf = _buffer(b)
+    if rank == 1:
+        _store().wait([f"test/dead/{q}" for q in range(world_size) if q != 1])
+        buf._destroyed = True  # never released: this rank plays a dead peer
+        return 0.0, b.kinds()
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"ranks \[1\] did not destroy this Buffer"):
+        buf.destroy()
+    took = time.monotonic() - t0
+    _store().set(f"test/dead/{rank}", "1")
+    return took, b.kinds()
+
+
+def test_a_dead_peer_costs_two_timeouts_at_destroy_not_three() -> None:
+    """destroy() of a Buffer with NVSHMEM memory waits once at its collective point and once for the release posts;
+    having missed a post, it does not also wait for verdicts the dead peer would never post."""
+    out = run_distributed(_world_dead_symmetric_peer, 3, env={"MOE_DISPATCHER_TIMEOUT_S": str(SLOW_TIMEOUT_S)})
+    for rank in (0, 2):
+        took, kinds = out[rank]
+        assert kinds == ["quiesce", "abandon"], f"rank {rank}: {kinds}"
+        assert 2 * SLOW_TIMEOUT_S - 0.2 <= took < 3 * SLOW_TIMEOUT_S - 0.5, f"rank {rank}: destroy() took {took:.1f} s"
