@@ -15,15 +15,17 @@ collective of the reference backend is started asynchronously and waited for und
     "arrived/<rank>" = n  : the rank has waited in collective n (posted only by a wait longer than QUIET_S:
                             a fast collective costs no store traffic at all);
     "abort/<rank>" = "n|message" : the rank raised in a Buffer call whose next collective would have been n;
-                            deleted when the rank is back (see below);
-    "said/<rank>" = message : the message of the rank's latest abort, kept once the abort is deleted: a peer
+                            emptied ("") when the rank is back (see below), never deleted: a reader checks
+                            that a key exists and then gets it, and a get of a key deleted in between would
+                            block for the store's whole timeout;
+    "said/<rank>" = message : the message of the rank's latest abort, kept once the abort is emptied: a peer
                             whose compiled kernel honoured that abort words its error with it later
                             (compiled.timeout_message), possibly after the rank came back.
 * Waiting for collective n: block up to QUIET_S on the work; then, every POLL_S, post "arrived/<me>" = n and
   read the peers' abort keys. An abort of peer q for collective n seen on two polls in a row raises
   RuntimeError("moe_dispatcher reference: rank q raised: ... (rank R was waiting in PHASE)"). At the deadline,
   the ranks whose "arrived" key is missing or older than n are the ones named.
-* A rank deletes its own abort key before its next collective, and at its next Buffer call that gets past the
+* A rank empties its own abort key before its next collective, and at its next Buffer call that gets past the
   Buffer's checks (Buffer._post_abort says why that is safe). The abort is ambiguous by nature: a rank that
   raised alone may come back and make the same collective (a caller that catches the error and retries).
   Peers honour an abort only after seeing it twice, POLL_S apart, while they still wait: a rank that comes
@@ -174,18 +176,19 @@ class Board:
 
     def clear_abort(self) -> None:
         """This rank is back after raising (its next collective, or its next call past the Buffer's checks,
-        begins): peers must not read its abort any more (its message stays, for last_abort_message)."""
+        begins): peers must not read its abort any more (its message stays, for last_abort_message). The key is
+        emptied, not deleted (see the module docstring)."""
         if self.abort_posted:
             self.abort_posted = False
-            self.store.delete_key(f"abort/{self.rank}")
+            self.store.set(f"abort/{self.rank}", "")
 
     def abort_message(self, rank: int) -> Optional[str]:
         """The message of the abort rank `rank` has posted, or None (no store, no abort posted, or the rank came
-        back and deleted it)."""
+        back and emptied it)."""
         return self._read(f"abort/{rank}", lambda value: value.partition("|")[2])
 
     def last_abort_message(self, rank: int) -> Optional[str]:
-        """The message of the latest abort rank `rank` posted, even once it came back and deleted the abort, or None
+        """The message of the latest abort rank `rank` posted, even once it came back and emptied the abort, or None
         (no store, no abort ever posted). The compiled backends word a peer's device abort with it: their kernel saw
         the abort byte, and the rank may have come back since (its next launch clears both)."""
         return self._read(f"said/{rank}", lambda value: value)
@@ -233,11 +236,11 @@ class Board:
                     # of the Buffer (its abort then is not about this step). The abort is read before the post:
                     # a peer sets its post before any later abort, so a post set before the abort is seen here;
                     # read the other way round, a peer could post and abort between the two reads.
-                    aborted = self.store.check([f"abort/{q}"])
+                    abort = self.store.get(f"abort/{q}").decode() if self.store.check([f"abort/{q}"]) else ""
                     if self.store.check([f"create/{step}/{q}"]):
                         posts[q] = pickle.loads(base64.b64decode(self.store.get(f"create/{step}/{q}")))
-                    elif aborted:
-                        posts[q] = (self.store.get(f"abort/{q}").decode().partition("|")[2], None)
+                    elif abort:  # ("": an abort the rank emptied when it came back)
+                        posts[q] = (abort.partition("|")[2], None)
                     else:
                         continue
                     waiting.remove(q)

@@ -348,3 +348,56 @@ def test_a_post_followed_by_an_abort_counts_as_the_post():
     got = board.creation_round(step, None, "payload of 1")
     if got != ["payload of 0", "payload of 1"]:
         raise AssertionError(f"the round's payloads: {got}")
+
+
+class _DictStore:
+    """An in-memory store with a get that fails on a missing key (a real store's get blocks until its timeout)."""
+
+    def __init__(self) -> None:
+        self.keys: dict = {}
+
+    def set(self, key: str, value) -> None:
+        self.keys[key] = value if isinstance(value, bytes) else str(value).encode()
+
+    def get(self, key: str) -> bytes:
+        return self.keys[key]
+
+    def check(self, keys: list) -> bool:
+        return all(k in self.keys for k in keys)
+
+    def delete_key(self, key: str) -> bool:
+        return self.keys.pop(key, None) is not None
+
+
+def _board_on(store, rank: int, num_ranks: int = 2):
+    from moe_dispatcher.reference.board import Board
+    board = Board.__new__(Board)
+    board.rank, board.num_ranks, board.timeout_s, board.store = rank, num_ranks, 0.3, store
+    board.next_collective, board.abort_posted = 3, False
+    return board
+
+
+def test_a_cleared_abort_is_emptied_not_deleted():
+    """A rank back after raising empties its abort key instead of deleting it: a peer that found the key and reads
+    it next must not meet a missing key (a real store's get would block for its whole timeout). Every reader takes
+    the empty key for no abort; the message stays readable as the rank's last."""
+    from moe_dispatcher import CreationFailed
+    store = _DictStore()
+    mine, peer = _board_on(store, 0), _board_on(store, 1)
+    mine.post_abort(ValueError("bad argument"))
+    if peer._aborts(3) != {0: "ValueError: bad argument"}:
+        raise AssertionError(f"the posted abort: {peer._aborts(3)}")
+    mine.clear_abort()
+    if store.keys.get("abort/0") != b"":
+        raise AssertionError(f"the cleared abort key: {store.keys.get('abort/0')!r} (emptied, never deleted)")
+    if peer._aborts(3) or peer.abort_message(0) is not None:
+        raise AssertionError(f"an emptied abort read as one: {peer._aborts(3)}, {peer.abort_message(0)!r}")
+    if peer.last_abort_message(0) != "ValueError: bad argument":
+        raise AssertionError(f"the last abort's message: {peer.last_abort_message(0)!r}")
+    try:  # a creation round: rank 0 neither posted nor aborts, so it is missing, not failed
+        peer.creation_round("step", None, "payload of 1")
+    except CreationFailed as exc:
+        if list(exc.missing) != [0] or "rank 0:" in str(exc):
+            raise AssertionError(f"an emptied abort in a creation round: {exc} (missing {exc.missing})") from exc
+    else:
+        raise AssertionError("the round returned without rank 0's post")
