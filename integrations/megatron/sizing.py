@@ -29,9 +29,9 @@ The expert-major dispatch writes a tensor of M rows whose M the host must know w
   compiled kernels refused because its ranks disagreed: guard.py). The need is the one
   the dispatch's exchanged counts give (rows_needed of the expert-major handle), which counts the rows a
   dispatch dropped too.
-- The variables are read at a dispatcher's first call (the headroom when it is made) and must be alike on every
-  rank of its group: their raw values are gathered there once, and one that differs raises ValueError on every
-  rank, naming each rank's value.
+- The variables are read at a dispatcher's first call and must be alike on every rank of its group: their raw
+  values are gathered there once, and one that differs raises ValueError on every rank, naming each rank's
+  value; they are parsed after that, so a value that cannot be parsed raises on every rank too.
 - ``moe_expert_rank_capacity_factor`` set in the config (Megatron's static budget for HybridEP), in either
   mode: M = T * K * factor, rounded up; pairs past it are dropped (a training choice, like a capacity
   factor) and counted (ExpertRowBudget.dropped_calls), never raised.
@@ -69,11 +69,11 @@ class ExpertRowBudget:
         self.align = max(1, align)
         self.quantum = math.lcm(ROW_QUANTUM, self.align)
         self.capacity_factor = capacity_factor
-        if headroom is None:
-            headroom = env_float(HEADROOM_ENV, DEFAULT_HEADROOM, minimum=1.0)
-        elif not (math.isfinite(headroom) and headroom >= 1.0):
+        if headroom is not None and not (math.isfinite(headroom) and headroom >= 1.0):
             raise ValueError(f"ExpertRowBudget: headroom must be a finite number >= 1, got {headroom!r}")
-        self.headroom = float(headroom)
+        # None: $MOE_DISPATCHER_EXPERT_ROWS_HEADROOM, read at the first call after the ranks agreed on its raw
+        # value (_agree_settings): a value only one rank cannot parse then raises on every rank, as differing
+        self.headroom = None if headroom is None else float(headroom)
         self.slack = 2 * self.align * max(1, num_local_experts)  # rows: the alignment padding may move that much
         self.group = group  # process group whose maximum need every rank uses (None: this rank's own)
         self.high_water = None  # most rows any call needed so far (host int), None before the first call
@@ -120,9 +120,9 @@ class ExpertRowBudget:
     def _agree_settings(self) -> tuple[str, int]:
         """(mode, initial rows) from $MOE_DISPATCHER_EXPERT_ROWS and $MOE_DISPATCHER_EXPERT_ROWS_INITIAL, read once
         (the first call) and the same on every rank: the raw values of the sizing variables (the headroom's too,
-        which __init__ read) are gathered over the group, and one that differs raises ValueError on every rank,
-        naming each rank's value (a rank sizing exactly beside one sizing by a bound would wait alone in the
-        bound's collectives)."""
+        parsed here unless __init__ was given one) are gathered over the group, and one that differs raises
+        ValueError on every rank, naming each rank's value (a rank sizing exactly beside one sizing by a bound
+        would wait alone in the bound's collectives)."""
         names = (ROWS_ENV, HEADROOM_ENV, INITIAL_ENV)
         if self.group is not None and torch.distributed.get_world_size(self.group) > 1:
             gathered: list = [None] * torch.distributed.get_world_size(self.group)
@@ -131,6 +131,8 @@ class ExpertRowBudget:
                 differing = differing_setting(name, [r[i] for r in gathered], "the expert-parallel group")
                 if differing is not None:
                     raise differing
+        if self.headroom is None:
+            self.headroom = env_float(HEADROOM_ENV, DEFAULT_HEADROOM, minimum=1.0)
         return rows_setting(), env_int(INITIAL_ENV, 0, minimum=0)
 
     def observe(self, rows_needed: int) -> None:

@@ -221,11 +221,13 @@ def _sizing_variable_on_last_rank(rank: int, world_size: int, name: str, value: 
     return "no error"
 
 
-@pytest.mark.parametrize("name,value", [(sizing.HEADROOM_ENV, "1.5"), (sizing.INITIAL_ENV, "300")])
+@pytest.mark.parametrize("name,value", [(sizing.HEADROOM_ENV, "1.5"), (sizing.INITIAL_ENV, "300"),
+                                        (sizing.HEADROOM_ENV, "0.5"), (sizing.INITIAL_ENV, "-3")])
 def test_sizing_variable_on_one_rank_raises_on_every_rank(name, value):
     """Before, each rank read its own: a headroom set on one rank gave it another M (one rank raising alone on an
     overflow, the other waiting in its next collective), an initial M on one rank made it skip the exact call
-    that its peers made."""
+    that its peers made. A value only one rank cannot parse is reported alike (a headroom below 1 once raised
+    alone, when the budget was made, while its peers went on to wait in the first call's gather)."""
     messages = run_distributed(_sizing_variable_on_last_rank, 2, name, value, env={sizing.ROWS_ENV: "bound"})
     for message in messages:
         assert f"{name} differs" in message and f"rank 1: {value!r}" in message and "rank 0: unset" in message, \
