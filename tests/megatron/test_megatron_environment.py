@@ -40,9 +40,11 @@ def test_expert_rows_mode_valid(monkeypatch):
 
 @pytest.mark.parametrize("raw", ["nan", "inf", "-inf", "0.9", "1.1x", "abc"])
 def test_headroom(monkeypatch, raw):
-    """Before: nan and inf were accepted (nan < 1 is False) and garbage failed in float() without the name."""
+    """Before: nan and inf were accepted (nan < 1 is False) and garbage failed in float() without the name. Parsed
+    at the budget's first call, after the ranks agreed on the raw value (sizing.ExpertRowBudget._agree_settings)."""
     monkeypatch.setenv(sizing.HEADROOM_ENV, raw)
-    _raises(sizing.HEADROOM_ENV, raw, "a finite number >= 1.0", lambda: sizing.ExpertRowBudget(align=1))
+    budget = sizing.ExpertRowBudget(align=1)
+    _raises(sizing.HEADROOM_ENV, raw, "a finite number >= 1.0", lambda: budget.rows_for(10, 2))
 
 
 @pytest.mark.parametrize("headroom", [float("nan"), float("inf"), 0.5])
@@ -51,13 +53,19 @@ def test_headroom_argument(headroom):
         sizing.ExpertRowBudget(align=1, headroom=headroom)
 
 
+def _headroom_after_first_call() -> float:
+    budget = sizing.ExpertRowBudget(align=1)
+    budget.rows_for(10, 2)
+    return budget.headroom
+
+
 def test_headroom_valid(monkeypatch):
     monkeypatch.setenv(sizing.HEADROOM_ENV, "1.25")
-    assert sizing.ExpertRowBudget(align=1).headroom == 1.25
+    assert _headroom_after_first_call() == 1.25
     monkeypatch.delenv(sizing.HEADROOM_ENV)
-    assert sizing.ExpertRowBudget(align=1).headroom == sizing.DEFAULT_HEADROOM
+    assert _headroom_after_first_call() == sizing.DEFAULT_HEADROOM
     monkeypatch.setenv(sizing.HEADROOM_ENV, "")  # empty is unset (before: float('') raised)
-    assert sizing.ExpertRowBudget(align=1).headroom == sizing.DEFAULT_HEADROOM
+    assert _headroom_after_first_call() == sizing.DEFAULT_HEADROOM
 
 
 @pytest.mark.parametrize("raw", ["200.5", "-1", "nan", "inf", "lots"])
