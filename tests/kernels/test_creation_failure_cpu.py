@@ -311,45 +311,6 @@ def test_topology_from_group_names_a_rank_that_never_comes():
     assert seconds < STUCK_TIMEOUT_S + 3, seconds
 
 
-class _InterleavingStore:
-    """A store in which peer 0 posts its verdict for the round and then its abort (it raised later in the same
-    Buffer creation) right after this rank's first read of the post: the order that once made a post look like a
-    failure."""
-
-    def __init__(self, step: str) -> None:
-        self.keys: dict = {}
-        self.post_key = f"create/{step}/0"
-        self.peer_acted = False
-
-    def set(self, key: str, value) -> None:
-        self.keys[key] = value if isinstance(value, bytes) else str(value).encode()
-
-    def get(self, key: str) -> bytes:
-        return self.keys[key]
-
-    def check(self, keys: list) -> bool:
-        present = all(k in self.keys for k in keys)
-        if keys == [self.post_key] and not self.peer_acted:
-            self.peer_acted = True
-            self.set(self.post_key, base64.b64encode(pickle.dumps((None, "payload of 0"))).decode())
-            self.set("abort/0", "1|ValueError: raised after the round")
-        return present
-
-
-def test_a_post_followed_by_an_abort_counts_as_the_post():
-    """A peer that posts its verdict and then aborts (a later step of its creation raised) between two reads of
-    this rank is read as having passed the round: the round returns every payload instead of naming the peer's
-    later error as its failure in this step."""
-    from moe_dispatcher.reference.board import Board
-    step = "topology exchange"
-    board = Board.__new__(Board)
-    board.rank, board.num_ranks, board.timeout_s = 1, 2, 5.0
-    board.store = _InterleavingStore(step)
-    got = board.creation_round(step, None, "payload of 1")
-    if got != ["payload of 0", "payload of 1"]:
-        raise AssertionError(f"the round's payloads: {got}")
-
-
 class _DictStore:
     """An in-memory store with a get that fails on a missing key (a real store's get blocks until its timeout)."""
 
@@ -375,6 +336,37 @@ def _board_on(store, rank: int, num_ranks: int = 2):
     board.rank, board.num_ranks, board.timeout_s, board.store = rank, num_ranks, 0.3, store
     board.next_collective, board.abort_posted = 3, False
     return board
+
+
+class _InterleavingStore(_DictStore):
+    """A store in which peer 0 posts its verdict for the round and then its abort (it raised later in the same
+    Buffer creation) right after this rank's first read of the post: the order that once made a post look like a
+    failure."""
+
+    def __init__(self, step: str) -> None:
+        super().__init__()
+        self.post_key = f"create/{step}/0"
+        self.peer_acted = False
+
+    def check(self, keys: list) -> bool:
+        present = super().check(keys)
+        if keys == [self.post_key] and not self.peer_acted:
+            self.peer_acted = True
+            self.set(self.post_key, base64.b64encode(pickle.dumps((None, "payload of 0"))).decode())
+            self.set("abort/0", "1|ValueError: raised after the round")
+        return present
+
+
+def test_a_post_followed_by_an_abort_counts_as_the_post():
+    """A peer that posts its verdict and then aborts (a later step of its creation raised) between two reads of
+    this rank is read as having passed the round: the round returns every payload instead of naming the peer's
+    later error as its failure in this step."""
+    step = "topology exchange"
+    board = _board_on(_InterleavingStore(step), 1)
+    board.timeout_s = 5.0
+    got = board.creation_round(step, None, "payload of 1")
+    if got != ["payload of 0", "payload of 1"]:
+        raise AssertionError(f"the round's payloads: {got}")
 
 
 def test_a_cleared_abort_is_emptied_not_deleted():
